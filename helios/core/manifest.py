@@ -1,0 +1,247 @@
+"""The core manifest (format v1): msgspec Structs, the format's single source of truth.
+
+Owns the schema of `core.toml` and its deterministic TOML encoding. Imports no torch, no ignition.
+Every optional field defaults to None and is omitted from TOML (TOML has no null).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "core.toml"
+MAX_TOP_LOGPROBS_LIMIT = 20
+
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3"]
+DType = Literal["float32", "bfloat16", "float16"]
+Activation = Literal["silu", "gelu_tanh"]
+LayerType = Literal["full", "sliding"]
+
+PosInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+
+
+class _S(Struct, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
+    """Base: frozen, strict, None-omitting."""
+
+
+class ModelIdentity(_S):
+    """Who the model is; `id` is the checkpoint identifier served in /v1/models."""
+
+    id: str
+    name: str
+    aliases: list[str] = []
+    source_sha256: str = ""  # digest over the source files (content only, no paths)
+
+
+class RopeScaling(_S):
+    """Rotary scaling as HF configs declare it (llama3 / linear / yarn subsets)."""
+
+    type: Literal["linear", "llama3", "yarn", "dynamic"]
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+
+class MoeConfig(_S):
+    num_experts: PosInt
+    num_experts_per_tok: PosInt
+    moe_intermediate_size: PosInt
+    norm_topk_prob: bool = True
+    # layer indices that keep a dense MLP instead of experts
+    dense_layers: list[int] = []
+
+
+class Architecture(_S):
+    """The family helios executes and its dimensions. Weight transforms are already applied."""
+
+    family: Family
+    vocab_size: PosInt
+    hidden_size: PosInt
+    intermediate_size: PosInt
+    num_layers: PosInt
+    num_heads: PosInt
+    num_kv_heads: PosInt
+    head_dim: PosInt
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: PosInt
+    tie_word_embeddings: bool
+    hidden_act: Activation = "silu"
+    attention_bias: bool = False  # qkv bias (qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (qwen3, gemma3)
+    rope_scaling: RopeScaling | None = None
+    # gemma3: sandwich norms, embedding scale, local rope base, query scale, sliding layers
+    sandwich_norms: bool = False
+    embedding_scale: float | None = None
+    query_scale: float | None = None  # attention scale; None means head_dim ** -0.5
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None
+    layer_types: list[LayerType] = []  # empty means all "full"
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    moe: MoeConfig | None = None
+
+
+class TokenizerInfo(_S):
+    file: str = "tokenizer.json"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = []  # tokens that end generation (EOS plus generation_config extras)
+    pad_token_id: int | None = None
+    unk_token_id: int | None = None
+    add_bos_token: bool = False
+    add_eos_token: bool = False
+
+
+class ReasoningSyntax(_S):
+    open: str
+    close: str
+    open_token_id: int | None = None  # set when the delimiter is one token
+    close_token_id: int | None = None
+    starts_in_reasoning: bool = False  # the generation prompt already opened reasoning
+
+
+class TemplateCaps(_S):
+    """Probe results of the prepared chat template."""
+
+    present: bool
+    file: str | None = None  # "template.jinja" when present
+    inline_system: bool = False  # a system message after the first renders inline
+    system_role: bool = False  # a leading system message is rendered
+    default_system: bool = False  # the template inserts a system message when none is given
+    tools: bool = False
+    continuation: bool = False  # continue_final_message renders an open assistant turn
+    generation_prompt: str = ""  # text add_generation_prompt appends
+    reasoning: ReasoningSyntax | None = None
+    kwargs: list[str] = []  # chat_template_kwargs the template reads (enable_thinking, ...)
+
+
+class SamplingDefaults(_S):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+
+
+class Range(_S):
+    min: float
+    max: float
+
+
+class SamplingRanges(_S):
+    """Inclusive bounds; an absent parameter is fixed at its default."""
+
+    temperature: Range | None = None
+    top_p: Range | None = None
+    top_k: Range | None = None
+    min_p: Range | None = None
+    repetition_penalty: Range | None = None
+    presence_penalty: Range | None = None
+    frequency_penalty: Range | None = None
+
+
+class Recipe(_S):
+    name: str
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
+    effort_levels: list[str] = []
+
+
+class Sampling(_S):
+    defaults: SamplingDefaults = SamplingDefaults()
+    ranges: SamplingRanges = SamplingRanges()
+
+
+class LogprobCaps(_S):
+    max_top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS_LIMIT)] = MAX_TOP_LOGPROBS_LIMIT
+    explicit_token_ids: bool = True  # logprob_token_ids inputs
+    max_explicit_token_ids: NonNegInt = 128
+    prompt_logprobs: bool = False  # scored prefill graphs (--prompt-logprobs)
+
+
+class Vision(_S):
+    enabled: bool = False
+    max_images_per_prompt: NonNegInt = 0
+    max_image_tokens_per_prompt: NonNegInt = 0
+    image_feature_window_tokens: NonNegInt = 0
+    max_image_tokens_per_image: NonNegInt = 0
+    max_image_pixels: NonNegInt = 0
+    max_image_bytes: NonNegInt = 0
+
+
+class Limits(_S):
+    context_length: PosInt
+    default_max_tokens: PosInt
+
+
+class GraphPlan(_S):
+    """Shapes the runtime prepares: decode batch buckets, prefill chunks, KV page size."""
+
+    decode_buckets: list[int]
+    prefill_chunk_size: PosInt
+    max_concurrency: PosInt
+    page_size: PosInt
+    logprob_outputs: NonNegInt  # top-N columns the sampling tail produces
+
+
+class KernelTarget(_S):
+    target: str  # e.g. "cuda-sm90"
+    triton_version: str
+    dir: str  # kernels/<target>
+
+
+class FileDigest(_S):
+    path: str  # relative to the core directory, '/'-separated
+    size: NonNegInt
+    sha256: str
+
+
+class Manifest(_S):
+    format_version: int
+    ignition_version: str
+    model: ModelIdentity
+    arch: Architecture
+    recipe: Recipe
+    dtype: DType
+    tokenizer: TokenizerInfo
+    template: TemplateCaps
+    sampling: Sampling
+    logprobs: LogprobCaps
+    vision: Vision
+    limits: Limits
+    graph_plan: GraphPlan
+    decode_weight_bytes: NonNegInt = 0
+    kernels: list[KernelTarget] = []
+    files: list[FileDigest] = []
+
+
+def _sorted(obj):
+    # NOTE: dict keys are sorted so equal manifests encode to equal bytes; list order is data.
+    if isinstance(obj, dict):
+        return {k: _sorted(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, list):
+        return [_sorted(v) for v in obj]
+    return obj
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    import tomli_w
+
+    return tomli_w.dumps(_sorted(msgspec.to_builtins(manifest))).encode()
+
+
+def decode_manifest(data: bytes) -> Manifest:
+    """Decode and validate; raises msgspec.ValidationError / DecodeError with a field path."""
+    return msgspec.toml.decode(data, type=Manifest)
+
+
+def json_schema() -> dict:
+    return msgspec.json.schema(Manifest)

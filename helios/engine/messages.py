@@ -1,0 +1,111 @@
+"""Engine boundary messages: requests in, outputs out, and the step contract with the runner.
+
+Plain msgspec data only: no torch, numpy or tokenizer here. One engine step is
+`plan = scheduler.schedule()` -> `out = runner.execute(plan)` -> `scheduler.update(plan, out)`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from msgspec import Struct
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SamplingParams(Struct, frozen=True, kw_only=True):
+    """Resolved sampling for one request: already defaulted and clamped by the frontend."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 disables
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int = 0
+    max_tokens: int = 16  # 0 is allowed only for prompt scoring
+    ignore_eos: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    stop_token_sequences: tuple[tuple[int, ...], ...] = ()
+    logprobs: int | None = None  # None: no generation logprobs; N: top-N natural alternatives
+    logprob_token_ids: tuple[int, ...] | None = None  # explicit alternatives, replaces top-N
+    prompt_logprobs: int | None = None  # None: none; N: top-N alternatives per prompt position
+
+
+class EngineRequest(Struct, frozen=True, kw_only=True):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    # NOTE: a request with prompt_logprobs must prefill from scratch (no prefix reuse).
+
+
+class TokenLogprob(Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    rank: int  # 1 + number of vocabulary entries with a strictly greater logprob
+
+
+class PositionLogprobs(Struct, frozen=True):
+    """The logprob record of one position: the actual token first, then the alternatives in order."""
+
+    token: TokenLogprob
+    alternatives: list[TokenLogprob]
+
+
+class EngineOutput(Struct, kw_only=True):
+    """Incremental output of one request after one step (or its terminal record)."""
+
+    req_id: str
+    new_token_ids: list[int] = []
+    logprobs: list[PositionLogprobs] | None = None  # one per new token, when requested
+    # prompt positions 1..n-1 (position 0 has none), sent once when prefill completes
+    prompt_logprobs: list[PositionLogprobs] | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_token: int | list[int] | None = None  # the token id or id sequence that stopped it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+# --- the step contract between scheduler and runner --------------------------------------------
+
+
+class NewRequestData(Struct, frozen=True, kw_only=True):
+    """Sent to the runner once, the first step a request is scheduled (and again after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+class ScheduledRequest(Struct, frozen=True, kw_only=True):
+    req_id: str
+    token_ids: list[int]  # tokens to compute this step: positions num_computed_tokens ..
+    num_computed_tokens: int  # tokens already in the KV cache
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+    sample: bool  # the last scheduled position produces a new token
+    # prompt positions covered by this chunk get prompt logprobs (prefill with prompt_logprobs)
+    want_prompt_logprobs: bool = False
+
+
+class SchedulerOutput(Struct, frozen=True, kw_only=True):
+    new_requests: list[NewRequestData]
+    scheduled: list[ScheduledRequest]
+    finished_req_ids: list[str]  # the runner drops their per-request state
+    num_scheduled_tokens: int
+
+
+class RequestResult(Struct, frozen=True, kw_only=True):
+    req_id: str
+    sampled_token_id: int | None = None  # None when the chunk did not sample
+    logprobs: PositionLogprobs | None = None
+    # for the chunk's positions p (num_computed .. +len(token_ids)-1): record of token p+1 given
+    # 0..p, i.e. prompt logprobs of positions num_computed+1 .. (only those inside the prompt)
+    prompt_logprobs: list[PositionLogprobs] | None = None
+
+
+class ModelRunnerOutput(Struct, frozen=True, kw_only=True):
+    results: list[RequestResult]
