@@ -1,0 +1,153 @@
+"""Deterministic core writer: safetensors weights, tokenizer, template, manifest with file digests.
+
+Everything goes into a temporary sibling directory that is renamed into place only when complete, so a
+failed export never leaves a half-written core. Same inputs give the same bytes: tensors in sorted
+order, JSON headers with sorted keys, no timestamps, no absolute paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import msgspec
+import torch
+
+from helios.core import layout
+from helios.core.manifest import FileDigest, Manifest, encode_manifest, MANIFEST_FILE
+from ignition.errors import ExportError
+
+ALIGN = 64  # header padding so the tensor data region starts cache-line aligned
+SHARD_BYTES = 4 << 30
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int32: "I32"}
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    # view as uint8 so bfloat16 (which numpy lacks) serializes too
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+class _ShardWriter:
+    """Streams tensors one at a time into safetensors shards (data first, header prepended at close)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.shards: list[tuple[Path, dict]] = []
+        self._open_new()
+
+    def _open_new(self) -> None:
+        self._data_path = self.directory / f".data-{len(self.shards)}"
+        self._data = open(self._data_path, "wb")
+        self._entries: dict = {}
+        self._offset = 0
+
+    def add(self, name: str, t: torch.Tensor) -> int:
+        if t.dtype not in _ST_DTYPES:
+            raise ExportError(f"tensor {name}: dtype {t.dtype} cannot be stored")
+        data = _tensor_bytes(t)
+        if self._offset and self._offset + len(data) > SHARD_BYTES:
+            self._close_current()
+            self._open_new()
+        self._entries[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [self._offset, self._offset + len(data)],
+        }
+        self._data.write(data)
+        self._offset += len(data)
+        return len(data)
+
+    def _close_current(self) -> None:
+        self._data.close()
+        self.shards.append((self._data_path, self._entries))
+
+    def finish(self) -> list[str]:
+        self._close_current()
+        names = []
+        count = len(self.shards)
+        for i, (data_path, entries) in enumerate(self.shards):
+            name = "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            header = dict(entries)
+            header["__metadata__"] = {"format": "pt", "producer": "flare-ignition"}
+            raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+            # pad with spaces (allowed by the format) so data starts at an ALIGN boundary
+            pad = (-(8 + len(raw))) % ALIGN
+            raw += b" " * pad
+            out_path = self.directory / name
+            with open(out_path, "wb") as out, open(data_path, "rb") as src:
+                out.write(len(raw).to_bytes(8, "little"))
+                out.write(raw)
+                shutil.copyfileobj(src, out, 1 << 22)
+            data_path.unlink()
+            names.append(name)
+        return names
+
+
+def sha256_path(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def digest_files(root: Path) -> list[FileDigest]:
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    return [
+        FileDigest(path=p.relative_to(root).as_posix(), size=p.stat().st_size, sha256=sha256_path(p))
+        for p in files
+    ]
+
+
+def write_core(
+    out_dir: Path,
+    manifest: Manifest,
+    tensors: Iterable[tuple[str, Callable[[], torch.Tensor]]],
+    tokenizer_json: str,
+    template: str | None,
+    dtype: torch.dtype,
+    on_tensor: Callable[[str], None] | None = None,
+    force: bool = False,
+) -> Path:
+    """Write a complete core at out_dir (atomically). The manifest's files list is filled here."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise ExportError(f"{out_dir} already exists (use --force to replace it)")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        weights = tmp / layout.WEIGHTS_DIR
+        weights.mkdir()
+        writer = _ShardWriter(weights)
+        for name, produce in tensors:
+            t = produce()
+            writer.add(name, t.to(dtype) if t.is_floating_point() else t)
+            if on_tensor:
+                on_tensor(name)
+        writer.finish()
+        (tmp / layout.TOKENIZER_FILE).write_text(_canonical_json(tokenizer_json), encoding="utf-8")
+        if template is not None:
+            (tmp / layout.TEMPLATE_FILE).write_text(template, encoding="utf-8")
+        final = msgspec.structs.replace(manifest, files=digest_files(tmp))
+        (tmp / MANIFEST_FILE).write_bytes(encode_manifest(final))
+        for p in [tmp, *tmp.rglob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _canonical_json(text: str) -> str:
+    # NOTE: re-serialized with sorted keys so equal tokenizers give equal bytes whatever their source.
+    return json.dumps(json.loads(text), ensure_ascii=False, sort_keys=True, indent=None, separators=(",", ":"))
