@@ -79,6 +79,10 @@ class NewRequestData(Struct, frozen=True, kw_only=True):
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    # NOTE: after preemption the request is resent with the tokens it generated so far: they are recomputed
+    # as context after the prompt (ScheduledRequest.token_ids walk prompt_token_ids + output_token_ids) and
+    # count for penalties; prompt logprobs and the prompt length refer to prompt_token_ids only.
+    output_token_ids: list[int] = []
 
 
 class ScheduledRequest(Struct, frozen=True, kw_only=True):
@@ -94,7 +98,10 @@ class ScheduledRequest(Struct, frozen=True, kw_only=True):
 class SchedulerOutput(Struct, frozen=True, kw_only=True):
     new_requests: list[NewRequestData]
     scheduled: list[ScheduledRequest]
-    finished_req_ids: list[str]  # the runner drops their per-request state
+    # the runner drops their per-request state (finished, aborted or preempted since the last plan); it
+    # applies them before new_requests (a req_id can reappear as new in the same plan) and a drop of an
+    # unknown id is a no-op
+    finished_req_ids: list[str]
     num_scheduled_tokens: int
 
 

@@ -1,0 +1,61 @@
+"""Scheduler configuration: frozen msgspec Structs, each field with a one-line doc and a bound.
+
+Owns only the declared knobs; values derived at start-up (e.g. num_pages from free device memory) are
+resolved by the caller before this Struct is built, never written back. Must not import torch or numpy.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
+
+
+def _check_bounds(obj: Struct) -> None:
+    """Enforce the Meta bounds on direct construction too (msgspec checks them only when decoding)."""
+    for field in msgspec.inspect.type_info(type(obj)).fields:
+        info = field.type
+        if isinstance(info, msgspec.inspect.Metadata):
+            info = info.type
+        if not isinstance(info, msgspec.inspect.IntType):
+            continue
+        value = getattr(obj, field.name)
+        if (info.ge is not None and value < info.ge) or (info.le is not None and value > info.le):
+            raise ValueError(f"{type(obj).__name__}.{field.name}={value} is outside [{info.ge}, {info.le}]")
+
+
+class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Continuous-batching limits of one engine; one step never exceeds any of them."""
+
+    max_concurrency: Annotated[
+        int, Meta(ge=1, le=4096, description="Model slots: requests running (holding KV pages) at once.")
+    ] = 16
+    max_num_batched_tokens: Annotated[
+        int, Meta(ge=1, le=1 << 20, description="Token budget of one step, decode and prefill tokens together.")
+    ] = 2048
+    prefill_chunk_size: Annotated[
+        int, Meta(ge=1, le=1 << 20, description="Most prompt tokens one request prefills in one step.")
+    ] = 512
+    max_waiting: Annotated[
+        int, Meta(ge=1, le=1 << 20, description="Bounded waiting queue: add_request raises QueueFull beyond it.")
+    ] = 256
+    page_size: Annotated[int, Meta(ge=1, le=1024, description="Tokens per KV page.")] = 16
+    num_pages: Annotated[int, Meta(ge=1, le=1 << 24, description="Pages in the KV pool.")] = 1024
+    max_model_len: Annotated[
+        int, Meta(ge=1, le=1 << 24, description="Most tokens (prompt + output) one request may hold.")
+    ] = 4096
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
+        # NOTE: this is what lets every running request advance by at least one token every step.
+        if self.max_num_batched_tokens < self.max_concurrency:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_concurrency ({self.max_concurrency})"
+            )
+
+    @property
+    def page_capacity_tokens(self) -> int:
+        """Tokens the whole KV pool can hold."""
+        return self.page_size * self.num_pages

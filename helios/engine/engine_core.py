@@ -1,0 +1,132 @@
+"""EngineCore: one scheduler plus one runner; `step()` is schedule -> execute -> update, plus metrics.
+
+Owns the step loop body, runner-failure handling and the counters behind /metrics. Thread-safe: add_request,
+abort and metrics may be called while a step executes (the lock is never held during runner.execute).
+Pure Python: must not import torch or numpy (the runner is any object with `execute`).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+from msgspec import Struct
+
+from helios.engine.config import SchedulerConfig
+from helios.engine.messages import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput
+from helios.engine.scheduler import QueueFull, Scheduler
+
+
+class Runner(Protocol):
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class RequestExecutionError(Exception):
+    """Raised by a runner when only some requests are at fault: those fail, the engine stays healthy,
+    and the plan's other requests are recomputed from scratch (the runner gets them as new again)."""
+
+    def __init__(self, req_ids: list[str] | set[str], message: str) -> None:
+        super().__init__(message)
+        self.req_ids = set(req_ids)
+
+
+class EngineMetrics(Struct, frozen=True, kw_only=True):
+    """The engine's share of /metrics (spec field names; totals count from start, the rest are gauges)."""
+
+    prefill_tokens: int  # prompt tokens of completed prefills, excluding prefix reuse
+    generated_tokens: int  # committed generated tokens, including EOS and stop tokens
+    completed: int  # requests finished with "stop" or "length"
+    failed: int  # requests rejected at admission or failed in execution
+    active: int  # model slots with a live request
+    pending: int  # requests waiting in the scheduler (including preempted ones)
+    free_pages: int
+    total_pages: int
+    page_tokens: int
+    reused_tokens: int = 0  # prefix cache: not yet
+    cached_pages: int = 0  # prefix cache: not yet
+    preemptions: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: SchedulerConfig, runner: Runner) -> None:
+        self.config = config
+        self.runner = runner
+        self.scheduler = Scheduler(config)
+        self.error: str | None = None  # set by a runner failure that is not request-specific
+        self._lock = threading.RLock()
+        self._num_generated_tokens = 0
+        self._num_completed = 0
+        self._num_failed = 0
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Raises QueueFull (queue bound) or ValueError (cannot run); both count as failed."""
+        with self._lock:
+            try:
+                self.scheduler.add_request(request)
+            except (QueueFull, ValueError):
+                self._num_failed += 1
+                raise
+
+    def abort(self, req_id: str) -> EngineOutput | None:
+        """Cancel at any state and free its pages now; returns the terminal record, None if unknown."""
+        with self._lock:
+            return self.scheduler.abort(req_id)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineOutput]:
+        with self._lock:
+            plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            runner_output = ModelRunnerOutput(results=[])
+        else:
+            # NOTE: an abort during execute frees the request's pages at once; that is safe because pages
+            # are only handed out again by the next schedule(), after execute has returned.
+            try:
+                runner_output = self.runner.execute(plan)
+            except RequestExecutionError as exc:
+                with self._lock:
+                    outputs = self.scheduler.fail_step(plan, str(exc), exc.req_ids)
+                return self._count(outputs)
+            except Exception as exc:
+                message = f"{type(exc).__name__}: {exc}"
+                with self._lock:
+                    self.error = message
+                    outputs = self.scheduler.fail_step(plan, message)
+                return self._count(outputs)
+        with self._lock:
+            outputs = self.scheduler.update(plan, runner_output)
+        return self._count(outputs)
+
+    def _count(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
+        with self._lock:
+            for output in outputs:
+                self._num_generated_tokens += len(output.new_token_ids)
+                if output.finish_reason in ("stop", "length"):
+                    self._num_completed += 1
+                elif output.finish_reason == "error":
+                    self._num_failed += 1
+        return outputs
+
+    def metrics(self) -> EngineMetrics:
+        with self._lock:
+            scheduler = self.scheduler
+            pool = scheduler.block_pool
+            return EngineMetrics(
+                prefill_tokens=scheduler.num_prefill_tokens,
+                generated_tokens=self._num_generated_tokens,
+                completed=self._num_completed,
+                failed=self._num_failed,
+                active=scheduler.num_running,
+                pending=scheduler.num_waiting,
+                free_pages=pool.num_free_blocks,
+                total_pages=pool.num_blocks,
+                page_tokens=pool.block_size,
+                preemptions=scheduler.num_preemptions,
+            )

@@ -1,0 +1,308 @@
+"""Continuous batching with chunked prefill and recompute preemption, over the paged block pool.
+
+Owns the waiting queue, the running set and every request's pages. One step is
+`plan = schedule()` -> runner -> `update(plan, runner_output)`; there are no prefill/decode modes: each
+running request gets its next prefill chunk or one decode token, then waiting requests are admitted
+first-come-first-served while slots, token budget and pages allow. Not thread-safe (EngineCore locks it).
+Pure Python: must not import torch or numpy.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from helios.engine.block_pool import BlockPool
+from helios.engine.config import SchedulerConfig
+from helios.engine.messages import (
+    EngineOutput,
+    EngineRequest,
+    ModelRunnerOutput,
+    NewRequestData,
+    PositionLogprobs,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from helios.engine.request import Request, RequestStatus
+
+
+class QueueFull(Exception):
+    """The bounded waiting queue is full (the server answers 503)."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_pool = BlockPool(config.num_pages, config.page_size)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.num_prefill_tokens = 0  # prompt tokens of completed prefills (each prompt counted once)
+        self.num_preemptions = 0
+        self._finished_req_ids: list[str] = []  # for the runner's next plan
+        self._pending_outputs: list[EngineOutput] = []  # terminal records decided inside schedule()
+        self._scheduled: dict[str, Request] = {}  # the requests of the last plan
+
+    # --- admission and cancellation -----------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request; raises QueueFull when the waiting queue is full, ValueError when it cannot run."""
+        num_prompt = len(request.prompt_token_ids)
+        max_tokens = request.sampling.max_tokens
+        if request.req_id in self.requests:
+            raise ValueError(f"request {request.req_id!r} is already active")
+        if num_prompt == 0:
+            raise ValueError("the prompt is empty")
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        # prompt + at least one output token must fit, except for prompt scoring (max_tokens 0)
+        limit = self.config.max_model_len - (1 if max_tokens > 0 else 0)
+        if num_prompt > limit:
+            raise ValueError(f"prompt of {num_prompt} tokens exceeds max_model_len {self.config.max_model_len}")
+        if self.block_pool.num_blocks_for(num_prompt) > self.block_pool.num_blocks:
+            raise ValueError(
+                f"prompt of {num_prompt} tokens exceeds the KV page capacity of {self.config.page_capacity_tokens}"
+            )
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"the model request queue is full ({self.config.max_waiting} waiting)")
+        req = Request(request)
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_id: str) -> EngineOutput | None:
+        """Cancel a request in any state; its pages are free on return. None when the id is unknown."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.finish(RequestStatus.FINISHED_ABORTED)
+        self._release(req)
+        return self._output(req)
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        config = self.config
+        pool = self.block_pool
+        budget = config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        new_requests: list[NewRequestData] = []
+        self._scheduled = {}
+        is_preempted = False
+
+        # Running requests first, in admission order. NOTE: each keeps one token of budget for every
+        # running request after it (max_num_batched_tokens >= max_concurrency), so a long prefill never
+        # stalls the decodes admitted after it.
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            if self._exceeds_page_capacity(req):
+                self.running.pop(i)
+                self._finish_now(req, RequestStatus.FINISHED_LENGTH)
+                continue
+            reserve = len(self.running) - i - 1
+            num_new = min(req.num_tokens - req.num_computed_tokens, config.prefill_chunk_size, budget - reserve)
+            assert num_new >= 1, (req, budget, reserve)
+            num_needed = pool.num_blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
+            while not pool.can_allocate(num_needed):
+                # recompute preemption of the most recently admitted request, possibly this one; the
+                # oldest request always fits alone, so it always progresses (no livelock)
+                victim = self.running.pop()
+                self._preempt(victim)
+                is_preempted = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break  # it preempted itself, and it was the last running request
+            req.block_ids.extend(pool.allocate(num_needed))
+            scheduled.append(self._schedule_chunk(req, num_new))
+            budget -= num_new
+            i += 1
+
+        # Then waiting requests, strictly first-come-first-served (the head blocks the queue, so a long
+        # prompt is never overtaken forever); none when this step had to preempt.
+        while not is_preempted and self.waiting and len(self.running) < config.max_concurrency and budget > 0:
+            req = self.waiting[0]
+            if self._exceeds_page_capacity(req):  # a resumed request that grew past the pool
+                self.waiting.popleft()
+                self._finish_now(req, RequestStatus.FINISHED_LENGTH)
+                continue
+            num_new = min(req.num_tokens - req.num_computed_tokens, config.prefill_chunk_size, budget)
+            num_needed = pool.num_blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
+            if not pool.can_allocate(num_needed):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            req.block_ids.extend(pool.allocate(num_needed))
+            self.running.append(req)
+            req.is_known_to_runner = True
+            new_requests.append(
+                NewRequestData(
+                    req_id=req.req_id,
+                    prompt_token_ids=list(req.prompt_token_ids),
+                    sampling=req.sampling,
+                    output_token_ids=list(req.output_token_ids),
+                )
+            )
+            scheduled.append(self._schedule_chunk(req, num_new))
+            budget -= num_new
+
+        # NOTE: finished ids wait for a plan with work, so the runner is never handed an empty batch.
+        finished_req_ids: list[str] = []
+        if scheduled:
+            finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
+        return SchedulerOutput(
+            new_requests=new_requests,
+            scheduled=scheduled,
+            finished_req_ids=finished_req_ids,
+            num_scheduled_tokens=config.max_num_batched_tokens - budget,
+        )
+
+    def update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineOutput]:
+        """Fold the runner's results into request state; returns this step's outputs: records decided in
+        schedule() (page-capacity finishes) first, then one per request that produced something, in plan order.
+        """
+        outputs = self.take_pending_outputs()
+        results = {result.req_id: result for result in runner_output.results}
+        for chunk in plan.scheduled:
+            req = self._scheduled.get(chunk.req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # aborted (or reset) while the step ran
+            result = results.get(chunk.req_id)
+            req.num_computed_tokens += len(chunk.token_ids)
+            if chunk.want_prompt_logprobs and result is not None and result.prompt_logprobs:
+                req.prompt_logprobs.extend(result.prompt_logprobs)
+            prompt_logprobs = None
+            if req.is_prefill_done:
+                if not req.is_prefill_counted:
+                    req.is_prefill_counted = True
+                    self.num_prefill_tokens += req.num_prompt_tokens
+                if req.wants_prompt_logprobs:
+                    prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
+                    req.is_prompt_logprobs_sent = True
+            new_token_ids: list[int] = []
+            logprobs = None
+            if chunk.sample:
+                if result is None or result.sampled_token_id is None:
+                    req.finish(RequestStatus.FINISHED_ERROR, error=f"runner returned no token for {req.req_id}")
+                else:
+                    new_token_ids = [result.sampled_token_id]
+                    logprobs = [result.logprobs] if result.logprobs is not None else None
+                    req.append_output_token(result.sampled_token_id)
+                    req.check_stop(self.config.max_model_len)
+            elif req.sampling.max_tokens == 0 and req.is_prefill_done:
+                req.finish(RequestStatus.FINISHED_LENGTH)  # prompt scoring: zero generated tokens
+            if new_token_ids or prompt_logprobs is not None or req.is_finished:
+                outputs.append(self._output(req, new_token_ids, logprobs, prompt_logprobs))
+            if req.is_finished:
+                self.running.remove(req)
+                self._release(req)
+        self._scheduled = {}
+        return outputs
+
+    def fail_step(self, plan: SchedulerOutput, error: str, req_ids: set[str] | None = None) -> list[EngineOutput]:
+        """The runner raised on `plan`: fail `req_ids` (all of the plan when None) with finish_reason "error";
+        the plan's other requests are preempted, so the runner gets them afresh."""
+        outputs = self.take_pending_outputs()
+        # the runner may not have applied the plan's drops; resend them (dropping is idempotent)
+        self._finished_req_ids.extend(plan.finished_req_ids)
+        affected = [self._scheduled[c.req_id] for c in plan.scheduled if c.req_id in self._scheduled]
+        for req in reversed(affected):  # reversed: preempted ones reach the queue front in admission order
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            self.running.remove(req)
+            if req_ids is None or req.req_id in req_ids:
+                req.finish(RequestStatus.FINISHED_ERROR, error=error)
+                self._release(req)
+                outputs.append(self._output(req))
+            else:
+                self._preempt(req)
+        self._scheduled = {}
+        return outputs
+
+    def take_pending_outputs(self) -> list[EngineOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        return outputs
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _exceeds_page_capacity(self, req: Request) -> bool:
+        """True when feeding all of the request's tokens needs more pages than the whole pool holds."""
+        return self.block_pool.num_blocks_for(req.num_tokens) > self.block_pool.num_blocks
+
+    def _schedule_chunk(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        end = start + num_new
+        self._scheduled[req.req_id] = req
+        return ScheduledRequest(
+            req_id=req.req_id,
+            token_ids=req.all_token_ids[start:end],
+            num_computed_tokens=start,
+            block_ids=list(req.block_ids),
+            sample=end == req.num_tokens and req.sampling.max_tokens > 0,
+            want_prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        """Free the (already unlinked) running request's pages and requeue it at the front for recompute."""
+        self.block_pool.free(reversed(req.block_ids))
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        if not req.is_prompt_logprobs_sent:
+            req.prompt_logprobs = []  # recollected on recompute
+        self._forget_in_runner(req)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _finish_now(self, req: Request, status: RequestStatus) -> None:
+        """Finish an (already unlinked) request inside schedule(); its record goes out with update()."""
+        req.finish(status)
+        self._release(req)
+        self._pending_outputs.append(self._output(req))
+
+    def _release(self, req: Request) -> None:
+        """Free a finished request's pages and forget it; it must already be off the queues."""
+        self.block_pool.free(reversed(req.block_ids))  # tail first: a prefix cache keeps heads longer
+        req.block_ids = []
+        self._forget_in_runner(req)
+        del self.requests[req.req_id]
+
+    def _forget_in_runner(self, req: Request) -> None:
+        if req.is_known_to_runner:
+            req.is_known_to_runner = False
+            self._finished_req_ids.append(req.req_id)
+
+    def _output(
+        self,
+        req: Request,
+        new_token_ids: list[int] | None = None,
+        logprobs: list[PositionLogprobs] | None = None,
+        prompt_logprobs: list[PositionLogprobs] | None = None,
+    ) -> EngineOutput:
+        return EngineOutput(
+            req_id=req.req_id,
+            new_token_ids=new_token_ids or [],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            stop_token=req.stop_token,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=0,
+            error=req.error,
+        )

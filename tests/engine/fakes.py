@@ -1,0 +1,149 @@
+"""A fake runner that checks the step contract and samples tokens deterministically by position."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from helios.engine.config import SchedulerConfig
+from helios.engine.engine_core import EngineCore
+from helios.engine.messages import (
+    EngineOutput,
+    EngineRequest,
+    ModelRunnerOutput,
+    PositionLogprobs,
+    RequestResult,
+    SamplingParams,
+    SchedulerOutput,
+    TokenLogprob,
+)
+
+VOCAB = 1000
+
+
+def context_token(context: list[int]) -> int:
+    """The fake model: the next token is a function of the whole context (so recompute must match)."""
+    acc = len(context)
+    for i, t in enumerate(context):
+        acc = (acc * 31 + t * (i + 7)) % 1_000_003
+    return 10 + acc % (VOCAB - 10)  # never 0..9: tests use those as EOS / stop ids
+
+
+class FakeRunner:
+    """Tracks a simulated KV (tokens per request) and asserts the scheduler's plans are consistent.
+
+    `script[req_id]` overrides the sampled tokens by output index; `fail(plan)` may return an exception.
+    """
+
+    def __init__(self, page_size: int, script: dict[str, list[int]] | None = None, fail=None) -> None:
+        self.page_size = page_size
+        self.script = script or {}
+        self.fail = fail
+        self.kv: dict[str, list[int]] = {}
+        self.known: dict[str, list[int]] = {}  # prompt + outputs as the runner knows them
+        self.num_prompt: dict[str, int] = {}
+        self.sampling: dict[str, SamplingParams] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        self.plans: list[SchedulerOutput] = []
+        self.num_new = defaultdict(int)  # req_id -> times sent as new (1 + preemptions)
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self.plans.append(plan)
+        assert plan.scheduled, "the runner is never handed an empty batch"
+        assert plan.num_scheduled_tokens == sum(len(s.token_ids) for s in plan.scheduled)
+        for req_id in plan.finished_req_ids:
+            for table in (self.kv, self.known, self.num_prompt, self.sampling, self.block_tables):
+                table.pop(req_id, None)
+        for new in plan.new_requests:
+            assert new.req_id not in self.kv, f"{new.req_id} sent as new twice without a drop"
+            self.kv[new.req_id] = []
+            self.known[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
+            self.num_prompt[new.req_id] = len(new.prompt_token_ids)
+            self.sampling[new.req_id] = new.sampling
+            self.num_new[new.req_id] += 1
+        if self.fail is not None and (exc := self.fail(plan)) is not None:
+            raise exc
+        results = []
+        for s in plan.scheduled:
+            kv, known = self.kv[s.req_id], self.known[s.req_id]
+            assert s.num_computed_tokens == len(kv), (s.req_id, s.num_computed_tokens, len(kv))
+            assert s.token_ids == known[len(kv) : len(kv) + len(s.token_ids)], s.req_id
+            assert s.token_ids, "a scheduled request has tokens"
+            start = len(kv)
+            kv.extend(s.token_ids)
+            assert len(s.block_ids) == -(-len(kv) // self.page_size), (s.req_id, len(s.block_ids), len(kv))
+            self.block_tables[s.req_id] = list(s.block_ids)
+            num_prompt = self.num_prompt[s.req_id]
+            prompt_logprobs = None
+            if s.want_prompt_logprobs:
+                positions = range(start + 1, min(len(kv), num_prompt - 1) + 1)
+                prompt_logprobs = [_record(known[p], p) for p in positions]
+            token = logprobs = None
+            if s.sample:
+                assert len(kv) == len(known), "sample only at the last known token"
+                index = len(kv) - num_prompt
+                scripted = self.script.get(s.req_id)
+                token = scripted[index] if scripted is not None and index < len(scripted) else context_token(kv)
+                known.append(token)
+                if self.sampling[s.req_id].logprobs is not None:
+                    logprobs = _record(token, len(kv))
+            else:
+                assert len(kv) < len(known) or self.sampling[s.req_id].max_tokens == 0
+            results.append(
+                RequestResult(
+                    req_id=s.req_id, sampled_token_id=token, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+                )
+            )
+        owned = [b for table in self.block_tables.values() for b in table]
+        assert len(owned) == len(set(owned)), "a page is owned by two live requests"
+        return ModelRunnerOutput(results=results)
+
+
+def _record(token_id: int, position: int) -> PositionLogprobs:
+    return PositionLogprobs(token=TokenLogprob(token_id, -0.01 * position, 1), alternatives=[])
+
+
+def make_core(script=None, fail=None, **config) -> tuple[EngineCore, FakeRunner]:
+    defaults = dict(max_concurrency=4, max_num_batched_tokens=64, prefill_chunk_size=16, page_size=4, num_pages=64)
+    cfg = SchedulerConfig(**{**defaults, **config})
+    runner = FakeRunner(cfg.page_size, script=script, fail=fail)
+    return EngineCore(cfg, runner), runner
+
+
+def request(req_id: str, prompt_len: int = 8, seed: int = 0, **sampling) -> EngineRequest:
+    prompt = [10 + (seed * 131 + i * 17 + len(req_id)) % 500 for i in range(prompt_len)]
+    return EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=SamplingParams(**sampling))
+
+
+class Collected:
+    """Outputs folded per request."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = defaultdict(list)
+        self.outputs: dict[str, list[EngineOutput]] = defaultdict(list)
+        self.final: dict[str, EngineOutput] = {}
+        self.finish_order: list[str] = []
+
+    def add(self, outputs: list[EngineOutput]) -> None:
+        for out in outputs:
+            assert out.req_id not in self.final, f"output after the terminal one for {out.req_id}"
+            self.tokens[out.req_id].extend(out.new_token_ids)
+            self.outputs[out.req_id].append(out)
+            if out.finished:
+                self.final[out.req_id] = out
+                self.finish_order.append(out.req_id)
+
+
+def run_until_idle(core: EngineCore, collected: Collected | None = None, max_steps: int = 10_000) -> Collected:
+    collected = collected or Collected()
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            return collected
+        collected.add(core.step())
+    raise AssertionError("the engine did not drain")
+
+
+def reference_tokens(req: EngineRequest, **config) -> list[int]:
+    """Tokens of `req` run alone on a roomy engine."""
+    core, _ = make_core(**{**config, "num_pages": 4096})
+    core.add_request(req)
+    return run_until_idle(core).tokens[req.req_id]

@@ -1,0 +1,216 @@
+"""AsyncEngine with a fake runner: concurrent streams, aborts, runner failures, idle wait, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from helios.engine.async_engine import AsyncEngine, EngineUnavailable
+from helios.engine.scheduler import QueueFull
+from tests.engine.fakes import make_core, reference_tokens, request
+
+
+class GatedRunner:
+    """Wraps a runner: `gate` cleared blocks execute; `entered` is set once execute is running."""
+
+    def __init__(self, inner, delay: float = 0.0) -> None:
+        self.inner = inner
+        self.delay = delay
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.num_calls = 0
+
+    def execute(self, plan):
+        self.num_calls += 1
+        self.entered.set()
+        assert self.gate.wait(10), "test gate never opened"
+        if self.delay:
+            time.sleep(self.delay)
+        return self.inner.execute(plan)
+
+
+def make_engine(delay: float = 0.0, **config):
+    core, fake = make_core(**config)
+    gated = GatedRunner(fake, delay)
+    core.runner = gated
+    return AsyncEngine(core), core, gated
+
+
+async def consume(engine, req):
+    outputs = []
+    async for out in await engine.submit(req):
+        outputs.append(out)
+    return [t for o in outputs for t in o.new_token_ids], outputs
+
+
+def assert_pages_free(core):
+    pool = core.scheduler.block_pool
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_concurrent_submits_stream_the_same_tokens_as_alone():
+    engine, core, _ = make_engine(max_concurrency=3, max_waiting=16)
+    reqs = [request(f"r{i}", prompt_len=5 + i, seed=i, max_tokens=4 + i) for i in range(8)]
+
+    async def main():
+        return await asyncio.gather(*(consume(engine, r) for r in reqs))
+
+    results = asyncio.run(main())
+    for r, (tokens, outputs) in zip(reqs, results):
+        assert tokens == reference_tokens(r), r.req_id
+        assert outputs[-1].finished and outputs[-1].finish_reason == "length"
+        assert not any(o.finished for o in outputs[:-1])
+    m = engine.metrics()
+    assert m.completed == 8 and m.generated_tokens == sum(4 + i for i in range(8))
+    assert engine.is_healthy
+    engine.shutdown()
+    assert_pages_free(core)
+
+
+def test_abort_mid_stream_frees_pages_and_ends_the_stream():
+    engine, core, _ = make_engine(delay=0.002, num_pages=1024, max_model_len=4096)
+
+    async def main():
+        stream = await engine.submit(request("a", max_tokens=3000))
+        seen = []
+        async for out in stream:
+            seen.append(out)
+            if len(seen) == 3:
+                engine.abort("a")
+                assert core.scheduler.block_pool.num_free_blocks == 1024  # freed at once
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1].finished and seen[-1].finish_reason == "abort"
+    assert sum(len(o.new_token_ids) for o in seen) < 3000
+    engine.shutdown()
+    assert_pages_free(core)
+
+
+def test_closing_the_stream_aborts_the_request():
+    engine, core, _ = make_engine(delay=0.002, num_pages=1024, max_model_len=4096)
+
+    async def main():
+        stream = await engine.submit(request("a", max_tokens=3000))
+        async for out in stream:
+            if out.new_token_ids:
+                break
+        await stream.aclose()
+        assert "a" not in core.scheduler.requests
+        # the id is free for a new request at once
+        tokens, outputs = await consume(engine, request("a", max_tokens=2))
+        assert len(tokens) == 2
+
+    asyncio.run(main())
+    engine.shutdown()
+    assert_pages_free(core)
+
+
+def test_abort_while_the_step_executes():
+    engine, core, gated = make_engine()
+
+    async def main():
+        gated.gate.clear()
+        stream = await engine.submit(request("a", max_tokens=50))
+        await asyncio.to_thread(gated.entered.wait, 5)
+        engine.abort("a")
+        assert_pages_free(core)
+        gated.gate.set()
+        return [o async for o in stream]
+
+    outputs = asyncio.run(main())
+    assert [o.finish_reason for o in outputs] == ["abort"]
+    engine.shutdown()
+    assert_pages_free(core)
+
+
+def test_queue_full_through_submit():
+    engine, core, gated = make_engine(max_concurrency=1, max_num_batched_tokens=8, max_waiting=1)
+
+    async def main():
+        gated.gate.clear()
+        first = await engine.submit(request("a", max_tokens=3))
+        await asyncio.to_thread(gated.entered.wait, 5)  # "a" is running: the queue is empty
+        second = await engine.submit(request("b", max_tokens=3))
+        with pytest.raises(QueueFull):
+            await engine.submit(request("c"))
+        with pytest.raises(ValueError, match="already active"):
+            await engine.submit(request("b"))
+        gated.gate.set()
+        return [o async for o in first], [o async for o in second]
+
+    a, b = asyncio.run(main())
+    assert a[-1].finish_reason == b[-1].finish_reason == "length"
+    assert engine.metrics().failed == 1
+    engine.shutdown()
+
+
+def test_runner_exception_fails_requests_and_marks_unhealthy():
+    def fail(plan):
+        if any(s.num_computed_tokens > 0 for s in plan.scheduled):
+            return RuntimeError("CUDA error: an illegal memory access")
+        return None
+
+    core, fake = make_core(fail=fail)
+    engine = AsyncEngine(core)
+
+    async def main():
+        results = await asyncio.gather(*(consume(engine, request(f"r{i}", max_tokens=5)) for i in range(3)))
+        with pytest.raises(EngineUnavailable, match="illegal memory access"):
+            await engine.submit(request("late"))
+        return results
+
+    results = asyncio.run(main())
+    for _, outputs in results:
+        assert outputs[-1].finish_reason == "error" and "illegal memory access" in outputs[-1].error
+    assert not engine.is_healthy and "illegal memory access" in engine.error
+    assert engine.metrics().failed == 3
+    engine.shutdown()
+    assert_pages_free(core)
+
+
+def test_idle_loop_sleeps_without_stepping():
+    engine, core, gated = make_engine()
+    steps = []
+    original = core.step
+    core.step = lambda: steps.append(1) or original()
+
+    async def main():
+        await consume(engine, request("a", max_tokens=3))
+
+    asyncio.run(main())
+    num_steps = len(steps)
+    time.sleep(0.1)
+    assert len(steps) == num_steps, "the loop stepped while idle"
+    assert engine._thread.is_alive()
+    asyncio.run(main())  # and it wakes up again
+    assert len(steps) > num_steps
+    engine.shutdown()
+
+
+def test_shutdown_joins_the_thread_and_ends_open_streams():
+    engine, core, _ = make_engine(delay=0.002, num_pages=1024, max_model_len=4096)
+
+    async def main():
+        stream = await engine.submit(request("a", max_tokens=3000))
+        first = await anext(stream)
+        await asyncio.to_thread(engine.shutdown, 5)
+        rest = [o async for o in stream]
+        return first, rest
+
+    first, rest = asyncio.run(main())
+    assert not engine._thread.is_alive()
+    assert rest and rest[-1].finish_reason == "abort"
+    assert not engine.is_healthy
+    assert_pages_free(core)
+
+    async def late():
+        await engine.submit(request("b"))
+
+    with pytest.raises(EngineUnavailable):
+        asyncio.run(late())

@@ -1,0 +1,465 @@
+"""Scheduler and EngineCore with a fake runner: batching, chunking, preemption, stops, cancellation."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from helios.engine.config import SchedulerConfig
+from helios.engine.engine_core import RequestExecutionError
+from helios.engine.messages import EngineRequest, SamplingParams
+from helios.engine.request import RequestStatus
+from helios.engine.scheduler import QueueFull
+from tests.engine.fakes import Collected, context_token, make_core, reference_tokens, request, run_until_idle
+
+
+def assert_idle(core) -> None:
+    pool = core.scheduler.block_pool
+    pool.check_invariants()
+    assert pool.num_free_blocks == pool.num_blocks
+    assert not core.scheduler.requests and not core.scheduler.running and not core.scheduler.waiting
+
+
+# --- config -------------------------------------------------------------------------------------
+
+
+def test_config_bounds_on_construction_and_decode():
+    with pytest.raises(ValueError, match="page_size"):
+        SchedulerConfig(page_size=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        SchedulerConfig(max_concurrency=8, max_num_batched_tokens=4)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"num_pages": -1}, SchedulerConfig)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"bogus": 1}, SchedulerConfig)
+    cfg = msgspec.convert({"page_size": 8, "num_pages": 10}, SchedulerConfig)
+    assert cfg.page_capacity_tokens == 80
+
+
+def test_config_fields_document_themselves():
+    for field in msgspec.inspect.type_info(SchedulerConfig).fields:
+        assert isinstance(field.type, msgspec.inspect.Metadata), field.name
+        assert field.type.extra_json_schema["description"], field.name
+        assert field.type.type.ge is not None and field.type.type.le is not None, field.name
+
+
+# --- basic flow ---------------------------------------------------------------------------------
+
+
+def test_single_request_tokens_follow_the_model():
+    core, runner = make_core()
+    req = request("a", prompt_len=10, max_tokens=5)
+    core.add_request(req)
+    got = run_until_idle(core)
+    context = list(req.prompt_token_ids)
+    for _ in range(5):
+        context.append(context_token(context))
+    assert got.tokens["a"] == context[10:]
+    final = got.final["a"]
+    assert final.finish_reason == "length" and final.stop_token is None and final.num_prompt_tokens == 10
+    assert runner.plans[0].new_requests[0].output_token_ids == []
+    assert_idle(core)
+    m = core.metrics()
+    assert (m.prefill_tokens, m.generated_tokens, m.completed, m.failed) == (10, 5, 1, 0)
+    assert (m.active, m.pending, m.free_pages, m.total_pages, m.page_tokens) == (0, 0, 64, 64, 4)
+    assert (m.reused_tokens, m.cached_pages) == (0, 0)
+
+
+def test_chunked_prefill_respects_chunk_and_budget():
+    core, runner = make_core(max_concurrency=4, max_num_batched_tokens=24, prefill_chunk_size=16, num_pages=256)
+    for i in range(6):
+        core.add_request(request(f"r{i}", prompt_len=50 + i, max_tokens=6))
+    got = run_until_idle(core)
+    assert len(got.final) == 6
+    for plan in runner.plans:
+        assert plan.num_scheduled_tokens <= 24
+        assert len(plan.scheduled) <= 4
+        for s in plan.scheduled:
+            assert len(s.token_ids) <= 16
+    # a prompt of 50 needs several chunks, some of exactly the chunk size
+    assert any(len(s.token_ids) == 16 for p in runner.plans for s in p.scheduled)
+    assert_idle(core)
+
+
+def test_long_prefill_does_not_stall_running_decodes():
+    core, runner = make_core(max_concurrency=4, max_num_batched_tokens=16, prefill_chunk_size=16, num_pages=256)
+    core.add_request(request("short", prompt_len=4, max_tokens=30))
+    core.step()
+    core.add_request(request("long", prompt_len=200, max_tokens=2))
+    while "long" in core.scheduler.requests:
+        core.step()
+        plan = runner.plans[-1]
+        if "short" in core.scheduler.requests:
+            assert "short" in {s.req_id for s in plan.scheduled}, "the decode skipped a step"
+    run_until_idle(core)
+    assert_idle(core)
+
+
+def test_no_starvation_long_prompt_among_many_short():
+    core, _ = make_core(max_concurrency=3, max_num_batched_tokens=8, prefill_chunk_size=8, num_pages=40, max_waiting=64)
+    core.add_request(request("long", prompt_len=120, max_tokens=4))
+    for i in range(30):
+        core.add_request(request(f"s{i}", prompt_len=3, max_tokens=3))
+    got = run_until_idle(core)
+    assert set(got.final) == {"long"} | {f"s{i}" for i in range(30)}
+    assert all(o.finish_reason == "length" for o in got.final.values())
+    assert_idle(core)
+
+
+def test_first_come_order_for_equal_work():
+    core, _ = make_core(max_concurrency=2, num_pages=256, max_waiting=64)
+    ids = [f"r{i:02d}" for i in range(10)]
+    for rid in ids:
+        core.add_request(request(rid, prompt_len=8, max_tokens=4))
+    got = run_until_idle(core)
+    assert got.finish_order == ids
+
+
+def test_queue_full_and_invalid_requests():
+    core, _ = make_core(max_waiting=2, max_model_len=32, num_pages=4)
+    core.add_request(request("a"))
+    core.add_request(request("b"))
+    with pytest.raises(QueueFull):
+        core.add_request(request("c"))
+    with pytest.raises(ValueError, match="already active"):
+        core.add_request(request("a"))
+    with pytest.raises(ValueError, match="empty"):
+        core.add_request(request("e", prompt_len=0))
+    with pytest.raises(ValueError, match="max_model_len"):
+        core.add_request(request("f", prompt_len=32))
+    with pytest.raises(ValueError, match="page capacity"):
+        core.add_request(request("g", prompt_len=17, max_tokens=0))  # 4 pages x 4 tokens
+    m = core.metrics()
+    assert (m.failed, m.pending) == (5, 2)
+    core.step()  # admits both: the queue has room again
+    assert core.metrics().pending == 0
+    core.add_request(request("c"))
+    core.add_request(request("h", prompt_len=16, max_tokens=0))  # exactly the page capacity: scoring fits
+    got = run_until_idle(core)
+    assert set(got.final) == {"a", "b", "c", "h"}
+    assert all(o.finish_reason == "length" for o in got.final.values())
+    assert_idle(core)
+
+
+# --- pages --------------------------------------------------------------------------------------
+
+
+def test_pages_free_after_completion_and_when_idle():
+    core, _ = make_core()
+    assert_idle(core)
+    for i in range(6):
+        core.add_request(request(f"r{i}", prompt_len=5 + i, max_tokens=3 + i))
+    core.step()
+    assert core.scheduler.block_pool.num_free_blocks < 64
+    run_until_idle(core)
+    assert_idle(core)
+
+
+@pytest.mark.parametrize("state", ["waiting", "mid_prefill", "decoding", "preempted", "between_schedule_and_update"])
+def test_abort_in_each_state_frees_pages(state):
+    core, runner = make_core(max_concurrency=1, max_num_batched_tokens=8, prefill_chunk_size=8)
+    core.add_request(request("x", prompt_len=40, max_tokens=50))
+    core.add_request(request("y", prompt_len=4, max_tokens=3))
+    target = "x"
+    if state == "waiting":
+        target = "y"
+        core.step()
+    elif state == "mid_prefill":
+        core.step()
+        assert not core.scheduler.requests["x"].is_prefill_done
+    elif state == "decoding":
+        for _ in range(8):
+            core.step()
+        assert core.scheduler.requests["x"].num_output_tokens > 1
+    elif state == "preempted":
+        for _ in range(7):
+            core.step()
+        sched = core.scheduler
+        sched.running.remove(req := sched.requests["x"])
+        sched._preempt(req)
+        assert req.status is RequestStatus.PREEMPTED and not req.block_ids
+    if state == "between_schedule_and_update":
+        core.step()
+        plan = core.scheduler.schedule()
+        out = core.abort("x")
+        core.scheduler.update(plan, runner.execute(plan))
+    else:
+        out = core.abort(target)
+    assert out.finished and out.finish_reason == "abort" and out.req_id == target
+    assert target not in core.scheduler.requests
+    assert core.abort(target) is None  # unknown now
+    got = run_until_idle(core)
+    assert target not in got.final
+    assert target not in runner.kv, "the runner was told to drop it"
+    assert_idle(core)
+
+
+def test_alone_at_page_capacity_finishes_with_length():
+    # 5 pages x 4 tokens = 20 KV positions; prompt 10 -> at most 11 tokens out (the last one is never fed)
+    core, _ = make_core(num_pages=5)
+    core.add_request(request("a", prompt_len=10, max_tokens=100))
+    got = run_until_idle(core)
+    assert got.final["a"].finish_reason == "length"
+    assert len(got.tokens["a"]) == 11
+    assert got.tokens["a"] == reference_tokens(request("a", prompt_len=10, max_tokens=11))
+    assert_idle(core)
+
+
+def test_preemption_gives_the_same_tokens():
+    reqs = [request(f"r{i}", prompt_len=6 + 3 * i, seed=i, max_tokens=12 + i) for i in range(6)]
+    core, runner = make_core(max_concurrency=6, num_pages=14, prefill_chunk_size=8)
+    for r in reqs:
+        core.add_request(r)
+    got = run_until_idle(core)
+    assert core.scheduler.num_preemptions > 0
+    assert any(n > 1 for n in runner.num_new.values())
+    resent = [n for p in runner.plans for n in p.new_requests if n.output_token_ids]
+    assert resent, "a preempted request is resent with its outputs so far"
+    for r in reqs:
+        assert got.final[r.req_id].finish_reason == "length"
+        assert got.tokens[r.req_id] == reference_tokens(r), r.req_id
+    assert core.metrics().prefill_tokens == sum(len(r.prompt_token_ids) for r in reqs)
+    assert_idle(core)
+
+
+# --- stop rules ---------------------------------------------------------------------------------
+
+
+def _run_script(script_tokens, **sampling):
+    core, _ = make_core(script={"a": script_tokens})
+    core.add_request(request("a", **sampling))
+    got = run_until_idle(core)
+    assert_idle(core)
+    return got.tokens["a"], got.final["a"]
+
+
+def test_eos_stops_and_is_appended():
+    tokens, final = _run_script([50, 51, 2, 53], max_tokens=10, eos_token_ids=(2,))
+    assert tokens == [50, 51, 2]
+    assert (final.finish_reason, final.stop_token) == ("stop", 2)
+
+
+def test_ignore_eos_runs_to_the_limit_and_reports_length():
+    tokens, final = _run_script([50, 2, 2], max_tokens=3, eos_token_ids=(2,), ignore_eos=True)
+    assert tokens == [50, 2, 2]
+    assert (final.finish_reason, final.stop_token) == ("length", None)
+
+
+def test_stop_token_ids():
+    tokens, final = _run_script([50, 7, 51], max_tokens=10, stop_token_ids=(7, 8))
+    assert tokens == [50, 7] and (final.finish_reason, final.stop_token) == ("stop", 7)
+
+
+def test_stop_token_ids_apply_under_ignore_eos():
+    tokens, final = _run_script([2, 7], max_tokens=10, eos_token_ids=(2,), ignore_eos=True, stop_token_ids=(7,))
+    assert tokens == [2, 7] and final.stop_token == 7
+
+
+def test_stop_token_sequences_match_the_output_tail():
+    seqs = ((5, 6, 7), (9,))
+    tokens, final = _run_script([5, 6, 50, 5, 6, 7, 51], max_tokens=10, stop_token_sequences=seqs)
+    assert tokens == [5, 6, 50, 5, 6, 7]
+    assert (final.finish_reason, final.stop_token) == ("stop", [5, 6, 7])
+
+
+def test_stop_sequence_does_not_match_across_the_prompt():
+    core, _ = make_core(script={"a": [6, 50]})
+    sampling = SamplingParams(max_tokens=2, stop_token_sequences=((5, 6),))
+    core.add_request(EngineRequest(req_id="a", prompt_token_ids=[11, 5], sampling=sampling))
+    got = run_until_idle(core)
+    assert got.tokens["a"] == [6, 50] and got.final["a"].finish_reason == "length"
+
+
+def test_max_tokens_reports_length():
+    tokens, final = _run_script([50, 51, 52, 53], max_tokens=3)
+    assert tokens == [50, 51, 52] and final.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(eos_token_ids=(2,)),
+        dict(stop_token_ids=(2,)),
+        dict(stop_token_sequences=((51, 2),)),
+    ],
+)
+def test_stop_on_the_final_allowed_token_reports_stop(sampling):
+    tokens, final = _run_script([50, 51, 2], max_tokens=3, **sampling)
+    assert tokens == [50, 51, 2] and final.finish_reason == "stop"
+
+
+def test_max_model_len_reports_length():
+    core, _ = make_core(max_model_len=12)
+    core.add_request(request("a", prompt_len=8, max_tokens=100))
+    got = run_until_idle(core)
+    assert len(got.tokens["a"]) == 4 and got.final["a"].finish_reason == "length"
+
+
+# --- logprobs -----------------------------------------------------------------------------------
+
+
+def test_prompt_scoring_and_prompt_logprobs_across_chunks_and_preemption():
+    core, runner = make_core(prefill_chunk_size=5, max_num_batched_tokens=8, num_pages=64)
+    req = request("p", prompt_len=23, max_tokens=0, prompt_logprobs=2)
+    core.add_request(req)
+    got = run_until_idle(core)
+    outs = got.outputs["p"]
+    assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "length" and not outs[0].new_token_ids
+    records = outs[0].prompt_logprobs
+    assert [r.token.token_id for r in records] == req.prompt_token_ids[1:]
+    assert all(not s.sample for p in runner.plans for s in p.scheduled)
+    assert core.metrics().completed == 1 and core.metrics().generated_tokens == 0
+
+    # prompt logprobs are sent once, with the first token, and survive a mid-prefill preemption
+    core, runner = make_core(prefill_chunk_size=5, max_num_batched_tokens=8)
+    req = request("q", prompt_len=23, max_tokens=3, prompt_logprobs=0, logprobs=1)
+    core.add_request(req)
+    core.step()
+    core.step()
+    sched = core.scheduler
+    sched.running.remove(r := sched.requests["q"])
+    sched._preempt(r)
+    got = run_until_idle(core)
+    with_prompt = [o for o in got.outputs["q"] if o.prompt_logprobs is not None]
+    assert len(with_prompt) == 1 and with_prompt[0].new_token_ids
+    assert [x.token.token_id for x in with_prompt[0].prompt_logprobs] == req.prompt_token_ids[1:]
+    for o in got.outputs["q"]:
+        assert o.logprobs is not None and [x.token.token_id for x in o.logprobs] == o.new_token_ids
+    assert_idle(core)
+
+
+# --- runner failures ----------------------------------------------------------------------------
+
+
+def test_runner_exception_fails_the_plan_and_marks_unhealthy():
+    boom = {"armed": False}
+
+    def fail(plan):
+        return RuntimeError("device lost") if boom["armed"] else None
+
+    core, _ = make_core(fail=fail)
+    core.add_request(request("a", max_tokens=50))
+    core.add_request(request("b", max_tokens=50))
+    core.step()
+    boom["armed"] = True
+    outs = core.step()
+    assert {o.req_id for o in outs} == {"a", "b"}
+    for o in outs:
+        assert o.finished and o.finish_reason == "error" and "device lost" in o.error
+    assert not core.is_healthy and "device lost" in core.error
+    assert core.metrics().failed == 2
+    assert_idle(core)
+
+
+def test_request_specific_exception_fails_only_that_request():
+    def fail(plan):
+        if any(s.req_id == "bad" and s.num_computed_tokens > 0 for s in plan.scheduled):
+            return RequestExecutionError(["bad"], "bad grammar")
+        return None
+
+    core, _ = make_core(fail=fail)
+    good = request("good", prompt_len=7, max_tokens=6)
+    core.add_request(good)
+    core.add_request(request("bad", prompt_len=30, max_tokens=6))
+    got = run_until_idle(core)
+    assert got.final["bad"].finish_reason == "error" and got.final["bad"].error == "bad grammar"
+    assert got.final["good"].finish_reason == "length"
+    assert got.tokens["good"] == reference_tokens(good)
+    assert core.is_healthy
+    assert_idle(core)
+
+
+def test_missing_sampled_token_is_a_request_error():
+    class Dropper:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def execute(self, plan):
+            out = self.inner.execute(plan)
+            return type(out)(results=[r for r in out.results if r.req_id != "a"])
+
+    core, runner = make_core()
+    core.runner = Dropper(runner)
+    core.add_request(request("a"))
+    core.add_request(request("b", max_tokens=2))
+    got = run_until_idle(core)
+    assert got.final["a"].finish_reason == "error" and got.final["b"].finish_reason == "length"
+    assert_idle(core)
+
+
+# --- property test ------------------------------------------------------------------------------
+
+_op = st.one_of(
+    st.tuples(st.just("add"), st.integers(1, 40), st.integers(0, 12)),
+    st.tuples(st.just("abort"), st.integers(0, 30)),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=st.lists(_op, max_size=60),
+    num_pages=st.integers(3, 24),
+    concurrency=st.integers(1, 5),
+    chunk=st.integers(1, 12),
+)
+def test_random_add_abort_step_keep_pool_invariants(ops, num_pages, concurrency, chunk):
+    core, runner = make_core(
+        num_pages=num_pages,
+        max_concurrency=concurrency,
+        prefill_chunk_size=chunk,
+        max_num_batched_tokens=max(concurrency, 10),
+        max_waiting=8,
+        max_model_len=48,
+    )
+    sched, pool = core.scheduler, core.scheduler.block_pool
+    collected = Collected()
+    added: list[str] = []
+
+    def check():
+        pool.check_invariants()
+        owners: dict[int, int] = {}
+        for req in sched.requests.values():
+            if req.status is not RequestStatus.RUNNING:
+                assert not req.block_ids, req
+            for b in req.block_ids:
+                owners[b] = owners.get(b, 0) + 1
+        assert all(pool.ref_count(b) == n == 1 for b, n in owners.items()), "a page owned twice"
+        assert len(owners) == pool.num_used_blocks
+        assert len(sched.running) <= concurrency
+
+    for op in ops:
+        if op[0] == "add":
+            rid = f"r{len(added)}"
+            try:
+                core.add_request(request(rid, prompt_len=op[1], max_tokens=op[2], seed=len(added)))
+                added.append(rid)
+            except (QueueFull, ValueError):
+                pass
+        elif op[0] == "abort" and added:
+            core.abort(added[op[1] % len(added)])
+        else:
+            for _ in range(op[1]):
+                collected.add(core.step())
+        check()
+    run_until_idle(core, collected)
+    check()
+    assert_idle(core)
+    assert not runner.kv or all(rid not in sched.requests for rid in runner.kv)
+
+
+def test_resumed_request_past_page_capacity_finishes_with_length():
+    core, _ = make_core(num_pages=5)  # 20 KV positions
+    core.add_request(request("a", prompt_len=10, max_tokens=100))
+    sched = core.scheduler
+    collected = Collected()
+    while sched.requests["a"].num_tokens < 21:
+        collected.add(core.step())
+    req = sched.requests["a"]
+    sched.running.remove(req)
+    sched._preempt(req)  # 21 tokens no longer fit in the pool: it cannot be resumed
+    run_until_idle(core, collected)
+    assert collected.final["a"].finish_reason == "length" and len(collected.tokens["a"]) == 11
+    assert_idle(core)
