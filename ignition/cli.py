@@ -18,7 +18,7 @@ from ignition.errors import ExportError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Export checkpoints into helios cores.")
 err = Console(stderr=True)
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _one_line_errors(fn):
@@ -132,7 +132,7 @@ def inspect(core: Annotated[Path, typer.Argument(help="core directory")]) -> Non
         ("tokenizer", _fmt(m.tokenizer)),
         ("template", _fmt(m.template)),
         ("sampling defaults", _fmt(m.sampling.defaults)),
-        ("sampling ranges", _fmt(m.sampling.ranges) or "none (fixed at defaults)"),
+        ("sampling ranges", _fmt(m.sampling.ranges) or "none: every parameter fixed at its default"),
         ("logprobs", _fmt(m.logprobs)),
         ("vision", "on" if m.vision.enabled else "off"),
         ("limits", _fmt(m.limits)),
@@ -148,7 +148,7 @@ def inspect(core: Annotated[Path, typer.Argument(help="core directory")]) -> Non
 
 def _fmt(struct) -> str:
     data = msgspec.to_builtins(struct)
-    return "  ".join(f"{k}={v}" for k, v in data.items())
+    return "  ".join(f"{k}={v}" for k, v in data.items() if v is not None)
 
 
 @app.command()

@@ -1,7 +1,8 @@
 """The core manifest (format v1): msgspec Structs, the format's single source of truth.
 
 Owns the schema of `core.toml` and its deterministic TOML encoding. Imports no torch, no ignition.
-Every optional field defaults to None and is omitted from TOML (TOML has no null).
+Every field is written explicitly, so a core keeps its meaning if a default changes later; optional
+fields default to None and only those are omitted from TOML (TOML has no null).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 
 
-class _S(Struct, omit_defaults=True, forbid_unknown_fields=True, frozen=True):
-    """Base: frozen, strict, None-omitting."""
+class _S(Struct, forbid_unknown_fields=True, frozen=True):
+    """Base: frozen, strict."""
 
 
 class ModelIdentity(_S):
@@ -226,7 +227,7 @@ class Manifest(_S):
 def _sorted(obj):
     # NOTE: dict keys are sorted so equal manifests encode to equal bytes; list order is data.
     if isinstance(obj, dict):
-        return {k: _sorted(obj[k]) for k in sorted(obj)}
+        return {k: _sorted(obj[k]) for k in sorted(obj) if obj[k] is not None}
     if isinstance(obj, list):
         return [_sorted(v) for v in obj]
     return obj

@@ -1,1 +1,85 @@
+"""Model registry: family -> forward-only module, plus binding a core's tensors without copies.
 
+A model is built with its parameters on the `meta` device, then `bind_tensors` points every parameter
+at the loader's (mmap-backed) tensor. Family modules are imported inside the factory, so one family's
+code is loaded only when a core of that family is served. Never imports the engine, runner or ignition.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from helios.core.manifest import Architecture
+from helios.layers.attention import AttentionMetadata, select_attention_backend
+
+# family -> "module:Class"
+_FAMILIES = {
+    "llama": "helios.models.llama:LlamaForCausalLM",
+    "qwen2": "helios.models.llama:LlamaForCausalLM",
+    "qwen3": "helios.models.llama:LlamaForCausalLM",
+    "qwen3_moe": "helios.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "gemma3": "helios.models.gemma3:Gemma3ForCausalLM",
+}
+
+
+class CausalLM(Protocol):
+    """What the runner calls; every family module implements it."""
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_pages, page_size, Nkv, D]
+    ) -> torch.Tensor:  # [T, H] final-normed hidden states
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] model dtype
+        ...
+
+
+def build_model(
+    arch: Architecture,
+    tensors: dict[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    attention_backend: str | None = None,
+) -> CausalLM:
+    """Build the family's module on meta, bind `tensors` (cast/moved only if dtype/device differ)."""
+    if arch.family not in _FAMILIES:
+        raise ValueError(f"no model for family {arch.family!r}; known: {sorted(_FAMILIES)}")
+    module, cls = _FAMILIES[arch.family].split(":")
+    backend = select_attention_backend(attention_backend, device)
+    model = getattr(importlib.import_module(module), cls)(arch, backend, device)
+    bind_tensors(model, tensors, device, dtype)
+    return model.eval()
+
+
+def bind_tensors(
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Point each meta parameter at tensors[name]; names are the core layout's names exactly.
+
+    Strict both ways: a missing tensor, an unused tensor or a shape mismatch raises ValueError.
+    """
+    expected = dict(model.named_parameters())
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ValueError(f"core lacks tensor {missing[0]} (and {len(missing) - 1} more)")
+    unused = sorted(set(tensors) - set(expected))
+    if unused:
+        raise ValueError(f"core tensor {unused[0]} has no place in the {type(model).__name__} model")
+    for name, param in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != tuple(param.shape):
+            raise ValueError(f"tensor {name}: shape {tuple(t.shape)}, the architecture wants {tuple(param.shape)}")
+        # NOTE: .to() returns the same tensor (no copy) when device and dtype already match.
+        t = t.to(device=device, dtype=dtype or t.dtype)
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = nn.Parameter(t, requires_grad=False)

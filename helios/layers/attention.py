@@ -1,0 +1,219 @@
+"""Paged attention: the per-step metadata, the backend facade, and the attention layer.
+
+The layer projects q/k/v, applies q/k norms and rotary, then hands everything to an `AttentionBackend`
+chosen once per model (`select_attention_backend`), which writes this step's K/V into the paged cache
+and attends over each sequence's pages. No globals: the metadata is an argument of every forward.
+Imports torch and helios.core only; a Triton backend lives in helios.kernels and is imported lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helios.layers.linear import Linear
+from helios.layers.norm import RMSNorm
+from helios.layers.rotary import apply_rotary
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where this step's tokens sit: one flattened batch of B sequences, T tokens in all.
+
+    Sequence i owns tokens query_start_loc[i]:query_start_loc[i+1]; they are its last query tokens, so
+    its first query position is seq_lens[i] - num_query_tokens (chunked prefill and decode alike).
+    The *_cpu lists mirror the tensors for host-side loops (no device sync). The sliding window is
+    per layer, so each Attention layer passes its own (from arch.layer_types) to the backend call.
+    """
+
+    positions: torch.Tensor  # [T] int64, absolute position of each token
+    slot_mapping: torch.Tensor  # [T] int64, block_id * page_size + offset; the KV write target
+    query_start_loc: torch.Tensor  # [B + 1] int32, cumulative query token counts
+    seq_lens: torch.Tensor  # [B] int32, KV length of each sequence after this step's writes
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 past each table's end
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    """What a layer needs from an attention implementation; one instance serves every layer."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """Write k/v at meta.slot_mapping, then attend causally over each sequence's cached keys."""
+        ...
+
+
+def write_kv(
+    kv_cache: torch.Tensor,  # [2, num_pages, page_size, num_kv_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])  # [2, num_slots, Nkv, D]
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+class TorchAttentionBackend:
+    """Reference backend for CPU (and any device): gather each sequence's pages, then SDPA.
+
+    Keys older than the sliding window are not gathered at all, so a sliding layer's cost stays
+    bounded by the window rather than the context.
+    """
+
+    name = "torch"
+
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, softcap):
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        page_size = kv_cache.shape[2]
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = qsl[i], qsl[i + 1]
+            if end == start:
+                continue
+            first_pos = seq_len - (end - start)  # position of this sequence's first query token
+            # keys [key_start, seq_len): everything a query may see (window start of the first query)
+            key_start = 0 if sliding_window is None else max(0, first_pos - sliding_window + 1)
+            first_block = key_start // page_size
+            num_blocks = (seq_len + page_size - 1) // page_size - first_block
+            blocks = meta.block_tables[i, first_block : first_block + num_blocks].long()
+            base = first_block * page_size
+            keys = kv_cache[0, blocks].flatten(0, 1)[key_start - base : seq_len - base]  # [S, Nkv, D]
+            values = kv_cache[1, blocks].flatten(0, 1)[key_start - base : seq_len - base]
+            mask = _mask(first_pos, end - start, key_start, seq_len, sliding_window, q.device)
+            out[start:end] = _attend(q[start:end], keys, values, mask, scale, softcap)
+        return out
+
+
+def _mask(
+    first_pos: int, num_queries: int, key_start: int, seq_len: int, sliding_window: int | None, device
+) -> torch.Tensor | None:
+    """[Lq, S] bool (True = attend), or None when every query sees every gathered key."""
+    if num_queries == 1 and (sliding_window is None or seq_len - key_start <= sliding_window):
+        return None
+    q_pos = torch.arange(first_pos, first_pos + num_queries, device=device)[:, None]
+    k_pos = torch.arange(key_start, seq_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        # HF's convention: a query sees itself and the sliding_window - 1 keys before it.
+        allowed &= k_pos > q_pos - sliding_window
+    return allowed
+
+
+def _attend(
+    q: torch.Tensor,  # [Lq, Nq, D]
+    keys: torch.Tensor,  # [S, Nkv, D]
+    values: torch.Tensor,  # [S, Nkv, D]
+    mask: torch.Tensor | None,  # [Lq, S] bool
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:  # [Lq, Nq, D]
+    num_groups = q.shape[1] // keys.shape[1]
+    qh = q.transpose(0, 1)  # [Nq, Lq, D]
+    kh = keys.to(q.dtype).transpose(0, 1).repeat_interleave(num_groups, dim=0)  # [Nq, S, D]
+    vh = values.to(q.dtype).transpose(0, 1).repeat_interleave(num_groups, dim=0)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    else:
+        # SDPA has no logit soft-capping: eager, in HF's order (scale, cap, mask, fp32 softmax).
+        scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), vh)
+    return o.transpose(0, 1)
+
+
+# name -> "module:Class"; imported only when chosen, so an optional backend stays optional.
+_BACKENDS = {
+    "torch": "helios.layers.attention:TorchAttentionBackend",
+    "triton": "helios.kernels.attention:TritonAttentionBackend",
+}
+
+
+def select_attention_backend(name: str | None = None, device: torch.device | str = "cpu") -> AttentionBackend:
+    """Pick the backend once per model. `name` overrides (tests); the default is "torch" until the
+    Triton backend lands, after which CUDA devices will default to it."""
+    chosen = name or "torch"
+    if chosen not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {chosen!r}; known: {sorted(_BACKENDS)}")
+    module, cls = _BACKENDS[chosen].split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+class Attention(nn.Module):
+    """Fused-qkv attention with optional qkv bias, per-head q/k RMSNorm, rotary and sliding window.
+
+    Tensors bound: qkv.weight [(Nq + 2*Nkv)*D, H] (+ qkv.bias), q_norm/k_norm.weight [D], o.weight [H, Nq*D].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend,
+        *,
+        bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        norm_multiply_in_float32: bool = False,
+        scale: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.backend = backend
+        self.scale = scale if scale is not None else head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.softcap = softcap
+        self.qkv = Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias)
+        self.q_norm = RMSNorm(head_dim, norm_eps, norm_multiply_in_float32) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps, norm_multiply_in_float32) if qk_norm else None
+        self.o = Linear(num_heads * head_dim, hidden_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, D]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        num_tokens = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
+        return self.o(o.reshape(num_tokens, q_size))

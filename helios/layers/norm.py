@@ -1,0 +1,40 @@
+"""RMSNorm as the HF families compute it: statistics in float32, weights stored as the multiplier.
+
+Two orders of the final multiply exist upstream and differ only below float32 (bf16/fp16):
+llama/qwen cast the normalized value back to the input dtype before multiplying by the weight;
+gemma multiplies in float32 and casts afterwards. `multiply_in_float32` picks the gemma order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., dim]
+    weight: torch.Tensor,  # [dim]
+    eps: float,
+    multiply_in_float32: bool = False,
+) -> torch.Tensor:
+    """y = x / rms(x) * weight, normalized in float32 like HF."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if multiply_in_float32:
+        return (h * weight.to(torch.float32)).to(input_dtype)
+    return weight * h.to(input_dtype)
+
+
+class RMSNorm(nn.Module):
+    """Holds `weight` [dim] (bound from the core) and applies `rms_norm`."""
+
+    def __init__(self, dim: int, eps: float, multiply_in_float32: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.multiply_in_float32 = multiply_in_float32
+        # NOTE: meta until the model binds the core's tensor; never allocated here.
+        self.weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        return rms_norm(x, self.weight, self.eps, self.multiply_in_float32)

@@ -1,0 +1,106 @@
+"""The llama family and its close relatives: llama (incl. llama3 rope scaling), qwen2 (qkv bias) and
+qwen3 (per-head q/k RMSNorm), selected by Architecture flags rather than separate classes.
+
+Pre-norm decoder: x += attn(attn_norm(x)); x += mlp(mlp_norm(x)). Forward-only, no weights of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helios.core.manifest import Architecture
+from helios.layers.activation import GatedMLP
+from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from helios.layers.linear import Embedding, Linear
+from helios.layers.norm import RMSNorm
+from helios.layers.rotary import RotaryEmbedding
+
+
+def is_sliding(arch: Architecture, layer_idx: int) -> bool:
+    return bool(arch.layer_types) and arch.layer_types[layer_idx] == "sliding"
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block; `ffn` is a GatedMLP (bound as `mlp.*`) or a SparseMoe (bound as `moe.*`)."""
+
+    def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend, ffn: nn.Module, ffn_name: str):
+        super().__init__()
+        sliding = is_sliding(arch, layer_idx)
+        self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.attn = Attention(
+            arch.hidden_size,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            backend,
+            bias=arch.attention_bias,
+            qk_norm=arch.qk_norm,
+            norm_eps=arch.rms_norm_eps,
+            scale=arch.query_scale,
+            sliding_window=arch.sliding_window if sliding else None,
+            softcap=arch.attn_logit_softcapping,
+        )
+        self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.ffn_name = ffn_name
+        self.add_module(ffn_name, ffn)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, D]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = x + self.attn(self.attn_norm(x), cos_sin, kv_cache, meta)
+        return x + getattr(self, self.ffn_name)(self.mlp_norm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """llama / qwen2 / qwen3. Subclasses change the feed-forward of a layer via `make_ffn`."""
+
+    def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.arch = arch
+        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, i, backend, *self.make_ffn(arch, i)) for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size)
+        self.rotary = RotaryEmbedding(
+            arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings, device
+        )
+        # a sliding layer of a llama-like model keeps the global rope unless a local base is declared
+        self.local_rotary = (
+            RotaryEmbedding(arch.head_dim, arch.rope_local_theta, None, arch.max_position_embeddings, device)
+            if arch.rope_local_theta is not None
+            else self.rotary
+        )
+
+    def make_ffn(self, arch: Architecture, layer_idx: int) -> tuple[nn.Module, str]:
+        return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act), "mlp"
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_pages, page_size, Nkv, D]
+    ) -> torch.Tensor:  # [T, H]
+        x = self.embed(token_ids)
+        if self.arch.embedding_scale is not None:
+            x = x * torch.tensor(self.arch.embedding_scale, dtype=x.dtype)
+        rope = self.rotary.cos_sin(meta.positions, x.dtype)
+        local_rope = rope if self.local_rotary is self.rotary else self.local_rotary.cos_sin(meta.positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return softcap_logits(torch.nn.functional.linear(hidden, weight), self.arch.final_logit_softcapping)
+
+
+def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:  # [N, V]
+    """cap * tanh(logits / cap) when the architecture declares a final soft-cap (gemma)."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,31 @@
+"""qwen3-moe: the qwen3 decoder (q/k norms, no bias) with a sparse MoE feed-forward in every layer except
+`arch.moe.dense_layers`, which keep a dense GatedMLP of `intermediate_size`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from helios.core.manifest import Architecture
+from helios.layers.moe import SparseMoe
+from helios.models.llama import LlamaForCausalLM
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    def make_ffn(self, arch: Architecture, layer_idx: int) -> tuple[nn.Module, str]:
+        moe = arch.moe
+        if moe is None:
+            raise ValueError("a qwen3_moe architecture needs arch.moe")
+        if layer_idx in moe.dense_layers:
+            return super().make_ffn(arch, layer_idx)
+        return (
+            SparseMoe(
+                arch.hidden_size,
+                moe.num_experts,
+                moe.moe_intermediate_size,
+                moe.num_experts_per_tok,
+                moe.norm_topk_prob,
+                arch.hidden_act,
+            ),
+            "moe",
+        )

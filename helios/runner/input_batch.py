@@ -1,0 +1,119 @@
+"""Per-request runner state and the flattened token batch of one step.
+
+`prepare_batch` turns the plan's scheduled requests (prefill chunks and decodes alike) into one token
+batch: token ids, positions, KV slots, the attention metadata, and which hidden rows need logits.
+Logits are computed only where they are used: the sampling position of a request, or every chunk
+position of a request that wants prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from helios.engine.messages import SamplingParams, ScheduledRequest
+from helios.layers.attention import AttentionMetadata
+
+
+@dataclass
+class RequestState:
+    """What the runner remembers about a live request between steps."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    # helios.runner.sampler.SamplerState: also the one record of the request's output tokens
+    sampler_state: Any = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampling.logprobs is not None or self.sampling.logprob_token_ids is not None
+
+
+@dataclass(frozen=True)
+class RequestRows:
+    """Where one scheduled request's outputs live in the step's logits tensor."""
+
+    req_id: str
+    logits_start: int  # first logits row of this request
+    num_logits: int  # rows: 0, 1 (sample only) or the chunk length (prompt logprobs)
+    sample_row: int | None  # logits row of the sampling position, None when the chunk does not sample
+    # prompt logprobs: the record of token p+1 for chunk positions p with p+1 inside the prompt;
+    # these are the first len(prompt_next_token_ids) rows from logits_start
+    prompt_next_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class PreparedBatch:
+    token_ids: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int64, hidden rows that get logits
+    rows: list[RequestRows]  # one per scheduled request, in plan order
+
+
+def prepare_batch(
+    scheduled: list[ScheduledRequest],
+    requests: dict[str, RequestState],
+    page_size: int,
+    device: torch.device | str = "cpu",
+) -> PreparedBatch:
+    token_ids: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    rows: list[RequestRows] = []
+    for s in scheduled:
+        num_tokens = len(s.token_ids)
+        if num_tokens == 0:
+            raise ValueError(f"request {s.req_id}: scheduled with no tokens")
+        first_row = query_start_loc[-1]
+        token_ids.extend(s.token_ids)
+        query_start_loc.append(first_row + num_tokens)
+        seq_len = s.num_computed_tokens + num_tokens
+        if (seq_len + page_size - 1) // page_size > len(s.block_ids):
+            raise ValueError(f"request {s.req_id}: {seq_len} tokens do not fit in {len(s.block_ids)} blocks")
+        seq_lens.append(seq_len)
+        logits_start = len(logits_indices)
+        next_ids: list[int] = []
+        if s.want_prompt_logprobs:
+            prompt = requests[s.req_id].prompt_token_ids
+            next_ids = prompt[s.num_computed_tokens + 1 : seq_len + 1]
+            logits_indices.extend(range(first_row, first_row + num_tokens))
+            sample_row = logits_start + num_tokens - 1 if s.sample else None
+        elif s.sample:
+            logits_indices.append(first_row + num_tokens - 1)
+            sample_row = logits_start
+        else:
+            sample_row = None
+        rows.append(RequestRows(s.req_id, logits_start, len(logits_indices) - logits_start, sample_row, next_ids))
+
+    num_seqs = len(scheduled)
+    max_blocks = max(len(s.block_ids) for s in scheduled)
+    block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
+    for i, s in enumerate(scheduled):
+        block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+    counts = torch.tensor([len(s.token_ids) for s in scheduled])
+    seq_index = torch.repeat_interleave(torch.arange(num_seqs), counts)  # [T] owning sequence
+    starts = torch.tensor([s.num_computed_tokens for s in scheduled])
+    offsets = torch.arange(len(token_ids)) - torch.tensor(query_start_loc[:-1]).repeat_interleave(counts)
+    positions = starts[seq_index] + offsets  # [T]
+    blocks = block_tables[seq_index, positions // page_size].long()
+    slot_mapping = blocks * page_size + positions % page_size  # [T]
+
+    meta = AttentionMetadata(
+        positions=positions.to(device),
+        slot_mapping=slot_mapping.to(device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+    return PreparedBatch(
+        token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
+        meta=meta,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        rows=rows,
+    )

@@ -1,0 +1,47 @@
+"""The paged KV cache: one preallocated tensor per layer, addressed by slot = block_id * page_size + offset.
+
+Layout per layer: [2 (k, v), num_pages, page_size, num_kv_heads, head_dim]. Which pages a request owns
+is the engine's business (block ids arrive in the plan); this module only owns the memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helios.core.manifest import Architecture
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # NOTE: zeros, not empty: a page is only read up to a sequence's length, but never-written
+        # memory must not be able to carry NaNs into a masked-out lane of a future kernel.
+        self.layers = [
+            torch.zeros(2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+
+    @classmethod
+    def from_arch(
+        cls, arch: Architecture, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> KVCache:
+        return cls(arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+
+    @staticmethod
+    def bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes one page costs across all layers (for sizing the pool from free memory)."""
+        return arch.num_layers * 2 * page_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+
+    def slot(self, block_ids: list[int], position: int) -> int:
+        """The flat slot of token `position` of a sequence whose block table is `block_ids`."""
+        return block_ids[position // self.page_size] * self.page_size + position % self.page_size

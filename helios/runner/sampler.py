@@ -1,0 +1,252 @@
+"""Per-request sampling state and the batch sampler: penalties, temperature, top-k, top-p, min-p, seeded draw.
+
+Batch invariance is the contract: a request gets bit-identical tokens alone or in any batch. Batched
+math is restricted to operations whose per-element result cannot depend on the batch: IEEE-exact
+elementwise ops (+ - * /, compare, select), selections (max, argmax, sort, gather) and integer sums.
+Everything else (exp, log, the noise draw) runs row by row, except exp/log on CUDA (see _rowwise).
+Imports torch and helios.engine.messages only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from helios.engine.messages import SamplingParams
+from helios.runner.penalties import apply_penalties
+
+GREEDY_TEMPERATURE = 1e-5  # below this temperature a request is sampled greedily (argmax)
+_SEED_MASK = (1 << 64) - 1
+_TINY = torch.finfo(torch.float32).tiny  # the smallest exponential noise kept (log stays finite)
+
+
+class SamplerState:
+    """The sampling state of one request: its params, its generator and its token statistics.
+
+    The generator is seeded from params.seed and lives on the logits' device (created at the first
+    draw unless `device` is given). Prompt tokens count for the repetition penalty; output tokens
+    count for repetition, presence and frequency (as vLLM does).
+    NOTE: draw n (n = 0, 1, ...) of the generator belongs to output position n. Tokens appended without
+    being drawn here (outputs re-sent after preemption, forced tokens) are skipped in the generator at
+    the next draw, so a resumed request continues exactly as an uninterrupted one would.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        device: torch.device | str | None = None,
+    ):
+        self.params = params
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.is_greedy = params.temperature < GREEDY_TEMPERATURE
+        self.has_penalties = (
+            params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        )
+        self._generator: torch.Generator | None = None
+        self._num_draws = 0  # generator draws consumed so far (one vocab-sized draw per position)
+        # penalty statistics on the logits' device, built at first use and then kept in sync
+        self._seen_mask: torch.Tensor | None = None  # [vocab] bool
+        self._output_counts: torch.Tensor | None = None  # [vocab] int32
+        self._num_counted = 0  # output tokens already folded into the tensors above
+        if device is not None:
+            self._generator = self._new_generator(torch.device(device))
+
+    def append(self, token_id: int) -> None:
+        """Record one output token (sampled, forced or re-sent after preemption)."""
+        self.output_token_ids.append(int(token_id))
+
+    # --- used by sample() -------------------------------------------------------------------------
+
+    def _new_generator(self, device: torch.device) -> torch.Generator:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(self.params.seed & _SEED_MASK)
+        return generator
+
+    def draw_exponential(self, out: torch.Tensor) -> None:  # out: [vocab] float32, filled in place
+        """Fill `out` with Exponential(1) noise for the next output position, from this request's generator."""
+        if self._generator is None or self._generator.device != out.device:
+            if self._generator is not None and self._num_draws:
+                raise RuntimeError("a request's sampler state cannot move between devices after sampling")
+            self._generator = self._new_generator(out.device)
+        # skip the draws of positions that were appended without being drawn here
+        while self._num_draws < len(self.output_token_ids):
+            torch.empty_like(out).exponential_(generator=self._generator)
+            self._num_draws += 1
+        out.exponential_(generator=self._generator)
+        self._num_draws += 1
+
+    def penalty_tensors(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """([vocab] bool seen in prompt or output, [vocab] int32 output counts), synced with the outputs."""
+        if self._seen_mask is None or self._seen_mask.device != device or self._seen_mask.numel() != vocab_size:
+            self._seen_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self._output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
+            self._num_counted = 0
+            if self.prompt_token_ids:
+                self._seen_mask[_token_index(self.prompt_token_ids, vocab_size, device)] = True
+        assert self._output_counts is not None
+        pending = self.output_token_ids[self._num_counted :]
+        if pending:
+            index = _token_index(pending, vocab_size, device)
+            ones = torch.ones(len(pending), dtype=torch.int32, device=device)
+            self._output_counts.index_put_((index,), ones, accumulate=True)  # integer adds: exact
+            self._seen_mask[index] = True
+            self._num_counted = len(self.output_token_ids)
+        return self._seen_mask, self._output_counts
+
+
+def _token_index(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        raise ValueError(f"token id outside the vocabulary of {vocab_size}")
+    return torch.tensor(token_ids, dtype=torch.int64, device=device)
+
+
+def _rowwise(x: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # x: [rows, vocab]
+    """Apply a transcendental elementwise op (exp, log) so that each row's result ignores the batch.
+
+    NOTE: CPU kernels split a contiguous buffer into a SIMD body and a scalar tail (and threads split it
+    anywhere), and the two paths may use different exp/log implementations, so an element's result could
+    depend on its offset in the batch: we call the op once per row. CUDA elementwise kernels evaluate the
+    same function for every element whatever its position, so they take the whole batch at once
+    (tests/gpu checks this on the device).
+    """
+    if x.device.type == "cuda" or x.shape[0] == 1:
+        return op(x)
+    return torch.stack([op(row) for row in x])
+
+
+def _param_tensor(values: list[float], device: torch.device, dtype=torch.float32) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _top_k_top_p(
+    x: torch.Tensor,  # [rows, vocab] float32 tempered logits
+    top_k: list[int],  # per row, already in 1..vocab (vocab = off)
+    top_p: list[float],  # per row, 1.0 = off
+) -> torch.Tensor:  # [rows, vocab] with filtered tokens at -inf
+    """Keep, per row, the tokens at or above a cutoff value: the k-th largest, then the top-p cutoff.
+
+    Ties at a cutoff are kept (the support never depends on token ids). top-p keeps the shortest
+    prefix of the sorted, top-k-filtered distribution whose mass reaches top_p (a token is kept when
+    the mass strictly before it is below top_p), measured in exact fixed point: weights
+    exp(x - max) in (0, 1] are floored to multiples of 2**-S and summed as int64, so the cumulative
+    sum is exact in any order and the comparison with top_p * total is done in float64 on integers
+    below 2**53.
+    """
+    rows, vocab = x.shape
+    device = x.device
+    xs = torch.sort(x, dim=-1, descending=True).values  # [rows, vocab]: a permutation, exact
+    k_index = torch.tensor([k - 1 for k in top_k], dtype=torch.int64, device=device)[:, None]
+    cutoff = xs.gather(1, k_index)  # [rows, 1]
+    if any(p < 1.0 for p in top_p):
+        kept = xs >= cutoff  # [rows, vocab], a prefix of the sorted row
+        # a row of only -inf keeps a finite max so that x - max never becomes nan
+        row_max = xs[:, :1].clamp_min(torch.finfo(torch.float32).min)
+        weights = _rowwise(xs - row_max, torch.exp)  # [rows, vocab] in [0, 1]
+        shift = 53 - vocab.bit_length()  # vocab * 2**shift <= 2**53: sums stay exact in float64
+        fixed = torch.floor(weights.double() * float(2**shift)).to(torch.int64)
+        fixed = torch.where(kept, fixed, torch.zeros_like(fixed))
+        total = fixed.sum(-1, keepdim=True)  # [rows, 1] int64, exact
+        before = fixed.cumsum(-1) - fixed  # [rows, vocab] mass strictly before each position
+        p = _param_tensor(top_p, device, torch.float64)[:, None]
+        in_p = (before.double() < p * total.double()) & kept
+        in_p = torch.where(p >= 1.0, kept, in_p)
+        num_kept = in_p.sum(-1).clamp_min(1)  # [rows]; in_p is a prefix, the max is always kept
+        cutoff = xs.gather(1, (num_kept - 1)[:, None])
+    return x.masked_fill(x < cutoff, -math.inf)
+
+
+def _min_p(
+    x: torch.Tensor,  # [rows, vocab] float32 tempered (and top-k/top-p filtered) logits
+    min_p: list[float],  # per row, > 0
+) -> torch.Tensor:  # [rows, vocab] with filtered tokens at -inf
+    """Keep tokens with p >= min_p * p_max, evaluated as (x - max) >= float32(log(min_p))."""
+    row_max = x.amax(-1, keepdim=True)  # [rows, 1], exact
+    threshold = _param_tensor([math.log(min(p, 1.0)) for p in min_p], x.device)[:, None]
+    return x.masked_fill((x - row_max) < threshold, -math.inf)
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:  # [len(rows), vocab]: x itself when all rows
+    return x if len(rows) == x.shape[0] else x[torch.tensor(rows, device=x.device)]
+
+
+def _with_rows(x: torch.Tensor, rows: list[int], values: torch.Tensor, *, owned: bool) -> torch.Tensor:
+    """x with `rows` replaced by values; writes into x only when it is `owned` (never the caller's logits)."""
+    if len(rows) == x.shape[0]:
+        return values
+    if not owned:
+        x = x.clone()
+    x[torch.tensor(rows, device=x.device)] = values
+    return x
+
+
+def transform_logits(
+    logits: torch.Tensor,  # [batch, vocab] float32 raw logits (not modified)
+    states: Sequence[SamplerState],
+) -> torch.Tensor:  # [batch, vocab] float32; may be `logits` itself when nothing applies
+    """The scores the draw uses, row by row: penalties; then for sampled (non-greedy) rows temperature,
+    top-k, top-p and min-p, filtered tokens at -inf. Greedy rows get penalized logits only.
+
+    Sampling row i draws argmax(scores[i] - log(E)) with E ~ Exponential(1) i.i.d. (the Gumbel-max
+    form of the exponential race), i.e. a sample of softmax(scores[i]).
+    """
+    batch, vocab = logits.shape
+    if len(states) != batch:
+        raise ValueError(f"{batch} logit rows but {len(states)} sampler states")
+    x = logits.to(torch.float32)
+    owned = x is not logits
+    penalized = [i for i, s in enumerate(states) if s.has_penalties]
+    if penalized:
+        seen, counts = zip(*(states[i].penalty_tensors(vocab, x.device) for i in penalized))
+        params = [states[i].params for i in penalized]
+        values = apply_penalties(
+            _rows(x, penalized),
+            torch.stack(seen),
+            torch.stack(counts),
+            _param_tensor([p.repetition_penalty for p in params], x.device),
+            _param_tensor([p.frequency_penalty for p in params], x.device),
+            _param_tensor([p.presence_penalty for p in params], x.device),
+        )
+        x, owned = _with_rows(x, penalized, values, owned=owned), True
+    sampled = [i for i, s in enumerate(states) if not s.is_greedy]
+    if not sampled:
+        return x
+    params = [states[i].params for i in sampled]
+    temperature = _param_tensor([p.temperature for p in params], x.device)[:, None]
+    y = _rows(x, sampled) / temperature  # [num_sampled, vocab]: a new tensor
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # 0 and -1 both mean off
+    top_p = [p.top_p for p in params]
+    filtered = [j for j in range(len(params)) if top_k[j] < vocab or top_p[j] < 1.0]
+    if filtered:
+        values = _top_k_top_p(_rows(y, filtered), [top_k[j] for j in filtered], [top_p[j] for j in filtered])
+        y = _with_rows(y, filtered, values, owned=True)
+    with_min_p = [j for j, p in enumerate(params) if p.min_p > 0.0]
+    if with_min_p:
+        values = _min_p(_rows(y, with_min_p), [params[j].min_p for j in with_min_p])
+        y = _with_rows(y, with_min_p, values, owned=True)
+    return _with_rows(x, sampled, y, owned=owned)
+
+
+def sample(
+    logits: torch.Tensor,  # [batch, vocab] float32 raw logits (not modified)
+    states: Sequence[SamplerState],
+) -> list[int]:
+    """One token id per row. Greedy rows (temperature < 1e-5) take the argmax, lowest id on ties, and
+    consume no randomness; sampled rows draw one vocab-sized Exponential(1) vector from their own
+    generator, so a request's tokens do not depend on the batch it is in. The caller appends the
+    returned ids to the states (SamplerState.append).
+    """
+    scores = transform_logits(logits, states)  # [batch, vocab]
+    sampled = [i for i, s in enumerate(states) if not s.is_greedy]
+    if sampled:
+        noise = torch.empty((len(sampled), scores.shape[1]), dtype=torch.float32, device=scores.device)
+        for row, i in enumerate(sampled):
+            states[i].draw_exponential(noise[row])
+        log_noise = _rowwise(noise.clamp_min_(_TINY), torch.log)  # finite: -inf scores stay -inf
+        # scores is not the caller's tensor here: transform_logits copied it for the sampled rows
+        scores = _with_rows(scores, sampled, _rows(scores, sampled) - log_noise, owned=True)
+    # NOTE: argmax returns the first maximal index: greedy ties go to the lowest token id.
+    return scores.argmax(dim=-1).tolist()
