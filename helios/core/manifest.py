@@ -153,7 +153,11 @@ class Recipe(_S):
     name: str
     tool_parser: str | None = None
     reasoning_parser: str | None = None
-    effort_levels: list[str] = []
+    effort_levels: list[str] = []  # named reasoning-effort levels the template accepts
+    default_effort: str | None = None  # the level used when a request names none
+    effort_score_min: int | None = None  # numeric reasoning_effort bounds (DeepSeek V4.1: 1..100)
+    effort_score_max: int | None = None
+    effort_scores: dict[str, int] = {}  # named level -> numeric score
 
 
 class Sampling(_S):

@@ -86,6 +86,10 @@ def resolve(name: str, generation_config: dict, sampling_ranges: bool = True) ->
         tool_parser=spec.tool_parser,
         reasoning_parser=spec.reasoning_parser,
         effort_levels=list(spec.effort_levels),
+        default_effort=spec.default_effort,
+        effort_score_min=spec.effort_score_range[0] if spec.effort_score_range else None,
+        effort_score_max=spec.effort_score_range[1] if spec.effort_score_range else None,
+        effort_scores=dict(spec.effort_scores),
     )
     ranges = spec.ranges if sampling_ranges else SamplingRanges()
     return recipe, Sampling(defaults=spec.defaults, ranges=ranges)
