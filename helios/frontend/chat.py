@@ -1,0 +1,133 @@
+"""Conversation -> prompt text (the core's prepared chat template) -> prompt token ids.
+
+Owns the neutral chat message type and the lowering rules of the spec's "Conversation and tool semantics":
+developer instructions merge with system text into one leading system message; a later system message
+becomes a user message wrapped in <system>...</system> when the template cannot render it inline.
+Rendering goes through helios.core.chat_template (sandboxed Jinja). No torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from msgspec import Struct
+
+from helios.core.chat_template import RENDER_VARIABLES, ChatTemplate, TemplateError
+from helios.core.manifest import TemplateCaps
+from helios.frontend.sampling import InvalidRequest
+from helios.frontend.tokenizer import Tokenizer
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+_RESERVED_KWARGS = RENDER_VARIABLES | {"continue_final_message", "bos_token", "eos_token"}
+
+
+class ChatMessage(Struct, kw_only=True):
+    """One neutral conversation message (text only for now; images are rejected at the protocol)."""
+
+    role: str
+    content: str | None = None
+    reasoning: str | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatPrompt(Struct, frozen=True):
+    text: str
+    token_ids: list[int]
+
+
+def lower_messages(messages: list[ChatMessage], caps: TemplateCaps) -> list[dict[str, Any]]:
+    """Apply the system/developer rules and produce the template's plain message dicts."""
+    if any(m.role not in ROLES for m in messages):
+        bad = next(m.role for m in messages if m.role not in ROLES)
+        raise InvalidRequest(f"unsupported message role {bad!r}", "messages")
+    has_developer = any(m.role == "developer" for m in messages)
+    out: list[dict[str, Any]] = []
+    lead: list[str] = []
+    rest = messages
+    if has_developer:
+        # NOTE: all system and developer instructions become one leading system message, in request order.
+        lead = [m.content or "" for m in messages if m.role in ("system", "developer")]
+        rest = [m for m in messages if m.role not in ("system", "developer")]
+    elif messages and messages[0].role == "system":
+        lead = [messages[0].content or ""]
+        rest = messages[1:]
+    lead_text = "\n\n".join(t for t in lead if t)
+    if lead_text:
+        out.append({"role": "system", "content": lead_text})
+    for m in rest:
+        if m.role == "system":
+            text = m.content or ""
+            if not text:
+                continue
+            if caps.inline_system:
+                out.append({"role": "system", "content": text})
+            else:
+                out.append({"role": "user", "content": f"<system>{text}</system>"})
+            continue
+        msg: dict[str, Any] = {"role": m.role, "content": m.content if m.content is not None else ""}
+        if m.reasoning is not None:
+            msg["reasoning_content"] = m.reasoning
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
+    return out
+
+
+class ChatRenderer:
+    """The core's template bound to its tokenizer specials; render() returns text and ids."""
+
+    def __init__(self, source: str | None, caps: TemplateCaps, tokenizer: Tokenizer):
+        self.caps = caps
+        self.tokenizer = tokenizer
+        self._template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token) if source else None
+
+    @property
+    def available(self) -> bool:
+        return self._template is not None
+
+    def render(
+        self,
+        messages: list[ChatMessage],
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> ChatPrompt:
+        if self._template is None:
+            raise InvalidRequest("this core has no chat template; use /v1/completions", "messages")
+        if not messages:
+            raise InvalidRequest("messages must be a nonempty array", "messages")
+        if continue_final_message:
+            if add_generation_prompt:
+                raise InvalidRequest(
+                    "continue_final_message requires add_generation_prompt: false", "continue_final_message"
+                )
+            if messages[-1].role != "assistant":
+                raise InvalidRequest(
+                    "continue_final_message requires a final assistant message", "continue_final_message"
+                )
+        if tools and not self.caps.tools:
+            raise InvalidRequest("this model's chat template does not support tools", "tools")
+        kwargs = dict(template_kwargs or {})
+        reserved = sorted(set(kwargs) & _RESERVED_KWARGS)
+        if reserved:
+            raise InvalidRequest(f"chat_template_kwargs may not set {reserved[0]!r}", "chat_template_kwargs")
+        try:
+            text = self._template.render(
+                lower_messages(messages, self.caps),
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **kwargs,
+            )
+        except TemplateError as e:
+            raise InvalidRequest(str(e), "messages") from None
+        # NOTE: the rendered text already carries the template's specials (BOS included), as in HF.
+        return ChatPrompt(text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False))

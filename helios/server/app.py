@@ -1,0 +1,239 @@
+"""The ASGI app Granian serves: routing, auth, body limits and encodings, admission, lifespan.
+
+The app owns the Runtime (engine included): lifespan startup loads the core (or takes a prebuilt runtime)
+and warms it up; shutdown stops the engine. Protocol modules do the per-API work; every refusal is an
+ApiError answered in `_handle`, never a traceback. No torch.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from helios.server import encodings, errors
+from helios.server.config import load_config
+from helios.server.errors import ApiError
+from helios.server.generation import Generation
+from helios.server.http import ClientDisconnected, Request, run_until_disconnect
+from helios.server.metrics import PROMETHEUS_CONTENT_TYPE, Snapshot, render_json, render_prometheus, wants_json
+from helios.server.protocols import openai_chat, openai_completions, openai_models
+from helios.server.runtime import Runtime, build_runtime, warm_up
+
+logger = logging.getLogger("helios.server")
+ENV_CORE, ENV_CONFIG, ENV_HOST, ENV_PORT, ENV_KEY_FILE = (
+    "HELIOS_CORE", "HELIOS_CONFIG", "HELIOS_HOST", "HELIOS_PORT", "HELIOS_API_KEY_FILE")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class HeliosApp:
+    def __init__(self, runtime: Runtime | Callable[[], Runtime], warm: bool = True, announce: str | None = None):
+        self._factory = runtime if callable(runtime) else None
+        self.runtime: Runtime | None = None if callable(runtime) else runtime
+        self._warm = warm
+        self._announce = announce
+
+    # --- ASGI entry -----------------------------------------------------------------------------
+
+    async def __call__(self, scope, receive, send):
+        kind = scope["type"]
+        if kind == "lifespan":
+            await self._lifespan(receive, send)
+        elif kind == "http":
+            await self._handle(Request(scope, receive, send))
+        elif kind == "websocket":
+            await send({"type": "websocket.close", "code": 1003})
+
+    async def _lifespan(self, receive, send):
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as e:  # one clear line, then Granian stops the worker
+                    logger.error("helios: start-up failed: %s", e)
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def startup(self) -> None:
+        if self.runtime is None:
+            import asyncio
+
+            self.runtime = await asyncio.get_running_loop().run_in_executor(None, self._factory)
+        if self._warm:
+            await warm_up(self.runtime)
+        rt = self.runtime
+        t = rt.timings
+        print(f"helios: {rt.serving.model_id} ready: load {t.get('load', 0.0):.2f}s, warm-up {t.get('warmup', 0.0):.2f}s, "
+              f"capture 0.00s (CPU: no graphs){' on ' + self._announce if self._announce else ''}", flush=True)
+
+    def shutdown(self) -> None:
+        if self.runtime is not None:
+            self.runtime.shutdown()
+
+    # --- routing --------------------------------------------------------------------------------
+
+    async def _handle(self, request: Request) -> None:
+        extra: list[tuple[bytes, bytes]] = []
+        try:
+            if self.runtime is None:
+                raise errors.unavailable("the model runtime is still starting")
+            await self._route(request, extra)
+        except ClientDisconnected:
+            return
+        except ApiError as e:
+            if not request.response_started and not request.is_disconnected:
+                await request.respond_error(e, extra)
+        except Exception as e:  # a bug: answer 500 with the spec's shape, never a traceback to the client
+            logger.exception("unhandled error on %s %s", request.method, request.path)
+            if not request.response_started and not request.is_disconnected:
+                try:
+                    await request.respond_error(errors.server_error(f"internal error: {type(e).__name__}"), extra)
+                except ClientDisconnected:
+                    pass
+
+    async def _route(self, request: Request, extra: list) -> None:
+        path, method = request.path, request.method
+        if path == "/health":
+            return await self._only(request, "GET", self._health)
+        if path == "/metrics":
+            return await self._only(request, "GET", self._metrics)
+        if path == "/v1/models" or path.startswith("/v1/models/"):
+            self._authenticate(request)
+            name = path[len("/v1/models/"):] if path.startswith("/v1/models/") else None
+            return await self._only(request, "GET", lambda r: self._models(r, name))
+        if path in ("/v1/chat/completions", "/v1/completions"):
+            self._authenticate(request)
+            if method != "POST":
+                raise errors.method_not_allowed(method, path)
+            return await self._generate(request, chat=path == "/v1/chat/completions", extra=extra)
+        raise errors.not_found(path)
+
+    async def _only(self, request: Request, method: str, handler) -> None:
+        if request.method != method:
+            raise errors.method_not_allowed(request.method, request.path)
+        await handler(request)
+
+    def _authenticate(self, request: Request) -> None:
+        key = self.runtime.config.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        # NOTE: constant-time compare; the scheme check is not secret
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise errors.unauthorized()
+
+    # --- simple routes --------------------------------------------------------------------------
+
+    async def _health(self, request: Request) -> None:
+        engine = self.runtime.engine
+        if engine.is_healthy:
+            await request.respond_json(200, {"status": "ok"})
+        else:
+            error = getattr(engine, "error", None) or "the model runtime is unhealthy"
+            await request.respond_error(errors.unavailable(error))
+
+    def snapshot(self) -> Snapshot:
+        rt = self.runtime
+        snap = Snapshot(
+            decode_weight_bytes=rt.manifest.decode_weight_bytes,
+            first_response=rt.http_metrics.first_response(),
+            http_admission_slots=rt.admission.slots,
+            http_admission_in_use=rt.admission.in_use,
+            http_requests=rt.http_metrics.num_requests,
+            uptime_seconds=int(time.monotonic() - rt.started),
+        )
+        metrics = rt.engine.metrics()
+        values = {f: getattr(metrics, f) for f in metrics.__struct_fields__ if f in Snapshot.__struct_fields__}
+        return msgspec.structs.replace(snap, **values)
+
+    async def _metrics(self, request: Request) -> None:
+        try:
+            as_json = wants_json(request.query, request.headers.get("accept"))
+        except ValueError as e:
+            raise errors.bad_request(f"unsupported metrics format {e}; use json or prometheus", "format") from None
+        snap = self.snapshot()
+        if as_json:
+            await request.respond(200, render_json(snap))
+        else:
+            await request.respond(200, render_prometheus(snap), PROMETHEUS_CONTENT_TYPE)
+
+    async def _models(self, request: Request, name: str | None) -> None:
+        rt = self.runtime
+        body = openai_models.list_models(rt) if name is None else openai_models.get_model(rt, name)
+        await request.respond_json(200, body)
+
+    # --- generation -----------------------------------------------------------------------------
+
+    async def _read_json_body(self, request: Request) -> bytes:
+        limit = self.runtime.config.max_body_bytes
+        codings = encodings.parse_encodings(request.headers.get("content-encoding"))
+        raw = await request.read_body(limit)
+        if not codings:
+            return raw
+        return await self.runtime.run_blocking(encodings.decode_body, raw, codings, limit)
+
+    async def _generate(self, request: Request, chat: bool, extra: list) -> None:
+        rt = self.runtime
+        rt.http_metrics.num_requests += 1
+        incoming = request.headers.get("x-request-id", "")
+        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        extra.append((b"x-request-id", request_id.encode()))
+        body = await self._read_json_body(request)
+        if chat:
+            req, children, prompt_ids = await rt.run_blocking(openai_chat.prepare, body, rt)
+            stream = req.stream
+        else:
+            prep = await rt.run_blocking(openai_completions.prepare, body, rt)
+            children, stream = prep.children, prep.req.stream
+        num_slots = max(1, len(children))
+        rt.admission.acquire(num_slots)
+        try:
+            gen = Generation(rt, children) if children else None
+            if gen is not None:
+                await gen.submit()
+            if stream:
+                if chat:
+                    events = openai_chat.stream_events(rt, req, gen, len(prompt_ids))
+                else:
+                    events = openai_completions.stream_events(rt, prep, gen)
+                await run_until_disconnect(request, request.stream_sse(events, extra))
+                return
+            if gen is not None:
+                await run_until_disconnect(request, gen.run())
+            if chat:
+                result = openai_chat.response(rt, req, children, len(prompt_ids))
+            else:
+                result = openai_completions.response(rt, prep)
+            await request.respond_json(200, result, extra)
+        finally:
+            rt.admission.release(num_slots)
+
+
+def create_app() -> HeliosApp:
+    """Granian's factory (in the worker process): the core path and options come through the environment."""
+    core = os.environ[ENV_CORE]
+    config = load_config(Path(os.environ[ENV_CONFIG]) if os.environ.get(ENV_CONFIG) else None).server
+    overrides = {}
+    if os.environ.get(ENV_HOST):
+        overrides["host"] = os.environ[ENV_HOST]
+    if os.environ.get(ENV_PORT):
+        overrides["port"] = int(os.environ[ENV_PORT])
+    if os.environ.get(ENV_KEY_FILE):
+        overrides["api_key"] = Path(os.environ[ENV_KEY_FILE]).read_text(encoding="utf-8").strip()
+    config = msgspec.structs.replace(config, **overrides) if overrides else config
+    return HeliosApp(lambda: build_runtime(Path(core), config), announce=f"http://{config.host}:{config.port}")
+

@@ -1,0 +1,72 @@
+"""helios.toml `[server]`: frozen msgspec Structs, one doc line and a bound per field.
+
+Owns the declared knobs only; values derived at start-up from the core (slots, output budget, model id)
+live in `ResolvedServing` (helios/server/runtime.py), never written back here. No torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta, Struct
+
+MiB = 1 << 20
+INT32_MAX = 2**31 - 1
+
+
+class ConfigError(Exception):
+    """A configuration file the server refuses; the message names the file and the field."""
+
+
+_Slots = Annotated[int, Meta(ge=1, le=4096)]
+_Count = Annotated[int, Meta(ge=1, le=1 << 20)]
+_Int32 = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+
+
+class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The `[server]` table of helios.toml."""
+
+    host: Annotated[str, Meta(description="Address to bind.")] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535, description="TCP port.")] = 8000
+    api_key: Annotated[str, Meta(description="Bearer key for API routes; empty disables authentication.")] = ""
+    aliases: Annotated[list[str], Meta(description="Served model names; the first nonempty one is the id.")] = []
+    max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 34, description="Bound on encoded and decoded bodies.")] = (
+        32 * MiB
+    )
+    max_concurrency: _Slots | None = None  # model slots; None: the core's graph plan
+    max_waiting: Annotated[int, Meta(ge=1, le=1 << 20, description="Model request queue bound (503 beyond).")] = 256
+    admission_slots: _Count | None = None  # HTTP admission slots, one per choice (429 beyond); None: slots + queue
+    default_max_tokens: _Int32 | None = None  # output budget of requests omitting it; None: the core's
+    thinking_token_budget: _Int32 | None = None  # default reasoning-token cap for chat requests; None: uncapped
+    max_num_batched_tokens: Annotated[int, Meta(ge=1, le=1 << 20, description="Token budget of one step.")] = 2048
+    kv_cache_tokens: Annotated[int, Meta(ge=16, le=1 << 24, description="KV pool capacity in tokens.")] = 32768
+    frontend_workers: Annotated[
+        int, Meta(ge=1, le=256, description="Threads for decompression, templates and tokenization.")
+    ] = 2
+
+
+class HeliosConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    server: ServerConfig = ServerConfig()
+
+
+def load_config(path: Path | None) -> HeliosConfig:
+    """Read helios.toml (None: all defaults); a bad key or value raises ConfigError naming it."""
+    if path is None:
+        return HeliosConfig()
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the configuration: {e.strerror}") from None
+    try:
+        return msgspec.toml.decode(raw, type=HeliosConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ConfigError(f"{path}: malformed TOML: {e}") from None
+
+
+def json_schema() -> dict:
+    return msgspec.json.schema(HeliosConfig)

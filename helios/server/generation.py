@@ -1,0 +1,169 @@
+"""One generation request's lifetime on the server: its choices (children), their engine streams, aborts.
+
+Shared by every protocol: submitting a group (queue-full -> 503, unavailable -> 503, unrunnable -> 400),
+merging the children's output streams in arrival order, and aborting every unfinished child when the
+consumer goes away (a dropped connection) or a stop string ends a choice early. No torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from helios.engine.messages import EngineRequest, PositionLogprobs
+from helios.engine.scheduler import QueueFull
+from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry, finite
+from helios.server.errors import ApiError, bad_request, server_error, unavailable
+from helios.server.runtime import Runtime
+
+
+@dataclass
+class Child:
+    """One choice: its engine request, its output pipeline and what it has produced so far."""
+
+    index: int
+    request: EngineRequest
+    processor: OutputProcessor
+    text: str = ""
+    entries: list[TokenEntry] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: object = None
+    error: str | None = None
+    has_started: bool = False  # the first generated token arrived
+
+    @property
+    def req_id(self) -> str:
+        return self.request.req_id
+
+    def absorb(self, delta: OutputDelta) -> None:
+        self.text += delta.text
+        self.entries += delta.entries
+        if delta.prompt_logprobs:
+            self.prompt_logprobs += delta.prompt_logprobs
+        if delta.finished:
+            self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
+
+
+def failure(child: Child) -> ApiError | None:
+    """The error a finished child stands for (None for stop/length)."""
+    if child.finish_reason == "error":
+        return server_error(f"generation failed: {child.error or 'execution error'}")
+    if child.finish_reason == "abort":
+        return unavailable("the request was aborted (the runtime is shutting down)")
+    return None
+
+
+class Generation:
+    """Submit a group of children and iterate their deltas; closing the iterator aborts the rest."""
+
+    def __init__(self, runtime: Runtime, children: list[Child]):
+        self.runtime = runtime
+        self.children = children
+        self.admitted_at = time.monotonic()
+        self._streams: list[AsyncIterator] = []
+        self._first_text_seen = False
+
+    async def submit(self) -> None:
+        engine = self.runtime.engine
+        try:
+            for child in self.children:
+                self._streams.append(await engine.submit(child.request))
+        except QueueFull as e:
+            self.abort_all()
+            raise unavailable(f"the model request queue is full: {e}") from None
+        except ValueError as e:
+            self.abort_all()
+            raise bad_request(str(e)) from None
+        except Exception as e:  # EngineUnavailable and anything else the engine refuses with
+            self.abort_all()
+            raise unavailable(f"the model runtime is unavailable: {e}") from None
+
+    def abort_all(self) -> None:
+        for child in self.children[: len(self._streams)]:
+            if child.finish_reason is None:
+                self.runtime.engine.abort(child.req_id)
+
+    def _note_first_text(self, delta: OutputDelta) -> None:
+        if not self._first_text_seen and delta.text:
+            self._first_text_seen = True
+            self.runtime.http_metrics.observe_first_response(time.monotonic() - self.admitted_at)
+
+    async def deltas(self) -> AsyncIterator[tuple[Child, OutputDelta]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(child: Child, stream: AsyncIterator) -> None:
+            try:
+                async for out in stream:
+                    delta = child.processor.process(out)
+                    await queue.put((child, delta))
+                    if delta.finished:
+                        break  # a stop string may end the choice before the engine does
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # output processing failed: the choice fails, the server stays up
+                delta = OutputDelta(finished=True, finish_reason="error", error=f"{type(e).__name__}: {e}")
+                await queue.put((child, delta))
+            finally:
+                await stream.aclose()  # NOTE: closing an unfinished engine stream aborts the request
+                queue.put_nowait((child, None))
+
+        tasks = [asyncio.ensure_future(pump(c, s)) for c, s in zip(self.children, self._streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                child, delta = await queue.get()
+                if delta is None:
+                    remaining -= 1
+                    if child.finish_reason is None:  # the stream ended without a terminal record
+                        final = child.processor.finish_by_client()
+                        child.absorb(final)
+                        yield child, final
+                    continue
+                if delta.num_new_tokens:
+                    child.has_started = True
+                self._note_first_text(delta)
+                child.absorb(delta)
+                yield child, delta
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.abort_all()
+
+    async def run(self) -> list[Child]:
+        """Buffered: drain every child."""
+        async for _ in self.deltas():
+            pass
+        return self.children
+
+
+def token_string(runtime: Runtime, token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else runtime.tokenizer.token_text(token_id)
+
+
+def encode_prompt_logprobs(runtime: Runtime, records: list[PositionLogprobs], k: int) -> list[dict | None]:
+    """[null, {id: {logprob, rank, decoded_token}}, ...]: the actual token plus up to k alternatives."""
+    tok = runtime.tokenizer
+    out: list[dict | None] = [None]
+    for rec in records:
+        entry = {}
+        for t in [rec.token, *rec.alternatives[:k]]:
+            key = str(t.token_id)
+            if key not in entry:
+                entry[key] = {"logprob": finite(t.logprob), "rank": t.rank, "decoded_token": tok.token_text(t.token_id)}
+        out.append(entry)
+    return out
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int, reasoning: bool) -> dict:
+    body = {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": num_cached},
+    }
+    if reasoning:
+        body["completion_tokens_details"] = {"reasoning_tokens": 0}
+    return body

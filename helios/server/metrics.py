@@ -1,0 +1,196 @@
+"""/metrics: one Snapshot of engine and HTTP state, as Prometheus text 0.0.4 or as JSON.
+
+`Snapshot` is the JSON object (absent fields decode as zero, so dashboards read older servers); the text
+exposition is written by hand (counters end in _total, every family has HELP and TYPE). No torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import msgspec
+from msgspec import Struct
+
+FIRST_RESPONSE_WINDOW_S = 60.0
+FIRST_RESPONSE_CAPACITY = 4096
+PROMETHEUS_CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+
+
+class FirstResponse(Struct, frozen=True, kw_only=True):
+    median_seconds: float | None = None
+    samples: int = 0
+    window_seconds: float = FIRST_RESPONSE_WINDOW_S
+    capacity: int = FIRST_RESPONSE_CAPACITY
+    truncated: bool = False
+
+
+class Snapshot(Struct, kw_only=True):
+    """The JSON form of /metrics (spec "Health and metrics"); every integer field defaults to zero."""
+
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    decode_weight_bytes: int = 0
+    draft_steps: int = 0
+    verify_steps: int = 0
+    verification_drafts: int = 0
+    verification_rounds: int = 0
+    accepted_drafts: int = 0
+    draft_rounds: int = 0
+    active: int = 0
+    pending: int = 0
+    completed: int = 0
+    reasoning_budget_cuts: int = 0
+    failed: int = 0
+    replay_gpu_ns: int = 0
+    replay_readiness_wait_ns: int = 0
+    replay_readiness_samples: int = 0
+    reused_tokens: int = 0
+    cached_pages: int = 0
+    free_pages: int = 0
+    total_pages: int = 0
+    page_tokens: int = 0
+    host_hits: int = 0
+    host_reused_tokens: int = 0
+    host_memory_records: int = 0
+    host_disk_records: int = 0
+    host_bytes_out: int = 0
+    host_bytes_in: int = 0
+    learned_drafter: bool = False
+    first_response: FirstResponse = FirstResponse()
+    http_admission_slots: int = 0
+    http_admission_in_use: int = 0
+    http_requests: int = 0
+    uptime_seconds: int = 0
+
+
+# field -> (prometheus name, type, help); fields without a metric (draft_steps, learned_drafter) are JSON-only
+PROMETHEUS = {
+    "prefill_tokens": ("flare_prefill_tokens_total", "counter", "Prompt tokens consumed by completed prefill"),
+    "generated_tokens": ("flare_generated_tokens_total", "counter", "Committed generated tokens"),
+    "decode_weight_bytes": ("flare_decode_weight_bytes", "gauge", "Weight bytes one decode step reads"),
+    "verify_steps": ("flare_speculative_rounds_total", "counter", "Completed speculative or verification graphs"),
+    "verification_drafts": ("flare_verification_draft_tokens_total", "counter", "Draft positions allocated"),
+    "verification_rounds": ("flare_verification_request_rounds_total", "counter", "Decode/verification rounds"),
+    "accepted_drafts": ("flare_accepted_draft_tokens_total", "counter", "Accepted draft tokens"),
+    "draft_rounds": ("flare_draft_request_rounds_total", "counter", "Request rounds that offered a draft"),
+    "active": ("flare_active_requests", "gauge", "Model slots with a live request"),
+    "pending": ("flare_pending_requests", "gauge", "Requests waiting in the model scheduler"),
+    "completed": ("flare_requests_completed_total", "counter", "Requests whose generation completed"),
+    "reasoning_budget_cuts": ("flare_reasoning_budget_cuts_total", "counter", "Reasoning closed by the budget"),
+    "failed": ("flare_requests_failed_total", "counter", "Requests failed by admission, execution or output"),
+    "replay_gpu_ns": ("flare_replay_gpu_nanoseconds_total", "counter", "CUDA graph replay time"),
+    "replay_readiness_wait_ns": ("flare_replay_readiness_wait_nanoseconds_total", "counter", "Readiness delay"),
+    "replay_readiness_samples": ("flare_replay_readiness_samples_total", "counter", "Graphs with readiness timing"),
+    "reused_tokens": ("flare_cache_reused_tokens_total", "counter", "Tokens covered by GPU prefix-cache hits"),
+    "cached_pages": ("flare_cached_kv_pages", "gauge", "KV pages owned by immutable checkpoints"),
+    "free_pages": ("flare_free_kv_pages", "gauge", "Reusable KV pages"),
+    "total_pages": ("flare_total_kv_pages", "gauge", "Pages in the KV pool"),
+    "page_tokens": ("flare_kv_page_tokens", "gauge", "Tokens per KV page"),
+    "host_hits": ("flare_host_cache_hits_total", "counter", "Host prefix-store lookups that fetched"),
+    "host_reused_tokens": ("flare_host_cache_reused_tokens_total", "counter", "Tokens reused from the host store"),
+    "host_memory_records": ("flare_host_cache_memory_records", "gauge", "Host store records in memory"),
+    "host_disk_records": ("flare_host_cache_disk_records", "gauge", "Host store records on disk"),
+    "host_bytes_out": ("flare_host_cache_bytes_out_total", "counter", "Bytes copied GPU -> host store"),
+    "host_bytes_in": ("flare_host_cache_bytes_in_total", "counter", "Bytes copied host store -> GPU"),
+    "http_admission_slots": ("flare_http_admission_slots", "gauge", "HTTP admission slots"),
+    "http_admission_in_use": ("flare_http_admission_slots_in_use", "gauge", "HTTP admission slots in use"),
+    "http_requests": ("flare_http_requests_total", "counter", "HTTP generation requests received"),
+    "uptime_seconds": ("flare_uptime_seconds", "gauge", "Seconds since the server started"),
+}
+
+
+class HttpMetrics:
+    """Server-side counters and the first-response window (admission -> first offered text)."""
+
+    def __init__(self):
+        self.num_requests = 0
+        self._first: deque[tuple[float, float]] = deque()  # (monotonic end, seconds)
+        self._truncated = False
+
+    def observe_first_response(self, seconds: float) -> None:
+        self._first.append((time.monotonic(), seconds))
+        if len(self._first) > FIRST_RESPONSE_CAPACITY:
+            self._first.popleft()
+            self._truncated = True
+
+    def first_response(self) -> FirstResponse:
+        horizon = time.monotonic() - FIRST_RESPONSE_WINDOW_S
+        while self._first and self._first[0][0] < horizon:
+            self._first.popleft()
+        values = sorted(s for _, s in self._first)
+        median = None
+        if values:
+            mid = len(values) // 2
+            median = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+        return FirstResponse(median_seconds=median, samples=len(values), truncated=self._truncated)
+
+
+def render_prometheus(snap: Snapshot) -> bytes:
+    lines = []
+    for field, (name, kind, help_text) in PROMETHEUS.items():
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        lines.append(f"{name} {int(getattr(snap, field))}")
+    fr = snap.first_response
+    lines.append("# HELP flare_first_response_median_seconds Median admission-to-first-text time (60 s window)")
+    lines.append("# TYPE flare_first_response_median_seconds gauge")
+    lines.append(f"flare_first_response_median_seconds {fr.median_seconds if fr.median_seconds is not None else 'NaN'}")
+    lines.append("# HELP flare_history_drafts_enabled Shared decoded history augments learned proposals")
+    lines.append("# TYPE flare_history_drafts_enabled gauge")
+    lines.append("flare_history_drafts_enabled 0")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def render_json(snap: Snapshot) -> bytes:
+    return msgspec.json.encode(snap)
+
+
+def _parse_accept(header: str) -> list[tuple[str, float]]:
+    ranges = []
+    for part in header.split(","):
+        bits = [b.strip() for b in part.split(";")]
+        if not bits[0]:
+            continue
+        q = 1.0
+        for b in bits[1:]:
+            if b.startswith("q="):
+                try:
+                    q = float(b[2:])
+                except ValueError:
+                    q = 0.0
+        ranges.append((bits[0].lower(), q))
+    return ranges
+
+
+def _quality(ranges: list[tuple[str, float]], media: str) -> tuple[float, int]:
+    """(q, index) of the most specific range matching `media`; (0, inf-ish) when none does."""
+    kind = media.split("/")[0]
+    best = None
+    for pattern in (media, f"{kind}/*", "*/*"):
+        for i, (m, q) in enumerate(ranges):
+            if m == pattern:
+                best = best or (q, i)
+        if best is not None:
+            return best
+    return 0.0, 1 << 30
+
+
+def wants_json(query: dict[str, str], accept: str | None) -> bool:
+    """format=json|prometheus wins; else Accept quality (ties: the earlier range); default text.
+
+    Raises ValueError for another format value."""
+    fmt = query.get("format")
+    if fmt is not None:
+        if fmt not in ("json", "prometheus"):
+            raise ValueError(fmt)
+        return fmt == "json"
+    if not accept:
+        return False
+    ranges = _parse_accept(accept)
+    qj, ij = _quality(ranges, "application/json")
+    qt, it = _quality(ranges, "text/plain")
+    if qj <= 0:
+        return False
+    return qj > qt or (qj == qt and ij < it)
+

@@ -1,0 +1,268 @@
+"""POST /v1/chat/completions: the OpenAI Chat Completions protocol (buffered and SSE).
+
+Decodes the body into typed Structs, lowers it into the neutral frontend types (ChatMessage, SamplingFields),
+and encodes the neutral output deltas as chat.completion objects or chat.completion.chunk events.
+Every refusal becomes an ApiError here, in `prepare`. No torch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+from helios.engine.messages import EngineRequest
+from helios.frontend.chat import ChatMessage
+from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling
+from helios.output.processor import OutputProcessor, TokenEntry, finite
+from helios.server.errors import bad_request, from_invalid, from_validation
+from helios.server.generation import Child, Generation, encode_prompt_logprobs, failure, token_string, usage
+from helios.server.http import SSE_DONE, sse_event
+from helios.server.runtime import Runtime
+
+MAX_N = 128
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+    image_url: Any = None
+
+
+class Message(Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class ChatCompletionRequest(Struct, kw_only=True):
+    messages: list[Message]
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_token_sequences: list[list[int]] | None = None
+    ignore_eos: bool = False
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+    logit_bias: dict[str, float] | None = None
+    thinking_token_budget: int | None = None
+    reasoning_effort: Any = None
+    user: str | None = None
+
+
+def _content_text(m: Message) -> str | None:
+    if m.content is None or isinstance(m.content, str):
+        return m.content
+    texts = []
+    for part in m.content:
+        if part.type in ("text", "input_text") and part.text is not None:
+            texts.append(part.text)
+        elif part.type in ("image_url", "input_image", "image"):
+            raise bad_request("this core is text-only: image content is not supported", "messages")
+        else:
+            raise bad_request(f"unsupported content part type {part.type!r}", "messages")
+    return "\n".join(texts)
+
+
+def _sampling_fields(req: ChatCompletionRequest) -> SamplingFields:
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingFields(
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, seed=req.seed, stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []), stop_token_sequences=list(req.stop_token_sequences or []),
+        ignore_eos=req.ignore_eos, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        logprob_token_ids=req.logprob_token_ids, prompt_logprobs=req.prompt_logprobs,
+    )
+
+
+def _check_unsupported(req: ChatCompletionRequest, runtime: Runtime) -> None:
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}]", "n")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs cannot be combined with stream: true", "prompt_logprobs")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise bad_request("structured output (response_format) is not supported by this server yet", "response_format")
+    if req.thinking_token_budget is not None:
+        reasoning = runtime.manifest.template.reasoning
+        if not 1 <= req.thinking_token_budget <= 2**31 - 1:
+            raise bad_request("thinking_token_budget must be a positive 32-bit integer", "thinking_token_budget")
+        if reasoning is None or reasoning.close_token_id is None:
+            raise bad_request("thinking_token_budget needs a core with single-token reasoning syntax; this core has none",
+                              "thinking_token_budget")
+
+
+def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[Child], list[int]]:
+    """Blocking frontend work (decode, template, tokenize, sampling): runs on the frontend pool."""
+    try:
+        req = msgspec.json.decode(body, type=ChatCompletionRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise from_validation(e) from None
+    _check_unsupported(req, runtime)
+    try:
+        messages = [
+            ChatMessage(role=m.role, content=_content_text(m), reasoning=m.reasoning_content or m.reasoning,
+                        name=m.name, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
+            for m in req.messages
+        ]
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        prompt = runtime.chat.render(
+            messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, template_kwargs=kwargs,
+        )
+        serving = runtime.serving
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), serving.max_model_len,
+                                        serving.default_max_tokens, allow_zero=False)
+        fields = _sampling_fields(req)
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        children = []
+        for j in range(req.n):
+            sampling = resolve_sampling(fields, runtime.manifest, max_tokens, seed_offset=j)
+            request = EngineRequest(req_id=f"{base}-{j}", prompt_token_ids=prompt.token_ids, sampling=sampling)
+            tok = runtime.tokenizer
+            processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop, req.skip_special_tokens)
+            children.append(Child(j, request, processor))
+    except InvalidRequest as e:
+        raise from_invalid(e) from None
+    return req, children, prompt.token_ids
+
+
+def _entry(runtime: Runtime, e: TokenEntry, as_ids: bool) -> dict:
+    table = runtime.tokenizer.token_bytes
+    return {
+        "token": token_string(runtime, e.token_id, as_ids),
+        "logprob": e.logprob,
+        "bytes": list(e.token_bytes),
+        "top_logprobs": [
+            {"token": token_string(runtime, t.token_id, as_ids), "logprob": finite(t.logprob),
+             "bytes": list(table[t.token_id]) if 0 <= t.token_id < len(table) else []}
+            for t in e.top
+        ],
+    }
+
+
+def _logprobs(runtime: Runtime, req: ChatCompletionRequest, entries: list[TokenEntry]) -> dict | None:
+    if not req.logprobs:
+        return None
+    return {"content": [_entry(runtime, e, req.return_tokens_as_token_ids) for e in entries]}
+
+
+def _finish(child: Child) -> str:
+    return "length" if child.finish_reason == "length" else "stop"
+
+
+def _usage(children: list[Child], num_prompt: int) -> dict:
+    num_completion = sum(c.processor.num_generated for c in children)
+    cached = children[0].processor.num_cached_tokens if children else 0
+    return usage(num_prompt, num_completion, cached, reasoning=True)
+
+
+def response(runtime: Runtime, req: ChatCompletionRequest, children: list[Child], num_prompt: int) -> dict:
+    for child in children:
+        if (err := failure(child)) is not None:
+            raise err
+    choices = []
+    for c in children:
+        stop_reason = c.stop_reason if c.finish_reason == "stop" and not isinstance(c.stop_reason, list) else None
+        if stop_reason in runtime.manifest.tokenizer.eos_token_ids:
+            stop_reason = None
+        choices.append({
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "reasoning_content": None, "tool_calls": []},
+            "logprobs": _logprobs(runtime, req, c.entries),
+            "finish_reason": _finish(c),
+            "stop_reason": stop_reason,
+        })
+    body = {
+        "id": children[0].req_id.rsplit("-", 1)[0],
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": runtime.serving.model_id,
+        "choices": choices,
+        "usage": _usage(children, num_prompt),
+    }
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = encode_prompt_logprobs(runtime, children[0].prompt_logprobs, req.prompt_logprobs)
+    return body
+
+
+async def stream_events(runtime: Runtime, req: ChatCompletionRequest, gen: Generation, num_prompt: int):
+    """chat.completion.chunk SSE events; a failure ends the stream with an error event and no [DONE]."""
+    opts = req.stream_options or StreamOptions()
+    include_usage, continuous = opts.include_usage, opts.include_usage and opts.continuous_usage_stats
+    base = {"id": gen.children[0].req_id.rsplit("-", 1)[0], "object": "chat.completion.chunk",
+            "created": int(time.time()), "model": runtime.serving.model_id}
+    announced: set[int] = set()
+
+    def chunk(choices: list[dict]) -> bytes:
+        body = {**base, "choices": choices}
+        if continuous:
+            body["usage"] = _usage(gen.children, num_prompt)
+        elif include_usage:
+            body["usage"] = None
+        return sse_event(msgspec.json.encode(body))
+
+    async for child, delta in gen.deltas():
+        if (err := failure(child)) is not None:
+            yield sse_event(err.encode())
+            return
+        if child.has_started and child.index not in announced:
+            announced.add(child.index)
+            yield chunk([{"index": child.index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}])
+        if child.index not in announced:
+            continue
+        if delta.text or delta.entries or delta.finished:
+            choice = {"index": child.index, "delta": {"content": delta.text} if delta.text else {},
+                      "logprobs": _logprobs(runtime, req, delta.entries), "finish_reason": None}
+            if delta.finished:
+                choice["finish_reason"] = _finish(child)
+            yield chunk([choice])
+    if include_usage:
+        yield sse_event(msgspec.json.encode({**base, "choices": [], "usage": _usage(gen.children, num_prompt)}))
+    yield SSE_DONE
+

@@ -1,0 +1,317 @@
+"""POST /v1/completions: raw prompts (string, strings, ids, id lists), n, echo, logprobs, prompt scoring.
+
+Choice index = prompt_index * n + choice_index; the seed advances by choice index. max_tokens 0 returns
+the (optional) echo without submission, or scores the prompt when prompt logprobs are asked for.
+Refusals become ApiError in `prepare`. No torch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from msgspec import Struct
+
+from helios.engine.messages import EngineRequest
+from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling
+from helios.output.processor import OutputProcessor, TokenEntry, finite
+from helios.server.errors import bad_request, from_invalid, from_validation
+from helios.server.generation import Child, Generation, encode_prompt_logprobs, failure, token_string, usage
+from helios.server.http import SSE_DONE, sse_event
+from helios.server.protocols.openai_chat import StreamOptions
+from helios.server.runtime import Runtime
+
+MAX_N = 128
+
+
+class CompletionRequest(Struct, kw_only=True):
+    prompt: Any = None
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    best_of: int | None = None
+    echo: bool = False
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_token_sequences: list[list[int]] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    thinking_token_budget: Any = None
+    user: str | None = None
+
+
+class Prompt(Struct):
+    text: str  # what echo returns: the original text, or the decoded ids
+    token_ids: list[int]
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(req: CompletionRequest, runtime: Runtime) -> list[Prompt]:
+    p, tok = req.prompt, runtime.tokenizer
+    if isinstance(p, str):
+        items: list = [p]
+    elif _is_ids(p) and p:
+        items = [p]
+    elif isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(_is_ids(x) for x in p)):
+        items = p
+    else:
+        raise bad_request("prompt must be a string, an array of strings, a token-ID array or an array of "
+                          "token-ID arrays (nonempty)", "prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = tok.encode(item)
+            if not ids:
+                raise bad_request("an empty prompt needs a core that adds a BOS token", "prompt")
+            out.append(Prompt(item, ids))
+        else:
+            if not item:
+                raise bad_request("token-ID prompts must be nonempty", "prompt")
+            if any(not 0 <= t < runtime.manifest.arch.vocab_size for t in item):
+                raise bad_request(f"prompt token ids must be in [0, {runtime.manifest.arch.vocab_size})", "prompt")
+            out.append(Prompt(tok.decode(item), list(item)))
+    return out
+
+
+def _check_unsupported(req: CompletionRequest) -> None:
+    if not 1 <= req.n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}]", "n")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of must equal n (ranked sampling is not supported)", "best_of")
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.tools or req.tool_choice is not None:
+        raise bad_request("raw completions do not accept tools", "tools")
+    if req.thinking_token_budget is not None:
+        raise bad_request("raw completions do not accept thinking_token_budget", "thinking_token_budget")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise bad_request("logprobs must be in [0, 20]", "logprobs")
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs cannot be combined with stream: true", "prompt_logprobs")
+
+
+class Prepared(Struct):
+    req: CompletionRequest
+    prompts: list[Prompt]
+    children: list  # list[Child]; empty for max_tokens 0 without scoring
+    prompt_k: int | None  # prompt logprob alternatives fetched from the engine
+
+
+def prepare(body: bytes, runtime: Runtime) -> Prepared:
+    try:
+        req = msgspec.json.decode(body, type=CompletionRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise from_validation(e) from None
+    _check_unsupported(req)
+    try:
+        prompts = _prompts(req, runtime)
+        scoring = req.echo and req.logprobs is not None
+        # NOTE: echo + logprobs scores the prompt; an explicit prompt_logprobs overrides that count.
+        prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else (req.logprobs if scoring else None)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        fields = SamplingFields(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed, stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []), stop_token_sequences=list(req.stop_token_sequences or []),
+            ignore_eos=req.ignore_eos, logprobs=req.logprobs, logprob_token_ids=req.logprob_token_ids,
+            prompt_logprobs=max(prompt_k, req.logprobs or 0) if prompt_k is not None else None,
+        )
+        serving, tok = runtime.serving, runtime.tokenizer
+        base = f"cmpl-{uuid.uuid4().hex}"
+        children = []
+        for i, prompt in enumerate(prompts):
+            max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.token_ids), serving.max_model_len,
+                                            serving.default_max_tokens, allow_zero=True)
+            for j in range(req.n):
+                sampling = resolve_sampling(fields, runtime.manifest, max_tokens, seed_offset=j)
+                if max_tokens == 0 and prompt_k is None:
+                    continue  # tokenization and echo only: nothing to submit
+                request = EngineRequest(req_id=f"{base}-{i * req.n + j}", prompt_token_ids=prompt.token_ids,
+                                        sampling=sampling)
+                processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, stop, req.skip_special_tokens)
+                children.append(Child(i * req.n + j, request, processor))
+    except InvalidRequest as e:
+        raise from_invalid(e) from None
+    return Prepared(req, prompts, children, prompt_k)
+
+
+def _top_map(runtime: Runtime, chosen, alternatives, as_ids: bool) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for t in [*alternatives, chosen]:
+        key = token_string(runtime, t.token_id, as_ids)
+        out.setdefault(key, finite(t.logprob))  # first entry wins when ids decode alike
+    return out
+
+
+def _prompt_arrays(runtime: Runtime, prompt: Prompt, records, k: int, as_ids: bool,
+                   start: int = 0, stop: int | None = None) -> dict:
+    """Echoed prompt positions [start, stop): position 0 has null logprobs; offsets count preceding tokens."""
+    tok = runtime.tokenizer
+    stop = len(prompt.token_ids) if stop is None else stop
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = sum(len(tok.token_text(t)) for t in prompt.token_ids[:start])
+    for p in range(start, stop):
+        tid = prompt.token_ids[p]
+        tokens.append(token_string(runtime, tid, as_ids))
+        offsets.append(pos)
+        pos += len(tok.token_text(tid))
+        rec = records[p - 1] if 0 < p <= len(records) else None
+        lps.append(finite(rec.token.logprob) if rec else None)
+        tops.append(_top_map(runtime, rec.token, rec.alternatives[:k], as_ids) if rec else None)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _gen_arrays(runtime: Runtime, entries: list[TokenEntry], start: int, as_ids: bool) -> dict:
+    return {
+        "tokens": [token_string(runtime, e.token_id, as_ids) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [_top_map(runtime, _chosen(e), e.top, as_ids) for e in entries],
+        "text_offset": [start + e.text_offset for e in entries],
+    }
+
+
+class _Chosen(Struct):
+    token_id: int
+    logprob: float
+
+
+def _chosen(e: TokenEntry) -> _Chosen:
+    return _Chosen(e.token_id, e.logprob)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+def _choice_logprobs(runtime, prep: Prepared, prompt: Prompt, child: Child | None, entries, with_prompt: bool):
+    req = prep.req
+    if req.logprobs is None:
+        return None
+    as_ids = req.return_tokens_as_token_ids
+    start = len(prompt.text) if req.echo else 0
+    gen = _gen_arrays(runtime, entries, start, as_ids)
+    if with_prompt and req.echo:
+        records = child.prompt_logprobs if child is not None else []
+        return _merge(_prompt_arrays(runtime, prompt, records, req.logprobs, as_ids), gen)
+    return gen
+
+
+def response(runtime: Runtime, prep: Prepared) -> dict:
+    req = prep.req
+    for child in prep.children:
+        if (err := failure(child)) is not None:
+            raise err
+    by_index = {c.index: c for c in prep.children}
+    choices = []
+    for i, prompt in enumerate(prep.prompts):
+        for j in range(req.n):
+            child = by_index.get(i * req.n + j)
+            text = (prompt.text if req.echo else "") + (child.text if child else "")
+            choice = {
+                "index": i * req.n + j,
+                "text": text,
+                "logprobs": _choice_logprobs(runtime, prep, prompt, child, child.entries if child else [], True),
+                "finish_reason": "length" if child is None or child.finish_reason == "length" else "stop",
+                "stop_reason": child.stop_reason if child and isinstance(child.stop_reason, str) else None,
+            }
+            if prep.prompt_k is not None:
+                records = child.prompt_logprobs if child else []
+                choice["prompt_logprobs"] = encode_prompt_logprobs(runtime, records, prep.prompt_k)
+            choices.append(choice)
+    return {
+        "id": prep.children[0].req_id.rsplit("-", 1)[0] if prep.children else f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": runtime.serving.model_id,
+        "choices": choices,
+        "usage": _usage(prep),
+    }
+
+
+def _usage(prep: Prepared) -> dict:
+    by_index = {c.index: c for c in prep.children}
+    num_prompt = sum(len(p.token_ids) for p in prep.prompts)
+    cached = sum(by_index[i * prep.req.n].processor.num_cached_tokens
+                 for i in range(len(prep.prompts)) if i * prep.req.n in by_index)
+    return usage(num_prompt, sum(c.processor.num_generated for c in prep.children), cached, reasoning=False)
+
+
+async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation | None):
+    """text_completion SSE events. Echo goes first; with logprobs, one frame per scored prompt chunk."""
+    req = prep.req
+    opts = req.stream_options or StreamOptions()
+    include_usage, continuous = opts.include_usage, opts.include_usage and opts.continuous_usage_stats
+    base = {"id": prep.children[0].req_id.rsplit("-", 1)[0] if prep.children else f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion", "created": int(time.time()), "model": runtime.serving.model_id}
+    as_ids = req.return_tokens_as_token_ids
+    scored: dict[int, int] = {}  # choice index -> prompt positions already sent
+
+    def chunk(index: int, text: str, logprobs, finish: str | None = None) -> bytes:
+        body = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+        if continuous:
+            body["usage"] = _usage(prep)
+        elif include_usage:
+            body["usage"] = None
+        return sse_event(msgspec.json.encode(body))
+
+    def echo(index: int, prompt: Prompt, records) -> bytes | None:
+        sent = scored.get(index)
+        if req.logprobs is None:
+            if sent is not None:
+                return None
+            scored[index] = len(prompt.token_ids)
+            return chunk(index, prompt.text, None)
+        # NOTE: position p is scored once record p-1 arrived; position 0 goes with the first frame
+        ready = min(len(records) + 1, len(prompt.token_ids))
+        if sent is not None and ready <= sent:
+            return None
+        scored[index] = ready
+        lp = _prompt_arrays(runtime, prompt, records, req.logprobs, as_ids, sent or 0, ready)
+        return chunk(index, prompt.text if sent is None else "", lp)
+
+    if gen is None:  # max_tokens 0 without scoring: echo only, nothing submitted
+        for i, prompt in enumerate(prep.prompts):
+            for j in range(req.n):
+                index = i * req.n + j
+                yield chunk(index, prompt.text if req.echo else "", None, "length")
+    else:
+        async for child, delta in gen.deltas():
+            if (err := failure(child)) is not None:
+                yield sse_event(err.encode())
+                return
+            prompt = prep.prompts[child.index // req.n]
+            if req.echo and (frame := echo(child.index, prompt, child.prompt_logprobs)) is not None:
+                yield frame
+            if delta.text or delta.entries or delta.finished:
+                lp = _choice_logprobs(runtime, prep, prompt, child, delta.entries, False)
+                finish = ("length" if child.finish_reason == "length" else "stop") if delta.finished else None
+                yield chunk(child.index, delta.text, lp, finish)
+    if include_usage:
+        yield sse_event(msgspec.json.encode({**base, "choices": [], "usage": _usage(prep)}))
+    yield SSE_DONE

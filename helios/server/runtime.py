@@ -1,0 +1,163 @@
+"""What one serving process owns: the loaded core, tokenizer, chat renderer, engine, admission and pools.
+
+`build_runtime` loads a core and builds the torch side through helios.runner (imported inside the
+function, so this module imports no torch); tests build a Runtime around a fake engine instead.
+Derived serving values (model id, slots, budgets) live in `Serving`, not in the config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from msgspec import Struct
+
+from helios.core.manifest import Manifest
+from helios.frontend.chat import ChatRenderer
+from helios.frontend.tokenizer import Tokenizer
+from helios.server.config import ServerConfig
+from helios.server.errors import bad_request, rate_limited
+from helios.server.metrics import HttpMetrics
+
+
+class Serving(Struct, frozen=True, kw_only=True):
+    """Values resolved at start-up from the config and the core."""
+
+    model_id: str
+    names: frozenset[str]  # the checkpoint id and every alias
+    max_model_len: int
+    max_concurrency: int
+    max_waiting: int
+    prefill_chunk_size: int
+    default_max_tokens: int
+    admission_slots: int
+    thinking_token_budget: int | None
+    created: int
+    permission_id: str
+
+
+def resolve_serving(manifest: Manifest, config: ServerConfig, created: int | None = None) -> Serving:
+    aliases = [a for a in (*config.aliases, *manifest.model.aliases) if a]
+    model_id = aliases[0] if aliases else manifest.model.id
+    max_concurrency = config.max_concurrency or manifest.graph_plan.max_concurrency
+    created = int(time.time()) if created is None else created
+    if config.thinking_token_budget is not None:
+        reasoning = manifest.template.reasoning
+        if reasoning is None or reasoning.close_token_id is None:
+            raise ValueError(
+                "[server] thinking_token_budget needs a core with reasoning syntax and a single-token close "
+                "delimiter; this core has none"
+            )
+    digest = hashlib.sha256(f"{manifest.model.id}:{created}".encode()).hexdigest()[:24]
+    return Serving(
+        model_id=model_id,
+        names=frozenset([manifest.model.id, *aliases]),
+        max_model_len=manifest.limits.context_length,
+        max_concurrency=max_concurrency,
+        max_waiting=config.max_waiting,
+        prefill_chunk_size=manifest.graph_plan.prefill_chunk_size,
+        default_max_tokens=config.default_max_tokens or manifest.limits.default_max_tokens,
+        admission_slots=config.admission_slots or (max_concurrency + config.max_waiting),
+        thinking_token_budget=config.thinking_token_budget,
+        created=created,
+        permission_id=f"modelperm-{digest}",
+    )
+
+
+class Admission:
+    """HTTP admission slots: one per generated choice, held until the response is delivered."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self.in_use = 0
+
+    def acquire(self, n: int) -> None:
+        if n > self.slots:
+            raise bad_request(f"{n} choices exceed the server's {self.slots} admission slots", "n")
+        if self.in_use + n > self.slots:
+            raise rate_limited(self.slots)
+        self.in_use += n
+
+    def release(self, n: int) -> None:
+        self.in_use = max(0, self.in_use - n)
+
+
+class Runtime:
+    def __init__(self, manifest: Manifest, tokenizer: Tokenizer, template_source: str | None, engine: Any,
+                 config: ServerConfig, serving: Serving | None = None):
+        self.manifest = manifest
+        self.tokenizer = tokenizer
+        self.chat = ChatRenderer(template_source, manifest.template, tokenizer)
+        self.engine = engine
+        self.config = config
+        self.serving = serving or resolve_serving(manifest, config)
+        self.admission = Admission(self.serving.admission_slots)
+        self.http_metrics = HttpMetrics()
+        self.pool = ThreadPoolExecutor(config.frontend_workers, thread_name_prefix="helios-frontend")
+        self.timings: dict[str, float] = {}
+        self.started = time.monotonic()
+
+    async def run_blocking(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def shutdown(self) -> None:
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def build_engine(core, config: ServerConfig, serving: Serving):
+    """Runner + scheduler + engine thread for a loaded core (the torch side comes from helios.runner)."""
+    from helios.engine.async_engine import AsyncEngine
+    from helios.engine.config import SchedulerConfig
+    from helios.engine.engine_core import EngineCore
+    from helios.runner.model_runner import ModelRunner
+
+    page_size = core.manifest.graph_plan.page_size
+    num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
+    scheduler = SchedulerConfig(
+        max_concurrency=serving.max_concurrency,
+        max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency),
+        prefill_chunk_size=serving.prefill_chunk_size,
+        max_waiting=serving.max_waiting,
+        page_size=page_size,
+        num_pages=num_pages,
+        max_model_len=serving.max_model_len,
+    )
+    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size)
+    return AsyncEngine(EngineCore(scheduler, runner))
+
+
+def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:
+    """Load and verify the core, build the engine; records the load time in runtime.timings."""
+    from helios.core.load import load_core
+
+    t0 = time.perf_counter()
+    core = load_core(Path(core_path))
+    manifest = core.manifest
+    tokenizer = Tokenizer.from_file(core.tokenizer_path, manifest.tokenizer, manifest.arch.vocab_size)
+    serving = resolve_serving(manifest, config)
+    engine = build_engine(core, config, serving)
+    runtime = Runtime(manifest, tokenizer, core.template_source, engine, config, serving)
+    runtime.timings["load"] = time.perf_counter() - t0
+    return runtime
+
+
+async def warm_up(runtime: Runtime) -> None:
+    """One tiny request through the whole engine path, so the first client does not pay for it."""
+    from helios.engine.messages import EngineRequest, SamplingParams
+
+    t0 = time.perf_counter()
+    bos = runtime.manifest.tokenizer.bos_token_id
+    prompt = [bos if bos is not None else 0] * 2
+    stream = await runtime.engine.submit(
+        EngineRequest(req_id="warmup", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=2, logprobs=1))
+    )
+    async for _ in stream:
+        pass
+    runtime.timings["warmup"] = time.perf_counter() - t0

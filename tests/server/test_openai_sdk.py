@@ -1,0 +1,190 @@
+"""The official OpenAI SDK against a real `helios serve` (sync + async, buffered + streaming)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY
+
+ALIAS = "smollm2-135m-instruct"
+CHECKPOINT = "SmolLM2-135M-Instruct.Q4_1"
+MSGS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_list_and_cards(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [ALIAS]
+    card = models[0].model_dump()
+    assert card["root"] == CHECKPOINT and card["parent"] is None and card["owned_by"] == "local"
+    assert card["max_model_len"] == 8192
+    assert card["permission"][0]["allow_logprobs"] is True and card["permission"][0]["allow_sampling"] is True
+    flare = card["flare"]
+    assert flare["vocab_size"] == 49152 and flare["max_top_logprobs"] == 20
+    assert flare["sampling_ranges"]["temperature"] == {"min": 0.05, "max": 2.0}
+    assert flare["input_modalities"] == ["text"] and flare["thinking_token_budget"] is None
+    assert client.models.retrieve(CHECKPOINT).id == ALIAS
+    again = client.models.retrieve(ALIAS).model_dump()
+    assert again["created"] == card["created"] and again["permission"][0]["id"] == card["permission"][0]["id"]
+
+
+def test_unknown_model_is_404_even_with_slashes(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_chat_buffered(client):
+    r = client.chat.completions.create(model="anything", messages=MSGS, max_tokens=12, temperature=0)
+    assert r.model == ALIAS and r.object == "chat.completion"
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    u = r.usage
+    assert u.prompt_tokens > 10 and u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens == 0
+    assert u.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_chat_stream_matches_buffered(client):
+    kw = dict(model=ALIAS, messages=MSGS, max_tokens=16, seed=7)
+    buffered = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content == ""
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == buffered
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_chat_eos_stop_is_hidden(client):
+    r = client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "Say hi."}],
+                                       max_tokens=200, temperature=0)
+    assert r.choices[0].finish_reason == "stop"
+    assert "<|im_end|>" not in r.choices[0].message.content
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(client.chat.completions.create(
+        model=ALIAS, messages=MSGS, max_tokens=8, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens
+    assert all(c.usage.prompt_tokens == chunks[0].usage.prompt_tokens for c in chunks)
+
+
+def test_chat_n_choices_and_seed(client):
+    r = client.chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=8, n=3, seed=11)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    single = client.chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=8, seed=12)
+    assert single.choices[0].message.content == r.choices[1].message.content  # seed advances by index
+
+
+def test_continue_final_message(client):
+    r = client.chat.completions.create(
+        model=ALIAS, max_tokens=4, temperature=0,
+        messages=[*MSGS, {"role": "assistant", "content": "The capital of France is"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert "Paris" in r.choices[0].message.content
+
+
+def test_chat_string_stop(client):
+    r = client.chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=20, temperature=0, stop=[" Paris"])
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and "Paris" not in c.message.content
+    assert c.model_dump()["stop_reason"] == " Paris"
+
+
+def test_completions_prompt_forms_and_indices(client, frontend):
+    _, tok, _ = frontend
+    ids = tok.encode("The capital of France is")
+    r = client.completions.create(model=ALIAS, prompt=["The capital of France is", "The capital of France is"],
+                                  max_tokens=4, n=2, seed=3)
+    texts = [c.text for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert texts[0] == texts[2] and texts[1] == texts[3]  # the seed advances by choice index
+    assert r.usage.prompt_tokens == 2 * len(ids)
+    for prompt in (ids, [ids, ids[:3]]):
+        r = client.completions.create(model=ALIAS, prompt=prompt, max_tokens=2)
+        assert len(r.choices) == (1 if prompt is ids else 2)
+
+
+def test_completions_echo_and_stop(client):
+    r = client.completions.create(model=ALIAS, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                  echo=True, stop=["."])
+    c = r.choices[0]
+    assert c.text.startswith("The capital of France is") and "." not in c.text
+    assert c.finish_reason == "stop"
+
+
+def test_max_tokens_zero_echo_only(client):
+    r = client.completions.create(model=ALIAS, prompt="Hello there", max_tokens=0, echo=True)
+    assert r.choices[0].text == "Hello there" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_completions_stream(client):
+    kw = dict(model=ALIAS, prompt="Once upon a time", max_tokens=10, seed=5)
+    buffered = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == buffered
+
+
+def test_async_sdk_buffered_and_stream(server):
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as ac:
+            a, b = await asyncio.gather(
+                ac.chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=6, seed=1),
+                ac.completions.create(model=ALIAS, prompt="1, 2, 3,", max_tokens=6, seed=1))
+            stream = await ac.chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=6, seed=1, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            return a, b, text
+
+    a, b, text = asyncio.run(main())
+    assert a.choices[0].message.content == text and b.choices[0].text
+
+
+def test_chat_stream_n_interleaves_indices(client):
+    kw = dict(model=ALIAS, messages=MSGS, max_tokens=6, n=2, seed=21)
+    buffered = client.chat.completions.create(**kw)
+    texts = {0: "", 1: ""}
+    roles = set()
+    for c in client.chat.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            if ch.delta.role:
+                roles.add(ch.index)
+            texts[ch.index] += ch.delta.content or ""
+    assert roles == {0, 1}
+    assert [texts[0], texts[1]] == [c.message.content for c in buffered.choices]
+
+
+def test_completions_stream_echo_logprobs_match_buffered(client):
+    kw = dict(model=ALIAS, prompt="The capital of France is", max_tokens=4, echo=True, logprobs=1, seed=8)
+    buffered = client.completions.create(**kw).choices[0]
+    text, tokens, offsets, lps = "", [], [], []
+    for c in client.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            text += ch.text
+            if ch.logprobs:
+                tokens += ch.logprobs.tokens
+                offsets += ch.logprobs.text_offset
+                lps += ch.logprobs.token_logprobs
+    assert text == buffered.text
+    assert tokens == buffered.logprobs.tokens and offsets == buffered.logprobs.text_offset
+    assert lps == buffered.logprobs.token_logprobs
+
+
+def test_concurrent_requests_match_sequential_ones(client, server):
+    seeds = list(range(100, 106))
+    alone = [client.completions.create(model=ALIAS, prompt="My favourite food is", max_tokens=6, seed=s).choices[0].text
+             for s in seeds]
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0) as ac:
+            rs = await asyncio.gather(*[ac.completions.create(model=ALIAS, prompt="My favourite food is",
+                                                              max_tokens=6, seed=s) for s in seeds])
+            return [r.choices[0].text for r in rs]
+
+    assert asyncio.run(main()) == alone  # a seed gives the same output alone or in a batch
