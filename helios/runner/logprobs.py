@@ -5,31 +5,45 @@ temperature, penalties and filters. Non-finite values are reported as -9999.0, a
 computed on the reported values: rank = 1 + number of vocabulary entries with a strictly greater
 reported logprob (equal values share a rank); natural alternatives are ordered by decreasing logprob,
 then increasing token id, selected exactly (never by torch.topk's unspecified tie order).
-Imports torch and helios.engine.messages only.
+Imports torch, helios.engine.messages and helios.runner.sampler (its rowwise helper) only.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
 from helios.engine.messages import PositionLogprobs, TokenLogprob
+from helios.runner.sampler import rowwise
 
 NONFINITE_LOGPROB = -9999.0
 _BLOCK_ELEMENTS = 1 << 23  # rows are processed in blocks of about this many logits (int64 keys: 64 MiB)
 
 
 def reported_logprobs(logits: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> [rows, vocab] float32
-    """float32 log-softmax as reported: non-finite -> -9999.0, -0.0 -> 0.0.
+    """float32 logit - logsumexp(logits) as reported: non-finite -> -9999.0, -0.0 -> 0.0.
 
-    NOTE: logsumexp is a reduction whose accumulation order may depend on the batch shape (CUDA splits a
-    row across blocks when there are few rows), so it runs once per row: a row's values never depend on
-    the rows it is batched with. The subtraction is elementwise and exact.
+    NOTE: a float reduction's accumulation order depends on the batch shape (CUDA splits a row across
+    blocks when there are few rows), so the sum of exp(x - max) is taken in exact fixed point instead:
+    float32 weights in [0, 1] floored to multiples of 2**-S, S = 62 - vocab.bit_length(), summed as int64
+    (exact in any order; the truncation, under vocab * 2**-S of a sum >= 1, is 1.5e-8 for a 152k
+    vocabulary: finer than float32 accumulation), then lse = max + log(sum) in float64, rounded to
+    float32. A row's values never depend on the rows it is batched with.
     """
     x = logits.to(torch.float32)
-    lse = torch.stack([torch.logsumexp(row, dim=0) for row in x])  # [rows]
-    lp = x - lse[:, None]
+    vocab = x.shape[1]
+    row_max = x.amax(-1, keepdim=True)  # [rows, 1], exact; nan when the row holds a nan
+    bad = ~torch.isfinite(row_max)  # rows of only -inf, or with +inf or nan: every value non-finite
+    safe_max = row_max.masked_fill(bad, 0.0)
+    weights = rowwise((x - safe_max).masked_fill(bad, -math.inf), torch.exp)  # [rows, vocab] in [0, 1]
+    shift = 62 - vocab.bit_length()  # vocab * 2**shift < 2**62: no int64 overflow
+    # scaling a float32 by 2**shift and flooring it are exact in float32
+    total = torch.floor(weights * float(2**shift)).to(torch.int64).sum(-1, keepdim=True)
+    log_total = rowwise(total.double().clamp_min(1.0), torch.log)  # [rows, 1]; >= shift * ln 2 in good rows
+    lse = (safe_max.double() + (log_total - shift * math.log(2.0))).to(torch.float32)
+    lp = (x - lse).masked_fill(bad, math.nan)
     return torch.where(torch.isfinite(lp), lp, NONFINITE_LOGPROB) + 0.0
 
 
@@ -118,7 +132,7 @@ def _records(
 
 def logprobs_for(
     logits: torch.Tensor,  # [batch, vocab] raw logits of the sampled positions (not modified)
-    token_ids: torch.Tensor,  # [batch] int, the sampled token of each row
+    token_ids: torch.Tensor | Sequence[int],  # [batch] int, the sampled token of each row
     top_n: Sequence[int | None],  # per row: None = no logprobs, N >= 0 = top-N natural alternatives
     explicit: Sequence[tuple[int, ...] | None],  # per row: explicit alternative ids (replace top-N) or None
 ) -> list[PositionLogprobs | None]:
@@ -141,7 +155,7 @@ def logprobs_for(
     if not want:
         return out
     rows = logits if len(want) == batch else logits[torch.tensor(want, device=logits.device)]
-    tokens = token_ids.tolist()
+    tokens = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
     records = _records(rows, [tokens[i] for i in want], [top_n[i] or 0 for i in want], [ids[i] for i in want])
     for i, record in zip(want, records):
         out[i] = record
@@ -150,7 +164,7 @@ def logprobs_for(
 
 def prompt_logprobs_for(
     logits: torch.Tensor,  # [num_positions, vocab] raw logits; row p predicts next_token_ids[p]
-    next_token_ids: torch.Tensor,  # [num_positions] int, the actual next prompt token of each row
+    next_token_ids: torch.Tensor | Sequence[int],  # [num_positions] int, the actual next prompt token of each row
     top_n: int,  # natural alternatives per position (0 = the actual token only)
 ) -> list[PositionLogprobs]:
     """One prompt logprob record per position: the actual next token with logprob and rank, and the top-N
@@ -162,4 +176,5 @@ def prompt_logprobs_for(
         raise ValueError("prompt_logprobs_for: one next token per logits row")
     if num_positions == 0:
         return []
-    return _records(logits, next_token_ids.tolist(), [top_n] * num_positions, [None] * num_positions)
+    next_ids = next_token_ids.tolist() if isinstance(next_token_ids, torch.Tensor) else list(next_token_ids)
+    return _records(logits, next_ids, [top_n] * num_positions, [None] * num_positions)

@@ -12,7 +12,7 @@ import torch
 
 def apply_penalties(
     logits: torch.Tensor,  # [batch, vocab] float32
-    seen_mask: torch.Tensor,  # [batch, vocab] bool: token in the prompt or the output so far
+    prompt_mask: torch.Tensor,  # [batch, vocab] bool: token in the prompt
     output_counts: torch.Tensor,  # [batch, vocab] int: occurrences of the token in the output so far
     repetition: torch.Tensor,  # [batch] float32, 1.0 = neutral
     frequency: torch.Tensor,  # [batch] float32, 0.0 = neutral
@@ -27,7 +27,8 @@ def apply_penalties(
     Neutral values are exact no-ops (x / 1, x * 1, x - 0), so rows without a penalty can share the call.
     """
     rep = repetition.to(logits.dtype)[:, None]  # [batch, 1]
-    rep = torch.where(seen_mask, rep, torch.ones_like(rep))  # [batch, vocab]
+    seen = prompt_mask | (output_counts > 0)  # [batch, vocab]
+    rep = torch.where(seen, rep, torch.ones_like(rep))
     x = torch.where(logits > 0, logits / rep, logits * rep)
     counts = output_counts.to(logits.dtype)
     x = x - frequency.to(logits.dtype)[:, None] * counts

@@ -3,7 +3,7 @@
 Batch invariance is the contract: a request gets bit-identical tokens alone or in any batch. Batched
 math is restricted to operations whose per-element result cannot depend on the batch: IEEE-exact
 elementwise ops (+ - * /, compare, select), selections (max, argmax, sort, gather) and integer sums.
-Everything else (exp, log, the noise draw) runs row by row, except exp/log on CUDA (see _rowwise).
+Everything else (exp, log, the noise draw) runs row by row, except exp/log on CUDA (see rowwise).
 Imports torch and helios.engine.messages only.
 """
 
@@ -49,7 +49,7 @@ class SamplerState:
         self._generator: torch.Generator | None = None
         self._num_draws = 0  # generator draws consumed so far (one vocab-sized draw per position)
         # penalty statistics on the logits' device, built at first use and then kept in sync
-        self._seen_mask: torch.Tensor | None = None  # [vocab] bool
+        self._prompt_mask: torch.Tensor | None = None  # [vocab] bool
         self._output_counts: torch.Tensor | None = None  # [vocab] int32
         self._num_counted = 0  # output tokens already folded into the tensors above
         if device is not None:
@@ -80,22 +80,27 @@ class SamplerState:
         self._num_draws += 1
 
     def penalty_tensors(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """([vocab] bool seen in prompt or output, [vocab] int32 output counts), synced with the outputs."""
-        if self._seen_mask is None or self._seen_mask.device != device or self._seen_mask.numel() != vocab_size:
-            self._seen_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        """([vocab] bool: token in the prompt, [vocab] int32: count in the output), synced with append()."""
+        if self._prompt_mask is None or self._prompt_mask.device != device or self._prompt_mask.numel() != vocab_size:
+            self._prompt_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             self._output_counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)
             self._num_counted = 0
             if self.prompt_token_ids:
-                self._seen_mask[_token_index(self.prompt_token_ids, vocab_size, device)] = True
+                self._prompt_mask[_token_index(self.prompt_token_ids, vocab_size, device)] = True
         assert self._output_counts is not None
         pending = self.output_token_ids[self._num_counted :]
-        if pending:
+        if len(pending) > 4:  # a re-sent request: one scatter instead of many small adds
             index = _token_index(pending, vocab_size, device)
             ones = torch.ones(len(pending), dtype=torch.int32, device=device)
             self._output_counts.index_put_((index,), ones, accumulate=True)  # integer adds: exact
-            self._seen_mask[index] = True
-            self._num_counted = len(self.output_token_ids)
-        return self._seen_mask, self._output_counts
+        else:
+            # NOTE: a slice update needs no host-to-device index copy (which would sync the stream)
+            for t in pending:
+                if not 0 <= t < vocab_size:
+                    raise ValueError(f"token id {t} outside the vocabulary of {vocab_size}")
+                self._output_counts[t : t + 1] += 1
+        self._num_counted = len(self.output_token_ids)
+        return self._prompt_mask, self._output_counts
 
 
 def _token_index(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -104,59 +109,84 @@ def _token_index(token_ids: Sequence[int], vocab_size: int, device: torch.device
     return torch.tensor(token_ids, dtype=torch.int64, device=device)
 
 
-def _rowwise(x: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # x: [rows, vocab]
+def rowwise(x: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # x: [rows, ...]
     """Apply a transcendental elementwise op (exp, log) so that each row's result ignores the batch.
 
     NOTE: CPU kernels split a contiguous buffer into a SIMD body and a scalar tail (and threads split it
     anywhere), and the two paths may use different exp/log implementations, so an element's result could
     depend on its offset in the batch: we call the op once per row. CUDA elementwise kernels evaluate the
     same function for every element whatever its position, so they take the whole batch at once
-    (tests/gpu checks this on the device).
+    (test_cuda_exp_and_log_ignore_the_batch checks this on the device).
     """
     if x.device.type == "cuda" or x.shape[0] == 1:
         return op(x)
     return torch.stack([op(row) for row in x])
 
 
-def _param_tensor(values: list[float], device: torch.device, dtype=torch.float32) -> torch.Tensor:
+def _param_tensor(values: list, device: torch.device, dtype=torch.float32) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+TOP_P_WINDOW = 1024  # top-p first looks for its cutoff among this many largest logits of a row
 
 
 def _top_k_top_p(
     x: torch.Tensor,  # [rows, vocab] float32 tempered logits
-    top_k: list[int],  # per row, already in 1..vocab (vocab = off)
+    top_k: list[int],  # per row, in 1..vocab (vocab = off)
     top_p: list[float],  # per row, 1.0 = off
+    width: int | None = None,  # how many of the largest entries to sort (None: as few as suffice)
 ) -> torch.Tensor:  # [rows, vocab] with filtered tokens at -inf
     """Keep, per row, the tokens at or above a cutoff value: the k-th largest, then the top-p cutoff.
 
     Ties at a cutoff are kept (the support never depends on token ids). top-p keeps the shortest
     prefix of the sorted, top-k-filtered distribution whose mass reaches top_p (a token is kept when
-    the mass strictly before it is below top_p), measured in exact fixed point: weights
-    exp(x - max) in (0, 1] are floored to multiples of 2**-S and summed as int64, so the cumulative
-    sum is exact in any order and the comparison with top_p * total is done in float64 on integers
-    below 2**53.
+    the mass strictly before it is below top_p), measured in exact fixed point: weights exp(x - max)
+    in [0, 1] are floored to multiples of 2**-S and summed as int64 (exact in any order), and compared
+    with top_p * total in float64 on integers below 2**53. Only the `width` largest entries are sorted
+    (torch.topk: exact values); a row whose cutoff may lie beyond them is redone with a 16x wider window
+    (at last the whole sorted row), so the result never depends on `width`, hence on the other rows.
     """
     rows, vocab = x.shape
     device = x.device
-    xs = torch.sort(x, dim=-1, descending=True).values  # [rows, vocab]: a permutation, exact
-    k_index = torch.tensor([k - 1 for k in top_k], dtype=torch.int64, device=device)[:, None]
-    cutoff = xs.gather(1, k_index)  # [rows, 1]
-    if any(p < 1.0 for p in top_p):
-        kept = xs >= cutoff  # [rows, vocab], a prefix of the sorted row
-        # a row of only -inf keeps a finite max so that x - max never becomes nan
-        row_max = xs[:, :1].clamp_min(torch.finfo(torch.float32).min)
-        weights = _rowwise(xs - row_max, torch.exp)  # [rows, vocab] in [0, 1]
-        shift = 53 - vocab.bit_length()  # vocab * 2**shift <= 2**53: sums stay exact in float64
-        fixed = torch.floor(weights.double() * float(2**shift)).to(torch.int64)
-        fixed = torch.where(kept, fixed, torch.zeros_like(fixed))
-        total = fixed.sum(-1, keepdim=True)  # [rows, 1] int64, exact
-        before = fixed.cumsum(-1) - fixed  # [rows, vocab] mass strictly before each position
-        p = _param_tensor(top_p, device, torch.float64)[:, None]
-        in_p = (before.double() < p * total.double()) & kept
-        in_p = torch.where(p >= 1.0, kept, in_p)
-        num_kept = in_p.sum(-1).clamp_min(1)  # [rows]; in_p is a prefix, the max is always kept
-        cutoff = xs.gather(1, (num_kept - 1)[:, None])
-    return x.masked_fill(x < cutoff, -math.inf)
+    has_k = [k < vocab for k in top_k]
+    if width is None:
+        wanted = [k if hk else (TOP_P_WINDOW if p < 1.0 else 1) for k, hk, p in zip(top_k, has_k, top_p)]
+        width = min(vocab, max(wanted))
+    if width == vocab:
+        values, index = torch.sort(x, dim=-1, descending=True)  # [rows, vocab]
+    else:
+        values, index = torch.topk(x, width, dim=-1)  # [rows, width], sorted descending
+    k_index = _param_tensor([min(k, width) - 1 for k in top_k], device, torch.int64)[:, None]
+    no_k = _param_tensor([not hk for hk in has_k], device, torch.bool)[:, None]
+    cutoff_k = values.gather(1, k_index).masked_fill(no_k, -math.inf)  # [rows, 1]
+    if all(p >= 1.0 for p in top_p):
+        return x.masked_fill(x < cutoff_k, -math.inf)
+
+    # a row of only -inf keeps a finite max so that x - max never becomes nan
+    row_max = values[:, :1].clamp_min(torch.finfo(torch.float32).min)
+    weights = rowwise(x - row_max, torch.exp)  # [rows, vocab] in [0, 1]
+    shift = 53 - vocab.bit_length()  # vocab * 2**shift <= 2**53: sums stay exact in float64
+    # NOTE: float32 is exact here: scaling by 2**shift and flooring a float32 both give a float32
+    fixed = torch.floor(weights * float(2**shift)).to(torch.int64)
+    fixed = fixed.masked_fill(x < cutoff_k, 0)  # top-k first
+    total = fixed.sum(-1, keepdim=True)  # [rows, 1] int64, exact
+    window = fixed.gather(1, index)  # [rows, width] in sorted order (ties have equal weights)
+    before = window.cumsum(-1) - window  # mass strictly before each sorted position
+    p = _param_tensor(top_p, device, torch.float64)[:, None]
+    in_p = (before.double() < p * total.double()) & (values >= cutoff_k)  # a prefix of the window
+    num_kept = in_p.sum(-1).clamp_min(1)  # [rows]; the max is always kept
+    cutoff = values.gather(1, (num_kept - 1)[:, None])
+    cutoff = torch.where(p >= 1.0, cutoff_k, cutoff)
+    out = x.masked_fill(x < cutoff, -math.inf)
+    if width < vocab:
+        # NOTE: with top-k the window holds every kept value (ties beyond it equal the k-th); without,
+        # a row that keeps the whole window may keep more: redo those with a 16x wider window.
+        full = [i for i, n in enumerate(num_kept.tolist()) if n == width and not has_k[i] and top_p[i] < 1.0]
+        if full:
+            wider = min(vocab, 16 * width)
+            redo = _top_k_top_p(x[full], [top_k[i] for i in full], [top_p[i] for i in full], width=wider)
+            out[torch.tensor(full, device=device)] = redo
+    return out
 
 
 def _min_p(
@@ -200,11 +230,11 @@ def transform_logits(
     owned = x is not logits
     penalized = [i for i, s in enumerate(states) if s.has_penalties]
     if penalized:
-        seen, counts = zip(*(states[i].penalty_tensors(vocab, x.device) for i in penalized))
+        prompt_masks, counts = zip(*(states[i].penalty_tensors(vocab, x.device) for i in penalized))
         params = [states[i].params for i in penalized]
         values = apply_penalties(
             _rows(x, penalized),
-            torch.stack(seen),
+            torch.stack(prompt_masks),
             torch.stack(counts),
             _param_tensor([p.repetition_penalty for p in params], x.device),
             _param_tensor([p.frequency_penalty for p in params], x.device),
@@ -245,7 +275,7 @@ def sample(
         noise = torch.empty((len(sampled), scores.shape[1]), dtype=torch.float32, device=scores.device)
         for row, i in enumerate(sampled):
             states[i].draw_exponential(noise[row])
-        log_noise = _rowwise(noise.clamp_min_(_TINY), torch.log)  # finite: -inf scores stay -inf
+        log_noise = rowwise(noise.clamp_min_(_TINY), torch.log)  # finite: -inf scores stay -inf
         # scores is not the caller's tensor here: transform_logits copied it for the sampled rows
         scores = _with_rows(scores, sampled, _rows(scores, sampled) - log_noise, owned=True)
     # NOTE: argmax returns the first maximal index: greedy ties go to the lowest token id.

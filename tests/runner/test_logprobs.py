@@ -161,16 +161,19 @@ def test_certain_token_reports_positive_zero():
 # --- values, invariance, prompt records ------------------------------------------------------------------
 
 
-def test_values_are_float32_logit_minus_logsumexp():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 50_000, generator=g) * 4
-    tokens = torch.randint(0, 50_000, (4,), generator=g)
+@pytest.mark.parametrize("vocab", [7, 50_000, 151_936])
+def test_values_are_logit_minus_an_accurate_logsumexp(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(4, vocab, generator=g) * 4
+    tokens = torch.randint(0, vocab, (4,), generator=g)
     got = logprobs_for(x, tokens, [3] * 4, [None] * 4)
     for r in range(4):
-        exact = (x[r] - torch.logsumexp(x[r], 0))[tokens[r]].item()
-        assert got[r].token.logprob == exact
-        ref = ref_reported(x[r].numpy())[tokens[r]]
-        assert abs(got[r].token.logprob - ref) < 1e-5
+        lse64 = torch.logsumexp(x[r].double(), 0)
+        lse32 = x[r, tokens[r]] - torch.tensor(got[r].token.logprob, dtype=torch.float32)
+        # the float32 lse used is within one float32 ulp of the exact one
+        assert abs(lse32.double() - lse64) <= torch.finfo(torch.float32).eps * max(1.0, abs(lse64.item()))
+        # and the value is exactly float32(logit) - that float32 lse
+        assert got[r].token.logprob == (x[r, tokens[r]] - lse32).item()
 
 
 @pytest.mark.parametrize("device", DEVICES)

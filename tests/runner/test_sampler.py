@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helios.engine.messages import SamplingParams
-from helios.runner.sampler import SamplerState, sample, transform_logits
+import helios.runner.sampler as sampler_module
+from helios.runner.sampler import SamplerState, _top_k_top_p, sample, transform_logits
 
 DEVICES = [
     "cpu",
@@ -93,7 +94,11 @@ def test_greedy_row_in_a_mixed_batch_ignores_temperature_and_filters():
     x = planted_logits(rng, 300)
     x[[7, 200]] = x.max() + 1.0  # a tie at the top
     logits = torch.from_numpy(np.stack([x, x, x]))
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=3), SamplingParams(temperature=0.0, top_p=0.1)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=3),
+        SamplingParams(temperature=0.0, top_p=0.1),
+    ]
     tokens = sample(logits, make_states(params, [[], [], []]))
     assert tokens[0] == 7 and tokens[2] == 7
 
@@ -141,8 +146,10 @@ RANDOM_PARAMS = [
 ]
 
 
+@pytest.mark.parametrize("window", [1024, 16, 1])
 @pytest.mark.parametrize("seed", range(6))
-def test_transform_matches_reference(seed):
+def test_transform_matches_reference(seed, window, monkeypatch):
+    monkeypatch.setattr(sampler_module, "TOP_P_WINDOW", window)
     rng = np.random.default_rng(seed)
     vocab = 513
     rows = [planted_logits(rng, vocab, scale=float(rng.uniform(0.5, 4))) for _ in RANDOM_PARAMS]
@@ -162,6 +169,26 @@ def test_transform_matches_reference(seed):
         if margin < 1e-6:
             continue  # the reference's float64 mass is too close to top_p to decide
         assert np.array_equal(got[i], want), (i, params)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_k_top_p_ignores_the_sorted_width(seed):
+    # the window of sorted entries is a batch-dependent choice: the result must not depend on it
+    rng = np.random.default_rng(seed)
+    vocab = 40
+    x = torch.from_numpy(np.stack([planted_logits(rng, vocab, scale=0.3) for _ in range(6)]))
+    x[0, :12] = x[0, 3]  # a tie group straddling the k-th entry
+    top_k = [4, 40, 40, 10, 1, 40]
+    top_p = [0.99, 0.9, 0.999, 0.5, 0.3, 1e-9]
+    full = _top_k_top_p(x, top_k, top_p, width=vocab)
+    for width in range(10, vocab):
+        assert torch.equal(_top_k_top_p(x, top_k, top_p, width=width), full), width
+    # flat rows without top-k escalate the window (x16) until the cutoff is inside it
+    x = torch.from_numpy(np.stack([planted_logits(rng, 600, scale=0.1) for _ in range(3)]))
+    top_k, top_p = [600, 600, 600], [0.999, 0.5, 0.05]
+    full = _top_k_top_p(x, top_k, top_p, width=600)
+    for width in (1, 2, 5, 37, 599):
+        assert torch.equal(_top_k_top_p(x, top_k, top_p, width=width), full), width
 
 
 @pytest.mark.parametrize("top_k", [0, -1, 7, 8, 100])
