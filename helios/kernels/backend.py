@@ -1,0 +1,102 @@
+"""TritonAttentionBackend: the helios.layers.attention.AttentionBackend of the GPU fast path.
+
+Per layer and step: reshape_and_cache writes this step's K/V through slot_mapping, then a pure-decode batch
+(one query per sequence, the CUDA-graph case) runs split-K decode attention, and any other batch (prefill,
+chunked prefill, decode rows mixed in) runs the varlen prefill kernel. Host-side decisions read only the
+metadata's *_cpu lists, never a device tensor. Imports torch and the kernels only: the metadata is the
+layers' AttentionMetadata, read through the `PagedMetadata` protocol (kernels sit below layers).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from helios.kernels._triton import require_triton
+from helios.kernels.paged_attention import choose_num_splits, paged_decode_attention
+from helios.kernels.prefill_attention import paged_prefill_attention
+from helios.kernels.reshape_and_cache import reshape_and_cache
+
+
+class PagedMetadata(Protocol):
+    """The fields of helios.layers.attention.AttentionMetadata this backend reads."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int: ...
+
+
+class TritonAttentionBackend:
+    """One instance serves every layer of a model.
+
+    `decode_num_splits` pins the decode split count; a CUDA graph must pin it (the split count is a launch
+    constant baked into the captured graph), eager decode picks it from the batch's longest sequence.
+    """
+
+    name = "triton"
+
+    def __init__(self, decode_num_splits: int | None = None):
+        require_triton()
+        assert decode_num_splits is None or decode_num_splits >= 1
+        self.decode_num_splits = decode_num_splits
+        self._num_sms: dict[torch.device, int] = {}
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, num_kv_heads, head_dim]
+        meta: PagedMetadata,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        if q.shape[0] == meta.num_seqs:  # every sequence schedules >= 1 token, so each has exactly one
+            return paged_decode_attention(
+                q,
+                kv_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                sliding_window,
+                softcap,
+                num_splits=self._decode_splits(meta, sliding_window, kv_cache.shape[3], q.device),
+            )
+        qsl = meta.query_start_loc_cpu
+        max_query_len = max(b - a for a, b in zip(qsl, qsl[1:]))
+        return paged_prefill_attention(
+            q,
+            kv_cache,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            max_query_len,
+            scale,
+            sliding_window,
+            softcap,
+        )
+
+    def _decode_splits(
+        self, meta: PagedMetadata, sliding_window: int | None, num_kv_heads: int, device: torch.device
+    ) -> int:
+        if self.decode_num_splits is not None:
+            return self.decode_num_splits
+        longest = max(meta.seq_lens_cpu, default=0)
+        if sliding_window is not None:
+            longest = min(longest, sliding_window)
+        return choose_num_splits(longest, meta.num_seqs, num_kv_heads, self._sm_count(device))
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            is_cuda = device.type == "cuda"
+            self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else 132
+        return self._num_sms[device]

@@ -1,0 +1,113 @@
+"""The sampling tail's reductions: a one-pass per-row log-softmax normalizer, and exact top-N logprobs.
+
+`row_logsumexp` is a Triton kernel: one program per row of logits [B, V] keeps a running max and rescaled
+sum over fixed BLOCK-wide tiles, so it reads the row once (torch.logsumexp makes an amax pass, then an
+exp-sum pass, through temporaries), and a row's result never depends on the rows batched with it (the
+reduction order is fixed by V and BLOCK alone), which the runner's batch-invariance contract requires.
+
+`top_logprobs` stays in torch: one torch.topk over a unique int64 key per entry (the reported logprob's
+order-preserving bits, then 2**32 - 1 - token id) is a radix select on CUDA, already memory-bound for N <= 20,
+and its result is exact: decreasing logprob, ties by increasing token id, never topk's unspecified tie
+order. A Triton top-k would need tl.sort/tl.topk, which are not long-standing Triton APIs.
+Imports torch and helios.kernels._triton only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helios.kernels._triton import check_last_dim_contiguous, jit, require_triton, tl
+
+NONFINITE_LOGPROB = -9999.0  # what helios.runner.logprobs reports for a non-finite logprob
+_BLOCK = 4096
+
+
+@jit
+def _row_logsumexp_kernel(
+    x_ptr,  # [num_rows, vocab] float32
+    max_ptr,  # [num_rows] float32
+    lse_ptr,  # [num_rows] float32
+    stride_x,
+    vocab,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    # per-lane running max and rescaled sum; lanes merge once at the end
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, vocab, BLOCK):
+        idx = start + offs
+        x = tl.load(x_ptr + row * stride_x + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        # NOTE: a lane that is -inf so far exponentiates against 0 (exp(-inf) = 0), not -inf - -inf = nan.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    g = tl.where(row_max == float("-inf"), 0.0, row_max)
+    total = tl.sum(s * tl.exp(m - g), axis=0)
+    lse = g + tl.log(total)  # total == 0 (all -inf) gives -inf; a nan logit makes it nan, as torch does
+    lse = tl.where(row_max == float("inf"), float("inf"), lse)
+    tl.store(max_ptr + row, row_max)
+    tl.store(lse_ptr + row, lse)
+
+
+def row_logsumexp(
+    logits: torch.Tensor,  # [num_rows, vocab] float32
+) -> tuple[torch.Tensor, torch.Tensor]:  # (row max [num_rows], logsumexp [num_rows]) float32
+    require_triton()
+    assert logits.dim() == 2 and logits.dtype == torch.float32, "logits must be [num_rows, vocab] float32"
+    check_last_dim_contiguous("logits", logits)
+    num_rows, vocab = logits.shape
+    row_max = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(row_max)
+    if num_rows == 0:
+        return row_max, lse
+    _row_logsumexp_kernel[(num_rows,)](logits, row_max, lse, logits.stride(0), vocab, BLOCK=_BLOCK, num_warps=8)
+    return row_max, lse
+
+
+def row_logsumexp_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return logits.amax(dim=-1), torch.stack([torch.logsumexp(row, dim=0) for row in logits])
+
+
+def reported_logprobs(
+    logits: torch.Tensor,  # [num_rows, vocab] float32
+    lse: torch.Tensor,  # [num_rows] float32
+) -> torch.Tensor:  # [num_rows, vocab] float32
+    """logit - lse as reported: non-finite -> NONFINITE_LOGPROB, -0.0 -> 0.0 (helios.runner.logprobs' rule)."""
+    lp = logits - lse[:, None]
+    return torch.where(torch.isfinite(lp), lp, NONFINITE_LOGPROB) + 0.0
+
+
+def _order_key(rep: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] float32 -> int64
+    """Unique key ordering by (value descending, token id ascending) under topk; needs no nan, no -0.0."""
+    bits = rep.contiguous().view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # same order as the floats, in [-2**31, 2**31)
+    ids = torch.arange(rep.shape[1], dtype=torch.int64, device=rep.device)
+    return ordered * (1 << 32) + ((1 << 32) - 1 - ids)
+
+
+def top_logprobs(
+    logits: torch.Tensor,  # [num_rows, vocab] float32 raw logits
+    num: int,  # N <= 20 in practice; clamped to the vocabulary
+    lse: torch.Tensor | None = None,  # [num_rows] float32, from row_logsumexp when already computed
+) -> tuple[torch.Tensor, torch.Tensor]:  # (values [num_rows, N] float32, token ids [num_rows, N] int64)
+    """The N largest reported logprobs per row, by decreasing value then increasing token id."""
+    if lse is None:
+        lse = row_logsumexp(logits)[1] if logits.is_cuda else row_logsumexp_ref(logits)[1]
+    rep = reported_logprobs(logits, lse)
+    num = min(num, logits.shape[1])
+    ids = _order_key(rep).topk(num, dim=-1, sorted=True).indices
+    return rep.gather(1, ids), ids
+
+
+def top_logprobs_ref(logits, num, lse=None):
+    """A stable descending sort: equal values keep increasing token order."""
+    if lse is None:
+        lse = row_logsumexp_ref(logits)[1]
+    rep = reported_logprobs(logits, lse)
+    values, ids = torch.sort(rep, dim=-1, descending=True, stable=True)
+    num = min(num, logits.shape[1])
+    return values[:, :num], ids[:, :num]

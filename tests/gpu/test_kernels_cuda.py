@@ -1,0 +1,130 @@
+"""The kernel checks of tests/kernels, compiled and run on CUDA in bfloat16 and float32.
+
+Same check functions as the interpreter tests (tests/kernels/checks.py), so a case that passes on the CPU
+exercises the same code here; default block sizes are used where the CPU tests shrink them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helios.kernels._triton import HAS_TRITON, interpret_mode
+from tests.kernels import checks
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not HAS_TRITON, reason="needs triton"),
+    pytest.mark.skipif(interpret_mode(), reason="TRITON_INTERPRET is set: kernels would not be compiled"),
+]
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+CUDA = "cuda"
+
+
+@DTYPES
+@pytest.mark.parametrize("multiply_in_float32", [False, True], ids=["llama", "gemma"])
+def test_rms_norm(dtype, multiply_in_float32):
+    checks.check_rms_norm(CUDA, dtype, multiply_in_float32)
+    checks.check_rms_norm(CUDA, dtype, multiply_in_float32, dim=4096, num_tokens=33)
+
+
+@DTYPES
+def test_rms_norm_strided_heads(dtype):
+    checks.check_rms_norm_strided_heads(CUDA, dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize("multiply_in_float32", [False, True], ids=["llama", "gemma"])
+def test_fused_add_rms_norm(dtype, multiply_in_float32):
+    checks.check_fused_add_rms_norm(CUDA, dtype, multiply_in_float32)
+
+
+@DTYPES
+def test_rotary(dtype):
+    checks.check_rotary(CUDA, dtype)
+    checks.check_rotary(CUDA, dtype, num_heads=32, num_kv_heads=8, head_dim=128)
+
+
+@DTYPES
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_activation(dtype, act):
+    checks.check_gated(CUDA, dtype, act)
+
+
+@DTYPES
+@pytest.mark.parametrize("page_size", [16, 4])
+def test_reshape_and_cache(dtype, page_size):
+    checks.check_reshape_and_cache(CUDA, dtype, page_size)
+
+
+@DTYPES
+@pytest.mark.parametrize("page_size", [16, 4])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode(dtype, group, page_size):
+    checks.check_decode(CUDA, dtype, group, page_size)
+    checks.check_decode(CUDA, dtype, group, page_size, block_n=16)
+
+
+@DTYPES
+@pytest.mark.parametrize("num_splits", [3, 8])
+def test_decode_split_k(dtype, num_splits):
+    checks.check_decode(CUDA, dtype, 3, 4, seq_lens=(37, 5, 700, 129), num_splits=num_splits)
+
+
+@DTYPES
+def test_decode_sliding_window_softcap(dtype):
+    checks.check_decode(CUDA, dtype, 3, 4, sliding_window=20, num_splits=3)
+    checks.check_decode(CUDA, dtype, 3, 16, seq_lens=(300, 40), softcap=5.0, sliding_window=33, num_splits=2)
+
+
+@DTYPES
+def test_decode_padded_row_is_zero(dtype):
+    out = checks.check_decode(CUDA, dtype, 1, 4, seq_lens=(9, 0, 17), num_splits=2)
+    assert torch.count_nonzero(out[1]) == 0
+
+
+@DTYPES
+def test_decode_real_head_shapes(dtype):
+    checks.check_decode(CUDA, dtype, 4, 16, seq_lens=(1000, 77), num_splits=4, num_kv_heads=8, head_dim=128)
+
+
+@DTYPES
+@pytest.mark.parametrize("page_size", [16, 4])
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill(dtype, group, page_size):
+    checks.check_prefill(CUDA, dtype, group, page_size, (20, 17), (20, 17))
+    checks.check_prefill(CUDA, dtype, group, page_size, (20, 1, 9, 12), (20, 33, 30, 19), block_m=16, block_n=16)
+
+
+@DTYPES
+def test_chunked_prefill_sliding_window_softcap(dtype):
+    checks.check_prefill(CUDA, dtype, 3, 4, (20, 1, 9), (45, 33, 30), sliding_window=8)
+    checks.check_prefill(CUDA, dtype, 3, 16, (130, 1, 9), (200, 33, 30), softcap=5.0)
+
+
+@DTYPES
+def test_prefill_real_head_shapes(dtype):
+    checks.check_prefill(CUDA, dtype, 4, 16, (300, 1, 64), (300, 500, 100), num_kv_heads=8, head_dim=128)
+
+
+def test_row_logsumexp():
+    checks.check_row_logsumexp(CUDA)
+
+
+def test_top_logprobs():
+    checks.check_top_logprobs(CUDA)
+
+
+@DTYPES
+@pytest.mark.parametrize(
+    "query_lens, seq_lens, window, softcap",
+    [
+        ([1, 1, 1], [37, 5, 70], None, None),
+        ([1, 1, 1], [370, 5, 700], 160, 30.0),
+        ([9, 1, 4], [30, 40, 23], 6, 20.0),
+    ],
+)
+def test_backend_matches_torch_backend(dtype, query_lens, seq_lens, window, softcap):
+    checks.check_backend(CUDA, dtype, query_lens, seq_lens, window, softcap)

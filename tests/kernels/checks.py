@@ -1,0 +1,249 @@
+"""Kernel-vs-reference checks, shared by tests/kernels (Triton interpreter, CPU) and tests/gpu (CUDA).
+
+Each check builds its inputs on `device` in `dtype`, runs the kernel and its `*_ref`, and asserts they agree
+within the dtype's tolerance. Kernel modules are imported inside the checks: Triton decides interpreted vs
+compiled when a kernel module is first imported, which must happen after tests/kernels/conftest.py ran.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.kernels.cases import paged_case, tolerance
+
+
+def _close(actual, expected, dtype, device="cpu"):
+    tol = tolerance(dtype)
+    if dtype == torch.float32 and device != "cpu":
+        tol = dict(atol=1e-4, rtol=1e-4)  # different reduction orders / exp2 on the device
+    torch.testing.assert_close(actual, expected, **tol)
+
+
+def _randn(*shape, device, dtype, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(device, dtype)
+
+
+# --- norms --------------------------------------------------------------------------------------------
+
+
+def check_rms_norm(device, dtype, multiply_in_float32=False, dim=96, num_tokens=7):
+    from helios.kernels.rmsnorm import rms_norm, rms_norm_ref
+
+    x = _randn(num_tokens, dim, device=device, dtype=dtype, scale=3.0)
+    w = _randn(dim, device=device, dtype=dtype, seed=1)
+    _close(rms_norm(x, w, 1e-6, multiply_in_float32), rms_norm_ref(x, w, 1e-6, multiply_in_float32), dtype, device)
+
+
+def check_rms_norm_strided_heads(device, dtype):
+    """Per-head q norm on a strided view of a fused qkv output (rows are (token, head) pairs)."""
+    from helios.kernels.rmsnorm import rms_norm, rms_norm_ref
+
+    qkv = _randn(5, (4 + 2 * 2) * 64, device=device, dtype=dtype)
+    q = qkv[:, : 4 * 64].view(5, 4, 64)  # non-contiguous across tokens
+    w = _randn(64, device=device, dtype=dtype, seed=1)
+    assert not q.is_contiguous()
+    _close(rms_norm(q, w, 1e-5, True), rms_norm_ref(q, w, 1e-5, True), dtype, device)
+
+
+def check_fused_add_rms_norm(device, dtype, multiply_in_float32=False):
+    from helios.kernels.rmsnorm import fused_add_rms_norm, fused_add_rms_norm_ref
+
+    x = _randn(6, 160, device=device, dtype=dtype)
+    residual = _randn(6, 160, device=device, dtype=dtype, seed=2, scale=4.0)
+    w = _randn(160, device=device, dtype=dtype, seed=1)
+    x_before, r_before = x.clone(), residual.clone()
+    out, new_residual = fused_add_rms_norm(x, residual, w, 1e-6, multiply_in_float32)
+    ref_out, ref_residual = fused_add_rms_norm_ref(x, residual, w, 1e-6, multiply_in_float32)
+    torch.testing.assert_close(new_residual, ref_residual, atol=0, rtol=0)  # one rounding, same as torch's add
+    _close(out, ref_out, dtype, device)
+    assert torch.equal(x, x_before) and torch.equal(residual, r_before)  # inputs untouched
+
+
+# --- rotary, activation ---------------------------------------------------------------------------------
+
+
+def check_rotary(device, dtype, num_heads=6, num_kv_heads=2, head_dim=64):
+    from helios.kernels.rotary import rotary_embedding, rotary_embedding_ref
+
+    max_positions, num_tokens = 64, 9
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    positions = torch.tensor([0, 3, 63, 17, 17, 5, 40, 1, 2], device=device)
+    # q and k as strided views of one fused qkv buffer, the way the attention layer holds them
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=device, dtype=dtype)
+    ref = qkv.clone()
+    split = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+
+    def views(t):
+        q, k, _ = t.split(split, dim=-1)
+        return q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
+
+    rotary_embedding(*views(qkv), cos, sin, positions)
+    rotary_embedding_ref(*views(ref), cos, sin, positions)
+    _close(qkv, ref, dtype, device)  # v's columns must be untouched by both
+    # per-token rows already gathered (what RotaryEmbedding.cos_sin hands the layer)
+    rotary_embedding(*views(qkv), cos[positions], sin[positions])
+    rotary_embedding_ref(*views(ref), cos[positions], sin[positions])
+    _close(qkv, ref, dtype, device)
+
+
+def check_gated(device, dtype, act):
+    from helios.kernels import activation
+
+    kernel = getattr(activation, f"{act}_and_mul")
+    ref = getattr(activation, f"{act}_and_mul_ref")
+    x = _randn(5, 2 * 1100, device=device, dtype=dtype, scale=3.0)  # F = 1100: two column blocks, masked tail
+    x[0, :8] = torch.tensor([-30.0, -12.0, -1e-3, 0.0, 1e-3, 12.0, 30.0, -5.0], dtype=dtype)  # both tails
+    _close(kernel(x), ref(x), dtype, device)
+
+
+# --- KV cache write ------------------------------------------------------------------------------------
+
+
+def check_reshape_and_cache(device, dtype, page_size, cache_dtype=None):
+    from helios.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
+
+    c = paged_case([3, 1, 9], [3, 21, 30], 2, 1, 64, page_size, dtype=dtype, device=device)
+    cache = c.kv_cache.to(cache_dtype or dtype)
+    k = _randn(*c.k.shape, device=device, dtype=dtype, seed=5)
+    v = _randn(*c.v.shape, device=device, dtype=dtype, seed=6)
+    slots = c.slot_mapping.clone()
+    slots[1] = -1  # a padded row writes nothing
+    actual, expected = cache.clone(), cache.clone()
+    reshape_and_cache(k, v, actual, slots)
+    reshape_and_cache_ref(k, v, expected, slots)
+    assert torch.equal(actual, expected)
+    assert not torch.equal(actual, cache)
+
+
+# --- attention -----------------------------------------------------------------------------------------
+
+
+def check_decode(
+    device,
+    dtype,
+    group,
+    page_size,
+    seq_lens=(37, 5, 70),
+    num_splits=1,
+    sliding_window=None,
+    softcap=None,
+    block_n=None,
+    num_kv_heads=2,
+    head_dim=64,
+):
+    from helios.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+
+    seq_lens = list(seq_lens)
+    c = paged_case([1] * len(seq_lens), seq_lens, num_kv_heads, group, head_dim, page_size, dtype, device)
+    scale = head_dim**-0.5
+    args = (c.q, c.kv_cache, c.block_tables, c.seq_lens, scale, sliding_window, softcap)
+    out = paged_decode_attention(*args, num_splits=num_splits, block_n=block_n)
+    _close(out, paged_decode_attention_ref(*args), dtype, device)
+    return out
+
+
+def check_prefill(
+    device,
+    dtype,
+    group,
+    page_size,
+    query_lens=(20, 1, 9),
+    seq_lens=(20, 33, 30),
+    sliding_window=None,
+    softcap=None,
+    block_m=None,
+    block_n=None,
+    num_kv_heads=2,
+    head_dim=64,
+):
+    from helios.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+
+    c = paged_case(list(query_lens), list(seq_lens), num_kv_heads, group, head_dim, page_size, dtype, device)
+    scale = head_dim**-0.5
+    args = (c.q, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_tables, c.max_query_len, scale)
+    out = paged_prefill_attention(*args, sliding_window, softcap, block_m=block_m, block_n=block_n)
+    _close(out, paged_prefill_attention_ref(*args, sliding_window, softcap), dtype, device)
+
+
+# --- sampling ------------------------------------------------------------------------------------------
+
+
+def _logits(device, rows=4, vocab=5000):
+    x = _randn(rows, vocab, device=device, dtype=torch.float32, scale=4.0)
+    x[1] = float("-inf")
+    x[1, 1234] = 3.0  # one finite entry
+    x[2] = float("-inf")  # nothing finite: lse -inf
+    x[3, ::7] = x[3, 0]  # many exact ties at a large value
+    x[3, 0] = x[3].max() + 1.0
+    return x
+
+
+def check_row_logsumexp(device):
+    from helios.kernels.sampling import row_logsumexp, row_logsumexp_ref
+
+    x = _logits(device)
+    row_max, lse = row_logsumexp(x)
+    ref_max, ref_lse = row_logsumexp_ref(x)
+    assert torch.equal(row_max, ref_max)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # batch invariance: a row's result is bitwise the same alone as in the batch
+    for i in range(x.shape[0]):
+        alone_max, alone_lse = row_logsumexp(x[i : i + 1].clone())
+        assert torch.equal(alone_lse, lse[i : i + 1]) and torch.equal(alone_max, row_max[i : i + 1])
+
+
+def check_top_logprobs(device, num=20):
+    from helios.kernels.sampling import row_logsumexp_ref, top_logprobs, top_logprobs_ref
+
+    x = _logits(device)
+    x[0, 100:140] = x[0].max() + 1.0  # a 40-way tie for the top across the cut: lowest ids must win
+    lse = row_logsumexp_ref(x)[1]
+    values, ids = top_logprobs(x, num, lse)
+    ref_values, ref_ids = top_logprobs_ref(x, num, lse)
+    assert torch.equal(ids, ref_ids) and torch.equal(values, ref_values)
+    assert ids[0].tolist() == list(range(100, 100 + num))
+    assert top_logprobs(x[:, :5], num, lse)[1].shape == (x.shape[0], 5)  # N clamped to the vocabulary
+
+
+# --- the backend ---------------------------------------------------------------------------------------
+
+
+def paged_metadata(c):
+    """helios.layers.attention.AttentionMetadata of a PagedCase."""
+    from helios.layers.attention import AttentionMetadata
+
+    qsl, lens = c.query_start_loc.tolist(), c.seq_lens.tolist()
+    positions = torch.cat([torch.arange(n - (b - a), n) for a, b, n in zip(qsl, qsl[1:], lens)])
+    return AttentionMetadata(
+        positions=positions.to(c.q.device),
+        slot_mapping=c.slot_mapping,
+        query_start_loc=c.query_start_loc,
+        seq_lens=c.seq_lens,
+        block_tables=c.block_tables,
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=lens,
+    )
+
+
+def check_backend(device, dtype, query_lens, seq_lens, sliding_window=None, softcap=None, decode_num_splits=None):
+    """TritonAttentionBackend writes the same cache and attends like TorchAttentionBackend."""
+    from helios.kernels.backend import TritonAttentionBackend
+    from helios.layers.attention import TorchAttentionBackend
+
+    c = paged_case(query_lens, seq_lens, num_kv_heads=2, group=3, head_dim=64, page_size=4, dtype=dtype, device=device)
+    meta = paged_metadata(c)
+    # both start from a cache whose target slots hold stale data, so both must write this step's K/V
+    stale = c.kv_cache.clone()
+    flat = stale.view(2, -1, 2, 64)
+    flat[:, c.slot_mapping] = _randn(2, len(c.slot_mapping), 2, 64, device=device, dtype=dtype, seed=9)
+    torch_cache, triton_cache = stale.clone(), stale.clone()
+    args = (0.125, sliding_window, softcap)
+    expected = TorchAttentionBackend().forward(c.q, c.k, c.v, torch_cache, meta, *args)
+    backend = TritonAttentionBackend(decode_num_splits=decode_num_splits)
+    actual = backend.forward(c.q, c.k, c.v, triton_cache, meta, *args)
+    assert torch.equal(triton_cache, torch_cache)
+    _close(actual, expected, dtype, device)

@@ -1,0 +1,81 @@
+"""Paged decode (split-K) and prefill attention and the KV cache write vs their torch references.
+
+Block tables are random permutations of the pool (never contiguous), seq_lens are not page multiples,
+and the cache holds random data everywhere, so any lane that reads past its mask shows up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.interpreter import require_interpreter
+
+require_interpreter()
+
+# the interpreter (numpy) warns on exp overflow / log(0) where the GPU quietly gives inf / -inf
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+from tests.kernels import checks  # noqa: E402
+
+
+@pytest.mark.parametrize("page_size", [16, 4])
+@pytest.mark.parametrize("cache_dtype", [None, torch.float16], ids=["same", "to_fp16"])
+def test_reshape_and_cache(page_size, cache_dtype):
+    checks.check_reshape_and_cache("cpu", torch.float32, page_size, cache_dtype)
+
+
+@pytest.mark.parametrize("page_size", [16, 4])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode(group, page_size):
+    checks.check_decode("cpu", torch.float32, group, page_size, block_n=16)
+
+
+@pytest.mark.parametrize("num_splits", [3, 8])
+def test_decode_split_k(num_splits):
+    # 8 splits of 16-key blocks over 5..70 keys: some splits are empty, the reduction must ignore them
+    checks.check_decode("cpu", torch.float32, 3, 4, num_splits=num_splits, block_n=16)
+
+
+def test_decode_split_k_default_blocks():
+    checks.check_decode("cpu", torch.float32, 1, 16, seq_lens=(300, 129), num_splits=4)
+
+
+def test_decode_sliding_window_split_k():
+    checks.check_decode("cpu", torch.float32, 3, 4, sliding_window=20, num_splits=3, block_n=16)
+
+
+def test_decode_softcap_fp16():
+    checks.check_decode("cpu", torch.float16, 3, 16, softcap=5.0, sliding_window=33, num_splits=2, block_n=16)
+
+
+def test_decode_padded_row_is_zero():
+    out = checks.check_decode("cpu", torch.float32, 1, 4, seq_lens=(9, 0, 17), num_splits=2, block_n=16)
+    assert torch.count_nonzero(out[1]) == 0
+
+
+@pytest.mark.parametrize("page_size", [16, 4])
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill(group, page_size):
+    # one full prefill, one 17-token prompt scored from scratch, several query blocks per sequence
+    checks.check_prefill("cpu", torch.float32, group, page_size, (20, 17), (20, 17), block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_chunked_prefill_mixed_with_decode(group):
+    # chunks starting at positions 0, 32 (a decode row) and 21, 7
+    checks.check_prefill(
+        "cpu", torch.float32, group, 4, (20, 1, 9, 12), (20, 33, 30, 19), block_m=16, block_n=16
+    )
+
+
+def test_chunked_prefill_sliding_window():
+    checks.check_prefill("cpu", torch.float32, 3, 4, (20, 1, 9), (45, 33, 30), sliding_window=8, block_m=16, block_n=16)
+
+
+def test_chunked_prefill_softcap_fp16():
+    checks.check_prefill("cpu", torch.float16, 3, 16, (13, 1, 9), (40, 33, 30), softcap=5.0, block_n=16)
+
+
+def test_prefill_default_blocks():
+    checks.check_prefill("cpu", torch.float32, 3, 16, (70, 1), (90, 140))

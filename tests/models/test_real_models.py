@@ -1,0 +1,53 @@
+"""The other real models of ../shared/models.md through ignition and the engine, against transformers'
+GGUF loading: Qwen2.5-Coder-0.5B-Instruct (qwen2) and Gemma 3 270M (gemma3). Slow: large downloads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helios.core.load import load_core
+from helios.engine.messages import EngineRequest
+from ignition.export import ExportOptions, export_core
+from tests.models.engine_harness import greedy, make_engine, run, tokens
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 16
+CASES = {
+    "qwen2": ("qwen25_coder_gguf", ["def quicksort(arr):\n", "The three primary colors are",
+                                    "<|im_start|>user\nWrite hello world in C.<|im_end|>\n<|im_start|>assistant\n"]),
+    "gemma3": ("gemma3_270m_gguf", ["The capital of France is", "Once upon a time", "import numpy as np\n"]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def real(request, tmp_path_factory):
+    fixture, prompts = CASES[request.param]
+    gguf = request.getfixturevalue(fixture)
+    core = load_core(export_core(gguf, tmp_path_factory.mktemp("cores") / request.param, ExportOptions(dtype="float32")))
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    yield request.param, core, model, tok, prompts
+    del model
+
+
+def test_greedy_and_logprobs_match_transformers(real):
+    family, core, model, tok, prompts = real
+    assert core.manifest.arch.family == family
+    engine = make_engine(core, num_pages=256, chunk=16)
+    reqs = [EngineRequest(req_id=str(i), prompt_token_ids=tok.encode(p, add_special_tokens=True),
+                          sampling=greedy(NEW_TOKENS, logprobs=1)) for i, p in enumerate(prompts)]
+    outs = run(engine, reqs)
+    for req in reqs:
+        ids = torch.tensor([req.prompt_token_ids])
+        with torch.inference_mode():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
+            logits = model(torch.tensor([req.prompt_token_ids + ref])).logits[0].float()
+        assert tokens(outs[req.req_id]) == ref, (family, req.req_id)
+        ref_lp = torch.log_softmax(logits, -1)[len(req.prompt_token_ids) - 1 : -1]
+        lps = [e for o in outs[req.req_id] for e in (o.logprobs or [])]
+        for step, entry in enumerate(lps):
+            assert abs(entry.token.logprob - ref_lp[step, ref[step]].item()) < 1e-4, (family, step)
