@@ -18,6 +18,16 @@ from helios.frontend.sampling import InvalidRequest
 from helios.frontend.tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+TEXT_BLOCK_SEPARATOR = "\n\n"  # text blocks of one message (Messages, Responses) join with blank lines
+
+
+def join_text_blocks(texts: list[str]) -> str:
+    return TEXT_BLOCK_SEPARATOR.join(texts)
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A neutral assistant tool call in the template's (HF) message shape; arguments is the JSON text."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 _RESERVED_KWARGS = RENDER_VARIABLES | {"continue_final_message", "bos_token", "eos_token"}
 
 
@@ -35,6 +45,31 @@ class ChatMessage(Struct, kw_only=True):
 class ChatPrompt(Struct, frozen=True):
     text: str
     token_ids: list[int]
+
+
+def order_tool_results(messages: list[ChatMessage]) -> list[ChatMessage]:
+    """Parallel tool results whose unique ids match the preceding assistant's calls move into call order.
+
+    The group is every tool message up to the next assistant message; other messages keep their positions.
+    Missing, duplicate or unknown ids leave the group as supplied; results never cross an assistant message."""
+    out = list(messages)
+    for i, m in enumerate(messages):
+        if m.role != "assistant" or not m.tool_calls:
+            continue
+        call_ids = [c.get("id") for c in m.tool_calls if isinstance(c, dict)]
+        positions = []
+        for j in range(i + 1, len(messages)):
+            if messages[j].role == "assistant":
+                break
+            if messages[j].role == "tool":
+                positions.append(j)
+        ids = [messages[j].tool_call_id for j in positions]
+        if len(positions) < 2 or sorted(ids, key=str) != sorted(call_ids, key=str) or len(set(ids)) != len(ids):
+            continue
+        rank = {cid: k for k, cid in enumerate(call_ids)}
+        for j, src in zip(positions, sorted(positions, key=lambda p: rank[messages[p].tool_call_id])):
+            out[j] = messages[src]
+    return out
 
 
 def lower_messages(messages: list[ChatMessage], caps: TemplateCaps) -> list[dict[str, Any]]:
@@ -121,7 +156,7 @@ class ChatRenderer:
             raise InvalidRequest(f"chat_template_kwargs may not set {reserved[0]!r}", "chat_template_kwargs")
         try:
             text = self._template.render(
-                lower_messages(messages, self.caps),
+                lower_messages(order_tool_results(messages), self.caps),
                 tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

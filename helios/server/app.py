@@ -22,9 +22,10 @@ from helios.server import encodings, errors
 from helios.server.config import load_config
 from helios.server.errors import ApiError
 from helios.server.generation import Generation
-from helios.server.http import ClientDisconnected, Request, run_until_disconnect
+from helios.server.http import JSON, ClientDisconnected, Request, run_until_disconnect
 from helios.server.metrics import PROMETHEUS_CONTENT_TYPE, Snapshot, render_json, render_prometheus, wants_json
-from helios.server.protocols import openai_chat, openai_completions, openai_models
+from helios.server.protocols import (anthropic_messages, ollama, openai_chat, openai_completions, openai_models,
+                                     openai_responses)
 from helios.server.runtime import Runtime, build_runtime, warm_up
 
 logger = logging.getLogger("helios.server")
@@ -95,12 +96,18 @@ class HeliosApp:
             return
         except ApiError as e:
             if not request.response_started and not request.is_disconnected:
-                await request.respond_error(e, extra)
+                await request.respond(e.status, errors.encode_for(request.path, e), JSON, extra)
+        except RecursionError:  # NOTE: msgspec's answer to JSON nested past the recursion limit, on every route
+            if not request.response_started and not request.is_disconnected:
+                err = errors.bad_request("malformed JSON body: nested too deeply")
+                err.shape = "ollama" if request.path.startswith("/api/") else None
+                await request.respond(err.status, errors.encode_for(request.path, err), JSON, extra)
         except Exception as e:  # a bug: answer 500 with the spec's shape, never a traceback to the client
             logger.exception("unhandled error on %s %s", request.method, request.path)
             if not request.response_started and not request.is_disconnected:
                 try:
-                    await request.respond_error(errors.server_error(f"internal error: {type(e).__name__}"), extra)
+                    err = errors.server_error(f"internal error: {type(e).__name__}")
+                    await request.respond(err.status, errors.encode_for(request.path, err), JSON, extra)
                 except ClientDisconnected:
                     pass
 
@@ -119,6 +126,27 @@ class HeliosApp:
             if method != "POST":
                 raise errors.method_not_allowed(method, path)
             return await self._generate(request, chat=path == "/v1/chat/completions", extra=extra)
+        if path in ("/v1/messages", "/v1/messages/count_tokens"):
+            self._authenticate(request, anthropic=True)
+            if method != "POST":
+                raise errors.method_not_allowed(method, path)
+            anthropic_messages.check_version(request.headers)
+            if path == "/v1/messages":
+                return await self._generate_conversation(request, anthropic_messages, extra)
+            body = await self._read_json_body(request)
+            return await request.respond_json(200, await self.runtime.run_blocking(
+                anthropic_messages.count_tokens, body, self.runtime))
+        if path == "/v1/responses":
+            self._authenticate(request)
+            if method != "POST":
+                raise errors.method_not_allowed(method, path)
+            return await self._generate_conversation(request, openai_responses, extra)
+        if path == "/api/tags":
+            self._authenticate(request)
+            return await self._only(request, "GET", lambda r: r.respond_json(200, ollama.tags(self.runtime)))
+        if path == "/api/show":
+            self._authenticate(request)
+            return await self._only(request, "POST", self._ollama_show)
         raise errors.not_found(path)
 
     async def _only(self, request: Request, method: str, handler) -> None:
@@ -126,14 +154,21 @@ class HeliosApp:
             raise errors.method_not_allowed(request.method, request.path)
         await handler(request)
 
-    def _authenticate(self, request: Request) -> None:
+    def _authenticate(self, request: Request, anthropic: bool = False) -> None:
+        """Bearer KEY; Anthropic routes also take x-api-key: KEY, and when both come both must match."""
         key = self.runtime.config.api_key
         if not key:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        # NOTE: constant-time compare; the scheme check is not secret
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        header = request.headers.get("authorization")
+        api_key = request.headers.get("x-api-key") if anthropic else None
+        if header is None and api_key is None:
+            raise errors.unauthorized()
+        if header is not None:
+            scheme, _, token = header.partition(" ")
+            # NOTE: constant-time compare; the scheme check is not secret
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                raise errors.unauthorized()
+        if api_key is not None and not hmac.compare_digest(api_key.strip().encode(), key.encode()):
             raise errors.unauthorized()
 
     # --- simple routes --------------------------------------------------------------------------
@@ -221,6 +256,36 @@ class HeliosApp:
             await request.respond_json(200, result, extra)
         finally:
             rt.admission.release(num_slots)
+
+    async def _ollama_show(self, request: Request) -> None:
+        try:
+            body = await request.read_body(self.runtime.config.max_body_bytes)
+        except ApiError as e:  # 413: a discovery error, in the discovery shape
+            e.shape = "ollama"
+            raise
+        await request.respond_json(200, ollama.show(self.runtime, body, request.headers.get("content-encoding")))
+
+    async def _generate_conversation(self, request: Request, protocol, extra: list) -> None:
+        """Messages and Responses: one choice; `protocol` has prepare, stream_events and buffered."""
+        rt = self.runtime
+        rt.http_metrics.num_requests += 1
+        incoming = request.headers.get("x-request-id", "")
+        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
+        extra.append((b"x-request-id", request_id.encode()))
+        body = await self._read_json_body(request)
+        prep = await rt.run_blocking(protocol.prepare, body, rt)
+        rt.admission.acquire(1)
+        try:
+            gen = Generation(rt, [prep.child])
+            await gen.submit()
+            if prep.stream:
+                events = protocol.stream_events(rt, prep, gen)
+                await run_until_disconnect(request, request.stream_sse(events, extra))
+                return
+            result = await run_until_disconnect(request, protocol.buffered(rt, prep, gen))
+            await request.respond_json(200, result, extra)
+        finally:
+            rt.admission.release(1)
 
 
 def create_app() -> HeliosApp:

@@ -31,12 +31,38 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.shape: str | None = None  # "ollama": a discovery error encoded as {"error": message}
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(ErrorBody(self.message, self.type, self.param, self.code))
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self.body())
+
+    def encode_anthropic(self) -> bytes:
+        """Messages shape {"type": "error", "error": {"type", "message"}}; every 5xx is api_error."""
+        return msgspec.json.encode({"type": "error", "error": {"type": anthropic_type(self), "message": self.message}})
+
+    def encode_ollama(self) -> bytes:
+        return msgspec.json.encode({"error": self.message})
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+
+
+def anthropic_type(err: ApiError) -> str:
+    return "api_error" if err.status >= 500 else _ANTHROPIC_TYPES.get(err.status, "invalid_request_error")
+
+
+def encode_for(path: str, err: ApiError) -> bytes:
+    """The one place a refusal picks its protocol's error shape: Messages routes, Ollama discovery
+    errors (auth errors there keep the OpenAI shape), and the OpenAI shape everywhere else."""
+    if err.shape == "ollama":
+        return err.encode_ollama()
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return err.encode_anthropic()
+    return err.encode()
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -12,9 +12,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from helios.engine.messages import EngineRequest, PositionLogprobs
 from helios.engine.scheduler import QueueFull
+from helios.frontend.sampling import SamplingFields, resolve_sampling
 from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry, finite
+from helios.output.termination import Cause, termination_cause
 from helios.server.errors import ApiError, bad_request, server_error, unavailable
 from helios.server.runtime import Runtime
 
@@ -167,3 +171,80 @@ def usage(num_prompt: int, num_completion: int, num_cached: int, reasoning: bool
     if reasoning:
         body["completion_tokens_details"] = {"reasoning_tokens": 0}
     return body
+
+
+# --- one terminal cause, one table: each protocol's finish reason ---------------------------------------
+
+FINISH_REASONS: dict[str, dict[str, str]] = {
+    "chat": {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "length": "length",
+             "tool_calls": "tool_calls"},
+    "completions": {"eos": "stop", "stop_token": "stop", "stop_string": "stop", "length": "length",
+                    "tool_calls": "stop"},
+    "messages": {"eos": "end_turn", "stop_token": "end_turn", "stop_string": "stop_sequence", "length": "max_tokens",
+                 "tool_calls": "tool_use"},
+    "responses": {"eos": "completed", "stop_token": "completed", "stop_string": "completed", "length": "incomplete",
+                  "tool_calls": "completed"},
+}
+
+
+def cause(child: Child, num_tool_calls: int = 0) -> Cause:
+    return termination_cause(child.finish_reason, child.stop_reason, child.request.sampling.eos_token_ids,
+                             num_tool_calls)
+
+
+def finish_reason(child: Child, protocol: str, num_tool_calls: int = 0) -> str:
+    """The protocol's finish reason for a child that ended normally (failures go through `failure`)."""
+    c = cause(child, num_tool_calls)
+    return FINISH_REASONS[protocol].get(c, FINISH_REASONS[protocol]["eos"])
+
+
+class TokenUsage(msgspec.Struct, frozen=True):
+    """Native counts every protocol encodes: prompt (cached included), cached, generated, reasoning."""
+
+    num_prompt: int
+    num_cached: int
+    num_generated: int
+    num_reasoning: int = 0
+
+
+def child_usage(child: Child | None, num_prompt: int) -> TokenUsage:
+    if child is None:
+        return TokenUsage(num_prompt, 0, 0)
+    return TokenUsage(num_prompt, child.processor.num_cached_tokens, child.processor.num_generated)
+
+
+def make_child(runtime: Runtime, prefix: str, prompt_ids: list[int], fields: SamplingFields, max_tokens: int,
+               skip_special_tokens: bool = True) -> Child:
+    """One choice (index 0) for the conversational protocols that have no n: sampling resolved, pipeline built."""
+    sampling = resolve_sampling(fields, runtime.manifest, max_tokens)
+    tok = runtime.tokenizer
+    request = EngineRequest(req_id=f"{prefix}-0", prompt_token_ids=prompt_ids, sampling=sampling)
+    processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop, skip_special_tokens)
+    return Child(0, request, processor)
+
+
+def encode_token_entry(runtime: Runtime, e: TokenEntry, as_ids: bool) -> dict:
+    """The Chat token shape {token, logprob, bytes, top_logprobs}, shared by the protocols that use it."""
+    table = runtime.tokenizer.token_bytes
+    return {
+        "token": token_string(runtime, e.token_id, as_ids),
+        "logprob": e.logprob,
+        "bytes": list(e.token_bytes),
+        "top_logprobs": [
+            {"token": token_string(runtime, t.token_id, as_ids), "logprob": finite(t.logprob),
+             "bytes": list(table[t.token_id]) if 0 <= t.token_id < len(table) else []}
+            for t in e.top
+        ],
+    }
+
+
+def check_thinking_token_budget(runtime: Runtime, budget: int | None, param: str | None = "thinking_token_budget"):
+    """An explicit budget must be a positive 32-bit integer, on a core with single-token reasoning syntax."""
+    if budget is None:
+        return
+    if not 1 <= budget <= 2**31 - 1:
+        raise bad_request("thinking_token_budget must be a positive 32-bit integer", param)
+    reasoning = runtime.manifest.template.reasoning
+    if reasoning is None or reasoning.close_token_id is None:
+        raise bad_request("thinking_token_budget needs a core with single-token reasoning syntax; this core has none",
+                          param)

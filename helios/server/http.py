@@ -139,6 +139,11 @@ def sse_event(data: bytes) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def sse_named(event: str, data: bytes) -> bytes:
+    """A named SSE event (Messages and Responses streams)."""
+    return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
+
+
 async def run_until_disconnect(request: Request, work: Awaitable) -> object:
     """Run `work`; cancel it (aborting its engine requests in their finally blocks) when the client leaves."""
     task = asyncio.ensure_future(work)

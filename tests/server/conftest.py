@@ -140,3 +140,48 @@ def reference():
         return torch.log_softmax(runner.forward_logits(token_ids), dim=-1)  # [T, V]
 
     return logprobs
+
+
+ANTHROPIC_VERSION = "2023-06-01"
+
+
+@pytest.fixture(scope="session")
+def anthropic_client(server):
+    """The official Anthropic SDK. NOTE: the pinned SDK sends anthropic-version 2026-10-21 by default; the
+    spec requires 2023-06-01, so the client sets it explicitly."""
+    import anthropic
+
+    with anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=120,
+                             default_headers={"anthropic-version": ANTHROPIC_VERSION}) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def core_runtime(frontend):
+    """A Runtime over the real core's manifest, tokenizer and template without an engine: protocol
+    `prepare` functions (decode, lowering, template, tokenize) run on it directly."""
+    from helios.server.config import ServerConfig
+    from helios.server.runtime import Runtime
+
+    manifest, tok, _ = frontend
+    runtime = Runtime(manifest, tok, (CORE / "template.jinja").read_text(), None, ServerConfig())
+    yield runtime
+    runtime.pool.shutdown(wait=False)
+
+
+def fake_protocol_client(tokenizer, script, headers: dict | None = None, **config):
+    """The app in-process around test_app_fake's scripted FakeEngine (`script(request) -> outputs`), with a
+    template that can continue a final assistant message."""
+    from helios.core.manifest import TemplateCaps
+    from helios.server.app import HeliosApp
+    from helios.server.config import ServerConfig
+    from helios.server.runtime import Runtime
+    from tests.frontend.conftest import make_manifest
+    from tests.server.test_app_fake import TEMPLATE, FakeEngine
+
+    manifest = make_manifest(tokenizer=tokenizer.info,
+                             template=TemplateCaps(present=True, file="t.jinja", continuation=True))
+    engine = FakeEngine(script)
+    runtime = Runtime(manifest, tokenizer, TEMPLATE, engine, ServerConfig(**config))
+    app = HeliosApp(runtime, warm=False)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", headers=headers), engine

@@ -19,7 +19,8 @@ from helios.frontend.chat import ChatMessage
 from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling
 from helios.output.processor import OutputProcessor, TokenEntry, finite
 from helios.server.errors import bad_request, from_invalid, from_validation
-from helios.server.generation import Child, Generation, encode_prompt_logprobs, failure, token_string, usage
+from helios.server.generation import (Child, Generation, encode_prompt_logprobs, failure, finish_reason, token_string,
+                                      usage)
 from helios.server.http import SSE_DONE, sse_event
 from helios.server.runtime import Runtime
 
@@ -192,7 +193,7 @@ def _logprobs(runtime: Runtime, req: ChatCompletionRequest, entries: list[TokenE
 
 
 def _finish(child: Child) -> str:
-    return "length" if child.finish_reason == "length" else "stop"
+    return finish_reason(child, "chat")
 
 
 def _usage(children: list[Child], num_prompt: int) -> dict:

@@ -18,7 +18,8 @@ from helios.engine.messages import EngineRequest
 from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling
 from helios.output.processor import OutputProcessor, TokenEntry, finite
 from helios.server.errors import bad_request, from_invalid, from_validation
-from helios.server.generation import Child, Generation, encode_prompt_logprobs, failure, token_string, usage
+from helios.server.generation import (Child, Generation, encode_prompt_logprobs, failure, finish_reason, token_string,
+                                      usage)
 from helios.server.http import SSE_DONE, sse_event
 from helios.server.protocols.openai_chat import StreamOptions
 from helios.server.runtime import Runtime
@@ -237,7 +238,7 @@ def response(runtime: Runtime, prep: Prepared) -> dict:
                 "index": i * req.n + j,
                 "text": text,
                 "logprobs": _choice_logprobs(runtime, prep, prompt, child, child.entries if child else [], True),
-                "finish_reason": "length" if child is None or child.finish_reason == "length" else "stop",
+                "finish_reason": "length" if child is None else finish_reason(child, "completions"),
                 "stop_reason": child.stop_reason if child and isinstance(child.stop_reason, str) else None,
             }
             if prep.prompt_k is not None:
@@ -310,7 +311,7 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation | None
                 yield frame
             if delta.text or delta.entries or delta.finished:
                 lp = _choice_logprobs(runtime, prep, prompt, child, delta.entries, False)
-                finish = ("length" if child.finish_reason == "length" else "stop") if delta.finished else None
+                finish = finish_reason(child, "completions") if delta.finished else None
                 yield chunk(child.index, delta.text, lp, finish)
     if include_usage:
         yield sse_event(msgspec.json.encode({**base, "choices": [], "usage": _usage(prep)}))

@@ -1,0 +1,393 @@
+"""POST /v1/responses, stateless: the OpenAI Responses protocol (buffered response object and named SSE).
+
+Decodes input items and instructions straight into the neutral frontend types (ChatMessage, SamplingFields)
+and encodes the ordered output blocks of helios.output as output items with stable ids. Stored state is not
+kept: store: true, previous_response_id, conversation, background and automatic truncation are rejected.
+No torch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+from helios.frontend.chat import ChatMessage, join_text_blocks, tool_call
+from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens
+from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
+from helios.server.errors import ApiError, bad_request, from_invalid, from_validation
+from helios.server.generation import (Child, Generation, check_thinking_token_budget, child_usage, encode_token_entry,
+                                      failure, finish_reason, make_child)
+from helios.server.http import sse_named
+from helios.server.runtime import Runtime
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_INPUT_TEXT = ("input_text", "text")
+_OUTPUT_TEXT = ("output_text", "refusal", "text")
+_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+
+
+class Part(Struct, kw_only=True):
+    type: str
+    text: str | None = None
+    refusal: str | None = None
+
+
+class Item(Struct, kw_only=True):
+    """One input item; `type` defaults to message (the easy {"role", "content"} form)."""
+
+    type: str = "message"
+    id: str | None = None
+    role: str | None = None
+    content: str | list[Part] | None = None
+    status: str | None = None
+    call_id: str | None = None  # function_call / function_call_output
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[Part] | None = None
+    summary: list[Part] | None = None  # reasoning
+    encrypted_content: str | None = None
+
+
+class ResponsesRequest(Struct, kw_only=True):
+    input: str | list[Item]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+    background: bool | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    reasoning: dict | None = None
+    text: dict | None = None
+    metadata: dict | None = None
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    stream_options: dict | None = None
+    # native extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_token_sequences: list[list[int]] | None = None
+    ignore_eos: bool = False
+    logprob_token_ids: list[int] | None = None
+    return_tokens_as_token_ids: bool = False
+    thinking_token_budget: int | None = None
+    prompt_logprobs: Any | UnsetType = UNSET  # rejected: Responses has no prompt scoring
+
+
+class Prepared(Struct, kw_only=True):
+    req: ResponsesRequest
+    prompt_ids: list[int]
+    child: Child
+    response_id: str
+    created_at: int
+
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.req.include or [])
+
+
+# --- request lowering -----------------------------------------------------------------------------------
+
+
+def _parts_text(content: str | list[Part] | None, allowed: tuple[str, ...], where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for p in content:
+        if p.type in allowed:
+            texts.append(p.text if p.text is not None else p.refusal or "")
+        elif p.type == "input_image":
+            raise bad_request("this core is text-only: input_image needs a vision core", "input")
+        else:
+            raise bad_request(f"unsupported content part type {p.type!r} in {where}", "input")
+    return join_text_blocks(texts)
+
+
+def to_conversation(req: ResponsesRequest) -> list[ChatMessage]:
+    """Instructions and input items -> neutral ChatMessages (function calls join their assistant turn)."""
+    out: list[ChatMessage] = []
+    if req.instructions:
+        out.append(ChatMessage(role="system", content=req.instructions))
+    items = [Item(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    reasoning: list[str] = []  # readable reasoning items wait for the assistant turn they precede
+    for item in items:
+        if item.type == "message":
+            if item.role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"unsupported message role {item.role!r}", "input")
+            if item.role == "assistant":
+                out.append(ChatMessage(role="assistant", content=_parts_text(item.content, _OUTPUT_TEXT, "assistant"),
+                                       reasoning=join_text_blocks(reasoning) if reasoning else None))
+                reasoning = []
+            else:
+                out.append(ChatMessage(role=item.role, content=_parts_text(item.content, _INPUT_TEXT, item.role)))
+        elif item.type == "function_call":
+            if not item.call_id or not item.name:
+                raise bad_request("function_call items need a call_id and a name", "input")
+            call = tool_call(item.call_id, item.name, item.arguments or "{}")
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant" and not reasoning:
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                out.append(ChatMessage(role="assistant", content="", tool_calls=[call],
+                                       reasoning=join_text_blocks(reasoning) if reasoning else None))
+                reasoning = []
+        elif item.type == "function_call_output":
+            if not item.call_id:
+                raise bad_request("function_call_output items need a call_id", "input")
+            out.append(ChatMessage(role="tool", content=_parts_text(item.output, _INPUT_TEXT, "function_call_output"),
+                                   tool_call_id=item.call_id))
+        elif item.type == "reasoning":
+            text = _parts_text(item.content, ("reasoning_text",), "reasoning") if item.content else ""
+            if not text and item.encrypted_content:
+                raise bad_request("opaque encrypted-only reasoning cannot be replayed; send readable reasoning_text",
+                                  "input")
+            if text:
+                reasoning.append(text)
+        else:
+            raise bad_request(f"unsupported input item type {item.type!r} (stateless Responses)", "input")
+    return out
+
+
+def _check_request(req: ResponsesRequest, runtime: Runtime) -> None:
+    if req.store:
+        raise bad_request("store: true is not supported; Responses are stateless here", "store")
+    if req.previous_response_id is not None:
+        raise bad_request("previous_response_id is not supported; send the whole conversation", "previous_response_id")
+    if req.conversation is not None:
+        raise bad_request("conversation is not supported; send the whole conversation", "conversation")
+    if req.background:
+        raise bad_request("background execution is not supported", "background")
+    if req.truncation not in (None, "disabled"):
+        raise bad_request("automatic truncation is not supported; use truncation: disabled", "truncation")
+    if req.prompt_logprobs is not UNSET:
+        raise bad_request("prompt_logprobs is not supported on /v1/responses", "prompt_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
+    fmt = (req.text or {}).get("format") or {}
+    if fmt.get("type") not in (None, "text"):
+        raise bad_request("structured output (text.format) is not supported by this server yet", "text")
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request("reasoning.effort must be a named level", "reasoning")
+    check_thinking_token_budget(runtime, req.thinking_token_budget)
+    if isinstance(req.input, list) and not req.input:
+        raise bad_request("input must be a string or a nonempty array of items", "input")
+
+
+def prepare(body: bytes, runtime: Runtime) -> Prepared:
+    try:
+        req = msgspec.json.decode(body, type=ResponsesRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise from_validation(e) from None
+    _check_request(req, runtime)
+    try:
+        messages = to_conversation(req)
+        prompt = runtime.chat.render(messages, tools=req.tools)
+        serving = runtime.serving
+        max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt.token_ids), serving.max_model_len,
+                                        serving.default_max_tokens, allow_zero=False)
+        wants = LOGPROBS_INCLUDE in (req.include or [])
+        fields = SamplingFields(
+            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty, seed=req.seed,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            stop_token_ids=list(req.stop_token_ids or []), stop_token_sequences=list(req.stop_token_sequences or []),
+            ignore_eos=req.ignore_eos, logprobs=(req.top_logprobs or 0) if wants else None,
+            logprob_token_ids=req.logprob_token_ids,
+        )
+        hex_id = uuid.uuid4().hex
+        child = make_child(runtime, f"resp_{hex_id}", prompt.token_ids, fields, max_tokens)
+    except InvalidRequest as e:
+        e.param = _PARAMS.get(e.param, e.param)  # the frontend names Chat's fields
+        raise from_invalid(e) from None
+    return Prepared(req=req, prompt_ids=prompt.token_ids, child=child, response_id=f"resp_{hex_id}",
+                    created_at=int(time.time()))
+
+
+# --- output encoding ------------------------------------------------------------------------------------
+
+
+class _Items:
+    """Stable item ids by block index, shared by the buffered and streamed encodings."""
+
+    PREFIX = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}
+
+    def __init__(self, response_id: str):
+        self._base = response_id.removeprefix("resp_")
+        self._ids: dict[int, str] = {}
+
+    def id(self, index: int, block: OutputBlock) -> str:
+        if index not in self._ids:
+            self._ids[index] = f"{self.PREFIX[block.kind]}_{self._base[:20]}{index:04d}"
+        return self._ids[index]
+
+
+def _logprobs(runtime: Runtime, prep: Prepared, entries) -> list[dict]:
+    if not prep.wants_logprobs:
+        return []
+    return [encode_token_entry(runtime, e, prep.req.return_tokens_as_token_ids) for e in entries]
+
+
+def _part(runtime: Runtime, prep: Prepared, block: OutputBlock, full: bool) -> dict:
+    if block.kind == "reasoning":
+        return {"type": "reasoning_text", "text": block.text if full else ""}
+    return {"type": "output_text", "text": block.text if full else "", "annotations": [],
+            "logprobs": _logprobs(runtime, prep, block.entries) if full else []}
+
+
+def _item(runtime: Runtime, prep: Prepared, items: _Items, index: int, block: OutputBlock, status: str) -> dict:
+    """An output item: in progress (as output_item.added announces it) or finished with its content."""
+    item_id, done = items.id(index, block), status != "in_progress"
+    if block.kind == "tool_call":
+        return {"type": "function_call", "id": item_id, "call_id": block.call_id, "name": block.name,
+                "arguments": block.text if done else "", "status": status}
+    content = [_part(runtime, prep, block, True)] if done else []
+    if block.kind == "reasoning":
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _usage(prep: Prepared) -> dict:
+    u = child_usage(prep.child, len(prep.prompt_ids))
+    return {"input_tokens": u.num_prompt, "input_tokens_details": {"cached_tokens": u.num_cached},
+            "output_tokens": u.num_generated, "output_tokens_details": {"reasoning_tokens": u.num_reasoning},
+            "total_tokens": u.num_prompt + u.num_generated}
+
+
+def _response(runtime: Runtime, prep: Prepared, status: str, output: list[dict], error: dict | None = None) -> dict:
+    req, sampling = prep.req, prep.child.request.sampling
+    return {
+        "id": prep.response_id, "object": "response", "created_at": prep.created_at, "status": status,
+        "background": False, "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+        "model": runtime.serving.model_id, "output": output,
+        "parallel_tool_calls": req.parallel_tool_calls is not False,
+        "previous_response_id": None, "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
+        "store": False, "temperature": sampling.temperature, "text": {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
+        "top_logprobs": req.top_logprobs or 0, "top_p": sampling.top_p, "truncation": "disabled",
+        "usage": _usage(prep) if status in ("completed", "incomplete") else None,
+        "user": req.user, "metadata": req.metadata or {},
+    }
+
+
+def _status(prep: Prepared, acc: OutputAccumulator) -> str:
+    return finish_reason(prep.child, "responses", acc.num_tool_calls)  # completed | incomplete
+
+
+async def buffered(runtime: Runtime, prep: Prepared, gen: Generation) -> dict:
+    acc = OutputAccumulator()
+    async for _, delta in gen.deltas():
+        acc.add(delta)
+    if (err := failure(prep.child)) is not None:
+        raise err
+    acc.close()
+    status, items = _status(prep, acc), _Items(prep.response_id)
+    output = [_item(runtime, prep, items, i, b, status) for i, b in enumerate(acc.blocks)]
+    return _response(runtime, prep, status, output)
+
+
+class _Stream:
+    """The SSE lifecycle with one increasing sequence_number across every event."""
+
+    def __init__(self, runtime: Runtime, prep: Prepared):
+        self.runtime, self.prep = runtime, prep
+        self.items = _Items(prep.response_id)
+        self.seq = 0
+
+    def event(self, name: str, body: dict) -> bytes:
+        frame = sse_named(name, msgspec.json.encode({"type": name, "sequence_number": self.seq, **body}))
+        self.seq += 1
+        return frame
+
+    def _item_event(self, name: str, ev: BlockEvent, status: str) -> bytes:
+        item = _item(self.runtime, self.prep, self.items, ev.index, ev.block, status)
+        return self.event(name, {"output_index": ev.index, "item": item})
+
+    def block(self, ev: BlockEvent, status: str = "completed") -> list[bytes]:
+        """The events of one block event: item added/done, content part added/done, text or argument deltas."""
+        rt, prep, b = self.runtime, self.prep, ev.block
+        ref = {"item_id": self.items.id(ev.index, b), "output_index": ev.index}
+        if ev.kind == "start":
+            out = [self._item_event("response.output_item.added", ev, "in_progress")]
+            if b.kind != "tool_call":
+                out.append(self.event("response.content_part.added",
+                                      {**ref, "content_index": 0, "part": _part(rt, prep, b, False)}))
+            return out
+        if b.kind == "tool_call":
+            if ev.kind == "delta":
+                return [self.event("response.function_call_arguments.delta", {**ref, "delta": ev.text})]
+            return [self.event("response.function_call_arguments.done", {**ref, "arguments": b.text}),
+                    self._item_event("response.output_item.done", ev, status)]
+        ref["content_index"] = 0
+        name = "reasoning_text" if b.kind == "reasoning" else "output_text"
+        if ev.kind == "delta":
+            if not ev.text:
+                return []
+            body = {**ref, "delta": ev.text}
+            if b.kind == "text":
+                body["logprobs"] = _logprobs(rt, prep, ev.entries)
+            return [self.event(f"response.{name}.delta", body)]
+        done = {**ref, "text": b.text}
+        if b.kind == "text":
+            done["logprobs"] = _logprobs(rt, prep, b.entries)
+        return [self.event(f"response.{name}.done", done),
+                self.event("response.content_part.done", {**ref, "part": _part(rt, prep, b, True)}),
+                self._item_event("response.output_item.done", ev, status)]
+
+
+async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
+    """response.created and response.in_progress go out at once; output events follow the blocks; the
+    stream ends in response.completed, response.incomplete (output limit) or response.failed. No [DONE]."""
+    s = _Stream(runtime, prep)
+    acc = OutputAccumulator()
+    yield s.event("response.created", {"response": _response(runtime, prep, "in_progress", [])})
+    yield s.event("response.in_progress", {"response": _response(runtime, prep, "in_progress", [])})
+    async for child, delta in gen.deltas():
+        if (err := failure(child)) is not None:
+            yield failed_event(s, runtime, prep, acc, err)
+            return
+        for ev in acc.add(delta):
+            for frame in s.block(ev):
+                yield frame
+        if delta.finished:
+            status = _status(prep, acc)
+            for ev in acc.close():
+                for frame in s.block(ev, status):
+                    yield frame
+            output = [_item(runtime, prep, s.items, i, b, status) for i, b in enumerate(acc.blocks)]
+            yield s.event(f"response.{status}", {"response": _response(runtime, prep, status, output)})
+            return
+
+
+def failed_event(s: _Stream, runtime: Runtime, prep: Prepared, acc: OutputAccumulator, err: ApiError) -> bytes:
+    output = [_item(runtime, prep, s.items, i, b, "incomplete") for i, b in enumerate(acc.blocks)]
+    error = {"code": "server_error", "message": err.message}
+    return s.event("response.failed", {"response": _response(runtime, prep, "failed", output, error)})
