@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Struct
 
 from helios.engine.messages import EngineRequest
-from helios.frontend.chat import ChatMessage
+from helios.frontend.chat import ChatMessage, join_text_blocks
 from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling
 from helios.output.processor import OutputProcessor, TokenEntry, finite
 from helios.server.errors import bad_request, from_invalid, from_validation
@@ -97,7 +97,7 @@ def _content_text(m: Message) -> str | None:
             raise bad_request("this core is text-only: image content is not supported", "messages")
         else:
             raise bad_request(f"unsupported content part type {part.type!r}", "messages")
-    return "\n".join(texts)
+    return join_text_blocks(texts)  # one rule for every protocol's text blocks
 
 
 def _sampling_fields(req: ChatCompletionRequest) -> SamplingFields:
