@@ -3,10 +3,13 @@
 1. Parity: a tiny random llama core exported by ignition, greedy ids on CUDA (Triton and torch
    attention backends, float32 and bf16) against the CPU path; float32 logits against CPU.
 2. Ceilings: device copy bandwidth and bf16 matmul rate measured in this run.
-3. Decode: an 8B llama shape with random bf16 weights, batch-1 (and a few batch sizes) through the
-   current eager runner, beside HF transformers' eager generate on the same weights; our figure as a
-   fraction of the limit (weight + KV bytes per token over the measured copy bandwidth).
-Usage: python benchmarks/gpu_decode.py [--skip-8b]
+3. Decode: an 8B llama shape with random bf16 weights at batch 1, 16, 64, 256 through the engine, the
+   eager runner beside the CUDA-graph runner; each as a fraction of the limit (weight + KV bytes per step
+   over the measured copy bandwidth). Graph capture time of the default bucket plan.
+4. Prefill: one 4096-token request, tokens/s and achieved FLOP/s as a fraction of the measured matmul rate.
+5. Peers on the same weights, batch 1: HF transformers' eager generate, and static cache + torch.compile
+   (mode="reduce-overhead").
+Usage: python benchmarks/gpu_decode.py [--skip-8b] [--skip-parity] [--skip-hf-compile]
 """
 
 from __future__ import annotations
@@ -87,7 +90,9 @@ def parity() -> list[str]:
                 eng.runner = ModelRunner(core.manifest.arch, tensors, 64, 16, device="cuda", attention_backend=backend)
                 out = tokens(run(eng, [EngineRequest(req_id="a", prompt_token_ids=prompt, sampling=greedy(32))])["a"])
                 same = sum(x == y for x, y in zip(out, ref))
-                lines.append(f"parity {family:7} {backend:6} {str(dtype)[6:]:9} rel-err {err:.2e}  greedy {same}/32 equal")
+                replays = eng.runner.graphs.num_replays if eng.runner.graphs is not None else 0
+                lines.append(f"parity {family:7} {backend:6} {str(dtype)[6:]:9} rel-err {err:.2e}  greedy {same}/32 equal"
+                             f"  (graph replays {replays})")
     return lines
 
 
@@ -96,12 +101,9 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
                 max_position_embeddings=8192, tie_word_embeddings=False)
 
 
-def decode_8b(bandwidth: float) -> list[str]:
+def llama_8b_tensors():
+    """(HF model, helios tensors, Architecture, decode weight bytes) of a random bf16 8B llama on CUDA."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from helios.engine.config import SchedulerConfig
-    from helios.engine.engine_core import EngineCore
-    from helios.runner.model_runner import ModelRunner
 
     a = LLAMA_8B
     cfg = LlamaConfig(vocab_size=a["vocab_size"], hidden_size=a["hidden_size"], intermediate_size=a["intermediate_size"],
@@ -124,59 +126,177 @@ def decode_8b(bandwidth: float) -> list[str]:
         t[f"layers.{i}.mlp.down.weight"] = sd[p + "mlp.down_proj.weight"]
     arch = Architecture(family="llama", **a)
     weight_bytes = sum(v.numel() * v.element_size() for k, v in t.items() if k != "embed.weight")
-    weight_bytes += a["hidden_size"] * 2
-    lines = []
+    weight_bytes += a["hidden_size"] * 2  # one embedding row per token
+    return hf, t, arch, weight_bytes
+
+
+def timed_decode(runner, arch, batch: int, prompt_len: int, new: int) -> float:
+    """Decode tokens/s of `batch` requests through the engine (scheduler + runner + sampler), prefill excluded."""
+    from helios.engine.config import SchedulerConfig
+    from helios.engine.engine_core import EngineCore
+
+    page = runner.page_size
+    config = SchedulerConfig(max_concurrency=batch, max_num_batched_tokens=max(2048, batch), prefill_chunk_size=2048,
+                             page_size=page, num_pages=runner.num_pages, max_model_len=4096)
+    runner.requests.clear()  # requests of an earlier engine on this runner (their pages are reused)
+    engine = EngineCore(config, runner)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    req_ids = [f"b{batch}-r{r}" for r in range(batch)]
+    for r, req_id in enumerate(req_ids):
+        ids = [(r * 31 + j) % 30000 + 10 for j in range(prompt_len)]
+        engine.add_request(EngineRequest(req_id=req_id, prompt_token_ids=ids, sampling=params))
+
+    def decoding() -> bool:
+        states = [runner.requests.get(req_id) for req_id in req_ids]
+        return all(st is not None and len(st.sampler_state.output_token_ids) >= 2 for st in states)
+
+    for _ in range(10_000):  # prefill (and the first decode) before the clock starts
+        if decoding():
+            break
+        engine.step()
+        if engine.error:
+            raise RuntimeError(engine.error)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if engine.error:
+            raise RuntimeError(engine.error)
+    torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - t0)
+
+
+def decode_8b(bandwidth: float, matmul: float, hf_compile: bool) -> tuple[list[str], list[tuple]]:
+    from helios.engine.messages import NewRequestData, ScheduledRequest, SchedulerOutput
+    from helios.runner.model_runner import ModelRunner
+
+    a = LLAMA_8B
+    hf, t, arch, weight_bytes = llama_8b_tensors()
+    lines, table = [], []
     prompt_len, new = 128, 64
-    for batch in (1, 16, 64):
-        page = 16
-        pages = batch * ((prompt_len + new) // page + 2)
-        config = SchedulerConfig(max_concurrency=batch, max_num_batched_tokens=max(2048, batch), prefill_chunk_size=2048,
-                                 page_size=page, num_pages=pages, max_model_len=4096)
-        engine = EngineCore(config, ModelRunner(arch, t, pages, page, device="cuda", dtype=torch.bfloat16))
-        params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
-        for r in range(batch):
-            engine.add_request(EngineRequest(req_id=f"r{r}", prompt_token_ids=[(r * 31 + j) % 30000 + 10 for j in range(prompt_len)], sampling=params))
-        engine.step()
-        engine.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        steps = 0
-        while engine.has_unfinished_requests():
-            engine.step()
-            steps += 1
-        torch.cuda.synchronize()
-        tps = batch * steps / (time.perf_counter() - t0)
+    num_pages = 256 * ((prompt_len + new) // 16 + 2) + 16
+    t0 = time.perf_counter()
+    graphed = ModelRunner(arch, t, num_pages, 16, device="cuda", dtype=torch.bfloat16, max_model_len=4096)
+    lines.append(f"graphed runner: {graphed.startup.summary()} (constructed in {time.perf_counter() - t0:.1f} s)")
+    st = graphed.startup
+    table.append((f"graph capture, {st.num_graphs} buckets, cold ({st.kernels_jit} kernels JIT)",
+                  f"{st.capture_s:.2f} s", "", ""))
+    from helios.runner.cuda_graphs import GraphRunner
+
+    again = GraphRunner(graphed.model, graphed.kv_cache, buckets=graphed.graphs.buckets, max_model_len=4096,
+                        page_size=16, vocab_size=a["vocab_size"], num_kv_heads=a["num_kv_heads"], device=graphed.device)
+    lines.append(f"graph capture with every kernel already loaded: {again.capture_s:.2f} s for {len(again.graphs)} graphs")
+    table.append((f"graph capture, {len(again.graphs)} buckets, kernels loaded", f"{again.capture_s:.2f} s", "", ""))
+    del again
+    torch.cuda.empty_cache()
+    eager = ModelRunner(arch, t, num_pages, 16, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
+                        cuda_graphs=False)
+    for batch in (1, 16, 64, 256):
         kv_bytes = batch * (prompt_len + new // 2) * a["num_layers"] * 2 * a["num_kv_heads"] * a["head_dim"] * 2
         limit = bandwidth / (weight_bytes + kv_bytes) * batch
-        lines.append(f"helios eager decode batch {batch:3}: {tps:8.1f} tok/s  limit {limit:8.1f}  ({tps / limit:.1%})")
-        del engine
-        torch.cuda.empty_cache()
-    ids = torch.randint(10, 30000, (1, prompt_len), device="cuda")
-    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
-    with torch.inference_mode():
-        hf.generate(ids, max_new_tokens=4, min_new_tokens=4, **kw)
+        for name, runner in (("eager", eager), ("graphs", graphed)):
+            replays = runner.graphs.num_replays if runner.graphs else 0
+            tps = timed_decode(runner, arch, batch, prompt_len, new)
+            used = (runner.graphs.num_replays - replays) if runner.graphs else 0
+            lines.append(f"helios {name:6} decode batch {batch:3}: {tps:8.1f} tok/s  limit {limit:8.1f}  "
+                         f"({tps / limit:.1%})  graph replays {used}")
+            table.append((f"decode {name} b={batch}", f"{tps:.1f} tok/s", f"{limit:.1f}", f"{tps / limit:.1%}"))
+            torch.cuda.empty_cache()
+    del eager
+    torch.cuda.empty_cache()
+
+    # prefill: one 4096-token request in one step (logits for the last row only)
+    n = 4096
+    ids = [(7 * j) % 30000 + 10 for j in range(n)]
+    blocks = list(range(n // 16))
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rates = []
+    for rep in range(4):
+        rid = f"prefill{rep}"
+        plan = SchedulerOutput(new_requests=[NewRequestData(req_id=rid, prompt_token_ids=ids, sampling=params)],
+                               scheduled=[ScheduledRequest(req_id=rid, token_ids=ids, num_computed_tokens=0,
+                                                           block_ids=blocks, sample=True)],
+                               finished_req_ids=[f"prefill{rep - 1}"], num_scheduled_tokens=n)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        graphed.execute(plan)
         torch.cuda.synchronize()
-        lines.append(f"HF transformers eager generate batch 1: {new / (time.perf_counter() - t0):8.1f} tok/s")
-    return lines
+        rates.append(n / (time.perf_counter() - t0))
+    tps = max(rates[1:])
+    params_count = weight_bytes / 2
+    attn_flops = 2 * n * n * a["num_heads"] * a["head_dim"] * a["num_layers"]  # causal QK^T + PV
+    flops = 2 * params_count * n + attn_flops
+    achieved = flops * tps / n
+    lines.append(f"helios prefill {n} tokens: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
+                 f"({achieved / matmul:.1%} of the measured bf16 matmul rate)")
+    table.append((f"prefill {n} tok", f"{tps:.0f} tok/s", f"{matmul / 1e12:.0f} TFLOP/s", f"{achieved / matmul:.1%}"))
+    del graphed
+    torch.cuda.empty_cache()
+
+    # HF transformers on the same weights, batch 1
+    hf_ids = torch.randint(10, 30000, (1, prompt_len), device="cuda")
+    kw = dict(attention_mask=torch.ones_like(hf_ids), do_sample=False, pad_token_id=0, eos_token_id=None)
+    limit1 = bandwidth / (weight_bytes + (prompt_len + new // 2) * a["num_layers"] * 2 * a["num_kv_heads"] * 256)
+    with torch.inference_mode():
+        hf.generate(hf_ids, max_new_tokens=4, min_new_tokens=4, **kw)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        torch.cuda.synchronize()
+        tps = new / (time.perf_counter() - t0)
+    lines.append(f"HF transformers eager generate batch 1: {tps:8.1f} tok/s ({tps / limit1:.1%})")
+    table.append(("HF eager generate b=1", f"{tps:.1f} tok/s", f"{limit1:.1f}", f"{tps / limit1:.1%}"))
+    if hf_compile:
+        try:
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead")
+            ckw = dict(kw, cache_implementation="static")
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for _ in range(2):  # compile + cudagraph warm-up at the timed shapes
+                    hf.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **ckw)
+                torch.cuda.synchronize()
+                warm = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                hf.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **ckw)
+                torch.cuda.synchronize()
+            tps = new / (time.perf_counter() - t0)
+            lines.append(f"HF static cache + torch.compile(reduce-overhead) batch 1: {tps:8.1f} tok/s "
+                         f"({tps / limit1:.1%}); compile + warm-up {warm:.0f} s")
+            table.append(("HF static+compile b=1", f"{tps:.1f} tok/s", f"{limit1:.1f}", f"{tps / limit1:.1%}"))
+        except Exception as exc:  # the peer's failure is a result, not a crash of our benchmark
+            lines.append(f"HF static cache + torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+    return lines, table
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-8b", action="store_true")
+    parser.add_argument("--skip-parity", action="store_true")
+    parser.add_argument("--skip-hf-compile", action="store_true", help="skip HF static cache + torch.compile")
     args = parser.parse_args()
+    start = time.perf_counter()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     bw = copy_bandwidth()
     mm = matmul_rate()
     lines = [f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s"]
-    lines += parity()
+    if not args.skip_parity:
+        lines += parity()
+        lines.append(f"[parity done at {time.perf_counter() - start:.0f} s]")
     print("\n".join(lines), flush=True)
+    table = []
     if not args.skip_8b:
-        lines += decode_8b(bw)
+        more, table = decode_8b(bw, mm, not args.skip_hf_compile)
+        lines += more
+    lines.append(f"[total {time.perf_counter() - start:.0f} s]")
     print("\n=== summary ===")
     print("\n".join(lines))
+    if table:
+        print("\n| measurement (8B llama shape, bf16) | ours | limit / peer ceiling | fraction |")
+        print("| --- | --- | --- | --- |")
+        for row in table:
+            print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ def export(
     output: Annotated[Path, typer.Option("-o", "--output", help="core directory to write")],
     recipe: Annotated[str | None, typer.Option(help="recipe name (default: picked from the family)")] = None,
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
-    target: Annotated[str, typer.Option(help="cpu | cuda-sm90")] = "cpu",
+    target: Annotated[
+        str, typer.Option(help="cpu | cuda-sm90 (precompiles the Triton kernels) | auto (the visible GPU, else cpu)")
+    ] = "cpu",
     prompt_logprobs: Annotated[bool, typer.Option("--prompt-logprobs", help="prepare scored prefill")] = False,
     max_top_logprobs: Annotated[int, typer.Option(help="natural alternatives, 0..20")] = 20,
     no_sampling_ranges: Annotated[

@@ -7,6 +7,7 @@ plan graphs -> write atomically. Every failure a user can cause is an ExportErro
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from helios.core.manifest import (
 )
 from ignition import archs, recipes
 from ignition.errors import ExportError
+from ignition.prepare.kernels import add_kernels, resolve_target
 from ignition.prepare.plan import graph_plan
 from ignition.prepare.template import probe
 from ignition.sources import Checkpoint, open_source
@@ -39,7 +41,7 @@ DEFAULT_MAX_TOKENS = 2048
 class ExportOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     recipe: str | None = None
     dtype: str = "auto"  # auto: float32 for CPU targets, bfloat16 for CUDA targets
-    target: str = "cpu"  # cpu | cuda-sm90 | ...
+    target: str = "cpu"  # cpu | cuda-sm90 | ... | auto (cuda-sm<cc> of the visible GPU, else cpu)
     prompt_logprobs: bool = False
     max_top_logprobs: int = MAX_TOP_LOGPROBS_LIMIT
     sampling_ranges: bool = True
@@ -112,7 +114,8 @@ def export_core(
     """Export `source` into a core at `out`. on_tensor(name, total) is called per written tensor."""
     if not 0 <= options.max_top_logprobs <= MAX_TOP_LOGPROBS_LIMIT:
         raise ExportError(f"--max-top-logprobs must be within 0..{MAX_TOP_LOGPROBS_LIMIT}")
-    dtype_name = resolve_dtype(options.dtype, options.target)
+    target = resolve_target(options.target)
+    dtype_name = resolve_dtype(options.dtype, target)
     ckpt = open_source(source)
     arch, tensors = archs.convert(ckpt, DTYPES[dtype_name])
     tensors = list(tensors)
@@ -152,13 +155,13 @@ def export_core(
         ),
         vision=Vision(),
         limits=Limits(context_length=context, default_max_tokens=default_max),
-        graph_plan=graph_plan(options.target, options.max_top_logprobs, context),
+        graph_plan=graph_plan(target, options.max_top_logprobs, context),
         decode_weight_bytes=archs.decode_weight_bytes(arch, DTYPES[dtype_name]),
     )
     from ignition.write import write_core
 
     total = len(tensors)
-    return write_core(
+    path = write_core(
         Path(out),
         manifest,
         tensors,
@@ -168,3 +171,10 @@ def export_core(
         on_tensor=(lambda name: on_tensor(name, total)) if on_tensor else None,
         force=force,
     )
+    if target.startswith("cuda"):
+        try:
+            add_kernels(path, target)
+        except ExportError as exc:
+            # NOTE: kernels are optional (helios compiles on first use); a core without them still serves.
+            warnings.warn(f"{exc}; the core has no precompiled kernels", stacklevel=2)
+    return path

@@ -1,7 +1,9 @@
 """Per-request runner state and the flattened token batch of one step.
 
-`prepare_batch` turns the plan's scheduled requests (prefill chunks and decodes alike) into one token
-batch: token ids, positions, KV slots, the attention metadata, and which hidden rows need logits.
+`layout_batch` lays the plan's scheduled requests (prefill chunks and decodes alike) out as one token batch
+in plain Python (token ids, sequence lengths, which hidden rows need logits); `prepare_batch` turns that into
+tensors: positions, KV slots and the attention metadata. The CUDA-graph path (runner/cuda_graphs.py) reuses
+the layout and fills its static buffers instead.
 Logits are computed only where they are used: the sampling position of a request, or every chunk
 position of a request that wants prompt logprobs.
 """
@@ -53,12 +55,36 @@ class PreparedBatch:
     rows: list[RequestRows]  # one per scheduled request, in plan order
 
 
-def prepare_batch(
+# NOTE: block tables are padded to a multiple of this width, so their row stride (a Triton kernel argument,
+# specialized on divisibility by 16) is the same in every step: one compiled variant, eager or graphed.
+BLOCK_TABLE_ALIGN = 16
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The host-side (plain Python) layout of one step's flattened token batch."""
+
+    token_ids: list[int]  # [T]
+    query_start_loc: list[int]  # [B + 1]
+    seq_lens: list[int]  # [B]
+    logits_indices: list[int]  # [N] hidden rows that get logits
+    rows: list[RequestRows]  # one per scheduled request, in plan order
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every request schedules exactly one token (decodes, and one-token prompts)."""
+        return len(self.token_ids) == len(self.seq_lens)
+
+
+def layout_batch(
     scheduled: list[ScheduledRequest],
     requests: dict[str, RequestState],
     page_size: int,
-    device: torch.device | str = "cpu",
-) -> PreparedBatch:
+) -> BatchLayout:
     token_ids: list[int] = []
     query_start_loc = [0]
     seq_lens: list[int] = []
@@ -88,9 +114,21 @@ def prepare_batch(
         else:
             sample_row = None
         rows.append(RequestRows(s.req_id, logits_start, len(logits_indices) - logits_start, sample_row, next_ids))
+    return BatchLayout(token_ids, query_start_loc, seq_lens, logits_indices, rows)
+
+
+def prepare_batch(
+    scheduled: list[ScheduledRequest],
+    requests: dict[str, RequestState],
+    page_size: int,
+    device: torch.device | str = "cpu",
+    layout: BatchLayout | None = None,
+) -> PreparedBatch:
+    layout = layout or layout_batch(scheduled, requests, page_size)
+    token_ids, query_start_loc, seq_lens = layout.token_ids, layout.query_start_loc, layout.seq_lens
 
     num_seqs = len(scheduled)
-    max_blocks = max(len(s.block_ids) for s in scheduled)
+    max_blocks = round_up(max(len(s.block_ids) for s in scheduled), BLOCK_TABLE_ALIGN)
     block_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32)
     for i, s in enumerate(scheduled):
         block_tables[i, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
@@ -114,6 +152,6 @@ def prepare_batch(
     return PreparedBatch(
         token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
         meta=meta,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        rows=rows,
+        logits_indices=torch.tensor(layout.logits_indices, dtype=torch.int64, device=device),
+        rows=layout.rows,
     )

@@ -4,13 +4,21 @@ One step: drop finished requests, register new ones, flatten every scheduled req
 and decodes mixed) into one token batch, run the model once, compute logits only for the rows that
 are used, sample, and extract logprobs. Plain data in and out (helios.engine.messages); tensors never
 cross the boundary. Sampling and logprob extraction live in runner/sampler.py and runner/logprobs.py.
+On CUDA, decode-only steps that fit a bucket replay a CUDA graph (runner/cuda_graphs.py); construction
+loads precompiled kernels, moves the weights, sizes the KV pool from free memory and captures, and
+records how long each took in `startup`.
 """
 
 from __future__ import annotations
 
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
-from helios.core.manifest import Architecture
+from helios.core.manifest import Architecture, GraphPlan, KernelTarget
 from helios.engine.messages import (
     ModelRunnerOutput,
     NewRequestData,
@@ -20,32 +28,184 @@ from helios.engine.messages import (
     ScheduledRequest,
 )
 from helios.models import build_model
-from helios.runner.input_batch import PreparedBatch, RequestState, prepare_batch
+from helios.runner.input_batch import RequestRows, RequestState, layout_batch, prepare_batch
 from helios.runner.kv_cache import KVCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
 from helios.runner.sampler import SamplerState, sample
 
 
+DEFAULT_DECODE_BUCKETS = [1, 2, 4, 8] + list(range(16, 257, 16))  # when no graph plan is given
+GRAPH_RESERVE_BYTES = 1 << 30  # graph pool, cuBLAS workspaces, allocator slack
+
+
+@dataclass
+class StartupTimes:
+    """Where construction spent its time (seconds), for `helios serve` to print."""
+
+    kernels_s: float = 0.0  # precompiled kernels installed and preloaded
+    load_s: float = 0.0  # weights moved to the device and bound
+    kv_alloc_s: float = 0.0  # KV pool sized and allocated
+    capture_s: float = 0.0  # CUDA graphs captured (includes each bucket's warm-up run)
+    num_pages: int = 0
+    num_graphs: int = 0
+    kernels: str = ""  # what happened to the core's precompiled kernels
+    kernels_jit: int = 0  # kernels compiled (or fetched from Triton's cache) during capture
+    graphs: str = ""  # why graphs are off, when they are
+
+    def summary(self) -> str:
+        total = self.kernels_s + self.load_s + self.kv_alloc_s + self.capture_s
+        graphs = f"{self.num_graphs} graphs" if self.num_graphs else f"no graphs: {self.graphs}"
+        parts = [
+            f"start-up {total:.2f} s: load {self.load_s:.2f} s",
+            f"kernels {self.kernels_s:.2f} s ({self.kernels or 'none'}; {self.kernels_jit} compiled at capture)",
+            f"KV {self.kv_alloc_s:.2f} s ({self.num_pages} pages)",
+            f"capture {self.capture_s:.2f} s ({graphs})",
+        ]
+        return ", ".join(parts)
+
+
+def activation_reserve_bytes(arch: Architecture, num_tokens: int, dtype: torch.dtype, max_logit_rows: int) -> int:
+    """Peak activation bytes of one eager step of num_tokens (one layer live at a time), plus float32 and
+    model-dtype logits for max_logit_rows, plus the graph/workspace reserve."""
+    width = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
+    ffn = arch.moe.moe_intermediate_size * arch.moe.num_experts_per_tok if arch.moe else arch.intermediate_size
+    per_token = (4 * arch.hidden_size + 2 * width + 3 * ffn) * dtype.itemsize
+    logits = max_logit_rows * arch.vocab_size * (4 + dtype.itemsize)
+    return 2 * num_tokens * per_token + logits + GRAPH_RESERVE_BYTES
+
+
+def pages_from_free_memory(
+    arch: Architecture, page_size: int, dtype: torch.dtype, device: torch.device, fraction: float, reserve: int
+) -> int:
+    """KV pages that fit in `fraction` of the device's free memory (measured now, after the weights) less
+    `reserve` bytes for activations and graphs."""
+    torch.cuda.empty_cache()  # cached-but-free blocks (e.g. from dtype casts) count as free
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = int(free * fraction) - reserve
+    num_pages = budget // KVCache.bytes_per_page(arch, page_size, dtype)
+    if num_pages < 1:
+        raise RuntimeError(
+            f"no room for a KV cache: {free / 2**30:.1f} GiB free after the weights, reserve {reserve / 2**30:.1f} GiB"
+        )
+    return int(num_pages)
+
+
+def move_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Copy each (mmap-backed) host tensor straight to the device, then cast there: no host copy.
+
+    NOTE: t.to(device) reads the mapped pages directly; casting first would materialize a converted host
+    copy, and .contiguous()/.clone() would copy too. Casting per tensor keeps the peak at one extra tensor.
+    """
+    out = {}
+    for name, t in tensors.items():
+        t = t.to(device, non_blocking=True)
+        out[name] = t if t.dtype == dtype else t.to(dtype)
+    torch.cuda.synchronize(device)
+    return out
+
+
 class ModelRunner:
-    """Owns the model, the KV cache and the per-request state of live requests."""
+    """Owns the model, the KV cache, the decode graphs (CUDA) and the per-request state of live requests."""
 
     def __init__(
         self,
         arch: Architecture,
         tensors: dict[str, torch.Tensor],
-        num_pages: int,
+        num_pages: int | None,
         page_size: int,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
         attention_backend: str | None = None,
+        *,
+        graph_plan: GraphPlan | None = None,
+        cuda_graphs: bool = True,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        gpu_memory_fraction: float = 0.9,
+        core_path: Path | str | None = None,
+        kernel_targets: list[KernelTarget] = (),
     ):
+        """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
+        core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core)."""
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = dtype or tensors["embed.weight"].dtype
         self.page_size = page_size
+        self.max_model_len = max_model_len or arch.max_position_embeddings
+        self.startup = StartupTimes()
+        is_cuda = self.device.type == "cuda"
+
+        t0 = time.perf_counter()
+        if is_cuda and core_path is not None:
+            # before anything compiles: Triton must see the installed cache from the first kernel on
+            from helios.kernels.aot import load_kernels
+
+            self.startup.kernels = load_kernels(Path(core_path), list(kernel_targets), self.device).summary()
+        t1 = time.perf_counter()
+        if is_cuda:
+            tensors = move_tensors(tensors, self.device, self.dtype)
         self.model = build_model(arch, tensors, self.device, self.dtype, attention_backend)
+        t2 = time.perf_counter()
+        if num_pages is None:
+            if not is_cuda:
+                raise ValueError("num_pages is required off CUDA (the pool is sized from free GPU memory)")
+            tokens = max_num_batched_tokens or (graph_plan.prefill_chunk_size if graph_plan else 2048)
+            buckets = graph_plan.decode_buckets if graph_plan else DEFAULT_DECODE_BUCKETS
+            reserve = activation_reserve_bytes(arch, tokens, self.dtype, max(buckets))
+            num_pages = pages_from_free_memory(arch, page_size, self.dtype, self.device, gpu_memory_fraction, reserve)
         self.kv_cache = KVCache.from_arch(arch, num_pages, page_size, self.dtype, self.device)
+        if is_cuda:
+            torch.cuda.synchronize(self.device)
+        t3 = time.perf_counter()
         self.requests: dict[str, RequestState] = {}
+        self.graphs = self._build_graphs(graph_plan, cuda_graphs)
+        t4 = time.perf_counter()
+        self.startup.kernels_s, self.startup.load_s, self.startup.kv_alloc_s = t1 - t0, t2 - t1, t3 - t2
+        self.startup.capture_s = t4 - t3
+        self.startup.num_pages = num_pages
+
+    @classmethod
+    def from_core(cls, core, device: torch.device | str = "cpu", num_pages: int | None = None, **kwargs) -> ModelRunner:
+        """A runner for a loaded core (helios.core.load.LoadedCore): its graph plan, page size, context
+        length and precompiled kernels."""
+        m = core.manifest
+        kwargs.setdefault("max_model_len", m.limits.context_length)
+        return cls(m.arch, core.tensors, num_pages, m.graph_plan.page_size, device, graph_plan=m.graph_plan,
+                   core_path=core.path, kernel_targets=list(m.kernels), **kwargs)
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv_cache.num_pages
+
+    def _build_graphs(self, graph_plan: GraphPlan | None, cuda_graphs: bool):
+        if self.device.type != "cuda":
+            self.startup.graphs = "CPU"
+            return None
+        if not cuda_graphs:
+            self.startup.graphs = "disabled"
+            return None
+        from helios.kernels.aot import JitCounter
+        from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
+
+        reason = unsupported_reason(self.model, self.arch, self.device)
+        if reason is not None:
+            self.startup.graphs = reason
+            warnings.warn(f"CUDA graphs off: {reason}", stacklevel=3)
+            return None
+        with JitCounter() as jit:
+            graphs = GraphRunner(
+                self.model,
+                self.kv_cache,
+                buckets=graph_plan.decode_buckets if graph_plan else DEFAULT_DECODE_BUCKETS,
+                max_model_len=self.max_model_len,
+                page_size=self.page_size,
+                vocab_size=self.arch.vocab_size,
+                num_kv_heads=self.arch.num_kv_heads,
+                device=self.device,
+            )
+        self.startup.num_graphs = len(graphs.graphs)
+        self.startup.kernels_jit = len(jit.names)
+        return graphs
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -62,11 +222,16 @@ class ModelRunner:
         if unknown:
             raise KeyError(f"scheduled request {unknown[0]} was never sent as a new request")
 
-        batch = prepare_batch(plan.scheduled, self.requests, self.page_size, self.device)
-        hidden = self.model.forward(batch.token_ids, batch.meta, self.kv_cache.layers)  # [T, H]
-        # float32 logits for the used rows only: sampling and logprobs both read the raw distribution
-        logits = self.model.compute_logits(hidden[batch.logits_indices]).float()  # [N, V]
-        return ModelRunnerOutput(results=self._postprocess(plan.scheduled, batch, logits))
+        layout = layout_batch(plan.scheduled, self.requests, self.page_size)
+        bucket = self.graphs.bucket_for(plan.scheduled, layout) if self.graphs is not None else None
+        if bucket is not None:
+            logits = self.graphs.run(plan.scheduled, layout, bucket)  # [N, V] float32, the graph's output rows
+        else:
+            batch = prepare_batch(plan.scheduled, self.requests, self.page_size, self.device, layout)
+            hidden = self.model.forward(batch.token_ids, batch.meta, self.kv_cache.layers)  # [T, H]
+            # float32 logits for the used rows only: sampling and logprobs both read the raw distribution
+            logits = self.model.compute_logits(hidden[batch.logits_indices]).float()  # [N, V]
+        return ModelRunnerOutput(results=self._postprocess(plan.scheduled, layout.rows, logits))
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         sampler_state = SamplerState(new.sampling, list(new.prompt_token_ids))
@@ -83,10 +248,10 @@ class ModelRunner:
     def _postprocess(
         self,
         scheduled: list[ScheduledRequest],
-        batch: PreparedBatch,
+        batch_rows: list[RequestRows],
         logits: torch.Tensor,  # [N, V] float32
     ) -> list[RequestResult]:
-        sampling_rows = [r for r in batch.rows if r.sample_row is not None]
+        sampling_rows = [r for r in batch_rows if r.sample_row is not None]
         sampled: dict[str, int] = {}
         position_logprobs: dict[str, PositionLogprobs | None] = {}
         if sampling_rows:
@@ -109,7 +274,7 @@ class ModelRunner:
                     position_logprobs[states[i].req_id] = record
 
         results = []
-        for s, rows in zip(scheduled, batch.rows):
+        for s, rows in zip(scheduled, batch_rows):
             prompt_records = None
             if s.want_prompt_logprobs:
                 prompt_records = []

@@ -1,0 +1,249 @@
+"""CUDA graphs of decode steps: static input buffers, one captured graph per decode bucket, replay.
+
+Everything graph-specific lives here (STYLE habit 13): which steps qualify (every request schedules one
+token, the batch fits the largest bucket, every block table fits the static width), the padded host-side
+inputs, capture (largest bucket first, one shared memory pool, the Triton decode split count pinned per
+bucket) and replay. Prefill and mixed steps never come here: the runner runs them eagerly. Sampling and
+logprob extraction stay outside the graph and read its static float32 logits rows.
+Imports torch, helios.layers.attention (metadata) and helios.kernels.aot (the pinned split rule).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from helios.engine.messages import ScheduledRequest
+from helios.kernels.aot import graph_decode_splits
+from helios.layers.attention import Attention, AttentionMetadata
+from helios.runner.input_batch import BLOCK_TABLE_ALIGN, BatchLayout, round_up
+
+# rows of the packed int64 input buffer (one host->device copy per step instead of four)
+TOKEN_IDS, POSITIONS, SLOT_MAPPING, SEQ_LENS = range(4)
+
+
+def pick_bucket(num_seqs: int, buckets: list[int]) -> int | None:
+    """The smallest bucket that holds num_seqs rows, or None when none does."""
+    fitting = [b for b in buckets if b >= num_seqs]
+    return min(fitting) if fitting else None
+
+
+def blocks_needed(s: ScheduledRequest, page_size: int) -> int:
+    return -(-(s.num_computed_tokens + len(s.token_ids)) // page_size)
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """The host-side inputs of one graphed decode step, padded to its bucket.
+
+    Padded rows (num_seqs..bucket) carry token 0, position 0, slot -1 (reshape_and_cache writes nothing)
+    and seq_len 0 (decode attention outputs zeros); their logits rows are computed and never read.
+    """
+
+    bucket: int
+    num_seqs: int
+    packed: torch.Tensor  # [4, bucket] int64: token ids, positions, slot mapping, seq lens
+    block_tables: torch.Tensor  # [num_seqs, width] int32, width = the batch's largest needed block count
+
+
+def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, bucket: int) -> DecodeInputs:
+    """Pure tensor code on the host; only the blocks a sequence reads are copied (stale entries past them
+    in the static table are never read: decode attention stops at seq_len)."""
+    num_seqs = len(scheduled)
+    assert 0 < num_seqs <= bucket, f"{num_seqs} sequences do not fit bucket {bucket}"
+    pad = bucket - num_seqs
+    positions = [s.num_computed_tokens for s in scheduled]
+    needed = [blocks_needed(s, page_size) for s in scheduled]
+    slots = [s.block_ids[p // page_size] * page_size + p % page_size for s, p in zip(scheduled, positions)]
+    packed = torch.tensor(
+        [
+            [s.token_ids[0] for s in scheduled] + [0] * pad,
+            positions + [0] * pad,
+            slots + [-1] * pad,
+            [p + 1 for p in positions] + [0] * pad,
+        ],
+        dtype=torch.int64,
+    )
+    width = max(needed)
+    flat = [b for s, n in zip(scheduled, needed) for b in s.block_ids[:n]]
+    counts = torch.tensor(needed)
+    rows = torch.repeat_interleave(torch.arange(num_seqs), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    cols = torch.arange(len(flat)) - starts.repeat_interleave(counts)
+    block_tables = torch.zeros(num_seqs, width, dtype=torch.int32)
+    block_tables[rows, cols] = torch.tensor(flat, dtype=torch.int32)
+    return DecodeInputs(bucket, num_seqs, packed, block_tables)
+
+
+class StaticBuffers:
+    """Persistent device buffers the graphs read and write; sized for the largest bucket."""
+
+    def __init__(self, max_num_seqs: int, max_blocks: int, vocab_size: int, device: torch.device):
+        self.max_num_seqs = max_num_seqs
+        # NOTE: rows padded to 16 so every row of `packed` starts 16-byte aligned (Triton specializes on it).
+        cols = round_up(max_num_seqs, 16)
+        self.packed = torch.zeros(4, cols, dtype=torch.int64, device=device)
+        self.packed[SLOT_MAPPING].fill_(-1)
+        self.seq_lens = torch.zeros(cols, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(cols + 1, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(max_num_seqs, vocab_size, dtype=torch.float32, device=device)
+
+    def load(self, inputs: DecodeInputs) -> None:
+        """Two host->device copies per step (from pageable memory, so the host buffers are free on return)."""
+        b, n = inputs.bucket, inputs.num_seqs
+        self.packed[:, :b].copy_(inputs.packed, non_blocking=True)
+        self.block_tables[:n, : inputs.block_tables.shape[1]].copy_(inputs.block_tables, non_blocking=True)
+
+    def pad_all(self) -> None:
+        """Every row a padded row: what capture runs on (no KV write, no KV read)."""
+        self.packed.zero_()
+        self.packed[SLOT_MAPPING].fill_(-1)
+
+    def metadata(self, bucket: int, max_model_len: int) -> AttentionMetadata:
+        # NOTE: the *_cpu lists are what capture sees; a replay never reads host values. seq_lens_cpu
+        # says max_model_len so that even an unpinned backend would size its splits for the longest case.
+        return AttentionMetadata(
+            positions=self.packed[POSITIONS, :bucket],
+            slot_mapping=self.packed[SLOT_MAPPING, :bucket],
+            query_start_loc=self.query_start_loc[: bucket + 1],
+            seq_lens=self.seq_lens[:bucket],
+            block_tables=self.block_tables[:bucket],
+            query_start_loc_cpu=list(range(bucket + 1)),
+            seq_lens_cpu=[max_model_len] * bucket,
+        )
+
+
+def attention_backends(model: torch.nn.Module) -> list:
+    """The distinct attention backend instances of a model (one per model in practice)."""
+    seen: dict[int, object] = {}
+    for module in model.modules():
+        if isinstance(module, Attention):
+            seen.setdefault(id(module.backend), module.backend)
+    return list(seen.values())
+
+
+@contextmanager
+def pinned_decode_splits(backends: list, num_splits: int) -> Iterator[None]:
+    """Pin the Triton decode split count while a graph is captured (a launch constant baked into it);
+    a backend constructed with its own pin keeps it."""
+    saved = [b.decode_num_splits for b in backends]
+    for b in backends:
+        if b.decode_num_splits is None:
+            b.decode_num_splits = num_splits
+    try:
+        yield
+    finally:
+        for b, value in zip(backends, saved):
+            b.decode_num_splits = value
+
+
+def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> str | None:
+    """Why this model's decode step cannot be captured, or None when it can."""
+    if device.type != "cuda":
+        return "not a CUDA device"
+    if arch.moe is not None:
+        return "MoE routing syncs with the host (expert loop)"
+    names = {b.name for b in attention_backends(model)}
+    if names != {"triton"}:
+        return f"attention backend {sorted(names)} reads host-side lengths; graphs need the triton backend"
+    return None
+
+
+class GraphRunner:
+    """Static buffers plus one CUDA graph per decode bucket; `run` replays the bucket of a decode step.
+
+    With capture=False nothing is captured and `run` calls the very function a graph would have captured
+    (for CPU tests of the padding and buffer logic: the Triton interpreter stands in for the device).
+    """
+
+    def __init__(
+        self,
+        model,
+        kv_cache,
+        *,
+        buckets: list[int],
+        max_model_len: int,
+        page_size: int,
+        vocab_size: int,
+        num_kv_heads: int,
+        device: torch.device,
+        capture: bool = True,
+    ):
+        assert buckets, "no decode buckets"
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buckets = sorted(set(buckets))
+        self.max_model_len = max_model_len
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.max_blocks = round_up(-(-max_model_len // page_size), BLOCK_TABLE_ALIGN)
+        self.buffers = StaticBuffers(self.buckets[-1], self.max_blocks, vocab_size, self.device)
+        self.backends = attention_backends(model)
+        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if capture else 132
+        self.num_splits = {b: graph_decode_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.buckets}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0
+        self.num_replays = 0
+        if capture:
+            self.capture()
+
+    # --- capture ----------------------------------------------------------------------------------
+
+    def _forward(self, bucket: int) -> None:
+        """The captured computation: static inputs -> static float32 logits rows [bucket, V]."""
+        buf = self.buffers
+        buf.seq_lens[:bucket].copy_(buf.packed[SEQ_LENS, :bucket])  # int64 -> int32, inside the graph
+        with pinned_decode_splits(self.backends, self.num_splits[bucket]):
+            meta = buf.metadata(bucket, self.max_model_len)
+            hidden = self.model.forward(buf.packed[TOKEN_IDS, :bucket], meta, self.kv_cache.layers)
+            buf.logits[:bucket].copy_(self.model.compute_logits(hidden))
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        """Capture every bucket, largest first, into one memory pool; returns the seconds it took."""
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        self.buffers.pad_all()
+        for bucket in reversed(self.buckets):
+            self._forward(bucket)  # warm-up: loads/compiles this bucket's kernels, sets up cuBLAS
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._forward(bucket)
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_s = time.perf_counter() - t0
+        return self.capture_s
+
+    # --- replay -----------------------------------------------------------------------------------
+
+    def bucket_for(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> int | None:
+        """The bucket that replays this step, or None when it runs eagerly."""
+        if not layout.is_decode_only:
+            return None
+        bucket = pick_bucket(len(scheduled), self.buckets)
+        if bucket is None or max(blocks_needed(s, self.page_size) for s in scheduled) > self.max_blocks:
+            return None
+        return bucket
+
+    def run(self, scheduled: list[ScheduledRequest], layout: BatchLayout, bucket: int) -> torch.Tensor:
+        """[N, V] float32 logits of the layout's logits rows.
+
+        NOTE: the result views the static logits buffer: read it (sample, logprobs) before the next replay.
+        """
+        self.buffers.load(prepare_decode_inputs(scheduled, self.page_size, bucket))
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+        else:
+            self._forward(bucket)
+        self.num_replays += 1
+        num_seqs = len(scheduled)
+        rows = self.buffers.logits[:num_seqs]
+        if layout.logits_indices == list(range(num_seqs)):
+            return rows
+        return rows[torch.tensor(layout.logits_indices, dtype=torch.int64, device=rows.device)]

@@ -1,0 +1,134 @@
+"""Ahead-of-time kernels: `ignition export --target cuda-sm90` on a machine without a GPU.
+
+Two exports of the same tiny checkpoint must be byte-identical, kernels included; the manifest lists the
+kernel target; helios' loader accepts it (target and Triton version match) and Triton, pointed at the
+installed copy, finds every kernel in its cache without compiling. Skips when this Triton cannot compile
+for CUDA here (no ptxas).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from helios.core.load import load_core
+from helios.kernels._triton import HAS_TRITON
+from ignition.export import ExportOptions, export_core
+from tests.ignition.tiny_models import build_tiny
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = "cuda-sm90"
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+
+def _files(core: Path) -> dict[str, bytes]:
+    return {p.relative_to(core).as_posix(): p.read_bytes() for p in sorted(core.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("aot")
+    src = build_tiny("gemma3", tmp / "hf", sliding_window=4)  # sliding + full layers: two attention variants
+    cores = []
+    for name in ("a", "b"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cores.append(export_core(src, tmp / name, ExportOptions(target=TARGET, context_length=256)))
+        if not load_core(cores[-1]).manifest.kernels:
+            pytest.skip(f"this triton cannot compile for {TARGET} here: {[str(w.message) for w in caught]}")
+    return cores
+
+
+def test_two_exports_are_byte_identical(exported):
+    a, b = (_files(c) for c in exported)
+    assert sorted(a) == sorted(b)
+    assert [k for k in a if a[k] != b[k]] == []
+    assert any(k.startswith(f"kernels/{TARGET}/") and k.endswith(".cubin") for k in a)
+
+
+def test_manifest_lists_the_kernels(exported):
+    import triton
+
+    core = load_core(exported[0])  # verifies every file, kernels included, against its digest
+    (kt,) = core.manifest.kernels
+    assert (kt.target, kt.triton_version, kt.dir) == (TARGET, triton.__version__, f"kernels/{TARGET}")
+    index = json.loads((core.path / kt.dir / "index.json").read_text())
+    names = {e["kernel"].rsplit(":", 1)[1] for e in index["kernels"]}
+    # a 256-token context never splits decode (splits need > 256 keys), so no merge kernel
+    assert names == {"_reshape_and_cache_kernel", "_decode_kernel", "_prefill_kernel"}
+    assert len(index["kernels"]) == 5  # reshape, decode and prefill for each of the sliding and full layers
+    assert core.manifest.dtype == "bfloat16"
+
+
+def test_artifacts_carry_no_machine_paths(exported):
+    for rel, data in _files(exported[0]).items():
+        for needle in (str(ROOT), str(exported[0]), str(Path.home()), sys.prefix):
+            assert needle.encode() not in data, f"{rel} embeds {needle}"
+
+
+def test_helios_loader_accepts_and_triton_finds_every_kernel(exported, tmp_path):
+    import triton
+
+    from helios.kernels.aot import check_kernels
+
+    core = load_core(exported[0])
+    (kt,) = core.manifest.kernels
+    kernels_dir = core.path / kt.dir
+    assert check_kernels(kernels_dir, kt.target, kt.triton_version, TARGET) is None
+    assert "compiled for cuda-sm90" in check_kernels(kernels_dir, kt.target, kt.triton_version, "cuda-sm80")
+    assert "triton 0.0" in check_kernels(kernels_dir, kt.target, "0.0", TARGET)
+    # the loader's install + preload, under a stand-in driver for sm90 (a subprocess: no interpreter there)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_")}
+    env["PYTHONPATH"] = str(ROOT)
+    code = ("import sys, json; from pathlib import Path; from helios.kernels.aot import preload_offline; "
+            "print(json.dumps(preload_offline(Path(sys.argv[1]), Path(sys.argv[2]))))")
+    proc = subprocess.run([sys.executable, "-c", code, str(kernels_dir), str(tmp_path / "cache")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    found, compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    num = len(json.loads((kernels_dir / "index.json").read_text())["kernels"])
+    assert (found, compiled) == (num, 0), f"triton {triton.__version__}: {found}/{num} found, {compiled} compiled"
+    assert _files(exported[0]) == _files(exported[1])  # loading never writes into the core
+
+
+def test_cli_target_auto_resolves_to_cpu_without_a_gpu(tmp_path):
+    import torch
+    from typer.testing import CliRunner
+
+    from ignition.cli import app
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: auto resolves to it")
+    src = build_tiny("llama", tmp_path / "hf")
+    result = CliRunner().invoke(app, ["export", str(src), "-o", str(tmp_path / "core"), "--target", "auto"])
+    assert result.exit_code == 0, result.output
+    manifest = load_core(tmp_path / "core").manifest
+    assert manifest.kernels == [] and manifest.dtype == "float32"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
+def test_runner_loads_precompiled_kernels_and_compiles_nothing(exported, tmp_path, monkeypatch):
+    """On the GPU the export's target must be this device's (the H200: cuda-sm90)."""
+    import torch
+
+    from helios.kernels.aot import JitCounter, device_target
+    from helios.runner.model_runner import ModelRunner
+
+    if device_target("cuda") != TARGET:
+        pytest.skip(f"this GPU is {device_target('cuda')}, the export targets {TARGET}")
+    monkeypatch.setenv("HELIOS_KERNEL_CACHE", str(tmp_path / "cache"))
+    core = load_core(exported[0])
+    runner = ModelRunner.from_core(core, device="cuda", num_pages=64, max_model_len=256)
+    assert "precompiled kernels" in runner.startup.kernels and "recompiled" not in runner.startup.kernels
+    assert runner.startup.num_graphs > 0 and runner.startup.kernels_jit == 0, runner.startup.summary()
+    with JitCounter() as jit:
+        logits = runner.forward_logits(list(range(3, 40)))  # eager prefill: reshape + prefill kernels
+    assert torch.isfinite(logits).all() and jit.names == []
