@@ -1,8 +1,8 @@
 """The ordered output accumulator: neutral deltas -> ordered blocks (text, reasoning, tool calls) + block events.
 
 Protocol encoders use the same accumulated blocks for buffered responses and the block events for SSE, so
-the two never disagree. Today the pipeline produces answer text only (no reasoning or tool parser is
-declared by the served cores); the block kinds are the neutral vocabulary the parsers will fill. Pure Python.
+the two never disagree. This accumulator takes answer text only (a core or request that parses nothing); the
+parsed path (reasoning, tool calls) folds parser events through helios.output.event_accumulator. Pure Python.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Order per token: token-sequence holdback -> incremental detokenizer -> string stop matcher. A terminating
 EOS or token stop is hidden from text and logprobs; a token partly clipped by a string stop keeps its entry
-and full bytes, tokens entirely beyond it have none (spec: "Generation log probabilities"). Protocol
-encoders turn the deltas into their JSON. No torch, no server imports.
+and full bytes, tokens entirely beyond it have none (spec: "Generation log probabilities"). Each delta also
+carries the released tokens as (token_id, text) pairs for the reasoning/tool parsers, specials included.
+Protocol encoders turn the deltas into their JSON. No torch, no server imports.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from helios.output.detokenizer import IncrementalDetokenizer
 from helios.output.stop import StopMatcher, TokenSequenceHoldback
 
 NON_FINITE_LOGPROB = -9999.0
+NO_TOKEN = -1  # the token id of parser text that no single token produced (UTF-8 bytes flushed at the end)
 
 
 def finite(value: float) -> float:
@@ -37,6 +39,9 @@ class TokenEntry(Struct, frozen=True):
 class OutputDelta(Struct):
     text: str = ""
     entries: list[TokenEntry] = []
+    # (token_id, text) per released token for the output parsers: special tokens keep their text even when
+    # `text` hides them; a terminating EOS/stop token has none; text beyond a matched stop string is cut
+    tokens: list[tuple[int, str]] = []
     num_new_tokens: int = 0  # native tokens generated in this step (including hidden stop tokens)
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
@@ -55,6 +60,7 @@ class OutputProcessor:
         sampling: SamplingParams,
         stops: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        control_ids: frozenset[int] = frozenset(),
     ):
         self._detok = IncrementalDetokenizer(token_bytes, special_ids, skip_special_tokens)
         self._stops = StopMatcher(stops)
@@ -65,6 +71,12 @@ class OutputProcessor:
         self._held: list[tuple[int, PositionLogprobs | None]] = []  # tokens withheld for sequence stops
         self._all_ids: list[int] = []
         self._entries: list[TokenEntry] = []  # entries withheld until their text clears the stop matcher
+        # NOTE: [token_id, parser text, visible chars not yet released by the stop matcher] per token
+        self._pairs: list[list] = []
+        self._skip_special = skip_special_tokens
+        self._special = special_ids
+        # NOTE: EOS and control tokens (BOS, PAD) give the parsers no text; other specials keep theirs
+        self._no_parser_text = frozenset(sampling.eos_token_ids) | control_ids
         self.num_generated = 0
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
@@ -89,21 +101,55 @@ class OutputProcessor:
         self._entries = [e for e in self._entries if e.text_offset >= limit]
         return out
 
+    def _pair_text(self, token_id: int, piece: str) -> str:
+        """The parser's text of one token: specials hidden from `text` keep theirs (EOS/control ids excepted)."""
+        if self._skip_special and token_id in self._special:
+            if token_id in self._no_parser_text:
+                return ""
+            return self._detok.token_bytes(token_id).decode("utf-8", errors="replace")
+        return piece
+
+    def _release(self, num_chars: int, delta: OutputDelta) -> None:
+        """The stop matcher released num_chars more visible chars: tokens whose text is all out go to the parsers."""
+        while self._pairs:
+            pair = self._pairs[0]
+            take = min(pair[2], num_chars)
+            pair[2] -= take
+            num_chars -= take
+            if pair[2]:
+                return  # partly released: the token waits for the rest of its text
+            delta.tokens.append((pair[0], pair[1]))
+            self._pairs.pop(0)
+
+    def _cut(self, num_chars: int, delta: OutputDelta) -> None:
+        """A stop string matched after num_chars more released chars: the token it begins in keeps its text
+        before the stop; tokens after it are dropped."""
+        self._release(num_chars, delta)
+        if self._pairs:
+            token_id, text, pending = self._pairs[0]
+            if len(text) > pending:
+                delta.tokens.append((token_id, text[: len(text) - pending]))
+        self._pairs = []
+
     def _emit(self, token_id: int, record: PositionLogprobs | None, delta: OutputDelta) -> None:
         offset = self._detok.num_chars
         piece = self._detok.push(token_id)
         entry = self._entry(token_id, record, offset)
         if entry is not None:
             self._entries.append(entry)
+        self._pairs.append([token_id, self._pair_text(token_id, piece), len(piece)])
         released, matched = self._stops.feed(piece)
         delta.text += released
         if matched is not None:
             self._finish(delta, "stop", matched)
+            self._cut(len(released), delta)
             delta.entries += self._release_entries(self._stops.match_pos)
             self._entries = []
         elif not self._stops.stops:
+            self._release(len(released), delta)
             delta.entries += self._release_entries(None)
         else:
+            self._release(len(released), delta)
             delta.entries += self._release_entries(self._stops.num_released)
 
     def _finish(self, delta: OutputDelta, reason: str, stop_reason=None) -> None:
@@ -149,14 +195,23 @@ class OutputProcessor:
         return delta
 
     def _flush(self, delta: OutputDelta) -> None:
-        released, matched = self._stops.feed(self._detok.flush())
+        tail = self._detok.flush()
+        if tail:
+            self._pairs.append([NO_TOKEN, tail, len(tail)])  # held bytes of earlier tokens, decoded at the end
+        released, matched = self._stops.feed(tail)
         delta.text += released
         if matched is not None:
             self._finish(delta, "stop", matched)
+            self._cut(len(released), delta)
             delta.entries += self._release_entries(self._stops.match_pos)
             self._entries = []
             return
-        delta.text += self._stops.flush()
+        rest = self._stops.flush()
+        delta.text += rest
+        self._release(len(released) + len(rest), delta)
+        for token_id, text, _ in self._pairs:  # NOTE: nothing visible is held now; hidden specials follow
+            delta.tokens.append((token_id, text))
+        self._pairs = []
         delta.entries += self._release_entries(None)
 
     def finish_by_client(self) -> OutputDelta:

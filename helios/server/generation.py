@@ -37,6 +37,8 @@ class Child:
     stop_reason: object = None
     error: str | None = None
     has_started: bool = False  # the first generated token arrived
+    tokens: list[tuple[int, str]] = field(default_factory=list)  # (token_id, text) pairs for the output parsers
+    output_spec: object = None  # helios.server.tools.OutputSpec: how this choice's output is parsed (None: text)
 
     @property
     def req_id(self) -> str:
@@ -45,6 +47,7 @@ class Child:
     def absorb(self, delta: OutputDelta) -> None:
         self.text += delta.text
         self.entries += delta.entries
+        self.tokens += delta.tokens
         if delta.prompt_logprobs:
             self.prompt_logprobs += delta.prompt_logprobs
         if delta.finished:
@@ -161,7 +164,7 @@ def encode_prompt_logprobs(runtime: Runtime, records: list[PositionLogprobs], k:
     return out
 
 
-def usage(num_prompt: int, num_completion: int, num_cached: int, reasoning: bool) -> dict:
+def usage(num_prompt: int, num_completion: int, num_cached: int, reasoning: bool, num_reasoning: int = 0) -> dict:
     body = {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
@@ -169,7 +172,7 @@ def usage(num_prompt: int, num_completion: int, num_cached: int, reasoning: bool
         "prompt_tokens_details": {"cached_tokens": num_cached},
     }
     if reasoning:
-        body["completion_tokens_details"] = {"reasoning_tokens": 0}
+        body["completion_tokens_details"] = {"reasoning_tokens": num_reasoning}
     return body
 
 
@@ -207,10 +210,10 @@ class TokenUsage(msgspec.Struct, frozen=True):
     num_reasoning: int = 0
 
 
-def child_usage(child: Child | None, num_prompt: int) -> TokenUsage:
+def child_usage(child: Child | None, num_prompt: int, num_reasoning: int = 0) -> TokenUsage:
     if child is None:
         return TokenUsage(num_prompt, 0, 0)
-    return TokenUsage(num_prompt, child.processor.num_cached_tokens, child.processor.num_generated)
+    return TokenUsage(num_prompt, child.processor.num_cached_tokens, child.processor.num_generated, num_reasoning)
 
 
 def make_child(runtime: Runtime, prefix: str, prompt_ids: list[int], fields: SamplingFields, max_tokens: int,
@@ -219,8 +222,15 @@ def make_child(runtime: Runtime, prefix: str, prompt_ids: list[int], fields: Sam
     sampling = resolve_sampling(fields, runtime.manifest, max_tokens)
     tok = runtime.tokenizer
     request = EngineRequest(req_id=f"{prefix}-0", prompt_token_ids=prompt_ids, sampling=sampling)
-    processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop, skip_special_tokens)
+    processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop, skip_special_tokens,
+                                control_ids(runtime))
     return Child(0, request, processor)
+
+
+def control_ids(runtime: Runtime) -> frozenset[int]:
+    """BOS/PAD/UNK: special tokens whose text the output parsers never see (EOS ids come with sampling)."""
+    info = runtime.manifest.tokenizer
+    return frozenset(i for i in (info.bos_token_id, info.pad_token_id, info.unk_token_id) if i is not None)
 
 
 def encode_token_entry(runtime: Runtime, e: TokenEntry, as_ids: bool) -> dict:

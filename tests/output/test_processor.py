@@ -89,3 +89,56 @@ def test_explicit_ids_append_the_chosen_token():
                        logprobs=[PositionLogprobs(TokenLogprob(0, -0.1, 1), [TokenLogprob(99, -3.0, 7)])])
     d = p.process(out)
     assert [t.token_id for t in d.entries[0].top] == [99, 0]
+
+
+# --- (token_id, text) pairs for the output parsers -------------------------------------------------------
+
+SPECIAL = 8  # "U" stands in for a special token such as <tool_call>
+
+
+def _pairs_proc(stops=(), **kw):
+    return OutputProcessor(TABLE, frozenset({EOS, SPECIAL}), SamplingParams(**kw), stops)
+
+
+def _all_pairs(p, outs):
+    pairs = []
+    for out in outs:
+        pairs += p.process(out).tokens
+    return pairs
+
+
+def test_pairs_keep_special_text_and_hide_the_terminating_eos():
+    p = _pairs_proc()
+    pairs = _all_pairs(p, [_out([0, SPECIAL, 1]), _out([EOS], True, "stop", EOS)])
+    assert pairs == [(0, "Hel"), (SPECIAL, "U"), (1, "lo")]
+    assert p.text == "Hello"  # the visible text still hides the special
+
+
+def test_pairs_under_ignore_eos_give_eos_no_text():
+    p = _pairs_proc(ignore_eos=True, eos_token_ids=[EOS])
+    assert _all_pairs(p, [_out([0, EOS, 1], True, "length")]) == [(0, "Hel"), (EOS, ""), (1, "lo")]
+
+
+def test_pairs_wait_for_held_stop_text_and_cut_at_the_stop():
+    p = _pairs_proc(stops=["lo w"])
+    d1 = p.process(_out([0, 1]))
+    assert d1.text == "Hel" and d1.tokens == [(0, "Hel")]  # "lo" may begin the stop: held with its token
+    d2 = p.process(_out([2, 3]))
+    assert d2.finished and d2.tokens == []  # the stop begins at "lo": nothing of it or after it is parsed
+    p = _pairs_proc(stops=["o w"])
+    assert _all_pairs(p, [_out([0, 1, 2, SPECIAL])]) == [(0, "Hel"), (1, "l")]
+
+
+def test_pairs_release_a_held_tail_at_the_end_and_split_utf8_once():
+    p = _pairs_proc(stops=["xyz"])
+    pairs = _all_pairs(p, [_out([5]), _out([6, 7]), _out([], True, "length")])
+    assert pairs == [(5, ""), (6, "🎉"), (7, "\n")]
+    p = _pairs_proc()
+    assert _all_pairs(p, [_out([0, 5], True, "length")]) == [(0, "Hel"), (5, ""), (-1, "\ufffd")]
+
+
+def test_pairs_on_client_finish():
+    p = _pairs_proc(stops=["ld!"])
+    d = p.process(_out([2, 3]))
+    assert d.tokens == [(2, " wor")]
+    assert p.finish_by_client().tokens == [(3, "ld")]

@@ -8,6 +8,7 @@ message_start / content_block_* / message_delta / message_stop events. Errors us
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import uuid
@@ -24,6 +25,7 @@ from helios.server.generation import (Child, Generation, check_thinking_token_bu
                                       finish_reason, make_child)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
+from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
 
 ANTHROPIC_VERSION = "2023-06-01"
 THINKING_MARKER = "flare-thinking-v1:"
@@ -240,6 +242,29 @@ def _check_request(req: MessagesRequest, runtime: Runtime) -> None:
             raise bad_request("tool_choice names a tool that is not declared in tools")
 
 
+_CHOICE_MODES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
+
+
+def _tool_plan(req: MessagesRequest, runtime: Runtime) -> ToolPlan:
+    """Messages' spelling: tools [{name, description, input_schema}] (type custom or absent); tool_choice
+    {"type": auto | any | tool | none, "name", "disable_parallel_tool_use"}; any is required mode."""
+    tools = []
+    for t in req.tools or []:
+        if not isinstance(t, dict) or t.get("type", "custom") not in ("custom", None):
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise bad_request(f"unsupported tool type {kind!r}; only client tools with an input_schema are supported")
+        tools.append(function_tool(t.get("name"), t.get("description"), t.get("input_schema"), t.get("strict"),
+                                   None))
+    choice = req.tool_choice or {}
+    mode = _CHOICE_MODES.get(choice.get("type", "auto"), "auto")
+    parallel = choice.get("disable_parallel_tool_use") is not True
+    return plan_tools(runtime, tools, mode, choice.get("name") if mode == "named" else None, parallel, None, None)
+
+
+def _call_id() -> str:
+    return "toolu_" + uuid.uuid4().hex[:24]
+
+
 def _boundaries(runtime: Runtime, text: str, hints: list[str]) -> list[int]:
     """Token positions just after each hinted block, found in order in the rendered prompt (advisory:
     a hint whose text the template does not render verbatim is dropped)."""
@@ -260,14 +285,15 @@ def _decode(body: bytes) -> MessagesRequest:
         raise from_validation(e) from None
 
 
-def _render(req: MessagesRequest, runtime: Runtime):
+def _render(req: MessagesRequest, runtime: Runtime, plan: ToolPlan | None = None):
     messages, hints = to_conversation(req)
     # NOTE: a final assistant message is a prefill: the template continues it instead of opening a turn
     prefill = messages[-1].role == "assistant"
     if prefill and not runtime.manifest.template.continuation:
         raise bad_request("this core's template cannot continue an assistant prefill")
-    prompt = runtime.chat.render(messages, tools=req.tools, add_generation_prompt=not prefill,
-                                 continue_final_message=prefill)
+    plan = plan or _tool_plan(req, runtime)
+    prompt = runtime.chat.render(with_instruction(messages, plan), tools=plan.presented,
+                                 add_generation_prompt=not prefill, continue_final_message=prefill)
     return prompt, hints
 
 
@@ -275,8 +301,9 @@ def prepare(body: bytes, runtime: Runtime, count_only: bool = False) -> Prepared
     """Blocking frontend work (decode, lower, template, tokenize, sampling) on the frontend pool."""
     req = _decode(body)
     _check_request(req, runtime)
+    plan = _tool_plan(req, runtime)
     try:
-        prompt, hints = _render(req, runtime)
+        prompt, hints = _render(req, runtime, plan)
         if count_only:
             return Prepared(req=req, prompt_ids=prompt.token_ids, child=None, cache_boundaries=[])
         if req.max_tokens is None:
@@ -292,6 +319,8 @@ def prepare(body: bytes, runtime: Runtime, count_only: bool = False) -> Prepared
             ignore_eos=req.ignore_eos,
         )
         child = make_child(runtime, f"msg_{uuid.uuid4().hex[:24]}", prompt.token_ids, fields, max_tokens)
+        spec = output_spec(runtime, plan)
+        child.output_spec = dataclasses.replace(spec, new_call_id=_call_id) if spec is not None else None
     except InvalidRequest as e:
         raise from_invalid(e) from None
     return Prepared(req=req, prompt_ids=prompt.token_ids, child=child,
@@ -324,7 +353,7 @@ def _usage(prep: Prepared, final: bool) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": u.num_cached}
 
 
-def _stop(prep: Prepared, acc: OutputAccumulator) -> tuple[str, str | None]:
+def _stop(prep: Prepared, acc: OutputAccumulator | ChoiceOutput) -> tuple[str, str | None]:
     reason = finish_reason(prep.child, "messages", acc.num_tool_calls)
     return reason, prep.child.stop_reason if reason == "stop_sequence" else None
 
@@ -346,10 +375,10 @@ def _message(runtime: Runtime, prep: Prepared, content: list, stop: tuple[str | 
 
 
 async def buffered(runtime: Runtime, prep: Prepared, gen: Generation) -> dict:
-    acc = OutputAccumulator()
+    acc = ChoiceOutput(prep.child.output_spec)
     async for _, delta in gen.deltas():
         acc.add(delta)
-    if (err := failure(prep.child)) is not None:
+    if (err := failure(prep.child) or acc.failure()) is not None:
         raise err
     acc.close()
     return _message(runtime, prep, [_block_json(b, True) for b in acc.blocks], _stop(prep, acc), True)
@@ -382,7 +411,7 @@ def error_event(err: ApiError) -> bytes:
 async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
     """Named SSE events. message_start waits for the first generated token (as Chat's role chunk does),
     reporting the whole prompt as input with zero cache reads; message_delta carries the final usage."""
-    acc = OutputAccumulator()
+    acc = ChoiceOutput(prep.child.output_spec)
     started = False
     async for child, delta in gen.deltas():
         if (err := failure(child)) is not None:
@@ -395,6 +424,9 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
         for ev in acc.add(delta):
             for frame in _block_events(ev):
                 yield frame
+        if (err := acc.failure()) is not None:
+            yield error_event(err)
+            return
         if delta.finished:
             for ev in acc.close():
                 for frame in _block_events(ev):

@@ -17,12 +17,13 @@ from msgspec import Struct
 from helios.engine.messages import EngineRequest
 from helios.frontend.chat import ChatMessage, join_text_blocks
 from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling
-from helios.output.processor import OutputProcessor, TokenEntry, finite
+from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry, finite
 from helios.server.errors import bad_request, from_invalid, from_validation
-from helios.server.generation import (Child, Generation, encode_prompt_logprobs, failure, finish_reason, token_string,
-                                      usage)
+from helios.server.generation import (Child, Generation, control_ids, encode_prompt_logprobs, failure, finish_reason,
+                                      token_string, usage)
 from helios.server.http import SSE_DONE, sse_event
 from helios.server.runtime import Runtime
+from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
 
 MAX_N = 128
 
@@ -79,6 +80,7 @@ class ChatCompletionRequest(Struct, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict | None = None
     logit_bias: dict[str, float] | None = None
     thinking_token_budget: int | None = None
@@ -134,6 +136,30 @@ def _check_unsupported(req: ChatCompletionRequest, runtime: Runtime) -> None:
                               "thinking_token_budget")
 
 
+def _tool_plan(req: ChatCompletionRequest, runtime: Runtime) -> ToolPlan:
+    """Chat's spelling: tools [{"type": "function", "function": {...}}]; tool_choice "auto" | "none" |
+    "required" | {"type": "function", "function": {"name": N}}; parallel_tool_calls."""
+    tools = []
+    for t in req.tools or []:
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise bad_request("only function tools ({\"type\": \"function\", \"function\": {...}}) are supported",
+                              "tools")
+        tools.append(function_tool(fn.get("name"), fn.get("description"), fn.get("parameters"), fn.get("strict"),
+                                   "tools"))
+    choice, named = req.tool_choice, None
+    if choice is None:
+        mode = "auto"
+    elif choice in ("auto", "none", "required"):
+        mode = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        mode, named = "named", choice["function"].get("name")
+    else:
+        raise bad_request("tool_choice must be \"auto\", \"none\", \"required\" or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    return plan_tools(runtime, tools, mode, named, req.parallel_tool_calls is not False)
+
+
 def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[Child], list[int]]:
     """Blocking frontend work (decode, template, tokenize, sampling): runs on the frontend pool."""
     try:
@@ -141,6 +167,8 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation(e) from None
     _check_unsupported(req, runtime)
+    plan = _tool_plan(req, runtime)
+    spec = output_spec(runtime, plan)
     try:
         messages = [
             ChatMessage(role=m.role, content=_content_text(m), reasoning=m.reasoning_content or m.reasoning,
@@ -151,7 +179,7 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
         if req.reasoning_effort is not None:
             kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         prompt = runtime.chat.render(
-            messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+            with_instruction(messages, plan), tools=plan.presented, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, template_kwargs=kwargs,
         )
         serving = runtime.serving
@@ -165,8 +193,9 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
             sampling = resolve_sampling(fields, runtime.manifest, max_tokens, seed_offset=j)
             request = EngineRequest(req_id=f"{base}-{j}", prompt_token_ids=prompt.token_ids, sampling=sampling)
             tok = runtime.tokenizer
-            processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop, req.skip_special_tokens)
-            children.append(Child(j, request, processor))
+            processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop,
+                                        req.skip_special_tokens, control_ids(runtime))
+            children.append(Child(j, request, processor, output_spec=spec))
     except InvalidRequest as e:
         raise from_invalid(e) from None
     return req, children, prompt.token_ids
@@ -192,30 +221,55 @@ def _logprobs(runtime: Runtime, req: ChatCompletionRequest, entries: list[TokenE
     return {"content": [_entry(runtime, e, req.return_tokens_as_token_ids) for e in entries]}
 
 
-def _finish(child: Child) -> str:
-    return finish_reason(child, "chat")
+def _finish(child: Child, num_tool_calls: int = 0) -> str:
+    return finish_reason(child, "chat", num_tool_calls)
 
 
-def _usage(children: list[Child], num_prompt: int) -> dict:
+def _usage(children: list[Child], num_prompt: int, outputs: dict[int, ChoiceOutput] | None = None) -> dict:
     num_completion = sum(c.processor.num_generated for c in children)
     cached = children[0].processor.num_cached_tokens if children else 0
-    return usage(num_prompt, num_completion, cached, reasoning=True)
+    num_reasoning = sum(o.num_reasoning_tokens for o in (outputs or {}).values())
+    return usage(num_prompt, num_completion, cached, reasoning=True, num_reasoning=num_reasoning)
+
+
+def _parsed(child: Child) -> ChoiceOutput:
+    """A buffered choice's whole output through its parsers, as one delta."""
+    out = ChoiceOutput(child.output_spec)
+    out.add(OutputDelta(tokens=child.tokens, entries=child.entries, finished=True,
+                        finish_reason=child.finish_reason, stop_reason=child.stop_reason))
+    out.close()
+    return out
+
+
+def _tool_call_json(call) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def response(runtime: Runtime, req: ChatCompletionRequest, children: list[Child], num_prompt: int) -> dict:
     for child in children:
         if (err := failure(child)) is not None:
             raise err
+    outputs = {c.index: _parsed(c) for c in children if c.output_spec is not None}
+    for out in outputs.values():
+        if (err := out.failure()) is not None:
+            raise err
     choices = []
     for c in children:
         stop_reason = c.stop_reason if c.finish_reason == "stop" and not isinstance(c.stop_reason, list) else None
         if stop_reason in runtime.manifest.tokenizer.eos_token_ids:
             stop_reason = None
+        message = {"role": "assistant", "content": c.text, "reasoning_content": None, "tool_calls": []}
+        num_calls = 0
+        if (out := outputs.get(c.index)) is not None:
+            calls = out.tool_calls
+            num_calls = len(calls)
+            message = {"role": "assistant", "content": out.text if out.text or not calls else None,
+                       "reasoning_content": out.reasoning, "tool_calls": [_tool_call_json(t) for t in calls]}
         choices.append({
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "reasoning_content": None, "tool_calls": []},
+            "message": message,
             "logprobs": _logprobs(runtime, req, c.entries),
-            "finish_reason": _finish(c),
+            "finish_reason": _finish(c, num_calls),
             "stop_reason": stop_reason,
         })
     body = {
@@ -224,7 +278,7 @@ def response(runtime: Runtime, req: ChatCompletionRequest, children: list[Child]
         "created": int(time.time()),
         "model": runtime.serving.model_id,
         "choices": choices,
-        "usage": _usage(children, num_prompt),
+        "usage": _usage(children, num_prompt, outputs),
     }
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = encode_prompt_logprobs(runtime, children[0].prompt_logprobs, req.prompt_logprobs)
@@ -238,11 +292,12 @@ async def stream_events(runtime: Runtime, req: ChatCompletionRequest, gen: Gener
     base = {"id": gen.children[0].req_id.rsplit("-", 1)[0], "object": "chat.completion.chunk",
             "created": int(time.time()), "model": runtime.serving.model_id}
     announced: set[int] = set()
+    outputs = {c.index: ChoiceOutput(c.output_spec) for c in gen.children if c.output_spec is not None}
 
     def chunk(choices: list[dict]) -> bytes:
         body = {**base, "choices": choices}
         if continuous:
-            body["usage"] = _usage(gen.children, num_prompt)
+            body["usage"] = _usage(gen.children, num_prompt, outputs)
         elif include_usage:
             body["usage"] = None
         return sse_event(msgspec.json.encode(body))
@@ -257,6 +312,13 @@ async def stream_events(runtime: Runtime, req: ChatCompletionRequest, gen: Gener
                           "logprobs": None, "finish_reason": None}])
         if child.index not in announced:
             continue
+        if (out := outputs.get(child.index)) is not None:
+            for frame in _parsed_chunks(runtime, req, child, delta, out, chunk):
+                yield frame
+            if (err := out.failure()) is not None:
+                yield sse_event(err.encode())
+                return
+            continue
         if delta.text or delta.entries or delta.finished:
             choice = {"index": child.index, "delta": {"content": delta.text} if delta.text else {},
                       "logprobs": _logprobs(runtime, req, delta.entries), "finish_reason": None}
@@ -264,6 +326,29 @@ async def stream_events(runtime: Runtime, req: ChatCompletionRequest, gen: Gener
                 choice["finish_reason"] = _finish(child)
             yield chunk([choice])
     if include_usage:
-        yield sse_event(msgspec.json.encode({**base, "choices": [], "usage": _usage(gen.children, num_prompt)}))
+        yield sse_event(msgspec.json.encode({**base, "choices": [], "usage": _usage(gen.children, num_prompt,
+                                                                                       outputs)}))
     yield SSE_DONE
+
+
+def _parsed_chunks(runtime: Runtime, req: ChatCompletionRequest, child: Child, delta: OutputDelta,
+                   out: ChoiceOutput, chunk):
+    """The chunks of one parsed delta: content, reasoning_content and whole tool calls (index, id, name,
+    arguments) in output order; the finish chunk once the choice ended without a parse failure."""
+    for ev in out.add(delta):
+        if ev.kind != "delta":
+            continue
+        if ev.block.kind == "tool_call":
+            call = out.tool_call(ev.index)
+            body = {"tool_calls": [{"index": call.index, **_tool_call_json(call)}]}
+        elif ev.block.kind == "reasoning":
+            body = {"reasoning_content": ev.text}
+        else:
+            body = {"content": ev.text}
+        yield chunk([{"index": child.index, "delta": body, "logprobs": _logprobs(runtime, req, ev.entries),
+                      "finish_reason": None}])
+    if delta.finished and out.failure() is None:
+        out.close()
+        yield chunk([{"index": child.index, "delta": {}, "logprobs": None,
+                      "finish_reason": _finish(child, out.num_tool_calls)}])
 

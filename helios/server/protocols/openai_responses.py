@@ -23,6 +23,7 @@ from helios.server.generation import (Child, Generation, check_thinking_token_bu
                                       failure, finish_reason, make_child)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
+from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _INPUT_TEXT = ("input_text", "text")
@@ -199,15 +200,41 @@ def _check_request(req: ResponsesRequest, runtime: Runtime) -> None:
         raise bad_request("input must be a string or a nonempty array of items", "input")
 
 
+def _tool_plan(req: ResponsesRequest, runtime: Runtime) -> ToolPlan:
+    """Responses' spelling: tools [{"type": "function", name, description, parameters, strict}];
+    tool_choice "auto" | "none" | "required" | {"type": "function", "name": N}; parallel_tool_calls."""
+    tools = []
+    for t in req.tools or []:
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind == "custom":  # NOTE: custom (text / grammar) tools and namespaces are not implemented yet
+            raise bad_request("custom tools are not supported by this server yet; declare function tools", "tools")
+        if kind != "function":
+            raise bad_request(f"unsupported tool type {kind!r}; only function tools are supported", "tools")
+        tools.append(function_tool(t.get("name"), t.get("description"), t.get("parameters"), t.get("strict"),
+                                   "tools"))
+    choice, named = req.tool_choice, None
+    if choice is None:
+        mode = "auto"
+    elif choice in ("auto", "none", "required"):
+        mode = choice
+    elif isinstance(choice, dict) and choice.get("type") == "function":
+        mode, named = "named", choice.get("name")
+    else:
+        raise bad_request("tool_choice must be \"auto\", \"none\", \"required\" or "
+                          "{\"type\": \"function\", \"name\": ...}", "tool_choice")
+    return plan_tools(runtime, tools, mode, named, req.parallel_tool_calls is not False)
+
+
 def prepare(body: bytes, runtime: Runtime) -> Prepared:
     try:
         req = msgspec.json.decode(body, type=ResponsesRequest)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation(e) from None
     _check_request(req, runtime)
+    plan = _tool_plan(req, runtime)
     try:
         messages = to_conversation(req)
-        prompt = runtime.chat.render(messages, tools=req.tools)
+        prompt = runtime.chat.render(with_instruction(messages, plan), tools=plan.presented)
         serving = runtime.serving
         max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt.token_ids), serving.max_model_len,
                                         serving.default_max_tokens, allow_zero=False)
@@ -223,6 +250,7 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
         )
         hex_id = uuid.uuid4().hex
         child = make_child(runtime, f"resp_{hex_id}", prompt.token_ids, fields, max_tokens)
+        child.output_spec = output_spec(runtime, plan)
     except InvalidRequest as e:
         e.param = _PARAMS.get(e.param, e.param)  # the frontend names Chat's fields
         raise from_invalid(e) from None
@@ -273,14 +301,15 @@ def _item(runtime: Runtime, prep: Prepared, items: _Items, index: int, block: Ou
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _usage(prep: Prepared) -> dict:
-    u = child_usage(prep.child, len(prep.prompt_ids))
+def _usage(prep: Prepared, num_reasoning: int = 0) -> dict:
+    u = child_usage(prep.child, len(prep.prompt_ids), num_reasoning)
     return {"input_tokens": u.num_prompt, "input_tokens_details": {"cached_tokens": u.num_cached},
             "output_tokens": u.num_generated, "output_tokens_details": {"reasoning_tokens": u.num_reasoning},
             "total_tokens": u.num_prompt + u.num_generated}
 
 
-def _response(runtime: Runtime, prep: Prepared, status: str, output: list[dict], error: dict | None = None) -> dict:
+def _response(runtime: Runtime, prep: Prepared, status: str, output: list[dict], error: dict | None = None,
+              num_reasoning: int = 0) -> dict:
     req, sampling = prep.req, prep.child.request.sampling
     return {
         "id": prep.response_id, "object": "response", "created_at": prep.created_at, "status": status,
@@ -293,25 +322,25 @@ def _response(runtime: Runtime, prep: Prepared, status: str, output: list[dict],
         "store": False, "temperature": sampling.temperature, "text": {"format": {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
         "top_logprobs": req.top_logprobs or 0, "top_p": sampling.top_p, "truncation": "disabled",
-        "usage": _usage(prep) if status in ("completed", "incomplete") else None,
+        "usage": _usage(prep, num_reasoning) if status in ("completed", "incomplete") else None,
         "user": req.user, "metadata": req.metadata or {},
     }
 
 
-def _status(prep: Prepared, acc: OutputAccumulator) -> str:
+def _status(prep: Prepared, acc: OutputAccumulator | ChoiceOutput) -> str:
     return finish_reason(prep.child, "responses", acc.num_tool_calls)  # completed | incomplete
 
 
 async def buffered(runtime: Runtime, prep: Prepared, gen: Generation) -> dict:
-    acc = OutputAccumulator()
+    acc = ChoiceOutput(prep.child.output_spec)
     async for _, delta in gen.deltas():
         acc.add(delta)
-    if (err := failure(prep.child)) is not None:
+    if (err := failure(prep.child) or acc.failure()) is not None:
         raise err
     acc.close()
     status, items = _status(prep, acc), _Items(prep.response_id)
     output = [_item(runtime, prep, items, i, b, status) for i, b in enumerate(acc.blocks)]
-    return _response(runtime, prep, status, output)
+    return _response(runtime, prep, status, output, num_reasoning=acc.num_reasoning_tokens)
 
 
 class _Stream:
@@ -367,7 +396,7 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
     """response.created and response.in_progress go out at once; output events follow the blocks; the
     stream ends in response.completed, response.incomplete (output limit) or response.failed. No [DONE]."""
     s = _Stream(runtime, prep)
-    acc = OutputAccumulator()
+    acc = ChoiceOutput(prep.child.output_spec)
     yield s.event("response.created", {"response": _response(runtime, prep, "in_progress", [])})
     yield s.event("response.in_progress", {"response": _response(runtime, prep, "in_progress", [])})
     async for child, delta in gen.deltas():
@@ -377,17 +406,22 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
         for ev in acc.add(delta):
             for frame in s.block(ev):
                 yield frame
+        if (err := acc.failure()) is not None:
+            yield failed_event(s, runtime, prep, acc, err)
+            return
         if delta.finished:
             status = _status(prep, acc)
             for ev in acc.close():
                 for frame in s.block(ev, status):
                     yield frame
             output = [_item(runtime, prep, s.items, i, b, status) for i, b in enumerate(acc.blocks)]
-            yield s.event(f"response.{status}", {"response": _response(runtime, prep, status, output)})
+            yield s.event(f"response.{status}", {"response": _response(runtime, prep, status, output,
+                                                                          num_reasoning=acc.num_reasoning_tokens)})
             return
 
 
-def failed_event(s: _Stream, runtime: Runtime, prep: Prepared, acc: OutputAccumulator, err: ApiError) -> bytes:
+def failed_event(s: _Stream, runtime: Runtime, prep: Prepared, acc: OutputAccumulator | ChoiceOutput,
+                 err: ApiError) -> bytes:
     output = [_item(runtime, prep, s.items, i, b, "incomplete") for i, b in enumerate(acc.blocks)]
     error = {"code": "server_error", "message": err.message}
     return s.event("response.failed", {"response": _response(runtime, prep, "failed", output, error)})

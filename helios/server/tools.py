@@ -1,0 +1,200 @@
+"""Tools and parsed output for the conversational protocols (Chat Completions, Messages, Responses).
+
+Owns the request side of the spec's "Conversation and tool semantics" that every protocol shares once its own
+spelling is decoded: the declared function tools (in the template's HF shape), tool_choice (auto / none /
+required / named), parallel_tool_calls, strict schemas (rejected), a core without a tool parser (400), the
+tool list the template is given (named: only the selected tool) and required mode's prompt instruction.
+On the output side, ChoiceOutput runs one choice's OutputDelta stream through the core's OutputParser
+(helios.output.parsers), the ToolChoiceValidator and the EventAccumulator into the ordered blocks the
+encoders read; without a parser it is today's text-only OutputAccumulator. No torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from helios.frontend.chat import ChatMessage
+from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
+from helios.output.event_accumulator import EventAccumulator
+from helios.output.events import ParseError, ToolCall
+from helios.output.processor import OutputDelta
+from helios.output.tool_choice import ToolChoiceMode, ToolChoiceValidator
+from helios.server.errors import ApiError, bad_request, server_error
+from helios.server.runtime import Runtime
+
+# NOTE: the one instruction required mode adds; sampling is unchanged and nothing is fabricated or retried
+REQUIRED_INSTRUCTION = "You must respond by calling one or more of the provided tools."
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """One request's tools after validation: what the template sees and what the output must satisfy."""
+
+    tools: list[dict] = field(default_factory=list)  # declared function tools, {"type": "function", "function": {...}}
+    mode: ToolChoiceMode = "auto"
+    named: str | None = None
+    parallel: bool = True
+
+    @property
+    def names(self) -> list[str]:
+        return [t["function"]["name"] for t in self.tools]
+
+    @property
+    def presented(self) -> list[dict] | None:
+        """The tools given to the template: only the selected one under a named choice."""
+        if not self.tools:
+            return None
+        if self.mode == "named":
+            return [t for t in self.tools if t["function"]["name"] == self.named]
+        return self.tools
+
+    @property
+    def parses_tools(self) -> bool:
+        return bool(self.tools) and self.mode != "none"
+
+
+def function_tool(name: Any, description: Any, parameters: Any, strict: Any, param: str) -> dict:
+    """A declared function in the template's (HF) shape; strict: true is rejected."""
+    if not isinstance(name, str) or not name:
+        raise bad_request("every tool needs a nonempty name", param)
+    if strict is True:
+        raise bad_request(f"strict function schemas are not supported (tool {name!r})", param)
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise bad_request(f"the parameters of tool {name!r} must be a JSON Schema object", param)
+    fn: dict[str, Any] = {"name": name}
+    if description is not None:
+        if not isinstance(description, str):
+            raise bad_request(f"the description of tool {name!r} must be a string", param)
+        fn["description"] = description
+    fn["parameters"] = parameters
+    return {"type": "function", "function": fn}
+
+
+def plan_tools(runtime: Runtime, tools: list[dict], mode: ToolChoiceMode = "auto", named: str | None = None,
+               parallel: bool = True, param: str = "tools", choice_param: str = "tool_choice") -> ToolPlan:
+    """Validate the neutral tools and choice against the core; the protocol has decoded its own spelling."""
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise bad_request(f"tool names must be unique; {dup!r} is declared twice", param)
+    if mode in ("required", "named") and not tools:
+        raise bad_request(f"tool_choice {mode} needs at least one declared tool", choice_param)
+    if mode == "named" and named not in names:
+        raise bad_request(f"tool_choice names {named!r}, which is not declared in tools", choice_param)
+    if tools and mode != "none" and not runtime.manifest.recipe.tool_parser:
+        raise bad_request("this core declares no tool-call parser; tools are not supported", param)
+    return ToolPlan(tools=list(tools), mode=mode, named=named, parallel=parallel)
+
+
+def with_instruction(messages: list[ChatMessage], plan: ToolPlan | None) -> list[ChatMessage]:
+    """Required mode adds its instruction to the leading system message (one is made when none leads)."""
+    if plan is None or plan.mode != "required":
+        return messages
+    if messages and messages[0].role == "system" and messages[0].content:
+        first = ChatMessage(role="system", content=messages[0].content + "\n\n" + REQUIRED_INSTRUCTION)
+        return [first, *messages[1:]]
+    return [ChatMessage(role="system", content=REQUIRED_INSTRUCTION), *messages]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """How one request's choices parse their output (None on a Child: the text-only path)."""
+
+    tool_parser: str | None
+    reasoning_parser: str | None
+    syntax: Any  # ReasoningSyntax | None
+    plan: ToolPlan
+    new_call_id: Callable[[], str] | None = None
+
+
+def output_spec(runtime: Runtime, plan: ToolPlan | None) -> OutputSpec | None:
+    """The parser set of a request: tools when declared (and not "none"), reasoning whenever the recipe
+    declares a parser and the prepared template has reasoning syntax (build's rule); None when neither."""
+    recipe, syntax = runtime.manifest.recipe, runtime.manifest.template.reasoning
+    plan = plan or ToolPlan()
+    reasons = recipe.reasoning_parser is not None and (syntax is not None or recipe.reasoning_parser == "dsml")
+    if not reasons and not (plan.parses_tools and recipe.tool_parser):
+        return None
+    return OutputSpec(recipe.tool_parser, recipe.reasoning_parser, syntax, plan)
+
+
+class ChoiceOutput:
+    """One choice's ordered output: add(delta) -> block events, close() at the end; `error` is terminal."""
+
+    def __init__(self, spec: OutputSpec | None):
+        self.spec = spec
+        self.error: ParseError | None = None
+        if spec is None:
+            self._text = OutputAccumulator()
+            return
+        from helios.output.parsers import build
+
+        plan = spec.plan
+        self.parser = build(spec.tool_parser, spec.reasoning_parser, spec.syntax,
+                            plan.presented if plan.parses_tools else None, parse_tools=plan.parses_tools,
+                            new_call_id=spec.new_call_id)
+        mode: ToolChoiceMode = plan.mode if plan.parses_tools else "auto"
+        self.validator = ToolChoiceValidator(mode, plan.names, plan.named, plan.parallel)
+        self.acc = EventAccumulator()
+        self._finished = False
+
+    def add(self, delta: OutputDelta) -> list[BlockEvent]:
+        if self.spec is None:
+            return self._text.add(delta)
+        if self.error is not None or self._finished:
+            return []
+        events = []
+        for token_id, text in delta.tokens:
+            events += self.parser.feed(token_id, text)
+        natural = delta.finished and delta.finish_reason in ("stop", "length")
+        if natural:
+            events += self.parser.finish(truncated=delta.finish_reason == "length")
+        events = self.validator.filter(events)
+        if natural and not self.validator.failed:
+            events += self.validator.finish()
+        if delta.finished:
+            self._finished = True
+        out = self.acc.add(events, delta.entries)
+        self.error = self.acc.error
+        return out
+
+    def close(self) -> list[BlockEvent]:
+        return (self._text if self.spec is None else self.acc).close()
+
+    @property
+    def blocks(self) -> list[OutputBlock]:
+        return (self._text if self.spec is None else self.acc).blocks
+
+    @property
+    def text(self) -> str:
+        return (self._text if self.spec is None else self.acc).text
+
+    @property
+    def reasoning(self) -> str | None:
+        """The reasoning text (None when there is none)."""
+        return None if self.spec is None else (self.acc.reasoning or None)
+
+    @property
+    def num_tool_calls(self) -> int:
+        return (self._text if self.spec is None else self.acc).num_tool_calls
+
+    def tool_call(self, block_index: int) -> ToolCall | None:
+        return None if self.spec is None else self.acc.calls.get(block_index)
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [] if self.spec is None else self.acc.tool_calls
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return 0 if self.spec is None else self.parser.num_reasoning_tokens
+
+    def failure(self) -> ApiError | None:
+        """The output broke tool_choice or could not be parsed: HTTP 500 buffered, a terminal event streamed."""
+        if self.error is None:
+            return None
+        return server_error(f"the model output is not a valid answer ({self.error.kind}): {self.error.message}")
