@@ -132,11 +132,14 @@ def _attend(
 ) -> torch.Tensor:  # [Lq, Nq, D]
     num_groups = q.shape[1] // keys.shape[1]
     qh = q.transpose(0, 1)  # [Nq, Lq, D]
-    kh = keys.to(q.dtype).transpose(0, 1).repeat_interleave(num_groups, dim=0)  # [Nq, S, D]
-    vh = values.to(q.dtype).transpose(0, 1).repeat_interleave(num_groups, dim=0)
     if softcap is None:
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+        # NOTE: SDPA's GQA mode reads each kv head for its query group, no repeated copy of K/V.
+        kh = keys.to(q.dtype).transpose(0, 1)  # [Nkv, S, D]
+        vh = values.to(q.dtype).transpose(0, 1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=num_groups > 1)
     else:
+        kh = keys.to(q.dtype).transpose(0, 1).repeat_interleave(num_groups, dim=0)  # [Nq, S, D]
+        vh = values.to(q.dtype).transpose(0, 1).repeat_interleave(num_groups, dim=0)
         # SDPA has no logit soft-capping: eager, in HF's order (scale, cap, mask, fp32 softmax).
         scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
         scores = torch.tanh(scores / softcap) * softcap
