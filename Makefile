@@ -36,7 +36,7 @@ bench: core
 	$(PY) benchmarks/engine.py
 
 schemas: setup
-	$(PY) -m helios.core.schemas schemas
+	$(PY) -m helios.schemas schemas
 
 lint: setup
 	$(PY) -m compileall -q helios ignition tests benchmarks

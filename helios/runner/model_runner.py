@@ -104,6 +104,13 @@ def move_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: 
     return out
 
 
+def resolve_device(name: str) -> str:
+    """"auto" -> "cuda" when a GPU is visible, else "cpu"; explicit names pass through."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 class ModelRunner:
     """Owns the model, the KV cache, the decode graphs (CUDA) and the per-request state of live requests."""
 

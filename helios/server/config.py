@@ -7,7 +7,7 @@ live in `ResolvedServing` (helios/server/runtime.py), never written back here. N
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -41,7 +41,10 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     default_max_tokens: _Int32 | None = None  # output budget of requests omitting it; None: the core's
     thinking_token_budget: _Int32 | None = None  # default reasoning-token cap for chat requests; None: uncapped
     max_num_batched_tokens: Annotated[int, Meta(ge=1, le=1 << 20, description="Token budget of one step.")] = 2048
-    kv_cache_tokens: Annotated[int, Meta(ge=16, le=1 << 24, description="KV pool capacity in tokens.")] = 32768
+    kv_cache_tokens: Annotated[int, Meta(ge=16, le=1 << 24, description="KV pool capacity in tokens (CPU).")] = 32768
+    device: Annotated[
+        Literal["auto", "cpu", "cuda"], Meta(description="auto: CUDA when a GPU is visible (KV pool sized from free memory), else CPU.")
+    ] = "auto"
     frontend_workers: Annotated[
         int, Meta(ge=1, le=256, description="Threads for decompression, templates and tokenization.")
     ] = 2

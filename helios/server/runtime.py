@@ -118,8 +118,16 @@ def build_engine(core, config: ServerConfig, serving: Serving):
     from helios.engine.engine_core import EngineCore
     from helios.runner.model_runner import ModelRunner
 
+    from helios.runner.model_runner import resolve_device
+
     page_size = core.manifest.graph_plan.page_size
-    num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
+    if resolve_device(config.device) == "cuda":
+        # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
+        runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len)
+        num_pages = runner.num_pages
+    else:
+        num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
+        runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size)
     scheduler = SchedulerConfig(
         max_concurrency=serving.max_concurrency,
         max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency),
@@ -129,7 +137,6 @@ def build_engine(core, config: ServerConfig, serving: Serving):
         num_pages=num_pages,
         max_model_len=serving.max_model_len,
     )
-    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size)
     return AsyncEngine(EngineCore(scheduler, runner))
 
 

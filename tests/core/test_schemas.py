@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from helios.core.schemas import SCHEMAS, render
+from helios.schemas import SCHEMAS, render
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,5 @@
-"""JSON Schemas generated from the msgspec Structs: `python -m helios.core.schemas DIR` writes them.
+"""JSON Schemas generated from the msgspec Structs: `python -m helios.schemas DIR` writes them
+(the core manifest and the helios.toml server configuration).
 
 tests/core/test_schemas.py fails when a committed schema is stale.
 """
@@ -10,8 +11,9 @@ import sys
 from pathlib import Path
 
 from helios.core.manifest import json_schema as manifest_schema
+from helios.server.config import json_schema as server_config_schema
 
-SCHEMAS = {"core.schema.json": manifest_schema}
+SCHEMAS = {"core.schema.json": manifest_schema, "helios-config.schema.json": server_config_schema}
 
 
 def render(name: str) -> str:
