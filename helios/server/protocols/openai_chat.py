@@ -17,10 +17,10 @@ from msgspec import Struct
 from helios.engine.messages import EngineRequest
 from helios.frontend.chat import ChatMessage, join_text_blocks
 from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling
-from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry, finite
+from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry
 from helios.server.errors import bad_request, from_invalid, from_validation
-from helios.server.generation import (Child, Generation, control_ids, encode_prompt_logprobs, failure, finish_reason,
-                                      token_string, usage)
+from helios.server.generation import (Child, Generation, control_ids, encode_prompt_logprobs, encode_token_entry, failure,
+                                      finish_reason, usage)
 from helios.server.http import SSE_DONE, sse_event
 from helios.server.runtime import Runtime
 from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
@@ -201,24 +201,10 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
     return req, children, prompt.token_ids
 
 
-def _entry(runtime: Runtime, e: TokenEntry, as_ids: bool) -> dict:
-    table = runtime.tokenizer.token_bytes
-    return {
-        "token": token_string(runtime, e.token_id, as_ids),
-        "logprob": e.logprob,
-        "bytes": list(e.token_bytes),
-        "top_logprobs": [
-            {"token": token_string(runtime, t.token_id, as_ids), "logprob": finite(t.logprob),
-             "bytes": list(table[t.token_id]) if 0 <= t.token_id < len(table) else []}
-            for t in e.top
-        ],
-    }
-
-
 def _logprobs(runtime: Runtime, req: ChatCompletionRequest, entries: list[TokenEntry]) -> dict | None:
     if not req.logprobs:
         return None
-    return {"content": [_entry(runtime, e, req.return_tokens_as_token_ids) for e in entries]}
+    return {"content": [encode_token_entry(runtime, e, req.return_tokens_as_token_ids) for e in entries]}
 
 
 def _finish(child: Child, num_tool_calls: int = 0) -> str:
