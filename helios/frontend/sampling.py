@@ -55,6 +55,22 @@ class SamplingFields(Struct, kw_only=True):
     prompt_logprobs: int | None = None
 
 
+_SHARED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
+
+
+def sampling_fields(req, *, stop: list[str], **extra) -> SamplingFields:
+    """SamplingFields from any protocol request that carries the shared sampling and token-stop fields;
+    `stop` and the protocol-specific logprob fields come from the caller."""
+    return SamplingFields(
+        **{name: getattr(req, name) for name in _SHARED},
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        stop_token_sequences=list(req.stop_token_sequences or []),
+        ignore_eos=req.ignore_eos,
+        **extra,
+    )
+
+
 def _clamp(value: float, rng: Range | None, default: float, name: str) -> float:
     if not math.isfinite(value):
         raise InvalidRequest(f"{name} must be a finite number", name)

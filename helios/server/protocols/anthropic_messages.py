@@ -18,7 +18,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from helios.frontend.chat import ChatMessage, join_text_blocks, tool_call
-from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens
+from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, sampling_fields
 from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
 from helios.server.errors import ApiError, bad_request, from_invalid, from_validation
 from helios.server.generation import (Child, Generation, check_thinking_token_budget, child_usage, failure,
@@ -311,13 +311,7 @@ def prepare(body: bytes, runtime: Runtime, count_only: bool = False) -> Prepared
         serving = runtime.serving
         max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.token_ids), serving.max_model_len,
                                         serving.default_max_tokens, allow_zero=False)
-        fields = SamplingFields(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, seed=req.seed, stop=list(req.stop_sequences or []),
-            stop_token_ids=list(req.stop_token_ids or []), stop_token_sequences=list(req.stop_token_sequences or []),
-            ignore_eos=req.ignore_eos,
-        )
+        fields = sampling_fields(req, stop=list(req.stop_sequences or []))
         child = make_child(runtime, f"msg_{uuid.uuid4().hex[:24]}", prompt.token_ids, fields, max_tokens)
         spec = output_spec(runtime, plan)
         child.output_spec = dataclasses.replace(spec, new_call_id=_call_id) if spec is not None else None

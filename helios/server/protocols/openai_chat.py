@@ -16,7 +16,8 @@ from msgspec import Struct
 
 from helios.engine.messages import EngineRequest
 from helios.frontend.chat import ChatMessage, join_text_blocks
-from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling
+from helios.frontend.sampling import (InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling,
+                                      sampling_fields)
 from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry
 from helios.server.errors import bad_request, from_invalid, from_validation
 from helios.server.generation import (Child, Generation, control_ids, encode_prompt_logprobs, encode_token_entry, failure,
@@ -108,12 +109,8 @@ def _sampling_fields(req: ChatCompletionRequest) -> SamplingFields:
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingFields(
-        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, seed=req.seed, stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []), stop_token_sequences=list(req.stop_token_sequences or []),
-        ignore_eos=req.ignore_eos, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    return sampling_fields(
+        req, stop=stop, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         logprob_token_ids=req.logprob_token_ids, prompt_logprobs=req.prompt_logprobs,
     )
 

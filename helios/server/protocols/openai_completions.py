@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Struct
 
 from helios.engine.messages import EngineRequest
-from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling
+from helios.frontend.sampling import InvalidRequest, resolve_max_tokens, resolve_sampling, sampling_fields
 from helios.output.processor import OutputProcessor, TokenEntry, finite
 from helios.server.errors import bad_request, from_invalid, from_validation
 from helios.server.generation import (Child, Generation, encode_prompt_logprobs, failure, finish_reason, token_string,
@@ -135,12 +135,8 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
         # NOTE: echo + logprobs scores the prompt; an explicit prompt_logprobs overrides that count.
         prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else (req.logprobs if scoring else None)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        fields = SamplingFields(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, seed=req.seed, stop=stop,
-            stop_token_ids=list(req.stop_token_ids or []), stop_token_sequences=list(req.stop_token_sequences or []),
-            ignore_eos=req.ignore_eos, logprobs=req.logprobs, logprob_token_ids=req.logprob_token_ids,
+        fields = sampling_fields(
+            req, stop=stop, logprobs=req.logprobs, logprob_token_ids=req.logprob_token_ids,
             prompt_logprobs=max(prompt_k, req.logprobs or 0) if prompt_k is not None else None,
         )
         serving, tok = runtime.serving, runtime.tokenizer

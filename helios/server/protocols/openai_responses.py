@@ -16,7 +16,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from helios.frontend.chat import ChatMessage, join_text_blocks, tool_call
-from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens
+from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, sampling_fields
 from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
 from helios.server.errors import ApiError, bad_request, from_invalid, from_validation
 from helios.server.generation import (Child, Generation, check_thinking_token_budget, child_usage, encode_token_entry,
@@ -239,14 +239,9 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
         max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt.token_ids), serving.max_model_len,
                                         serving.default_max_tokens, allow_zero=False)
         wants = LOGPROBS_INCLUDE in (req.include or [])
-        fields = SamplingFields(
-            temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
-            repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty, seed=req.seed,
-            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            stop_token_ids=list(req.stop_token_ids or []), stop_token_sequences=list(req.stop_token_sequences or []),
-            ignore_eos=req.ignore_eos, logprobs=(req.top_logprobs or 0) if wants else None,
-            logprob_token_ids=req.logprob_token_ids,
+        fields = sampling_fields(
+            req, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+            logprobs=(req.top_logprobs or 0) if wants else None, logprob_token_ids=req.logprob_token_ids,
         )
         hex_id = uuid.uuid4().hex
         child = make_child(runtime, f"resp_{hex_id}", prompt.token_ids, fields, max_tokens)
