@@ -45,6 +45,7 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     reused_tokens: int = 0  # prefix cache: not yet
     cached_pages: int = 0  # prefix cache: not yet
     preemptions: int = 0
+    reasoning_budget_cuts: int = 0  # requests whose reasoning was closed by their thinking-token budget
 
 
 class EngineCore:
@@ -129,4 +130,5 @@ class EngineCore:
                 total_pages=pool.num_blocks,
                 page_tokens=pool.block_size,
                 preemptions=scheduler.num_preemptions,
+                reasoning_budget_cuts=scheduler.num_reasoning_budget_cuts,
             )

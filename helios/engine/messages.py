@@ -34,10 +34,25 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
     prompt_logprobs: int | None = None  # None: none; N: top-N alternatives per prompt position
 
 
+class ReasoningBudget(Struct, frozen=True, kw_only=True):
+    """A hard cap on generated reasoning tokens (thinking_token_budget), resolved by the frontend.
+
+    The engine reads reasoning state from token ids alone: at the cap, while reasoning is unambiguously
+    open, the next token is forced to `close_token_id` instead of sampled (helios/engine/reasoning_budget.py).
+    """
+
+    max_reasoning_tokens: int  # the cap, >= 1; counted from the start of this request's output
+    close_token_id: int  # the prepared single-token reasoning close delimiter
+    starts_in_reasoning: bool  # the generation prompt opened reasoning; False: output starts in content, no cut
+    # single-token tool openers that may end reasoning implicitly (Qwen's <tool_call> while tools are parsed)
+    tool_open_token_ids: tuple[int, ...] = ()
+
+
 class EngineRequest(Struct, frozen=True, kw_only=True):
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    reasoning_budget: ReasoningBudget | None = None
     # NOTE: a request with prompt_logprobs must prefill from scratch (no prefix reuse).
 
 
@@ -60,6 +75,9 @@ class EngineOutput(Struct, kw_only=True):
     req_id: str
     new_token_ids: list[int] = []
     logprobs: list[PositionLogprobs] | None = None  # one per new token, when requested
+    # new_token_ids is one token the engine forced (the reasoning close at the thinking budget): it was not
+    # sampled, so it has no logprob record; it still counts as a generated token
+    is_forced: bool = False
     # prompt positions 1..n-1 (position 0 has none), sent once when prefill completes
     prompt_logprobs: list[PositionLogprobs] | None = None
     finished: bool = False
@@ -93,6 +111,9 @@ class ScheduledRequest(Struct, frozen=True, kw_only=True):
     sample: bool  # the last scheduled position produces a new token
     # prompt positions covered by this chunk get prompt logprobs (prefill with prompt_logprobs)
     want_prompt_logprobs: bool = False
+    # set only with sample: the runner returns this id instead of sampling (no draw, no logprob record) and
+    # records it as an output token, as it does a sampled one
+    forced_token_id: int | None = None
 
 
 class SchedulerOutput(Struct, frozen=True, kw_only=True):
@@ -107,7 +128,7 @@ class SchedulerOutput(Struct, frozen=True, kw_only=True):
 
 class RequestResult(Struct, frozen=True, kw_only=True):
     req_id: str
-    sampled_token_id: int | None = None  # None when the chunk did not sample
+    sampled_token_id: int | None = None  # None when the chunk did not sample; the forced id when one was forced
     logprobs: PositionLogprobs | None = None
     # for the chunk's positions p (num_computed .. +len(token_ids)-1): record of token p+1 given
     # 0..p, i.e. prompt logprobs of positions num_computed+1 .. (only those inside the prompt)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 
 from helios.engine.messages import EngineRequest, FinishReason, PositionLogprobs, SamplingParams
+from helios.engine.reasoning_budget import ReasoningBudgetState
 
 
 class RequestStatus(enum.Enum):
@@ -53,6 +54,7 @@ class Request:
         "is_prefill_counted",
         "is_known_to_runner",
         "num_preemptions",
+        "reasoning",
     )
 
     def __init__(self, request: EngineRequest) -> None:
@@ -71,6 +73,8 @@ class Request:
         self.is_prefill_counted = False  # prefill_tokens metric: a prompt counts once, not per recompute
         self.is_known_to_runner = False  # sent in new_requests and not yet in finished_req_ids
         self.num_preemptions = 0
+        budget = request.reasoning_budget
+        self.reasoning = ReasoningBudgetState(budget) if budget is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -100,9 +104,16 @@ class Request:
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.status)
 
-    def append_output_token(self, token_id: int) -> None:
+    @property
+    def forced_token_id(self) -> int | None:
+        """The token the next sample must be (the reasoning close at the thinking budget), else None."""
+        return self.reasoning.forced_token_id() if self.reasoning is not None else None
+
+    def append_output_token(self, token_id: int, is_forced: bool = False) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.reasoning is not None:
+            self.reasoning.observe(token_id, is_forced)
 
     def finish(self, status: RequestStatus, *, stop_token: int | list[int] | None = None, error: str | None = None) -> None:
         assert status in _FINISH_REASONS, status

@@ -38,6 +38,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_prefill_tokens = 0  # prompt tokens of completed prefills (each prompt counted once)
         self.num_preemptions = 0
+        self.num_reasoning_budget_cuts = 0  # requests whose reasoning the thinking budget closed
         self._finished_req_ids: list[str] = []  # for the runner's next plan
         self._pending_outputs: list[EngineOutput] = []  # terminal records decided inside schedule()
         self._scheduled: dict[str, Request] = {}  # the requests of the last plan
@@ -195,18 +196,25 @@ class Scheduler:
                     req.is_prompt_logprobs_sent = True
             new_token_ids: list[int] = []
             logprobs = None
+            is_forced = chunk.forced_token_id is not None
             if chunk.sample:
                 if result is None or result.sampled_token_id is None:
                     req.finish(RequestStatus.FINISHED_ERROR, error=f"runner returned no token for {req.req_id}")
+                elif is_forced and result.sampled_token_id != chunk.forced_token_id:
+                    req.finish(RequestStatus.FINISHED_ERROR,
+                               error=f"runner sampled instead of the forced token for {req.req_id}")
                 else:
                     new_token_ids = [result.sampled_token_id]
-                    logprobs = [result.logprobs] if result.logprobs is not None else None
-                    req.append_output_token(result.sampled_token_id)
+                    logprobs = [result.logprobs] if result.logprobs is not None and not is_forced else None
+                    req.append_output_token(result.sampled_token_id, is_forced)
+                    if is_forced:
+                        self.num_reasoning_budget_cuts += 1
                     req.check_stop(self.config.max_model_len)
             elif req.sampling.max_tokens == 0 and req.is_prefill_done:
                 req.finish(RequestStatus.FINISHED_LENGTH)  # prompt scoring: zero generated tokens
             if new_token_ids or prompt_logprobs is not None or req.is_finished:
-                outputs.append(self._output(req, new_token_ids, logprobs, prompt_logprobs))
+                outputs.append(self._output(req, new_token_ids, logprobs, prompt_logprobs,
+                                            is_forced and bool(new_token_ids)))
             if req.is_finished:
                 self.running.remove(req)
                 self._release(req)
@@ -247,13 +255,16 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + num_new
         self._scheduled[req.req_id] = req
+        sample = end == req.num_tokens and req.sampling.max_tokens > 0
         return ScheduledRequest(
             req_id=req.req_id,
             token_ids=req.all_token_ids[start:end],
             num_computed_tokens=start,
             block_ids=list(req.block_ids),
-            sample=end == req.num_tokens and req.sampling.max_tokens > 0,
+            sample=sample,
             want_prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens,
+            # NOTE: a running request is never finished here, so the forced token fits the output limit
+            forced_token_id=req.forced_token_id if sample else None,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -293,11 +304,13 @@ class Scheduler:
         new_token_ids: list[int] | None = None,
         logprobs: list[PositionLogprobs] | None = None,
         prompt_logprobs: list[PositionLogprobs] | None = None,
+        is_forced: bool = False,
     ) -> EngineOutput:
         return EngineOutput(
             req_id=req.req_id,
             new_token_ids=new_token_ids or [],
             logprobs=logprobs,
+            is_forced=is_forced,
             prompt_logprobs=prompt_logprobs,
             finished=req.is_finished,
             finish_reason=req.finish_reason,

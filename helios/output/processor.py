@@ -172,7 +172,9 @@ class OutputProcessor:
             self.num_cached_tokens = out.num_cached_tokens
         if self.finished:
             return delta
-        records = out.logprobs or []
+        # NOTE: a forced token (the reasoning close at the thinking budget) was not sampled: it counts in
+        # num_generated and reaches the parsers, but has no logprob entry
+        records = [] if out.is_forced else (out.logprobs or [])
         for k, token_id in enumerate(out.new_token_ids):
             self._held.append((token_id, records[k] if k < len(records) else None))
             self._all_ids.append(token_id)

@@ -264,12 +264,15 @@ class ModelRunner:
         if sampling_rows:
             states = [self.requests[r.req_id] for r in sampling_rows]
             sample_logits = logits[[r.sample_row for r in sampling_rows]]  # [B, V]
+            # the engine's forced tokens (reasoning close at the thinking budget): not drawn, no logprob record
+            forced = {s.req_id: s.forced_token_id for s in scheduled if s.forced_token_id is not None}
+            forced_ids = [forced.get(r.req_id) for r in sampling_rows] if forced else None
             # NOTE: sample() leaves its input untouched, so logprobs below read the raw distribution.
-            token_ids = sample(sample_logits, [st.sampler_state for st in states])
+            token_ids = sample(sample_logits, [st.sampler_state for st in states], forced_ids)
             for row, state, token_id in zip(sampling_rows, states, token_ids):
                 sampled[row.req_id] = int(token_id)
                 state.sampler_state.append(int(token_id))
-            want = [i for i, st in enumerate(states) if st.wants_logprobs]
+            want = [i for i, st in enumerate(states) if st.wants_logprobs and st.req_id not in forced]
             if want:
                 records = logprobs_for(
                     sample_logits[want],

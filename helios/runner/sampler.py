@@ -263,12 +263,21 @@ def transform_logits(
 def sample(
     logits: torch.Tensor,  # [batch, vocab] float32 raw logits (not modified)
     states: Sequence[SamplerState],
+    forced_token_ids: Sequence[int | None] | None = None,  # per row: an id to return instead of sampling
 ) -> list[int]:
     """One token id per row. Greedy rows (temperature < 1e-5) take the argmax, lowest id on ties, and
     consume no randomness; sampled rows draw one vocab-sized Exponential(1) vector from their own
-    generator, so a request's tokens do not depend on the batch it is in. The caller appends the
-    returned ids to the states (SamplerState.append).
+    generator, so a request's tokens do not depend on the batch it is in. A forced row (the engine's
+    reasoning close at the thinking budget) returns its id untouched and draws nothing now; its position's
+    draw is skipped at the next one (SamplerState NOTE). The caller appends the returned ids to the states
+    (SamplerState.append).
     """
+    if forced_token_ids is not None and any(t is not None for t in forced_token_ids):
+        if len(forced_token_ids) != len(states):
+            raise ValueError(f"{len(states)} sampler states but {len(forced_token_ids)} forced entries")
+        free = [i for i, t in enumerate(forced_token_ids) if t is None]
+        drawn = iter(sample(_rows(logits, free), [states[i] for i in free]) if free else [])
+        return [int(t) if t is not None else next(drawn) for t in forced_token_ids]
     scores = transform_logits(logits, states)  # [batch, vocab]
     sampled = [i for i, s in enumerate(states) if not s.is_greedy]
     if sampled:

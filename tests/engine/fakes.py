@@ -83,10 +83,13 @@ class FakeRunner:
                 index = len(kv) - num_prompt
                 scripted = self.script.get(s.req_id)
                 token = scripted[index] if scripted is not None and index < len(scripted) else context_token(kv)
-                known.append(token)
-                if self.sampling[s.req_id].logprobs is not None:
+                if s.forced_token_id is not None:  # like the real runner: no draw, no logprob record
+                    token = s.forced_token_id
+                elif self.sampling[s.req_id].logprobs is not None:
                     logprobs = _record(token, len(kv))
+                known.append(token)
             else:
+                assert s.forced_token_id is None, "a token is forced only where one is sampled"
                 assert len(kv) < len(known) or self.sampling[s.req_id].max_tokens == 0
             results.append(
                 RequestResult(
@@ -109,9 +112,10 @@ def make_core(script=None, fail=None, **config) -> tuple[EngineCore, FakeRunner]
     return EngineCore(cfg, runner), runner
 
 
-def request(req_id: str, prompt_len: int = 8, seed: int = 0, **sampling) -> EngineRequest:
+def request(req_id: str, prompt_len: int = 8, seed: int = 0, reasoning_budget=None, **sampling) -> EngineRequest:
     prompt = [10 + (seed * 131 + i * 17 + len(req_id)) % 500 for i in range(prompt_len)]
-    return EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=SamplingParams(**sampling))
+    return EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=SamplingParams(**sampling),
+                         reasoning_budget=reasoning_budget)
 
 
 class Collected:

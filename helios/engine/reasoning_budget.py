@@ -1,0 +1,48 @@
+"""The thinking-token budget of one request: reasoning state read from generated ids, and the forced close.
+
+Owns when the engine forces the prepared reasoning close token instead of sampling: at the cap, while
+reasoning is unambiguously open. The output limit is the scheduler's business (a request that has no
+capacity left is already finished when this is asked). Pure Python: must not import torch or numpy.
+"""
+
+from __future__ import annotations
+
+from helios.engine.messages import ReasoningBudget
+
+
+class ReasoningBudgetState:
+    """Where one request's reasoning stands, from its output ids; survives preemption with the Request.
+
+    NOTE: the engine decides on token ids only, so the cut is deterministic for a seed and independent of
+    how fast the server's output pipeline consumes the stream (that pipeline runs on another thread and lags
+    the engine). The price is conservatism: a single-token tool opener inside reasoning (Qwen's <tool_call>
+    while tools are parsed) may start a call that ends reasoning, or may be a quoted tag in prose; the ids
+    cannot tell which, so reasoning stops being "unambiguously open" and the request is never cut. A tool
+    opener written in several ordinary tokens is invisible here, as it is to the reasoning parser.
+    """
+
+    __slots__ = ("budget", "is_open", "num_reasoning_tokens", "is_cut")
+
+    def __init__(self, budget: ReasoningBudget) -> None:
+        self.budget = budget
+        self.is_open = budget.starts_in_reasoning  # reasoning is unambiguously open
+        self.num_reasoning_tokens = 0  # output tokens generated while open (delimiters excluded)
+        self.is_cut = False  # the budget closed this request's reasoning
+
+    def observe(self, token_id: int, is_forced: bool = False) -> None:
+        """Fold one appended output token (sampled, forced, or re-sent after preemption) into the state."""
+        if not self.is_open:
+            return  # NOTE: once closed, reasoning is never re-opened for the budget: no later cut
+        if token_id == self.budget.close_token_id:
+            self.is_open = False
+            self.is_cut = is_forced
+        elif token_id in self.budget.tool_open_token_ids:
+            self.is_open = False  # ambiguous from here on (see the class NOTE)
+        else:
+            self.num_reasoning_tokens += 1
+
+    def forced_token_id(self) -> int | None:
+        """The close id when the next output token must be forced: the cap is reached with reasoning open."""
+        if self.is_open and self.num_reasoning_tokens >= self.budget.max_reasoning_tokens:
+            return self.budget.close_token_id
+        return None
