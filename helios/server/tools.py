@@ -4,7 +4,9 @@ Owns the request side of the spec's "Conversation and tool semantics" that every
 spelling is decoded: the declared function tools (in the template's HF shape), tool_choice (auto / none /
 required / named), parallel_tool_calls, strict schemas (rejected), a core without a tool parser (400), the
 tool list the template is given (named: only the selected tool) and required mode's prompt instruction.
-On the output side, ChoiceOutput runs one choice's OutputDelta stream through the core's OutputParser
+Responses custom tools are presented as a JSON function with one string argument `input` (their grammar,
+compiled by helios.frontend.grammar, in the description); a namespaced tool is presented as namespace__name.
+`DeclaredTool` maps a presented name back to what the client declared. On the output side, ChoiceOutput runs one choice's OutputDelta stream through the core's OutputParser
 (helios.output.parsers), the ToolChoiceValidator and the EventAccumulator into the ordered blocks the
 encoders read; without a parser it is today's text-only OutputAccumulator. No torch.
 """
@@ -13,19 +15,40 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from helios.frontend.chat import ChatMessage
+from helios.frontend.grammar import Grammar, compile_grammar
+from helios.frontend.sampling import InvalidRequest
 from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
+from helios.output.custom_tools import INPUT, CustomInputValidator
 from helios.output.event_accumulator import EventAccumulator
 from helios.output.events import ParseError, ToolCall
 from helios.output.processor import OutputDelta
 from helios.output.tool_choice import ToolChoiceMode, ToolChoiceValidator
-from helios.server.errors import ApiError, bad_request, server_error
+from helios.output.tool_schema import ToolSchemas, ToolSpec
+from helios.server.errors import ApiError, bad_request, from_invalid, server_error
 from helios.server.runtime import Runtime
 
 # NOTE: the one instruction required mode adds; sampling is unchanged and nothing is fabricated or retried
 REQUIRED_INSTRUCTION = "You must respond by calling one or more of the provided tools."
+NAMESPACE_SEPARATOR = "__"  # a Responses namespace tool is presented as namespace__name
+
+ToolKind = Literal["function", "custom"]
+
+
+@dataclass(frozen=True)
+class DeclaredTool:
+    """What the client declared behind one presented name: restored on output items."""
+
+    name: str  # the declared name, without its namespace
+    kind: ToolKind = "function"
+    namespace: str | None = None
+    grammar: Grammar | None = None  # a custom tool's compiled grammar (None: free text, or a function)
+
+    @property
+    def presented(self) -> str:
+        return f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}" if self.namespace else self.name
 
 
 @dataclass(frozen=True)
@@ -36,6 +59,22 @@ class ToolPlan:
     mode: ToolChoiceMode = "auto"
     named: str | None = None
     parallel: bool = True
+    declared: dict[str, DeclaredTool] = field(default_factory=dict)  # by presented name; plain functions absent
+
+    def origin(self, presented: str) -> DeclaredTool:
+        """The declaration behind a generated name (an undeclared name reads as a plain function)."""
+        return self.declared.get(presented) or DeclaredTool(presented)
+
+    @property
+    def custom_grammars(self) -> dict[str, Grammar | None]:
+        """Presented name -> grammar of every custom tool the model is shown."""
+        shown = {t["function"]["name"] for t in self.presented or ()}
+        return {n: d.grammar for n, d in self.declared.items() if d.kind == "custom" and n in shown}
+
+    def schemas(self) -> ToolSchemas:
+        """The presented tools as the output parsers see them, each with its namespace."""
+        return ToolSchemas(ToolSpec(t["function"]["name"], t["function"].get("parameters") or {},
+                                    self.origin(t["function"]["name"]).namespace) for t in self.presented or ())
 
     @property
     def names(self) -> list[str]:
@@ -74,20 +113,78 @@ def function_tool(name: Any, description: Any, parameters: Any, strict: Any, par
     return {"type": "function", "function": fn}
 
 
+def custom_tool(name: Any, description: Any, fmt: Any, param: str, namespace: str | None = None,
+                namespace_description: str | None = None) -> tuple[dict, DeclaredTool]:
+    """A Responses custom tool: format {"type": "text"} (or absent) or {"type": "grammar", "syntax": "lark" |
+    "regex", "definition"}; the grammar is compiled here, before admission. Presented as a JSON function
+    whose one string argument `input` carries the text; the description states the grammar's contract."""
+    if not isinstance(name, str) or not name:
+        raise bad_request("every tool needs a nonempty name", param)
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"the description of tool {name!r} must be a string", param)
+    fmt = {"type": "text"} if fmt is None else fmt
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    grammar = None
+    if kind == "grammar":
+        try:
+            grammar = compile_grammar(fmt.get("syntax"), fmt.get("definition"), param)
+        except InvalidRequest as e:
+            e.message = f"custom tool {name!r}: {e.message}"
+            raise from_invalid(e) from None
+    elif kind != "text":
+        raise bad_request(f"custom tool {name!r} has an unsupported format type {kind!r}; use text or grammar",
+                          param)
+    contract = (f'Call it with one string argument, "{INPUT}", holding the whole text input. '
+                + (grammar.contract if grammar is not None else "The input is free-form text."))
+    declared = DeclaredTool(name, "custom", namespace, grammar)
+    fn = {"name": declared.presented, "description": _describe(description, namespace_description, contract),
+          "parameters": {"type": "object", "properties": {INPUT: {"type": "string"}}, "required": [INPUT],
+                         "additionalProperties": False}}
+    return {"type": "function", "function": fn}, declared
+
+
+def namespaced(tool: dict, namespace: str, namespace_description: str | None) -> tuple[dict, DeclaredTool]:
+    """A function tool declared inside a Responses namespace: presented as namespace__name."""
+    fn = dict(tool["function"])
+    declared = DeclaredTool(fn["name"], "function", namespace)
+    fn["name"] = declared.presented
+    fn["description"] = _describe(fn.get("description"), namespace_description, None)
+    return {"type": "function", "function": fn}, declared
+
+
+def _describe(description: str | None, namespace_description: str | None, contract: str | None) -> str:
+    return "\n\n".join(p for p in (namespace_description, description, contract) if p)
+
+
 def plan_tools(runtime: Runtime, tools: list[dict], mode: ToolChoiceMode = "auto", named: str | None = None,
-               parallel: bool = True, param: str = "tools", choice_param: str = "tool_choice") -> ToolPlan:
-    """Validate the neutral tools and choice against the core; the protocol has decoded its own spelling."""
+               parallel: bool = True, param: str = "tools", choice_param: str = "tool_choice",
+               declared: list[DeclaredTool] | None = None, named_kind: ToolKind | None = None) -> ToolPlan:
+    """Validate the neutral tools and choice against the core; the protocol has decoded its own spelling.
+
+    `declared` (Responses) runs parallel to `tools`: what each presented tool was declared as; `named_kind`
+    is the type a named tool_choice asked for, which must match the selected tool's."""
     names = [t["function"]["name"] for t in tools]
+    origins = declared or [DeclaredTool(n) for n in names]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
+        clash = [d for d in origins if d.presented == dup]
+        if any(d.namespace for d in clash):
+            spelled = " and ".join(f"{d.name!r} in namespace {d.namespace!r}" if d.namespace else f"{d.name!r}"
+                                   for d in clash)
+            raise bad_request(f"ambiguous tool name {dup!r}: {spelled} both become {dup!r}", param)
         raise bad_request(f"tool names must be unique; {dup!r} is declared twice", param)
     if mode in ("required", "named") and not tools:
         raise bad_request(f"tool_choice {mode} needs at least one declared tool", choice_param)
     if mode == "named" and named not in names:
         raise bad_request(f"tool_choice names {named!r}, which is not declared in tools", choice_param)
+    by_name = {d.presented: d for d in origins}
+    if mode == "named" and named_kind is not None and by_name[named].kind != named_kind:
+        raise bad_request(f"tool_choice selects a {named_kind} tool, but {named!r} is a {by_name[named].kind} tool",
+                          choice_param)
     if tools and mode != "none" and not runtime.manifest.recipe.tool_parser:
         raise bad_request("this core declares no tool-call parser; tools are not supported", param)
-    return ToolPlan(tools=list(tools), mode=mode, named=named, parallel=parallel)
+    special = {n: d for n, d in by_name.items() if d.kind != "function" or d.namespace}
+    return ToolPlan(tools=list(tools), mode=mode, named=named, parallel=parallel, declared=special)
 
 
 def with_instruction(messages: list[ChatMessage], plan: ToolPlan | None) -> list[ChatMessage]:
@@ -135,9 +232,11 @@ class ChoiceOutput:
 
         plan = spec.plan
         self.parser = build(spec.tool_parser, spec.reasoning_parser, spec.syntax,
-                            plan.presented if plan.parses_tools else None, parse_tools=plan.parses_tools,
+                            plan.schemas() if plan.parses_tools else None, parse_tools=plan.parses_tools,
                             new_call_id=spec.new_call_id)
         mode: ToolChoiceMode = plan.mode if plan.parses_tools else "auto"
+        # NOTE: custom inputs are checked first, so a call that fails its grammar never counts as completed
+        self.custom = CustomInputValidator(plan.custom_grammars if plan.parses_tools else {})
         self.validator = ToolChoiceValidator(mode, plan.names, plan.named, plan.parallel)
         self.acc = EventAccumulator()
         self._finished = False
@@ -153,7 +252,7 @@ class ChoiceOutput:
         natural = delta.finished and delta.finish_reason in ("stop", "length")
         if natural:
             events += self.parser.finish(truncated=delta.finish_reason == "length")
-        events = self.validator.filter(events)
+        events = self.validator.filter(self.custom.filter(events))
         if natural and not self.validator.failed:
             events += self.validator.finish()
         if delta.finished:

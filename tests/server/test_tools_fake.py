@@ -359,18 +359,18 @@ def test_responses_function_call_buffered_and_streamed(serve):
     run(main())
 
 
-def test_responses_required_named_parallel_and_custom(serve):
+def test_responses_required_named_parallel_and_hosted(serve):
     async def main():
         c, _ = serve("Just text.")
         async with c:
             r = await c.post("/v1/responses", json={**RESPONSES, "tool_choice": "required"})
             s = await c.post("/v1/responses", json={**RESPONSES, "tool_choice": "required", "stream": True})
-            custom = await c.post("/v1/responses", json={**RESPONSES, "tools": [{"type": "custom", "name": "x"}]})
+            hosted = await c.post("/v1/responses", json={**RESPONSES, "tools": [{"type": "web_search"}]})
             strict_tools = [{**RESPONSES_TOOLS[0], "strict": True}]
             strict = await c.post("/v1/responses", json={**RESPONSES, "tools": strict_tools})
         assert r.status_code == 500
         assert _named(s.text)[-1][0] == "response.failed"
-        assert custom.status_code == 400 and strict.status_code == 400
+        assert hosted.status_code == 400 and strict.status_code == 400
         c, _ = serve(CALL + CALL2)
         async with c:
             bad = await c.post("/v1/responses", json={**RESPONSES, "parallel_tool_calls": False})

@@ -18,12 +18,14 @@ from msgspec import UNSET, Struct, UnsetType
 from helios.frontend.chat import ChatMessage, join_text_blocks, tool_call
 from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, sampling_fields
 from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
+from helios.output.custom_tools import INPUT, custom_input
 from helios.server.errors import ApiError, bad_request, from_invalid, from_validation
 from helios.server.generation import (Child, Generation, check_thinking_token_budget, child_usage, encode_token_entry,
                                       failure, finish_reason, make_child)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
-from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
+from helios.server.tools import (ChoiceOutput, DeclaredTool, ToolPlan, custom_tool, function_tool, namespaced,
+                                 output_spec, plan_tools, with_instruction)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _INPUT_TEXT = ("input_text", "text")
@@ -45,9 +47,11 @@ class Item(Struct, kw_only=True):
     role: str | None = None
     content: str | list[Part] | None = None
     status: str | None = None
-    call_id: str | None = None  # function_call / function_call_output
+    call_id: str | None = None  # function_call / function_call_output / custom_tool_call(_output)
     name: str | None = None
+    namespace: str | None = None  # a call to a tool declared in a namespace
     arguments: str | None = None
+    input: str | None = None  # custom_tool_call
     output: str | list[Part] | None = None
     summary: list[Part] | None = None  # reasoning
     encrypted_content: str | None = None
@@ -146,10 +150,14 @@ def to_conversation(req: ResponsesRequest) -> list[ChatMessage]:
                 reasoning = []
             else:
                 out.append(ChatMessage(role=item.role, content=_parts_text(item.content, _INPUT_TEXT, item.role)))
-        elif item.type == "function_call":
+        elif item.type in ("function_call", "custom_tool_call"):
             if not item.call_id or not item.name:
-                raise bad_request("function_call items need a call_id and a name", "input")
-            call = tool_call(item.call_id, item.name, item.arguments or "{}")
+                raise bad_request(f"{item.type} items need a call_id and a name", "input")
+            # NOTE: the template sees what the model saw: namespace__name, a custom input as {"input": text}
+            name = DeclaredTool(item.name, namespace=item.namespace).presented
+            arguments = (item.arguments or "{}" if item.type == "function_call"
+                         else msgspec.json.encode({INPUT: item.input or ""}).decode())
+            call = tool_call(item.call_id, name, arguments)
             last = out[-1] if out else None
             if last is not None and last.role == "assistant" and not reasoning:
                 last.tool_calls = [*(last.tool_calls or []), call]
@@ -157,10 +165,10 @@ def to_conversation(req: ResponsesRequest) -> list[ChatMessage]:
                 out.append(ChatMessage(role="assistant", content="", tool_calls=[call],
                                        reasoning=join_text_blocks(reasoning) if reasoning else None))
                 reasoning = []
-        elif item.type == "function_call_output":
+        elif item.type in ("function_call_output", "custom_tool_call_output"):
             if not item.call_id:
-                raise bad_request("function_call_output items need a call_id", "input")
-            out.append(ChatMessage(role="tool", content=_parts_text(item.output, _INPUT_TEXT, "function_call_output"),
+                raise bad_request(f"{item.type} items need a call_id", "input")
+            out.append(ChatMessage(role="tool", content=_parts_text(item.output, _INPUT_TEXT, item.type),
                                    tool_call_id=item.call_id))
         elif item.type == "reasoning":
             text = _parts_text(item.content, ("reasoning_text",), "reasoning") if item.content else ""
@@ -201,28 +209,47 @@ def _check_request(req: ResponsesRequest, runtime: Runtime) -> None:
 
 
 def _tool_plan(req: ResponsesRequest, runtime: Runtime) -> ToolPlan:
-    """Responses' spelling: tools [{"type": "function", name, description, parameters, strict}];
-    tool_choice "auto" | "none" | "required" | {"type": "function", "name": N}; parallel_tool_calls."""
-    tools = []
+    """Responses' spelling: tools [{"type": "function", name, description, parameters, strict} | {"type":
+    "custom", name, description, format} | {"type": "namespace", name, description, tools: [function |
+    custom]}]; tool_choice "auto" | "none" | "required" | {"type": "function" | "custom", "name": N} (a
+    namespaced tool is named namespace__name); parallel_tool_calls."""
+    tools, declared = [], []
     for t in req.tools or []:
-        kind = t.get("type") if isinstance(t, dict) else None
-        if kind == "custom":  # NOTE: custom (text / grammar) tools and namespaces are not implemented yet
-            raise bad_request("custom tools are not supported by this server yet; declare function tools", "tools")
-        if kind != "function":
-            raise bad_request(f"unsupported tool type {kind!r}; only function tools are supported", "tools")
-        tools.append(function_tool(t.get("name"), t.get("description"), t.get("parameters"), t.get("strict"),
-                                   "tools"))
-    choice, named = req.tool_choice, None
+        for tool, origin in _declare(t, None):
+            tools.append(tool)
+            declared.append(origin)
+    choice, named, named_kind = req.tool_choice, None, None
     if choice is None:
         mode = "auto"
     elif choice in ("auto", "none", "required"):
         mode = choice
-    elif isinstance(choice, dict) and choice.get("type") == "function":
-        mode, named = "named", choice.get("name")
+    elif isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
+        mode, named, named_kind = "named", choice.get("name"), choice["type"]
     else:
         raise bad_request("tool_choice must be \"auto\", \"none\", \"required\" or "
-                          "{\"type\": \"function\", \"name\": ...}", "tool_choice")
-    return plan_tools(runtime, tools, mode, named, req.parallel_tool_calls is not False)
+                          "{\"type\": \"function\" | \"custom\", \"name\": ...}", "tool_choice")
+    return plan_tools(runtime, tools, mode, named, req.parallel_tool_calls is not False, declared=declared,
+                      named_kind=named_kind)
+
+
+def _declare(t: Any, namespace: dict | None) -> list[tuple[dict, DeclaredTool]]:
+    """One declared tool -> (presented function, declaration) pairs; a namespace yields its members."""
+    kind = t.get("type") if isinstance(t, dict) else None
+    ns_name, ns_description = (namespace["name"], namespace.get("description")) if namespace else (None, None)
+    if kind == "function":
+        tool = function_tool(t.get("name"), t.get("description"), t.get("parameters"), t.get("strict"), "tools")
+        return [namespaced(tool, ns_name, ns_description)] if namespace else [(tool, DeclaredTool(t["name"]))]
+    if kind == "custom":
+        return [custom_tool(t.get("name"), t.get("description"), t.get("format"), "tools", ns_name, ns_description)]
+    if kind == "namespace" and namespace is None:
+        if not isinstance(t.get("name"), str) or not t["name"] or not isinstance(t.get("tools"), list):
+            raise bad_request("a namespace tool needs a nonempty name and a tools array", "tools")
+        if t.get("description") is not None and not isinstance(t["description"], str):
+            raise bad_request(f"the description of namespace {t['name']!r} must be a string", "tools")
+        return [pair for member in t["tools"] for pair in _declare(member, t)]
+    where = f" inside namespace {ns_name!r}" if namespace else ""
+    raise bad_request(f"unsupported tool type {kind!r}{where}; function, custom and namespace tools are supported",
+                      "tools")
 
 
 def prepare(body: bytes, runtime: Runtime) -> Prepared:
@@ -259,16 +286,27 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
 class _Items:
     """Stable item ids by block index, shared by the buffered and streamed encodings."""
 
-    PREFIX = {"text": "msg", "reasoning": "rs", "tool_call": "fc"}
+    PREFIX = {"text": "msg", "reasoning": "rs", "tool_call": "fc", "custom": "ctc"}
 
-    def __init__(self, response_id: str):
+    def __init__(self, response_id: str, plan: ToolPlan):
         self._base = response_id.removeprefix("resp_")
         self._ids: dict[int, str] = {}
+        self.plan = plan
+
+    def kind(self, block: OutputBlock) -> str:
+        """The block's kind, a call to a custom tool apart."""
+        custom = block.kind == "tool_call" and self.plan.origin(block.name or "").kind == "custom"
+        return "custom" if custom else block.kind
 
     def id(self, index: int, block: OutputBlock) -> str:
         if index not in self._ids:
-            self._ids[index] = f"{self.PREFIX[block.kind]}_{self._base[:20]}{index:04d}"
+            self._ids[index] = f"{self.PREFIX[self.kind(block)]}_{self._base[:20]}{index:04d}"
         return self._ids[index]
+
+
+def _plan(prep: Prepared) -> ToolPlan:
+    spec = prep.child.output_spec
+    return spec.plan if spec is not None else ToolPlan()
 
 
 def _logprobs(runtime: Runtime, prep: Prepared, entries) -> list[dict]:
@@ -288,8 +326,16 @@ def _item(runtime: Runtime, prep: Prepared, items: _Items, index: int, block: Ou
     """An output item: in progress (as output_item.added announces it) or finished with its content."""
     item_id, done = items.id(index, block), status != "in_progress"
     if block.kind == "tool_call":
-        return {"type": "function_call", "id": item_id, "call_id": block.call_id, "name": block.name,
-                "arguments": block.text if done else "", "status": status}
+        origin = items.plan.origin(block.name or "")  # NOTE: namespace__name regains its namespace here
+        if origin.kind == "custom":
+            item = {"type": "custom_tool_call", "id": item_id, "call_id": block.call_id, "name": origin.name,
+                    "input": custom_input(block.text) if done else "", "status": status}
+        else:
+            item = {"type": "function_call", "id": item_id, "call_id": block.call_id, "name": origin.name,
+                    "arguments": block.text if done else "", "status": status}
+        if origin.namespace is not None:
+            item["namespace"] = origin.namespace
+        return item
     content = [_part(runtime, prep, block, True)] if done else []
     if block.kind == "reasoning":
         return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
@@ -333,7 +379,7 @@ async def buffered(runtime: Runtime, prep: Prepared, gen: Generation) -> dict:
     if (err := failure(prep.child) or acc.failure()) is not None:
         raise err
     acc.close()
-    status, items = _status(prep, acc), _Items(prep.response_id)
+    status, items = _status(prep, acc), _Items(prep.response_id, _plan(prep))
     output = [_item(runtime, prep, items, i, b, status) for i, b in enumerate(acc.blocks)]
     return _response(runtime, prep, status, output, num_reasoning=acc.num_reasoning_tokens)
 
@@ -343,7 +389,7 @@ class _Stream:
 
     def __init__(self, runtime: Runtime, prep: Prepared):
         self.runtime, self.prep = runtime, prep
-        self.items = _Items(prep.response_id)
+        self.items = _Items(prep.response_id, _plan(prep))
         self.seq = 0
 
     def event(self, name: str, body: dict) -> bytes:
@@ -365,6 +411,12 @@ class _Stream:
                 out.append(self.event("response.content_part.added",
                                       {**ref, "content_index": 0, "part": _part(rt, prep, b, False)}))
             return out
+        if b.kind == "tool_call" and self.items.kind(b) == "custom":
+            # NOTE: a call is published whole (one delta with all its arguments), so the delta decodes alone
+            if ev.kind == "delta":
+                return [self.event("response.custom_tool_call_input.delta", {**ref, "delta": custom_input(ev.text)})]
+            return [self.event("response.custom_tool_call_input.done", {**ref, "input": custom_input(b.text)}),
+                    self._item_event("response.output_item.done", ev, status)]
         if b.kind == "tool_call":
             if ev.kind == "delta":
                 return [self.event("response.function_call_arguments.delta", {**ref, "delta": ev.text})]
