@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from helios.engine.messages import EngineRequest, PositionLogprobs
+from helios.engine.messages import EngineRequest, PositionLogprobs, ReasoningBudget
 from helios.engine.scheduler import QueueFull
 from helios.frontend.sampling import SamplingFields, resolve_sampling
 from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry, finite
 from helios.output.termination import Cause, termination_cause
 from helios.server.errors import ApiError, bad_request, server_error, unavailable
 from helios.server.runtime import Runtime
+from helios.server.thinking_budget import check_thinking_token_budget  # noqa: F401 (the protocols' import)
 
 
 @dataclass
@@ -217,11 +218,12 @@ def child_usage(child: Child | None, num_prompt: int, num_reasoning: int = 0) ->
 
 
 def make_child(runtime: Runtime, prefix: str, prompt_ids: list[int], fields: SamplingFields, max_tokens: int,
-               skip_special_tokens: bool = True) -> Child:
+               skip_special_tokens: bool = True, reasoning_budget: ReasoningBudget | None = None) -> Child:
     """One choice (index 0) for the conversational protocols that have no n: sampling resolved, pipeline built."""
     sampling = resolve_sampling(fields, runtime.manifest, max_tokens)
     tok = runtime.tokenizer
-    request = EngineRequest(req_id=f"{prefix}-0", prompt_token_ids=prompt_ids, sampling=sampling)
+    request = EngineRequest(req_id=f"{prefix}-0", prompt_token_ids=prompt_ids, sampling=sampling,
+                            reasoning_budget=reasoning_budget)
     processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop, skip_special_tokens,
                                 control_ids(runtime))
     return Child(0, request, processor)
@@ -246,15 +248,3 @@ def encode_token_entry(runtime: Runtime, e: TokenEntry, as_ids: bool) -> dict:
             for t in e.top
         ],
     }
-
-
-def check_thinking_token_budget(runtime: Runtime, budget: int | None, param: str | None = "thinking_token_budget"):
-    """An explicit budget must be a positive 32-bit integer, on a core with single-token reasoning syntax."""
-    if budget is None:
-        return
-    if not 1 <= budget <= 2**31 - 1:
-        raise bad_request("thinking_token_budget must be a positive 32-bit integer", param)
-    reasoning = runtime.manifest.template.reasoning
-    if reasoning is None or reasoning.close_token_id is None:
-        raise bad_request("thinking_token_budget needs a core with single-token reasoning syntax; this core has none",
-                          param)

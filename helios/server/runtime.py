@@ -46,12 +46,7 @@ def resolve_serving(manifest: Manifest, config: ServerConfig, created: int | Non
     max_concurrency = config.max_concurrency or manifest.graph_plan.max_concurrency
     created = int(time.time()) if created is None else created
     if config.thinking_token_budget is not None:
-        reasoning = manifest.template.reasoning
-        if reasoning is None or reasoning.close_token_id is None:
-            raise ValueError(
-                "[server] thinking_token_budget needs a core with reasoning syntax and a single-token close "
-                "delimiter; this core has none"
-            )
+        check_default_thinking_budget(manifest)
     digest = hashlib.sha256(f"{manifest.model.id}:{created}".encode()).hexdigest()[:24]
     return Serving(
         model_id=model_id,
@@ -66,6 +61,22 @@ def resolve_serving(manifest: Manifest, config: ServerConfig, created: int | Non
         created=created,
         permission_id=f"modelperm-{digest}",
     )
+
+
+def check_default_thinking_budget(manifest: Manifest) -> None:
+    """`[server] thinking_token_budget` needs a core whose default output can be cut: reasoning syntax, a
+    single-token close delimiter, and a generation prompt that opens reasoning (else a default would never
+    cut anything); raises ValueError naming the setting."""
+    reasoning = manifest.template.reasoning
+    if reasoning is None:
+        why = "a core with reasoning syntax; this core has none"
+    elif reasoning.close_token_id is None:
+        why = f"a single-token reasoning close delimiter; this core's {reasoning.close!r} is several tokens"
+    elif not reasoning.starts_in_reasoning:
+        why = "a core whose generation prompt opens reasoning; this core's output starts in content"
+    else:
+        return
+    raise ValueError(f"[server] thinking_token_budget needs {why}")
 
 
 class Admission:

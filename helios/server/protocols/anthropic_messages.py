@@ -25,6 +25,7 @@ from helios.server.generation import (Child, Generation, check_thinking_token_bu
                                       finish_reason, make_child)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
+from helios.server.thinking_budget import reasoning_budget
 from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -221,6 +222,8 @@ def _check_request(req: MessagesRequest, runtime: Runtime) -> None:
         if req.thinking.type not in ("enabled", "disabled", "adaptive"):
             raise bad_request(f"unsupported thinking type {req.thinking.type!r}")
         budget = req.thinking.budget_tokens
+        if budget is not None and budget < 1:
+            raise bad_request("thinking.budget_tokens must be a positive integer")
         if budget is not None and req.thinking_token_budget is not None and budget != req.thinking_token_budget:
             raise bad_request("thinking.budget_tokens and thinking_token_budget must match")
     check_thinking_token_budget(runtime, req.thinking_token_budget, None)
@@ -297,6 +300,16 @@ def _render(req: MessagesRequest, runtime: Runtime, plan: ToolPlan | None = None
     return prompt, hints
 
 
+def _thinking_budget(req: MessagesRequest) -> int | None:
+    """The request's explicit reasoning cap: thinking_token_budget, else an enabled or adaptive
+    thinking.budget_tokens (both present must match; checked in _check_request)."""
+    if req.thinking_token_budget is not None:
+        return req.thinking_token_budget
+    if req.thinking is not None and req.thinking.type in ("enabled", "adaptive"):
+        return req.thinking.budget_tokens
+    return None
+
+
 def prepare(body: bytes, runtime: Runtime, count_only: bool = False) -> Prepared:
     """Blocking frontend work (decode, lower, template, tokenize, sampling) on the frontend pool."""
     req = _decode(body)
@@ -312,7 +325,9 @@ def prepare(body: bytes, runtime: Runtime, count_only: bool = False) -> Prepared
         max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.token_ids), serving.max_model_len,
                                         serving.default_max_tokens, allow_zero=False)
         fields = sampling_fields(req, stop=list(req.stop_sequences or []))
-        child = make_child(runtime, f"msg_{uuid.uuid4().hex[:24]}", prompt.token_ids, fields, max_tokens)
+        budget = reasoning_budget(runtime, _thinking_budget(req), prompt.token_ids, plan)
+        child = make_child(runtime, f"msg_{uuid.uuid4().hex[:24]}", prompt.token_ids, fields, max_tokens,
+                           reasoning_budget=budget)
         spec = output_spec(runtime, plan)
         child.output_spec = dataclasses.replace(spec, new_call_id=_call_id) if spec is not None else None
     except InvalidRequest as e:

@@ -24,6 +24,7 @@ from helios.server.generation import (Child, Generation, control_ids, encode_pro
                                       finish_reason, usage)
 from helios.server.http import SSE_DONE, sse_event
 from helios.server.runtime import Runtime
+from helios.server.thinking_budget import check_thinking_token_budget, reasoning_budget
 from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
 
 MAX_N = 128
@@ -124,13 +125,7 @@ def _check_unsupported(req: ChatCompletionRequest, runtime: Runtime) -> None:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.response_format and req.response_format.get("type") not in (None, "text"):
         raise bad_request("structured output (response_format) is not supported by this server yet", "response_format")
-    if req.thinking_token_budget is not None:
-        reasoning = runtime.manifest.template.reasoning
-        if not 1 <= req.thinking_token_budget <= 2**31 - 1:
-            raise bad_request("thinking_token_budget must be a positive 32-bit integer", "thinking_token_budget")
-        if reasoning is None or reasoning.close_token_id is None:
-            raise bad_request("thinking_token_budget needs a core with single-token reasoning syntax; this core has none",
-                              "thinking_token_budget")
+    check_thinking_token_budget(runtime, req.thinking_token_budget)
 
 
 def _tool_plan(req: ChatCompletionRequest, runtime: Runtime) -> ToolPlan:
@@ -185,10 +180,12 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
                                         serving.default_max_tokens, allow_zero=False)
         fields = _sampling_fields(req)
         base = f"chatcmpl-{uuid.uuid4().hex}"
+        budget = reasoning_budget(runtime, req.thinking_token_budget, prompt.token_ids, plan)
         children = []
         for j in range(req.n):
             sampling = resolve_sampling(fields, runtime.manifest, max_tokens, seed_offset=j)
-            request = EngineRequest(req_id=f"{base}-{j}", prompt_token_ids=prompt.token_ids, sampling=sampling)
+            request = EngineRequest(req_id=f"{base}-{j}", prompt_token_ids=prompt.token_ids, sampling=sampling,
+                                    reasoning_budget=budget)
             tok = runtime.tokenizer
             processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop,
                                         req.skip_special_tokens, control_ids(runtime))

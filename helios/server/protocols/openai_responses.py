@@ -24,6 +24,7 @@ from helios.server.generation import (Child, Generation, check_thinking_token_bu
                                       failure, finish_reason, make_child)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
+from helios.server.thinking_budget import reasoning_budget
 from helios.server.tools import (ChoiceOutput, DeclaredTool, ToolPlan, custom_tool, function_tool, namespaced,
                                  output_spec, plan_tools, with_instruction)
 
@@ -271,7 +272,8 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
             logprobs=(req.top_logprobs or 0) if wants else None, logprob_token_ids=req.logprob_token_ids,
         )
         hex_id = uuid.uuid4().hex
-        child = make_child(runtime, f"resp_{hex_id}", prompt.token_ids, fields, max_tokens)
+        budget = reasoning_budget(runtime, req.thinking_token_budget, prompt.token_ids, plan)
+        child = make_child(runtime, f"resp_{hex_id}", prompt.token_ids, fields, max_tokens, reasoning_budget=budget)
         child.output_spec = output_spec(runtime, plan)
     except InvalidRequest as e:
         e.param = _PARAMS.get(e.param, e.param)  # the frontend names Chat's fields
