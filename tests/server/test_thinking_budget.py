@@ -285,3 +285,25 @@ def test_tool_openers_that_end_reasoning_reach_the_engine():
     assert reasoning_budget(runtime(None), None, prompt) is None
     # the prompt closed reasoning (e.g. enable_thinking=false): output starts in content
     assert not reasoning_budget(runtime(None), 7, [300, 9, 301, 10]).starts_in_reasoning
+
+
+def test_without_reasoning_syntax_messages_budgets_are_advisory(runtimes, thinking_core):
+    """The same engine behind a manifest without reasoning syntax: Messages thinking.budget_tokens is only a
+    hint (200, no cut); an explicit thinking_token_budget is a 400 naming it on every route."""
+    plain, _ = runtimes
+    template = msgspec.structs.replace(plain.manifest.template, reasoning=None)
+    manifest = msgspec.structs.replace(plain.manifest, template=template)
+    bare = Runtime(manifest, plain.tokenizer, (thinking_core / "template.jinja").read_text(), plain.engine,
+                   ServerConfig())
+    before = cuts(plain)
+    base = {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    hint, explicit, chat = post_all(bare, [
+        ("/v1/messages", {**base, "thinking": {"type": "enabled", "budget_tokens": 1}}, ANTHROPIC),
+        ("/v1/messages", {**base, "thinking_token_budget": 1}, ANTHROPIC),
+        ("/v1/chat/completions", {**CHAT, "thinking_token_budget": 1}, None),
+    ])
+    bare.pool.shutdown(wait=False)
+    assert hint.status_code == 200 and hint.json()["usage"]["output_tokens"] == 4
+    assert cuts(plain) == before
+    assert explicit.status_code == 400 and "thinking_token_budget" in explicit.json()["error"]["message"]
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "thinking_token_budget"
