@@ -18,24 +18,24 @@ class ReasoningBudgetState:
     the engine). The price is conservatism: a single-token tool opener inside reasoning (Qwen's <tool_call>
     while tools are parsed) may start a call that ends reasoning, or may be a quoted tag in prose; the ids
     cannot tell which, so reasoning stops being "unambiguously open" and the request is never cut. A tool
-    opener written in several ordinary tokens is invisible here, as it is to the reasoning parser.
+    opener spelled in several ordinary tokens (Qwen's <function= without <tool_call>) is invisible here: if
+    the cap falls inside one, the close is forced anyway and the output pipeline reads the held tag as
+    reasoning text (OutputParser.tool_undecided knows, but too late and off the engine's thread).
     """
 
-    __slots__ = ("budget", "is_open", "num_reasoning_tokens", "is_cut")
+    __slots__ = ("budget", "is_open", "num_reasoning_tokens")
 
     def __init__(self, budget: ReasoningBudget) -> None:
         self.budget = budget
         self.is_open = budget.starts_in_reasoning  # reasoning is unambiguously open
         self.num_reasoning_tokens = 0  # output tokens generated while open (delimiters excluded)
-        self.is_cut = False  # the budget closed this request's reasoning
 
-    def observe(self, token_id: int, is_forced: bool = False) -> None:
-        """Fold one appended output token (sampled, forced, or re-sent after preemption) into the state."""
+    def observe(self, token_id: int) -> None:
+        """Fold one appended output token (sampled or forced) into the state."""
         if not self.is_open:
             return  # NOTE: once closed, reasoning is never re-opened for the budget: no later cut
         if token_id == self.budget.close_token_id:
             self.is_open = False
-            self.is_cut = is_forced
         elif token_id in self.budget.tool_open_token_ids:
             self.is_open = False  # ambiguous from here on (see the class NOTE)
         else:

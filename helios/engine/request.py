@@ -109,11 +109,11 @@ class Request:
         """The token the next sample must be (the reasoning close at the thinking budget), else None."""
         return self.reasoning.forced_token_id() if self.reasoning is not None else None
 
-    def append_output_token(self, token_id: int, is_forced: bool = False) -> None:
+    def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if self.reasoning is not None:
-            self.reasoning.observe(token_id, is_forced)
+            self.reasoning.observe(token_id)
 
     def finish(self, status: RequestStatus, *, stop_token: int | list[int] | None = None, error: str | None = None) -> None:
         assert status in _FINISH_REASONS, status

@@ -206,7 +206,7 @@ class Scheduler:
                 else:
                     new_token_ids = [result.sampled_token_id]
                     logprobs = [result.logprobs] if result.logprobs is not None and not is_forced else None
-                    req.append_output_token(result.sampled_token_id, is_forced)
+                    req.append_output_token(result.sampled_token_id)
                     if is_forced:
                         self.num_reasoning_budget_cuts += 1
                     req.check_stop(self.config.max_model_len)

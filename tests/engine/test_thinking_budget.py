@@ -164,7 +164,7 @@ def test_state_counts_reasoning_tokens_and_closes_once():
     state.observe(11)
     state.observe(12)
     assert state.num_reasoning_tokens == 2 and state.forced_token_id() == CLOSE
-    state.observe(CLOSE, is_forced=True)
-    assert state.is_cut and not state.is_open and state.forced_token_id() is None
+    state.observe(CLOSE)
+    assert not state.is_open and state.forced_token_id() is None
     state.observe(13)  # answer tokens are not reasoning
     assert state.num_reasoning_tokens == 2
