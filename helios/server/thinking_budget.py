@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from helios.core.manifest import ReasoningSyntax
 from helios.engine.messages import ReasoningBudget
 from helios.server.config import INT32_MAX
 from helios.server.errors import bad_request
@@ -47,19 +50,28 @@ def reasoning_budget(runtime: Runtime, explicit: int | None, prompt_ids: list[in
     return ReasoningBudget(
         max_reasoning_tokens=budget,
         close_token_id=syntax.close_token_id,
-        starts_in_reasoning=syntax.starts_in_reasoning and _prompt_leaves_reasoning_open(prompt_ids, syntax),
+        starts_in_reasoning=output_starts_in_reasoning(syntax, prompt_ids),
         tool_open_token_ids=_tool_open_token_ids(runtime, plan),
     )
 
 
-def _prompt_leaves_reasoning_open(prompt_ids: list[int], syntax) -> bool:
-    """The prompt's last reasoning delimiter is the open one: the generation prompt opened reasoning.
+def request_syntax(syntax: ReasoningSyntax, prompt_ids: list[int]) -> ReasoningSyntax:
+    """The core's reasoning syntax with starts_in_reasoning decided for this prompt (the output parsers')."""
+    return msgspec.structs.replace(syntax, starts_in_reasoning=output_starts_in_reasoning(syntax, prompt_ids))
 
-    NOTE: the probe's starts_in_reasoning describes the default rendering; a request can render otherwise
-    (Qwen's enable_thinking=false closes the empty reasoning in the prompt), so the ids decide per request.
+
+def output_starts_in_reasoning(syntax: ReasoningSyntax, prompt_ids: list[int]) -> bool:
+    """This request's output starts inside reasoning: the template's generation prompt opens it (the probe)
+    and this prompt's last reasoning delimiter is the open one. One rule for the budget and the output parser.
+
+    NOTE: the probe describes the default rendering; a request can render otherwise (Qwen's
+    enable_thinking=false closes the empty reasoning in the prompt, an assistant prefill continues its
+    answer), so the ids decide per request. A text-matched opener has no id: the probe decides alone.
     """
+    if not syntax.starts_in_reasoning:
+        return False
     if syntax.open_token_id is None:
-        return True  # a text-matched opener: trust the probe
+        return True
     for token_id in reversed(prompt_ids):
         if token_id == syntax.open_token_id:
             return True

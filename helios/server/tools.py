@@ -208,14 +208,19 @@ class OutputSpec:
     new_call_id: Callable[[], str] | None = None
 
 
-def output_spec(runtime: Runtime, plan: ToolPlan | None) -> OutputSpec | None:
+def output_spec(runtime: Runtime, plan: ToolPlan | None, prompt_ids: list[int] | None = None) -> OutputSpec | None:
     """The parser set of a request: tools when declared (and not "none"), reasoning whenever the recipe
-    declares a parser and the prepared template has reasoning syntax (build's rule); None when neither."""
+    declares a parser and the prepared template has reasoning syntax (build's rule); None when neither.
+    With the prompt's ids, the reasoning parser starts where this request's output starts (the budget's rule)."""
     recipe, syntax = runtime.manifest.recipe, runtime.manifest.template.reasoning
     plan = plan or ToolPlan()
     reasons = recipe.reasoning_parser is not None and (syntax is not None or recipe.reasoning_parser == "dsml")
     if not reasons and not (plan.parses_tools and recipe.tool_parser):
         return None
+    if syntax is not None and prompt_ids is not None:
+        from helios.server.thinking_budget import request_syntax
+
+        syntax = request_syntax(syntax, prompt_ids)
     return OutputSpec(recipe.tool_parser, recipe.reasoning_parser, syntax, plan)
 
 

@@ -218,8 +218,13 @@ def test_output_starting_in_content_is_accepted_without_a_cut(runtimes):
     body = {**CHAT, "thinking_token_budget": 1, "add_generation_prompt": False, "continue_final_message": True,
             "messages": [*CHAT["messages"], {"role": "assistant", "content": "Fine", "reasoning_content": "hm"}]}
     (r,) = post_all(plain, [("/v1/chat/completions", body, None)])
-    assert r.status_code == 200, r.json()
+    out = r.json()
+    assert r.status_code == 200, out
     assert cuts(plain) == before
+    # the output parser agrees: the continuation is answer text, not reasoning
+    message = out["choices"][0]["message"]
+    assert message["reasoning_content"] is None and message["content"]
+    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
 
 
 def test_the_budget_is_rejected_where_it_cannot_apply(runtimes):

@@ -328,7 +328,7 @@ def prepare(body: bytes, runtime: Runtime, count_only: bool = False) -> Prepared
         budget = reasoning_budget(runtime, _thinking_budget(req), prompt.token_ids, plan)
         child = make_child(runtime, f"msg_{uuid.uuid4().hex[:24]}", prompt.token_ids, fields, max_tokens,
                            reasoning_budget=budget)
-        spec = output_spec(runtime, plan)
+        spec = output_spec(runtime, plan, prompt.token_ids)
         child.output_spec = dataclasses.replace(spec, new_call_id=_call_id) if spec is not None else None
     except InvalidRequest as e:
         raise from_invalid(e) from None

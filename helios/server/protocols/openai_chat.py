@@ -160,7 +160,6 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
         raise from_validation(e) from None
     _check_unsupported(req, runtime)
     plan = _tool_plan(req, runtime)
-    spec = output_spec(runtime, plan)
     try:
         messages = [
             ChatMessage(role=m.role, content=_content_text(m), reasoning=m.reasoning_content or m.reasoning,
@@ -181,6 +180,7 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
         fields = _sampling_fields(req)
         base = f"chatcmpl-{uuid.uuid4().hex}"
         budget = reasoning_budget(runtime, req.thinking_token_budget, prompt.token_ids, plan)
+        spec = output_spec(runtime, plan, prompt.token_ids)
         children = []
         for j in range(req.n):
             sampling = resolve_sampling(fields, runtime.manifest, max_tokens, seed_offset=j)

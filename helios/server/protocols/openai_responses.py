@@ -274,7 +274,7 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
         hex_id = uuid.uuid4().hex
         budget = reasoning_budget(runtime, req.thinking_token_budget, prompt.token_ids, plan)
         child = make_child(runtime, f"resp_{hex_id}", prompt.token_ids, fields, max_tokens, reasoning_budget=budget)
-        child.output_spec = output_spec(runtime, plan)
+        child.output_spec = output_spec(runtime, plan, prompt.token_ids)
     except InvalidRequest as e:
         e.param = _PARAMS.get(e.param, e.param)  # the frontend names Chat's fields
         raise from_invalid(e) from None
