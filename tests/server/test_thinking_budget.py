@@ -312,3 +312,20 @@ def test_without_reasoning_syntax_messages_budgets_are_advisory(runtimes, thinki
     assert cuts(plain) == before
     assert explicit.status_code == 400 and "thinking_token_budget" in explicit.json()["error"]["message"]
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "thinking_token_budget"
+
+
+def test_helios_serve_refuses_a_default_budget_on_a_core_without_reasoning(tmp_path):
+    """The default SmolLM2 core has no reasoning syntax: one line naming the setting, before any serving."""
+    import subprocess
+
+    from tests.server.conftest import CORE, HELIOS, ROOT
+
+    if not (CORE / "core.toml").is_file():
+        pytest.skip(f"the default core is not built ({CORE}); run `make core`")
+    config = tmp_path / "helios.toml"
+    config.write_text("[server]\nthinking_token_budget = 64\n", encoding="utf-8")
+    done = subprocess.run([str(HELIOS), "serve", str(CORE), "--config", str(config), "--port", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    assert len(lines) == 1 and "thinking_token_budget needs a core with reasoning syntax" in lines[0], lines
