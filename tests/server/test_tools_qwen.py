@@ -143,3 +143,51 @@ def test_responses_streaming(openai_client):
     assert len(added) == 1 and added[0].item.name == "get_weather" and len(done) == 1
     _check_arguments(done[0].arguments)
     assert events[-1].type == "response.completed"
+
+
+# --- Responses custom tools: a regex grammar, validated on the exact input the model wrote ---------------
+
+CUSTOM_SYSTEM = ("Never use markdown. To use a tool, reply with one XML element named tool_call that wraps the JSON "
+                 "call. For 555-0000 the reply is an XML element named tool_call wrapping "
+                 '{"name": "%s", "arguments": {"input": "555-0000"}}.')
+LOOKUP = {"type": "custom", "name": "lookup", "description": "Look up who owns a phone number",
+          "format": {"type": "grammar", "syntax": "regex", "definition": r"\d{3}-\d{4}"}}
+
+
+def _lookup(number: str) -> str:
+    return f"Who owns the phone number {number}? Use the tool."
+
+
+def test_responses_custom_tool_call(openai_client):
+    from openai.types.responses import ResponseCustomToolCall
+
+    r = openai_client.responses.create(model="qwen", instructions=CUSTOM_SYSTEM % "lookup", input=_lookup("555-1234"),
+                                       tools=[LOOKUP], temperature=0, max_output_tokens=MAX_TOKENS)
+    assert r.status == "completed"
+    [call] = [item for item in r.output if item.type == "custom_tool_call"]
+    assert isinstance(call, ResponseCustomToolCall) and call.name == "lookup" and call.namespace is None
+    assert call.input == "555-1234" and call.call_id and call.id.startswith("ctc_")
+
+
+def test_responses_custom_tool_input_outside_its_grammar_fails(openai_client):
+    import openai
+
+    # the model copies the number it was given; 12-34 is not \d{3}-\d{4}, so no call may be emitted
+    with pytest.raises(openai.InternalServerError) as e:
+        openai_client.responses.create(model="qwen", instructions=CUSTOM_SYSTEM % "lookup", input=_lookup("12-34"),
+                                       tools=[LOOKUP], temperature=0, max_output_tokens=MAX_TOKENS)
+    assert "does not match its regex grammar: byte 2" in e.value.message
+
+
+def test_responses_namespaced_custom_tool_streaming(openai_client):
+    namespace = {"type": "namespace", "name": "phone", "description": "The phone book", "tools": [LOOKUP]}
+    events = list(openai_client.responses.create(
+        model="qwen", instructions=CUSTOM_SYSTEM % "phone__lookup", input=_lookup("555-1234"), tools=[namespace],
+        temperature=0, max_output_tokens=MAX_TOKENS, stream=True))
+    added = [e for e in events if e.type == "response.output_item.added" and e.item.type == "custom_tool_call"]
+    done = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert len(added) == 1 and added[0].item.name == "lookup" and added[0].item.namespace == "phone"
+    assert len(done) == 1 and done[0].input == "555-1234" and done[0].item_id == added[0].item.id
+    assert events[-1].type == "response.completed"
+    [call] = [item for item in events[-1].response.output if item.type == "custom_tool_call"]
+    assert (call.name, call.namespace, call.input) == ("lookup", "phone", "555-1234")
