@@ -3,6 +3,9 @@ never after reasoning closed, never when output starts in content, never without
 
 from __future__ import annotations
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from helios.engine.engine_core import EngineCore
 from helios.engine.messages import ModelRunnerOutput, ReasoningBudget, RequestResult
 from helios.engine.reasoning_budget import ReasoningBudgetState
@@ -168,3 +171,54 @@ def test_state_counts_reasoning_tokens_and_closes_once():
     assert not state.is_open and state.forced_token_id() is None
     state.observe(13)  # answer tokens are not reasoning
     assert state.num_reasoning_tokens == 2
+
+
+def expected_tokens(req, script: list[int]) -> list[int]:
+    """The spec's rule replayed on one request alone: the fake model's tokens (scripted where given), with
+    the close forced at the budget while reasoning is unambiguously open and the output limit not reached."""
+    from tests.engine.fakes import context_token
+
+    cap = req.reasoning_budget
+    context, out = list(req.prompt_token_ids), []
+    is_open, num_reasoning = cap.starts_in_reasoning, 0
+    while len(out) < req.sampling.max_tokens:
+        if is_open and num_reasoning >= cap.max_reasoning_tokens:
+            token = cap.close_token_id
+        else:
+            token = script[len(out)] if len(out) < len(script) else context_token(context)
+        out.append(token)
+        context.append(token)
+        if token in req.sampling.eos_token_ids:
+            break
+        if is_open:
+            if token == cap.close_token_id or token in cap.tool_open_token_ids:
+                is_open = False
+            else:
+                num_reasoning += 1
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    specs=st.lists(st.tuples(st.integers(1, 8), st.integers(1, 12), st.booleans(),
+                             st.lists(st.sampled_from([11, 12, 13, CLOSE, TOOL, EOS]), max_size=10)),
+                   min_size=1, max_size=4),
+    num_pages=st.integers(4, 12),
+)
+def test_random_budgets_match_the_rule_under_batching_and_preemption(specs, num_pages):
+    core, runner = make_core(num_pages=num_pages, page_size=4, max_concurrency=3, max_num_batched_tokens=8,
+                             prefill_chunk_size=5, script={})
+    reqs = []
+    for i, (cap, max_tokens, starts, script) in enumerate(specs):
+        req = request(f"r{i}", prompt_len=6, seed=i, max_tokens=max_tokens, eos_token_ids=(EOS,),
+                      reasoning_budget=budget(cap, starts_in_reasoning=starts, tool_open_token_ids=[TOOL]))
+        runner.script[req.req_id] = script
+        reqs.append((req, script))
+        core.add_request(req)
+    got = run_until_idle(core)
+    for req, script in reqs:
+        assert got.tokens[req.req_id] == expected_tokens(req, script), req.req_id
+        outs = [o for o in got.outputs[req.req_id] if o.new_token_ids]
+        assert all(o.logprobs is None for o in outs if o.is_forced)
+    num_forced = sum(o.is_forced for outs in got.outputs.values() for o in outs)
+    assert core.metrics().reasoning_budget_cuts == num_forced == len(forced_plans(runner))
