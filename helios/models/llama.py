@@ -12,7 +12,7 @@ from torch import nn
 from helios.core.manifest import Architecture
 from helios.layers.activation import GatedMLP
 from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
-from helios.layers.linear import Embedding, Linear
+from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.norm import RMSNorm
 from helios.layers.rotary import RotaryEmbedding
 
@@ -98,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return softcap_logits(torch.nn.functional.linear(hidden, weight), self.arch.final_logit_softcapping)
+        return softcap_logits(linear(hidden, weight), self.arch.final_logit_softcapping)
 
 
 def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:  # [N, V]
