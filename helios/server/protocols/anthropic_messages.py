@@ -18,6 +18,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from helios.frontend.chat import ChatMessage, join_text_blocks, tool_call
+from helios.frontend.effort import effort_template_kwargs, messages_effort
 from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, sampling_fields
 from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
 from helios.server.errors import ApiError, bad_request, from_invalid, from_validation
@@ -227,9 +228,6 @@ def _check_request(req: MessagesRequest, runtime: Runtime) -> None:
         if budget is not None and req.thinking_token_budget is not None and budget != req.thinking_token_budget:
             raise bad_request("thinking.budget_tokens and thinking_token_budget must match")
     check_thinking_token_budget(runtime, req.thinking_token_budget, None)
-    effort = (req.output_config or {}).get("effort")
-    if effort is not None and not isinstance(effort, str):
-        raise bad_request("output_config.effort must be a named level (low, medium, high, max)")
     for edit in (req.context_management or {}).get("edits") or []:
         keep = edit.get("keep") if isinstance(edit, dict) else None
         if not (isinstance(edit, dict) and edit.get("type") == "clear_thinking_20251015"
@@ -295,8 +293,11 @@ def _render(req: MessagesRequest, runtime: Runtime, plan: ToolPlan | None = None
     if prefill and not runtime.manifest.template.continuation:
         raise bad_request("this core's template cannot continue an assistant prefill")
     plan = plan or _tool_plan(req, runtime)
+    thinking = req.thinking or Thinking(type="disabled")
+    effort = messages_effort((req.output_config or {}).get("effort"), thinking.type, thinking.budget_tokens)
     prompt = runtime.chat.render(with_instruction(messages, plan), tools=plan.presented,
-                                 add_generation_prompt=not prefill, continue_final_message=prefill)
+                                 add_generation_prompt=not prefill, continue_final_message=prefill,
+                                 template_kwargs=effort_template_kwargs(None, effort, runtime.manifest.recipe))
     return prompt, hints
 
 

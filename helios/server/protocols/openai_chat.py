@@ -16,6 +16,7 @@ from msgspec import Struct
 
 from helios.engine.messages import EngineRequest
 from helios.frontend.chat import ChatMessage, join_text_blocks
+from helios.frontend.effort import effort_template_kwargs, native_effort
 from helios.frontend.sampling import (InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling,
                                       sampling_fields)
 from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry
@@ -166,9 +167,9 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
                         name=m.name, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
             for m in req.messages
         ]
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.reasoning_effort is not None:
-            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        recipe = runtime.manifest.recipe
+        effort = native_effort(req.reasoning_effort, recipe, "reasoning_effort")
+        kwargs = effort_template_kwargs(req.chat_template_kwargs, effort, recipe)
         prompt = runtime.chat.render(
             with_instruction(messages, plan), tools=plan.presented, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, template_kwargs=kwargs,

@@ -16,6 +16,7 @@ import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
 from helios.frontend.chat import ChatMessage, join_text_blocks, tool_call
+from helios.frontend.effort import effort_template_kwargs, named_effort
 from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, sampling_fields
 from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
 from helios.output.custom_tools import INPUT, custom_input
@@ -201,9 +202,6 @@ def _check_request(req: ResponsesRequest, runtime: Runtime) -> None:
     fmt = (req.text or {}).get("format") or {}
     if fmt.get("type") not in (None, "text"):
         raise bad_request("structured output (text.format) is not supported by this server yet", "text")
-    effort = (req.reasoning or {}).get("effort")
-    if effort is not None and not isinstance(effort, str):
-        raise bad_request("reasoning.effort must be a named level", "reasoning")
     check_thinking_token_budget(runtime, req.thinking_token_budget)
     if isinstance(req.input, list) and not req.input:
         raise bad_request("input must be a string or a nonempty array of items", "input")
@@ -262,7 +260,9 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
     plan = _tool_plan(req, runtime)
     try:
         messages = to_conversation(req)
-        prompt = runtime.chat.render(with_instruction(messages, plan), tools=plan.presented)
+        effort = named_effort((req.reasoning or {}).get("effort"), "reasoning", "reasoning.effort")
+        kwargs = effort_template_kwargs(None, effort, runtime.manifest.recipe)
+        prompt = runtime.chat.render(with_instruction(messages, plan), tools=plan.presented, template_kwargs=kwargs)
         serving = runtime.serving
         max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt.token_ids), serving.max_model_len,
                                         serving.default_max_tokens, allow_zero=False)
