@@ -16,14 +16,15 @@ A core without an effort vocabulary accepts named effort and ignores it, as vLLM
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, get_args
 
 from helios.core.manifest import Recipe
 from helios.frontend.sampling import InvalidRequest
 
 # The neutral scale, lowest first: OpenAI's names (none .. xhigh) plus Anthropic's max. "none" is only a
 # level here: it resolves to the lowest level the template has and does not switch reasoning off.
-NEUTRAL_LEVELS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+EffortLevel = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+NEUTRAL_LEVELS: tuple[EffortLevel, ...] = get_args(EffortLevel)
 # The template variable the resolved effort is passed as: the name HF templates read (gpt-oss, and the
 # native reasoning_effort option of DeepSeek V4.1). NOTE: the manifest has no field naming it per recipe.
 EFFORT_VARIABLE = "reasoning_effort"
@@ -31,16 +32,16 @@ EFFORT_VARIABLE = "reasoning_effort"
 LOW_BUDGET_MAX = 5_000
 HIGH_BUDGET_MAX = 20_000
 
-Effort = str | int  # a neutral level name, or a numeric score (only where the recipe declares a range)
+Effort = EffortLevel | int  # a neutral level, or a numeric score (only where the recipe declares a range)
 
 
-def _named(value: Any, param: str | None, what: str) -> str:
+def _named(value: Any, param: str | None, what: str) -> EffortLevel:
     if value not in NEUTRAL_LEVELS:
         raise InvalidRequest(f"{what} must be one of {', '.join(NEUTRAL_LEVELS)}; got {value!r}", param)
     return value
 
 
-def named_effort(value: Any, param: str | None, what: str) -> str | None:
+def named_effort(value: Any, param: str | None, what: str) -> EffortLevel | None:
     """Responses reasoning.effort and Messages output_config.effort: a named level or null, never a number."""
     if value is None:
         return None
@@ -68,14 +69,14 @@ def native_effort(value: Any, recipe: Recipe, param: str, what: str = "reasoning
     return value
 
 
-def budget_effort(budget_tokens: int) -> str:
+def budget_effort(budget_tokens: int) -> EffortLevel:
     """The neutral level a Messages thinking budget selects."""
     if budget_tokens <= LOW_BUDGET_MAX:
         return "low"
     return "high" if budget_tokens <= HIGH_BUDGET_MAX else "max"
 
 
-def messages_effort(output_effort: Any, thinking_type: str | None, budget_tokens: int | None) -> str | None:
+def messages_effort(output_effort: Any, thinking_type: str | None, budget_tokens: int | None) -> EffortLevel | None:
     """Messages: an explicit output_config.effort wins; else an enabled or adaptive thinking.budget_tokens
     selects one. thinking_token_budget alone does not (as on Chat and Responses, it is only a cap)."""
     effort = named_effort(output_effort, None, "output_config.effort")
