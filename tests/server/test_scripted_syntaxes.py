@@ -1,0 +1,400 @@
+"""End to end with real exported cores for the syntaxes no available model speaks: Qwen XML, GLM, Gemma 4, MiniMax,
+MiMo and DeepSeek DSML tool calls, with their reasoning delimiters.
+
+The speaker is tests/fixtures/scripted_model.py: a tiny llama trained in the fixture to reproduce scripted replies
+for scripted prompts, exported by ignition once per recipe. One real `helios serve` per core (module-scoped,
+parametrized, so one runs at a time); the official openai and anthropic SDKs drive Chat Completions, Messages and
+Responses, buffered and streaming, at temperature 0 (clamped to the recipe's range, top-p 0.95: the scripted
+token is the only one kept). Nothing is mocked: template, tokenizer, engine, sampler, parsers and encoders all run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from tests.fixtures.scripted_model import (HELLO, NAMED_TEXT, PARIS, ROME, SKY, SYNTAXES, TOKYO, Case, ScriptedCores,
+                                           case, export_cores, render_prompt, scripted_cases)
+from tests.server.conftest import ANTHROPIC_VERSION, HELIOS, ROOT, _free_port, _stop
+
+MAX_TOKENS = 96
+APIS = ("chat", "messages", "responses")
+MODES = ("buffered", "stream")
+THOUGHTS = {"call": "Forecast wanted.", "two": "Two cities.", "required": "No tool.", "named": "Time wanted.",
+            "think": "Rayleigh."}
+
+
+@pytest.fixture(scope="session")
+def scripted(tmp_path_factory) -> ScriptedCores:
+    return export_cores(tmp_path_factory.mktemp("scripted"))
+
+
+@dataclass
+class Served:
+    tag: str
+    core: Path
+    url: str
+    openai: Any
+    anthropic: Any
+
+
+@pytest.fixture(scope="module", params=list(SYNTAXES))
+def served(request, scripted, tmp_path_factory):
+    import anthropic
+    import openai
+
+    tag = request.param
+    tmp = tmp_path_factory.mktemp(f"serve-{tag}")
+    config = tmp / "server.toml"
+    config.write_text("[server]\n", encoding="utf-8")
+    port = _free_port()
+    log = tmp / "serve.log"
+    proc = subprocess.Popen([str(HELIOS), "serve", str(scripted.cores[tag]), "--config", str(config),
+                             "--port", str(port)], stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"helios serve exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"helios serve did not become healthy:\n{log.read_text()}")
+            time.sleep(0.2)
+        with (openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as oa,
+              anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60,
+                                  default_headers={"anthropic-version": ANTHROPIC_VERSION}) as an):
+            yield Served(tag, scripted.cores[tag], url, oa, an)
+    finally:
+        _stop(proc)
+
+
+# --- request bodies: one builder per API, shared by the prompt check and the SDK calls -----------------------
+
+
+def _body(api: str, c: Case, stream: bool = False, parallel: bool = True) -> dict:
+    fns = [t["function"] for t in c.tools]
+    user = [{"role": "user", "content": c.user}]
+    if api == "chat":
+        body: dict[str, Any] = dict(model="scripted", messages=user, temperature=0, seed=0, max_tokens=MAX_TOKENS)
+        if fns:
+            body["tools"] = [{"type": "function", "function": fn} for fn in fns]
+            body["tool_choice"] = ({"type": "function", "function": {"name": c.named}} if c.mode == "named"
+                                   else c.mode)
+            if not parallel:
+                body["parallel_tool_calls"] = False
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        return body
+    if api == "messages":
+        # NOTE: the pinned SDK's create() has no temperature argument; the server reads the field from the body
+        body = dict(model="scripted", messages=user, max_tokens=MAX_TOKENS, extra_body={"temperature": 0, "seed": 0})
+        if fns:
+            body["tools"] = [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}
+                             for fn in fns]
+            choice = {"auto": {"type": "auto"}, "required": {"type": "any"},
+                      "named": {"type": "tool", "name": c.named}}[c.mode]
+            body["tool_choice"] = choice if parallel else {**choice, "disable_parallel_tool_use": True}
+        if stream:
+            body["stream"] = True
+        return body
+    body = dict(model="scripted", input=c.user, temperature=0, max_output_tokens=MAX_TOKENS,
+                extra_body={"seed": 0})
+    if fns:
+        body["tools"] = [{"type": "function", "name": fn["name"], "description": fn["description"],
+                          "parameters": fn["parameters"], "strict": False} for fn in fns]
+        body["tool_choice"] = {"type": "function", "name": c.named} if c.mode == "named" else c.mode
+        if not parallel:
+            body["parallel_tool_calls"] = False
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _wire(body: dict) -> bytes:
+    """The JSON an SDK sends for these keyword arguments (extra_body merged in)."""
+    body = dict(body)
+    body.update(body.pop("extra_body", {}))
+    return msgspec.json.encode(body)
+
+
+# --- one request through an SDK -> a normalized outcome ------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    reasoning: str = ""
+    text: str = ""
+    calls: list[tuple[str, dict]] = field(default_factory=list)
+    finish: str | None = None  # Chat finish_reason, Messages stop_reason, Responses status
+    reasoning_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None  # HTTP 500 message (buffered) or the terminal error event (streamed)
+    terminated: bool = False  # a streamed success terminator arrived ([DONE], message_stop, response.completed)
+
+
+def _chat(s: Served, body: dict) -> Outcome:
+    import openai
+    from openai.types.chat import ChatCompletionMessageToolCall
+
+    out = Outcome()
+    if not body.get("stream"):
+        try:
+            r = s.openai.chat.completions.create(**body)
+        except openai.InternalServerError as e:
+            assert e.status_code == 500
+            return Outcome(error=e.message)
+        choice = r.choices[0]
+        msg = choice.message
+        for call in msg.tool_calls or []:
+            assert isinstance(call, ChatCompletionMessageToolCall) and call.type == "function"
+            assert call.id.startswith("call_")
+            out.calls.append((call.function.name, json.loads(call.function.arguments)))
+        out.reasoning, out.text = getattr(msg, "reasoning_content", None) or "", msg.content or ""
+        out.finish = choice.finish_reason
+        out.completion_tokens = r.usage.completion_tokens
+        out.reasoning_tokens = r.usage.completion_tokens_details.reasoning_tokens
+        return out
+    calls: dict[int, list[str]] = {}
+    stream = s.openai.chat.completions.create(**body)
+    try:
+        for chunk in stream:
+            if chunk.usage is not None:
+                out.completion_tokens = chunk.usage.completion_tokens
+                out.reasoning_tokens = chunk.usage.completion_tokens_details.reasoning_tokens
+            if not chunk.choices:
+                continue
+            ch = chunk.choices[0]
+            out.text += ch.delta.content or ""
+            out.reasoning += getattr(ch.delta, "reasoning_content", None) or ""
+            for tc in ch.delta.tool_calls or []:
+                part = calls.setdefault(tc.index, ["", ""])
+                if tc.id:
+                    assert tc.id.startswith("call_")
+                part[0] += tc.function.name or ""
+                part[1] += tc.function.arguments or ""
+            if ch.finish_reason is not None:
+                out.finish = ch.finish_reason
+        out.terminated = True  # the SDK stops at [DONE]; an error chunk raises instead
+    except openai.APIError as e:
+        out.error = e.message
+    out.calls = [(name, json.loads(args)) for _, (name, args) in sorted(calls.items())]
+    return out
+
+
+def _messages(s: Served, body: dict) -> Outcome:
+    import anthropic
+    from anthropic.types import TextBlock, ThinkingBlock, ToolUseBlock
+
+    out = Outcome()
+    if not body.get("stream"):
+        try:
+            r = s.anthropic.messages.create(**body)
+        except anthropic.InternalServerError as e:
+            assert e.status_code == 500
+            return Outcome(error=str(e))
+        for block in r.content:
+            if isinstance(block, ThinkingBlock):
+                assert block.signature.startswith("flare-thinking-v1:")
+                out.reasoning += block.thinking
+            elif isinstance(block, TextBlock):
+                out.text += block.text
+            else:
+                assert isinstance(block, ToolUseBlock) and block.id.startswith("toolu_")
+                out.calls.append((block.name, block.input))
+        out.finish, out.completion_tokens = r.stop_reason, r.usage.output_tokens
+        return out
+    blocks: dict[int, list] = {}
+    try:
+        for ev in s.anthropic.messages.create(**body):
+            if ev.type == "content_block_start":
+                cb = ev.content_block
+                blocks[ev.index] = [cb.type, getattr(cb, "name", None), ""]
+                if cb.type == "tool_use":
+                    assert cb.input == {} and cb.id.startswith("toolu_")
+            elif ev.type == "content_block_delta":
+                d = ev.delta
+                text = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}
+                if d.type in text:
+                    blocks[ev.index][2] += getattr(d, text[d.type])
+            elif ev.type == "message_delta":
+                out.finish, out.completion_tokens = ev.delta.stop_reason, ev.usage.output_tokens
+            elif ev.type == "message_stop":
+                out.terminated = True
+    except anthropic.APIError as e:  # the SDK raises on an `error` event
+        out.error = str(e)
+    for kind, name, text in (blocks[i] for i in sorted(blocks)):
+        if kind == "thinking":
+            out.reasoning += text
+        elif kind == "text":
+            out.text += text
+        else:
+            out.calls.append((name, json.loads(text)))
+    return out
+
+
+def _responses(s: Served, body: dict) -> Outcome:
+    import openai
+
+    out = Outcome()
+
+    def read(items) -> None:
+        for item in items:
+            if item.type == "reasoning":
+                assert item.summary == []
+                out.reasoning += "".join(part.text for part in item.content or [])
+            elif item.type == "message":
+                out.text += "".join(part.text for part in item.content)
+            else:
+                assert item.type == "function_call" and item.call_id.startswith("call_")
+                out.calls.append((item.name, json.loads(item.arguments)))
+
+    if not body.get("stream"):
+        try:
+            r = s.openai.responses.create(**body)
+        except openai.InternalServerError as e:
+            assert e.status_code == 500
+            return Outcome(error=e.message)
+        read(r.output)
+        out.finish = r.status
+        out.completion_tokens = r.usage.output_tokens
+        out.reasoning_tokens = r.usage.output_tokens_details.reasoning_tokens
+        return out
+    done = []
+    for ev in s.openai.responses.create(**body):
+        if ev.type == "response.output_item.done":
+            done.append(ev.item)
+        elif ev.type in ("response.completed", "response.incomplete"):
+            out.terminated, out.finish = True, ev.response.status
+            out.completion_tokens = ev.response.usage.output_tokens
+            out.reasoning_tokens = ev.response.usage.output_tokens_details.reasoning_tokens
+        elif ev.type == "response.failed":
+            out.finish, out.error = ev.response.status, ev.response.error.message
+    read(done)
+    return out
+
+
+CALL = {"chat": _chat, "messages": _messages, "responses": _responses}
+TOOL_FINISH = {"chat": "tool_calls", "messages": "tool_use", "responses": "completed"}
+STOP_FINISH = {"chat": "stop", "messages": "end_turn", "responses": "completed"}
+
+
+def _run(s: Served, api: str, c: Case, mode: str, parallel: bool = True) -> Outcome:
+    return CALL[api](s, _body(api, c, stream=mode == "stream", parallel=parallel))
+
+
+def _num_reply_tokens(s: Served, c: Case) -> int:
+    from tokenizers import Tokenizer
+
+    return len(Tokenizer.from_file(str(s.core / "tokenizer.json")).encode(c.reply, add_special_tokens=False).ids)
+
+
+# --- tests ---------------------------------------------------------------------------------------------------
+
+
+def test_helios_renders_the_scripted_prompts(served):
+    """Every request the tests send renders to the prompt the model was trained on, on all three APIs."""
+    from helios.core.load import read_manifest
+    from helios.frontend.tokenizer import Tokenizer
+    from helios.server.config import ServerConfig
+    from helios.server.protocols import anthropic_messages, openai_chat, openai_responses
+    from helios.server.runtime import Runtime
+
+    manifest = read_manifest(served.core)
+    tok = Tokenizer.from_file(served.core / manifest.tokenizer.file, manifest.tokenizer, manifest.arch.vocab_size)
+    runtime = Runtime(manifest, tok, (served.core / "template.jinja").read_text(), None, ServerConfig())
+    try:
+        assert manifest.template.tools and manifest.recipe.name == SYNTAXES[served.tag].recipe
+        for c in (c for c in scripted_cases() if c.syntax == served.tag):
+            want = tok.encode(render_prompt(c), add_special_tokens=False)
+            assert openai_chat.prepare(_wire(_body("chat", c)), runtime)[2] == want, c
+            assert anthropic_messages.prepare(_wire(_body("messages", c)), runtime).prompt_ids == want, c
+            assert openai_responses.prepare(_wire(_body("responses", c)), runtime).prompt_ids == want, c
+    finally:
+        runtime.pool.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_tool_call(served, api, mode):
+    """A declared tool called: the SDK's tool-call type, name and arguments JSON (typed by the schema where the
+    syntax carries text), the reasoning before it, tool_calls / tool_use / a completed function_call item."""
+    c = case(served.tag, "call")
+    out = _run(served, api, c, mode)
+    assert out.error is None, out.error
+    assert out.calls == [PARIS] and out.text == ""
+    assert out.reasoning.strip() == THOUGHTS["call"]
+    assert out.finish == TOOL_FINISH[api]
+    assert out.completion_tokens == _num_reply_tokens(served, c) + 1  # the reply and its EOS
+    if api != "messages":  # Anthropic usage has no reasoning count
+        assert out.reasoning_tokens and out.reasoning_tokens > 0
+    assert out.terminated == (mode == "stream")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_two_calls_and_parallel_tool_calls_false(served, api, mode):
+    """Two calls in one reply: both returned in order; with parallel calls disabled the second one fails the
+    response (HTTP 500 buffered; streamed: a terminal error, perhaps after the first call, and no success end)."""
+    c = case(served.tag, "two")
+    out = _run(served, api, c, mode)
+    assert out.error is None and out.calls == [PARIS, ROME] and out.finish == TOOL_FINISH[api]
+    bad = _run(served, api, c, mode, parallel=False)
+    assert bad.error and "parallel" in bad.error, bad
+    assert bad.calls in ([], [PARIS]) and not bad.terminated
+    if api == "responses" and mode == "stream":
+        assert bad.finish == "failed"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_required_without_a_call_fails(served, api, mode):
+    """tool_choice required (Messages: any) and a reply with no call: 500, or a terminal error event."""
+    c = case(served.tag, "required")
+    out = _run(served, api, c, mode)
+    assert out.error and "tool_choice" in out.error, out
+    assert out.calls == [] and not out.terminated
+    assert out.text.lstrip("\n") in ("", HELLO)  # a stream may deliver the text before the error
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_named_choice_hides_answer_text(served, api, mode):
+    """A named tool_choice presents one tool; the reply's answer text is omitted, reasoning and the call kept, and
+    usage counts every generated token."""
+    c = case(served.tag, "named")
+    out = _run(served, api, c, mode)
+    assert out.error is None, out.error
+    assert out.calls == [TOKYO] and out.text == "" and NAMED_TEXT.strip() not in out.reasoning
+    assert out.reasoning.strip() == THOUGHTS["named"]
+    assert out.finish == TOOL_FINISH[api]
+    assert out.completion_tokens == _num_reply_tokens(served, c) + 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_think_reasoning(served, api, mode):
+    """Reasoning then an answer, no tools: returned as reasoning (Chat reasoning_content, a Messages thinking
+    block, a Responses reasoning item) with reasoning_tokens in usage; the answer is the text after the close.
+    Qwen and DSML open reasoning in the generation prompt; the others generate their open delimiter."""
+    c = case(served.tag, "think")
+    out = _run(served, api, c, mode)
+    assert out.error is None and out.calls == []
+    # NOTE: the newlines between the close delimiter and the answer (Qwen, MiniMax, MiMo) are answer text
+    assert out.reasoning.strip() == THOUGHTS["think"] and out.text.lstrip("\n") == SKY
+    assert out.finish == STOP_FINISH[api]
+    assert out.completion_tokens == _num_reply_tokens(served, c) + 1
+    if api != "messages":  # Anthropic usage has no reasoning count
+        assert out.reasoning_tokens and 1 <= out.reasoning_tokens < out.completion_tokens
