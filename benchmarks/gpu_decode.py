@@ -9,7 +9,10 @@
 4. Prefill: one 4096-token request, tokens/s and achieved FLOP/s as a fraction of the measured matmul rate.
 5. Peers on the same weights, batch 1: HF transformers' eager generate, and static cache + torch.compile
    (mode="reduce-overhead").
-Usage: python benchmarks/gpu_decode.py [--skip-8b] [--skip-parity] [--skip-hf-compile]
+6. Diagnostics: each decode graph replayed alone (GPU time per step without the engine), a kernel profile of
+   the batch-1 graph, and the matmul ceiling (cuBLAS, per projection and per step).
+Usage: python benchmarks/gpu_decode.py [--skip-8b] [--skip-parity] [--skip-hf-compile] [--skip-eager]
+       [--skip-diagnostics]
 """
 
 from __future__ import annotations
@@ -130,8 +133,9 @@ def llama_8b_tensors():
     return hf, t, arch, weight_bytes
 
 
-def timed_decode(runner, arch, batch: int, prompt_len: int, new: int) -> float:
-    """Decode tokens/s of `batch` requests through the engine (scheduler + runner + sampler), prefill excluded."""
+def timed_decode(runner, arch, batch: int, prompt_len: int, new: int, profiler=None) -> float:
+    """Decode tokens/s of `batch` requests through the engine (scheduler + runner + sampler), prefill excluded;
+    `profiler` (a cProfile.Profile) runs over the timed decode steps only."""
     from helios.engine.config import SchedulerConfig
     from helios.engine.engine_core import EngineCore
 
@@ -157,6 +161,8 @@ def timed_decode(runner, arch, batch: int, prompt_len: int, new: int) -> float:
         if engine.error:
             raise RuntimeError(engine.error)
     torch.cuda.synchronize()
+    if profiler is not None:
+        profiler.enable()
     t0 = time.perf_counter()
     steps = 0
     while engine.has_unfinished_requests():
@@ -165,16 +171,196 @@ def timed_decode(runner, arch, batch: int, prompt_len: int, new: int) -> float:
         if engine.error:
             raise RuntimeError(engine.error)
     torch.cuda.synchronize()
-    return batch * steps / (time.perf_counter() - t0)
+    elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.disable()
+    return batch * steps / elapsed
 
 
-def decode_8b(bandwidth: float, matmul: float, hf_compile: bool) -> tuple[list[str], list[tuple]]:
+def _graph_time_ms(fn, reps: int = 20, tries: int = 5) -> float:
+    """Median ms of one call of fn, captured `reps` times in one CUDA graph (launch gaps as in a decode graph)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(tries):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        torch.cuda.synchronize()
+        times.append(e0.elapsed_time(e1) / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def gemv_ceiling(t: dict, arch, bandwidth: float, limit1: float) -> list[str]:
+    """What the matmuls alone allow at batch 1 and 16: each projection over all 32 layers' real weights (so no
+    weight is in L2), cuBLAS via F.linear; then every matmul of one decode step. (A Triton GEMV for M <= 16
+    lost to cuBLAS on every projection on the H200, 2026-12-02: 64-86% of copy bandwidth vs 55-95%.)"""
+    import torch.nn.functional as F
+
+    lines = []
+    names = {"qkv": "attn.qkv", "o": "attn.o", "gate_up": "mlp.gate_up", "down": "mlp.down"}
+    layers = range(arch.num_layers)
+    for m in (1, 16):
+        for short, name in names.items():
+            ws = [t[f"layers.{i}.{name}.weight"] for i in layers]
+            n, k = ws[0].shape
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            nbytes = n * k * 2
+            row = [f"GEMV m={m:2} {short:7} [{n}x{k}]"]
+            for impl, f in (("cublas", F.linear),):
+                ms = _graph_time_ms(lambda: [f(x, w) for w in ws], reps=2) / len(ws)
+                row.append(f"{impl} {ms * 1e3:6.1f} us {nbytes / ms / 1e6:5.0f} GB/s ({nbytes / ms / 1e6 / (bandwidth / 1e9):.0%})")
+            lines.append("  ".join(row))
+    x = torch.randn(1, arch.hidden_size, dtype=torch.bfloat16, device="cuda")
+    h = torch.randn(1, arch.intermediate_size, dtype=torch.bfloat16, device="cuda")
+    a = torch.randn(1, arch.num_heads * arch.head_dim, dtype=torch.bfloat16, device="cuda")
+    def step():
+        for i in layers:
+            p = f"layers.{i}."
+            for inp, name in ((x, "attn.qkv"), (a, "attn.o"), (x, "mlp.gate_up"), (h, "mlp.down")):
+                F.linear(inp, t[p + name + ".weight"])
+        F.linear(x, t["lm_head.weight"])
+
+    ms = _graph_time_ms(step, reps=2)
+    lines.append(f"matmuls of one b=1 decode step (cuBLAS): {ms:.3f} ms = {1e3 / ms:.1f} tok/s, "
+                 f"{1e3 / ms / limit1:.1%} of the limit")
+    return lines
+
+
+def decode_inputs(batch: int, ctx: int, page: int):
+    from helios.engine.messages import ScheduledRequest
+
+    per = -(-(ctx + 1) // page)
+    return [ScheduledRequest(req_id=f"g{r}", token_ids=[5 + r], num_computed_tokens=ctx,
+                             block_ids=list(range(r * per, (r + 1) * per)), sample=True) for r in range(batch)]
+
+
+def graph_replays(graphed, limits: dict[int, float], ctx: int) -> list[str]:
+    """GPU time of one decode step: each bucket's graph replayed alone (no engine, sampler or host copies)."""
+    from helios.runner.cuda_graphs import prepare_decode_inputs
+
+    lines = []
+    for batch, limit in limits.items():
+        gr = graphed.graphs
+        gr.buffers.load(prepare_decode_inputs(decode_inputs(batch, ctx, gr.page_size), gr.page_size, batch))
+        graph = gr.graphs[batch]
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(7):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(10):
+                graph.replay()
+            e1.record()
+            torch.cuda.synchronize()
+            times.append(e0.elapsed_time(e1) / 10)
+        ms = sorted(times)[3]
+        tps = batch * 1e3 / ms
+        lines.append(f"graph replay b={batch:3}: {ms:.3f} ms/step = {tps:8.1f} tok/s ({tps / limit:.1%} of the limit)")
+    return lines
+
+
+def profile_graph(graphed, ctx: int, rows: int = 22) -> list[str]:
+    """Kernel time inside the b=1 decode graph (torch.profiler over 5 replays), summed per kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from helios.runner.cuda_graphs import prepare_decode_inputs
+
+    gr = graphed.graphs
+    gr.buffers.load(prepare_decode_inputs(decode_inputs(1, ctx, gr.page_size), gr.page_size, 1))
+    graph = gr.graphs[1]
+    reps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    stats = []
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None)
+        if us is None:
+            us = getattr(evt, "cuda_time_total", 0)
+        if us > 0:
+            stats.append((us / reps, evt.count // reps, evt.key))
+    stats.sort(reverse=True)
+    total = sum(s[0] for s in stats)
+    lines = [f"profile b=1 graph: {sum(s[1] for s in stats)} kernels/step, {total / 1e3:.3f} ms of kernel time/step"]
+    for us, count, key in stats[:rows]:
+        lines.append(f"  {us:8.1f} us  x{count:4}  {us / max(count, 1):6.1f} us each  {key[:90]}")
+    return lines
+
+
+def host_profile(layers: int = 2, rows: int = 28) -> list[str]:
+    """Where a batch-1 engine step's host time goes: the 8B shape cut to `layers` layers (random weights made
+    on the device), its graph replayed alone vs a whole engine step, then cProfile over 64 engine steps."""
+    import cProfile
+    import io
+    import pstats
+
+    from helios.runner.cuda_graphs import prepare_decode_inputs
+    from helios.runner.model_runner import ModelRunner
+
+    a = dict(LLAMA_8B, num_layers=layers)
+    arch = Architecture(family="llama", **a)
+    h, f, v = a["hidden_size"], a["intermediate_size"], a["vocab_size"]
+    qkv = (a["num_heads"] + 2 * a["num_kv_heads"]) * a["head_dim"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02)
+
+    t = {"embed.weight": rnd(v, h), "norm.weight": torch.ones(h, device="cuda", dtype=torch.bfloat16),
+         "lm_head.weight": rnd(v, h)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        t.update({p + "attn_norm.weight": torch.ones(h, device="cuda", dtype=torch.bfloat16),
+                  p + "mlp_norm.weight": torch.ones(h, device="cuda", dtype=torch.bfloat16),
+                  p + "attn.qkv.weight": rnd(qkv, h), p + "attn.o.weight": rnd(h, a["num_heads"] * a["head_dim"]),
+                  p + "mlp.gate_up.weight": rnd(2 * f, h), p + "mlp.down.weight": rnd(h, f)})
+    runner = ModelRunner(arch, t, 64, 16, device="cuda", dtype=torch.bfloat16, max_model_len=512)
+    gr = runner.graphs
+    gr.buffers.load(prepare_decode_inputs(decode_inputs(1, 160, 16), 16, 1))
+    graph = gr.graphs[1]
+    graph.replay()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(50):
+        graph.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    replay_ms = e0.elapsed_time(e1) / 50
+    timed_decode(runner, arch, 1, 128, 16)  # warm
+    prof = cProfile.Profile()
+    tps = timed_decode(runner, arch, 1, 128, 65, profiler=prof)
+    step_ms = 1e3 / tps
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    lines = [f"host profile ({layers} layers of the 8B shape, b=1): graph replay {replay_ms:.3f} ms, engine step "
+             f"{step_ms:.3f} ms (with cProfile on), host part ~{step_ms - replay_ms:.3f} ms"]
+    lines += [ln for ln in out.getvalue().splitlines() if ln.strip()][:rows + 8]
+    return lines
+
+
+def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = True,
+              diagnose: bool = True) -> tuple[list[str], list[tuple]]:
     from helios.engine.messages import NewRequestData, ScheduledRequest, SchedulerOutput
     from helios.runner.model_runner import ModelRunner
 
     a = LLAMA_8B
     hf, t, arch, weight_bytes = llama_8b_tensors()
     lines, table = [], []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
     prompt_len, new = 128, 64
     num_pages = 256 * ((prompt_len + new) // 16 + 2) + 16
     t0 = time.perf_counter()
@@ -192,15 +378,30 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool) -> tuple[list[s
     del again
     torch.cuda.empty_cache()
     eager = ModelRunner(arch, t, num_pages, 16, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
-                        cuda_graphs=False)
+                        cuda_graphs=False) if eager else None
+    limits = {}
     for batch in (1, 16, 64, 256):
         kv_bytes = batch * (prompt_len + new // 2) * a["num_layers"] * 2 * a["num_kv_heads"] * a["head_dim"] * 2
-        limit = bandwidth / (weight_bytes + kv_bytes) * batch
+        limits[batch] = bandwidth / (weight_bytes + kv_bytes) * batch
+    if diagnose:
+        ctx = prompt_len + new // 2
+        for part in (lambda: graph_replays(graphed, limits, ctx), lambda: profile_graph(graphed, ctx),
+                     lambda: gemv_ceiling(t, arch, bandwidth, limits[1])):
+            try:
+                more = part()
+            except Exception as exc:  # a failed diagnostic must not cost the figures after it
+                more = [f"diagnostic failed: {type(exc).__name__}: {str(exc)[:300]}"]
+            print("\n".join(more), flush=True)
+            lines += more
+    for batch in (1, 16, 64, 256):
+        limit = limits[batch]
         for name, runner in (("eager", eager), ("graphs", graphed)):
+            if runner is None:
+                continue
             replays = runner.graphs.num_replays if runner.graphs else 0
             tps = timed_decode(runner, arch, batch, prompt_len, new)
             used = (runner.graphs.num_replays - replays) if runner.graphs else 0
-            lines.append(f"helios {name:6} decode batch {batch:3}: {tps:8.1f} tok/s  limit {limit:8.1f}  "
+            say(f"helios {name:6} decode batch {batch:3}: {tps:8.1f} tok/s  limit {limit:8.1f}  "
                          f"({tps / limit:.1%})  graph replays {used}")
             table.append((f"decode {name} b={batch}", f"{tps:.1f} tok/s", f"{limit:.1f}", f"{tps / limit:.1%}"))
             torch.cuda.empty_cache()
@@ -229,7 +430,7 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool) -> tuple[list[s
     attn_flops = 2 * n * n * a["num_heads"] * a["head_dim"] * a["num_layers"]  # causal QK^T + PV
     flops = 2 * params_count * n + attn_flops
     achieved = flops * tps / n
-    lines.append(f"helios prefill {n} tokens: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
+    say(f"helios prefill {n} tokens: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
                  f"({achieved / matmul:.1%} of the measured bf16 matmul rate)")
     table.append((f"prefill {n} tok", f"{tps:.0f} tok/s", f"{matmul / 1e12:.0f} TFLOP/s", f"{achieved / matmul:.1%}"))
     del graphed
@@ -246,27 +447,32 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool) -> tuple[list[s
         hf.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **kw)
         torch.cuda.synchronize()
         tps = new / (time.perf_counter() - t0)
-    lines.append(f"HF transformers eager generate batch 1: {tps:8.1f} tok/s ({tps / limit1:.1%})")
+    say(f"HF transformers eager generate batch 1: {tps:8.1f} tok/s ({tps / limit1:.1%})")
     table.append(("HF eager generate b=1", f"{tps:.1f} tok/s", f"{limit1:.1f}", f"{tps / limit1:.1%}"))
     if hf_compile:
+        # HF's documented path: a static cache makes generate compile the forward itself
+        # (generation_config.compile_config, mode "reduce-overhead"); our own torch.compile over it re-used
+        # CUDA-graph outputs across steps ("accessing tensor output of CUDAGraphs that has been overwritten").
         try:
-            hf.forward = torch.compile(hf.forward, mode="reduce-overhead")
             ckw = dict(kw, cache_implementation="static")
             t0 = time.perf_counter()
             with torch.inference_mode():
-                for _ in range(2):  # compile + cudagraph warm-up at the timed shapes
+                for _ in range(3):  # compile + cudagraph warm-up at the timed shapes
+                    torch.compiler.cudagraph_mark_step_begin()
                     hf.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **ckw)
                 torch.cuda.synchronize()
                 warm = time.perf_counter() - t0
+                torch.compiler.cudagraph_mark_step_begin()
                 t0 = time.perf_counter()
                 hf.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **ckw)
                 torch.cuda.synchronize()
             tps = new / (time.perf_counter() - t0)
-            lines.append(f"HF static cache + torch.compile(reduce-overhead) batch 1: {tps:8.1f} tok/s "
-                         f"({tps / limit1:.1%}); compile + warm-up {warm:.0f} s")
-            table.append(("HF static+compile b=1", f"{tps:.1f} tok/s", f"{limit1:.1f}", f"{tps / limit1:.1%}"))
+            say(f"HF static cache + generate's torch.compile batch 1: {tps:8.1f} tok/s "
+                         f"({tps / limit1:.1%}); compile + warm-up {warm:.0f} s; compiled forward: "
+                         f"{getattr(hf, '_compiled_call', None) is not None}")
+            table.append(("HF static cache + compile b=1", f"{tps:.1f} tok/s", f"{limit1:.1f}", f"{tps / limit1:.1%}"))
         except Exception as exc:  # the peer's failure is a result, not a crash of our benchmark
-            lines.append(f"HF static cache + torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+            say(f"HF static cache + torch.compile failed: {type(exc).__name__}: {str(exc)[:300]}")
     return lines, table
 
 
@@ -275,9 +481,15 @@ def main() -> None:
     parser.add_argument("--skip-8b", action="store_true")
     parser.add_argument("--skip-parity", action="store_true")
     parser.add_argument("--skip-hf-compile", action="store_true", help="skip HF static cache + torch.compile")
+    parser.add_argument("--skip-eager", action="store_true", help="skip helios' eager (no-graph) decode figures")
+    parser.add_argument("--skip-diagnostics", action="store_true", help="skip graph replays, profile, GEMV")
+    parser.add_argument("--host-profile", action="store_true", help="only: where a b=1 engine step's host time goes")
     args = parser.parse_args()
     start = time.perf_counter()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    if args.host_profile:
+        print("\n".join(host_profile()), flush=True)
+        return
     bw = copy_bandwidth()
     mm = matmul_rate()
     lines = [f"copy bandwidth {bw / 1e9:.0f} GB/s, bf16 matmul {mm / 1e12:.0f} TFLOP/s"]
@@ -287,7 +499,7 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     table = []
     if not args.skip_8b:
-        more, table = decode_8b(bw, mm, not args.skip_hf_compile)
+        more, table = decode_8b(bw, mm, not args.skip_hf_compile, not args.skip_eager, not args.skip_diagnostics)
         lines += more
     lines.append(f"[total {time.perf_counter() - start:.0f} s]")
     print("\n=== summary ===")

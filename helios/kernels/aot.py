@@ -1,21 +1,25 @@
-"""Ahead-of-time Triton kernels: compile a core's attention kernels for a GPU target (no GPU needed), load them.
+"""Ahead-of-time Triton kernels: compile every kernel a core's runtime path launches for a GPU target (no GPU
+needed), and load them at start without compiling.
 
-Mechanism: Triton's own on-disk cache. `compile_kernels` runs each launcher of the runtime path on CPU
-tensors laid out as the model lays them out (under a stand-in driver for the target, so nothing launches),
-captures Triton's specialization data through its public `knobs.runtime.jit_cache_hook`, and compiles each
-with `JITFunction.preload` (i.e. `triton.compile(ASTSource(...), target=GPUTarget(...))`). The cubin and
-metadata of each kernel are written in Triton's cache layout (<cache key dir>/<name>.cubin|.json) plus an
-index.json of the specialization data. `load_kernels` copies them into a writable runtime cache dir, writes
-Triton's group files there (they hold absolute paths, so they are never stored in a core), points
-TRITON_CACHE_DIR at it and preloads every kernel: Triton finds each in its cache and compiles nothing.
-A different target or Triton version falls back to JIT compiling on first use, with a warning.
-Why not a launcher of our own: loading a cubin into Triton's launcher has no public API in 3.6 or 3.9; the
-cache layout and preload are what Triton itself uses to skip compilation. Triton specializes on dtypes,
-constexprs and the 16-divisibility of integer arguments, never on the token count, so the plan's shapes
-reduce to: dtype, heads, head_dim, page size, layer kinds (window / soft-cap) and pinned decode splits.
+Mechanism: Triton's own on-disk cache. `compile_kernels` runs the launchers of the runtime path (`run_launchers`:
+norms, rotary + cache write, gated activation, decode attention with each graph bucket's pinned split, its
+merge, prefill attention) on CPU tensors laid out as the model lays them out, under a stand-in driver for the
+target, with Triton's public `knobs.runtime.jit_cache_hook` intercepting each launch: the hook compiles the
+exact source object the runtime would compile (`triton.compile(ASTSource(fn, signature, constants, attrs))`)
+and skips the launch. The cubin and metadata of each kernel are written in Triton's cache layout
+(<cache key dir>/<name>.cubin|.json) plus an index.json. `load_kernels` copies them into a writable runtime
+cache dir with Triton's group files (they hold absolute paths, so they are never stored in a core), points
+TRITON_CACHE_DIR at it and runs the same launchers once on small CUDA tensors: each launch is Triton's ordinary
+path, which finds its cubin in the cache and compiles nothing (checked: a compile would write IR files there).
+NOTE: loading never calls JITFunction.preload: a kernel preloaded from the serialized specialization could be
+launched with arguments its launcher did not expect (seen on Triton 3.6 on the H200: "only integer tensors of a
+single element can be converted to an index"); ordinary launches bind arguments the way every later launch does.
+A different target or Triton version falls back to JIT compiling on first use, with a warning. Triton
+specializes on dtypes, constexprs and the 16-divisibility of integer arguments, never on the token count, so the
+plan's shapes reduce to: dtype, heads, head_dim, hidden size, page size, layer kinds (window / soft-cap), q/k
+norms, activation and pinned decode splits.
 Imports torch, triton (guarded), helios.kernels and helios.core.manifest (the plan it compiles for).
 """
-
 from __future__ import annotations
 
 import argparse
@@ -40,7 +44,8 @@ if HAS_TRITON:
 from helios.kernels.paged_attention import choose_num_splits
 
 INDEX_FILE = "index.json"
-KERNEL_MODULES = ("_triton", "paged_attention", "prefill_attention", "reshape_and_cache")
+KERNEL_MODULES = ("_triton", "activation", "paged_attention", "prefill_attention", "reshape_and_cache", "rmsnorm",
+                  "rotary_cache")
 # streaming multiprocessors assumed per target when pinning graph splits ahead of time (H100 SXM / H200)
 TARGET_SMS = {90: 132, 100: 148, 80: 108}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,19 +74,23 @@ def device_target(device: torch.device | str) -> str:
 
 
 @dataclass(frozen=True)
-class AttentionShape:
-    """Everything the attention kernels of one model specialize on."""
+class KernelShape:
+    """Everything the runtime path's kernels of one model specialize on."""
 
     dtype: torch.dtype
+    hidden_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     layer_kinds: tuple[tuple[int | None, float | None], ...]  # distinct (sliding window, soft-cap)
     decode_splits: tuple[int, ...]
+    qk_norm: bool = False
+    norm_in_float32: bool = False  # gemma's order of the q/k norm multiply
+    activation: str = "silu"
 
 
-def shape_from_manifest(manifest, num_sms: int = 132) -> AttentionShape:
+def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
     arch, plan = manifest.arch, manifest.graph_plan
     kinds = set()
     for i in range(arch.num_layers):
@@ -89,43 +98,62 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> AttentionShape:
         kinds.add((arch.sliding_window if sliding else None, arch.attn_logit_softcapping))
     context = manifest.limits.context_length
     splits = {1} | {graph_decode_splits(b, arch.num_kv_heads, context, num_sms) for b in plan.decode_buckets}
-    return AttentionShape(
+    is_gemma = arch.family == "gemma3"
+    return KernelShape(
         dtype=_DTYPES[manifest.dtype],
+        hidden_size=arch.hidden_size,
         num_heads=arch.num_heads,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
         page_size=plan.page_size,
         layer_kinds=tuple(sorted(kinds, key=repr)),
         decode_splits=tuple(sorted(splits)),
+        qk_norm=arch.qk_norm or is_gemma,
+        norm_in_float32=is_gemma,
+        activation=arch.hidden_act,
     )
 
 
-def run_launchers(shape: AttentionShape) -> None:
-    """Call every launcher of the runtime attention path once per variant, on CPU tensors that mirror the
-    runtime layouts: q and k fresh from rotary (contiguous), v a view into the fused qkv output, the cache
-    one [2, pages, page, Nkv, D] tensor, block tables 16 wide (runner/input_batch pads them so)."""
+def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> None:
+    """Call every launcher of the runtime path once per variant, on small tensors that mirror the runtime
+    layouts: the norms on [T, hidden] rows, rotary + cache write on the fused qkv output, the gated activation
+    on [T, 2F] (F a multiple of 16, as the intermediate sizes served are), attention on q [T, Nq, D] and the
+    cache one [2, pages, page, Nkv, D] tensor, block tables 16 wide (runner/input_batch pads them so).
+    Outputs are garbage: only which kernels get launched (and so compiled or loaded) matters."""
+    from helios.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from helios.kernels.paged_attention import paged_decode_attention
     from helios.kernels.prefill_attention import paged_prefill_attention
     from helios.kernels.reshape_and_cache import reshape_and_cache
+    from helios.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from helios.kernels.rotary_cache import rotary_and_cache
 
     nq, nkv, d, dt = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
     scale = d**-0.5
+    z = dict(dtype=dt, device=device)
     for num_tokens in (1, 2):  # decode rows, then a two-token prefill
-        qkv = torch.zeros(num_tokens, (nq + 2 * nkv) * d, dtype=dt)
-        q, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-        q = q.reshape(num_tokens, nq, d).clone()
-        k = k.reshape(num_tokens, nkv, d).clone()
-        v = v.reshape(num_tokens, nkv, d)
-        kv_cache = torch.zeros(2, 4, shape.page_size, nkv, d, dtype=dt)
-        reshape_and_cache(k, v, kv_cache, torch.zeros(num_tokens, dtype=torch.int64))
-        block_tables = torch.zeros(1, 16, dtype=torch.int32)
-        seq_lens = torch.full((1,), num_tokens, dtype=torch.int32)
+        x = torch.zeros(num_tokens, shape.hidden_size, **z)
+        weight = torch.ones(shape.hidden_size, **z)
+        rms_norm(x, weight, 1e-6)
+        fused_add_rms_norm(x, x.clone(), weight, 1e-6)
+        act = gelu_tanh_and_mul if shape.activation == "gelu_tanh" else silu_and_mul
+        act(torch.zeros(num_tokens, 2 * 64, **z))
+        qkv = torch.zeros(num_tokens, (nq + 2 * nkv) * d, **z)
+        cos = torch.ones(num_tokens, d, **z)
+        kv_cache = torch.zeros(2, 4, shape.page_size, nkv, d, **z)
+        slots = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        norms = (torch.ones(d, **z), torch.ones(d, **z)) if shape.qk_norm else (None, None)
+        q = rotary_and_cache(qkv, cos, cos, kv_cache, slots, nq, *norms, 1e-6, shape.norm_in_float32)
+        # the unfused path of the torch-layer models (k, v views of the qkv output)
+        _, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+        reshape_and_cache(k.reshape(num_tokens, nkv, d), v.reshape(num_tokens, nkv, d), kv_cache, slots)
+        block_tables = torch.zeros(1, 16, dtype=torch.int32, device=device)
+        seq_lens = torch.full((1,), num_tokens, dtype=torch.int32, device=device)
         for window, softcap in shape.layer_kinds:
             if num_tokens == 1:
                 for splits in shape.decode_splits:
                     paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window, softcap, splits)
             else:
-                qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
+                qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
                 paged_prefill_attention(q, kv_cache, qsl, seq_lens, block_tables, num_tokens, scale, window, softcap)
 
 
@@ -173,23 +201,38 @@ def _relative_sources() -> None:
             fn.__code__ = fn.__code__.replace(co_filename=rel)  # read by 3.6's
 
 
-def _capture_specializations(shape: AttentionShape) -> list[tuple[object, str]]:
-    from triton import knobs
+def _tuples(value):
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
-    captured: dict[str, object] = {}
+
+def _compile_launched(shape: KernelShape, target, device: torch.device | str = "cpu") -> list[tuple[object, str, object]]:
+    """(JIT function, specialization data, compiled kernel) of every kernel run_launchers launches, compiled
+    (or found in the current Triton cache) for `target`; nothing is launched (on the CPU: under the stand-in
+    driver)."""
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    compiled: dict[str, tuple[object, str, object]] = {}
 
     def hook(**kwargs):
-        data = kwargs["compile"]["specialization_data"]
-        captured.setdefault(data, kwargs["fn"].jit_function)
-        return True  # skip compiling and launching: only the specialization is wanted here
+        c = kwargs["compile"]
+        data = c["specialization_data"]
+        if data not in compiled:
+            fn = kwargs["fn"].jit_function
+            # NOTE: the source object is built from the runtime's own signature/constants/attrs (not from the
+            # serialized data), so its cache key is the one an ordinary launch on the device computes.
+            src = ASTSource(fn, c["signature"], c["constants"], c["configs"][0])
+            options = {k: _tuples(v) for k, v in json.loads(data)["options"].items()}
+            compiled[data] = (fn, data, triton.compile(src, target=target, options=options))
+        return True  # skip Triton's own compile and the launch
 
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
-        run_launchers(shape)
+        run_launchers(shape, device)
     finally:
         knobs.runtime.jit_cache_hook = previous
-    return sorted(((fn, data) for data, fn in captured.items()), key=lambda item: item[1])
+    return sorted(compiled.values(), key=lambda item: item[1])
 
 
 def _portable(data: str) -> dict:
@@ -206,7 +249,7 @@ def _portable_metadata(text: str) -> str:
     return json.dumps(meta)
 
 
-def compile_kernels(shape: AttentionShape, target: str, out_dir: Path) -> dict:
+def compile_kernels(shape: KernelShape, target: str, out_dir: Path) -> dict:
     """Compile every kernel variant of `shape` for `target` into out_dir; returns the index written there."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
@@ -227,8 +270,7 @@ def compile_kernels(shape: AttentionShape, target: str, out_dir: Path) -> dict:
     entries = []
     try:
         _relative_sources()
-        for fn, data in _capture_specializations(shape):
-            kernel = fn.preload(data)
+        for fn, data, kernel in _compile_launched(shape, _TargetDriver(arch).target):
             group = {Path(p).name: Path(p) for p in kernel.metadata_group.values()}
             key_dir = next(iter(group.values())).parent.name
             name = kernel.metadata.name
@@ -274,14 +316,14 @@ class KernelLoad:
 
     status: str  # "loaded" | "absent" | "mismatch" | "unavailable"
     target: str = ""
-    num_loaded: int = 0  # found in the cache, nothing compiled
-    num_compiled: int = 0  # preloaded but compiled here (the cache key differed)
+    num_loaded: int = 0  # kernels in the core's index
+    num_compiled: int = 0  # kernels the warm launches still had to compile here (a cache key differed)
     cache_dir: Path | None = None
     messages: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         if self.status == "loaded":
-            extra = f", {self.num_compiled} recompiled" if self.num_compiled else ""
+            extra = f", {self.num_compiled} compiled here" if self.num_compiled else ""
             return f"{self.num_loaded} precompiled kernels ({self.target}){extra}"
         return self.messages[0] if self.messages else self.status
 
@@ -335,14 +377,43 @@ def install_cache(kernels_dir: Path, cache_root: Path | None = None) -> tuple[Pa
     return cache_dir, index
 
 
-def _jit_function(ref: str):
-    module, qualname = ref.split(":")
-    return getattr(importlib.import_module(module), qualname)
+def _kernel_dirs(cache_dir: Path) -> set[str]:
+    """Cache key dirs holding a compiled kernel. NOTE: Triton <= 3.6 also caches each launcher stub (a small C
+    extension built with the host compiler, one per kernel signature) in the cache dir: not a kernel compile."""
+    return {p.parent.name for p in cache_dir.glob("*/*.cubin")} if cache_dir.is_dir() else set()
+
+
+def _prebuild_launchers(shape: KernelShape, device: torch.device, target) -> int:
+    """Build the launcher stubs of every kernel in parallel threads (each is a host-compiler subprocess on
+    Triton <= 3.6, ~0.4 s apiece), so the warm launches after this find them cached; returns how many kernels.
+    Best effort: on a Triton whose internals differ, the warm launches build them one by one instead."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        kernels = [kernel for _, _, kernel in _compile_launched(shape, target, device)]
+
+        def init(kernel):
+            with torch.cuda.device(device):
+                kernel._init_handles()
+
+        with ThreadPoolExecutor(max_workers=min(8, max(1, len(kernels)))) as pool:
+            list(pool.map(init, kernels))
+        return len(kernels)
+    except Exception as exc:  # noqa: BLE001 - an optimization only
+        warnings.warn(f"launcher prebuild skipped: {type(exc).__name__}: {exc}", stacklevel=2)
+        return 0
+
+
+def _read_manifest(core_dir: Path):
+    from helios.core.manifest import MANIFEST_FILE, decode_manifest
+
+    return decode_manifest((Path(core_dir) / MANIFEST_FILE).read_bytes())
 
 
 def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | str,
                  cache_root: Path | None = None) -> KernelLoad:
-    """Install and preload the core's kernels for this device; warn and fall back to JIT when they do not fit."""
+    """Install the core's kernels for this device and load each through one ordinary launch (Triton finds it
+    in the installed cache); warn and fall back to JIT when they do not fit."""
     device = torch.device(device)
     if device.type != "cuda" or not kernel_targets:
         return KernelLoad("absent", messages=["no precompiled kernels (compiled on first use)"])
@@ -356,47 +427,45 @@ def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | st
         warnings.warn(f"precompiled kernels not used: {reason}; compiling on first use", stacklevel=2)
         return KernelLoad("mismatch", target=chosen.target, messages=[reason])
     cache_dir, index = install_cache(kernels_dir, cache_root)
-    result = KernelLoad("loaded", target=chosen.target, cache_dir=cache_dir)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    shape = shape_from_manifest(_read_manifest(core_dir), num_sms)
+    before = _kernel_dirs(cache_dir)
     with torch.cuda.device(device):
-        for entry in index["kernels"]:
-            try:
-                kernel = _jit_function(entry["kernel"]).preload(json.dumps(entry["specialization"]))
-            except Exception as exc:  # a kernel that cannot be preloaded is compiled on first use instead
-                result.messages.append(f"{entry['kernel']}: {type(exc).__name__}: {exc}")
-                result.num_compiled += 1
-                continue
-            hit = any(Path(p).parent.name == entry["dir"] for p in kernel.metadata_group.values())
-            result.num_loaded += hit
-            result.num_compiled += not hit
-    if result.num_compiled:
-        warnings.warn(f"{result.num_compiled} precompiled kernels did not match this Triton build and were "
-                      f"compiled here: {result.messages[:1]}", stacklevel=2)
+        from triton.runtime import driver
+
+        _prebuild_launchers(shape, device, driver.active.get_current_target())
+        run_launchers(shape, device)
+        torch.cuda.synchronize(device)
+    compiled = sorted(_kernel_dirs(cache_dir) - before)
+    result = KernelLoad("loaded", target=chosen.target, num_loaded=len(index["kernels"]),
+                        num_compiled=len(compiled), cache_dir=cache_dir)
+    if compiled:
+        result.messages.append(f"compiled here: {compiled[:3]}")
+        warnings.warn(f"{len(compiled)} kernels were not found among the precompiled ones and were compiled here",
+                      stacklevel=2)
     return result
 
 
-def preload_offline(kernels_dir: Path, cache_root: Path) -> tuple[int, int]:
-    """Install the kernels and preload each under a stand-in driver for their target (no GPU needed):
-    (found in the cache, compiled). What helios' start does on the GPU, minus loading the cubins."""
+def load_offline(core_dir: Path, cache_root: Path) -> tuple[int, int]:
+    """What load_kernels does, under a stand-in driver for the kernels' target (no GPU needed): install them,
+    run every launcher through the compile hook; (index entries, kernels compiled because none matched)."""
     from triton import knobs
     from triton.runtime import driver
 
-    index = json.loads((Path(kernels_dir) / INDEX_FILE).read_bytes())
-    cache_dir, _ = install_cache(kernels_dir, cache_root)
-    before = sorted(p.relative_to(cache_dir) for p in cache_dir.rglob("*"))
+    manifest = _read_manifest(core_dir)
+    (kt,) = manifest.kernels[:1]
+    cache_dir, index = install_cache(Path(core_dir) / kt.dir, cache_root)
+    arch = parse_target(index["target"])
+    before = _kernel_dirs(cache_dir)
     previous_driver = getattr(driver, "_active", None)
-    driver.set_active(_TargetDriver(parse_target(index["target"])))
-    found = 0
+    stand_in = _TargetDriver(arch)
+    driver.set_active(stand_in)
     try:
-        for entry in index["kernels"]:
-            kernel = _jit_function(entry["kernel"]).preload(json.dumps(entry["specialization"]))
-            found += any(Path(p).parent.name == entry["dir"] for p in kernel.metadata_group.values())
+        _compile_launched(shape_from_manifest(manifest, TARGET_SMS.get(arch, 132)), stand_in.target)
     finally:
         driver.set_active(previous_driver)
         del knobs.cache.dir
-    # a compile would have written IR files next to the cubins
-    after = sorted(p.relative_to(cache_dir) for p in cache_dir.rglob("*"))
-    compiled = len(index["kernels"]) - found + (before != after)
-    return found, compiled
+    return len(index["kernels"]), len(_kernel_dirs(cache_dir) - before)
 
 
 class JitCounter:

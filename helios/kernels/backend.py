@@ -17,6 +17,7 @@ from helios.kernels._triton import require_triton
 from helios.kernels.paged_attention import choose_num_splits, paged_decode_attention
 from helios.kernels.prefill_attention import paged_prefill_attention
 from helios.kernels.reshape_and_cache import reshape_and_cache
+from helios.kernels.rotary_cache import rotary_and_cache
 
 
 class PagedMetadata(Protocol):
@@ -41,6 +42,9 @@ class TritonAttentionBackend:
     """
 
     name = "triton"
+    # the layers of a model on this backend take the fused kernels too (residual + norm, rotary + cache
+    # write, gated activation): helios.layers read this once at construction
+    fuses_layers = True
 
     def __init__(self, decode_num_splits: int | None = None):
         require_triton()
@@ -60,6 +64,27 @@ class TritonAttentionBackend:
         softcap: float | None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale, sliding_window, softcap)
+
+    def forward_qkv(
+        self,
+        qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim], the qkv projection's output
+        cos: torch.Tensor,  # [T, head_dim]
+        sin: torch.Tensor,  # [T, head_dim]
+        num_heads: int,
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, num_kv_heads, head_dim]
+        meta: PagedMetadata,
+        scale: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,  # (q weight, k weight, eps, f32)
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        """forward() with the q/k norms, rotary and the cache write in one launch (rotary_cache)."""
+        q_norm, k_norm, eps, in_f32 = qk_norm if qk_norm is not None else (None, None, 1e-6, False)
+        q = rotary_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads, q_norm, k_norm, eps, in_f32)
+        return self._attend(q, kv_cache, meta, scale, sliding_window, softcap)
+
+    def _attend(self, q, kv_cache, meta: PagedMetadata, scale, sliding_window, softcap) -> torch.Tensor:
         if q.shape[0] == meta.num_seqs:  # every sequence schedules >= 1 token, so each has exactly one
             return paged_decode_attention(
                 q,

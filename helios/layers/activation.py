@@ -27,11 +27,16 @@ def gated(gate_up: torch.Tensor, act: Activation) -> torch.Tensor:  # [..., 2*F]
 class GatedMLP(nn.Module):
     """down(act(gate) * up) over a fused projection: gate_up.weight [2*F, H], down.weight [H, F]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: Activation = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: Activation = "silu", fused: bool = False):
         super().__init__()
         self.act = act
+        self.fused = fused  # GPU path: act(gate) * up in one Triton kernel (helios.kernels.activation)
         self.gate_up = Linear(hidden_size, 2 * intermediate_size)
         self.down = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        if self.fused:
+            from helios.kernels import activation
+
+            return self.down(getattr(activation, f"{self.act}_and_mul")(self.gate_up(x)))
         return self.down(gated(self.gate_up(x), self.act))

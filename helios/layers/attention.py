@@ -214,6 +214,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if getattr(self.backend, "fuses_layers", False):  # GPU: norms + rotary + cache write in one launch
+            norms = None
+            if self.q_norm is not None:
+                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.multiply_in_float32)
+            o = self.backend.forward_qkv(
+                self.qkv(x), *cos_sin, self.num_heads, kv_cache, meta, self.scale, self.sliding_window, self.softcap, norms
+            )
+            return self.o(o.reshape(num_tokens, q_size))
         q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)

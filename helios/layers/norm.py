@@ -38,3 +38,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         return rms_norm(x, self.weight, self.eps, self.multiply_in_float32)
+
+    def forward_add(
+        self,
+        x: torch.Tensor,  # [T, dim]
+        residual: torch.Tensor | None,  # [T, dim]; None for the first layer
+        fused: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual), x + residual)
+        """The residual add and the norm; `fused` runs both in one Triton kernel (GPU path), same values."""
+        if fused:
+            from helios.kernels.rmsnorm import fused_add_rms_norm, rms_norm as rms_norm_kernel
+
+            if residual is None:
+                return rms_norm_kernel(x, self.weight, self.eps, self.multiply_in_float32), x
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, self.multiply_in_float32)
+        x = x if residual is None else x + residual
+        return self(x), x

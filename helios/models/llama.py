@@ -55,6 +55,19 @@ class DecoderLayer(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos_sin, kv_cache, meta)
         return x + getattr(self, self.ffn_name)(self.mlp_norm(x))
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H], the previous layer's output (the embedding for the first layer)
+        residual: torch.Tensor | None,  # [T, H], the stream before that output's add; None for the first
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the stream before its add)
+        """forward() on the GPU path: each residual add rides in the next norm's kernel; same values."""
+        h, residual = self.attn_norm.forward_add(x, residual, fused=True)
+        h, residual = self.mlp_norm.forward_add(self.attn(h, cos_sin, kv_cache, meta), residual, fused=True)
+        return getattr(self, self.ffn_name)(h), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """llama / qwen2 / qwen3. Subclasses change the feed-forward of a layer via `make_ffn`."""
@@ -62,6 +75,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu"):
         super().__init__()
         self.arch = arch
+        # GPU path (Triton backend): fused residual + norm, rotary + cache write and gated activation kernels
+        self.is_fused = getattr(backend, "fuses_layers", False)
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(arch, i, backend, *self.make_ffn(arch, i)) for i in range(arch.num_layers)
@@ -79,7 +94,7 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def make_ffn(self, arch: Architecture, layer_idx: int) -> tuple[nn.Module, str]:
-        return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act), "mlp"
+        return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, fused=self.is_fused), "mlp"
 
     def forward(
         self,
@@ -92,6 +107,12 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.arch.embedding_scale, dtype=x.dtype)
         rope = self.rotary.cos_sin(meta.positions, x.dtype)
         local_rope = rope if self.local_rotary is self.rotary else self.local_rotary.cos_sin(meta.positions, x.dtype)
+        if self.is_fused:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                x, residual = layer.forward_fused(x, residual, local_rope if is_sliding(self.arch, i) else rope,
+                                                  kv_caches[i], meta)
+            return self.norm.forward_add(x, residual, fused=True)[0]
         for i, layer in enumerate(self.layers):
             x = layer(x, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
         return self.norm(x)

@@ -69,13 +69,9 @@ def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, buc
         dtype=torch.int64,
     )
     width = max(needed)
-    flat = [b for s, n in zip(scheduled, needed) for b in s.block_ids[:n]]
-    counts = torch.tensor(needed)
-    rows = torch.repeat_interleave(torch.arange(num_seqs), counts)
-    starts = torch.cumsum(counts, 0) - counts
-    cols = torch.arange(len(flat)) - starts.repeat_interleave(counts)
-    block_tables = torch.zeros(num_seqs, width, dtype=torch.int32)
-    block_tables[rows, cols] = torch.tensor(flat, dtype=torch.int32)
+    # NOTE: one tensor from padded Python rows: at batch 1 the host side of a step is on the critical path
+    rows = [list(s.block_ids[:n]) + [0] * (width - n) for s, n in zip(scheduled, needed)]
+    block_tables = torch.tensor(rows, dtype=torch.int32)
     return DecodeInputs(bucket, num_seqs, packed, block_tables)
 
 

@@ -77,8 +77,12 @@ class HeliosApp:
             await warm_up(self.runtime)
         rt = self.runtime
         t = rt.timings
-        print(f"helios: {rt.serving.model_id} ready: load {t.get('load', 0.0):.2f}s, warm-up {t.get('warmup', 0.0):.2f}s, "
-              f"capture 0.00s (CPU: no graphs){' on ' + self._announce if self._announce else ''}", flush=True)
+        split = (f"open {t.get('open', 0.0):.2f}s, weights {t.get('weights', 0.0):.2f}s, "
+                 f"kernel load {t.get('kernels', 0.0):.2f}s, KV {t.get('kv', 0.0):.2f}s, "
+                 f"capture {t.get('capture', 0.0):.2f}s ({int(t.get('graphs', 0))} graphs, "
+                 f"{int(t.get('kernels_jit', 0))} kernels compiled)")
+        print(f"helios: {rt.serving.model_id} ready: load {t.get('load', 0.0):.2f}s ({split}), "
+              f"warm-up {t.get('warmup', 0.0):.2f}s{' on ' + self._announce if self._announce else ''}", flush=True)
 
     def shutdown(self) -> None:
         if self.runtime is not None:

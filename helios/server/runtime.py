@@ -160,9 +160,14 @@ def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:
     manifest = core.manifest
     tokenizer = Tokenizer.from_file(core.tokenizer_path, manifest.tokenizer, manifest.arch.vocab_size)
     serving = resolve_serving(manifest, config)
+    t1 = time.perf_counter()
     engine = build_engine(core, config, serving)
     runtime = Runtime(manifest, tokenizer, core.template_source, engine, config, serving)
     runtime.timings["load"] = time.perf_counter() - t0
+    # the runner's own split (weights to the device, kernel load, KV allocation, graph capture)
+    st = engine.core.runner.startup
+    runtime.timings.update(open=t1 - t0, weights=st.load_s, kernels=st.kernels_s, kv=st.kv_alloc_s,
+                           capture=st.capture_s, graphs=st.num_graphs, kernels_jit=st.kernels_jit)
     return runtime
 
 

@@ -48,6 +48,14 @@ def test_rotary(dtype):
 
 
 @DTYPES
+@pytest.mark.parametrize("qk_norm, multiply_in_float32", [(False, False), (True, False), (True, True)])
+def test_rotary_and_cache(dtype, qk_norm, multiply_in_float32):
+    checks.check_rotary_and_cache(CUDA, dtype, qk_norm, multiply_in_float32)
+    checks.check_rotary_and_cache(CUDA, dtype, qk_norm, multiply_in_float32, num_heads=32, num_kv_heads=8,
+                                  head_dim=128, page_size=16)
+
+
+@DTYPES
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_gated_activation(dtype, act):
     checks.check_gated(CUDA, dtype, act)

@@ -119,6 +119,31 @@ def check_reshape_and_cache(device, dtype, page_size, cache_dtype=None):
     assert not torch.equal(actual, cache)
 
 
+def check_rotary_and_cache(device, dtype, qk_norm=False, multiply_in_float32=False, num_heads=6, num_kv_heads=2,
+                           head_dim=64, page_size=4):
+    """The fused norm + rotary + cache write against the unfused reference: q, and the whole cache."""
+    from helios.kernels.rotary_cache import rotary_and_cache, rotary_and_cache_ref
+
+    num_tokens, num_pages = 9, 8
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    positions = torch.tensor([0, 3, 31, 17, 17, 5, 30, 1, 2])
+    emb = torch.cat((positions[:, None] * inv_freq,) * 2, dim=-1)
+    cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=device, dtype=dtype, scale=2.0)
+    q_norm = _randn(head_dim, device=device, dtype=dtype, seed=3) if qk_norm else None
+    k_norm = _randn(head_dim, device=device, dtype=dtype, seed=4) if qk_norm else None
+    slots = torch.randperm(num_pages * page_size, generator=torch.Generator().manual_seed(1))[:num_tokens]
+    slots[4] = -1  # a padded row writes no cache
+    slots = slots.to(device)
+    cache = _randn(2, num_pages, page_size, num_kv_heads, head_dim, device=device, dtype=dtype, seed=7)
+    actual, expected = cache.clone(), cache.clone()
+    q = rotary_and_cache(qkv, cos, sin, actual, slots, num_heads, q_norm, k_norm, 1e-6, multiply_in_float32)
+    q_ref = rotary_and_cache_ref(qkv, cos, sin, expected, slots, num_heads, q_norm, k_norm, 1e-6, multiply_in_float32)
+    _close(q, q_ref, dtype, device)
+    _close(actual, expected, dtype, device)
+    assert not torch.equal(actual, cache)
+
+
 # --- attention -----------------------------------------------------------------------------------------
 
 

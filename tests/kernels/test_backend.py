@@ -1,7 +1,8 @@
 """TritonAttentionBackend against helios.layers.attention.TorchAttentionBackend (the CPU path's semantics).
 
 First the backend alone on mixed batches (prefill chunks, decode rows, pure decode), then whole tiny models
-(llama with GQA 3, gemma3 with sliding layers and soft-capping) stepped through prefill, chunked prefill
+(llama with GQA 3, qwen3 with q/k norms, gemma3 with sliding layers and soft-capping; the Triton side
+takes the fused layer kernels: residual + norm, norms + rotary + cache write, gated activation) stepped through prefill, chunked prefill
 and decode with each backend over its own paged cache.
 """
 
@@ -46,6 +47,10 @@ ARCHS = {
         family="llama", hidden_size=96, num_heads=6, head_dim=16, rms_norm_eps=1e-5, rope_theta=1e4,
         tie_word_embeddings=True, **_SMALL,
     ),
+    "qwen3_qk_norm": Architecture(
+        family="qwen3", hidden_size=64, num_heads=4, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=False, qk_norm=True, **_SMALL,
+    ),
     "gemma3_sliding": Architecture(
         family="gemma3", hidden_size=64, num_heads=4, head_dim=32, rms_norm_eps=1e-6, rope_theta=1e6,
         tie_word_embeddings=True, hidden_act="gelu_tanh", qk_norm=True, sandwich_norms=True, query_scale=0.2,
@@ -61,7 +66,7 @@ def _model(arch: Architecture, backend):
     from helios.models.gemma3 import Gemma3ForCausalLM
     from helios.models.llama import LlamaForCausalLM
 
-    cls = {"llama": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}[arch.family]
+    cls = {"llama": LlamaForCausalLM, "qwen3": LlamaForCausalLM, "gemma3": Gemma3ForCausalLM}[arch.family]
     model = cls(arch, backend, "cpu")
     g = torch.Generator().manual_seed(0)
     tensors = {}

@@ -1,4 +1,5 @@
-"""Rotary (in place on strided q/k views) and gated activation kernels vs their references."""
+"""Rotary (in place, and fused with norms + the cache write) and gated activation kernels vs their
+references."""
 
 from __future__ import annotations
 
@@ -24,3 +25,10 @@ def test_rotary(dtype):
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_gated_activation(dtype, act):
     checks.check_gated("cpu", dtype, act)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("qk_norm, multiply_in_float32", [(False, False), (True, False), (True, True)])
+def test_rotary_and_cache(dtype, qk_norm, multiply_in_float32):
+    checks.check_rotary_and_cache("cpu", dtype, qk_norm, multiply_in_float32)
+

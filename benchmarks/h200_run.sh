@@ -1,0 +1,25 @@
+#!/bin/bash
+# One call on the lent H200 (device tool): carried wheels, GPU tests, serve cold start, decode benchmark.
+# PARTS picks among tests,bench,serve; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export PYTHONUNBUFFERED=1 FLARE_RUN_CUDA_TESTS=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+PARTS=${PARTS:-tests,bench,serve}
+if [[ $PARTS == *tests* ]]; then
+  timeout ${TESTS_S:-170} python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/gpu tests/runner/test_cuda_graphs.py \
+    tests/ignition/test_aot.py} 2>&1 | tail -150 > "$OUT/tests.log"
+  echo "== tests"; tail -15 "$OUT/tests.log"
+fi
+if [[ $PARTS == *serve* ]]; then
+  timeout ${SERVE_S:-230} python3 benchmarks/gpu_serve_start.py --work /tmp/serve --out "$OUT" > "$OUT/serve.log" 2>&1
+  echo "== serve rc $?"; tail -45 "$OUT/serve.log"
+fi
+if [[ $PARTS == *bench* ]]; then
+  timeout ${BENCH_S:-260} python3 benchmarks/gpu_decode.py ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  echo "== bench rc $?"; grep -v "^W1\|^  warnings\|Warning" "$OUT/bench.log" | tail -60
+fi
