@@ -9,7 +9,7 @@ Imports torch and helios.core only; a Triton backend lives in helios.kernels and
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -38,6 +38,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 past each table's end
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # NOTE: per-step values a backend derives from the fields above once and reuses in every layer (the CPU
+    # decode gather and mask); the metadata lives for one step, so nothing here outlives its inputs.
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -78,6 +81,8 @@ def write_kv(
 class TorchAttentionBackend:
     """Reference backend for CPU (and any device): gather each sequence's pages, then SDPA.
 
+    A float32 decode-only step (one query per sequence, no soft-cap: the CPU serving case) attends for the
+    whole batch at once over a padded gather (`decode_attention`); everything else loops over sequences.
     Keys older than the sliding window are not gathered at all, so a sliding layer's cost stays
     bounded by the window rather than the context.
     """
@@ -87,6 +92,9 @@ class TorchAttentionBackend:
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, softcap):
         write_kv(kv_cache, k, v, meta.slot_mapping)
         page_size = kv_cache.shape[2]
+        if q.shape[0] == meta.num_seqs and softcap is None and q.dtype == torch.float32:
+            blocks, bias = decode_layout(meta, page_size, sliding_window)
+            return decode_attention(q, kv_cache, blocks, bias, scale)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -105,6 +113,55 @@ class TorchAttentionBackend:
             mask = _mask(first_pos, end - start, key_start, seq_len, sliding_window, q.device)
             out[start:end] = _attend(q[start:end], keys, values, mask, scale, softcap)
         return out
+
+
+def decode_layout(
+    meta: AttentionMetadata, page_size: int, sliding_window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages a decode-only step reads and its additive key mask, derived once per step and window.
+
+    Returns blocks [B, nb] int64 (each sequence's pages from the first one its query may see, padded by
+    repeating the table's last column) and bias [B, 1, 1, nb * page_size] float32 (0 where the query
+    attends, -inf past the sequence's end and before its window).
+    """
+    key = ("decode", page_size, sliding_window)
+    if key not in meta.derived:
+        seq_lens = meta.seq_lens_cpu
+        window = sliding_window
+        first = [0 if window is None else max(0, n - window) // page_size for n in seq_lens]
+        num_blocks = max(-(-n // page_size) - f for n, f in zip(seq_lens, first))
+        width = meta.block_tables.shape[1]
+        cols = [[min(f + j, width - 1) for j in range(num_blocks)] for f in first]
+        device = meta.block_tables.device
+        blocks = meta.block_tables.gather(1, torch.tensor(cols, device=device)).long()
+        key_pos = torch.tensor(first)[:, None] * page_size + torch.arange(num_blocks * page_size)  # [B, S]
+        lens = torch.tensor(seq_lens)[:, None]
+        allowed = key_pos < lens
+        if window is not None:
+            # HF's convention: the query (position n - 1) sees itself and the window - 1 keys before it
+            allowed &= key_pos >= lens - window
+        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
+        meta.derived[key] = (blocks, bias[:, None, None, :].to(device))
+    return meta.derived[key]
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Nq, D] float32, one query per sequence
+    kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
+    blocks: torch.Tensor,  # [B, nb] int64, from decode_layout
+    bias: torch.Tensor,  # [B, 1, 1, nb * page_size] float32, from decode_layout
+    scale: float,
+) -> torch.Tensor:  # [B, Nq, D]
+    """Attention of a decode-only batch in a handful of ops: one gather of every sequence's pages, then
+    batched matmuls in which the query heads sharing a kv head are the rows of one group (GQA without
+    repeating K/V). Masked keys get probability exactly 0, so padding never changes a result."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    kv = kv_cache[:, blocks].flatten(2, 3)  # [2, B, S, Nkv, D]
+    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Nkv, S, D]
+    groups = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # head h -> kv head h // G
+    scores = torch.add(bias, torch.matmul(groups, keys.transpose(2, 3)), alpha=scale)  # [B, Nkv, G, S]
+    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(num_seqs, num_heads, head_dim)
 
 
 def _mask(
@@ -222,13 +279,17 @@ class Attention(nn.Module):
                 self.qkv(x), *cos_sin, self.num_heads, kv_cache, meta, self.scale, self.sliding_window, self.softcap, norms
             )
             return self.o(o.reshape(num_tokens, q_size))
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        qkv = self.qkv(x)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k are adjacent columns of the fused output: one rotary over both heads' sets
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
         return self.o(o.reshape(num_tokens, q_size))
