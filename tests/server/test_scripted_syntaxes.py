@@ -22,14 +22,14 @@ import msgspec
 import pytest
 
 from tests.fixtures.scripted_model import (HELLO, NAMED_TEXT, PARIS, ROME, SKY, SYNTAXES, TOKYO, Case, ScriptedCores,
-                                           case, export_cores, render_prompt, scripted_cases)
+                                           case, export_cores, num_tokens_through, render_prompt, scripted_cases)
 from tests.server.conftest import ANTHROPIC_VERSION, HELIOS, ROOT, _free_port, _stop
 
 MAX_TOKENS = 96
 APIS = ("chat", "messages", "responses")
 MODES = ("buffered", "stream")
 THOUGHTS = {"call": "Forecast wanted.", "two": "Two cities.", "required": "No tool.", "named": "Time wanted.",
-            "think": "Rayleigh."}
+            "think": "Rayleigh.", "incomplete": "Forecast wanted.", "implicit": "Time wanted."}
 
 
 @pytest.fixture(scope="session")
@@ -84,11 +84,14 @@ def served(request, scripted, tmp_path_factory):
 # --- request bodies: one builder per API, shared by the prompt check and the SDK calls -----------------------
 
 
-def _body(api: str, c: Case, stream: bool = False, parallel: bool = True) -> dict:
+def _body(api: str, c: Case, stream: bool = False, parallel: bool = True, max_tokens: int = MAX_TOKENS,
+          choice: str | None = None) -> dict:
+    """The request for case `c`; `choice` overrides its tool_choice mode ("none": tools declared, not parsed)."""
     fns = [t["function"] for t in c.tools]
+    c = Case(c.syntax, c.kind, c.user, c.reply, c.tools, choice or c.mode, c.named)
     user = [{"role": "user", "content": c.user}]
     if api == "chat":
-        body: dict[str, Any] = dict(model="scripted", messages=user, temperature=0, seed=0, max_tokens=MAX_TOKENS)
+        body: dict[str, Any] = dict(model="scripted", messages=user, temperature=0, seed=0, max_tokens=max_tokens)
         if fns:
             body["tools"] = [{"type": "function", "function": fn} for fn in fns]
             body["tool_choice"] = ({"type": "function", "function": {"name": c.named}} if c.mode == "named"
@@ -100,17 +103,17 @@ def _body(api: str, c: Case, stream: bool = False, parallel: bool = True) -> dic
         return body
     if api == "messages":
         # NOTE: the pinned SDK's create() has no temperature argument; the server reads the field from the body
-        body = dict(model="scripted", messages=user, max_tokens=MAX_TOKENS, extra_body={"temperature": 0, "seed": 0})
+        body = dict(model="scripted", messages=user, max_tokens=max_tokens, extra_body={"temperature": 0, "seed": 0})
         if fns:
             body["tools"] = [{"name": fn["name"], "description": fn["description"], "input_schema": fn["parameters"]}
                              for fn in fns]
-            choice = {"auto": {"type": "auto"}, "required": {"type": "any"},
+            choice = {"auto": {"type": "auto"}, "required": {"type": "any"}, "none": {"type": "none"},
                       "named": {"type": "tool", "name": c.named}}[c.mode]
             body["tool_choice"] = choice if parallel else {**choice, "disable_parallel_tool_use": True}
         if stream:
             body["stream"] = True
         return body
-    body = dict(model="scripted", input=c.user, temperature=0, max_output_tokens=MAX_TOKENS,
+    body = dict(model="scripted", input=c.user, temperature=0, max_output_tokens=max_tokens,
                 extra_body={"seed": 0})
     if fns:
         body["tools"] = [{"type": "function", "name": fn["name"], "description": fn["description"],
@@ -269,6 +272,8 @@ def _responses(s: Served, body: dict) -> Outcome:
             return Outcome(error=e.message)
         read(r.output)
         out.finish = r.status
+        if r.status == "incomplete":
+            assert r.incomplete_details.reason == "max_output_tokens"
         out.completion_tokens = r.usage.output_tokens
         out.reasoning_tokens = r.usage.output_tokens_details.reasoning_tokens
         return out
@@ -278,6 +283,8 @@ def _responses(s: Served, body: dict) -> Outcome:
             done.append(ev.item)
         elif ev.type in ("response.completed", "response.incomplete"):
             out.terminated, out.finish = True, ev.response.status
+            if ev.type == "response.incomplete":
+                assert ev.response.incomplete_details.reason == "max_output_tokens"
             out.completion_tokens = ev.response.usage.output_tokens
             out.reasoning_tokens = ev.response.usage.output_tokens_details.reasoning_tokens
         elif ev.type == "response.failed":
@@ -288,11 +295,12 @@ def _responses(s: Served, body: dict) -> Outcome:
 
 CALL = {"chat": _chat, "messages": _messages, "responses": _responses}
 TOOL_FINISH = {"chat": "tool_calls", "messages": "tool_use", "responses": "completed"}
+LIMIT_FINISH = {"chat": "length", "messages": "max_tokens", "responses": "incomplete"}
 STOP_FINISH = {"chat": "stop", "messages": "end_turn", "responses": "completed"}
 
 
-def _run(s: Served, api: str, c: Case, mode: str, parallel: bool = True) -> Outcome:
-    return CALL[api](s, _body(api, c, stream=mode == "stream", parallel=parallel))
+def _run(s: Served, api: str, c: Case, mode: str, **kw) -> Outcome:
+    return CALL[api](s, _body(api, c, stream=mode == "stream", **kw))
 
 
 def _num_reply_tokens(s: Served, c: Case) -> int:
@@ -398,3 +406,72 @@ def test_think_reasoning(served, api, mode):
     assert out.completion_tokens == _num_reply_tokens(served, c) + 1
     if api != "messages":  # Anthropic usage has no reasoning count
         assert out.reasoning_tokens and 1 <= out.reasoning_tokens < out.completion_tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_incomplete_call_at_natural_completion_fails(served, api, mode):
+    """EOS inside a recognized envelope (right after "Paris"): an error, never a call or a success end."""
+    out = _run(served, api, case(served.tag, "incomplete"), mode)
+    assert out.error and "incomplete" in out.error, out
+    assert out.calls == [] and not out.terminated
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_output_limit_inside_an_envelope(served, api, mode):
+    """max_tokens ends generation one token after the call's tool name: the truncated envelope is omitted, no error,
+    and the limit is the finish reason (length, max_tokens, incomplete with max_output_tokens)."""
+    c = case(served.tag, "call")
+    name_end = c.reply.index("get_weather", c.reply.index(SYNTAXES[served.tag].close)) + len("get_weather")
+    limit = num_tokens_through(served.core / "tokenizer.json", c, c.reply[:name_end]) + 1
+    out = _run(served, api, c, mode, max_tokens=limit)
+    assert out.error is None, out.error
+    assert out.calls == [] and out.text == "" and out.reasoning.strip() == THOUGHTS["call"]
+    assert out.finish == LIMIT_FINISH[api] and out.completion_tokens == limit
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_output_limit_after_a_completed_call(served, api, mode):
+    """The limit lands one token after the first of two calls completed: that call is returned, and the finish
+    reason is still the limit's, not tool_calls / tool_use."""
+    c = case(served.tag, "two")
+    first = SYNTAXES[served.tag].calls([PARIS])  # as written alone: a prefix of the two calls, except in a block
+    end = {"minimax": "</invoke>", "dsml": "\uff5cinvoke>"}.get(served.tag)
+    part = c.reply[: c.reply.index(end) + len(end)] if end else c.reply[: c.reply.index(first) + len(first)]
+    limit = num_tokens_through(served.core / "tokenizer.json", c, part) + 1
+    out = _run(served, api, c, mode, max_tokens=limit)
+    assert out.error is None, out.error
+    assert out.calls == [PARIS] and out.finish == LIMIT_FINISH[api] and out.completion_tokens == limit
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_tool_choice_none_leaves_the_syntax_as_text(served, api, mode):
+    """tool_choice none: the tools are still presented (same prompt), the call syntax comes back as answer text,
+    reasoning is still parsed, and the finish is an ordinary stop."""
+    c = case(served.tag, "call")
+    out = _run(served, api, c, mode, choice="none")
+    assert out.error is None and out.calls == []
+    assert out.reasoning.strip() == THOUGHTS["call"]
+    assert out.text.lstrip("\n") == SYNTAXES[served.tag].answer(c.reply).lstrip("\n")
+    assert out.finish == STOP_FINISH[api]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_call_inside_reasoning(served, api, mode):
+    """A call written inside reasoning (no close delimiter, then EOS): Qwen's and GLM's calls end the reasoning and
+    are returned, and so do MiMo's (Qwen's function tags); in Gemma 4, MiniMax and DSML the tool parser never sees
+    reasoning, so the call stays reasoning text."""
+    c = case(served.tag, "implicit")
+    out = _run(served, api, c, mode)
+    assert out.error is None, out.error
+    if served.tag in ("qwen", "glm", "mimo"):
+        assert out.calls == [TOKYO] and out.text == "" and out.reasoning.strip() == THOUGHTS["implicit"]
+        assert out.finish == TOOL_FINISH[api]
+    else:
+        opener = {"gemma": "<|channel>thought", "minimax": "<mm:think>", "dsml": ""}[served.tag]
+        assert out.calls == [] and out.text == "" and out.finish == STOP_FINISH[api]
+        assert out.reasoning.strip() == c.reply.replace(opener, "", 1).strip()
