@@ -158,7 +158,7 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
 
 
 class _TargetDriver:
-    """The part of Triton's active-driver interface a warm-up or preload touches, for a target with no GPU."""
+    """The part of Triton's active-driver interface a hooked launch and a compile touch, for a target with no GPU."""
 
     def __init__(self, arch: int):
         from triton.backends.compiler import GPUTarget
@@ -266,11 +266,12 @@ def compile_kernels(shape: KernelShape, target: str, out_dir: Path) -> dict:
     os.environ["TRITON_CACHE_DIR"] = str(scratch)
     knobs.cache.dir = str(scratch)
     previous_driver = getattr(driver, "_active", None)  # None: not created yet (no GPU here, perhaps)
-    driver.set_active(_TargetDriver(arch))
+    stand_in = _TargetDriver(arch)
+    driver.set_active(stand_in)
     entries = []
     try:
         _relative_sources()
-        for fn, data, kernel in _compile_launched(shape, _TargetDriver(arch).target):
+        for fn, data, kernel in _compile_launched(shape, stand_in.target):
             group = {Path(p).name: Path(p) for p in kernel.metadata_group.values()}
             key_dir = next(iter(group.values())).parent.name
             name = kernel.metadata.name
@@ -469,7 +470,7 @@ def load_offline(core_dir: Path, cache_root: Path) -> tuple[int, int]:
 
 
 class JitCounter:
-    """Counts kernels Triton had to JIT-compile (or fetch from its cache) because nothing preloaded them."""
+    """Counts kernels Triton had to JIT-compile (or fetch from its cache) because no warm launch loaded them."""
 
     def __init__(self):
         self.names: list[str] = []
