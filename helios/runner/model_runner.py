@@ -28,7 +28,8 @@ from helios.engine.messages import (
     ScheduledRequest,
 )
 from helios.models import build_model
-from helios.runner.input_batch import RequestRows, RequestState, layout_batch, prepare_batch
+from helios.runner.cpu_threads import DecodeThreads
+from helios.runner.input_batch import BatchLayout, RequestRows, RequestState, layout_batch, prepare_batch
 from helios.runner.kv_cache import KVCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
 from helios.runner.sampler import SamplerState, sample
@@ -166,6 +167,8 @@ class ModelRunner:
         t3 = time.perf_counter()
         self.requests: dict[str, RequestState] = {}
         self.graphs = self._build_graphs(graph_plan, cuda_graphs)
+        # CPU decode steps pick their intra-op thread count by timing (helios.runner.cpu_threads)
+        self.decode_threads = DecodeThreads(torch.get_num_threads()) if self.device.type == "cpu" else None
         t4 = time.perf_counter()
         self.startup.kernels_s, self.startup.load_s, self.startup.kv_alloc_s = t1 - t0, t2 - t1, t3 - t2
         self.startup.capture_s = t4 - t3
@@ -233,12 +236,19 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(plan.scheduled, layout) if self.graphs is not None else None
         if bucket is not None:
             logits = self.graphs.run(plan.scheduled, layout, bucket)  # [N, V] float32, the graph's output rows
+        elif self.decode_threads is not None and layout.is_decode_only:
+            with self.decode_threads.run(len(layout.seq_lens)):
+                logits = self._forward(plan.scheduled, layout)
         else:
-            batch = prepare_batch(plan.scheduled, self.requests, self.page_size, self.device, layout)
-            hidden = self.model.forward(batch.token_ids, batch.meta, self.kv_cache.layers)  # [T, H]
-            # float32 logits for the used rows only: sampling and logprobs both read the raw distribution
-            logits = self.model.compute_logits(hidden[batch.logits_indices]).float()  # [N, V]
+            logits = self._forward(plan.scheduled, layout)
         return ModelRunnerOutput(results=self._postprocess(plan.scheduled, layout.rows, logits))
+
+    def _forward(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> torch.Tensor:  # [N, V] float32
+        batch = prepare_batch(scheduled, self.requests, self.page_size, self.device, layout)
+        hidden = self.model.forward(batch.token_ids, batch.meta, self.kv_cache.layers)  # [T, H]
+        # float32 logits for the used rows only: sampling and logprobs both read the raw distribution
+        rows = hidden if len(layout.logits_indices) == hidden.shape[0] else hidden[batch.logits_indices]
+        return self.model.compute_logits(rows).float()
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         sampler_state = SamplerState(new.sampling, list(new.prompt_token_ids))

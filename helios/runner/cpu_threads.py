@@ -1,0 +1,89 @@
+"""The intra-op thread count of CPU decode steps, chosen by timing them. Imports torch only.
+
+On an idle CPU, more threads stream the weights faster (oneDNN splits a projection's outputs over them). On a
+shared CPU every OpenMP parallel region waits at its barrier for a worker whose core another process holds,
+and a decode step (a few hundred small regions) can run ten times slower than on one thread. Neither case can
+be known in advance, so `DecodeThreads` times decode steps at each candidate count per batch-size bucket,
+keeps the faster, and probes the other now and then (backing off while it keeps losing; at once when the
+current choice has become slower than the other's last figure).
+
+NOTE: a decode step's values do not depend on the count: every op of it either runs a row on one thread
+(GEMV, softmax, norms, elementwise) or, for oneDNN's linear, splits output columns only.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+EMA_WEIGHT = 0.3  # weight of the newest step in the current choice's running cost
+
+
+@dataclass
+class _Bucket:
+    cost: dict[int, float] = field(default_factory=dict)  # threads -> running seconds per step
+    best: int = 0
+    interval: int = 0  # steps between probes of the other count
+    since_probe: int = 0
+
+
+class DecodeThreads:
+    """Per batch-size bucket (powers of two), the faster of 1 and `max_threads` intra-op threads."""
+
+    def __init__(self, max_threads: int, probe_interval: int = 16, max_interval: int = 512):
+        assert max_threads >= 1 and 1 <= probe_interval <= max_interval
+        self.candidates = sorted({max_threads, 1}, reverse=True)  # the full count is tried first
+        self.probe_interval, self.max_interval = probe_interval, max_interval
+        self.buckets: dict[int, _Bucket] = {}
+
+    def choose(self, num_seqs: int) -> int:
+        b = self._bucket(num_seqs)
+        untried = [t for t in self.candidates if t not in b.cost]
+        if untried:
+            return untried[0]
+        other = self._other(b.best)
+        if other is not None and (b.since_probe >= b.interval or b.cost[b.best] > b.cost[other]):
+            return other
+        return b.best
+
+    def record(self, num_seqs: int, threads: int, seconds: float) -> None:
+        b = self._bucket(num_seqs)
+        if threads == b.best:
+            b.cost[threads] = (1 - EMA_WEIGHT) * b.cost[threads] + EMA_WEIGHT * seconds
+            b.since_probe += 1
+            return
+        # a probe (or a first measurement) of the count that is not the current choice: its last figure is
+        # from another time (another load), so the new one replaces it
+        b.cost[threads] = seconds
+        b.since_probe = 0
+        if b.best == 0 or b.cost[threads] < b.cost[b.best]:
+            b.best, b.interval = threads, self.probe_interval
+        else:
+            b.interval = min(2 * b.interval, self.max_interval)
+
+    @contextmanager
+    def run(self, num_seqs: int) -> Iterator[int]:
+        """Run the block at the chosen count (restoring the process's count after) and record its time."""
+        threads = self.choose(num_seqs)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        try:
+            yield threads
+        finally:
+            elapsed = time.perf_counter() - t0
+            torch.set_num_threads(saved)
+        self.record(num_seqs, threads, elapsed)
+
+    def _bucket(self, num_seqs: int) -> _Bucket:
+        key = 1 << max(0, num_seqs - 1).bit_length()
+        if key not in self.buckets:
+            self.buckets[key] = _Bucket(interval=self.probe_interval)
+        return self.buckets[key]
+
+    def _other(self, threads: int) -> int | None:
+        return next((t for t in self.candidates if t != threads), None)
