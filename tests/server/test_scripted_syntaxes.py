@@ -21,7 +21,7 @@ import httpx
 import msgspec
 import pytest
 
-from tests.fixtures.scripted_model import (HELLO, NAMED_TEXT, PARIS, ROME, SKY, SYNTAXES, TOKYO, Case, ScriptedCores,
+from tests.fixtures.scripted_model import (HELLO, NAMED_TEXT, OSLO, PARIS, ROME, SKY, SYNTAXES, TOKYO, Case, ScriptedCores,
                                            case, export_cores, num_tokens_through, render_prompt, scripted_cases)
 from tests.server.conftest import ANTHROPIC_VERSION, HELIOS, ROOT, _free_port, _stop
 
@@ -29,7 +29,8 @@ MAX_TOKENS = 96
 APIS = ("chat", "messages", "responses")
 MODES = ("buffered", "stream")
 THOUGHTS = {"call": "Forecast wanted.", "two": "Two cities.", "required": "No tool.", "named": "Time wanted.",
-            "think": "Rayleigh.", "incomplete": "Forecast wanted.", "implicit": "Time wanted."}
+            "think": "Rayleigh.", "incomplete": "Forecast wanted.", "implicit": "Time wanted.",
+            "required_call": "Forecast wanted.", "named_other": "Weather it is."}
 
 
 @pytest.fixture(scope="session")
@@ -375,6 +376,26 @@ def test_required_without_a_call_fails(served, api, mode):
     assert out.error and "tool_choice" in out.error, out
     assert out.calls == [] and not out.terminated
     assert out.text.lstrip("\n") in ("", HELLO)  # a stream may deliver the text before the error
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_required_with_a_call(served, api, mode):
+    """Required mode (its instruction in the prompt) and a reply that calls a declared tool: an ordinary success."""
+    out = _run(served, api, case(served.tag, "required_call"), mode)
+    assert out.error is None, out.error
+    assert out.calls == [ROME] and out.text == "" and out.reasoning.strip() == THOUGHTS["required_call"]
+    assert out.finish == TOOL_FINISH[api] and out.terminated == (mode == "stream")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", APIS)
+def test_named_choice_and_a_call_to_another_tool_fails(served, api, mode):
+    """Named get_time, but the model calls get_weather: 500 buffered, a terminal error streamed, and the call to the
+    other tool is never emitted."""
+    out = _run(served, api, case(served.tag, "named_other"), mode)
+    assert out.error and "get_weather" in out.error, out
+    assert out.calls == [] and OSLO[1]["city"] not in out.text and not out.terminated
 
 
 @pytest.mark.parametrize("mode", MODES)
