@@ -21,8 +21,9 @@ import httpx
 import msgspec
 import pytest
 
-from tests.fixtures.scripted_model import (HELLO, NAMED_TEXT, OSLO, PARIS, ROME, SKY, SYNTAXES, TOKYO, Case, ScriptedCores,
-                                           case, export_cores, num_tokens_through, render_prompt, scripted_cases)
+from tests.fixtures.scripted_model import (HELLO, NAMED_TEXT, OSLO, PARIS, ROME, SKY, SYNTAXES, TOKYO, Case,
+                                           ScriptedCores, case, export_cores, num_tokens_through, render_prompt,
+                                           scripted_cases)
 from tests.server.conftest import ANTHROPIC_VERSION, HELIOS, ROOT, _free_port, _stop
 
 MAX_TOKENS = 96
@@ -331,6 +332,12 @@ def test_helios_renders_the_scripted_prompts(served):
             assert openai_chat.prepare(_wire(_body("chat", c)), runtime)[2] == want, c
             assert anthropic_messages.prepare(_wire(_body("messages", c)), runtime).prompt_ids == want, c
             assert openai_responses.prepare(_wire(_body("responses", c)), runtime).prompt_ids == want, c
+        # tool_choice none presents the tools too: its requests reuse the "call" prompt
+        c = case(served.tag, "call")
+        want = tok.encode(render_prompt(c), add_special_tokens=False)
+        assert openai_chat.prepare(_wire(_body("chat", c, choice="none")), runtime)[2] == want
+        assert anthropic_messages.prepare(_wire(_body("messages", c, choice="none")), runtime).prompt_ids == want
+        assert openai_responses.prepare(_wire(_body("responses", c, choice="none")), runtime).prompt_ids == want
     finally:
         runtime.pool.shutdown(wait=False)
 
