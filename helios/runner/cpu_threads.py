@@ -7,8 +7,11 @@ be known in advance, so `DecodeThreads` times decode steps at each candidate cou
 keeps the faster, and probes the other now and then (backing off while it keeps losing; at once when the
 current choice has become slower than the other's last figure).
 
-NOTE: a decode step's values do not depend on the count: every op of it either runs a row on one thread
-(GEMV, softmax, norms, elementwise) or, for oneDNN's linear, splits output columns only.
+NOTE: the policy is only sound where a decode step's values do not depend on the count (every op either runs
+a row on one thread or, for oneDNN's linear, splits output columns only). That holds on the 2-core CI machine
+but not everywhere (a 16-core host with torch 2.11 gave other bits at batch 8), so `same_bits_across_threads`
+checks it at start on the model's own weights, and the runner keeps the process's count when it fails:
+otherwise a seeded request's tokens would depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+
+from helios.layers.attention import decode_attention
+from helios.layers.linear import linear
+from helios.layers.norm import rms_norm
 
 EMA_WEIGHT = 0.3  # weight of the newest step in the current choice's running cost
 
@@ -87,3 +94,46 @@ class DecodeThreads:
 
     def _other(self, threads: int) -> int | None:
         return next((t for t in self.candidates if t != threads), None)
+
+
+CHECK_ROWS = (1, 3, 8, 16)  # decode batch sizes the start-up check runs
+
+
+def same_bits_across_threads(
+    weights: list[torch.Tensor],  # the model's 2-D projection weights, [out, in] each
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_threads: int,
+) -> bool:
+    """True when the decode ops give identical bits at 1 and `max_threads` threads for CHECK_ROWS rows."""
+    if max_threads <= 1:
+        return True
+    dtype = weights[0].dtype if weights else torch.float32
+
+    def outputs(rows: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(rows)
+        ys = [linear(torch.randn(rows, w.shape[1], generator=gen).to(w.dtype), w) for w in weights]
+        x = torch.randn(rows, hidden_size, generator=gen).to(dtype)
+        ys.append(rms_norm(x, torch.ones(hidden_size, dtype=dtype), 1e-5))
+        kv_cache = torch.randn(2, 4 * rows, 16, num_kv_heads, head_dim, generator=gen)
+        q = torch.randn(rows, num_heads, head_dim, generator=gen)
+        blocks = torch.randperm(4 * rows, generator=gen).view(rows, 4)
+        bias = torch.zeros(rows, 1, 1, 64)
+        bias[..., 50:] = float("-inf")
+        ys.append(decode_attention(q, kv_cache, blocks, bias, head_dim**-0.5))
+        return ys
+
+    saved = torch.get_num_threads()
+    try:
+        for rows in CHECK_ROWS:
+            torch.set_num_threads(1)
+            one = outputs(rows)
+            torch.set_num_threads(max_threads)
+            many = outputs(rows)
+            if not all(torch.equal(a, b) for a, b in zip(one, many)):
+                return False
+    finally:
+        torch.set_num_threads(saved)
+    return True

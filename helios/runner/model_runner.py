@@ -28,7 +28,7 @@ from helios.engine.messages import (
     ScheduledRequest,
 )
 from helios.models import build_model
-from helios.runner.cpu_threads import DecodeThreads
+from helios.runner.cpu_threads import DecodeThreads, same_bits_across_threads
 from helios.runner.input_batch import BatchLayout, RequestRows, RequestState, layout_batch, prepare_batch
 from helios.runner.kv_cache import KVCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
@@ -168,7 +168,9 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.graphs = self._build_graphs(graph_plan, cuda_graphs)
         # CPU decode steps pick their intra-op thread count by timing (helios.runner.cpu_threads)
-        self.decode_threads = DecodeThreads(torch.get_num_threads()) if self.device.type == "cpu" else None
+        self.decode_threads = None
+        if self.device.type == "cpu" and decode_threads_are_exact(self.model, arch, torch.get_num_threads()):
+            self.decode_threads = DecodeThreads(torch.get_num_threads())
         t4 = time.perf_counter()
         self.startup.kernels_s, self.startup.load_s, self.startup.kv_alloc_s = t1 - t0, t2 - t1, t3 - t2
         self.startup.capture_s = t4 - t3
@@ -344,3 +346,14 @@ class ModelRunner:
             hidden = self.model.forward(batch.token_ids, batch.meta, self.kv_cache.layers)
             out.append(self.model.compute_logits(hidden).float())
         return torch.cat(out)
+
+
+def decode_threads_are_exact(model: torch.nn.Module, arch, max_threads: int) -> bool:
+    """Whether the decode thread policy may switch counts: the model's first layer and logits weights give the
+    same bits at 1 and `max_threads` threads (helios.runner.cpu_threads)."""
+    first = model.layers[0] if hasattr(model, "layers") else model
+    weights = [p for p in first.parameters() if p.dim() == 2]
+    head = getattr(model, "lm_head", None)
+    weights.append(head.weight if head is not None else model.embed.weight)
+    return same_bits_across_threads(weights, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                                    max_threads)
