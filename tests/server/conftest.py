@@ -45,31 +45,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(tmp: Path, name: str, server_toml: str, api_key: str) -> Server:
-    if not (CORE / "core.toml").is_file():
-        pytest.skip(f"the default core is not built ({CORE}); run `make core`")
-    config = tmp / f"{name}.toml"
-    config.write_text("[server]\n" + server_toml, encoding="utf-8")
-    args = [str(HELIOS), "serve", str(CORE), "--config", str(config), "--port", str(port := _free_port())]
-    if api_key:
-        key_file = tmp / f"{name}.key"
-        key_file.write_text(api_key + "\n", encoding="utf-8")
-        args += ["--api-key-file", str(key_file)]
-    log = tmp / f"{name}.log"
+def serve_core(core: Path, config: Path, log: Path, extra_args: tuple[str, ...] = (),
+               timeout_s: float = 180.0, poll_s: float = 0.5) -> tuple[subprocess.Popen, str]:
+    """Start `helios serve` on a free port and wait for /health; (process, url). Stops it if it never answers."""
+    args = [str(HELIOS), "serve", str(core), "--config", str(config), "--port", str(port := _free_port()),
+            *extra_args]
     proc = subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"helios serve exited with {proc.returncode}:\n{log.read_text()}")
         try:
             if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return Server(url, api_key, proc, log)
+                return proc, url
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     _stop(proc)
     raise RuntimeError(f"helios serve did not become healthy:\n{log.read_text()}")
+
+
+def _start(tmp: Path, name: str, server_toml: str, api_key: str) -> Server:
+    if not (CORE / "core.toml").is_file():
+        pytest.skip(f"the default core is not built ({CORE}); run `make core`")
+    config = tmp / f"{name}.toml"
+    config.write_text("[server]\n" + server_toml, encoding="utf-8")
+    extra: tuple[str, ...] = ()
+    if api_key:
+        key_file = tmp / f"{name}.key"
+        key_file.write_text(api_key + "\n", encoding="utf-8")
+        extra = ("--api-key-file", str(key_file))
+    log = tmp / f"{name}.log"
+    proc, url = serve_core(CORE, config, log, extra)
+    return Server(url, api_key, proc, log)
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -11,20 +11,17 @@ token is the only one kept). Nothing is mocked: template, tokenizer, engine, sam
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 import pytest
 
 from tests.fixtures.scripted_model import (HELLO, NAMED_TEXT, OSLO, PARIS, ROME, SKY, SYNTAXES, TOKYO, Case,
                                            ScriptedCores, case, export_cores, num_tokens_through, render_prompt,
                                            scripted_cases)
-from tests.server.conftest import ANTHROPIC_VERSION, HELIOS, ROOT, _free_port, _stop
+from tests.server.conftest import ANTHROPIC_VERSION, _stop, serve_core
 
 MAX_TOKENS = 96
 APIS = ("chat", "messages", "responses")
@@ -57,24 +54,8 @@ def served(request, scripted, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"serve-{tag}")
     config = tmp / "server.toml"
     config.write_text("[server]\n", encoding="utf-8")
-    port = _free_port()
-    log = tmp / "serve.log"
-    proc = subprocess.Popen([str(HELIOS), "serve", str(scripted.cores[tag]), "--config", str(config),
-                             "--port", str(port)], stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_core(scripted.cores[tag], config, tmp / "serve.log", timeout_s=120, poll_s=0.2)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"helios serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"helios serve did not become healthy:\n{log.read_text()}")
-            time.sleep(0.2)
         with (openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as oa,
               anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60,
                                   default_headers={"anthropic-version": ANTHROPIC_VERSION}) as an):

@@ -14,13 +14,10 @@ the hermes parser matches the tag text either way. SYSTEM below is the prompt fo
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 
-import httpx
 import pytest
 
-from tests.server.conftest import ANTHROPIC_VERSION, HELIOS, ROOT, _free_port, _stop
+from tests.server.conftest import ANTHROPIC_VERSION, _stop, serve_core
 
 pytestmark = pytest.mark.slow
 
@@ -47,24 +44,8 @@ def qwen_server(qwen25_coder_gguf, tmp_path_factory):
     export_core(qwen25_coder_gguf, core, ExportOptions(dtype="float32", recipe="qwen25"))
     config = tmp / "server.toml"
     config.write_text("[server]\naliases = []\n", encoding="utf-8")
-    port = _free_port()
-    log = tmp / "serve.log"
-    proc = subprocess.Popen([str(HELIOS), "serve", str(core), "--config", str(config), "--port", str(port)],
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    proc, url = serve_core(core, config, tmp / "serve.log")
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"helios serve exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"helios serve did not become healthy:\n{log.read_text()}")
-            time.sleep(0.5)
         yield url
     finally:
         _stop(proc)
