@@ -268,6 +268,33 @@ def graph_replays(graphed, limits: dict[int, float], ctx: int) -> list[str]:
     return lines
 
 
+def pdl_compare(graphed, limits: dict[int, float], ctx: int) -> list[str]:
+    """The same decode graphs captured again with programmatic dependent launch off (HELIOS_PDL=0), replayed
+    alone: what PDL (kernels starting while the one before them drains) is worth per step."""
+    import os
+
+    from helios.runner.cuda_graphs import GraphRunner
+
+    gr = graphed.graphs
+    saved = os.environ.get("HELIOS_PDL")
+    os.environ["HELIOS_PDL"] = "0"
+    try:
+        off = GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in limits if b in gr.graphs],
+                          max_model_len=gr.max_model_len, page_size=gr.page_size,
+                          vocab_size=gr.buffers.logits.shape[1], num_kv_heads=graphed.arch.num_kv_heads,
+                          device=graphed.device)
+    finally:
+        if saved is None:
+            os.environ.pop("HELIOS_PDL")
+        else:
+            os.environ["HELIOS_PDL"] = saved
+
+    class _Off:  # graph_replays reads .graphs
+        graphs = off
+
+    return [line.replace("graph replay", "graph replay, PDL off") for line in graph_replays(_Off, limits, ctx)]
+
+
 def profile_graph(graphed, ctx: int, rows: int = 22) -> list[str]:
     """Kernel time inside the b=1 decode graph (torch.profiler over 5 replays), summed per kernel name."""
     from torch.profiler import ProfilerActivity, profile
@@ -385,7 +412,8 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
         limits[batch] = bandwidth / (weight_bytes + kv_bytes) * batch
     if diagnose:
         ctx = prompt_len + new // 2
-        for part in (lambda: graph_replays(graphed, limits, ctx), lambda: profile_graph(graphed, ctx),
+        for part in (lambda: graph_replays(graphed, limits, ctx), lambda: pdl_compare(graphed, limits, ctx),
+                     lambda: profile_graph(graphed, ctx),
                      lambda: gemv_ceiling(t, arch, bandwidth, limits[1])):
             try:
                 more = part()

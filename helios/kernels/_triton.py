@@ -6,7 +6,10 @@ import (their `*_ref` functions work; their launchers raise). Imports nothing fr
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 try:
     import triton
@@ -37,6 +40,48 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
+# --- programmatic dependent launch (PDL, sm90+) ----------------------------------------------------------
+# A kernel launched with launch_pdl=True may start while the kernel before it on the stream is still running;
+# its programs must call `pdl_wait` before touching memory an earlier kernel writes or reads (activations,
+# the KV cache, outputs) and may load constant inputs (weights) before it. `pdl_launch_dependents` lets the
+# next PDL kernel start early. Both are no-ops unless the USE_PDL constexpr is set, which launchers take from
+# `use_pdl(tensor)`.
+_PDL_FORCED: bool | None = None
+
+
+@functools.cache
+def _capability_major(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def use_pdl(t) -> bool:
+    """Whether launches on t's device use PDL: CUDA, compute capability 9.0+, compiled (not interpreted)
+    kernels, HELIOS_PDL not "0". Ahead-of-time compiles for a target set it with `forced_pdl`."""
+    if _PDL_FORCED is not None:
+        return _PDL_FORCED
+    if not HAS_TRITON or t.device.type != "cuda" or interpret_mode() or not pdl_allowed():
+        return False
+    return _capability_major(t.device.index if t.device.index is not None else 0) >= 9
+
+
+def pdl_allowed() -> bool:
+    """False when HELIOS_PDL says "0" (off/false/no): every launch then waits for the kernel before it."""
+    return os.environ.get("HELIOS_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@contextmanager
+def forced_pdl(value: bool | None) -> Iterator[None]:
+    """use_pdl answers `value` inside (None: the device decides again)."""
+    global _PDL_FORCED
+    saved, _PDL_FORCED = _PDL_FORCED, value
+    try:
+        yield
+    finally:
+        _PDL_FORCED = saved
+
+
 def require_triton() -> None:
     if not HAS_TRITON:
         raise RuntimeError("Triton is not installed; use the torch reference (*_ref) or the torch backend")
@@ -45,6 +90,20 @@ def require_triton() -> None:
 def jit(fn):
     """triton.jit when Triton is present; otherwise the plain function (never launched)."""
     return triton.jit(fn) if HAS_TRITON else fn
+
+
+@jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """Wait until every kernel this launch depends on has finished and its memory is visible."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@jit
+def pdl_launch_dependents(USE_PDL: tl.constexpr):
+    """Allow the next PDL kernel on the stream to start launching (it still waits in its pdl_wait)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @jit

@@ -9,7 +9,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from helios.kernels._triton import cdiv, check_last_dim_contiguous, jit, require_triton, tanh, tl
+from helios.kernels._triton import (
+    cdiv,
+    check_last_dim_contiguous,
+    jit,
+    pdl_launch_dependents,
+    pdl_wait,
+    require_triton,
+    tanh,
+    tl,
+    use_pdl,
+)
 
 _BLOCK = 1024
 
@@ -22,10 +32,13 @@ def _gated_kernel(
     width,  # F
     IS_GELU_TANH: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     gate = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
     g = gate.to(tl.float32)
@@ -47,7 +60,9 @@ def _launch(x: torch.Tensor, is_gelu_tanh: bool) -> torch.Tensor:
     if num_tokens == 0:
         return out
     grid = (num_tokens, cdiv(width, _BLOCK))
-    _gated_kernel[grid](x, out, x.stride(0), width, IS_GELU_TANH=is_gelu_tanh, BLOCK=_BLOCK, num_warps=4)
+    pdl = use_pdl(x)
+    _gated_kernel[grid](x, out, x.stride(0), width, IS_GELU_TANH=is_gelu_tanh, BLOCK=_BLOCK, USE_PDL=pdl,
+                        num_warps=4, launch_pdl=pdl)
     return out
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from helios.kernels._triton import HAS_TRITON, interpret_mode, triton
+from helios.kernels._triton import HAS_TRITON, forced_pdl, interpret_mode, pdl_allowed, triton
 
 if HAS_TRITON:
     import triton.runtime.jit  # noqa: F401  (JITFunction, for _relative_sources)
@@ -229,7 +229,9 @@ def _compile_launched(shape: KernelShape, target, device: torch.device | str = "
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
-        run_launchers(shape, device)
+        # the launchers pick programmatic dependent launch for sm90+ devices: decide it for the target here
+        with forced_pdl(target.arch >= 90 and pdl_allowed()):
+            run_launchers(shape, device)
     finally:
         knobs.runtime.jit_cache_hook = previous
     return sorted(compiled.values(), key=lambda item: item[1])

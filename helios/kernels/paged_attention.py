@@ -13,7 +13,18 @@ from __future__ import annotations
 
 import torch
 
-from helios.kernels._triton import cdiv, check_last_dim_contiguous, jit, next_power_of_2, require_triton, tanh, tl
+from helios.kernels._triton import (
+    cdiv,
+    check_last_dim_contiguous,
+    jit,
+    next_power_of_2,
+    pdl_launch_dependents,
+    pdl_wait,
+    require_triton,
+    tanh,
+    tl,
+    use_pdl,
+)
 
 
 @jit
@@ -68,10 +79,13 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
     if HAS_WINDOW:
@@ -101,13 +115,15 @@ def _decode_kernel(
         offset = block * stride_cp + (pos % PAGE_SIZE) * stride_cs + kv_head * stride_ch
         kv_mask = k_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # NOTE: v is loaded before the scores need k, so both loads are in flight at once (a decode split
+        # often runs a single iteration: its time is the latency of this chain)
+        v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
         s = tl.where(k_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -138,9 +154,12 @@ def _decode_reduce_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     splits = tl.arange(0, BLOCK_S)
     s_mask = splits < NUM_SPLITS
     d = tl.arange(0, BLOCK_D)
@@ -202,6 +221,7 @@ def paged_decode_attention(
     block_d = max(16, next_power_of_2(head_dim))
     block_n = block_n or (64 if block_d <= 128 else 32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    pdl = use_pdl(q)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -238,8 +258,10 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         DOT_PRECISION=dot_precision(q.dtype),
+        USE_PDL=pdl,
         num_warps=4,
         num_stages=2,
+        launch_pdl=pdl,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -253,7 +275,9 @@ def paged_decode_attention(
             NUM_SPLITS=num_splits,
             BLOCK_S=next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            USE_PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )
     return out
 

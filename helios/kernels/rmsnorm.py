@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import torch
 
-from helios.kernels._triton import check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
+from helios.kernels._triton import (
+    check_last_dim_contiguous,
+    jit,
+    next_power_of_2,
+    pdl_launch_dependents,
+    pdl_wait,
+    require_triton,
+    tl,
+    use_pdl,
+)
 
 
 @jit
@@ -30,12 +39,16 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     MULTIPLY_IN_FLOAT32: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     i = row // inner_rows
     j = row % inner_rows
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel writes it
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     x = tl.load(x_ptr + i * stride_x0 + j * stride_x1 + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + i * stride_r0 + j * stride_r1 + cols, mask=mask, other=0.0)
@@ -44,7 +57,6 @@ def _rms_norm_kernel(
     h = x.to(tl.float32)
     mean_square = tl.sum(h * h, axis=0) / dim
     h = h * tl.rsqrt(mean_square + eps)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if MULTIPLY_IN_FLOAT32:
         y = h * w
     else:
@@ -98,7 +110,9 @@ def _launch(x, residual, weight, eps, multiply_in_float32):
         HAS_RESIDUAL=residual is not None,
         MULTIPLY_IN_FLOAT32=multiply_in_float32,
         BLOCK=block,
+        USE_PDL=use_pdl(x),
         num_warps=num_warps,
+        launch_pdl=use_pdl(x),
     )
     return out, residual_out
 

@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from helios.kernels._triton import check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
+from helios.kernels._triton import (
+    check_last_dim_contiguous,
+    jit,
+    next_power_of_2,
+    pdl_launch_dependents,
+    pdl_wait,
+    require_triton,
+    tl,
+    use_pdl,
+)
 
 
 @jit
@@ -73,24 +82,27 @@ def _rotary_cache_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     half = head_dim // 2
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     cmask = cols < half
-    cos1 = tl.load(cos_ptr + t * stride_cos + cols, mask=cmask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + t * stride_cos + half + cols, mask=cmask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + t * stride_sin + cols, mask=cmask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + t * stride_sin + half + cols, mask=cmask, other=0.0).to(tl.float32)
-    qw1 = cos1
-    qw2 = cos1
-    kw1 = cos1
-    kw2 = cos1
-    if HAS_NORM:
+    qw1 = tl.zeros([1, BLOCK_HALF], dtype=tl.float32)
+    qw2 = qw1
+    kw1 = qw1
+    kw2 = qw1
+    if HAS_NORM:  # weights: loaded before the wait (no kernel writes them)
         qw1 = tl.load(q_norm_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         qw2 = tl.load(q_norm_ptr + half + cols, mask=cmask, other=0.0).to(tl.float32)
         kw1 = tl.load(k_norm_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         kw2 = tl.load(k_norm_ptr + half + cols, mask=cmask, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    cos1 = tl.load(cos_ptr + t * stride_cos + cols, mask=cmask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + t * stride_cos + half + cols, mask=cmask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + t * stride_sin + cols, mask=cmask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + t * stride_sin + half + cols, mask=cmask, other=0.0).to(tl.float32)
     row = qkv_ptr + t * stride_qkv
 
     # q: [num_heads, head_dim] at the row's start -> q_out
@@ -176,7 +188,9 @@ def rotary_and_cache(
         BLOCK_HQ=next_power_of_2(num_heads),
         BLOCK_HK=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2),
+        USE_PDL=use_pdl(qkv),
         num_warps=4 if num_heads * head_dim <= 2048 else 8,
+        launch_pdl=use_pdl(qkv),
     )
     return q
 

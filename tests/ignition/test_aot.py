@@ -67,6 +67,10 @@ def test_manifest_lists_the_kernels(exported):
                                               "_reshape_and_cache_kernel", "_rms_norm_kernel", "_rms_norm_kernel",
                                               "_rotary_cache_kernel"], names
     assert core.manifest.dtype == "bfloat16"
+    # sm90: the decode path's kernels are compiled for programmatic dependent launch, the others not
+    pdl = {e["kernel"].rsplit(":", 1)[1]: e["specialization"]["options"].get("launch_pdl") for e in index["kernels"]}
+    assert {name for name, on in pdl.items() if on} == {"_decode_kernel", "_gated_kernel", "_rms_norm_kernel",
+                                                        "_rotary_cache_kernel"}, pdl
 
 
 def test_artifacts_carry_no_machine_paths(exported):
