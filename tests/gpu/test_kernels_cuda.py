@@ -136,3 +136,30 @@ def test_top_logprobs():
 )
 def test_backend_matches_torch_backend(dtype, query_lens, seq_lens, window, softcap):
     checks.check_backend(CUDA, dtype, query_lens, seq_lens, window, softcap)
+
+
+# --- small-batch GEMV (helios.kernels.gemv) ------------------------------------------------------------
+
+
+def _check_gemv(dtype, m, n, k, **config):
+    from helios.kernels.gemv import gemv, gemv_ref
+
+    g = torch.Generator().manual_seed(m * 7 + n)
+    x = torch.randn(m, k, generator=g).to(CUDA, dtype)
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(CUDA, dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=CUDA)  # poison: every element must be written
+    gemv(x, weight, out, **config)
+    ref = gemv_ref(x.double(), weight.double()).to(dtype)
+    assert not out.isnan().any(), "unwritten output elements"
+    tol = 1.6e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    assert torch.equal(out, gemv(x, weight, **config)), "not reproducible run to run"
+
+
+@DTYPES
+@pytest.mark.parametrize("m", [1, 3, 5, 16])
+def test_gemv(dtype, m):
+    _check_gemv(dtype, m, 40, 300, block_n=8, block_k=64)  # N and K tails
+    _check_gemv(dtype, m, 33, 200, block_n=8, block_k=32, split_k=3)
+    _check_gemv(dtype, m, 6144, 4096)  # llama-8B qkv, default config
+    _check_gemv(dtype, m, 4096, 14336, split_k=4)  # down, split-K

@@ -1,0 +1,239 @@
+"""GEMV for small-batch decode projections: out[M, N] = x[M, K] @ weight[N, K]^T, float32 accumulation.
+
+Built for batch-1..16 decode, where a projection is a pass over its weight. Each program owns BLOCK_N output
+rows (and, with split-K, one K range) and streams its weight tile in BLOCK_K chunks, one chunk ahead in
+registers. Under PDL (sm90) the first chunk is loaded before `pdl_wait`: no kernel writes a weight, so the
+stream starts while the previous kernel (norm, rotary, attention) still runs. Split-K writes float32 partials
+that a second kernel sums in a fixed order: no atomics, so results are bitwise reproducible run to run.
+Imports torch and helios.kernels._triton only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from helios.kernels._triton import (
+    cdiv,
+    check_last_dim_contiguous,
+    interpret_mode,
+    jit,
+    next_power_of_2,
+    pdl_launch_dependents,
+    pdl_wait,
+    require_triton,
+    tl,
+    use_pdl,
+)
+
+_TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200: below this, split K to fill the chip
+
+
+class GemvConfig(NamedTuple):
+    block_n: int  # output rows per program (>= 16 when M > 4: those use tl.dot)
+    block_k: int  # K elements per chunk (power of two)
+    num_warps: int
+    num_stages: int
+    split_k: int  # K ranges per output tile; > 1 adds a float32 partial buffer and a reduce kernel
+
+
+def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
+    """A config that streams near bandwidth for the 8B-llama decode shapes; the benchmark sweeps others."""
+    block_k = 512 if dtype.itemsize <= 2 else 256  # 1 KB per row chunk: 16-byte loads, 64 threads a row
+    block_n = 8 if m <= 4 else 16
+    num_tiles = cdiv(n, block_n)
+    split_k = 1
+    while num_tiles * split_k < _TARGET_PROGRAMS and k // (block_k * split_k * 2) >= 2:
+        split_k *= 2
+    return GemvConfig(block_n, block_k, 4, 1, split_k)
+
+
+@jit
+def _gemv_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    out_ptr,  # [M, N] (SPLIT_K == 1) or float32 partials [SPLIT_K, M, N] contiguous
+    M,
+    N,
+    K,
+    k_per_split,  # multiple of BLOCK_K
+    stride_xm,
+    stride_wn,
+    stride_om,
+    stride_os,  # partials: stride between splits (0 when SPLIT_K == 1)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no row mask
+    EVEN_K: tl.constexpr,  # every split's K range is whole BLOCK_K chunks inside K: no column mask
+    USE_DOT: tl.constexpr,  # BLOCK_M >= 16: tensor-core dot; else broadcast-multiply in float32
+    IEEE_DOT: tl.constexpr,  # float32 operands, full precision (not tf32)
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_mask = offs_n < N
+    m_mask = offs_m < M
+    k_begin = pid_k * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    # int64 row offsets: the lm_head's N * K nears 2^31
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm  # [BLOCK_M, 1]
+
+    # Weights are constant: the first chunk is in flight before the wait on the previous kernel.
+    if EVEN_N and EVEN_K:
+        w_next = tl.load(w_rows + (k_begin + offs_k)[None, :])
+    else:
+        w_next = tl.load(w_rows + (k_begin + offs_k)[None, :],
+                         mask=n_mask[:, None] & ((k_begin + offs_k) < k_end)[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+
+    if BLOCK_M == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        w = w_next
+        cols = k + offs_k
+        nxt = cols + BLOCK_K
+        # one chunk ahead; past the range the mask drops the load (a scalar mask keeps 16-byte vectors)
+        if EVEN_N and EVEN_K:
+            has_next = tl.full([BLOCK_N, BLOCK_K], 1, tl.int1) & (k + BLOCK_K < k_end)
+            w_next = tl.load(w_rows + nxt[None, :], mask=has_next, other=0.0)
+            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_end)[None, :], other=0.0)
+            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & (cols < k_end)[None, :], other=0.0)
+        if USE_DOT:
+            if IEEE_DOT:
+                acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+        elif BLOCK_M == 1:
+            acc += w.to(tl.float32) * x.to(tl.float32)  # [BLOCK_N, BLOCK_K] * [1, BLOCK_K]
+        else:
+            prod = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
+            acc += tl.sum(prod, axis=2)
+    pdl_launch_dependents(USE_PDL)
+
+    if BLOCK_M == 1:
+        result = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        result = acc
+    out_ptrs = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@jit
+def _split_k_reduce_kernel(
+    partial_ptr,  # [SPLIT_K, M, N] float32 contiguous
+    out_ptr,  # [M, N]
+    N,
+    stride_om,
+    stride_ps,  # M * N
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: the same bits on every run
+        acc += tl.load(partial_ptr + s * stride_ps + m * N + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + m * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], small M (decode); rows may be strided
+    weight: torch.Tensor,  # [N, K] (torch Linear orientation), same dtype as x
+    out: torch.Tensor | None = None,  # [M, N], x.dtype, last dim contiguous
+    *,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:  # [M, N]
+    """x @ weight.T with float32 accumulation and one rounding; unset tile arguments take default_config."""
+    require_triton()
+    assert x.dim() == 2 and weight.dim() == 2, f"expected x [M, K], weight [N, K]: {tuple(x.shape)}, {tuple(weight.shape)}"
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k, f"weight {tuple(weight.shape)} does not match K = {k}"
+    assert weight.dtype == x.dtype, f"dtype mismatch: x {x.dtype}, weight {weight.dtype}"
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.dtype == x.dtype, f"out must be [{m}, {n}] {x.dtype}"
+    check_last_dim_contiguous("out", out)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+
+    cfg = default_config(m, n, k, x.dtype)
+    block_k = block_k or cfg.block_k
+    num_warps = num_warps or cfg.num_warps
+    num_stages = num_stages or cfg.num_stages
+    use_dot = m > 4
+    block_m = 16 if use_dot else next_power_of_2(m)
+    block_n = block_n or cfg.block_n
+    if use_dot:
+        block_n = max(block_n, 16)  # tl.dot needs 16 along every dimension
+        block_k = max(block_k, 16)
+    assert block_n & (block_n - 1) == 0 and block_k & (block_k - 1) == 0, "block sizes must be powers of two"
+    split_k = max(1, min(split_k or cfg.split_k, cdiv(k, block_k)))
+    k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
+    split_k = cdiv(k, k_per_split)  # no empty splits
+    even_k = k % k_per_split == 0
+
+    pdl = use_pdl(x)
+    grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
+    target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    _gemv_kernel[grid](
+        x,
+        weight,
+        target,
+        m,
+        n,
+        k,
+        k_per_split,
+        x.stride(0),
+        weight.stride(0),
+        target.stride(-2),
+        0 if split_k == 1 else target.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_N=n % block_n == 0,
+        EVEN_K=even_k,
+        USE_DOT=use_dot,
+        # NOTE: Triton's interpreter (3.9) returns garbage from a bfloat16 tl.dot; it takes the float32 dot
+        IEEE_DOT=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpret_mode()),
+        USE_PDL=pdl,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        launch_pdl=pdl,
+    )
+    if split_k > 1:
+        block = min(1024, next_power_of_2(n))
+        _split_k_reduce_kernel[(m, cdiv(n, block))](
+            target, out, n, out.stride(0), m * n, SPLIT_K=split_k, BLOCK=block, USE_PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
+        )
+    return out
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear in float32, one rounding to x.dtype."""
+    return F.linear(x.to(torch.float32), weight.to(torch.float32)).to(x.dtype)

@@ -1,0 +1,73 @@
+"""The small-batch GEMV kernel vs gemv_ref (Triton interpreter): masked tails, split-K, the dot path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.interpreter import require_interpreter
+
+require_interpreter()
+
+from helios.kernels.gemv import default_config, gemv, gemv_ref  # noqa: E402
+
+# float32 accumulation in another order, then one rounding: within an ulp of the output dtype
+_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def check_gemv(device, dtype, m, n, k, seed=0, **config):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(device, dtype)
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(device, dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)  # poison: every element must be written
+    gemv(x, weight, out, **config)
+    ref = gemv_ref(x, weight)
+    assert not out.isnan().any(), "unwritten output elements"
+    tol = _TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    again = gemv(x, weight, **config)
+    assert torch.equal(out, again), "not reproducible run to run"
+    return out
+
+
+SHAPES = [(1, 40, 300), (2, 33, 200), (3, 64, 1024), (4, 17, 96), (5, 20, 100)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_gemv_default_config(dtype, m, n, k):
+    check_gemv("cpu", dtype, m, n, k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "m, n, k, config",
+    [
+        (1, 40, 300, dict(block_n=8, block_k=64)),  # N and K tails
+        (1, 64, 1024, dict(block_n=16, block_k=128)),  # even: the unmasked path
+        (1, 64, 1024, dict(block_n=8, block_k=64, split_k=4)),  # even split-K
+        (3, 33, 200, dict(block_n=8, block_k=32, split_k=3)),  # split-K with a short last split
+        (2, 48, 256, dict(block_n=16, block_k=64, split_k=2, num_warps=2)),
+        (5, 20, 100, dict(block_k=32)),  # M > 4: tl.dot, block_n raised to 16
+        (17, 48, 256, dict(block_k=32, split_k=2)),  # two M blocks
+    ],
+)
+def test_gemv_configs(dtype, m, n, k, config):
+    check_gemv("cpu", dtype, m, n, k, **config)
+
+
+def test_gemv_strided_x_and_out():
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(3, 300, generator=g)
+    x = big[:, 50:250]  # rows strided by 300
+    weight = torch.randn(24, 200, generator=g)
+    buf = torch.full((3, 40), float("nan"))
+    out = buf[:, 8:32]
+    gemv(x, weight, out, block_n=8, block_k=64)
+    torch.testing.assert_close(out, gemv_ref(x, weight), rtol=2e-5, atol=2e-5)
+    assert buf[:, :8].isnan().all() and buf[:, 32:].isnan().all()  # nothing outside out written
+
+
+def test_default_config_fills_the_chip_on_small_n():
+    assert default_config(1, 4096, 4096).split_k == 1  # 512 tiles already
+    assert default_config(1, 512, 4096).split_k > 1
