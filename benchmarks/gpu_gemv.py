@@ -176,6 +176,10 @@ def sweep_shapes(shapes, sweep, device, dtype, dry, bw) -> dict:
         if proj is None:
             continue
         guarded(f"{name} cublas", run_variant, proj, "cublas F.linear", F.linear, None, dry, bw)
+        # a bias sends torch's addmm to cuBLASLt (another heuristic, other kernels than the plain GEMV path)
+        zero_bias = torch.zeros(n, device=device, dtype=dtype)
+        guarded(f"{name} cublaslt", run_variant, proj, "cublasLt F.linear + zero bias",
+                lambda x, w: F.linear(x, w, zero_bias), None, dry, bw)
         default = tuple(default_config(1, n, k, dtype))
         configs = [default] + [c for c in sweep if c != default and not (c[4] > 1 and n > 8192)]
         for cfg in configs:

@@ -1,6 +1,6 @@
 #!/bin/bash
 # One call on the lent H200 (device tool): carried wheels, GPU tests, serve cold start, decode benchmark.
-# PARTS picks among tests,bench,serve,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
+# PARTS picks among tests,bench,serve,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -22,6 +22,10 @@ fi
 if [[ $PARTS == *bench* ]]; then
   timeout ${BENCH_S:-260} python3 benchmarks/gpu_decode.py ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   echo "== bench rc $?"; grep -v "^W1\|^  warnings\|Warning" "$OUT/bench.log" | tail -60
+fi
+if [[ $PARTS == *gemv* ]]; then
+  timeout ${GEMV_S:-240} python3 benchmarks/gpu_gemv.py ${GEMV_ARGS:-} > "$OUT/gemv.log" 2>&1
+  echo "== gemv rc $?"; grep -v "^W1\|Warning" "$OUT/gemv.log" | tail -70
 fi
 if [[ $PARTS == *host* ]]; then
   timeout ${HOST_S:-120} python3 benchmarks/gpu_decode.py --host-profile > "$OUT/host.log" 2>&1
