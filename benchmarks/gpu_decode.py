@@ -4,8 +4,9 @@
    attention backends, float32 and bf16) against the CPU path; float32 logits against CPU.
 2. Ceilings: device copy bandwidth and bf16 matmul rate measured in this run.
 3. Decode: an 8B llama shape with random bf16 weights at batch 1, 16, 64, 256 through the engine, the
-   eager runner beside the CUDA-graph runner; each as a fraction of the limit (weight + KV bytes per step
-   over the measured copy bandwidth). Graph capture time of the default bucket plan.
+   eager runner beside the CUDA-graph runner with and without the speculative next decode step (overlap hits and
+   misses printed); each as a fraction of the limit (weight + KV bytes per step over the measured copy
+   bandwidth). Graph capture time of the default bucket plan.
 4. Prefill: one 4096-token request, tokens/s and achieved FLOP/s as a fraction of the measured matmul rate.
 5. Peers on the same weights, batch 1: HF transformers' eager generate, and static cache + torch.compile
    (mode="reduce-overhead").
@@ -423,14 +424,19 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
             lines += more
     for batch in (1, 16, 64, 256):
         limit = limits[batch]
-        for name, runner in (("eager", eager), ("graphs", graphed)):
+        # graphs with and without the speculative next decode step (runner/decode_overlap.py)
+        for name, runner, overlap in (("eager", eager, False), ("graphs", graphed, True),
+                                      ("graphs-no-overlap", graphed, False)):
             if runner is None:
                 continue
+            runner.decode_overlap = overlap
             replays = runner.graphs.num_replays if runner.graphs else 0
+            hits, misses = runner.overlap_hits, runner.overlap_misses
             tps = timed_decode(runner, arch, batch, prompt_len, new)
             used = (runner.graphs.num_replays - replays) if runner.graphs else 0
             say(f"helios {name:6} decode batch {batch:3}: {tps:8.1f} tok/s  limit {limit:8.1f}  "
-                         f"({tps / limit:.1%})  graph replays {used}")
+                f"({tps / limit:.1%})  graph replays {used}  overlap hits {runner.overlap_hits - hits} "
+                f"misses {runner.overlap_misses - misses}")
             table.append((f"decode {name} b={batch}", f"{tps:.1f} tok/s", f"{limit:.1f}", f"{tps / limit:.1%}"))
             torch.cuda.empty_cache()
     del eager

@@ -3,8 +3,9 @@
 Everything graph-specific lives here (STYLE habit 13): which steps qualify (every request schedules one
 token, the batch fits the largest bucket, every block table fits the static width), the padded host-side
 inputs, capture (largest bucket first, one shared memory pool, the Triton decode split count pinned per
-bucket) and replay. Prefill and mixed steps never come here: the runner runs them eagerly. Sampling and
-logprob extraction stay outside the graph and read its static float32 logits rows.
+bucket) and replay, including the replay of a speculative next step whose token ids come straight from
+the device (runner/decode_overlap.py). Prefill and mixed steps never come here: the runner runs them eagerly.
+Sampling and logprob extraction stay outside the graph and read its static float32 logits rows.
 Imports torch, helios.layers.attention (metadata) and helios.kernels.aot (the pinned split rule).
 """
 
@@ -75,6 +76,42 @@ def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, buc
     return DecodeInputs(bucket, num_seqs, packed, block_tables)
 
 
+class StagingRing:
+    """Host buffers the per-step inputs are copied from: pinned on CUDA, so a non_blocking copy never waits
+    for the stream (a copy from pageable memory may block the host until the GPU reaches it, which would
+    stall the host behind a speculative step). A slot is reused only after the event of its last copy.
+    """
+
+    def __init__(self, cols: int, max_num_seqs: int, max_blocks: int, device: torch.device, size: int = 4):
+        self.is_cuda = device.type == "cuda"
+        self.slots = [
+            (
+                torch.zeros(4, cols, dtype=torch.int64, pin_memory=self.is_cuda),
+                torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, pin_memory=self.is_cuda),
+            )
+            for _ in range(size)
+        ]
+        self.events: list[torch.cuda.Event | None] = [None] * size
+        self.next = 0
+
+    def copy_to(self, inputs: DecodeInputs, packed: torch.Tensor, block_tables: torch.Tensor) -> None:
+        """Copy inputs into packed[:, :bucket] and block_tables[:num_seqs, :width] through the next slot."""
+        i = self.next
+        self.next = (i + 1) % len(self.slots)
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # its previous copy has run (long ago, in steady state)
+        host_packed, host_tables = self.slots[i]
+        b, n, w = inputs.bucket, inputs.num_seqs, inputs.block_tables.shape[1]
+        host_packed[:, :b].copy_(inputs.packed)
+        host_tables[:n, :w].copy_(inputs.block_tables)
+        packed[:, :b].copy_(host_packed[:, :b], non_blocking=True)
+        block_tables[:n, :w].copy_(host_tables[:n, :w], non_blocking=True)
+        if self.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.events[i] = event
+
+
 class StaticBuffers:
     """Persistent device buffers the graphs read and write; sized for the largest bucket."""
 
@@ -82,6 +119,8 @@ class StaticBuffers:
         self.max_num_seqs = max_num_seqs
         # NOTE: rows padded to 16 so every row of `packed` starts 16-byte aligned (Triton specializes on it).
         cols = round_up(max_num_seqs, 16)
+        self.staging = StagingRing(cols, max_num_seqs, max_blocks, torch.device(device))
+        self.num_loads = 0  # bumped by every load: a speculation is valid only while no other load came
         self.packed = torch.zeros(4, cols, dtype=torch.int64, device=device)
         self.packed[SLOT_MAPPING].fill_(-1)
         self.seq_lens = torch.zeros(cols, dtype=torch.int32, device=device)
@@ -90,10 +129,9 @@ class StaticBuffers:
         self.logits = torch.zeros(max_num_seqs, vocab_size, dtype=torch.float32, device=device)
 
     def load(self, inputs: DecodeInputs) -> None:
-        """Two host->device copies per step (from pageable memory, so the host buffers are free on return)."""
-        b, n = inputs.bucket, inputs.num_seqs
-        self.packed[:, :b].copy_(inputs.packed, non_blocking=True)
-        self.block_tables[:n, : inputs.block_tables.shape[1]].copy_(inputs.block_tables, non_blocking=True)
+        """Two host->device copies per step, through the pinned staging ring."""
+        self.staging.copy_to(inputs, self.packed, self.block_tables)
+        self.num_loads += 1
 
     def pad_all(self) -> None:
         """Every row a padded row: what capture runs on (no KV write, no KV read)."""
@@ -184,7 +222,7 @@ class GraphRunner:
         self.num_splits = {b: graph_decode_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
-        self.num_replays = 0
+        self.num_replays = 0  # every replay, speculative ones included
         if capture:
             self.capture()
 
@@ -233,13 +271,26 @@ class GraphRunner:
         NOTE: the result views the static logits buffer: read it (sample, logprobs) before the next replay.
         """
         self.buffers.load(prepare_decode_inputs(scheduled, self.page_size, bucket))
+        self._replay(bucket)
+        return self.logits_rows(layout, len(scheduled))
+
+    def run_next(self, inputs: DecodeInputs, token_ids: torch.Tensor) -> None:  # token_ids: [num_seqs] int64
+        """Replay inputs' bucket with the token ids taken from a device tensor (no host sync): the
+        speculative next decode step. Its logits stay in the static buffer for `logits_rows`."""
+        self.buffers.load(inputs)
+        self.buffers.packed[TOKEN_IDS, : inputs.num_seqs].copy_(token_ids)  # device to device, stream-ordered
+        self._replay(inputs.bucket)
+
+    def logits_rows(self, layout: BatchLayout, num_seqs: int) -> torch.Tensor:  # [N, V] float32
+        """The layout's logits rows of the last replay."""
+        rows = self.buffers.logits[:num_seqs]
+        if layout.logits_indices == list(range(num_seqs)):
+            return rows
+        return rows[torch.tensor(layout.logits_indices, dtype=torch.int64, device=rows.device)]
+
+    def _replay(self, bucket: int) -> None:
         if bucket in self.graphs:
             self.graphs[bucket].replay()
         else:
             self._forward(bucket)
         self.num_replays += 1
-        num_seqs = len(scheduled)
-        rows = self.buffers.logits[:num_seqs]
-        if layout.logits_indices == list(range(num_seqs)):
-            return rows
-        return rows[torch.tensor(layout.logits_indices, dtype=torch.int64, device=rows.device)]

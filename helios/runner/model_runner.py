@@ -4,13 +4,15 @@ One step: drop finished requests, register new ones, flatten every scheduled req
 and decodes mixed) into one token batch, run the model once, compute logits only for the rows that
 are used, sample, and extract logprobs. Plain data in and out (helios.engine.messages); tensors never
 cross the boundary. Sampling and logprob extraction live in runner/sampler.py and runner/logprobs.py.
-On CUDA, decode-only steps that fit a bucket replay a CUDA graph (runner/cuda_graphs.py); construction
+On CUDA, decode-only steps that fit a bucket replay a CUDA graph (runner/cuda_graphs.py), and the next
+decode step is enqueued before this one's ids are read back (runner/decode_overlap.py); construction
 loads precompiled kernels, moves the weights, sizes the KV pool from free memory and captures, and
 records how long each took in `startup`.
 """
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -29,10 +31,11 @@ from helios.engine.messages import (
 )
 from helios.models import build_model
 from helios.runner.cpu_threads import DecodeThreads, same_bits_across_threads
+from helios.runner.decode_overlap import DecodeOverlap, speculable
 from helios.runner.input_batch import BatchLayout, RequestRows, RequestState, layout_batch, prepare_batch
 from helios.runner.kv_cache import KVCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
-from helios.runner.sampler import SamplerState, sample
+from helios.runner.sampler import SamplerState, sample, sample_device
 
 
 DEFAULT_DECODE_BUCKETS = [1, 2, 4, 8] + list(range(16, 257, 16))  # when no graph plan is given
@@ -132,9 +135,13 @@ class ModelRunner:
         gpu_memory_fraction: float = 0.9,
         core_path: Path | str | None = None,
         kernel_targets: list[KernelTarget] = (),
+        decode_overlap: bool | None = None,
     ):
         """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
-        core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core)."""
+        core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core).
+        decode_overlap: speculate the next graphed decode step (runner/decode_overlap.py); None means on
+        CUDA (where graphs exist), True also on the CPU once a test attaches a GraphRunner(capture=False);
+        HELIOS_DECODE_OVERLAP=0 turns it off whatever the argument."""
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = dtype or tensors["embed.weight"].dtype
@@ -167,6 +174,10 @@ class ModelRunner:
         t3 = time.perf_counter()
         self.requests: dict[str, RequestState] = {}
         self.graphs = self._build_graphs(graph_plan, cuda_graphs)
+        if os.environ.get("HELIOS_DECODE_OVERLAP", "1") == "0":
+            decode_overlap = False
+        self.decode_overlap = is_cuda if decode_overlap is None else decode_overlap  # may be flipped between steps
+        self._overlap: DecodeOverlap | None = None  # made at the first graphed step (tests attach graphs late)
         # CPU decode steps pick their intra-op thread count by timing (helios.runner.cpu_threads)
         self.decode_threads = None
         if self.device.type == "cpu" and decode_threads_are_exact(self.model, arch, torch.get_num_threads()):
@@ -188,6 +199,16 @@ class ModelRunner:
     @property
     def num_pages(self) -> int:
         return self.kv_cache.num_pages
+
+    @property
+    def overlap_hits(self) -> int:
+        """Speculative decode steps whose logits a plan used."""
+        return self._overlap.num_hits if self._overlap is not None else 0
+
+    @property
+    def overlap_misses(self) -> int:
+        """Speculative decode steps dropped because the next plan was another step."""
+        return self._overlap.num_misses if self._overlap is not None else 0
 
     def _build_graphs(self, graph_plan: GraphPlan | None, cuda_graphs: bool):
         if self.device.type != "cuda":
@@ -229,6 +250,8 @@ class ModelRunner:
         for new in plan.new_requests:
             self.requests[new.req_id] = self._new_state(new)
         if not plan.scheduled:
+            if self._overlap is not None:
+                self._overlap.take(plan, None)  # every plan ends a pending speculation
             return ModelRunnerOutput(results=[])
         unknown = [s.req_id for s in plan.scheduled if s.req_id not in self.requests]
         if unknown:
@@ -236,14 +259,34 @@ class ModelRunner:
 
         layout = layout_batch(plan.scheduled, self.requests, self.page_size)
         bucket = self.graphs.bucket_for(plan.scheduled, layout) if self.graphs is not None else None
-        if bucket is not None:
+        overlap = self._decode_overlap()
+        speculate = None
+        if overlap is not None and overlap.take(plan, bucket):
+            logits = self.graphs.logits_rows(layout, len(plan.scheduled))  # the speculative step's rows
+        elif bucket is not None:
             logits = self.graphs.run(plan.scheduled, layout, bucket)  # [N, V] float32, the graph's output rows
         elif self.decode_threads is not None and layout.is_decode_only:
             with self.decode_threads.run(len(layout.seq_lens)):
                 logits = self._forward(plan.scheduled, layout)
         else:
             logits = self._forward(plan.scheduled, layout)
-        return ModelRunnerOutput(results=self._postprocess(plan.scheduled, layout.rows, logits))
+        if (
+            bucket is not None
+            and overlap is not None
+            and speculable(plan.scheduled, self.requests, self.page_size, self.graphs.max_blocks)
+        ):
+            def speculate(token_ids: torch.Tensor) -> list[int]:
+                return overlap.launch(plan.scheduled, bucket, token_ids)
+        return ModelRunnerOutput(results=self._postprocess(plan.scheduled, layout.rows, logits, speculate))
+
+    def _decode_overlap(self) -> DecodeOverlap | None:
+        if not self.decode_overlap or self.graphs is None:
+            if self._overlap is not None:
+                self._overlap.pending = None  # switched off: a pending step is never used
+            return None
+        if self._overlap is None or self._overlap.graphs is not self.graphs:
+            self._overlap = DecodeOverlap(self.graphs, self.page_size, self.device)
+        return self._overlap
 
     def _forward(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> torch.Tensor:  # [N, V] float32
         batch = prepare_batch(scheduled, self.requests, self.page_size, self.device, layout)
@@ -269,18 +312,25 @@ class ModelRunner:
         scheduled: list[ScheduledRequest],
         batch_rows: list[RequestRows],
         logits: torch.Tensor,  # [N, V] float32
+        speculate=None,  # ids on the device -> ids on the host, after enqueueing the next step (no forced rows)
     ) -> list[RequestResult]:
         sampling_rows = [r for r in batch_rows if r.sample_row is not None]
         sampled: dict[str, int] = {}
         position_logprobs: dict[str, PositionLogprobs | None] = {}
         if sampling_rows:
             states = [self.requests[r.req_id] for r in sampling_rows]
-            sample_logits = logits[[r.sample_row for r in sampling_rows]]  # [B, V]
+            sample_rows = [r.sample_row for r in sampling_rows]
+            # a view when every row samples: an index list would copy to the device and sync the stream
+            sample_logits = logits if sample_rows == list(range(logits.shape[0])) else logits[sample_rows]  # [B, V]
             # the engine's forced tokens (reasoning close at the thinking budget): not drawn, no logprob record
             forced = {s.req_id: s.forced_token_id for s in scheduled if s.forced_token_id is not None}
             forced_ids = [forced.get(r.req_id) for r in sampling_rows] if forced else None
             # NOTE: sample() leaves its input untouched, so logprobs below read the raw distribution.
-            token_ids = sample(sample_logits, [st.sampler_state for st in states], forced_ids)
+            sampler_states = [st.sampler_state for st in states]
+            if speculate is not None:
+                token_ids = speculate(sample_device(sample_logits, sampler_states))
+            else:
+                token_ids = sample(sample_logits, sampler_states, forced_ids)
             for row, state, token_id in zip(sampling_rows, states, token_ids):
                 sampled[row.req_id] = int(token_id)
                 state.sampler_state.append(int(token_id))

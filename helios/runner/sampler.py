@@ -278,6 +278,17 @@ def sample(
         free = [i for i, t in enumerate(forced_token_ids) if t is None]
         drawn = iter(sample(_rows(logits, free), [states[i] for i in free]) if free else [])
         return [int(t) if t is not None else next(drawn) for t in forced_token_ids]
+    return sample_device(logits, states).tolist()
+
+
+def sample_device(
+    logits: torch.Tensor,  # [batch, vocab] float32 raw logits (not modified)
+    states: Sequence[SamplerState],
+) -> torch.Tensor:  # [batch] int64 on the logits' device
+    """sample() without forced rows and without reading the ids back: the ids stay on the device, so the
+    caller can enqueue more work (the runner's speculative next decode step) before it waits for them.
+    The same rules and the same generator draws as sample(); the caller appends the ids to the states.
+    """
     scores = transform_logits(logits, states)  # [batch, vocab]
     sampled = [i for i, s in enumerate(states) if not s.is_greedy]
     if sampled:
@@ -288,4 +299,4 @@ def sample(
         # scores is not the caller's tensor here: transform_logits copied it for the sampled rows
         scores = _with_rows(scores, sampled, _rows(scores, sampled) - log_noise, owned=True)
     # NOTE: argmax returns the first maximal index: greedy ties go to the lowest token id.
-    return scores.argmax(dim=-1).tolist()
+    return scores.argmax(dim=-1)
