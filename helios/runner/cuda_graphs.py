@@ -104,8 +104,10 @@ class StagingRing:
         b, n, w = inputs.bucket, inputs.num_seqs, inputs.block_tables.shape[1]
         host_packed[:, :b].copy_(inputs.packed)
         host_tables[:n, :w].copy_(inputs.block_tables)
-        packed[:, :b].copy_(host_packed[:, :b], non_blocking=True)
-        block_tables[:n, :w].copy_(host_tables[:n, :w], non_blocking=True)
+        # NOTE: whole rows, so both sides are contiguous: a strided copy would go through a pageable temporary.
+        # Columns past the bucket and block-table entries past a sequence's blocks are stale and never read.
+        packed.copy_(host_packed, non_blocking=True)
+        block_tables[:n].copy_(host_tables[:n], non_blocking=True)
         if self.is_cuda:
             event = torch.cuda.Event()
             event.record()
