@@ -87,15 +87,18 @@ class StagingRing:
         self.slots = [
             (
                 torch.zeros(4, cols, dtype=torch.int64, pin_memory=self.is_cuda),
-                torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, pin_memory=self.is_cuda),
+                torch.zeros(max_num_seqs * max_blocks, dtype=torch.int32, pin_memory=self.is_cuda),  # [n * width]
             )
             for _ in range(size)
         ]
         self.events: list[torch.cuda.Event | None] = [None] * size
         self.next = 0
 
-    def copy_to(self, inputs: DecodeInputs, packed: torch.Tensor, block_tables: torch.Tensor) -> None:
-        """Copy inputs into packed[:, :bucket] and block_tables[:num_seqs, :width] through the next slot."""
+    def copy_to(
+        self, inputs: DecodeInputs, packed: torch.Tensor, block_tables: torch.Tensor, table_scratch: torch.Tensor
+    ) -> None:
+        """Copy inputs into packed[:, :bucket] and block_tables[:num_seqs, :width] through the next slot (the
+        table via table_scratch, a flat device buffer)."""
         i = self.next
         self.next = (i + 1) % len(self.slots)
         if self.events[i] is not None:
@@ -103,11 +106,13 @@ class StagingRing:
         host_packed, host_tables = self.slots[i]
         b, n, w = inputs.bucket, inputs.num_seqs, inputs.block_tables.shape[1]
         host_packed[:, :b].copy_(inputs.packed)
-        host_tables[:n, :w].copy_(inputs.block_tables)
-        # NOTE: whole rows, so both sides are contiguous: a strided copy would go through a pageable temporary.
-        # Columns past the bucket and block-table entries past a sequence's blocks are stale and never read.
+        host_tables[: n * w].view(n, w).copy_(inputs.block_tables)
+        # NOTE: host->device copies of contiguous memory only (a strided one goes through a pageable temporary):
+        # all of `packed` (columns past the bucket are stale and never read), the [n, width] table packed flat,
+        # then a device-side strided copy into the static table.
         packed.copy_(host_packed, non_blocking=True)
-        block_tables[:n].copy_(host_tables[:n], non_blocking=True)
+        table_scratch[: n * w].copy_(host_tables[: n * w], non_blocking=True)
+        block_tables[:n, :w].copy_(table_scratch[: n * w].view(n, w))
         if self.is_cuda:
             event = torch.cuda.Event()
             event.record()
@@ -127,12 +132,13 @@ class StaticBuffers:
         self.packed[SLOT_MAPPING].fill_(-1)
         self.seq_lens = torch.zeros(cols, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
+        self.table_scratch = torch.zeros(max_num_seqs * max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(cols + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(max_num_seqs, vocab_size, dtype=torch.float32, device=device)
 
     def load(self, inputs: DecodeInputs) -> None:
         """Two host->device copies per step, through the pinned staging ring."""
-        self.staging.copy_to(inputs, self.packed, self.block_tables)
+        self.staging.copy_to(inputs, self.packed, self.block_tables, self.table_scratch)
         self.num_loads += 1
 
     def pad_all(self) -> None:
