@@ -44,7 +44,7 @@ if HAS_TRITON:
 from helios.kernels.paged_attention import choose_num_splits
 
 INDEX_FILE = "index.json"
-KERNEL_MODULES = ("_triton", "activation", "paged_attention", "prefill_attention", "reshape_and_cache", "rmsnorm",
+KERNEL_MODULES = ("_triton", "activation", "gemv", "paged_attention", "prefill_attention", "reshape_and_cache", "rmsnorm",
                   "rotary_cache")
 # streaming multiprocessors assumed per target when pinning graph splits ahead of time (H100 SXM / H200)
 TARGET_SMS = {90: 132, 100: 148, 80: 108}
@@ -88,6 +88,8 @@ class KernelShape:
     qk_norm: bool = False
     norm_in_float32: bool = False  # gemma's order of the q/k norm multiply
     activation: str = "silu"
+    # (out, in) of each projection batch-1 decode sends to the GEMV (helios.kernels.gemv.gemv_serves)
+    projections: tuple[tuple[int, int], ...] = ()
 
 
 def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
@@ -99,6 +101,10 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
     context = manifest.limits.context_length
     splits = {1} | {graph_decode_splits(b, arch.num_kv_heads, context, num_sms) for b in plan.decode_buckets}
     is_gemma = arch.family == "gemma3"
+    h, q_width = arch.hidden_size, arch.num_heads * arch.head_dim
+    ffn = arch.moe.moe_intermediate_size if arch.moe else arch.intermediate_size
+    projections = {((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, h), (h, q_width), (2 * ffn, h),
+                   (h, ffn), (arch.vocab_size, h)}
     return KernelShape(
         dtype=_DTYPES[manifest.dtype],
         hidden_size=arch.hidden_size,
@@ -111,6 +117,7 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
         qk_norm=arch.qk_norm or is_gemma,
         norm_in_float32=is_gemma,
         activation=arch.hidden_act,
+        projections=tuple(sorted(projections)) if _DTYPES[manifest.dtype].itemsize == 2 else (),
     )
 
 
@@ -121,6 +128,7 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     cache one [2, pages, page, Nkv, D] tensor, block tables 16 wide (runner/input_batch pads them so).
     Outputs are garbage: only which kernels get launched (and so compiled or loaded) matters."""
     from helios.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+    from helios.kernels.gemv import gemv
     from helios.kernels.paged_attention import paged_decode_attention
     from helios.kernels.prefill_attention import paged_prefill_attention
     from helios.kernels.reshape_and_cache import reshape_and_cache
@@ -130,6 +138,8 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     nq, nkv, d, dt = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
     scale = d**-0.5
     z = dict(dtype=dt, device=device)
+    for n, k in shape.projections:  # batch-1 GEMVs: full-size (uninitialized) weights, as the tile choice reads N, K
+        gemv(torch.zeros(1, k, **z), torch.empty(n, k, **z))
     for num_tokens in (1, 2):  # decode rows, then a two-token prefill
         x = torch.zeros(num_tokens, shape.hidden_size, **z)
         weight = torch.ones(shape.hidden_size, **z)

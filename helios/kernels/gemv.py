@@ -10,12 +10,14 @@ Imports torch and helios.kernels._triton only.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from helios.kernels._triton import (
+    HAS_TRITON,
     cdiv,
     check_last_dim_contiguous,
     interpret_mode,
@@ -40,8 +42,14 @@ class GemvConfig(NamedTuple):
 
 
 def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
-    """A config that streams near bandwidth for the 8B-llama decode shapes; the benchmark sweeps others."""
+    """A config that streams near bandwidth for the 8B-llama decode shapes; the benchmark sweeps others.
+
+    M = 1, 16-bit: 8 rows x 1024 columns a chunk, the best or within 1 us of the best of benchmarks/gpu_gemv.py's
+    sweep on the H200 for every 8B projection (2026-12-03: qkv 16.0 us, o 10.0, gate_up 57.0, down 29.4,
+    lm_head 237.6; cuBLAS 15.8, 13.4, 62.7, 32.7, 251.7)."""
     block_k = 512 if dtype.itemsize <= 2 else 256  # 1 KB per row chunk: 16-byte loads, 64 threads a row
+    if m == 1 and dtype.itemsize <= 2 and k >= 1024:
+        block_k = 1024
     block_n = 8 if m <= 4 else 16
     num_tiles = cdiv(n, block_n)
     split_k = 1
@@ -232,6 +240,27 @@ def gemv(
             launch_pdl=pdl,
         )
     return out
+
+
+def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `helios.layers.linear` sends this product here: one row (batch-1 decode), 16-bit, on a GPU
+    with compiled Triton kernels, HELIOS_GEMV not "0". At M = 1 the GEMV beat cuBLAS on every 8B projection;
+    at M = 4 and 16 it lost (28-50% of copy bandwidth against cuBLAS's 58-97%), so those stay on cuBLAS."""
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and x.device.type == "cuda"
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.stride(-1) == 1
+        and weight.is_contiguous()
+        and gemv_enabled()
+    )
+
+
+def gemv_enabled() -> bool:
+    return HAS_TRITON and not interpret_mode() and os.environ.get("HELIOS_GEMV", "1").strip().lower() not in (
+        "0", "false", "off", "no")
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

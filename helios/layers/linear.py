@@ -1,7 +1,8 @@
 """Linear projections over core tensors stored in torch's [out_features, in_features] orientation.
 
 Weights start on the meta device and are bound without a copy by `helios.models.bind_tensors`.
-`linear` is the one matmul entry point: F.linear, or oneDNN for wide float32 projections on the CPU.
+`linear` is the one matmul entry point: F.linear, oneDNN for wide float32 projections on the CPU, or
+helios.kernels.gemv for one-row 16-bit products on a GPU (batch-1 decode).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from helios.kernels.gemv import gemv, gemv_serves
 
 
 @functools.cache
@@ -39,6 +42,8 @@ def linear(
     lm_head, at batch 1, 8 and 512 alike); for narrow outputs (o, down) it splits worse, so those stay on
     F.linear. Both accumulate in float32: results differ by float32 rounding only.
     """
+    if bias is None and gemv_serves(x, weight):
+        return gemv(x, weight)
     if (
         weight.shape[0] > weight.shape[1]
         and x.dtype == torch.float32

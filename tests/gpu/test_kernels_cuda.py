@@ -163,3 +163,17 @@ def test_gemv(dtype, m):
     _check_gemv(dtype, m, 33, 200, block_n=8, block_k=32, split_k=3)
     _check_gemv(dtype, m, 6144, 4096)  # llama-8B qkv, default config
     _check_gemv(dtype, m, 4096, 14336, split_k=4)  # down, split-K
+
+
+def test_linear_sends_one_row_16_bit_products_to_the_gemv(monkeypatch):
+    from helios.kernels.gemv import gemv_ref, gemv_serves
+    from helios.layers.linear import linear
+
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    w = torch.randn(6144, 4096, generator=g, device=CUDA, dtype=torch.bfloat16) / 64
+    x = torch.randn(1, 4096, generator=g, device=CUDA, dtype=torch.bfloat16)
+    assert gemv_serves(x, w) and not gemv_serves(torch.cat([x, x]), w) and not gemv_serves(x.float(), w.float())
+    torch.testing.assert_close(linear(x, w).float(), gemv_ref(x, w).float(), rtol=1.6e-2, atol=1.6e-2)
+    monkeypatch.setenv("HELIOS_GEMV", "0")
+    assert not gemv_serves(x, w)
+    torch.testing.assert_close(linear(x, w).float(), gemv_ref(x, w).float(), rtol=1.6e-2, atol=1.6e-2)
