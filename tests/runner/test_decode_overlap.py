@@ -15,7 +15,7 @@ from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.engine.messages import EngineRequest, NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 from helios.kernels._triton import HAS_TRITON, interpret_mode
-from helios.runner.cuda_graphs import GraphRunner
+from helios.runner.cuda_graphs import GraphRunner, prepare_decode_inputs
 from helios.runner.model_runner import ModelRunner
 from tests.models.engine_harness import run, tokens
 from tests.models.test_parity import export_tiny, prompt
@@ -139,7 +139,8 @@ def test_seeded_sampling(core):
 
 @needs_interpreter
 def test_a_plan_other_than_the_speculated_step_is_a_miss(core):
-    """Hand-built plans: a different token, then a different position, both recomputed correctly."""
+    """Hand-built plans: a different token, a different position, another load of the static buffers in
+    between; each recomputed correctly."""
     def steps(runner):
         ids = prompt(5, seed=1)
         blocks = [3, 9, 4]
@@ -157,11 +158,26 @@ def test_a_plan_other_than_the_speculated_step_is_a_miss(core):
         decode(out[-1], 7)  # hit
         decode(out[-1], 8)  # hit (position 8 opens the third block, which the plan already holds)
         decode(out[-1], 8)  # position 8 again (a rewrite of the same slot): miss
+        # someone else loads the static buffers (a benchmark's replay): the speculated logits are gone
+        runner.graphs.buffers.load(prepare_decode_inputs([first_decode(9)], PAGE_SIZE, 1))
+        decode(out[-1], 9)  # miss
         return out
+
+    def first_decode(position):
+        return ScheduledRequest(req_id="x", token_ids=[7], num_computed_tokens=position, block_ids=[40, 41, 42],
+                                sample=True)
 
     off, on = graphed_runner(core, False), graphed_runner(core, True)
     assert steps(on) == steps(off)
-    assert (on.overlap_hits, on.overlap_misses) == (2, 2)
+    assert (on.overlap_hits, on.overlap_misses) == (2, 3)
+
+
+def test_switch(core, monkeypatch):
+    args = (core.manifest.arch, core.tensors, 8, PAGE_SIZE)
+    assert ModelRunner(*args).decode_overlap is False  # CPU: off unless asked for
+    assert ModelRunner(*args, decode_overlap=True).decode_overlap is True
+    monkeypatch.setenv("HELIOS_DECODE_OVERLAP", "0")
+    assert ModelRunner(*args, decode_overlap=True).decode_overlap is False
 
 
 def plan(scheduled, new=()):
