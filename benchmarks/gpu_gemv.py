@@ -239,7 +239,7 @@ def _attention_stand_in_kernel(
 def attention_stand_in(qkv: torch.Tensor, q_width: int) -> torch.Tensor:
     v_width = (qkv.shape[1] - q_width) // 2
     out = torch.empty(qkv.shape[0], q_width, dtype=qkv.dtype, device=qkv.device)
-    pdl = use_pdl(qkv)
+    pdl = use_pdl(qkv, qkv.shape[0])
     _attention_stand_in_kernel[(qkv.shape[0], -(-q_width // 1024))](
         qkv, out, q_width, v_width, BLOCK=1024, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out

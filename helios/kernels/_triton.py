@@ -45,7 +45,11 @@ def interpret_mode() -> bool:
 # its programs must call `pdl_wait` before touching memory an earlier kernel writes or reads (activations,
 # the KV cache, outputs) and may load constant inputs (weights) before it. `pdl_launch_dependents` lets the
 # next PDL kernel start early. Both are no-ops unless the USE_PDL constexpr is set, which launchers take from
-# `use_pdl(tensor)`.
+# `use_pdl(tensor, rows)`.
+# NOTE: only one-row launches (batch-1 decode) use it. There every kernel of a step is ours (the GEMV replaces
+# cuBLAS) and PDL paid: a layer-shaped chain ran 5% faster with it (benchmarks/gpu_gemv.py, H200). Next to
+# cuBLAS kernels (batch 16 and up) it cost 2.5% per step instead (gpu_decode's PDL-off graphs), so those
+# launches stay ordinary.
 _PDL_FORCED: bool | None = None
 
 
@@ -56,9 +60,12 @@ def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-def use_pdl(t) -> bool:
-    """Whether launches on t's device use PDL: CUDA, compute capability 9.0+, compiled (not interpreted)
-    kernels, HELIOS_PDL not "0". Ahead-of-time compiles for a target set it with `forced_pdl`."""
+def use_pdl(t, rows: int) -> bool:
+    """Whether a launch over `rows` rows (tokens, sequences) on t's device uses PDL: one row, CUDA, compute
+    capability 9.0+, compiled (not interpreted) kernels, HELIOS_PDL not "0". Ahead-of-time compiles for a
+    target decide the device part with `forced_pdl`."""
+    if rows != 1:
+        return False
     if _PDL_FORCED is not None:
         return _PDL_FORCED
     if not HAS_TRITON or t.device.type != "cuda" or interpret_mode() or not pdl_allowed():

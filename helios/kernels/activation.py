@@ -60,7 +60,7 @@ def _launch(x: torch.Tensor, is_gelu_tanh: bool) -> torch.Tensor:
     if num_tokens == 0:
         return out
     grid = (num_tokens, cdiv(width, _BLOCK))
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, num_tokens)
     _gated_kernel[grid](x, out, x.stride(0), width, IS_GELU_TANH=is_gelu_tanh, BLOCK=_BLOCK, USE_PDL=pdl,
                         num_warps=4, launch_pdl=pdl)
     return out

@@ -158,11 +158,13 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
         reshape_and_cache(k.reshape(num_tokens, nkv, d), v.reshape(num_tokens, nkv, d), kv_cache, slots)
         block_tables = torch.zeros(1, 16, dtype=torch.int32, device=device)
         seq_lens = torch.full((1,), num_tokens, dtype=torch.int32, device=device)
+        # decode of num_tokens sequences (one query each): one sequence launches with PDL, more without
+        decode_tables = torch.zeros(num_tokens, 16, dtype=torch.int32, device=device)
+        decode_lens = torch.ones(num_tokens, dtype=torch.int32, device=device)
         for window, softcap in shape.layer_kinds:
-            if num_tokens == 1:
-                for splits in shape.decode_splits:
-                    paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window, softcap, splits)
-            else:
+            for splits in shape.decode_splits:
+                paged_decode_attention(q, kv_cache, decode_tables, decode_lens, scale, window, softcap, splits)
+            if num_tokens > 1:
                 qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
                 paged_prefill_attention(q, kv_cache, qsl, seq_lens, block_tables, num_tokens, scale, window, softcap)
 

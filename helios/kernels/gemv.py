@@ -205,7 +205,7 @@ def gemv(
     split_k = cdiv(k, k_per_split)  # no empty splits
     even_k = k % k_per_split == 0
 
-    pdl = use_pdl(x)
+    pdl = use_pdl(x, m)
     grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
     target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     _gemv_kernel[grid](

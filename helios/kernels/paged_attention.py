@@ -221,7 +221,7 @@ def paged_decode_attention(
     block_d = max(16, next_power_of_2(head_dim))
     block_n = block_n or (64 if block_d <= 128 else 32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    pdl = use_pdl(q)
+    pdl = use_pdl(q, num_seqs)
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)

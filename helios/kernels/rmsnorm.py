@@ -110,9 +110,9 @@ def _launch(x, residual, weight, eps, multiply_in_float32):
         HAS_RESIDUAL=residual is not None,
         MULTIPLY_IN_FLOAT32=multiply_in_float32,
         BLOCK=block,
-        USE_PDL=use_pdl(x),
+        USE_PDL=use_pdl(x, num_rows),
         num_warps=num_warps,
-        launch_pdl=use_pdl(x),
+        launch_pdl=use_pdl(x, num_rows),
     )
     return out, residual_out
 

@@ -188,9 +188,9 @@ def rotary_and_cache(
         BLOCK_HQ=next_power_of_2(num_heads),
         BLOCK_HK=next_power_of_2(num_kv_heads),
         BLOCK_HALF=next_power_of_2(head_dim // 2),
-        USE_PDL=use_pdl(qkv),
+        USE_PDL=use_pdl(qkv, num_tokens),
         num_warps=4 if num_heads * head_dim <= 2048 else 8,
-        launch_pdl=use_pdl(qkv),
+        launch_pdl=use_pdl(qkv, num_tokens),
     )
     return q
 
