@@ -251,7 +251,7 @@ def graph_replays(graphed, limits: dict[int, float], ctx: int) -> list[str]:
     for batch, limit in limits.items():
         gr = graphed.graphs
         gr.buffers.load(prepare_decode_inputs(decode_inputs(batch, ctx, gr.page_size), gr.page_size, batch))
-        graph = gr.graphs[batch]
+        graph = gr.graph_for(batch, ctx + 1)
         graph.replay()
         torch.cuda.synchronize()
         times = []
@@ -304,7 +304,7 @@ def profile_graph(graphed, ctx: int, rows: int = 22) -> list[str]:
 
     gr = graphed.graphs
     gr.buffers.load(prepare_decode_inputs(decode_inputs(1, ctx, gr.page_size), gr.page_size, 1))
-    graph = gr.graphs[1]
+    graph = gr.graph_for(1, ctx + 1)
     reps = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
@@ -355,7 +355,7 @@ def host_profile(layers: int = 2, rows: int = 28) -> list[str]:
     runner = ModelRunner(arch, t, 64, 16, device="cuda", dtype=torch.bfloat16, max_model_len=512)
     gr = runner.graphs
     gr.buffers.load(prepare_decode_inputs(decode_inputs(1, 160, 16), 16, 1))
-    graph = gr.graphs[1]
+    graph = gr.graph_for(1, 161)
     graph.replay()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
@@ -413,6 +413,11 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
         limits[batch] = bandwidth / (weight_bytes + kv_bytes) * batch
     if diagnose:
         ctx = prompt_len + new // 2
+        # batch 1 at a long context too: the graph with the bucket's pinned decode splits (and their merge)
+        long_ctx = 2048
+        kv_long = long_ctx * a["num_layers"] * 2 * a["num_kv_heads"] * a["head_dim"] * 2
+        for line in graph_replays(graphed, {1: bandwidth / (weight_bytes + kv_long)}, long_ctx):
+            say(line.replace("b=  1", f"b=  1 at {long_ctx} keys"))
         for part in (lambda: graph_replays(graphed, limits, ctx), lambda: pdl_compare(graphed, limits, ctx),
                      lambda: profile_graph(graphed, ctx),
                      lambda: gemv_ceiling(t, arch, bandwidth, limits[1])):

@@ -25,6 +25,10 @@ from helios.runner.input_batch import BLOCK_TABLE_ALIGN, BatchLayout, round_up
 
 # rows of the packed int64 input buffer (one host->device copy per step instead of four)
 TOKEN_IDS, POSITIONS, SLOT_MAPPING, SEQ_LENS = range(4)
+# NOTE: a bucket whose pinned split count is > 1 also gets a graph with one split, replayed while every sequence
+# of the step has at most this many keys: choose_num_splits' own rule (no split shorter than 256 keys). Its
+# single launch skips the merge kernel that an empty-but-for-one-split step would still pay for.
+SHORT_SEQ_LEN = 256
 
 
 def pick_bucket(num_seqs: int, buckets: list[int]) -> int | None:
@@ -49,6 +53,7 @@ class DecodeInputs:
     num_seqs: int
     packed: torch.Tensor  # [4, bucket] int64: token ids, positions, slot mapping, seq lens
     block_tables: torch.Tensor  # [num_seqs, width] int32, width = the batch's largest needed block count
+    max_seq_len: int  # keys of the longest sequence (picks the one-split graph when short)
 
 
 def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, bucket: int) -> DecodeInputs:
@@ -73,7 +78,7 @@ def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, buc
     # NOTE: one tensor from padded Python rows: at batch 1 the host side of a step is on the critical path
     rows = [list(s.block_ids[:n]) + [0] * (width - n) for s, n in zip(scheduled, needed)]
     block_tables = torch.tensor(rows, dtype=torch.int32)
-    return DecodeInputs(bucket, num_seqs, packed, block_tables)
+    return DecodeInputs(bucket, num_seqs, packed, block_tables, max(positions) + 1)
 
 
 class StagingRing:
@@ -229,6 +234,7 @@ class GraphRunner:
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if capture else 132
         self.num_splits = {b: graph_decode_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # one split, for steps of short sequences
         self.capture_s = 0.0
         self.num_replays = 0  # every replay, speculative ones included
         if capture:
@@ -236,11 +242,20 @@ class GraphRunner:
 
     # --- capture ----------------------------------------------------------------------------------
 
-    def _forward(self, bucket: int) -> None:
+    def splits_for(self, bucket: int, max_seq_len: int) -> int:
+        """The decode split count of the graph that replays a step of this bucket and longest sequence."""
+        return 1 if max_seq_len <= SHORT_SEQ_LEN else self.num_splits[bucket]
+
+    def graph_for(self, bucket: int, max_seq_len: int) -> torch.cuda.CUDAGraph:
+        if self.splits_for(bucket, max_seq_len) == 1 and bucket in self.short_graphs:
+            return self.short_graphs[bucket]
+        return self.graphs[bucket]
+
+    def _forward(self, bucket: int, num_splits: int) -> None:
         """The captured computation: static inputs -> static float32 logits rows [bucket, V]."""
         buf = self.buffers
         buf.seq_lens[:bucket].copy_(buf.packed[SEQ_LENS, :bucket])  # int64 -> int32, inside the graph
-        with pinned_decode_splits(self.backends, self.num_splits[bucket]):
+        with pinned_decode_splits(self.backends, num_splits):
             meta = buf.metadata(bucket, self.max_model_len)
             hidden = self.model.forward(buf.packed[TOKEN_IDS, :bucket], meta, self.kv_cache.layers)
             buf.logits[:bucket].copy_(self.model.compute_logits(hidden))
@@ -252,12 +267,15 @@ class GraphRunner:
         pool = torch.cuda.graph_pool_handle()
         self.buffers.pad_all()
         for bucket in reversed(self.buckets):
-            self._forward(bucket)  # warm-up: loads/compiles this bucket's kernels, sets up cuBLAS
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._forward(bucket)
-            self.graphs[bucket] = graph
+            for splits, graphs in ((self.num_splits[bucket], self.graphs), (1, self.short_graphs)):
+                if graphs is self.short_graphs and self.num_splits[bucket] == 1:
+                    continue  # the bucket's own graph has one split already
+                self._forward(bucket, splits)  # warm-up: loads/compiles this bucket's kernels, sets up cuBLAS
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(bucket, splits)
+                graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
         self.capture_s = time.perf_counter() - t0
         return self.capture_s
@@ -278,8 +296,9 @@ class GraphRunner:
 
         NOTE: the result views the static logits buffer: read it (sample, logprobs) before the next replay.
         """
-        self.buffers.load(prepare_decode_inputs(scheduled, self.page_size, bucket))
-        self._replay(bucket)
+        inputs = prepare_decode_inputs(scheduled, self.page_size, bucket)
+        self.buffers.load(inputs)
+        self._replay(bucket, inputs.max_seq_len)
         return self.logits_rows(layout, len(scheduled))
 
     def run_next(self, inputs: DecodeInputs, token_ids: torch.Tensor) -> None:  # token_ids: [num_seqs] int64
@@ -287,7 +306,7 @@ class GraphRunner:
         speculative next decode step. Its logits stay in the static buffer for `logits_rows`."""
         self.buffers.load(inputs)
         self.buffers.packed[TOKEN_IDS, : inputs.num_seqs].copy_(token_ids)  # device to device, stream-ordered
-        self._replay(inputs.bucket)
+        self._replay(inputs.bucket, inputs.max_seq_len)
 
     def logits_rows(self, layout: BatchLayout, num_seqs: int) -> torch.Tensor:  # [N, V] float32
         """The layout's logits rows of the last replay."""
@@ -296,9 +315,9 @@ class GraphRunner:
             return rows
         return rows[torch.tensor(layout.logits_indices, dtype=torch.int64, device=rows.device)]
 
-    def _replay(self, bucket: int) -> None:
+    def _replay(self, bucket: int, max_seq_len: int) -> None:
         if bucket in self.graphs:
-            self.graphs[bucket].replay()
+            self.graph_for(bucket, max_seq_len).replay()
         else:
-            self._forward(bucket)
+            self._forward(bucket, self.splits_for(bucket, max_seq_len))
         self.num_replays += 1

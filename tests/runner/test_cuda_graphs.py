@@ -15,6 +15,7 @@ from helios.engine.messages import EngineRequest, NewRequestData, SamplingParams
 from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner.cuda_graphs import (
     SEQ_LENS,
+    SHORT_SEQ_LEN,
     SLOT_MAPPING,
     TOKEN_IDS,
     GraphRunner,
@@ -148,6 +149,39 @@ def test_padded_graph_function_matches_eager_on_cpu(core):
     graphed.graphs = graph_runner(graphed)  # three sequences replay the bucket of 4 (one padded row)
     assert _greedy_decode(graphed, prompts, steps=5) == expected
     assert graphed.graphs.num_replays == 5
+
+
+@needs_interpreter
+def test_short_steps_take_the_one_split_graph_and_match_eager(core):
+    """A long-context graph pins several decode splits; a step whose sequences all have <= SHORT_SEQ_LEN keys
+    replays the one-split variant instead. Decoding across that boundary gives the eager runner's tokens."""
+    arch = core.manifest.arch
+    graphed = ModelRunner(arch, core.tensors, num_pages=160, page_size=PAGE_SIZE, attention_backend="triton")
+    graphed.graphs = GraphRunner(graphed.model, graphed.kv_cache, buckets=[1, 2], max_model_len=4096,
+                                 page_size=PAGE_SIZE, vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads,
+                                 device=graphed.device, capture=False)
+    graphs = graphed.graphs
+    assert graphs.num_splits[1] > 1
+    assert graphs.splits_for(1, SHORT_SEQ_LEN) == 1
+    assert graphs.splits_for(1, SHORT_SEQ_LEN + 1) == graphs.num_splits[1]
+    eager = ModelRunner(arch, core.tensors, num_pages=160, page_size=PAGE_SIZE)
+    prompts = {"a": prompt(SHORT_SEQ_LEN - 3, seed=4), "b": prompt(9, seed=5)}
+    blocks = {r: list(range(i * 80, i * 80 + 80)) for i, r in enumerate(prompts)}
+
+    def decode(runner):
+        new = [NewRequestData(req_id=r, prompt_token_ids=p, sampling=GREEDY) for r, p in prompts.items()]
+        first = runner.execute(plan([ScheduledRequest(req_id=r, token_ids=p, num_computed_tokens=0,
+                                                      block_ids=blocks[r], sample=True) for r, p in prompts.items()],
+                                    new=new))
+        out = {res.req_id: [res.sampled_token_id] for res in first.results}
+        for _ in range(6):  # "a" crosses SHORT_SEQ_LEN keys on the way
+            step = [decode_step(r, out[r][-1], len(p) + len(out[r]) - 1, blocks[r]) for r, p in prompts.items()]
+            for res in runner.execute(plan(step)).results:
+                out[res.req_id].append(res.sampled_token_id)
+        return out
+
+    assert decode(graphed) == decode(eager)
+    assert graphs.num_replays == 6
 
 
 # --- real graphs on CUDA -----------------------------------------------------------------------------
