@@ -90,6 +90,7 @@ class KernelShape:
     activation: str = "silu"
     # (out, in) of each projection batch-1 decode sends to the GEMV (helios.kernels.gemv.gemv_serves)
     projections: tuple[tuple[int, int], ...] = ()
+    projections_ffn: int = 0  # the MLP's intermediate size: its down GEMV also runs gated
 
 
 def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
@@ -118,6 +119,7 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
         norm_in_float32=is_gemma,
         activation=arch.hidden_act,
         projections=tuple(sorted(projections)) if _DTYPES[manifest.dtype].itemsize == 2 else (),
+        projections_ffn=ffn,
     )
 
 
@@ -140,6 +142,9 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     z = dict(dtype=dt, device=device)
     for n, k in shape.projections:  # batch-1 GEMVs: full-size (uninitialized) weights, as the tile choice reads N, K
         gemv(torch.zeros(1, k, **z), torch.empty(n, k, **z))
+    if shape.projections:  # the down projection with the gated activation folded in (helios.layers.activation)
+        ffn = shape.projections_ffn
+        gemv(torch.zeros(1, 2 * ffn, **z), torch.empty(shape.hidden_size, ffn, **z), gated=shape.activation)
     for num_tokens in (1, 2):  # decode rows, then a two-token prefill
         x = torch.zeros(num_tokens, shape.hidden_size, **z)
         weight = torch.ones(shape.hidden_size, **z)

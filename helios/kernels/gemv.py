@@ -26,9 +26,12 @@ from helios.kernels._triton import (
     pdl_launch_dependents,
     pdl_wait,
     require_triton,
+    tanh,
     tl,
     use_pdl,
 )
+
+GATES = {None: 0, "silu": 1, "gelu_tanh": 2}
 
 _TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200: below this, split K to fill the chip
 
@@ -59,6 +62,18 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) 
 
 
 @jit
+def _gated(gate, up, GATED: tl.constexpr):
+    """act(gate) * up as helios.kernels.activation computes it: act in float32, rounded to the input dtype,
+    times up, rounded again; so the fused down projection sees the very values of the two-kernel path."""
+    g = gate.to(tl.float32)
+    if GATED == 2:
+        act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    return (act.to(gate.dtype).to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@jit
 def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
@@ -79,6 +94,7 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr,  # BLOCK_M >= 16: tensor-core dot; else broadcast-multiply in float32
     IEEE_DOT: tl.constexpr,  # float32 operands, full precision (not tf32)
     USE_PDL: tl.constexpr,
+    GATED: tl.constexpr,  # 0: x as is; 1 / 2: x = silu / gelu_tanh(gate) * up of a [gate | up] row of 2K
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -115,9 +131,14 @@ def _gemv_kernel(
             has_next = tl.full([BLOCK_N, BLOCK_K], 1, tl.int1) & (k + BLOCK_K < k_end)
             w_next = tl.load(w_rows + nxt[None, :], mask=has_next, other=0.0)
             x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+            if GATED != 0:
+                x = _gated(x, tl.load(x_rows + K + cols[None, :], mask=m_mask[:, None], other=0.0), GATED)
         else:
             w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_end)[None, :], other=0.0)
-            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & (cols < k_end)[None, :], other=0.0)
+            x_mask = m_mask[:, None] & (cols < k_end)[None, :]
+            x = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0)
+            if GATED != 0:
+                x = _gated(x, tl.load(x_rows + K + cols[None, :], mask=x_mask, other=0.0), GATED)
         if USE_DOT:
             if IEEE_DOT:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -170,11 +191,18 @@ def gemv(
     num_warps: int | None = None,
     num_stages: int | None = None,
     split_k: int | None = None,
+    gated: str | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """x @ weight.T with float32 accumulation and one rounding; unset tile arguments take default_config."""
+    """x @ weight.T with float32 accumulation and one rounding; unset tile arguments take default_config.
+
+    gated="silu" | "gelu_tanh": x is a [M, 2K] row of [gate | up] and the product is act(gate) * up @ weight.T,
+    the activation computed as the GEMV reads x (the down projection with helios.kernels.activation folded in)."""
     require_triton()
     assert x.dim() == 2 and weight.dim() == 2, f"expected x [M, K], weight [N, K]: {tuple(x.shape)}, {tuple(weight.shape)}"
     m, k = x.shape
+    if gated is not None:
+        assert k % 2 == 0, f"a gated x is [M, 2K] ([gate | up]), got {tuple(x.shape)}"
+        k //= 2
     n = weight.shape[0]
     assert weight.shape[1] == k, f"weight {tuple(weight.shape)} does not match K = {k}"
     assert weight.dtype == x.dtype, f"dtype mismatch: x {x.dtype}, weight {weight.dtype}"
@@ -229,6 +257,7 @@ def gemv(
         # NOTE: Triton's interpreter (3.9) returns garbage from a bfloat16 tl.dot; it takes the float32 dot
         IEEE_DOT=x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and interpret_mode()),
         USE_PDL=pdl,
+        GATED=GATES[gated],
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -263,6 +292,10 @@ def gemv_enabled() -> bool:
         "0", "false", "off", "no")
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear in float32, one rounding to x.dtype."""
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, gated: str | None = None) -> torch.Tensor:
+    """F.linear in float32, one rounding to x.dtype; gated: x = act(gate) * up in x.dtype first."""
+    if gated is not None:
+        from helios.kernels.activation import gelu_tanh_and_mul_ref, silu_and_mul_ref
+
+        x = (gelu_tanh_and_mul_ref if gated == "gelu_tanh" else silu_and_mul_ref)(x)
     return F.linear(x.to(torch.float32), weight.to(torch.float32)).to(x.dtype)

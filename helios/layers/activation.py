@@ -37,6 +37,11 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         if self.fused:
             from helios.kernels import activation
+            from helios.kernels.gemv import gemv, gemv_serves
 
-            return self.down(getattr(activation, f"{self.act}_and_mul")(self.gate_up(x)))
+            gate_up = self.gate_up(x)
+            if self.down.bias is None and gemv_serves(gate_up, self.down.weight):
+                # batch-1 decode: the activation rides in the down GEMV as it reads its input (same values)
+                return gemv(gate_up, self.down.weight, gated=self.act)
+            return self.down(getattr(activation, f"{self.act}_and_mul")(gate_up))
         return self.down(gated(self.gate_up(x), self.act))

@@ -71,3 +71,29 @@ def test_gemv_strided_x_and_out():
 def test_default_config_fills_the_chip_on_small_n():
     assert default_config(1, 4096, 4096).split_k == 1  # 512 tiles already
     assert default_config(1, 512, 4096).split_k > 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gated", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize(
+    "m, n, k, config",
+    [
+        (1, 40, 300, dict(block_n=8, block_k=64)),  # tails
+        (1, 64, 1024, dict(block_n=16, block_k=128)),  # the unmasked path
+        (2, 33, 200, dict(block_n=8, block_k=32, split_k=3)),
+    ],
+)
+def test_gated_gemv_is_the_activation_then_the_product(dtype, gated, m, n, k, config):
+    """gated=: x is [gate | up] (2K wide); the GEMV must see exactly the activation kernel's rounded values,
+    so its result equals the plain GEMV over that kernel's output, bit for bit."""
+    from helios.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(m, 2 * k, generator=g) * 2).to(dtype)
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    gemv(x, weight, out, gated=gated, **config)
+    act = (gelu_tanh_and_mul if gated == "gelu_tanh" else silu_and_mul)(x)
+    assert torch.equal(out, gemv(act, weight, **config))
+    tol = 2 * _TOL[dtype]  # the activation kernel's own rounding against torch's comes on top
+    torch.testing.assert_close(out.float(), gemv_ref(x, weight, gated).float(), rtol=tol, atol=tol)
