@@ -236,7 +236,7 @@ class ModelRunner:
                 num_kv_heads=self.arch.num_kv_heads,
                 device=self.device,
             )
-        self.startup.num_graphs = len(graphs.graphs)
+        self.startup.num_graphs = len(graphs.graphs) + len(graphs.short_graphs)
         self.startup.kernels_jit = len(jit.names)
         return graphs
 
