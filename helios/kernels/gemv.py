@@ -74,6 +74,36 @@ def _gated(gate, up, GATED: tl.constexpr):
 
 
 @jit
+def _row(x_rows, r_rows, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual, added in float32 and rounded to x's dtype as torch's add does) at cols."""
+    x = tl.load(x_rows + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(r_rows + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    return x
+
+
+@jit
+def _x_chunk(x_rows, r_rows, norm_w_ptr, cols, mask, K, rstd, GATED: tl.constexpr, NORM: tl.constexpr,
+             HAS_RESIDUAL: tl.constexpr):
+    """The GEMV's input at cols ([1, BLOCK_K]): x, act(gate) * up, or the RMSNorm of x (+ residual) with the
+    roundings of helios.kernels.rmsnorm (rstd [BLOCK_M] from the statistics pass)."""
+    if NORM != 0:
+        s = _row(x_rows, r_rows, cols, mask, HAS_RESIDUAL)
+        h = s.to(tl.float32) * rstd[:, None]
+        w = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if NORM == 2:
+            y = h * w
+        else:
+            y = h.to(s.dtype).to(tl.float32) * w
+        x = y.to(s.dtype)
+    else:
+        x = tl.load(x_rows + cols, mask=mask, other=0.0)
+        if GATED != 0:
+            x = _gated(x, tl.load(x_rows + K + cols, mask=mask, other=0.0), GATED)
+    return x
+
+
+@jit
 def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
@@ -95,6 +125,15 @@ def _gemv_kernel(
     IEEE_DOT: tl.constexpr,  # float32 operands, full precision (not tf32)
     USE_PDL: tl.constexpr,
     GATED: tl.constexpr,  # 0: x as is; 1 / 2: x = silu / gelu_tanh(gate) * up of a [gate | up] row of 2K
+    # RMSNorm of x (+ residual) folded in: 0 none; 1 llama's roundings; 2 gemma's (multiply in float32).
+    # Each program reads the whole row once for the statistics (M = 1 only); program 0 writes x + residual.
+    NORM: tl.constexpr = 0,
+    HAS_RESIDUAL: tl.constexpr = False,
+    K_POW2: tl.constexpr = 16,  # next power of two >= K (the statistics pass loads the row at once)
+    res_ptr=None,  # [M, K], stride_xm apart like x
+    norm_w_ptr=None,  # [K]
+    res_out_ptr=None,  # [M, K] contiguous: x + residual
+    eps=0.0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -118,6 +157,22 @@ def _gemv_kernel(
                          mask=n_mask[:, None] & ((k_begin + offs_k) < k_end)[None, :], other=0.0)
     pdl_wait(USE_PDL)
 
+    r_rows = x_rows
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM != 0:
+        # the statistics pass: the row as _rms_norm_kernel sees it (x + residual rounded to x's dtype)
+        if HAS_RESIDUAL:
+            r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        kk = tl.arange(0, K_POW2)[None, :]
+        row_mask = m_mask[:, None] & (kk < K)
+        s = _row(x_rows, r_rows, kk, row_mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            # program (0, 0) only; as a tile: a scalar mask term trips the interpreter
+            first = (tl.zeros([BLOCK_M, K_POW2], dtype=tl.int32) + pid_n + pid_k) == 0
+            tl.store(res_out_ptr + offs_m.to(tl.int64)[:, None] * K + kk, s, mask=row_mask & first)
+        h = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / K + eps)
+
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
     else:
@@ -130,15 +185,12 @@ def _gemv_kernel(
         if EVEN_N and EVEN_K:
             has_next = tl.full([BLOCK_N, BLOCK_K], 1, tl.int1) & (k + BLOCK_K < k_end)
             w_next = tl.load(w_rows + nxt[None, :], mask=has_next, other=0.0)
-            x = tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
-            if GATED != 0:
-                x = _gated(x, tl.load(x_rows + K + cols[None, :], mask=m_mask[:, None], other=0.0), GATED)
+            x = _x_chunk(x_rows, r_rows, norm_w_ptr, cols[None, :], m_mask[:, None], K, rstd, GATED, NORM,
+                         HAS_RESIDUAL)
         else:
             w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_end)[None, :], other=0.0)
             x_mask = m_mask[:, None] & (cols < k_end)[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=x_mask, other=0.0)
-            if GATED != 0:
-                x = _gated(x, tl.load(x_rows + K + cols[None, :], mask=x_mask, other=0.0), GATED)
+            x = _x_chunk(x_rows, r_rows, norm_w_ptr, cols[None, :], x_mask, K, rstd, GATED, NORM, HAS_RESIDUAL)
         if USE_DOT:
             if IEEE_DOT:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -192,11 +244,13 @@ def gemv(
     num_stages: int | None = None,
     split_k: int | None = None,
     gated: str | None = None,
+    norm: tuple | None = None,
 ) -> torch.Tensor:  # [M, N]
     """x @ weight.T with float32 accumulation and one rounding; unset tile arguments take default_config.
 
     gated="silu" | "gelu_tanh": x is a [M, 2K] row of [gate | up] and the product is act(gate) * up @ weight.T,
-    the activation computed as the GEMV reads x (the down projection with helios.kernels.activation folded in)."""
+    the activation computed as the GEMV reads x (the down projection with helios.kernels.activation folded in).
+    norm: see gemv_add_rms_norm."""
     require_triton()
     assert x.dim() == 2 and weight.dim() == 2, f"expected x [M, K], weight [N, K]: {tuple(x.shape)}, {tuple(weight.shape)}"
     m, k = x.shape
@@ -232,6 +286,16 @@ def gemv(
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     split_k = cdiv(k, k_per_split)  # no empty splits
     even_k = k % k_per_split == 0
+    norm_args = {}
+    if norm is not None:
+        residual, norm_weight, eps, in_float32, residual_out = norm
+        assert m == 1 and gated is None, "the folded RMSNorm takes one plain row"
+        assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
+        if residual is not None:
+            assert residual.shape == x.shape and residual.stride() == x.stride() and residual.dtype == x.dtype
+            assert residual_out.shape == x.shape and residual_out.is_contiguous()
+        norm_args = dict(NORM=2 if in_float32 else 1, HAS_RESIDUAL=residual is not None, K_POW2=next_power_of_2(k),
+                         res_ptr=residual, norm_w_ptr=norm_weight, res_out_ptr=residual_out, eps=eps)
 
     pdl = use_pdl(x, m)
     grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
@@ -261,6 +325,7 @@ def gemv(
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
+        **norm_args,
     )
     if split_k > 1:
         block = min(1024, next_power_of_2(n))
@@ -269,6 +334,23 @@ def gemv(
             launch_pdl=pdl,
         )
     return out
+
+
+def gemv_add_rms_norm(
+    x: torch.Tensor,  # [1, K]
+    residual: torch.Tensor | None,  # [1, K] or None (the first layer: no add)
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    multiply_in_float32: bool = False,
+    **config,  # tile arguments of gemv
+) -> tuple[torch.Tensor, torch.Tensor]:  # (rms_norm(x + residual) @ weight.T [1, N], x + residual [1, K])
+    """helios.kernels.rmsnorm.fused_add_rms_norm followed by the GEMV, in one launch: every program computes the
+    row's statistics itself (the row is 8 KB at K = 4096, read from L2) and normalizes each chunk as it reads it,
+    with the norm kernel's roundings; program 0 writes x + residual for the next layer's add."""
+    residual_out = torch.empty_like(x) if residual is not None else x
+    out = gemv(x, weight, norm=(residual, norm_weight, eps, multiply_in_float32, residual_out), **config)
+    return out, residual_out
 
 
 def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:

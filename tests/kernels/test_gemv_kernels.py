@@ -97,3 +97,32 @@ def test_gated_gemv_is_the_activation_then_the_product(dtype, gated, m, n, k, co
     assert torch.equal(out, gemv(act, weight, **config))
     tol = 2 * _TOL[dtype]  # the activation kernel's own rounding against torch's comes on top
     torch.testing.assert_close(out.float(), gemv_ref(x, weight, gated).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "first"])
+@pytest.mark.parametrize("in_float32", [False, True], ids=["llama", "gemma"])
+@pytest.mark.parametrize("n, k, config", [(40, 300, dict(block_n=8, block_k=64)), (64, 1024, dict(block_n=16, block_k=128)),
+                                          (48, 256, dict(block_n=8, block_k=64, split_k=2))])
+def test_gemv_with_the_add_and_rms_norm_folded_in(dtype, with_residual, in_float32, n, k, config):
+    """gemv_add_rms_norm == fused_add_rms_norm then gemv: the same new residual bit for bit, and the product of
+    the normed row within a rounding of the statistics (the row's sum of squares is reduced in another order)."""
+    from helios.kernels.gemv import gemv_add_rms_norm
+    from helios.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    residual = torch.randn(1, k, generator=g).to(dtype) if with_residual else None
+    norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    out, new_residual = gemv_add_rms_norm(x, residual, norm_w, 1e-6, weight, in_float32, **config)
+    if with_residual:
+        normed, expected_residual = fused_add_rms_norm(x, residual, norm_w, 1e-6, in_float32)
+        assert torch.equal(new_residual, expected_residual)
+    else:
+        normed, expected_residual = rms_norm(x, norm_w, 1e-6, in_float32), x
+        assert new_residual is x
+    tol = 2 * _TOL[dtype]
+    torch.testing.assert_close(out.float(), gemv_ref(normed, weight).float(), rtol=tol, atol=tol)
+    again, _ = gemv_add_rms_norm(x, residual, norm_w, 1e-6, weight, in_float32, **config)
+    assert torch.equal(out, again)
