@@ -269,31 +269,35 @@ def graph_replays(graphed, limits: dict[int, float], ctx: int) -> list[str]:
     return lines
 
 
-def pdl_compare(graphed, limits: dict[int, float], ctx: int) -> list[str]:
-    """The same decode graphs captured again with programmatic dependent launch off (HELIOS_PDL=0), replayed
-    alone: what PDL (kernels starting while the one before them drains) is worth per step."""
+def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, str], label: str) -> list[str]:
+    """The same decode graphs captured again under `env` (HELIOS_PDL=0: no programmatic dependent launch;
+    HELIOS_FOLD_NORMS=0: norms in their own kernels; HELIOS_GEMV=0: cuBLAS at batch 1), replayed alone."""
     import os
 
     from helios.runner.cuda_graphs import GraphRunner
 
     gr = graphed.graphs
-    saved = os.environ.get("HELIOS_PDL")
-    os.environ["HELIOS_PDL"] = "0"
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         off = GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in limits if b in gr.graphs],
                           max_model_len=gr.max_model_len, page_size=gr.page_size,
                           vocab_size=gr.buffers.logits.shape[1], num_kv_heads=graphed.arch.num_kv_heads,
                           device=graphed.device)
     finally:
-        if saved is None:
-            os.environ.pop("HELIOS_PDL")
-        else:
-            os.environ["HELIOS_PDL"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
 
     class _Off:  # graph_replays reads .graphs
         graphs = off
 
-    return [line.replace("graph replay", "graph replay, PDL off") for line in graph_replays(_Off, limits, ctx)]
+    lines = [line.replace("graph replay", f"graph replay, {label}") for line in graph_replays(_Off, limits, ctx)]
+    del off
+    torch.cuda.empty_cache()
+    return lines
 
 
 def profile_graph(graphed, ctx: int, rows: int = 22) -> list[str]:
@@ -419,7 +423,11 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
         kv_long = long_ctx * a["num_layers"] * 2 * a["num_kv_heads"] * a["head_dim"] * 2
         for line in graph_replays(graphed, {1: bandwidth / (weight_bytes + kv_long)}, long_ctx):
             say(line.replace("b=  1", f"b=  1 at {long_ctx} keys"))
-        for part in (lambda: graph_replays(graphed, limits, ctx), lambda: pdl_compare(graphed, limits, ctx),
+        one = {1: limits[1]}
+        for part in (lambda: graph_replays(graphed, limits, ctx),
+                     lambda: variant_replays(graphed, limits, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
+                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_FOLD_NORMS": "0"}, "norms unfolded"),
+                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "0"}, "cuBLAS at batch 1"),
                      lambda: profile_graph(graphed, ctx),
                      lambda: gemv_ceiling(t, arch, bandwidth, limits[1])):
             try:

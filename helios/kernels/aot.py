@@ -91,6 +91,8 @@ class KernelShape:
     # (out, in) of each projection batch-1 decode sends to the GEMV (helios.kernels.gemv.gemv_serves)
     projections: tuple[tuple[int, int], ...] = ()
     projections_ffn: int = 0  # the MLP's intermediate size: its down GEMV also runs gated
+    # (out, in) of the GEMVs that take their layer's add + RMSNorm (helios.models.llama.folds_norms)
+    norm_projections: tuple[tuple[int, int], ...] = ()
 
 
 def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
@@ -104,8 +106,11 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
     is_gemma = arch.family == "gemma3"
     h, q_width = arch.hidden_size, arch.num_heads * arch.head_dim
     ffn = arch.moe.moe_intermediate_size if arch.moe else arch.intermediate_size
-    projections = {((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, h), (h, q_width), (2 * ffn, h),
-                   (h, ffn), (arch.vocab_size, h)}
+    qkv = ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, h)
+    projections = {qkv, (h, q_width), (2 * ffn, h), (h, ffn), (arch.vocab_size, h)}
+    norm_projections = ()
+    if not is_gemma and _DTYPES[manifest.dtype].itemsize == 2:  # llama-family layers fold their norms
+        norm_projections = (qkv,) if arch.moe else tuple(sorted({qkv, (2 * arch.intermediate_size, h)}))
     return KernelShape(
         dtype=_DTYPES[manifest.dtype],
         hidden_size=arch.hidden_size,
@@ -120,6 +125,7 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
         activation=arch.hidden_act,
         projections=tuple(sorted(projections)) if _DTYPES[manifest.dtype].itemsize == 2 else (),
         projections_ffn=ffn,
+        norm_projections=norm_projections,
     )
 
 
@@ -130,7 +136,7 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     cache one [2, pages, page, Nkv, D] tensor, block tables 16 wide (runner/input_batch pads them so).
     Outputs are garbage: only which kernels get launched (and so compiled or loaded) matters."""
     from helios.kernels.activation import gelu_tanh_and_mul, silu_and_mul
-    from helios.kernels.gemv import gemv
+    from helios.kernels.gemv import gemv, gemv_add_rms_norm
     from helios.kernels.paged_attention import paged_decode_attention
     from helios.kernels.prefill_attention import paged_prefill_attention
     from helios.kernels.reshape_and_cache import reshape_and_cache
@@ -142,6 +148,10 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     z = dict(dtype=dt, device=device)
     for n, k in shape.projections:  # batch-1 GEMVs: full-size (uninitialized) weights, as the tile choice reads N, K
         gemv(torch.zeros(1, k, **z), torch.empty(n, k, **z))
+    for n, k in shape.norm_projections:  # the first layer's (no residual) and every other layer's
+        x, weight, norm = torch.zeros(1, k, **z), torch.empty(n, k, **z), torch.ones(k, **z)
+        gemv_add_rms_norm(x, None, norm, 1e-6, weight)
+        gemv_add_rms_norm(x, x.clone(), norm, 1e-6, weight)
     if shape.projections:  # the down projection with the gated activation folded in (helios.layers.activation)
         ffn = shape.projections_ffn
         gemv(torch.zeros(1, 2 * ffn, **z), torch.empty(shape.hidden_size, ffn, **z), gated=shape.activation)

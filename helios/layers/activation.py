@@ -34,14 +34,16 @@ class GatedMLP(nn.Module):
         self.gate_up = Linear(hidden_size, 2 * intermediate_size)
         self.down = Linear(intermediate_size, hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(self, x: torch.Tensor, gate_up: torch.Tensor | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
+        """gate_up: the gate_up projection of x, already computed (then x is not read)."""
+        if gate_up is None:
+            gate_up = self.gate_up(x)
         if self.fused:
             from helios.kernels import activation
             from helios.kernels.gemv import gemv, gemv_serves
 
-            gate_up = self.gate_up(x)
             if self.down.bias is None and gemv_serves(gate_up, self.down.weight):
                 # batch-1 decode: the activation rides in the down GEMV as it reads its input (same values)
                 return gemv(gate_up, self.down.weight, gated=self.act)
             return self.down(getattr(activation, f"{self.act}_and_mul")(gate_up))
-        return self.down(gated(self.gate_up(x), self.act))
+        return self.down(gated(gate_up, self.act))

@@ -268,18 +268,19 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, D]
         kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
         meta: AttentionMetadata,
+        qkv: torch.Tensor | None = None,  # [T, (Nq + 2*Nkv)*D]: the qkv projection of x, already computed
     ) -> torch.Tensor:  # [T, H]
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv = self.qkv(x) if qkv is None else qkv
         if getattr(self.backend, "fuses_layers", False):  # GPU: norms + rotary + cache write in one launch
             norms = None
             if self.q_norm is not None:
                 norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.multiply_in_float32)
             o = self.backend.forward_qkv(
-                self.qkv(x), *cos_sin, self.num_heads, kv_cache, meta, self.scale, self.sliding_window, self.softcap, norms
+                qkv, *cos_sin, self.num_heads, kv_cache, meta, self.scale, self.sliding_window, self.softcap, norms
             )
             return self.o(o.reshape(num_tokens, q_size))
-        qkv = self.qkv(x)
         cos, sin = cos_sin
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:

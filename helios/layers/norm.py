@@ -39,6 +39,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         return rms_norm(x, self.weight, self.eps, self.multiply_in_float32)
 
+    def forward_add_gemv(
+        self,
+        x: torch.Tensor,  # [1, dim]
+        residual: torch.Tensor | None,  # [1, dim]; None for the first layer
+        weight: torch.Tensor,  # [N, dim], the projection that reads the normed row
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual) @ weight.T, x + residual)
+        """forward_add then the projection, in one GEMV launch (batch-1 decode on the GPU path)."""
+        from helios.kernels.gemv import gemv_add_rms_norm
+
+        return gemv_add_rms_norm(x, residual, self.weight, self.eps, weight, self.multiply_in_float32)
+
     def forward_add(
         self,
         x: torch.Tensor,  # [T, dim]

@@ -6,6 +6,8 @@ Pre-norm decoder: x += attn(attn_norm(x)); x += mlp(mlp_norm(x)). Forward-only, 
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -15,6 +17,18 @@ from helios.layers.attention import Attention, AttentionBackend, AttentionMetada
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.norm import RMSNorm
 from helios.layers.rotary import RotaryEmbedding
+
+
+def folds_norms(x: torch.Tensor, projection: Linear) -> bool:
+    """Whether the GPU path folds a layer's norms into its GEMVs: one row on the GEMV's terms, no bias, and
+    HELIOS_FOLD_NORMS not "0" (benchmarks compare)."""
+    from helios.kernels.gemv import gemv_serves
+
+    return (
+        projection.bias is None
+        and gemv_serves(x, projection.weight)
+        and os.environ.get("HELIOS_FOLD_NORMS", "1").strip().lower() not in ("0", "false", "off", "no")
+    )
 
 
 def is_sliding(arch: Architecture, layer_idx: int) -> bool:
@@ -63,7 +77,17 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the stream before its add)
-        """forward() on the GPU path: each residual add rides in the next norm's kernel; same values."""
+        """forward() on the GPU path: each residual add rides in the next norm's kernel; same values. At batch 1
+        the norm and its add ride in the GEMV of the projection after them (helios.kernels.gemv)."""
+        ffn = getattr(self, self.ffn_name)
+        if folds_norms(x, self.attn.qkv):
+            qkv, residual = self.attn_norm.forward_add_gemv(x, residual, self.attn.qkv.weight)
+            a = self.attn(x, cos_sin, kv_cache, meta, qkv=qkv)
+            if isinstance(ffn, GatedMLP) and ffn.fused and ffn.gate_up.bias is None:
+                gate_up, residual = self.mlp_norm.forward_add_gemv(a, residual, ffn.gate_up.weight)
+                return ffn(a, gate_up=gate_up), residual
+            h, residual = self.mlp_norm.forward_add(a, residual, fused=True)
+            return ffn(h), residual
         h, residual = self.attn_norm.forward_add(x, residual, fused=True)
         h, residual = self.mlp_norm.forward_add(self.attn(h, cos_sin, kv_cache, meta), residual, fused=True)
         return getattr(self, self.ffn_name)(h), residual
