@@ -6,7 +6,7 @@ inputs, capture (largest bucket first, one shared memory pool, the Triton decode
 bucket) and replay, including the replay of a speculative next step whose token ids come straight from
 the device (runner/decode_overlap.py). Prefill and mixed steps never come here: the runner runs them eagerly.
 Sampling and logprob extraction stay outside the graph and read its static float32 logits rows.
-Imports torch, helios.layers.attention (metadata) and helios.kernels.aot (the pinned split rule).
+Imports torch, helios.layers.attention (metadata) and helios.kernels.aot_shapes (the pinned split rule).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from helios.engine.messages import ScheduledRequest
-from helios.kernels.aot import graph_decode_splits
+from helios.kernels.aot_shapes import graph_decode_splits
 from helios.layers.attention import Attention, AttentionMetadata
 from helios.runner.input_batch import BLOCK_TABLE_ALIGN, BatchLayout, round_up
 

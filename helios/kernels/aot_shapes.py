@@ -1,0 +1,150 @@
+"""What the runtime path of a core launches: the shape of its kernels (KernelShape, read from the manifest's
+arch and graph plan), the decode split rule graphs pin, and `run_launchers`, which calls each launcher once per
+variant so that helios.kernels.aot can compile them ahead of time or load them at start.
+Imports torch and helios.kernels (the launchers, lazily).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from helios.kernels.paged_attention import choose_num_splits
+
+# streaming multiprocessors assumed per target when pinning graph splits ahead of time (H100 SXM / H200)
+TARGET_SMS = {90: 132, 100: 148, 80: 108}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def graph_decode_splits(bucket: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
+    """The decode split count a graph of `bucket` rows pins: sized for the longest sequence it may see.
+    One rule for capture (helios.runner.cuda_graphs) and for the kernels compiled ahead of time."""
+    return choose_num_splits(max_model_len, bucket, num_kv_heads, num_sms)
+
+
+def parse_target(target: str) -> int:
+    """'cuda-sm90' -> 90 (the GPUTarget arch)."""
+    m = re.fullmatch(r"cuda-sm(\d+)", target)
+    if not m:
+        raise ValueError(f"unknown kernel target {target!r} (expected cuda-sm<NN>, e.g. cuda-sm90)")
+    return int(m.group(1))
+
+
+def device_target(device: torch.device | str) -> str:
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    return f"cuda-sm{major}{minor}"
+
+
+# --- what the runtime launches ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """Everything the runtime path's kernels of one model specialize on."""
+
+    dtype: torch.dtype
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    layer_kinds: tuple[tuple[int | None, float | None], ...]  # distinct (sliding window, soft-cap)
+    decode_splits: tuple[int, ...]
+    qk_norm: bool = False
+    norm_in_float32: bool = False  # gemma's order of the q/k norm multiply
+    activation: str = "silu"
+    # (out, in) of each projection batch-1 decode sends to the GEMV (helios.kernels.gemv.gemv_serves)
+    projections: tuple[tuple[int, int], ...] = ()
+    projections_ffn: int = 0  # the MLP's intermediate size: its down GEMV also runs gated
+    # (out, in) of the GEMVs that take their layer's add + RMSNorm (helios.models.llama.folds_norms)
+    norm_projections: tuple[tuple[int, int], ...] = ()
+
+
+def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
+    arch, plan = manifest.arch, manifest.graph_plan
+    kinds = set()
+    for i in range(arch.num_layers):
+        sliding = bool(arch.layer_types) and arch.layer_types[i] == "sliding"
+        kinds.add((arch.sliding_window if sliding else None, arch.attn_logit_softcapping))
+    context = manifest.limits.context_length
+    splits = {1} | {graph_decode_splits(b, arch.num_kv_heads, context, num_sms) for b in plan.decode_buckets}
+    is_gemma = arch.family == "gemma3"
+    h, q_width = arch.hidden_size, arch.num_heads * arch.head_dim
+    ffn = arch.moe.moe_intermediate_size if arch.moe else arch.intermediate_size
+    qkv = ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, h)
+    projections = {qkv, (h, q_width), (2 * ffn, h), (h, ffn), (arch.vocab_size, h)}
+    norm_projections = ()
+    if not is_gemma and _DTYPES[manifest.dtype].itemsize == 2:  # llama-family layers fold their norms
+        norm_projections = (qkv,) if arch.moe else tuple(sorted({qkv, (2 * arch.intermediate_size, h)}))
+    return KernelShape(
+        dtype=_DTYPES[manifest.dtype],
+        hidden_size=arch.hidden_size,
+        num_heads=arch.num_heads,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        page_size=plan.page_size,
+        layer_kinds=tuple(sorted(kinds, key=repr)),
+        decode_splits=tuple(sorted(splits)),
+        qk_norm=arch.qk_norm or is_gemma,
+        norm_in_float32=is_gemma,
+        activation=arch.hidden_act,
+        projections=tuple(sorted(projections)) if _DTYPES[manifest.dtype].itemsize == 2 else (),
+        projections_ffn=ffn,
+        norm_projections=norm_projections,
+    )
+
+
+def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> None:
+    """Call every launcher of the runtime path once per variant, on small tensors that mirror the runtime
+    layouts: the norms on [T, hidden] rows, rotary + cache write on the fused qkv output, the gated activation
+    on [T, 2F] (F a multiple of 16, as the intermediate sizes served are), attention on q [T, Nq, D] and the
+    cache one [2, pages, page, Nkv, D] tensor, block tables 16 wide (runner/input_batch pads them so).
+    Outputs are garbage: only which kernels get launched (and so compiled or loaded) matters."""
+    from helios.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+    from helios.kernels.gemv import gemv, gemv_add_rms_norm
+    from helios.kernels.paged_attention import paged_decode_attention
+    from helios.kernels.prefill_attention import paged_prefill_attention
+    from helios.kernels.reshape_and_cache import reshape_and_cache
+    from helios.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+    from helios.kernels.rotary_cache import rotary_and_cache
+
+    nq, nkv, d, dt = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
+    scale = d**-0.5
+    z = dict(dtype=dt, device=device)
+    for n, k in shape.projections:  # batch-1 GEMVs: full-size (uninitialized) weights, as the tile choice reads N, K
+        gemv(torch.zeros(1, k, **z), torch.empty(n, k, **z))
+    for n, k in shape.norm_projections:  # the first layer's (no residual) and every other layer's
+        x, weight, norm = torch.zeros(1, k, **z), torch.empty(n, k, **z), torch.ones(k, **z)
+        gemv_add_rms_norm(x, None, norm, 1e-6, weight)
+        gemv_add_rms_norm(x, x.clone(), norm, 1e-6, weight)
+    if shape.projections:  # the down projection with the gated activation folded in (helios.layers.activation)
+        ffn = shape.projections_ffn
+        gemv(torch.zeros(1, 2 * ffn, **z), torch.empty(shape.hidden_size, ffn, **z), gated=shape.activation)
+    for num_tokens in (1, 2):  # decode rows, then a two-token prefill
+        x = torch.zeros(num_tokens, shape.hidden_size, **z)
+        weight = torch.ones(shape.hidden_size, **z)
+        rms_norm(x, weight, 1e-6)
+        fused_add_rms_norm(x, x.clone(), weight, 1e-6)
+        act = gelu_tanh_and_mul if shape.activation == "gelu_tanh" else silu_and_mul
+        act(torch.zeros(num_tokens, 2 * 64, **z))
+        qkv = torch.zeros(num_tokens, (nq + 2 * nkv) * d, **z)
+        cos = torch.ones(num_tokens, d, **z)
+        kv_cache = torch.zeros(2, 4, shape.page_size, nkv, d, **z)
+        slots = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+        norms = (torch.ones(d, **z), torch.ones(d, **z)) if shape.qk_norm else (None, None)
+        q = rotary_and_cache(qkv, cos, cos, kv_cache, slots, nq, *norms, 1e-6, shape.norm_in_float32)
+        # the unfused path of the torch-layer models (k, v views of the qkv output)
+        _, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+        reshape_and_cache(k.reshape(num_tokens, nkv, d), v.reshape(num_tokens, nkv, d), kv_cache, slots)
+        block_tables = torch.zeros(1, 16, dtype=torch.int32, device=device)
+        seq_lens = torch.full((1,), num_tokens, dtype=torch.int32, device=device)
+        # decode of num_tokens sequences (one query each): one sequence launches with PDL, more without
+        decode_tables = torch.zeros(num_tokens, 16, dtype=torch.int32, device=device)
+        decode_lens = torch.ones(num_tokens, dtype=torch.int32, device=device)
+        for window, softcap in shape.layer_kinds:
+            for splits in shape.decode_splits:
+                paged_decode_attention(q, kv_cache, decode_tables, decode_lens, scale, window, softcap, splits)
+            if num_tokens > 1:
+                qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
+                paged_prefill_attention(q, kv_cache, qsl, seq_lens, block_tables, num_tokens, scale, window, softcap)
