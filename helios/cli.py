@@ -36,13 +36,16 @@ def serve(
     api_key_file: Annotated[
         Path | None, typer.Option("--api-key-file", help="File holding the serving key; overrides api_key.")
     ] = None,
+    no_prefix_cache: Annotated[
+        bool, typer.Option("--no-prefix-cache", help="Turn the prefix cache off (overrides prefix_caching).")
+    ] = False,
     log_level: Annotated[str, typer.Option(help="Granian log level.")] = "warning",
 ) -> None:
     """Serve CORE on HTTP: OpenAI Chat Completions, Completions, models, /health and /metrics."""
     import msgspec
 
     from helios.core.manifest import MANIFEST_FILE, decode_manifest
-    from helios.server.app import ENV_CONFIG, ENV_CORE, ENV_HOST, ENV_KEY_FILE, ENV_PORT
+    from helios.server.app import ENV_CONFIG, ENV_CORE, ENV_HOST, ENV_KEY_FILE, ENV_NO_PREFIX_CACHE, ENV_PORT
     from helios.server.config import ConfigError, load_config
     from helios.server.runtime import resolve_serving
 
@@ -72,6 +75,8 @@ def serve(
         os.environ[ENV_CONFIG] = str(config.resolve())
     if api_key_file is not None:
         os.environ[ENV_KEY_FILE] = str(api_key_file.resolve())
+    if no_prefix_cache:
+        os.environ[ENV_NO_PREFIX_CACHE] = "1"
 
     from granian import Granian
     from granian.constants import Interfaces

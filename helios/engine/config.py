@@ -13,7 +13,7 @@ from msgspec import Meta, Struct
 
 
 def _check_bounds(obj: Struct) -> None:
-    """Enforce the Meta bounds on direct construction too (msgspec checks them only when decoding)."""
+    """Enforce the Meta bounds on direct construction too (msgspec checks them only when decoding); ints only."""
     for field in msgspec.inspect.type_info(type(obj)).fields:
         info = field.type
         if isinstance(info, msgspec.inspect.Metadata):
@@ -45,6 +45,9 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     max_model_len: Annotated[
         int, Meta(ge=1, le=1 << 24, description="Most tokens (prompt + output) one request may hold.")
     ] = 4096
+    enable_prefix_caching: Annotated[
+        bool, Meta(description="Reuse the KV pages of earlier requests' identical full-page prefixes.")
+    ] = True
 
     def __post_init__(self) -> None:
         _check_bounds(self)

@@ -42,8 +42,8 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     free_pages: int
     total_pages: int
     page_tokens: int
-    reused_tokens: int = 0  # prefix cache: not yet
-    cached_pages: int = 0  # prefix cache: not yet
+    reused_tokens: int = 0  # tokens covered by prefix-cache hits (every admission, re-admissions too)
+    cached_pages: int = 0  # pages holding a prefix-cache hash, in use or free (evictable)
     preemptions: int = 0
     reasoning_budget_cuts: int = 0  # requests whose reasoning was closed by their thinking-token budget
 
@@ -88,7 +88,8 @@ class EngineCore:
             runner_output = ModelRunnerOutput(results=[])
         else:
             # NOTE: an abort during execute frees the request's pages at once; that is safe because pages
-            # are only handed out again by the next schedule(), after execute has returned.
+            # are only handed out again (allocated, or shared by a prefix-cache hit) by the next schedule(),
+            # after execute has returned; pages this step filled are cached only by update(), after it too.
             try:
                 runner_output = self.runner.execute(plan)
             except RequestExecutionError as exc:
@@ -126,9 +127,11 @@ class EngineCore:
                 failed=self._num_failed,
                 active=scheduler.num_running,
                 pending=scheduler.num_waiting,
-                free_pages=pool.num_free_blocks,
+                free_pages=pool.num_free_blocks,  # cached free pages included: allocation evicts them
                 total_pages=pool.num_blocks,
                 page_tokens=pool.block_size,
+                reused_tokens=scheduler.num_reused_tokens,
+                cached_pages=pool.num_cached_blocks,
                 preemptions=scheduler.num_preemptions,
                 reasoning_budget_cuts=scheduler.num_reasoning_budget_cuts,
             )

@@ -55,6 +55,10 @@ class Request:
         "is_known_to_runner",
         "num_preemptions",
         "reasoning",
+        "page_hashes",
+        "num_published_pages",
+        "num_cached_tokens",
+        "num_reused_tokens",
     )
 
     def __init__(self, request: EngineRequest) -> None:
@@ -75,6 +79,12 @@ class Request:
         self.num_preemptions = 0
         budget = request.reasoning_budget
         self.reasoning = ReasoningBudgetState(budget) if budget is not None else None
+        # prefix cache (helios/engine/prefix_cache.py): the chained hashes of the first full pages of
+        # all_token_ids, extended on demand (kept across preemption: they depend on the tokens alone)
+        self.page_hashes: list[bytes] = []
+        self.num_published_pages = 0  # leading pages of block_ids already offered to the cache (hits included)
+        self.num_cached_tokens = 0  # tokens reused at the first admission (usage's cached_tokens)
+        self.num_reused_tokens = 0  # tokens reused at the latest admission
 
     @property
     def num_prompt_tokens(self) -> int:

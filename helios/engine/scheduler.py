@@ -1,9 +1,10 @@
-"""Continuous batching with chunked prefill and recompute preemption, over the paged block pool.
+"""Continuous batching with chunked prefill, recompute preemption and prefix caching, over the paged block pool.
 
 Owns the waiting queue, the running set and every request's pages. One step is
 `plan = schedule()` -> runner -> `update(plan, runner_output)`; there are no prefill/decode modes: each
 running request gets its next prefill chunk or one decode token, then waiting requests are admitted
-first-come-first-served while slots, token budget and pages allow. Not thread-safe (EngineCore locks it).
+first-come-first-served while slots, token budget and pages allow, each starting after the longest run of
+cached pages of its tokens; update() publishes the pages a step filled. Not thread-safe (EngineCore locks it).
 Pure Python: must not import torch or numpy.
 """
 
@@ -22,6 +23,7 @@ from helios.engine.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from helios.engine.prefix_cache import PrefixCache
 from helios.engine.request import Request, RequestStatus
 
 
@@ -33,10 +35,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.block_pool = BlockPool(config.num_pages, config.page_size)
+        self.prefix_cache = PrefixCache(self.block_pool) if config.enable_prefix_caching else None
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
-        self.num_prefill_tokens = 0  # prompt tokens of completed prefills (each prompt counted once)
+        self.num_prefill_tokens = 0  # prompt tokens of completed prefills (each prompt counted once, less reuse)
+        self.num_reused_tokens = 0  # tokens covered by prefix-cache hits, at every admission
         self.num_preemptions = 0
         self.num_reasoning_budget_cuts = 0  # requests whose reasoning the thinking budget closed
         self._finished_req_ids: list[str] = []  # for the runner's next plan
@@ -141,13 +145,23 @@ class Scheduler:
                 self.waiting.popleft()
                 self._finish_now(req, RequestStatus.FINISHED_LENGTH)
                 continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, config.prefill_chunk_size, budget)
-            num_needed = pool.num_blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
-            if not pool.can_allocate(num_needed):
+            assert not req.block_ids and req.num_computed_tokens == 0, req
+            hits = self.prefix_cache.match(req) if self.prefix_cache is not None else []
+            num_reused = len(hits) * pool.block_size
+            num_new = min(req.num_tokens - num_reused, config.prefill_chunk_size, budget)
+            num_needed = pool.num_blocks_for(num_reused + num_new) - len(hits)
+            # hits still on the free list leave it when taken, so they count against it too
+            if not pool.can_allocate(num_needed + pool.num_free_among(hits)):
                 break
             self.waiting.popleft()
+            pool.incref(hits)  # NOTE: before allocate(), which would otherwise evict free hits
+            req.block_ids = hits + pool.allocate(num_needed)
+            req.num_published_pages = len(hits)
+            req.num_computed_tokens = req.num_reused_tokens = num_reused
+            if req.status is RequestStatus.WAITING:  # the first admission: usage reports this reuse
+                req.num_cached_tokens = num_reused
+            self.num_reused_tokens += num_reused
             req.status = RequestStatus.RUNNING
-            req.block_ids.extend(pool.allocate(num_needed))
             self.running.append(req)
             req.is_known_to_runner = True
             new_requests.append(
@@ -184,13 +198,16 @@ class Scheduler:
                 continue  # aborted (or reset) while the step ran
             result = results.get(chunk.req_id)
             req.num_computed_tokens += len(chunk.token_ids)
+            if self.prefix_cache is not None and result is not None:  # only KV the runner reported computing
+                self.prefix_cache.publish(req)
             if chunk.want_prompt_logprobs and result is not None and result.prompt_logprobs:
                 req.prompt_logprobs.extend(result.prompt_logprobs)
             prompt_logprobs = None
             if req.is_prefill_done:
                 if not req.is_prefill_counted:
                     req.is_prefill_counted = True
-                    self.num_prefill_tokens += req.num_prompt_tokens
+                    # reuse < prompt here: nothing is generated before the prefill completes
+                    self.num_prefill_tokens += req.num_prompt_tokens - req.num_reused_tokens
                 if req.wants_prompt_logprobs:
                     prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs, []
                     req.is_prompt_logprobs_sent = True
@@ -271,7 +288,7 @@ class Scheduler:
         """Free the (already unlinked) running request's pages and requeue it at the front for recompute."""
         self.block_pool.free(reversed(req.block_ids))
         req.block_ids = []
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_published_pages = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         if not req.is_prompt_logprobs_sent:
@@ -288,7 +305,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Free a finished request's pages and forget it; it must already be off the queues."""
-        self.block_pool.free(reversed(req.block_ids))  # tail first: a prefix cache keeps heads longer
+        self.block_pool.free(reversed(req.block_ids))  # tail first: the prefix cache keeps heads longer
         req.block_ids = []
         self._forget_in_runner(req)
         del self.requests[req.req_id]
@@ -316,6 +333,6 @@ class Scheduler:
             finish_reason=req.finish_reason,
             stop_token=req.stop_token,
             num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=0,
+            num_cached_tokens=req.num_cached_tokens,
             error=req.error,
         )

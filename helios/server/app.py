@@ -29,8 +29,8 @@ from helios.server.protocols import (anthropic_messages, ollama, openai_chat, op
 from helios.server.runtime import Runtime, build_runtime, warm_up
 
 logger = logging.getLogger("helios.server")
-ENV_CORE, ENV_CONFIG, ENV_HOST, ENV_PORT, ENV_KEY_FILE = (
-    "HELIOS_CORE", "HELIOS_CONFIG", "HELIOS_HOST", "HELIOS_PORT", "HELIOS_API_KEY_FILE")
+ENV_CORE, ENV_CONFIG, ENV_HOST, ENV_PORT, ENV_KEY_FILE, ENV_NO_PREFIX_CACHE = (
+    "HELIOS_CORE", "HELIOS_CONFIG", "HELIOS_HOST", "HELIOS_PORT", "HELIOS_API_KEY_FILE", "HELIOS_NO_PREFIX_CACHE")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -303,6 +303,8 @@ def create_app() -> HeliosApp:
         overrides["port"] = int(os.environ[ENV_PORT])
     if os.environ.get(ENV_KEY_FILE):
         overrides["api_key"] = Path(os.environ[ENV_KEY_FILE]).read_text(encoding="utf-8").strip()
+    if os.environ.get(ENV_NO_PREFIX_CACHE) == "1":
+        overrides["prefix_caching"] = False
     config = msgspec.structs.replace(config, **overrides) if overrides else config
     return HeliosApp(lambda: build_runtime(Path(core), config), announce=f"http://{config.host}:{config.port}")
 

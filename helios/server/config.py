@@ -42,6 +42,9 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     thinking_token_budget: _Int32 | None = None  # default reasoning-token cap for chat requests; None: uncapped
     max_num_batched_tokens: Annotated[int, Meta(ge=1, le=1 << 20, description="Token budget of one step.")] = 2048
     kv_cache_tokens: Annotated[int, Meta(ge=16, le=1 << 24, description="KV pool capacity in tokens (CPU).")] = 32768
+    prefix_caching: Annotated[
+        bool, Meta(description="Reuse the KV pages of earlier requests' identical prefixes (GPU prefix cache).")
+    ] = True
     device: Annotated[
         Literal["auto", "cpu", "cuda"], Meta(description="auto: CUDA when a GPU is visible (KV pool sized from free memory), else CPU.")
     ] = "auto"

@@ -147,6 +147,7 @@ def build_engine(core, config: ServerConfig, serving: Serving):
         page_size=page_size,
         num_pages=num_pages,
         max_model_len=serving.max_model_len,
+        enable_prefix_caching=config.prefix_caching,
     )
     return AsyncEngine(EngineCore(scheduler, runner))
 

@@ -29,7 +29,9 @@ def context_token(context: list[int]) -> int:
 
 
 class FakeRunner:
-    """Tracks a simulated KV (tokens per request) and asserts the scheduler's plans are consistent.
+    """Tracks a simulated paged KV (the token id in every slot) and asserts the scheduler's plans are consistent:
+    a request that starts from cached pages finds exactly its own tokens there, and a page shared by two live
+    requests is never written.
 
     `script[req_id]` overrides the sampled tokens by output index; `fail(plan)` may return an exception.
     """
@@ -38,7 +40,8 @@ class FakeRunner:
         self.page_size = page_size
         self.script = script or {}
         self.fail = fail
-        self.kv: dict[str, list[int]] = {}
+        self.kv: dict[str, list[int] | None] = {}  # tokens in KV per request; None until its first chunk
+        self.slots: dict[int, list[int | None]] = defaultdict(lambda: [None] * page_size)  # page -> token ids
         self.known: dict[str, list[int]] = {}  # prompt + outputs as the runner knows them
         self.num_prompt: dict[str, int] = {}
         self.sampling: dict[str, SamplingParams] = {}
@@ -55,23 +58,35 @@ class FakeRunner:
                 table.pop(req_id, None)
         for new in plan.new_requests:
             assert new.req_id not in self.kv, f"{new.req_id} sent as new twice without a drop"
-            self.kv[new.req_id] = []
+            self.kv[new.req_id] = None
             self.known[new.req_id] = list(new.prompt_token_ids) + list(new.output_token_ids)
             self.num_prompt[new.req_id] = len(new.prompt_token_ids)
             self.sampling[new.req_id] = new.sampling
             self.num_new[new.req_id] += 1
         if self.fail is not None and (exc := self.fail(plan)) is not None:
             raise exc
+        for s in plan.scheduled:
+            self.block_tables[s.req_id] = list(s.block_ids)
+        owners: dict[int, int] = defaultdict(int)
+        for table in self.block_tables.values():
+            for block_id in table:
+                owners[block_id] += 1
         results = []
         for s in plan.scheduled:
             kv, known = self.kv[s.req_id], self.known[s.req_id]
+            if kv is None:  # the first chunk: it may start after a cached prefix, read back from the pages
+                kv = self.kv[s.req_id] = self._read(s.block_ids, s.num_computed_tokens)
+                assert s.num_computed_tokens % self.page_size == 0 and kv == known[: len(kv)], s.req_id
             assert s.num_computed_tokens == len(kv), (s.req_id, s.num_computed_tokens, len(kv))
             assert s.token_ids == known[len(kv) : len(kv) + len(s.token_ids)], s.req_id
             assert s.token_ids, "a scheduled request has tokens"
             start = len(kv)
             kv.extend(s.token_ids)
             assert len(s.block_ids) == -(-len(kv) // self.page_size), (s.req_id, len(s.block_ids), len(kv))
-            self.block_tables[s.req_id] = list(s.block_ids)
+            for position in range(start, len(kv)):
+                block_id = s.block_ids[position // self.page_size]
+                assert owners[block_id] == 1, f"{s.req_id} writes page {block_id}, shared by {owners[block_id]}"
+                self.slots[block_id][position % self.page_size] = kv[position]
             num_prompt = self.num_prompt[s.req_id]
             prompt_logprobs = None
             if s.want_prompt_logprobs:
@@ -96,9 +111,10 @@ class FakeRunner:
                     req_id=s.req_id, sampled_token_id=token, logprobs=logprobs, prompt_logprobs=prompt_logprobs
                 )
             )
-        owned = [b for table in self.block_tables.values() for b in table]
-        assert len(owned) == len(set(owned)), "a page is owned by two live requests"
         return ModelRunnerOutput(results=results)
+
+    def _read(self, block_ids: list[int], num_tokens: int) -> list[int]:
+        return [self.slots[block_ids[p // self.page_size]][p % self.page_size] for p in range(num_tokens)]
 
 
 def _record(token_id: int, position: int) -> PositionLogprobs:

@@ -11,7 +11,7 @@ from helios.runner.model_runner import ModelRunner
 
 
 def make_engine(core: LoadedCore, num_pages: int = 512, page_size: int = 16, max_concurrency: int = 16,
-                chunk: int = 512) -> EngineCore:
+                chunk: int = 512, enable_prefix_caching: bool = True) -> EngineCore:
     arch = core.manifest.arch
     config = SchedulerConfig(
         max_concurrency=max_concurrency,
@@ -20,6 +20,7 @@ def make_engine(core: LoadedCore, num_pages: int = 512, page_size: int = 16, max
         page_size=page_size,
         num_pages=num_pages,
         max_model_len=min(core.manifest.limits.context_length, num_pages * page_size),
+        enable_prefix_caching=enable_prefix_caching,
     )
     return EngineCore(config, ModelRunner(arch, core.tensors, num_pages, page_size))
 

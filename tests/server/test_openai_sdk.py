@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
+import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, CORE, _stop, serve_core
 
 ALIAS = "smollm2-135m-instruct"
 CHECKPOINT = "SmolLM2-135M-Instruct.Q4_1"
@@ -43,7 +45,10 @@ def test_chat_buffered(client):
     assert r.choices[0].finish_reason in ("stop", "length")
     u = r.usage
     assert u.prompt_tokens > 10 and u.total_tokens == u.prompt_tokens + u.completion_tokens
-    assert u.prompt_tokens_details.cached_tokens == 0
+    # the chat template's default system prompt is shared by every chat request: earlier ones may have
+    # cached its full pages (16 tokens each), never the last prompt token
+    cached = u.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and cached < u.prompt_tokens
     assert u.completion_tokens_details.reasoning_tokens == 0
 
 
@@ -188,3 +193,52 @@ def test_concurrent_requests_match_sequential_ones(client, server):
             return [r.choices[0].text for r in rs]
 
     assert asyncio.run(main()) == alone  # a seed gives the same output alone or in a batch
+
+
+# --- the prefix cache ---------------------------------------------------------------------------------
+
+CONTEXT = (
+    "The Roman Empire was the post-Republican state of ancient Rome. It included territories in Europe, North "
+    "Africa, and Western Asia, and was ruled by emperors. The fall of the Western Roman Empire in 476 AD "
+    "conventionally marks the end of classical antiquity and the beginning of the Middle Ages."
+)
+
+
+def _prefix_cache_messages() -> list[dict]:
+    # a fresh nonce inside the first 16-token page: nothing earlier in the session shares even that page
+    return [{"role": "system", "content": f"Session {uuid.uuid4().hex}. {CONTEXT}"},
+            {"role": "user", "content": "In which year did the Western Roman Empire fall?"}]
+
+
+def test_prefix_cache_reports_cached_tokens(client, http):
+    msgs = _prefix_cache_messages()
+    before = http.get("/metrics?format=json").json()
+    first = client.chat.completions.create(model=ALIAS, messages=msgs, max_tokens=12, temperature=0)
+    second = client.chat.completions.create(model=ALIAS, messages=msgs, max_tokens=12, temperature=0)
+    after = http.get("/metrics?format=json").json()
+    num_prompt = first.usage.prompt_tokens
+    assert num_prompt > 64 and second.usage.prompt_tokens == num_prompt
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every full page but the one holding the last prompt token, which is always recomputed
+    assert second.usage.prompt_tokens_details.cached_tokens == (num_prompt - 1) // 16 * 16
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert after["reused_tokens"] - before["reused_tokens"] >= (num_prompt - 1) // 16 * 16
+    assert after["cached_pages"] > 0
+    assert after["prefill_tokens"] - before["prefill_tokens"] <= 2 * num_prompt - (num_prompt - 1) // 16 * 16
+
+
+def test_no_prefix_cache_flag(tmp_path):
+    if not (CORE / "core.toml").is_file():
+        pytest.skip(f"the default core is not built ({CORE}); run `make core`")
+    config = tmp_path / "helios.toml"
+    config.write_text("[server]\nkv_cache_tokens = 4096\n", encoding="utf-8")
+    proc, url = serve_core(CORE, config, tmp_path / "serve.log", ("--no-prefix-cache",))
+    try:
+        body = {"model": ALIAS, "messages": _prefix_cache_messages(), "max_tokens": 4, "temperature": 0}
+        for _ in range(2):
+            r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+            assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        snap = httpx.get(url + "/metrics?format=json").json()
+        assert (snap["reused_tokens"], snap["cached_pages"]) == (0, 0)
+    finally:
+        _stop(proc)
