@@ -19,6 +19,7 @@ Usage: python benchmarks/gpu_decode.py [--skip-8b] [--skip-parity] [--skip-hf-co
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -205,6 +206,8 @@ def gemv_ceiling(t: dict, arch, bandwidth: float, limit1: float) -> list[str]:
     lost to cuBLAS on every projection on the H200, 2026-12-02: 64-86% of copy bandwidth vs 55-95%.)"""
     import torch.nn.functional as F
 
+    from helios.kernels.gemv import gemv
+
     lines = []
     names = {"qkv": "attn.qkv", "o": "attn.o", "gate_up": "mlp.gate_up", "down": "mlp.down"}
     layers = range(arch.num_layers)
@@ -215,7 +218,7 @@ def gemv_ceiling(t: dict, arch, bandwidth: float, limit1: float) -> list[str]:
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
             nbytes = n * k * 2
             row = [f"GEMV m={m:2} {short:7} [{n}x{k}]"]
-            for impl, f in (("cublas", F.linear),):
+            for impl, f in (("cublas", F.linear), ("gemv", gemv)):
                 ms = _graph_time_ms(lambda: [f(x, w) for w in ws], reps=2) / len(ws)
                 row.append(f"{impl} {ms * 1e3:6.1f} us {nbytes / ms / 1e6:5.0f} GB/s ({nbytes / ms / 1e6 / (bandwidth / 1e9):.0%})")
             lines.append("  ".join(row))
@@ -269,9 +272,8 @@ def graph_replays(graphed, limits: dict[int, float], ctx: int) -> list[str]:
     return lines
 
 
-def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, str], label: str) -> list[str]:
-    """The same decode graphs captured again under `env` (HELIOS_PDL=0: no programmatic dependent launch;
-    HELIOS_FOLD_NORMS=0: norms in their own kernels; HELIOS_GEMV=0: cuBLAS at batch 1), replayed alone."""
+def capture_under(graphed, buckets: list[int], env: dict[str, str]):
+    """The runner's decode graphs for `buckets` captured again with `env` set (the kernels read it at capture)."""
     import os
 
     from helios.runner.cuda_graphs import GraphRunner
@@ -280,16 +282,23 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
-        off = GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in limits if b in gr.graphs],
-                          max_model_len=gr.max_model_len, page_size=gr.page_size,
-                          vocab_size=gr.buffers.logits.shape[1], num_kv_heads=graphed.arch.num_kv_heads,
-                          device=graphed.device)
+        return GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in buckets if b in gr.graphs],
+                           max_model_len=gr.max_model_len, page_size=gr.page_size,
+                           vocab_size=gr.buffers.logits.shape[1], num_kv_heads=graphed.arch.num_kv_heads,
+                           device=graphed.device)
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
+
+
+def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, str], label: str) -> list[str]:
+    """The same decode graphs captured again under `env` (HELIOS_PDL=0: no programmatic dependent launch;
+    HELIOS_FOLD_NORMS=0: norms in their own kernels; HELIOS_GEMV=0 / narrow: cuBLAS for all / the wide
+    projections at batch 1), replayed alone."""
+    off = capture_under(graphed, list(limits), env)
 
     class _Off:  # graph_replays reads .graphs
         graphs = off
@@ -300,32 +309,48 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
     return lines
 
 
-def profile_graph(graphed, ctx: int, rows: int = 22) -> list[str]:
-    """Kernel time inside the b=1 decode graph (torch.profiler over 5 replays), summed per kernel name."""
+def profile_graph(graphed, ctx: int, env: dict[str, str], label: str, rows: int = 24) -> list[str]:
+    """Kernel time inside the b=1 decode graph captured under `env` (torch.profiler over 5 replays), summed per
+    kernel name and grid (so each projection's GEMV is its own row). Run with HELIOS_PDL=0: under PDL a
+    kernel's span starts at its early launch and includes the wait for the kernel before it."""
+    import json
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     from helios.runner.cuda_graphs import prepare_decode_inputs
 
-    gr = graphed.graphs
+    gr = capture_under(graphed, [1], env)
     gr.buffers.load(prepare_decode_inputs(decode_inputs(1, ctx, gr.page_size), gr.page_size, 1))
     graph = gr.graph_for(1, ctx + 1)
+    graph.replay()
+    torch.cuda.synchronize()
     reps = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             graph.replay()
         torch.cuda.synchronize()
-    stats = []
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", None)
-        if us is None:
-            us = getattr(evt, "cuda_time_total", 0)
-        if us > 0:
-            stats.append((us / reps, evt.count // reps, evt.key))
-    stats.sort(reverse=True)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    groups: dict[tuple, list[float]] = {}
+    spans = []
+    for evt in trace.get("traceEvents", []):
+        if evt.get("cat") != "kernel":
+            continue
+        key = (evt["name"][:60], str(evt.get("args", {}).get("grid")))
+        groups.setdefault(key, []).append(float(evt["dur"]))
+        spans.append((float(evt["ts"]), float(evt["ts"]) + float(evt["dur"])))
+    stats = sorted(((sum(d) / reps, len(d) // reps, k) for k, d in groups.items()), reverse=True)
     total = sum(s[0] for s in stats)
-    lines = [f"profile b=1 graph: {sum(s[1] for s in stats)} kernels/step, {total / 1e3:.3f} ms of kernel time/step"]
-    for us, count, key in stats[:rows]:
-        lines.append(f"  {us:8.1f} us  x{count:4}  {us / max(count, 1):6.1f} us each  {key[:90]}")
+    spans.sort()
+    wall = (spans[-1][1] - spans[0][0]) / reps if spans else 0.0
+    lines = [f"profile b=1 graph, {label}: {sum(s[1] for s in stats)} kernels/step, {total / 1e3:.3f} ms of kernel "
+             f"time/step, first start to last end {wall / 1e3:.3f} ms/step (gaps {(wall - total) / 1e3:.3f} ms)"]
+    for us, count, (name, grid) in stats[:rows]:
+        lines.append(f"  {us:8.1f} us  x{count:4}  {us / max(count, 1):6.1f} us each  grid {grid:14} {name}")
+    del gr
+    torch.cuda.empty_cache()
     return lines
 
 
@@ -381,13 +406,14 @@ def host_profile(layers: int = 2, rows: int = 28) -> list[str]:
     return lines
 
 
-def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = True,
-              diagnose: bool = True) -> tuple[list[str], list[tuple]]:
+def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = True, diagnose: bool = True,
+              batches: tuple[int, ...] = (1, 16, 64, 256), prefill: bool = True,
+              hf: bool = True) -> tuple[list[str], list[tuple]]:
     from helios.engine.messages import NewRequestData, ScheduledRequest, SchedulerOutput
     from helios.runner.model_runner import ModelRunner
 
     a = LLAMA_8B
-    hf, t, arch, weight_bytes = llama_8b_tensors()
+    hf_model, t, arch, weight_bytes = llama_8b_tensors()
     lines, table = [], []
 
     def say(line: str) -> None:
@@ -428,7 +454,15 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
                      lambda: variant_replays(graphed, limits, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
                      lambda: variant_replays(graphed, one, ctx, {"HELIOS_FOLD_NORMS": "0"}, "norms unfolded"),
                      lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "0"}, "cuBLAS at batch 1"),
-                     lambda: profile_graph(graphed, ctx),
+                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "0", "HELIOS_PDL": "0"},
+                                             "cuBLAS at batch 1, PDL off"),
+                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow"}, "GEMV for o/down only"),
+                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
+                                             "GEMV for o/down only, PDL off"),
+                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all"}, "GEMV for all"),
+                     lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
+                     lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "0"},
+                                           "PDL off, cuBLAS"),
                      lambda: gemv_ceiling(t, arch, bandwidth, limits[1])):
             try:
                 more = part()
@@ -436,7 +470,7 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
                 more = [f"diagnostic failed: {type(exc).__name__}: {str(exc)[:300]}"]
             print("\n".join(more), flush=True)
             lines += more
-    for batch in (1, 16, 64, 256):
+    for batch in batches:
         limit = limits[batch]
         # graphs with and without the speculative next decode step (runner/decode_overlap.py)
         for name, runner, overlap in (("eager", eager, False), ("graphs", graphed, True),
@@ -456,43 +490,47 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
     del eager
     torch.cuda.empty_cache()
 
-    # prefill: one 4096-token request in one step (logits for the last row only)
-    n = 4096
-    ids = [(7 * j) % 30000 + 10 for j in range(n)]
-    blocks = list(range(n // 16))
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    rates = []
-    for rep in range(4):
-        rid = f"prefill{rep}"
-        plan = SchedulerOutput(new_requests=[NewRequestData(req_id=rid, prompt_token_ids=ids, sampling=params)],
-                               scheduled=[ScheduledRequest(req_id=rid, token_ids=ids, num_computed_tokens=0,
-                                                           block_ids=blocks, sample=True)],
-                               finished_req_ids=[f"prefill{rep - 1}"], num_scheduled_tokens=n)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        graphed.execute(plan)
-        torch.cuda.synchronize()
-        rates.append(n / (time.perf_counter() - t0))
-    tps = max(rates[1:])
-    params_count = weight_bytes / 2
-    attn_flops = 2 * n * n * a["num_heads"] * a["head_dim"] * a["num_layers"]  # causal QK^T + PV
-    flops = 2 * params_count * n + attn_flops
-    achieved = flops * tps / n
-    say(f"helios prefill {n} tokens: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
-                 f"({achieved / matmul:.1%} of the measured bf16 matmul rate)")
-    table.append((f"prefill {n} tok", f"{tps:.0f} tok/s", f"{matmul / 1e12:.0f} TFLOP/s", f"{achieved / matmul:.1%}"))
+    if prefill:
+        # prefill: one 4096-token request in one step (logits for the last row only)
+        n = 4096
+        ids = [(7 * j) % 30000 + 10 for j in range(n)]
+        blocks = list(range(n // 16))
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        rates = []
+        for rep in range(4):
+            rid = f"prefill{rep}"
+            plan = SchedulerOutput(new_requests=[NewRequestData(req_id=rid, prompt_token_ids=ids, sampling=params)],
+                                   scheduled=[ScheduledRequest(req_id=rid, token_ids=ids, num_computed_tokens=0,
+                                                               block_ids=blocks, sample=True)],
+                                   finished_req_ids=[f"prefill{rep - 1}"], num_scheduled_tokens=n)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graphed.execute(plan)
+            torch.cuda.synchronize()
+            rates.append(n / (time.perf_counter() - t0))
+        tps = max(rates[1:])
+        params_count = weight_bytes / 2
+        attn_flops = 2 * n * n * a["num_heads"] * a["head_dim"] * a["num_layers"]  # causal QK^T + PV
+        flops = 2 * params_count * n + attn_flops
+        achieved = flops * tps / n
+        say(f"helios prefill {n} tokens: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
+                     f"({achieved / matmul:.1%} of the measured bf16 matmul rate)")
+        table.append((f"prefill {n} tok", f"{tps:.0f} tok/s", f"{matmul / 1e12:.0f} TFLOP/s", f"{achieved / matmul:.1%}"))
+
     del graphed
     torch.cuda.empty_cache()
 
+    if not hf:
+        return lines, table
     # HF transformers on the same weights, batch 1
     hf_ids = torch.randint(10, 30000, (1, prompt_len), device="cuda")
     kw = dict(attention_mask=torch.ones_like(hf_ids), do_sample=False, pad_token_id=0, eos_token_id=None)
     limit1 = bandwidth / (weight_bytes + (prompt_len + new // 2) * a["num_layers"] * 2 * a["num_kv_heads"] * 256)
     with torch.inference_mode():
-        hf.generate(hf_ids, max_new_tokens=4, min_new_tokens=4, **kw)
+        hf_model.generate(hf_ids, max_new_tokens=4, min_new_tokens=4, **kw)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        hf.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        hf_model.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **kw)
         torch.cuda.synchronize()
         tps = new / (time.perf_counter() - t0)
     say(f"HF transformers eager generate batch 1: {tps:8.1f} tok/s ({tps / limit1:.1%})")
@@ -507,17 +545,17 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
             with torch.inference_mode():
                 for _ in range(3):  # compile + cudagraph warm-up at the timed shapes
                     torch.compiler.cudagraph_mark_step_begin()
-                    hf.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **ckw)
+                    hf_model.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **ckw)
                 torch.cuda.synchronize()
                 warm = time.perf_counter() - t0
                 torch.compiler.cudagraph_mark_step_begin()
                 t0 = time.perf_counter()
-                hf.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **ckw)
+                hf_model.generate(hf_ids, max_new_tokens=new, min_new_tokens=new, **ckw)
                 torch.cuda.synchronize()
             tps = new / (time.perf_counter() - t0)
             say(f"HF static cache + generate's torch.compile batch 1: {tps:8.1f} tok/s "
                          f"({tps / limit1:.1%}); compile + warm-up {warm:.0f} s; compiled forward: "
-                         f"{getattr(hf, '_compiled_call', None) is not None}")
+                         f"{getattr(hf_model, '_compiled_call', None) is not None}")
             table.append(("HF static cache + compile b=1", f"{tps:.1f} tok/s", f"{limit1:.1f}", f"{tps / limit1:.1%}"))
         except Exception as exc:  # the peer's failure is a result, not a crash of our benchmark
             say(f"HF static cache + torch.compile failed: {type(exc).__name__}: {str(exc)[:300]}")
@@ -531,10 +569,14 @@ def main() -> None:
     parser.add_argument("--skip-hf-compile", action="store_true", help="skip HF static cache + torch.compile")
     parser.add_argument("--skip-eager", action="store_true", help="skip helios' eager (no-graph) decode figures")
     parser.add_argument("--skip-diagnostics", action="store_true", help="skip graph replays, profile, GEMV")
+    parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true", help="skip both HF transformers peers")
+    parser.add_argument("--batches", default="1,16,64,256", help="engine decode batch sizes")
     parser.add_argument("--host-profile", action="store_true", help="only: where a b=1 engine step's host time goes")
     args = parser.parse_args()
     start = time.perf_counter()
-    print(torch.__version__, torch.cuda.get_device_name(), flush=True)
+    print(torch.__version__, torch.cuda.get_device_name(), f"HELIOS_GEMV={os.environ.get('HELIOS_GEMV', 'all')}",
+          f"HELIOS_PDL={os.environ.get('HELIOS_PDL', '1')}", flush=True)
     if args.host_profile:
         print("\n".join(host_profile()), flush=True)
         return
@@ -547,7 +589,9 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     table = []
     if not args.skip_8b:
-        more, table = decode_8b(bw, mm, not args.skip_hf_compile, not args.skip_eager, not args.skip_diagnostics)
+        more, table = decode_8b(bw, mm, not args.skip_hf_compile, not args.skip_eager, not args.skip_diagnostics,
+                                tuple(int(b) for b in args.batches.split(",")), not args.skip_prefill,
+                                not args.skip_hf)
         lines += more
     lines.append(f"[total {time.perf_counter() - start:.0f} s]")
     print("\n=== summary ===")

@@ -355,23 +355,32 @@ def gemv_add_rms_norm(
 
 def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `helios.layers.linear` sends this product here: one row (batch-1 decode), 16-bit, on a GPU
-    with compiled Triton kernels, HELIOS_GEMV not "0". At M = 1 the GEMV beat cuBLAS on every 8B projection;
-    at M = 4 and 16 it lost (28-50% of copy bandwidth against cuBLAS's 58-97%), so those stay on cuBLAS."""
+    with compiled Triton kernels, and the weight's shape admitted by HELIOS_GEMV (gemv_mode). At M = 4 and 16
+    the GEMV lost to cuBLAS (28-50% of copy bandwidth against cuBLAS's 58-97%), so those stay on cuBLAS."""
+    mode = gemv_mode()
     return (
-        x.dim() == 2
+        mode != "off"
+        and (mode == "all" or weight.shape[0] <= weight.shape[1])
+        and x.dim() == 2
         and x.shape[0] == 1
         and x.device.type == "cuda"
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(-1) == 1
         and weight.is_contiguous()
-        and gemv_enabled()
     )
 
 
-def gemv_enabled() -> bool:
-    return HAS_TRITON and not interpret_mode() and os.environ.get("HELIOS_GEMV", "1").strip().lower() not in (
-        "0", "false", "off", "no")
+def gemv_mode() -> str:
+    """HELIOS_GEMV: "all" (default) sends every one-row product here; "narrow" only those whose weight has
+    no more rows than columns (o and down of a llama layer: cuBLAS's weakest at M = 1), the wide ones (qkv,
+    gate_up, lm_head) stay on cuBLAS; "0" none. Benchmarks compare the three (benchmarks/gpu_decode.py)."""
+    if not HAS_TRITON or interpret_mode():
+        return "off"
+    value = os.environ.get("HELIOS_GEMV", "all").strip().lower()
+    if value in ("0", "false", "off", "no"):
+        return "off"
+    return "narrow" if value == "narrow" else "all"
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, gated: str | None = None) -> torch.Tensor:

@@ -126,3 +126,20 @@ def test_gemv_with_the_add_and_rms_norm_folded_in(dtype, with_residual, in_float
     torch.testing.assert_close(out.float(), gemv_ref(normed, weight).float(), rtol=tol, atol=tol)
     again, _ = gemv_add_rms_norm(x, residual, norm_w, 1e-6, weight, in_float32, **config)
     assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("value, mode", [(None, "all"), ("1", "all"), ("narrow", "narrow"), ("0", "off"), ("off", "off")])
+def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
+    """HELIOS_GEMV: all (default), narrow (weights with no more rows than columns: o and down) or off; the shape
+    rule beside it in gemv_serves needs CUDA tensors (tests/gpu)."""
+    import helios.kernels.gemv as gemv_module
+
+    monkeypatch.setattr(gemv_module, "HAS_TRITON", True)
+    monkeypatch.setattr(gemv_module, "interpret_mode", lambda: False)
+    if value is None:
+        monkeypatch.delenv("HELIOS_GEMV", raising=False)
+    else:
+        monkeypatch.setenv("HELIOS_GEMV", value)
+    assert gemv_module.gemv_mode() == mode
+    monkeypatch.setattr(gemv_module, "interpret_mode", lambda: True)
+    assert gemv_module.gemv_mode() == "off"  # the interpreter never takes the one-row path
