@@ -296,8 +296,8 @@ def capture_under(graphed, buckets: list[int], env: dict[str, str]):
 
 def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, str], label: str) -> list[str]:
     """The same decode graphs captured again under `env` (HELIOS_PDL=0: no programmatic dependent launch;
-    HELIOS_FOLD_NORMS=0: norms in their own kernels; HELIOS_GEMV=0 / narrow: cuBLAS for all / the wide
-    projections at batch 1), replayed alone."""
+    HELIOS_GEMV=all / narrow: the Triton GEMV for every / the o and down one-row projections, HELIOS_FOLD_NORMS=0
+    with it: norms in their own kernels), replayed alone."""
     off = capture_under(graphed, list(limits), env)
 
     class _Off:  # graph_replays reads .graphs
@@ -452,17 +452,15 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
         one = {1: limits[1]}
         for part in (lambda: graph_replays(graphed, limits, ctx),
                      lambda: variant_replays(graphed, limits, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
-                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_FOLD_NORMS": "0"}, "norms unfolded"),
-                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "0"}, "cuBLAS at batch 1"),
-                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "0", "HELIOS_PDL": "0"},
-                                             "cuBLAS at batch 1, PDL off"),
-                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow"}, "GEMV for o/down only"),
-                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
-                                             "GEMV for o/down only, PDL off"),
                      lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all"}, "GEMV for all"),
+                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all", "HELIOS_FOLD_NORMS": "0"},
+                                             "GEMV for all, norms unfolded"),
+                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all", "HELIOS_PDL": "0"},
+                                             "GEMV for all, PDL off"),
+                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow"}, "GEMV for o/down only"),
                      lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
-                     lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "0"},
-                                           "PDL off, cuBLAS"),
+                     lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "all"},
+                                           "PDL off, GEMV for all"),
                      lambda: gemv_ceiling(t, arch, bandwidth, limits[1])):
             try:
                 more = part()
@@ -575,7 +573,7 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true", help="only: where a b=1 engine step's host time goes")
     args = parser.parse_args()
     start = time.perf_counter()
-    print(torch.__version__, torch.cuda.get_device_name(), f"HELIOS_GEMV={os.environ.get('HELIOS_GEMV', 'all')}",
+    print(torch.__version__, torch.cuda.get_device_name(), f"HELIOS_GEMV={os.environ.get('HELIOS_GEMV', '0')}",
           f"HELIOS_PDL={os.environ.get('HELIOS_PDL', '1')}", flush=True)
     if args.host_profile:
         print("\n".join(host_profile()), flush=True)

@@ -372,15 +372,20 @@ def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv_mode() -> str:
-    """HELIOS_GEMV: "all" (default) sends every one-row product here; "narrow" only those whose weight has
-    no more rows than columns (o and down of a llama layer: cuBLAS's weakest at M = 1), the wide ones (qkv,
-    gate_up, lm_head) stay on cuBLAS; "0" none. Benchmarks compare the three (benchmarks/gpu_decode.py)."""
+    """HELIOS_GEMV: "0" (default) leaves every product to cuBLAS; "all" (or "1") sends every one-row product
+    here; "narrow" only those whose weight has no more rows than columns (o and down of a llama layer).
+
+    NOTE: off by default on measurement: alone, each 8B projection ran as fast or faster here than in cuBLAS
+    (o 10.1 vs 14.0 us, down 29.5 vs 32.6), but a whole b=1 decode step through the engine ran at 78.6% of the
+    bandwidth limit with cuBLAS and 76.4% with every one-row product here (H200, 2026-12-03,
+    benchmarks/RESULTS.md): cuBLAS's kernels sit better beside the PDL launches of the other kernels, and the
+    add + RMSNorm folded into gate_up cost 6 us per layer of statistics in its 3584 programs."""
     if not HAS_TRITON or interpret_mode():
         return "off"
-    value = os.environ.get("HELIOS_GEMV", "all").strip().lower()
-    if value in ("0", "false", "off", "no"):
-        return "off"
-    return "narrow" if value == "narrow" else "all"
+    value = os.environ.get("HELIOS_GEMV", "0").strip().lower()
+    if value in ("all", "1", "on", "true", "yes"):
+        return "all"
+    return "narrow" if value == "narrow" else "off"
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, gated: str | None = None) -> torch.Tensor:

@@ -172,8 +172,14 @@ def test_linear_sends_one_row_16_bit_products_to_the_gemv(monkeypatch):
     g = torch.Generator(device=CUDA).manual_seed(0)
     w = torch.randn(6144, 4096, generator=g, device=CUDA, dtype=torch.bfloat16) / 64
     x = torch.randn(1, 4096, generator=g, device=CUDA, dtype=torch.bfloat16)
+    monkeypatch.delenv("HELIOS_GEMV", raising=False)
+    assert not gemv_serves(x, w)  # off by default: cuBLAS measured better through the engine
+    monkeypatch.setenv("HELIOS_GEMV", "all")
     assert gemv_serves(x, w) and not gemv_serves(torch.cat([x, x]), w) and not gemv_serves(x.float(), w.float())
     torch.testing.assert_close(linear(x, w).float(), gemv_ref(x, w).float(), rtol=1.6e-2, atol=1.6e-2)
+    monkeypatch.setenv("HELIOS_GEMV", "narrow")  # only weights with no more rows than columns
+    down = torch.randn(4096, 8192, generator=g, device=CUDA, dtype=torch.bfloat16)
+    assert not gemv_serves(x, w) and gemv_serves(torch.cat([x, x], 1), down)
     monkeypatch.setenv("HELIOS_GEMV", "0")
     assert not gemv_serves(x, w)
     torch.testing.assert_close(linear(x, w).float(), gemv_ref(x, w).float(), rtol=1.6e-2, atol=1.6e-2)

@@ -128,9 +128,9 @@ def test_gemv_with_the_add_and_rms_norm_folded_in(dtype, with_residual, in_float
     assert torch.equal(out, again)
 
 
-@pytest.mark.parametrize("value, mode", [(None, "all"), ("1", "all"), ("narrow", "narrow"), ("0", "off"), ("off", "off")])
+@pytest.mark.parametrize("value, mode", [(None, "off"), ("all", "all"), ("1", "all"), ("narrow", "narrow"), ("0", "off")])
 def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
-    """HELIOS_GEMV: all (default), narrow (weights with no more rows than columns: o and down) or off; the shape
+    """HELIOS_GEMV: off (default), all, or narrow (weights with no more rows than columns: o and down); the shape
     rule beside it in gemv_serves needs CUDA tensors (tests/gpu)."""
     import helios.kernels.gemv as gemv_module
 

@@ -265,3 +265,26 @@ def test_kv_pool_sized_from_free_memory(core):
                          max_model_len=512, gpu_memory_fraction=0.05)
     assert runner.num_pages > 0 and runner.startup.num_pages == runner.num_pages
     assert runner.startup.capture_s > 0 and runner.startup.num_graphs > 0
+
+
+@gpu
+@pytest.mark.parametrize("mode", ["all", "narrow"])
+def test_one_row_gemv_path_matches_cublas_in_the_model(core, monkeypatch, mode):
+    """bf16 batch-1 decode graph with HELIOS_GEMV=all (norms and the activation folded into the GEMVs) or narrow
+    against the same step on cuBLAS (HELIOS_GEMV=0): logits within bf16 rounding, same argmax."""
+    kw = dict(num_pages=64, page_size=16, device="cuda", dtype=torch.bfloat16, max_model_len=256)
+    logits = {}
+    for env in ("0", mode):
+        monkeypatch.setenv("HELIOS_GEMV", env)  # read while the graphs are captured
+        runner = ModelRunner(core.manifest.arch, core.tensors, cuda_graphs=True, **kw)
+        ids = prompt(19, seed=3)
+        runner.execute(plan([ScheduledRequest(req_id="r", token_ids=ids, num_computed_tokens=0, block_ids=[0, 1],
+                                              sample=False)],
+                            new=[NewRequestData(req_id="r", prompt_token_ids=ids, sampling=GREEDY)]))
+        step = [decode_step("r", 11, len(ids), [0, 1])]
+        layout = layout_batch(step, {}, 16)
+        with torch.inference_mode():
+            logits[env] = runner.graphs.run(step, layout, runner.graphs.bucket_for(step, layout)).clone()
+        del runner
+    torch.testing.assert_close(logits[mode], logits["0"], rtol=3e-2, atol=3e-2)
+    assert torch.equal(logits[mode].argmax(-1), logits["0"].argmax(-1))
