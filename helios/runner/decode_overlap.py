@@ -30,13 +30,18 @@ def speculable(
 ) -> bool:
     """Whether step n (a graphed decode step) may be followed by a speculative step n+1: every request
     samples, none is forced, none wants logprobs or prompt logprobs (their extraction reads the logits that
-    the speculative replay overwrites), and each next position lies in a block the request already holds
-    (and within the static block table's `max_blocks` columns)."""
+    the speculative replay overwrites), none samples its last token (max_tokens) at step n, and each next
+    position lies in a block the request already holds (and within the static block table's `max_blocks`
+    columns)."""
     for s in scheduled:
         state = requests[s.req_id]
         if not s.sample or s.forced_token_id is not None or s.want_prompt_logprobs:
             return False
         if state.wants_logprobs or state.sampling.prompt_logprobs is not None:
+            return False
+        # NOTE: a request that finishes at step n leaves the next plan, which then cannot match: the speculative
+        # step would be a whole wasted step of the batch (staggered finishes cost ~6% at b=256 on the H200)
+        if len(state.sampler_state.output_token_ids) + 1 >= state.sampling.max_tokens:
             return False
         next_block = (s.num_computed_tokens + 1) // page_size
         if next_block >= len(s.block_ids) or next_block >= max_blocks:

@@ -94,8 +94,7 @@ def test_one_request_uses_its_speculations(core):
     # where the next position opens a block the request does not hold yet (7, 11)
     runner = same_with_and_without(core, [req("a", 5, 10, prompt_seed=1)])
     assert runner.overlap_hits >= 5
-    # the last speculation (past max_tokens) is dropped when the engine goes idle, counted at the next plan
-    assert runner.overlap_misses == 0
+    assert runner.overlap_misses == 0  # nothing is speculated past max_tokens
 
 
 @needs_interpreter
@@ -103,7 +102,8 @@ def test_requests_finishing_at_different_steps(core):
     # prompt lengths equal mod the page size, so the batch crosses page boundaries together and speculates
     requests = [req("a", 5, 3, prompt_seed=1), req("b", 9, 8, prompt_seed=2), req("c", 13, 12, prompt_seed=3)]
     runner = same_with_and_without(core, requests)
-    assert runner.overlap_hits > 0 and runner.overlap_misses >= 1  # a batch that loses a request misses
+    # a step where a request samples its last token is not speculated: the smaller batch after it never misses
+    assert runner.overlap_hits > 0 and runner.overlap_misses == 0
 
 
 @needs_interpreter
