@@ -47,6 +47,7 @@ from helios.kernels.aot_shapes import (  # noqa: F401  (re-exported: the runtime
     graph_decode_splits,
     parse_target,
     run_launchers,
+    runtime_shape,
     shape_from_manifest,
 )
 
@@ -327,7 +328,7 @@ def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | st
         return KernelLoad("mismatch", target=chosen.target, messages=[reason])
     cache_dir, index = install_cache(kernels_dir, cache_root)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    shape = shape_from_manifest(_read_manifest(core_dir), num_sms)
+    shape = runtime_shape(shape_from_manifest(_read_manifest(core_dir), num_sms))
     before = _kernel_dirs(cache_dir)
     with torch.cuda.device(device):
         from triton.runtime import driver

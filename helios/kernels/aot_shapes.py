@@ -6,7 +6,7 @@ Imports torch and helios.kernels (the launchers, lazily).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -93,6 +93,19 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
         projections_ffn=ffn,
         norm_projections=norm_projections,
     )
+
+
+def runtime_shape(shape: KernelShape) -> KernelShape:
+    """The part of `shape` this process launches: the GEMV shapes only as HELIOS_GEMV admits them (a core
+    compiles them all, so that HELIOS_GEMV=all serves without compiling; loading the unused ones costs start-up)."""
+    from helios.kernels.gemv import gemv_mode
+
+    mode = gemv_mode()
+    if mode == "all":
+        return shape
+    if mode == "narrow":  # wide projections stay on cuBLAS, so nothing folds a norm (helios.models.llama)
+        return replace(shape, projections=tuple(p for p in shape.projections if p[0] <= p[1]), norm_projections=())
+    return replace(shape, projections=(), norm_projections=())
 
 
 def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> None:

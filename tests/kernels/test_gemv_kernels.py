@@ -143,3 +143,20 @@ def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, val
     assert gemv_module.gemv_mode() == mode
     monkeypatch.setattr(gemv_module, "interpret_mode", lambda: True)
     assert gemv_module.gemv_mode() == "off"  # the interpreter never takes the one-row path
+
+
+@pytest.mark.parametrize("mode", ["off", "narrow", "all"])
+def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mode):
+    import helios.kernels.gemv as gemv_module
+    from helios.kernels.aot_shapes import KernelShape, runtime_shape
+
+    qkv, o, gate_up, down, head = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)
+    shape = KernelShape(dtype=torch.bfloat16, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                        page_size=16, layer_kinds=((None, None),), decode_splits=(1, 4),
+                        projections=(qkv, o, gate_up, down, head), projections_ffn=14336,
+                        norm_projections=(qkv, gate_up))
+    monkeypatch.setattr(gemv_module, "gemv_mode", lambda: mode)
+    loaded = runtime_shape(shape)
+    expected = {"off": ((), ()), "narrow": ((o, down), ()), "all": (shape.projections, shape.norm_projections)}
+    assert (loaded.projections, loaded.norm_projections) == expected[mode]
+    assert loaded.decode_splits == shape.decode_splits and loaded.projections_ffn == 14336
