@@ -332,7 +332,7 @@ def profile_graph(graphed, ctx: int, env: dict[str, str], label: str, rows: int 
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
+        trace = json.loads(Path(f.name).read_text())
     groups: dict[tuple, list[float]] = {}
     spans = []
     for evt in trace.get("traceEvents", []):

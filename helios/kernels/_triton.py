@@ -73,9 +73,14 @@ def use_pdl(t, rows: int) -> bool:
     return _capability_major(t.device.index if t.device.index is not None else 0) >= 9
 
 
+def switched_on(name: str) -> bool:
+    """An on-by-default environment switch: False when `name` says "0", "false", "off" or "no"."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def pdl_allowed() -> bool:
     """False when HELIOS_PDL says "0" (off/false/no): every launch then waits for the kernel before it."""
-    return os.environ.get("HELIOS_PDL", "1").strip().lower() not in ("0", "false", "off", "no")
+    return switched_on("HELIOS_PDL")
 
 
 @contextmanager

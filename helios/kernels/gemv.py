@@ -357,18 +357,18 @@ def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `helios.layers.linear` sends this product here: one row (batch-1 decode), 16-bit, on a GPU
     with compiled Triton kernels, and the weight's shape admitted by HELIOS_GEMV (gemv_mode). At M = 4 and 16
     the GEMV lost to cuBLAS (28-50% of copy bandwidth against cuBLAS's 58-97%), so those stay on cuBLAS."""
-    mode = gemv_mode()
-    return (
-        mode != "off"
-        and (mode == "all" or weight.shape[0] <= weight.shape[1])
-        and x.dim() == 2
+    if not (
+        x.dim() == 2
         and x.shape[0] == 1
         and x.device.type == "cuda"
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(-1) == 1
         and weight.is_contiguous()
-    )
+    ):
+        return False  # NOTE: before the environment is read: every CPU projection asks
+    mode = gemv_mode()
+    return mode == "all" or (mode == "narrow" and weight.shape[0] <= weight.shape[1])
 
 
 def gemv_mode() -> str:

@@ -6,8 +6,6 @@ Pre-norm decoder: x += attn(attn_norm(x)); x += mlp(mlp_norm(x)). Forward-only, 
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -22,13 +20,10 @@ from helios.layers.rotary import RotaryEmbedding
 def folds_norms(x: torch.Tensor, projection: Linear) -> bool:
     """Whether the GPU path folds a layer's norms into its GEMVs: one row on the GEMV's terms, no bias, and
     HELIOS_FOLD_NORMS not "0" (benchmarks compare)."""
+    from helios.kernels._triton import switched_on
     from helios.kernels.gemv import gemv_serves
 
-    return (
-        projection.bias is None
-        and gemv_serves(x, projection.weight)
-        and os.environ.get("HELIOS_FOLD_NORMS", "1").strip().lower() not in ("0", "false", "off", "no")
-    )
+    return projection.bias is None and gemv_serves(x, projection.weight) and switched_on("HELIOS_FOLD_NORMS")
 
 
 def is_sliding(arch: Architecture, layer_idx: int) -> bool:
@@ -90,7 +85,7 @@ class DecoderLayer(nn.Module):
             return ffn(h), residual
         h, residual = self.attn_norm.forward_add(x, residual, fused=True)
         h, residual = self.mlp_norm.forward_add(self.attn(h, cos_sin, kv_cache, meta), residual, fused=True)
-        return getattr(self, self.ffn_name)(h), residual
+        return ffn(h), residual
 
 
 class LlamaForCausalLM(nn.Module):

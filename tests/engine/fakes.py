@@ -16,6 +16,8 @@ from helios.engine.messages import (
     SchedulerOutput,
     TokenLogprob,
 )
+from helios.engine.request import RequestStatus
+from helios.engine.scheduler import Scheduler
 
 VOCAB = 1000
 
@@ -167,3 +169,18 @@ def reference_tokens(req: EngineRequest, **config) -> list[int]:
     core, _ = make_core(**{**config, "num_pages": 4096})
     core.add_request(req)
     return run_until_idle(core).tokens[req.req_id]
+
+
+def page_owners(sched: Scheduler) -> dict[int, int]:
+    """{page: how many requests hold it}, after checking the pool's invariants, that only running requests
+    hold pages and that the pool counts exactly these pages as used."""
+    pool = sched.block_pool
+    pool.check_invariants()
+    owners: dict[int, int] = {}
+    for req in sched.requests.values():
+        if req.status is not RequestStatus.RUNNING:
+            assert not req.block_ids, req
+        for b in req.block_ids:
+            owners[b] = owners.get(b, 0) + 1
+    assert len(owners) == pool.num_used_blocks
+    return owners
