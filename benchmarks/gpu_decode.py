@@ -309,6 +309,35 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
     return lines
 
 
+ENGINE_VARIANTS = {
+    "cuBLAS, PDL off": {"HELIOS_PDL": "0"},
+    "GEMV for o/down": {"HELIOS_GEMV": "narrow"},
+    "GEMV for o/down, PDL off": {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
+    "GEMV for o/down, GEMV launches without PDL": {"HELIOS_GEMV": "narrow", "HELIOS_GEMV_PDL": "0"},
+    "GEMV for o only": {"HELIOS_GEMV": "square"},
+    "o weight prefetched to L2 (bulk)": {"HELIOS_L2_PREFETCH": "bulk"},
+    "o weight prefetched to L2 (loads)": {"HELIOS_L2_PREFETCH": "load"},
+    "GEMV for o/down, o weight prefetched to L2 (bulk)": {"HELIOS_GEMV": "narrow", "HELIOS_L2_PREFETCH": "bulk"},
+}
+
+
+def engine_variants(graphed, arch, prompt_len: int, limit: float, variants: dict[str, dict[str, str]]) -> list[str]:
+    """Batch-1 engine decode (graphs and the speculative next step on) with the b=1 decode graphs captured
+    again under each variant's environment; the default graphs first, again in the same run."""
+    lines = []
+    graphed.decode_overlap = True
+    for label, env in {"default": {}, **variants}.items():
+        saved = graphed.graphs
+        graphed.graphs = capture_under(graphed, [1], env) if env else saved
+        try:
+            tps = timed_decode(graphed, arch, 1, prompt_len, 64)
+        finally:
+            graphed.graphs = saved
+        lines.append(f"engine b=1, {label}: {tps:.1f} tok/s ({tps / limit:.1%} of the limit)")
+        torch.cuda.empty_cache()
+    return lines
+
+
 def profile_graph(graphed, ctx: int, env: dict[str, str], label: str, rows: int = 24) -> list[str]:
     """Kernel time inside the b=1 decode graph captured under `env` (torch.profiler over 5 replays), summed per
     kernel name and grid (so each projection's GEMV is its own row). Run with HELIOS_PDL=0: under PDL a
@@ -351,6 +380,101 @@ def profile_graph(graphed, ctx: int, env: dict[str, str], label: str, rows: int 
         lines.append(f"  {us:8.1f} us  x{count:4}  {us / max(count, 1):6.1f} us each  grid {grid:14} {name}")
     del gr
     torch.cuda.empty_cache()
+    return lines
+
+
+def engine_timeline(runner, arch, prompt_len: int, steps: int = 16) -> list[str]:
+    """Where a batch-1 engine step's time goes (graphs and the speculative next step on): the host's waits in
+    CUDA event syncs per step, then torch.profiler over `steps` engine steps: the GPU ops outside the decode
+    graph (those seen about once a step), the idle gaps between GPU ops, and the CUDA runtime calls' host time."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.decode_overlap = True
+    waits: list[float] = []
+    original = torch.cuda.Event.synchronize
+
+    def timed_sync(self):
+        t0 = time.perf_counter()
+        original(self)
+        waits.append(time.perf_counter() - t0)
+
+    torch.cuda.Event.synchronize = timed_sync
+    try:
+        t0 = time.perf_counter()
+        tps = timed_decode(runner, arch, 1, prompt_len, 64)
+        wall = time.perf_counter() - t0
+    finally:
+        torch.cuda.Event.synchronize = original
+    lines = [f"timeline b=1: engine {tps:.1f} tok/s = {1e3 / tps:.3f} ms/step; event syncs {len(waits)} waiting "
+             f"{sum(waits) * 1e3:.1f} ms of {wall * 1e3:.0f} ms (mean {sum(waits) / max(len(waits), 1) * 1e3:.3f} ms, "
+             f"min {min(waits, default=0) * 1e3:.3f})"]
+    from helios.engine.config import SchedulerConfig
+    from helios.engine.engine_core import EngineCore
+
+    page = runner.page_size
+    config = SchedulerConfig(max_concurrency=1, max_num_batched_tokens=2048, prefill_chunk_size=2048,
+                             page_size=page, num_pages=runner.num_pages, max_model_len=4096)
+    runner.requests.clear()
+    engine = EngineCore(config, runner)
+    ids = [(31 + j) % 30000 + 10 for j in range(prompt_len)]
+    engine.add_request(EngineRequest(req_id="timeline", prompt_token_ids=ids,
+                                     sampling=SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)))
+    for _ in range(4):  # prefill and the first decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    gpu, runtime = [], {}
+    for evt in trace.get("traceEvents", []):
+        cat = evt.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            gpu.append((float(evt["ts"]), float(evt["ts"]) + float(evt.get("dur", 0)), evt["name"][:70]))
+        elif cat == "cuda_runtime" or cat == "cuda_driver":
+            runtime.setdefault(evt["name"], []).append(float(evt.get("dur", 0)))
+    gpu.sort()
+    if not gpu:
+        return lines + ["timeline: no GPU events traced"]
+    span = gpu[-1][1] - gpu[0][0]
+    end = gpu[0][0]
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for (s0, e0, n0), (s1, _, n1) in zip(gpu, gpu[1:]):
+        end = max(end, e0)
+        if s1 - end > 2.0:
+            gaps.setdefault((n0[:40], n1[:40]), []).append(s1 - end)
+    merged, cur_s, cur_e = 0.0, gpu[0][0], gpu[0][1]
+    for s0, e0, _ in gpu[1:]:
+        if s0 > cur_e:
+            merged += cur_e - cur_s
+            cur_s, cur_e = s0, e0
+        else:
+            cur_e = max(cur_e, e0)
+    busy = merged + cur_e - cur_s
+    counts: dict[str, list[float]] = {}
+    for s0, e0, name in gpu:
+        counts.setdefault(name, []).append(e0 - s0)
+    lines.append(f"timeline b=1 under the profiler: {steps} steps, GPU span {span / 1e3:.3f} ms = "
+                 f"{span / steps / 1e3:.3f} ms/step, busy {busy / steps / 1e3:.3f} ms/step, idle "
+                 f"{(span - busy) / steps / 1e3:.3f} ms/step, {len(gpu) / steps:.0f} GPU ops/step")
+    lines.append("  GPU ops seen <= 3 times a step (outside the graph's per-layer kernels):")
+    for name, durs in sorted(counts.items(), key=lambda kv: -sum(kv[1])):
+        if len(durs) <= 3 * steps:
+            lines.append(f"    {sum(durs) / steps:8.1f} us/step  x{len(durs) / steps:4.1f}  {name}")
+    lines.append("  idle gaps > 2 us on the GPU (per step, by the ops around them):")
+    for (before, after), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:12]:
+        lines.append(f"    {sum(g) / steps:8.1f} us/step  x{len(g) / steps:4.1f}  {before} -> {after}")
+    lines.append("  CUDA runtime calls (host time per step):")
+    for name, durs in sorted(runtime.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        lines.append(f"    {sum(durs) / steps:8.1f} us/step  x{len(durs) / steps:4.1f}  {name}")
     return lines
 
 
@@ -406,7 +530,10 @@ def host_profile(layers: int = 2, rows: int = 28) -> list[str]:
     return lines
 
 
-def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = True, diagnose: bool = True,
+DIAGNOSTICS = "graphs,pdl,gemv,gemv_unfolded,gemv_pdl,narrow,narrow_pdl,profile,profile_gemv,ceiling,timeline,engines"
+
+
+def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = True, diagnose: tuple[str, ...] = (),
               batches: tuple[int, ...] = (1, 16, 64, 256), prefill: bool = True,
               hf: bool = True) -> tuple[list[str], list[tuple]]:
     from helios.engine.messages import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -447,21 +574,35 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
         # batch 1 at a long context too: the graph with the bucket's pinned decode splits (and their merge)
         long_ctx = 2048
         kv_long = long_ctx * a["num_layers"] * 2 * a["num_kv_heads"] * a["head_dim"] * 2
-        for line in graph_replays(graphed, {1: bandwidth / (weight_bytes + kv_long)}, long_ctx):
-            say(line.replace("b=  1", f"b=  1 at {long_ctx} keys"))
+
+        def long_replay() -> list[str]:
+            return [line.replace("b=  1", f"b=  1 at {long_ctx} keys")
+                    for line in graph_replays(graphed, {1: bandwidth / (weight_bytes + kv_long)}, long_ctx)]
         one = {1: limits[1]}
-        for part in (lambda: graph_replays(graphed, limits, ctx),
-                     lambda: variant_replays(graphed, limits, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
-                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all"}, "GEMV for all"),
-                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all", "HELIOS_FOLD_NORMS": "0"},
-                                             "GEMV for all, norms unfolded"),
-                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all", "HELIOS_PDL": "0"},
-                                             "GEMV for all, PDL off"),
-                     lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow"}, "GEMV for o/down only"),
-                     lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
-                     lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "all"},
-                                           "PDL off, GEMV for all"),
-                     lambda: gemv_ceiling(t, arch, bandwidth, limits[1])):
+        parts = {
+            "timeline": lambda: engine_timeline(graphed, arch, prompt_len),
+            "graphs": lambda: long_replay() + graph_replays(graphed, limits, ctx),
+            "pdl": lambda: variant_replays(graphed, limits, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
+            "gemv": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all"}, "GEMV for all"),
+            "gemv_unfolded": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all", "HELIOS_FOLD_NORMS": "0"},
+                                                     "GEMV for all, norms unfolded"),
+            "gemv_pdl": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all", "HELIOS_PDL": "0"},
+                                                "GEMV for all, PDL off"),
+            "narrow": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow"}, "GEMV for o/down only"),
+            "narrow_pdl": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
+                                                  "GEMV for o/down only, PDL off"),
+            "profile": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
+            "profile_gemv": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "all"},
+                                                  "PDL off, GEMV for all"),
+            "profile_narrow": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "narrow"},
+                                                    "PDL off, GEMV for o/down only"),
+            "profile_l2": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_L2_PREFETCH": "bulk"},
+                                                "PDL off, o weight prefetched to L2 (bulk)"),
+            "ceiling": lambda: gemv_ceiling(t, arch, bandwidth, limits[1]),
+            "engines": lambda: engine_variants(graphed, arch, prompt_len, limits[1], ENGINE_VARIANTS),
+        }
+        for name in diagnose:
+            part = parts[name]
             try:
                 more = part()
             except Exception as exc:  # a failed diagnostic must not cost the figures after it
@@ -567,6 +708,7 @@ def main() -> None:
     parser.add_argument("--skip-hf-compile", action="store_true", help="skip HF static cache + torch.compile")
     parser.add_argument("--skip-eager", action="store_true", help="skip helios' eager (no-graph) decode figures")
     parser.add_argument("--skip-diagnostics", action="store_true", help="skip graph replays, profile, GEMV")
+    parser.add_argument("--diagnostics", default=DIAGNOSTICS, help="which diagnostics, in order (comma list)")
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--skip-hf", action="store_true", help="skip both HF transformers peers")
     parser.add_argument("--batches", default="1,16,64,256", help="engine decode batch sizes")
@@ -587,7 +729,8 @@ def main() -> None:
     print("\n".join(lines), flush=True)
     table = []
     if not args.skip_8b:
-        more, table = decode_8b(bw, mm, not args.skip_hf_compile, not args.skip_eager, not args.skip_diagnostics,
+        more, table = decode_8b(bw, mm, not args.skip_hf_compile, not args.skip_eager,
+                                () if args.skip_diagnostics else tuple(args.diagnostics.split(",")),
                                 tuple(int(b) for b in args.batches.split(",")), not args.skip_prefill,
                                 not args.skip_hf)
         lines += more

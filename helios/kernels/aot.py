@@ -53,7 +53,9 @@ from helios.kernels.aot_shapes import (  # noqa: F401  (re-exported: the runtime
 
 INDEX_FILE = "index.json"
 KERNEL_MODULES = ("_triton", "activation", "gemv", "paged_attention", "prefill_attention", "reshape_and_cache", "rmsnorm",
-                  "rotary_cache")
+                  "rotary_cache", "sampling")
+
+
 class _TargetDriver:
     """The part of Triton's active-driver interface a hooked launch and a compile touch, for a target with no GPU."""
 

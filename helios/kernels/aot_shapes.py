@@ -59,6 +59,7 @@ class KernelShape:
     projections_ffn: int = 0  # the MLP's intermediate size: its down GEMV also runs gated
     # (out, in) of the GEMVs that take their layer's add + RMSNorm (helios.models.llama.folds_norms)
     norm_projections: tuple[tuple[int, int], ...] = ()
+    vocab_size: int = 0  # the sampling tail's rows (greedy argmax); 0: not launched
 
 
 def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
@@ -92,20 +93,20 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
         projections=tuple(sorted(projections)) if _DTYPES[manifest.dtype].itemsize == 2 else (),
         projections_ffn=ffn,
         norm_projections=norm_projections,
+        vocab_size=arch.vocab_size,
     )
 
 
 def runtime_shape(shape: KernelShape) -> KernelShape:
     """The part of `shape` this process launches: the GEMV shapes only as HELIOS_GEMV admits them (a core
     compiles them all, so that HELIOS_GEMV=all serves without compiling; loading the unused ones costs start-up)."""
-    from helios.kernels.gemv import gemv_mode
+    from helios.kernels.gemv import gemv_admits, gemv_mode
 
     mode = gemv_mode()
     if mode == "all":
         return shape
-    if mode == "narrow":  # wide projections stay on cuBLAS, so nothing folds a norm (helios.models.llama)
-        return replace(shape, projections=tuple(p for p in shape.projections if p[0] <= p[1]), norm_projections=())
-    return replace(shape, projections=(), norm_projections=())
+    # narrow / square: wide projections stay on cuBLAS, so nothing folds a norm (helios.models.llama)
+    return replace(shape, projections=tuple(p for p in shape.projections if gemv_admits(mode, *p)), norm_projections=())
 
 
 def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> None:
@@ -121,6 +122,7 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     from helios.kernels.reshape_and_cache import reshape_and_cache
     from helios.kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from helios.kernels.rotary_cache import rotary_and_cache
+    from helios.kernels.sampling import argmax_rows
 
     nq, nkv, d, dt = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
     scale = d**-0.5
@@ -134,6 +136,8 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     if shape.projections:  # the down projection with the gated activation folded in (helios.layers.activation)
         ffn = shape.projections_ffn
         gemv(torch.zeros(1, 2 * ffn, **z), torch.empty(shape.hidden_size, ffn, **z), gated=shape.activation)
+    if shape.vocab_size:  # greedy rows of the sampler (helios.runner.sampler), float32 logits
+        argmax_rows(torch.zeros(1, shape.vocab_size, dtype=torch.float32, device=device))
     for num_tokens in (1, 2):  # decode rows, then a two-token prefill
         x = torch.zeros(num_tokens, shape.hidden_size, **z)
         weight = torch.ones(shape.hidden_size, **z)

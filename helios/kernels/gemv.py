@@ -26,6 +26,7 @@ from helios.kernels._triton import (
     pdl_launch_dependents,
     pdl_wait,
     require_triton,
+    switched_on,
     tanh,
     tl,
     use_pdl,
@@ -297,7 +298,8 @@ def gemv(
         norm_args = dict(NORM=2 if in_float32 else 1, HAS_RESIDUAL=residual is not None, K_POW2=next_power_of_2(k),
                          res_ptr=residual, norm_w_ptr=norm_weight, res_out_ptr=residual_out, eps=eps)
 
-    pdl = use_pdl(x, m)
+    # HELIOS_GEMV_PDL=0: the GEMV launches wait for the kernel before them (benchmarks compare)
+    pdl = use_pdl(x, m) and switched_on("HELIOS_GEMV_PDL")
     grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
     target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     _gemv_kernel[grid](
@@ -367,13 +369,18 @@ def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and weight.is_contiguous()
     ):
         return False  # NOTE: before the environment is read: every CPU projection asks
-    mode = gemv_mode()
-    return mode == "all" or (mode == "narrow" and weight.shape[0] <= weight.shape[1])
+    return gemv_admits(gemv_mode(), *weight.shape)
+
+
+def gemv_admits(mode: str, rows: int, cols: int) -> bool:
+    """Whether HELIOS_GEMV's `mode` sends a one-row product with a [rows, cols] weight to the GEMV."""
+    return mode == "all" or (mode == "narrow" and rows <= cols) or (mode == "square" and rows == cols)
 
 
 def gemv_mode() -> str:
     """HELIOS_GEMV: "0" (default) leaves every product to cuBLAS; "all" (or "1") sends every one-row product
-    here; "narrow" only those whose weight has no more rows than columns (o and down of a llama layer).
+    here; "narrow" only those whose weight has no more rows than columns (o and down of a llama layer);
+    "square" only square ones (o).
 
     NOTE: off by default on measurement: alone, each 8B projection ran as fast or faster here than in cuBLAS
     (o 10.1 vs 14.0 us, down 29.5 vs 32.6), but a whole b=1 decode step through the engine ran at 78.6% of the
@@ -385,7 +392,7 @@ def gemv_mode() -> str:
     value = os.environ.get("HELIOS_GEMV", "0").strip().lower()
     if value in ("all", "1", "on", "true", "yes"):
         return "all"
-    return "narrow" if value == "narrow" else "off"
+    return value if value in ("narrow", "square") else "off"
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, gated: str | None = None) -> torch.Tensor:

@@ -84,8 +84,9 @@ def _decode_kernel(
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    pdl_wait(USE_PDL)
-    pdl_launch_dependents(USE_PDL)
+    # NOTE: seq_lens and the block table are read before pdl_wait: the graph writes them before its first
+    # layer, and under PDL a kernel starts only once the one before it has passed its own wait, so whatever
+    # the kernel two back wrote is complete. The query and the newest key (the kernel just before) are not.
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
     if HAS_WINDOW:
@@ -94,6 +95,16 @@ def _decode_kernel(
     per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq * stride_bt
+    # block ids of the first two key blocks: the loop below keeps one block's keys and the next block's ids
+    # in flight while it computes, so a step costs one memory round trip rather than three
+    pos = start + offs_n
+    block = tl.load(table + pos // PAGE_SIZE, mask=pos < end, other=0).to(tl.int64)
+    pos_next = pos + BLOCK_N
+    block_next = tl.load(table + pos_next // PAGE_SIZE, mask=pos_next < end, other=0).to(tl.int64)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
 
     h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + h
@@ -105,19 +116,23 @@ def _decode_kernel(
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    kv_mask = (pos < end)[:, None] & d_mask[None, :]
+    offset = block * stride_cp + (pos % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+    k = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for start_n in range(start, end, BLOCK_N):
-        pos = start_n + tl.arange(0, BLOCK_N)
-        k_mask = pos < end
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE_SIZE, mask=k_mask, other=0).to(tl.int64)
-        offset = block * stride_cp + (pos % PAGE_SIZE) * stride_cs + kv_head * stride_ch
-        kv_mask = k_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        # NOTE: v is loaded before the scores need k, so both loads are in flight at once (a decode split
-        # often runs a single iteration: its time is the latency of this chain)
-        v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k_mask = start_n + offs_n < end
+        # the next block's keys and values, and the ids of the block after it, load while this one computes
+        pos_next = start_n + BLOCK_N + offs_n
+        next_mask = (pos_next < end)[:, None] & d_mask[None, :]
+        offset = block_next * stride_cp + (pos_next % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+        k_next = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=next_mask, other=0.0)
+        v_next = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=next_mask, other=0.0)
+        pos_after = pos_next + BLOCK_N
+        block_next = tl.load(table + pos_after // PAGE_SIZE, mask=pos_after < end, other=0).to(tl.int64)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
         s = tl.where(k_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -126,6 +141,8 @@ def _decode_kernel(
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
+        k = k_next
+        v = v_next
 
     # NOTE: an empty range (an empty split, or a padded row with seq_len 0) leaves l == 0: output 0, lse -inf.
     o = acc / tl.where(l > 0, l, 1.0)[:, None]

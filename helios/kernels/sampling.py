@@ -1,4 +1,10 @@
-"""The sampling tail's reductions: a one-pass per-row log-softmax normalizer, and exact top-N logprobs.
+"""The sampling tail's reductions: the greedy argmax, a one-pass per-row log-softmax normalizer, and exact
+top-N logprobs.
+
+`argmax_rows` splits each row into 4096-wide chunks: one program per (row, chunk) finds the chunk's maximum and
+its lowest id, a second kernel picks the first chunk holding the row's maximum. torch.argmax gives a one-row
+reduction over a 128k vocabulary to a single block (28 us a decode step on the H200); two short launches over
+the whole chip take a few. Ties go to the lowest id, as torch's do; a nan counts as +inf.
 
 `row_logsumexp` is a Triton kernel: one program per row of logits [B, V] keeps a running max and rescaled
 sum over fixed BLOCK-wide tiles, so it reads the row once (torch.logsumexp makes an amax pass, then an
@@ -51,6 +57,69 @@ def _row_logsumexp_kernel(
     lse = tl.where(row_max == float("inf"), float("inf"), lse)
     tl.store(max_ptr + row, row_max)
     tl.store(lse_ptr + row, lse)
+
+
+_ARGMAX_BLOCK = 4096
+_NO_ID = 2**31 - 1  # past any id (the kernels spell it out: Triton reads no plain globals)
+
+
+@jit
+def _argmax_chunk_kernel(
+    x_ptr,  # [num_rows, vocab] float32
+    val_ptr,  # [num_rows, num_chunks] float32: each chunk's maximum
+    idx_ptr,  # [num_rows, num_chunks] int32: its lowest id
+    stride_x,
+    vocab,
+    num_chunks,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    idx = chunk * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + idx, mask=idx < vocab, other=float("-inf"))
+    x = tl.where(x != x, float("inf"), x)
+    best = tl.max(x, axis=0)
+    # padding lanes hold -inf too: their ids (>= vocab) lose to any real id of an all -inf chunk
+    first = tl.min(tl.where(x == best, idx, 2147483647), axis=0)
+    tl.store(val_ptr + row * num_chunks + chunk, best)
+    tl.store(idx_ptr + row * num_chunks + chunk, first)
+
+
+@jit
+def _argmax_merge_kernel(
+    val_ptr,  # [num_rows, num_chunks] float32
+    idx_ptr,  # [num_rows, num_chunks] int32
+    out_ptr,  # [num_rows] int64
+    num_chunks,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    mask = c < num_chunks
+    v = tl.load(val_ptr + row * num_chunks + c, mask=mask, other=float("-inf"))
+    i = tl.load(idx_ptr + row * num_chunks + c, mask=mask, other=2147483647)
+    best = tl.max(v, axis=0)
+    tl.store(out_ptr + row, tl.min(tl.where(v == best, i, 2147483647), axis=0).to(tl.int64))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] float32 -> [num_rows] int64
+    """torch.argmax(x, dim=-1) for float32 rows (lowest id on ties), in two launches."""
+    require_triton()
+    assert x.dim() == 2 and x.dtype == torch.float32, "x must be [num_rows, vocab] float32"
+    check_last_dim_contiguous("x", x)
+    num_rows, vocab = x.shape
+    assert 0 < vocab < _NO_ID, f"vocabulary of {vocab}"
+    out = torch.empty(num_rows, dtype=torch.int64, device=x.device)
+    if num_rows == 0:
+        return out
+    num_chunks = -(-vocab // _ARGMAX_BLOCK)
+    vals = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=x.device)
+    ids = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=x.device)
+    _argmax_chunk_kernel[(num_rows, num_chunks)](x, vals, ids, x.stride(0), vocab, num_chunks, BLOCK=_ARGMAX_BLOCK,
+                                                 num_warps=4)
+    block_c = max(16, 1 << (num_chunks - 1).bit_length())
+    _argmax_merge_kernel[(num_rows,)](vals, ids, out, num_chunks, BLOCK_C=block_c, num_warps=1)
+    return out
 
 
 def row_logsumexp(

@@ -277,9 +277,13 @@ class Attention(nn.Module):
             norms = None
             if self.q_norm is not None:
                 norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.multiply_in_float32)
-            o = self.backend.forward_qkv(
-                qkv, *cos_sin, self.num_heads, kv_cache, meta, self.scale, self.sliding_window, self.softcap, norms
-            )
+            from helios.kernels.prefetch import l2_prefetch
+
+            # batch-1 decode: the o weight may stream into L2 beside the latency-bound kernels (opt-in)
+            with l2_prefetch(self.o.weight, num_tokens):
+                o = self.backend.forward_qkv(
+                    qkv, *cos_sin, self.num_heads, kv_cache, meta, self.scale, self.sliding_window, self.softcap, norms
+                )
             return self.o(o.reshape(num_tokens, q_size))
         cos, sin = cos_sin
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)

@@ -4,7 +4,7 @@ Batch invariance is the contract: a request gets bit-identical tokens alone or i
 math is restricted to operations whose per-element result cannot depend on the batch: IEEE-exact
 elementwise ops (+ - * /, compare, select), selections (max, argmax, sort, gather) and integer sums.
 Everything else (exp, log, the noise draw) runs row by row, except exp/log on CUDA (see rowwise).
-Imports torch and helios.engine.messages only.
+Imports torch, helios.engine.messages, helios.runner.penalties and helios.kernels (the GPU argmax).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from helios.engine.messages import SamplingParams
+from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner.penalties import apply_penalties
 
 GREEDY_TEMPERATURE = 1e-5  # below this temperature a request is sampled greedily (argmax)
@@ -299,4 +300,14 @@ def sample_device(
         # scores is not the caller's tensor here: transform_logits copied it for the sampled rows
         scores = _with_rows(scores, sampled, _rows(scores, sampled) - log_noise, owned=True)
     # NOTE: argmax returns the first maximal index: greedy ties go to the lowest token id.
+    return argmax(scores)
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor:  # [batch, vocab] float32 -> [batch] int64
+    """Row argmax, lowest id on ties: helios.kernels.sampling's two-launch kernel on a GPU (torch's gives a
+    row to one block), torch's elsewhere."""
+    if scores.is_cuda and HAS_TRITON and not interpret_mode():
+        from helios.kernels.sampling import argmax_rows
+
+        return argmax_rows(scores.contiguous())
     return scores.argmax(dim=-1)

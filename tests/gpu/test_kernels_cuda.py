@@ -117,6 +117,10 @@ def test_prefill_real_head_shapes(dtype):
     checks.check_prefill(CUDA, dtype, 4, 16, (300, 1, 64), (300, 500, 100), num_kv_heads=8, head_dim=128)
 
 
+def test_argmax_rows():
+    checks.check_argmax_rows(CUDA)
+
+
 def test_row_logsumexp():
     checks.check_row_logsumexp(CUDA)
 
@@ -183,3 +187,30 @@ def test_linear_sends_one_row_16_bit_products_to_the_gemv(monkeypatch):
     monkeypatch.setenv("HELIOS_GEMV", "0")
     assert not gemv_serves(x, w)
     torch.testing.assert_close(linear(x, w).float(), gemv_ref(x, w).float(), rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.parametrize("mode", ["bulk", "load"])
+def test_l2_prefetch_branch_runs_beside_the_body_in_a_graph(monkeypatch, mode):
+    """HELIOS_L2_PREFETCH: the side-stream prefetch is captured as a parallel branch joined before the consumer;
+    the weight is untouched and the consumer's result is the same as without it."""
+    from helios.kernels.prefetch import l2_prefetch
+
+    weight = torch.randn(4096, 4096, device=CUDA, dtype=torch.bfloat16)
+    kept = weight.clone()
+    x = torch.randn(1, 4096, device=CUDA, dtype=torch.bfloat16)
+    want = x @ weight.T
+    monkeypatch.setenv("HELIOS_L2_PREFETCH", mode)
+
+    def step():
+        with l2_prefetch(weight, 1):
+            y = x * 2.0
+        return (y / 2.0) @ weight.T
+
+    torch.testing.assert_close(step(), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want)
+    assert torch.equal(weight, kept)

@@ -207,6 +207,17 @@ def _logits(device, rows=4, vocab=5000):
     return x
 
 
+def check_argmax_rows(device):
+    from helios.kernels.sampling import argmax_rows
+
+    x = _logits(device, vocab=9000)  # three chunks, the last one partial
+    x[0, 8999] = x[0].max() + 2.0  # the maximum in the partial chunk
+    x[3, 4096 + 7] = x[3, 0]  # a tie across chunks: the lower id wins
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x)[1:4].tolist() == [1234, 0, 0]  # one finite entry; all -inf gives 0, like torch
+    assert torch.equal(argmax_rows(x[:, :5].contiguous()), x[:, :5].argmax(dim=-1))  # one chunk
+
+
 def check_row_logsumexp(device):
     from helios.kernels.sampling import row_logsumexp, row_logsumexp_ref
 

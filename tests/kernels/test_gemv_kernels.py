@@ -128,7 +128,8 @@ def test_gemv_with_the_add_and_rms_norm_folded_in(dtype, with_residual, in_float
     assert torch.equal(out, again)
 
 
-@pytest.mark.parametrize("value, mode", [(None, "off"), ("all", "all"), ("1", "all"), ("narrow", "narrow"), ("0", "off")])
+@pytest.mark.parametrize("value, mode", [(None, "off"), ("all", "all"), ("1", "all"), ("narrow", "narrow"), ("square", "square"),
+                                         ("0", "off"), ("wide", "off")])
 def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
     """HELIOS_GEMV: off (default), all, or narrow (weights with no more rows than columns: o and down); the shape
     rule beside it in gemv_serves needs CUDA tensors (tests/gpu)."""
@@ -145,7 +146,7 @@ def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, val
     assert gemv_module.gemv_mode() == "off"  # the interpreter never takes the one-row path
 
 
-@pytest.mark.parametrize("mode", ["off", "narrow", "all"])
+@pytest.mark.parametrize("mode", ["off", "narrow", "square", "all"])
 def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mode):
     import helios.kernels.gemv as gemv_module
     from helios.kernels.aot_shapes import KernelShape, runtime_shape
@@ -157,6 +158,7 @@ def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mod
                         norm_projections=(qkv, gate_up))
     monkeypatch.setattr(gemv_module, "gemv_mode", lambda: mode)
     loaded = runtime_shape(shape)
-    expected = {"off": ((), ()), "narrow": ((o, down), ()), "all": (shape.projections, shape.norm_projections)}
+    expected = {"off": ((), ()), "narrow": ((o, down), ()), "square": ((o,), ()),
+                "all": (shape.projections, shape.norm_projections)}
     assert (loaded.projections, loaded.norm_projections) == expected[mode]
     assert loaded.decode_splits == shape.decode_splits and loaded.projections_ffn == 14336

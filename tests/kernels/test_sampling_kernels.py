@@ -14,6 +14,10 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 from tests.kernels import checks  # noqa: E402
 
 
+def test_argmax_rows():
+    checks.check_argmax_rows("cpu")
+
+
 def test_row_logsumexp():
     checks.check_row_logsumexp("cpu")
 
