@@ -310,6 +310,7 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
 
 
 ENGINE_VARIANTS = {
+    "rotary + cache write in their own launch": {"HELIOS_FUSED_DECODE": "0"},
     "cuBLAS, PDL off": {"HELIOS_PDL": "0"},
     "GEMV for o/down": {"HELIOS_GEMV": "narrow"},
     "GEMV for o/down, PDL off": {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
@@ -596,6 +597,8 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
                                                   "PDL off, GEMV for all"),
             "profile_narrow": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "narrow"},
                                                     "PDL off, GEMV for o/down only"),
+            "profile_unfused": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_FUSED_DECODE": "0"},
+                                                     "PDL off, rotary + cache write in their own launch"),
             "profile_l2": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_L2_PREFETCH": "bulk"},
                                                 "PDL off, o weight prefetched to L2 (bulk)"),
             "ceiling": lambda: gemv_ceiling(t, arch, bandwidth, limits[1]),

@@ -116,6 +116,7 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     cache one [2, pages, page, Nkv, D] tensor, block tables 16 wide (runner/input_batch pads them so).
     Outputs are garbage: only which kernels get launched (and so compiled or loaded) matters."""
     from helios.kernels.activation import gelu_tanh_and_mul, silu_and_mul
+    from helios.kernels.decode_qkv import decode_attention_qkv
     from helios.kernels.gemv import gemv, gemv_add_rms_norm
     from helios.kernels.paged_attention import paged_decode_attention
     from helios.kernels.prefill_attention import paged_prefill_attention
@@ -162,6 +163,9 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
         for window, softcap in shape.layer_kinds:
             for splits in shape.decode_splits:
                 paged_decode_attention(q, kv_cache, decode_tables, decode_lens, scale, window, softcap, splits)
+                if d >= 32:  # the fused kernel of decode from the qkv row (helios.kernels.backend.forward_qkv)
+                    decode_attention_qkv(qkv, cos, cos, kv_cache, slots, decode_tables, decode_lens, nq, scale, window,
+                                         softcap, *norms, 1e-6, shape.norm_in_float32, num_splits=splits)
             if num_tokens > 1:
                 qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
                 paged_prefill_attention(q, kv_cache, qsl, seq_lens, block_tables, num_tokens, scale, window, softcap)

@@ -2,7 +2,8 @@
 
 Per layer and step: reshape_and_cache writes this step's K/V through slot_mapping, then a pure-decode batch
 (one query per sequence, the CUDA-graph case) runs split-K decode attention, and any other batch (prefill,
-chunked prefill, decode rows mixed in) runs the varlen prefill kernel. Host-side decisions read only the
+chunked prefill, decode rows mixed in) runs the varlen prefill kernel. From the fused qkv output (forward_qkv)
+a pure-decode batch takes one launch for norms, rotary, cache write and attention (decode_qkv). Host-side decisions read only the
 metadata's *_cpu lists, never a device tensor. Imports torch and the kernels only: the metadata is the
 layers' AttentionMetadata, read through the `PagedMetadata` protocol (kernels sit below layers).
 """
@@ -13,7 +14,8 @@ from typing import Protocol
 
 import torch
 
-from helios.kernels._triton import require_triton
+from helios.kernels._triton import require_triton, switched_on
+from helios.kernels.decode_qkv import decode_attention_qkv
 from helios.kernels.paged_attention import choose_num_splits, paged_decode_attention
 from helios.kernels.prefill_attention import paged_prefill_attention
 from helios.kernels.reshape_and_cache import reshape_and_cache
@@ -79,8 +81,16 @@ class TritonAttentionBackend:
         softcap: float | None,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,  # (q weight, k weight, eps, f32)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """forward() with the q/k norms, rotary and the cache write in one launch (rotary_cache)."""
+        """forward() with the q/k norms, rotary and the cache write in one launch (rotary_cache); a decode-only
+        batch runs them inside its attention launch (decode_qkv), unless HELIOS_FUSED_DECODE=0 (benchmarks)."""
         q_norm, k_norm, eps, in_f32 = qk_norm if qk_norm is not None else (None, None, 1e-6, False)
+        head_dim = kv_cache.shape[4]
+        if qkv.shape[0] == meta.num_seqs and head_dim >= 32 and switched_on("HELIOS_FUSED_DECODE"):
+            splits = self._decode_splits(meta, sliding_window, kv_cache.shape[3], qkv.device)
+            return decode_attention_qkv(
+                qkv, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, num_heads, scale,
+                sliding_window, softcap, q_norm, k_norm, eps, in_f32, num_splits=splits,
+            )
         q = rotary_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads, q_norm, k_norm, eps, in_f32)
         return self._attend(q, kv_cache, meta, scale, sliding_window, softcap)
 

@@ -37,7 +37,12 @@ def _scores(
     DOT_PRECISION: tl.constexpr,
 ):
     """Logits in the log2 domain: (cap * tanh(s * scale / cap) or s * scale) * log2(e); [BLOCK_H, BLOCK_N]."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    return _scaled(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), scale, softcap, HAS_SOFTCAP)
+
+
+@jit
+def _scaled(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    """Raw q.k products -> logits in the log2 domain (see _scores)."""
     if HAS_SOFTCAP:
         y = s * (scale / softcap)
         s = softcap * tanh(y)

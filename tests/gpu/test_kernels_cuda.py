@@ -117,6 +117,13 @@ def test_prefill_real_head_shapes(dtype):
     checks.check_prefill(CUDA, dtype, 4, 16, (300, 1, 64), (300, 500, 100), num_kv_heads=8, head_dim=128)
 
 
+@DTYPES
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_from_qkv(dtype, num_splits):
+    checks.check_decode_qkv(CUDA, dtype, 4, 16, seq_lens=(37, 1, 300, 0), num_splits=num_splits, head_dim=128)
+    checks.check_decode_qkv(CUDA, dtype, 2, 16, num_splits=num_splits, sliding_window=33, softcap=5.0, qk_norm=True)
+
+
 def test_argmax_rows():
     checks.check_argmax_rows(CUDA)
 

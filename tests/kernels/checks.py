@@ -171,6 +171,51 @@ def check_decode(
     return out
 
 
+def check_decode_qkv(
+    device,
+    dtype,
+    group,
+    page_size,
+    seq_lens=(37, 1, 70, 0),
+    num_splits=1,
+    sliding_window=None,
+    softcap=None,
+    qk_norm=False,
+    multiply_in_float32=False,
+    block_n=None,
+    num_kv_heads=2,
+    head_dim=64,
+):
+    """The one-launch decode (norms, rotary, cache write, attention from the qkv row) against rotary_and_cache_ref
+    then decode attention's reference: the output and the whole cache. A seq_len of 0 is a padded graph row
+    (slot -1: writes nothing, outputs zeros); 1 attends only the newest key."""
+    from helios.kernels.decode_qkv import decode_attention_qkv, decode_attention_qkv_ref
+
+    lens = list(seq_lens)
+    c = paged_case([1] * len(lens), [max(n, 1) for n in lens], num_kv_heads, group, head_dim, page_size, dtype, device)
+    num_heads = num_kv_heads * group
+    seqs = torch.tensor(lens, dtype=torch.int32, device=device)
+    slots = torch.where(seqs > 0, c.slot_mapping, torch.full_like(c.slot_mapping, -1))
+    positions = torch.tensor([max(n - 1, 0) for n in lens])
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    emb = torch.cat((positions[:, None] * inv_freq,) * 2, dim=-1)
+    cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    qkv = _randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim, device=device, dtype=dtype, scale=2.0, seed=5)
+    norms = {}
+    if qk_norm:
+        norms = dict(q_norm=_randn(head_dim, device=device, dtype=dtype, seed=3),
+                     k_norm=_randn(head_dim, device=device, dtype=dtype, seed=4), multiply_in_float32=multiply_in_float32)
+    actual, expected = c.kv_cache.clone(), c.kv_cache.clone()
+    args = (cos, sin)
+    tail = (c.block_tables, seqs, num_heads, head_dim**-0.5, sliding_window, softcap)
+    out = decode_attention_qkv(qkv, *args, actual, slots, *tail, **norms, num_splits=num_splits, block_n=block_n)
+    ref = decode_attention_qkv_ref(qkv, *args, expected, slots, *tail, **norms)
+    _close(actual, expected, dtype, device)
+    _close(out, ref, dtype, device)
+    assert not out[[i for i, n in enumerate(lens) if n == 0]].any()
+    return out
+
+
 def check_prefill(
     device,
     dtype,

@@ -79,3 +79,18 @@ def test_chunked_prefill_softcap_fp16():
 
 def test_prefill_default_blocks():
     checks.check_prefill("cpu", torch.float32, 3, 16, (70, 1), (90, 140))
+
+
+@pytest.mark.parametrize("group, page_size", [(1, 4), (4, 16)])
+def test_decode_from_qkv(group, page_size):
+    checks.check_decode_qkv("cpu", torch.float32, group, page_size, block_n=16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_from_qkv_norms_window_softcap_splits(num_splits):
+    checks.check_decode_qkv("cpu", torch.float32, 3, 4, seq_lens=(40, 1, 0, 23), num_splits=num_splits,
+                            sliding_window=20, softcap=5.0, qk_norm=True, block_n=16)
+
+
+def test_decode_from_qkv_half_gemma_norm_order():
+    checks.check_decode_qkv("cpu", torch.float16, 2, 16, qk_norm=True, multiply_in_float32=True, num_splits=2)
