@@ -316,6 +316,8 @@ ENGINE_VARIANTS = {
     "GEMV for o/down, PDL off": {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
     "GEMV for o/down, GEMV launches without PDL": {"HELIOS_GEMV": "narrow", "HELIOS_GEMV_PDL": "0"},
     "GEMV for o only": {"HELIOS_GEMV": "square"},
+    "GEMV for qkv (norm folded), o, down": {"HELIOS_GEMV": "nowide"},
+    "GEMV for qkv (norm folded), o, down, PDL off": {"HELIOS_GEMV": "nowide", "HELIOS_PDL": "0"},
     "o weight prefetched to L2 (bulk)": {"HELIOS_L2_PREFETCH": "bulk"},
     "o weight prefetched to L2 (loads)": {"HELIOS_L2_PREFETCH": "load"},
     "GEMV for o/down, o weight prefetched to L2 (bulk)": {"HELIOS_GEMV": "narrow", "HELIOS_L2_PREFETCH": "bulk"},

@@ -105,8 +105,9 @@ def runtime_shape(shape: KernelShape) -> KernelShape:
     mode = gemv_mode()
     if mode == "all":
         return shape
-    # narrow / square: wide projections stay on cuBLAS, so nothing folds a norm (helios.models.llama)
-    return replace(shape, projections=tuple(p for p in shape.projections if gemv_admits(mode, *p)), norm_projections=())
+    # narrow / square / nowide: the admitted shapes only; a norm folds only into an admitted one (helios.models.llama)
+    return replace(shape, projections=tuple(p for p in shape.projections if gemv_admits(mode, *p)),
+                   norm_projections=tuple(p for p in shape.norm_projections if gemv_admits(mode, *p)))
 
 
 def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> None:

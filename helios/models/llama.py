@@ -78,7 +78,7 @@ class DecoderLayer(nn.Module):
         if folds_norms(x, self.attn.qkv):
             qkv, residual = self.attn_norm.forward_add_gemv(x, residual, self.attn.qkv.weight)
             a = self.attn(x, cos_sin, kv_cache, meta, qkv=qkv)
-            if isinstance(ffn, GatedMLP) and ffn.fused and ffn.gate_up.bias is None:
+            if isinstance(ffn, GatedMLP) and ffn.fused and folds_norms(a, ffn.gate_up):
                 gate_up, residual = self.mlp_norm.forward_add_gemv(a, residual, ffn.gate_up.weight)
                 return ffn(a, gate_up=gate_up), residual
             h, residual = self.mlp_norm.forward_add(a, residual, fused=True)

@@ -129,7 +129,7 @@ def test_gemv_with_the_add_and_rms_norm_folded_in(dtype, with_residual, in_float
 
 
 @pytest.mark.parametrize("value, mode", [(None, "off"), ("all", "all"), ("1", "all"), ("narrow", "narrow"), ("square", "square"),
-                                         ("0", "off"), ("wide", "off")])
+                                         ("nowide", "nowide"), ("0", "off"), ("wide", "off")])
 def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
     """HELIOS_GEMV: off (default), all, or narrow (weights with no more rows than columns: o and down); the shape
     rule beside it in gemv_serves needs CUDA tensors (tests/gpu)."""
@@ -146,7 +146,7 @@ def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, val
     assert gemv_module.gemv_mode() == "off"  # the interpreter never takes the one-row path
 
 
-@pytest.mark.parametrize("mode", ["off", "narrow", "square", "all"])
+@pytest.mark.parametrize("mode", ["off", "narrow", "square", "nowide", "all"])
 def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mode):
     import helios.kernels.gemv as gemv_module
     from helios.kernels.aot_shapes import KernelShape, runtime_shape
@@ -158,7 +158,7 @@ def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mod
                         norm_projections=(qkv, gate_up))
     monkeypatch.setattr(gemv_module, "gemv_mode", lambda: mode)
     loaded = runtime_shape(shape)
-    expected = {"off": ((), ()), "narrow": ((o, down), ()), "square": ((o,), ()),
+    expected = {"off": ((), ()), "narrow": ((o, down), ()), "square": ((o,), ()), "nowide": ((qkv, o, down), (qkv,)),
                 "all": (shape.projections, shape.norm_projections)}
     assert (loaded.projections, loaded.norm_projections) == expected[mode]
     assert loaded.decode_splits == shape.decode_splits and loaded.projections_ffn == 14336
