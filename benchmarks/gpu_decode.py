@@ -309,27 +309,40 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
     return lines
 
 
+def _variant(gemv: str = "0", fused: str = "1", l2: str = "0", pdl: str = "1", gemv_pdl: str = "1") -> dict[str, str]:
+    """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in)."""
+    return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,
+            "HELIOS_GEMV_PDL": gemv_pdl}
+
+
+# label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), decode attention in one launch from
+# the qkv row or after rotary_cache (HELIOS_FUSED_DECODE), the o weight pulled into L2 beside attention
+# (HELIOS_L2_PREFETCH), programmatic dependent launch (HELIOS_PDL, HELIOS_GEMV_PDL)
 ENGINE_VARIANTS = {
-    "rotary + cache write in their own launch": {"HELIOS_FUSED_DECODE": "0"},
-    "cuBLAS, PDL off": {"HELIOS_PDL": "0"},
-    "GEMV for o/down": {"HELIOS_GEMV": "narrow"},
-    "GEMV for o/down, PDL off": {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
-    "GEMV for o/down, GEMV launches without PDL": {"HELIOS_GEMV": "narrow", "HELIOS_GEMV_PDL": "0"},
-    "GEMV for o only": {"HELIOS_GEMV": "square"},
-    "GEMV for qkv (norm folded), o, down": {"HELIOS_GEMV": "nowide"},
-    "GEMV for qkv (norm folded), o, down, PDL off": {"HELIOS_GEMV": "nowide", "HELIOS_PDL": "0"},
-    "o weight prefetched to L2 (bulk)": {"HELIOS_L2_PREFETCH": "bulk"},
-    "o weight prefetched to L2 (loads)": {"HELIOS_L2_PREFETCH": "load"},
-    "GEMV for o/down, o weight prefetched to L2 (bulk)": {"HELIOS_GEMV": "narrow", "HELIOS_L2_PREFETCH": "bulk"},
+    "cuBLAS, fused decode": _variant(),
+    "cuBLAS, rotary_cache + decode": _variant(fused="0"),
+    "cuBLAS, fused decode, o in L2": _variant(l2="bulk"),
+    "cuBLAS, rotary_cache + decode, o in L2": _variant(fused="0", l2="bulk"),
+    "GEMV o, fused decode": _variant(gemv="square"),
+    "GEMV o, rotary_cache + decode": _variant(gemv="square", fused="0"),
+    "GEMV o, fused decode, o in L2": _variant(gemv="square", l2="bulk"),
+    "GEMV o, rotary_cache + decode, o in L2": _variant(gemv="square", fused="0", l2="bulk"),
+    "GEMV o, GEMV without PDL, fused decode": _variant(gemv="square", gemv_pdl="0"),
+    "GEMV qkv/o/down, PDL off, fused decode": _variant(gemv="nowide", pdl="0"),
+    "GEMV qkv/o/down, PDL off, rotary_cache + decode": _variant(gemv="nowide", pdl="0", fused="0"),
+    "GEMV qkv/o/down, GEMV without PDL, fused decode": _variant(gemv="nowide", gemv_pdl="0"),
+    "GEMV o/down, PDL off, fused decode": _variant(gemv="narrow", pdl="0"),
 }
 
 
-def engine_variants(graphed, arch, prompt_len: int, limit: float, variants: dict[str, dict[str, str]]) -> list[str]:
+def engine_variants(graphed, arch, prompt_len: int, limit: float, variants: dict[str, dict[str, str]],
+                    repeats: int = 2) -> list[str]:
     """Batch-1 engine decode (graphs and the speculative next step on) with the b=1 decode graphs captured
-    again under each variant's environment; the default graphs first, again in the same run."""
+    again under each variant's environment; the default graphs first; the whole list `repeats` times, so the
+    spread between repeats shows the noise."""
     lines = []
     graphed.decode_overlap = True
-    for label, env in {"default": {}, **variants}.items():
+    for label, env in [("default", {})] + [item for _ in range(repeats) for item in variants.items()]:
         saved = graphed.graphs
         graphed.graphs = capture_under(graphed, [1], env) if env else saved
         try:

@@ -60,6 +60,10 @@ class KernelShape:
     # (out, in) of the GEMVs that take their layer's add + RMSNorm (helios.models.llama.folds_norms)
     norm_projections: tuple[tuple[int, int], ...] = ()
     vocab_size: int = 0  # the sampling tail's rows (greedy argmax); 0: not launched
+    # decode attention: "fused" from the qkv row (decode_qkv), "split" after rotary_cache (paged_attention); a core
+    # compiles both, a process loads the one HELIOS_FUSED_DECODE picks (head_dim < 32 always takes "split")
+    decode_paths: tuple[str, ...] = ("fused", "split")
+    cache_write: bool = True  # the unfused cache write (backends without fused layers); never loaded at start
 
 
 def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
@@ -98,11 +102,15 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
 
 
 def runtime_shape(shape: KernelShape) -> KernelShape:
-    """The part of `shape` this process launches: the GEMV shapes only as HELIOS_GEMV admits them (a core
-    compiles them all, so that HELIOS_GEMV=all serves without compiling; loading the unused ones costs start-up)."""
+    """The part of `shape` this process launches: the GEMV shapes only as HELIOS_GEMV admits them, one decode
+    attention path, no unfused cache write (a core compiles them all, so that every switch serves without
+    compiling; loading the unused ones costs start-up)."""
+    from helios.kernels._triton import switched_on
     from helios.kernels.gemv import gemv_admits, gemv_mode
 
     mode = gemv_mode()
+    shape = replace(shape, decode_paths=("fused",) if switched_on("HELIOS_FUSED_DECODE") else ("split",),
+                    cache_write=False)
     if mode == "all":
         return shape
     # narrow / square / nowide: the admitted shapes only; a norm folds only into an admitted one (helios.models.llama)
@@ -153,9 +161,9 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
         slots = torch.zeros(num_tokens, dtype=torch.int64, device=device)
         norms = (torch.ones(d, **z), torch.ones(d, **z)) if shape.qk_norm else (None, None)
         q = rotary_and_cache(qkv, cos, cos, kv_cache, slots, nq, *norms, 1e-6, shape.norm_in_float32)
-        # the unfused path of the torch-layer models (k, v views of the qkv output)
-        _, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
-        reshape_and_cache(k.reshape(num_tokens, nkv, d), v.reshape(num_tokens, nkv, d), kv_cache, slots)
+        if shape.cache_write:  # the unfused path (k, v views of the qkv output)
+            _, k, v = qkv.split([nq * d, nkv * d, nkv * d], dim=-1)
+            reshape_and_cache(k.reshape(num_tokens, nkv, d), v.reshape(num_tokens, nkv, d), kv_cache, slots)
         block_tables = torch.zeros(1, 16, dtype=torch.int32, device=device)
         seq_lens = torch.full((1,), num_tokens, dtype=torch.int32, device=device)
         # decode of num_tokens sequences (one query each): one sequence launches with PDL, more without
@@ -163,8 +171,9 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
         decode_lens = torch.ones(num_tokens, dtype=torch.int32, device=device)
         for window, softcap in shape.layer_kinds:
             for splits in shape.decode_splits:
-                paged_decode_attention(q, kv_cache, decode_tables, decode_lens, scale, window, softcap, splits)
-                if d >= 32:  # the fused kernel of decode from the qkv row (helios.kernels.backend.forward_qkv)
+                if "split" in shape.decode_paths or d < 32:
+                    paged_decode_attention(q, kv_cache, decode_tables, decode_lens, scale, window, softcap, splits)
+                if "fused" in shape.decode_paths and d >= 32:  # decode from the qkv row (backend.forward_qkv)
                     decode_attention_qkv(qkv, cos, cos, kv_cache, slots, decode_tables, decode_lens, nq, scale, window,
                                          softcap, *norms, 1e-6, shape.norm_in_float32, num_splits=splits)
             if num_tokens > 1:

@@ -162,3 +162,5 @@ def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mod
                 "all": (shape.projections, shape.norm_projections)}
     assert (loaded.projections, loaded.norm_projections) == expected[mode]
     assert loaded.decode_splits == shape.decode_splits and loaded.projections_ffn == 14336
+    # one decode attention path (HELIOS_FUSED_DECODE, on by default) and no unfused cache write at start
+    assert loaded.decode_paths == ("fused",) and not loaded.cache_write and shape.decode_paths == ("fused", "split")
