@@ -62,7 +62,7 @@ def _capability_major(index: int) -> int:
 
 def use_pdl(t, rows: int) -> bool:
     """Whether a launch over `rows` rows (tokens, sequences) on t's device uses PDL: one row, CUDA, compute
-    capability 9.0+, compiled (not interpreted) kernels, HELIOS_PDL not "0". Ahead-of-time compiles for a
+    capability 9.0+, compiled (not interpreted) kernels, HELIOS_PDL=1. Ahead-of-time compiles for a
     target decide the device part with `forced_pdl`."""
     if rows != 1:
         return False
@@ -73,14 +73,20 @@ def use_pdl(t, rows: int) -> bool:
     return _capability_major(t.device.index if t.device.index is not None else 0) >= 9
 
 
-def switched_on(name: str) -> bool:
-    """An on-by-default environment switch: False when `name` says "0", "false", "off" or "no"."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+def switched_on(name: str, default: bool = True) -> bool:
+    """An environment switch: False when `name` says "0", "false", "off" or "no", True for any other value,
+    `default` when unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("0", "false", "off", "no")
 
 
 def pdl_allowed() -> bool:
-    """False when HELIOS_PDL says "0" (off/false/no): every launch then waits for the kernel before it."""
-    return switched_on("HELIOS_PDL")
+    """Whether one-row launches use PDL: only with HELIOS_PDL=1. Off by default on measurement: through the
+    engine at batch 1 (H200, 2026-12-03) PDL made no difference with cuBLAS projections (80.2 vs 80.3% of the
+    bandwidth limit) and cost 2-3 points with the GEMV for o and down (83.0-83.3% without it)."""
+    return switched_on("HELIOS_PDL", default=False)
 
 
 @contextmanager

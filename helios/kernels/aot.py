@@ -104,7 +104,8 @@ def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _compile_launched(shape: KernelShape, target, device: torch.device | str = "cpu") -> list[tuple[object, str, object]]:
+def _compile_launched(shape: KernelShape, target, device: torch.device | str = "cpu",
+                      both_pdl: bool = True) -> list[tuple[object, str, object]]:
     """(JIT function, specialization data, compiled kernel) of every kernel run_launchers launches, compiled
     (or found in the current Triton cache) for `target`; nothing is launched (on the CPU: under the stand-in
     driver)."""
@@ -128,9 +129,12 @@ def _compile_launched(shape: KernelShape, target, device: torch.device | str = "
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
-        # the launchers pick programmatic dependent launch for sm90+ devices: decide it for the target here
-        with forced_pdl(target.arch >= 90 and pdl_allowed()):
-            run_launchers(shape, device)
+        # one-row launches take programmatic dependent launch on sm90+ devices with HELIOS_PDL=1: a core holds
+        # both forms for such a target, so either setting serves without compiling (both_pdl); at start only
+        # this process's setting is built
+        for pdl in sorted({False, target.arch >= 90}) if both_pdl else [target.arch >= 90 and pdl_allowed()]:
+            with forced_pdl(pdl):
+                run_launchers(shape, device)
     finally:
         knobs.runtime.jit_cache_hook = previous
     return sorted(compiled.values(), key=lambda item: item[1])
@@ -292,7 +296,7 @@ def _prebuild_launchers(shape: KernelShape, device: torch.device, target) -> int
     from concurrent.futures import ThreadPoolExecutor
 
     try:
-        kernels = [kernel for _, _, kernel in _compile_launched(shape, target, device)]
+        kernels = [kernel for _, _, kernel in _compile_launched(shape, target, device, both_pdl=False)]
 
         def init(kernel):
             with torch.cuda.device(device):

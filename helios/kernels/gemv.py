@@ -380,19 +380,18 @@ def gemv_admits(mode: str, rows: int, cols: int) -> bool:
 
 
 def gemv_mode() -> str:
-    """HELIOS_GEMV: "0" (default) leaves every product to cuBLAS; "all" (or "1") sends every one-row product
-    here; "narrow" only those whose weight has no more rows than columns (o and down of a llama layer);
-    "square" only square ones (o); "nowide" all but those with 4x more rows than columns (gate_up, lm_head stay on
-    cuBLAS; qkv takes its layer's norm folded in).
+    """HELIOS_GEMV: "narrow" (default) sends the one-row products whose weight has no more rows than columns
+    here (o and down of a llama layer, down with the gated activation folded in); "all" (or "1") every one-row
+    product; "square" only square weights (o); "nowide" all but weights with 4x more rows than columns (qkv
+    with its norm folded, o, down); "0" leaves every product to cuBLAS.
 
-    NOTE: off by default on measurement: alone, each 8B projection ran as fast or faster here than in cuBLAS
-    (o 10.1 vs 14.0 us, down 29.5 vs 32.6), but a whole b=1 decode step through the engine ran at 78.6% of the
-    bandwidth limit with cuBLAS and 76.4% with every one-row product here (H200, 2026-12-03,
-    benchmarks/RESULTS.md): cuBLAS's kernels sit better beside the PDL launches of the other kernels, and the
-    add + RMSNorm folded into gate_up cost 6 us per layer of statistics in its 3584 programs."""
+    NOTE: narrow by default on measurement: a b=1 decode step of an 8B llama through the engine ran at
+    83.0-83.3% of the bandwidth limit with narrow (and PDL off), 80.2-80.4% all on cuBLAS, 82.1-82.7% nowide
+    (H200, 2026-12-03, benchmarks/RESULTS.md): alone the GEMV beats cuBLAS on o and down (10.0 vs 12.3 us
+    with cuBLAS's split-K reduce, 29.0 vs 30.6), cuBLAS wins the wide gate_up (55.1 vs 57.0)."""
     if not HAS_TRITON or interpret_mode():
         return "off"
-    value = os.environ.get("HELIOS_GEMV", "0").strip().lower()
+    value = os.environ.get("HELIOS_GEMV", "narrow").strip().lower()
     if value in ("all", "1", "on", "true", "yes"):
         return "all"
     return value if value in ("narrow", "square", "nowide") else "off"

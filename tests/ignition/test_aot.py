@@ -62,20 +62,19 @@ def test_manifest_lists_the_kernels(exported):
     index = json.loads((core.path / kt.dir / "index.json").read_text())
     entries = [(e["kernel"].rsplit(":", 1)[1], bool(e["specialization"]["options"].get("launch_pdl")))
                for e in index["kernels"]]
-    # sm90: one-row launches (batch-1 decode) use programmatic dependent launch, every other launch not, so the
-    # decode path's kernels come in both forms. A 256-token context never splits decode (splits need > 256
-    # keys): no merge kernel. Decode for each of the sliding and full layers; the norm without and with the
-    # residual add; the batch-1 GEMV in two specializations (the projections do or do not fill its tiles) and
-    # its gated form (the down projection reading [gate | up]);
-    # prefill (two tokens), the unfused cache write and the sampler's greedy argmax (two kernels) only without PDL.
+    # sm90: one-row launches (batch-1 decode) may use programmatic dependent launch (HELIOS_PDL=1), so the core
+    # holds them in both forms; the plain form of most is also the multi-row one. A 256-token context never
+    # splits decode (splits need > 256 keys): no merge kernel. Decode for each of the sliding and full layers;
+    # the norm without and with the residual add; the batch-1 GEMV in two specializations (the projections do
+    # or do not fill its tiles) and its gated form (the down projection reading [gate | up]); prefill (two
+    # tokens), the unfused cache write and the sampler's greedy argmax (two kernels) only without PDL.
     pdl = sorted(name for name, on in entries if on)
     plain = sorted(name for name, on in entries if not on)
     assert pdl == ["_decode_kernel"] * 2 + ["_gated_kernel"] + ["_gemv_kernel"] * 3 + ["_rms_norm_kernel",
                                             "_rms_norm_kernel", "_rotary_cache_kernel"], pdl
     assert plain == ["_argmax_chunk_kernel", "_argmax_merge_kernel"] + ["_decode_kernel"] * 2 + [
-                                              "_gated_kernel", "_prefill_kernel", "_prefill_kernel",
-                                              "_reshape_and_cache_kernel", "_rms_norm_kernel", "_rms_norm_kernel",
-                                              "_rotary_cache_kernel"], plain
+        "_gated_kernel"] + ["_gemv_kernel"] * 3 + ["_prefill_kernel", "_prefill_kernel", "_reshape_and_cache_kernel",
+                                                   "_rms_norm_kernel", "_rms_norm_kernel", "_rotary_cache_kernel"], plain
     assert core.manifest.dtype == "bfloat16"
 
 

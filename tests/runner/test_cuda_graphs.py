@@ -271,7 +271,8 @@ def test_kv_pool_sized_from_free_memory(core):
 @pytest.mark.parametrize("mode", ["all", "narrow", "nowide"])
 def test_one_row_gemv_path_matches_cublas_in_the_model(core, monkeypatch, mode):
     """bf16 batch-1 decode graph with HELIOS_GEMV=all (norms and the activation folded into the GEMVs), narrow or
-    nowide (the attention norm folded into qkv, the MLP's gate_up on cuBLAS) against the same step on cuBLAS (HELIOS_GEMV=0): logits within bf16 rounding, same argmax."""
+    nowide (the attention norm folded into qkv, the MLP's gate_up on cuBLAS) against the same step on cuBLAS
+    (HELIOS_GEMV=0): logits within bf16 rounding, same argmax."""
     kw = dict(num_pages=64, page_size=16, device="cuda", dtype=torch.bfloat16, max_model_len=256)
     logits = {}
     for env in ("0", mode):
