@@ -52,8 +52,8 @@ from helios.kernels.aot_shapes import (  # noqa: F401  (re-exported: the runtime
 )
 
 INDEX_FILE = "index.json"
-KERNEL_MODULES = ("_triton", "activation", "decode_qkv", "gemv", "paged_attention", "prefill_attention", "reshape_and_cache", "rmsnorm",
-                  "rotary_cache", "sampling")
+KERNEL_MODULES = ("_triton", "activation", "decode_qkv", "gemv", "paged_attention", "prefill_attention",
+                  "reshape_and_cache", "rmsnorm", "rotary_cache", "sampling")
 
 
 class _TargetDriver:

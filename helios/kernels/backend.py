@@ -3,9 +3,9 @@
 Per layer and step: reshape_and_cache writes this step's K/V through slot_mapping, then a pure-decode batch
 (one query per sequence, the CUDA-graph case) runs split-K decode attention, and any other batch (prefill,
 chunked prefill, decode rows mixed in) runs the varlen prefill kernel. From the fused qkv output (forward_qkv)
-a pure-decode batch takes one launch for norms, rotary, cache write and attention (decode_qkv). Host-side decisions read only the
-metadata's *_cpu lists, never a device tensor. Imports torch and the kernels only: the metadata is the
-layers' AttentionMetadata, read through the `PagedMetadata` protocol (kernels sit below layers).
+a pure-decode batch takes one launch for norms, rotary, cache write and attention (decode_qkv). Host-side
+decisions read only the metadata's *_cpu lists, never a device tensor. Imports torch and the kernels only: the
+metadata is the layers' AttentionMetadata, read through the `PagedMetadata` protocol (kernels sit below layers).
 """
 
 from __future__ import annotations

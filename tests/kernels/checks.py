@@ -204,7 +204,8 @@ def check_decode_qkv(
     norms = {}
     if qk_norm:
         norms = dict(q_norm=_randn(head_dim, device=device, dtype=dtype, seed=3),
-                     k_norm=_randn(head_dim, device=device, dtype=dtype, seed=4), multiply_in_float32=multiply_in_float32)
+                     k_norm=_randn(head_dim, device=device, dtype=dtype, seed=4),
+                     multiply_in_float32=multiply_in_float32)
     actual, expected = c.kv_cache.clone(), c.kv_cache.clone()
     args = (cos, sin)
     tail = (c.block_tables, seqs, num_heads, head_dim**-0.5, sliding_window, softcap)

@@ -128,8 +128,8 @@ def test_gemv_with_the_add_and_rms_norm_folded_in(dtype, with_residual, in_float
     assert torch.equal(out, again)
 
 
-@pytest.mark.parametrize("value, mode", [(None, "narrow"), ("all", "all"), ("1", "all"), ("narrow", "narrow"), ("square", "square"),
-                                         ("nowide", "nowide"), ("0", "off"), ("wide", "off")])
+@pytest.mark.parametrize("value, mode", [(None, "narrow"), ("all", "all"), ("1", "all"), ("narrow", "narrow"),
+                                         ("square", "square"), ("nowide", "nowide"), ("0", "off"), ("wide", "off")])
 def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
     """HELIOS_GEMV: narrow (default: weights with no more rows than columns, o and down), all, square, nowide or
     off; the shape
