@@ -309,29 +309,30 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
     return lines
 
 
-def _variant(gemv: str = "0", fused: str = "1", l2: str = "0", pdl: str = "1", gemv_pdl: str = "1") -> dict[str, str]:
-    """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in)."""
+def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "0", gemv_pdl: str = "1",
+             fold: str = "1") -> dict[str, str]:
+    """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in);
+    the defaults are helios' own."""
     return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,
-            "HELIOS_GEMV_PDL": gemv_pdl}
+            "HELIOS_GEMV_PDL": gemv_pdl, "HELIOS_FOLD_NORMS": fold}
 
 
 # label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), decode attention in one launch from
 # the qkv row or after rotary_cache (HELIOS_FUSED_DECODE), the o weight pulled into L2 beside attention
-# (HELIOS_L2_PREFETCH), programmatic dependent launch (HELIOS_PDL, HELIOS_GEMV_PDL)
+# (HELIOS_L2_PREFETCH), programmatic dependent launch (HELIOS_PDL, HELIOS_GEMV_PDL), norms folded into GEMVs
 ENGINE_VARIANTS = {
-    "cuBLAS, fused decode": _variant(),
-    "cuBLAS, rotary_cache + decode": _variant(fused="0"),
-    "cuBLAS, fused decode, o in L2": _variant(l2="bulk"),
-    "cuBLAS, rotary_cache + decode, o in L2": _variant(fused="0", l2="bulk"),
-    "GEMV o, fused decode": _variant(gemv="square"),
-    "GEMV o, rotary_cache + decode": _variant(gemv="square", fused="0"),
-    "GEMV o, fused decode, o in L2": _variant(gemv="square", l2="bulk"),
-    "GEMV o, rotary_cache + decode, o in L2": _variant(gemv="square", fused="0", l2="bulk"),
-    "GEMV o, GEMV without PDL, fused decode": _variant(gemv="square", gemv_pdl="0"),
-    "GEMV qkv/o/down, PDL off, fused decode": _variant(gemv="nowide", pdl="0"),
-    "GEMV qkv/o/down, PDL off, rotary_cache + decode": _variant(gemv="nowide", pdl="0", fused="0"),
-    "GEMV qkv/o/down, GEMV without PDL, fused decode": _variant(gemv="nowide", gemv_pdl="0"),
-    "GEMV o/down, PDL off, fused decode": _variant(gemv="narrow", pdl="0"),
+    "GEMV o/down, PDL off, fused decode (default)": _variant(),
+    "GEMV o/down, PDL off, rotary_cache + decode": _variant(fused="0"),
+    "GEMV o/down, PDL on, fused decode": _variant(pdl="1"),
+    "GEMV o/down, PDL on but not for the GEMV": _variant(pdl="1", gemv_pdl="0"),
+    "GEMV o/down, PDL off, o in L2": _variant(l2="bulk"),
+    "cuBLAS, PDL off, fused decode": _variant(gemv="0"),
+    "cuBLAS, PDL on, fused decode": _variant(gemv="0", pdl="1"),
+    "cuBLAS, PDL on, o in L2": _variant(gemv="0", pdl="1", l2="bulk"),
+    "GEMV o, PDL on, rotary_cache + decode": _variant(gemv="square", pdl="1", fused="0"),
+    "GEMV qkv/o/down, PDL off, norm folded into qkv": _variant(gemv="nowide"),
+    "GEMV qkv/o/down, PDL off, norms in their own kernels": _variant(gemv="nowide", fold="0"),
+    "GEMV qkv/o/down, PDL off, rotary_cache + decode": _variant(gemv="nowide", fused="0"),
 }
 
 
