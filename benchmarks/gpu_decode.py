@@ -19,7 +19,6 @@ Usage: python benchmarks/gpu_decode.py [--skip-8b] [--skip-parity] [--skip-hf-co
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -735,8 +734,11 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true", help="only: where a b=1 engine step's host time goes")
     args = parser.parse_args()
     start = time.perf_counter()
-    print(torch.__version__, torch.cuda.get_device_name(), f"HELIOS_GEMV={os.environ.get('HELIOS_GEMV', '0')}",
-          f"HELIOS_PDL={os.environ.get('HELIOS_PDL', '1')}", flush=True)
+    from helios.kernels._triton import pdl_allowed, switched_on
+    from helios.kernels.gemv import gemv_mode
+
+    print(torch.__version__, torch.cuda.get_device_name(), f"GEMV mode {gemv_mode()}, PDL {pdl_allowed()}, "
+          f"fused decode {switched_on('HELIOS_FUSED_DECODE')}", flush=True)
     if args.host_profile:
         print("\n".join(host_profile()), flush=True)
         return
