@@ -28,13 +28,14 @@ from helios.kernels._triton import (
     use_pdl,
 )
 from helios.kernels.paged_attention import (
-    _decode_reduce_kernel,
     _scaled,
     check_paged_inputs,
     dot_precision,
+    merge_splits,
     paged_decode_attention_ref,
+    split_partials,
 )
-from helios.kernels.rotary_cache import _norm_rotate, rotary_and_cache_ref
+from helios.kernels.rotary_cache import _halves, _norm_rotate, rotary_and_cache_ref
 
 
 @jit
@@ -90,19 +91,19 @@ def _decode_qkv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
 
     # --- before the wait: what earlier kernels and steps wrote (paged_attention's NOTE on PDL) ---------------
+    cols = c[None, :]
+    row_mask = cmask[None, :]
     qw1 = tl.zeros([1, BLOCK_HALF], dtype=tl.float32)
     qw2 = qw1
     kw1 = qw1
     kw2 = qw1
     if HAS_NORM:
-        qw1 = tl.load(q_norm_ptr + c[None, :], mask=cmask[None, :], other=0.0).to(tl.float32)
-        qw2 = tl.load(q_norm_ptr + half + c[None, :], mask=cmask[None, :], other=0.0).to(tl.float32)
-        kw1 = tl.load(k_norm_ptr + c[None, :], mask=cmask[None, :], other=0.0).to(tl.float32)
-        kw2 = tl.load(k_norm_ptr + half + c[None, :], mask=cmask[None, :], other=0.0).to(tl.float32)
-    cos1 = tl.load(cos_ptr + seq * stride_cos + c[None, :], mask=cmask[None, :], other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + seq * stride_cos + half + c[None, :], mask=cmask[None, :], other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + seq * stride_sin + c[None, :], mask=cmask[None, :], other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + seq * stride_sin + half + c[None, :], mask=cmask[None, :], other=0.0).to(tl.float32)
+        qw1, qw2 = _halves(q_norm_ptr, cols, half, row_mask)
+        kw1, kw2 = _halves(k_norm_ptr, cols, half, row_mask)
+        qw1, qw2, kw1, kw2 = qw1.to(tl.float32), qw2.to(tl.float32), kw1.to(tl.float32), kw2.to(tl.float32)
+    cos1, cos2 = _halves(cos_ptr + seq * stride_cos, cols, half, row_mask)
+    sin1, sin2 = _halves(sin_ptr + seq * stride_sin, cols, half, row_mask)
+    cos1, cos2, sin1, sin2 = cos1.to(tl.float32), cos2.to(tl.float32), sin1.to(tl.float32), sin2.to(tl.float32)
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = 0
     if HAS_WINDOW:
@@ -116,11 +117,9 @@ def _decode_qkv_kernel(
     pos = start + offs_n
     block = tl.load(table + pos // PAGE_SIZE, mask=pos < cached_end, other=0).to(tl.int64)
     offset = block * stride_cp + (pos % PAGE_SIZE) * stride_cs + head_off
-    key_mask = (pos < cached_end)[:, None] & cmask[None, :]
-    k1 = tl.load(k_cache_ptr + offset[:, None] + c[None, :], mask=key_mask, other=0.0)
-    k2 = tl.load(k_cache_ptr + offset[:, None] + half + c[None, :], mask=key_mask, other=0.0)
-    v1 = tl.load(v_cache_ptr + offset[:, None] + c[None, :], mask=key_mask, other=0.0)
-    v2 = tl.load(v_cache_ptr + offset[:, None] + half + c[None, :], mask=key_mask, other=0.0)
+    key_mask = (pos < cached_end)[:, None] & row_mask
+    k1, k2 = _halves(k_cache_ptr + offset[:, None], cols, half, key_mask)
+    v1, v2 = _halves(v_cache_ptr + offset[:, None], cols, half, key_mask)
     pos_next = pos + BLOCK_N
     block_next = tl.load(table + pos_next // PAGE_SIZE, mask=pos_next < cached_end, other=0).to(tl.int64)
     pdl_wait(USE_PDL)
@@ -130,27 +129,22 @@ def _decode_qkv_kernel(
     row = qkv_ptr + seq * stride_qkv
     h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + h
-    q_mask = (h < GROUP)[:, None] & cmask[None, :]
-    q1 = tl.load(row + heads[:, None] * head_dim + c[None, :], mask=q_mask, other=0.0)
-    q2 = tl.load(row + heads[:, None] * head_dim + half + c[None, :], mask=q_mask, other=0.0)
+    q_mask = (h < GROUP)[:, None] & row_mask
+    q1, q2 = _halves(row + heads[:, None] * head_dim, cols, half, q_mask)
     r1, r2 = _norm_rotate(q1, q2, qw1, qw2, cos1, cos2, sin1, sin2, head_dim, eps, HAS_NORM, MULTIPLY_IN_FLOAT32)
     qa = r1.to(k1.dtype)  # rounded as rotary_cache stores q
     qb = r2.to(k1.dtype)
-    k_row = row + (num_heads + kv_head) * head_dim + c[None, :]
-    n1 = tl.load(k_row, mask=cmask[None, :], other=0.0)
-    n2 = tl.load(k_row + half, mask=cmask[None, :], other=0.0)
+    n1, n2 = _halves(row + (num_heads + kv_head) * head_dim, cols, half, row_mask)
     kn1, kn2 = _norm_rotate(n1, n2, kw1, kw2, cos1, cos2, sin1, sin2, head_dim, eps, HAS_NORM, MULTIPLY_IN_FLOAT32)
     kn1 = kn1.to(k1.dtype)  # [1, BLOCK_HALF], as the cache holds it
     kn2 = kn2.to(k1.dtype)
-    v_row = row + (num_heads + num_kv_heads + kv_head) * head_dim + c[None, :]
-    vn1 = tl.load(v_row, mask=cmask[None, :], other=0.0)
-    vn2 = tl.load(v_row + half, mask=cmask[None, :], other=0.0)
+    vn1, vn2 = _halves(row + (num_heads + num_kv_heads + kv_head) * head_dim, cols, half, row_mask)
     # the program whose range holds the newest position writes it to the cache (none for a padded row)
     owns_newest = (start < end) & (end == seq_len)
     slot = tl.load(slot_mapping_ptr + seq)
     slot_tile = tl.zeros([1, BLOCK_HALF], dtype=tl.int64) + slot  # a tile: a scalar mask term trips the interpreter
-    write = cmask[None, :] & (slot_tile >= 0) & ((tl.zeros([1, BLOCK_HALF], dtype=tl.int32) + owns_newest) != 0)
-    dst = (slot_tile // PAGE_SIZE) * stride_cp + (slot_tile % PAGE_SIZE) * stride_cs + head_off + c[None, :]
+    write = row_mask & (slot_tile >= 0) & ((tl.zeros([1, BLOCK_HALF], dtype=tl.int32) + owns_newest) != 0)
+    dst = (slot_tile // PAGE_SIZE) * stride_cp + (slot_tile % PAGE_SIZE) * stride_cs + head_off + cols
     tl.store(k_cache_ptr + dst, kn1, mask=write)
     tl.store(k_cache_ptr + dst + half, kn2, mask=write)
     tl.store(v_cache_ptr + dst, vn1, mask=write)
@@ -164,12 +158,10 @@ def _decode_qkv_kernel(
     for start_n in range(start, cached_end, BLOCK_N):
         k_mask = start_n + offs_n < cached_end
         pos_next = start_n + BLOCK_N + offs_n
-        next_mask = (pos_next < cached_end)[:, None] & cmask[None, :]
+        next_mask = (pos_next < cached_end)[:, None] & row_mask
         offset = block_next * stride_cp + (pos_next % PAGE_SIZE) * stride_cs + head_off
-        k1_next = tl.load(k_cache_ptr + offset[:, None] + c[None, :], mask=next_mask, other=0.0)
-        k2_next = tl.load(k_cache_ptr + offset[:, None] + half + c[None, :], mask=next_mask, other=0.0)
-        v1_next = tl.load(v_cache_ptr + offset[:, None] + c[None, :], mask=next_mask, other=0.0)
-        v2_next = tl.load(v_cache_ptr + offset[:, None] + half + c[None, :], mask=next_mask, other=0.0)
+        k1_next, k2_next = _halves(k_cache_ptr + offset[:, None], cols, half, next_mask)
+        v1_next, v2_next = _halves(v_cache_ptr + offset[:, None], cols, half, next_mask)
         pos_after = pos_next + BLOCK_N
         block_next = tl.load(table + pos_after // PAGE_SIZE, mask=pos_after < cached_end, other=0).to(tl.int64)
         raw = tl.dot(qa, tl.trans(k1), input_precision=DOT_PRECISION)
@@ -204,13 +196,13 @@ def _decode_qkv_kernel(
     o1 = acc1 * inv[:, None]
     o2 = acc2 * inv[:, None]
     if NUM_SPLITS == 1:
-        out = out_ptr + seq * stride_os + heads[:, None] * stride_oh + c[None, :]
+        out = out_ptr + seq * stride_os + heads[:, None] * stride_oh + cols
         tl.store(out, o1.to(out_ptr.dtype.element_ty), mask=q_mask)
         tl.store(out + half, o2.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         part = ((seq * num_heads + heads) * NUM_SPLITS + split)  # [BLOCK_H]
-        tl.store(part_out_ptr + part[:, None] * head_dim + c[None, :], o1, mask=q_mask)
-        tl.store(part_out_ptr + part[:, None] * head_dim + half + c[None, :], o2, mask=q_mask)
+        tl.store(part_out_ptr + part[:, None] * head_dim + cols, o1, mask=q_mask)
+        tl.store(part_out_ptr + part[:, None] * head_dim + half + cols, o2, mask=q_mask)
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=h < GROUP)
 
@@ -256,11 +248,7 @@ def decode_attention_qkv(
     block_n = block_n or (64 if head_dim <= 128 else 32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     pdl = use_pdl(qkv, num_seqs)
-    if num_splits > 1:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=qkv.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=qkv.device)
-    else:
-        part_out = part_lse = out  # never written
+    part_out, part_lse = split_partials(out, num_splits)
     has_norm = q_norm is not None
     group = num_heads // num_kv_heads
     _decode_qkv_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -309,22 +297,7 @@ def decode_attention_qkv(
         num_stages=1,
         launch_pdl=pdl,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=next_power_of_2(num_splits),
-            BLOCK_D=max(16, next_power_of_2(head_dim)),
-            USE_PDL=pdl,
-            num_warps=4,
-            launch_pdl=pdl,
-        )
+    merge_splits(part_out, part_lse, out, num_splits, pdl)
     return out
 
 

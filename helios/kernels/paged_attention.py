@@ -244,11 +244,7 @@ def paged_decode_attention(
     block_n = block_n or (64 if block_d <= 128 else 32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     pdl = use_pdl(q, num_seqs)
-    if num_splits > 1:
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # never written
+    part_out, part_lse = split_partials(out, num_splits)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -285,23 +281,43 @@ def paged_decode_attention(
         num_stages=2,
         launch_pdl=pdl,
     )
-    if num_splits > 1:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=next_power_of_2(num_splits),
-            BLOCK_D=block_d,
-            USE_PDL=pdl,
-            num_warps=4,
-            launch_pdl=pdl,
-        )
+    merge_splits(part_out, part_lse, out, num_splits, pdl)
     return out
+
+
+def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(partial outputs [num_seqs, num_heads, num_splits, head_dim] float32, their log2 log-sum-exps
+    [num_seqs, num_heads, num_splits]) of a decode over `num_splits` key ranges into `out` [num_seqs, num_heads,
+    head_dim]; with one split the kernel writes `out` directly and both are `out` itself, never written."""
+    if num_splits == 1:
+        return out, out
+    num_seqs, num_heads, head_dim = out.shape
+    part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
+    return part_out, torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=out.device)
+
+
+def merge_splits(
+    part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int, pdl: bool
+) -> None:
+    """The merge kernel over split_partials' buffers into `out`; nothing with one split."""
+    if num_splits == 1:
+        return
+    num_seqs, num_heads, head_dim = out.shape
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out,
+        part_lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=next_power_of_2(num_splits),
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        USE_PDL=pdl,
+        num_warps=4,
+        launch_pdl=pdl,
+    )
 
 
 def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, num_sms: int = 132) -> int:

@@ -25,6 +25,13 @@ from helios.kernels._triton import (
 
 
 @jit
+def _halves(rows, cols, half, mask):
+    """The first and second halves of rotary rows: `rows` points at each row's start ([R, 1] or a scalar),
+    `cols` [1, BLOCK_HALF]; masked lanes read 0. Two [R, BLOCK_HALF] tiles."""
+    return tl.load(rows + cols, mask=mask, other=0.0), tl.load(rows + half + cols, mask=mask, other=0.0)
+
+
+@jit
 def _norm_rotate(
     x,  # [BLOCK_H, BLOCK_HALF] first halves, any float dtype
     y,  # [BLOCK_H, BLOCK_HALF] second halves
@@ -93,23 +100,20 @@ def _rotary_cache_kernel(
     kw1 = qw1
     kw2 = qw1
     if HAS_NORM:  # weights: loaded before the wait (no kernel writes them)
-        qw1 = tl.load(q_norm_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        qw2 = tl.load(q_norm_ptr + half + cols, mask=cmask, other=0.0).to(tl.float32)
-        kw1 = tl.load(k_norm_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-        kw2 = tl.load(k_norm_ptr + half + cols, mask=cmask, other=0.0).to(tl.float32)
+        qw1, qw2 = _halves(q_norm_ptr, cols, half, cmask)
+        kw1, kw2 = _halves(k_norm_ptr, cols, half, cmask)
+        qw1, qw2, kw1, kw2 = qw1.to(tl.float32), qw2.to(tl.float32), kw1.to(tl.float32), kw2.to(tl.float32)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
-    cos1 = tl.load(cos_ptr + t * stride_cos + cols, mask=cmask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + t * stride_cos + half + cols, mask=cmask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin_ptr + t * stride_sin + cols, mask=cmask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + t * stride_sin + half + cols, mask=cmask, other=0.0).to(tl.float32)
+    cos1, cos2 = _halves(cos_ptr + t * stride_cos, cols, half, cmask)
+    sin1, sin2 = _halves(sin_ptr + t * stride_sin, cols, half, cmask)
+    cos1, cos2, sin1, sin2 = cos1.to(tl.float32), cos2.to(tl.float32), sin1.to(tl.float32), sin2.to(tl.float32)
     row = qkv_ptr + t * stride_qkv
 
     # q: [num_heads, head_dim] at the row's start -> q_out
     hq = tl.arange(0, BLOCK_HQ)[:, None]
     qmask = (hq < num_heads) & cmask
-    q1 = tl.load(row + hq * head_dim + cols, mask=qmask, other=0.0)
-    q2 = tl.load(row + hq * head_dim + half + cols, mask=qmask, other=0.0)
+    q1, q2 = _halves(row + hq * head_dim, cols, half, qmask)
     r1, r2 = _norm_rotate(q1, q2, qw1, qw2, cos1, cos2, sin1, sin2, head_dim, eps, HAS_NORM, MULTIPLY_IN_FLOAT32)
     out = q_out_ptr + t * num_heads * head_dim + hq * head_dim + cols
     tl.store(out, r1.to(q_out_ptr.dtype.element_ty), mask=qmask)
@@ -120,16 +124,14 @@ def _rotary_cache_kernel(
     hk = tl.arange(0, BLOCK_HK)[:, None]
     slot = tl.zeros([BLOCK_HK, BLOCK_HALF], dtype=tl.int64) + slot  # as a tile: a scalar mask term trips the interpreter
     kmask = (hk < num_kv_heads) & cmask & (slot >= 0)
-    k_row = row + num_heads * head_dim + hk * head_dim + cols
-    k1 = tl.load(k_row, mask=kmask, other=0.0)
-    k2 = tl.load(k_row + half, mask=kmask, other=0.0)
+    k_row = row + num_heads * head_dim + hk * head_dim
+    k1, k2 = _halves(k_row, cols, half, kmask)
     r1, r2 = _norm_rotate(k1, k2, kw1, kw2, cos1, cos2, sin1, sin2, head_dim, eps, HAS_NORM, MULTIPLY_IN_FLOAT32)
     dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + hk * stride_ch + cols
     tl.store(k_cache_ptr + dst, r1.to(k_cache_ptr.dtype.element_ty), mask=kmask)
     tl.store(k_cache_ptr + dst + half, r2.to(k_cache_ptr.dtype.element_ty), mask=kmask)
     v_row = k_row + num_kv_heads * head_dim
-    v1 = tl.load(v_row, mask=kmask, other=0.0)
-    v2 = tl.load(v_row + half, mask=kmask, other=0.0)
+    v1, v2 = _halves(v_row, cols, half, kmask)
     tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=kmask)
     tl.store(v_cache_ptr + dst + half, v2.to(v_cache_ptr.dtype.element_ty), mask=kmask)
 

@@ -119,16 +119,20 @@ def check_reshape_and_cache(device, dtype, page_size, cache_dtype=None):
     assert not torch.equal(actual, cache)
 
 
+def _rope_rows(positions, head_dim, device, dtype):
+    """Per-token cos and sin rows [T, head_dim] (base 10000, neox halves), as RotaryEmbedding.cos_sin hands them."""
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    emb = torch.cat((positions[:, None] * inv_freq,) * 2, dim=-1)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+
 def check_rotary_and_cache(device, dtype, qk_norm=False, multiply_in_float32=False, num_heads=6, num_kv_heads=2,
                            head_dim=64, page_size=4):
     """The fused norm + rotary + cache write against the unfused reference: q, and the whole cache."""
     from helios.kernels.rotary_cache import rotary_and_cache, rotary_and_cache_ref
 
     num_tokens, num_pages = 9, 8
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    positions = torch.tensor([0, 3, 31, 17, 17, 5, 30, 1, 2])
-    emb = torch.cat((positions[:, None] * inv_freq,) * 2, dim=-1)
-    cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    cos, sin = _rope_rows(torch.tensor([0, 3, 31, 17, 17, 5, 30, 1, 2]), head_dim, device, dtype)
     qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=device, dtype=dtype, scale=2.0)
     q_norm = _randn(head_dim, device=device, dtype=dtype, seed=3) if qk_norm else None
     k_norm = _randn(head_dim, device=device, dtype=dtype, seed=4) if qk_norm else None
@@ -196,10 +200,7 @@ def check_decode_qkv(
     num_heads = num_kv_heads * group
     seqs = torch.tensor(lens, dtype=torch.int32, device=device)
     slots = torch.where(seqs > 0, c.slot_mapping, torch.full_like(c.slot_mapping, -1))
-    positions = torch.tensor([max(n - 1, 0) for n in lens])
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    emb = torch.cat((positions[:, None] * inv_freq,) * 2, dim=-1)
-    cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    cos, sin = _rope_rows(torch.tensor([max(n - 1, 0) for n in lens]), head_dim, device, dtype)
     qkv = _randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim, device=device, dtype=dtype, scale=2.0, seed=5)
     norms = {}
     if qk_norm:
