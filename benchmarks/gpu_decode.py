@@ -134,9 +134,10 @@ def llama_8b_tensors():
     return hf, t, arch, weight_bytes
 
 
-def timed_decode(runner, arch, batch: int, prompt_len: int, new: int, profiler=None) -> float:
+def timed_decode(runner, arch, batch: int, prompt_len: int, new: int, profiler=None, ids_out: list | None = None) -> float:
     """Decode tokens/s of `batch` requests through the engine (scheduler + runner + sampler), prefill excluded;
-    `profiler` (a cProfile.Profile) runs over the timed decode steps only."""
+    `profiler` (a cProfile.Profile) runs over the timed decode steps only; `ids_out` receives each request's
+    output ids."""
     from helios.engine.config import SchedulerConfig
     from helios.engine.engine_core import EngineCore
 
@@ -162,6 +163,7 @@ def timed_decode(runner, arch, batch: int, prompt_len: int, new: int, profiler=N
         if engine.error:
             raise RuntimeError(engine.error)
     torch.cuda.synchronize()
+    states = [runner.requests[req_id] for req_id in req_ids]
     if profiler is not None:
         profiler.enable()
     t0 = time.perf_counter()
@@ -175,6 +177,8 @@ def timed_decode(runner, arch, batch: int, prompt_len: int, new: int, profiler=N
     elapsed = time.perf_counter() - t0
     if profiler is not None:
         profiler.disable()
+    if ids_out is not None:
+        ids_out.extend(list(st.sampler_state.output_token_ids) for st in states)
     return batch * steps / elapsed
 
 
@@ -272,14 +276,23 @@ def graph_replays(graphed, limits: dict[int, float], ctx: int) -> list[str]:
 
 
 def capture_under(graphed, buckets: list[int], env: dict[str, str]):
-    """The runner's decode graphs for `buckets` captured again with `env` set (the kernels read it at capture)."""
+    """The runner's decode graphs for `buckets` captured again with `env` set (the kernels read it at capture);
+    a key "module.NAME" sets helios.kernels.<module>.NAME instead (tile constants, e.g. decode_qkv.BLOCK_N)."""
+    import importlib
     import os
 
     from helios.runner.cuda_graphs import GraphRunner
 
     gr = graphed.graphs
-    saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
+    names = {k: v for k, v in env.items() if "." not in k}
+    attrs = {tuple(k.split(".")): int(v) for k, v in env.items() if "." in k}
+    saved = {name: os.environ.get(name) for name in names}
+    saved_attrs = {}
+    for (module, attr), value in attrs.items():
+        mod = importlib.import_module(f"helios.kernels.{module}")
+        saved_attrs[(mod, attr)] = getattr(mod, attr)
+        setattr(mod, attr, value)
+    os.environ.update(names)
     try:
         return GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in buckets if b in gr.graphs],
                            max_model_len=gr.max_model_len, page_size=gr.page_size,
@@ -291,11 +304,13 @@ def capture_under(graphed, buckets: list[int], env: dict[str, str]):
                 os.environ.pop(name)
             else:
                 os.environ[name] = value
+        for (mod, attr), value in saved_attrs.items():
+            setattr(mod, attr, value)
 
 
 def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, str], label: str) -> list[str]:
     """The same decode graphs captured again under `env` (HELIOS_PDL=0: no programmatic dependent launch;
-    HELIOS_GEMV=all / narrow: the Triton GEMV for every / the o and down one-row projections, HELIOS_FOLD_NORMS=0
+    HELIOS_GEMV=all / narrow: the Triton GEMV for every / the o and down one-row projections, HELIOS_TAIL_NORM=0
     with it: norms in their own kernels), replayed alone."""
     off = capture_under(graphed, list(limits), env)
 
@@ -309,29 +324,30 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
 
 
 def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "0", gemv_pdl: str = "1",
-             fold: str = "1") -> dict[str, str]:
-    """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in);
-    the defaults are helios' own."""
+             tail: str = "1", block_n: int = 64, warps: int = 4) -> dict[str, str]:
+    """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in),
+    and the one-launch decode's tiles; the defaults are helios' own."""
     return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,
-            "HELIOS_GEMV_PDL": gemv_pdl, "HELIOS_FOLD_NORMS": fold}
+            "HELIOS_GEMV_PDL": gemv_pdl, "HELIOS_TAIL_NORM": tail, "decode_qkv.BLOCK_N": str(block_n),
+            "decode_qkv.NUM_WARPS": str(warps)}
 
 
-# label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), decode attention in one launch from
-# the qkv row or after rotary_cache (HELIOS_FUSED_DECODE), the o weight pulled into L2 beside attention
-# (HELIOS_L2_PREFETCH), programmatic dependent launch (HELIOS_PDL, HELIOS_GEMV_PDL), norms folded into GEMVs
+# label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), the add + RMSNorm in the o / down
+# GEMV's last program (HELIOS_TAIL_NORM), decode attention in one launch from the qkv row or after rotary_cache
+# (HELIOS_FUSED_DECODE) and its tiles, the o weight pulled into L2 beside attention (HELIOS_L2_PREFETCH),
+# programmatic dependent launch (HELIOS_PDL, HELIOS_GEMV_PDL)
 ENGINE_VARIANTS = {
-    "GEMV o/down, PDL off, fused decode (default)": _variant(),
-    "GEMV o/down, PDL off, rotary_cache + decode": _variant(fused="0"),
-    "GEMV o/down, PDL on, fused decode": _variant(pdl="1"),
-    "GEMV o/down, PDL on but not for the GEMV": _variant(pdl="1", gemv_pdl="0"),
-    "GEMV o/down, PDL off, o in L2": _variant(l2="bulk"),
+    "GEMV o/down + tail norms, PDL off, fused decode (default)": _variant(),
+    "GEMV o/down, norms in their own kernels (session 3 default)": _variant(tail="0"),
+    "GEMV o/down + tail norms, rotary_cache + decode": _variant(fused="0"),
+    "GEMV o/down + tail norms, PDL on": _variant(pdl="1"),
+    "GEMV o/down + tail norms, decode 128 keys x 4 warps": _variant(block_n=128),
+    "GEMV o/down + tail norms, decode 128 keys x 8 warps": _variant(block_n=128, warps=8),
+    "GEMV o/down + tail norms, decode 32 keys x 4 warps": _variant(block_n=32),
+    "GEMV o/down + tail norms, decode 64 keys x 2 warps": _variant(warps=2),
+    "GEMV qkv/o/down + tail norms": _variant(gemv="nowide"),
+    "GEMV for all + tail norms": _variant(gemv="all"),
     "cuBLAS, PDL off, fused decode": _variant(gemv="0"),
-    "cuBLAS, PDL on, fused decode": _variant(gemv="0", pdl="1"),
-    "cuBLAS, PDL on, o in L2": _variant(gemv="0", pdl="1", l2="bulk"),
-    "GEMV o, PDL on, rotary_cache + decode": _variant(gemv="square", pdl="1", fused="0"),
-    "GEMV qkv/o/down, PDL off, norm folded into qkv": _variant(gemv="nowide"),
-    "GEMV qkv/o/down, PDL off, norms in their own kernels": _variant(gemv="nowide", fold="0"),
-    "GEMV qkv/o/down, PDL off, rotary_cache + decode": _variant(gemv="nowide", fused="0"),
 }
 
 
@@ -342,14 +358,19 @@ def engine_variants(graphed, arch, prompt_len: int, limit: float, variants: dict
     spread between repeats shows the noise."""
     lines = []
     graphed.decode_overlap = True
+    first_ids = None
     for label, env in [("default", {})] + [item for _ in range(repeats) for item in variants.items()]:
         saved = graphed.graphs
         graphed.graphs = capture_under(graphed, [1], env) if env else saved
+        ids: list = []
         try:
-            tps = timed_decode(graphed, arch, 1, prompt_len, 64)
+            tps = timed_decode(graphed, arch, 1, prompt_len, 64, ids_out=ids)
         finally:
             graphed.graphs = saved
-        lines.append(f"engine b=1, {label}: {tps:.1f} tok/s ({tps / limit:.1%} of the limit)")
+        first_ids = first_ids or ids[0]
+        same = next((f"greedy ids differ from token {i}" for i, (a, b) in enumerate(zip(ids[0], first_ids)) if a != b),
+                    "greedy ids as the default's")
+        lines.append(f"engine b=1, {label}: {tps:.1f} tok/s ({tps / limit:.1%} of the limit), {same}")
         torch.cuda.empty_cache()
     return lines
 
@@ -546,7 +567,7 @@ def host_profile(layers: int = 2, rows: int = 28) -> list[str]:
     return lines
 
 
-DIAGNOSTICS = "graphs,pdl,gemv,gemv_unfolded,gemv_pdl,narrow,narrow_pdl,profile,profile_gemv,ceiling,timeline,engines"
+DIAGNOSTICS = "graphs,pdl,gemv,tail,gemv_pdl,narrow,narrow_pdl,profile,profile_gemv,ceiling,timeline,engines"
 
 
 def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = True, diagnose: tuple[str, ...] = (),
@@ -600,15 +621,18 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
             "graphs": lambda: long_replay() + graph_replays(graphed, limits, ctx),
             "pdl": lambda: variant_replays(graphed, limits, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
             "gemv": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all"}, "GEMV for all"),
-            "gemv_unfolded": lambda: variant_replays(graphed, one, ctx,
-                                                     {"HELIOS_GEMV": "all", "HELIOS_FOLD_NORMS": "0"},
-                                                     "GEMV for all, norms unfolded"),
+            "tail": lambda: variant_replays(graphed, one, ctx, {"HELIOS_TAIL_NORM": "0"}, "norms in their own kernels"),
             "gemv_pdl": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all", "HELIOS_PDL": "0"},
                                                 "GEMV for all, PDL off"),
             "narrow": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow"}, "GEMV for o/down only"),
             "narrow_pdl": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
                                                   "GEMV for o/down only, PDL off"),
             "profile": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
+            "profile_tail": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_TAIL_NORM": "0"},
+                                                  "PDL off, norms in their own kernels"),
+            "profile_decode128": lambda: profile_graph(graphed, ctx, {"decode_qkv.BLOCK_N": "128",
+                                                                      "decode_qkv.NUM_WARPS": "8"},
+                                                       "decode 128 keys x 8 warps"),
             "profile_gemv": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "all"},
                                                   "PDL off, GEMV for all"),
             "profile_narrow": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "narrow"},

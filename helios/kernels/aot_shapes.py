@@ -57,8 +57,11 @@ class KernelShape:
     # (out, in) of each projection batch-1 decode sends to the GEMV (helios.kernels.gemv.gemv_serves)
     projections: tuple[tuple[int, int], ...] = ()
     projections_ffn: int = 0  # the MLP's intermediate size: its down GEMV also runs gated
-    # (out, in) of the GEMVs that take their layer's add + RMSNorm (helios.models.llama.folds_norms)
-    norm_projections: tuple[tuple[int, int], ...] = ()
+    # forms of the fused path's GEMVs into the hidden size (o; down, gated): False plain, True with the add +
+    # RMSNorm after them in their last program (helios.layers.norm.RMSNorm.forward_add_projected). A core
+    # compiles both, a process loads the one HELIOS_TAIL_NORM picks; () for a model without the fused path
+    # (gemma3: every GEMV plain)
+    tail_norms: tuple[bool, ...] = (False, True)
     vocab_size: int = 0  # the sampling tail's rows (greedy argmax); 0: not launched
     # decode attention: "fused" from the qkv row (decode_qkv), "split" after rotary_cache (paged_attention); a core
     # compiles both, a process loads the one HELIOS_FUSED_DECODE picks (head_dim < 32 always takes "split")
@@ -79,9 +82,6 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
     ffn = arch.moe.moe_intermediate_size if arch.moe else arch.intermediate_size
     qkv = ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, h)
     projections = {qkv, (h, q_width), (2 * ffn, h), (h, ffn), (arch.vocab_size, h)}
-    norm_projections = ()
-    if not is_gemma and _DTYPES[manifest.dtype].itemsize == 2:  # llama-family layers fold their norms
-        norm_projections = (qkv,) if arch.moe else tuple(sorted({qkv, (2 * arch.intermediate_size, h)}))
     return KernelShape(
         dtype=_DTYPES[manifest.dtype],
         hidden_size=arch.hidden_size,
@@ -96,7 +96,7 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
         activation=arch.hidden_act,
         projections=tuple(sorted(projections)) if _DTYPES[manifest.dtype].itemsize == 2 else (),
         projections_ffn=ffn,
-        norm_projections=norm_projections,
+        tail_norms=() if is_gemma else (False, True),
         vocab_size=arch.vocab_size,
     )
 
@@ -109,13 +109,10 @@ def runtime_shape(shape: KernelShape) -> KernelShape:
     from helios.kernels.gemv import gemv_admits, gemv_mode
 
     mode = gemv_mode()
-    shape = replace(shape, decode_paths=("fused",) if switched_on("HELIOS_FUSED_DECODE") else ("split",),
-                    cache_write=False)
-    if mode == "all":
-        return shape
-    # narrow / square / nowide: the admitted shapes only; a norm folds only into an admitted one (helios.models.llama)
-    return replace(shape, projections=tuple(p for p in shape.projections if gemv_admits(mode, *p)),
-                   norm_projections=tuple(p for p in shape.norm_projections if gemv_admits(mode, *p)))
+    tail = switched_on("HELIOS_TAIL_NORM") and True in shape.tail_norms
+    return replace(shape, decode_paths=("fused",) if switched_on("HELIOS_FUSED_DECODE") else ("split",),
+                   cache_write=False, tail_norms=(tail,) if shape.tail_norms else (),
+                   projections=tuple(p for p in shape.projections if gemv_admits(mode, *p)))
 
 
 def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> None:
@@ -137,15 +134,22 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     nq, nkv, d, dt = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
     scale = d**-0.5
     z = dict(dtype=dt, device=device)
+    hidden, q_width = shape.hidden_size, shape.num_heads * shape.head_dim
     for n, k in shape.projections:  # batch-1 GEMVs: full-size (uninitialized) weights, as the tile choice reads N, K
-        gemv(torch.zeros(1, k, **z), torch.empty(n, k, **z))
-    for n, k in shape.norm_projections:  # the first layer's (no residual) and every other layer's
-        x, weight, norm = torch.zeros(1, k, **z), torch.empty(n, k, **z), torch.ones(k, **z)
-        gemv_add_rms_norm(x, None, norm, 1e-6, weight)
-        gemv_add_rms_norm(x, x.clone(), norm, 1e-6, weight)
-    if shape.projections:  # the down projection with the gated activation folded in (helios.layers.activation)
-        ffn = shape.projections_ffn
-        gemv(torch.zeros(1, 2 * ffn, **z), torch.empty(shape.hidden_size, ffn, **z), gated=shape.activation)
+        weight = torch.empty(n, k, **z)
+        if n != hidden or not shape.tail_norms:  # qkv, gate_up, lm_head; every GEMV off the fused path
+            gemv(torch.zeros(1, k, **z), weight)
+            continue
+        # into the hidden size: o, and down reading act(gate) * up of a [gate | up] row; then the next norm, in
+        # the GEMV's last program or its own kernel (helios.layers.norm.RMSNorm.forward_add_projected)
+        for gated in [None] * (k == q_width) + [shape.activation] * (k == shape.projections_ffn):
+            x = torch.zeros(1, 2 * k if gated else k, **z)
+            for tail in shape.tail_norms:
+                if tail:
+                    gemv_add_rms_norm(x, weight, torch.zeros(1, n, **z), torch.ones(n, **z), 1e-6,
+                                      shape.norm_in_float32, gated)
+                else:
+                    gemv(x, weight, gated=gated)
     if shape.vocab_size:  # greedy rows of the sampler (helios.runner.sampler), float32 logits
         argmax_rows(torch.zeros(1, shape.vocab_size, dtype=torch.float32, device=device))
     for num_tokens in (1, 2):  # decode rows, then a two-token prefill

@@ -37,6 +37,10 @@ from helios.kernels.paged_attention import (
 )
 from helios.kernels.rotary_cache import _halves, _norm_rotate, rotary_and_cache_ref
 
+# keys per loop step at head_dim <= 128 (half above) and warps per program; benchmarks/gpu_decode.py tries others
+BLOCK_N = 64
+NUM_WARPS = 4
+
 
 @jit
 def _decode_qkv_kernel(
@@ -60,6 +64,7 @@ def _decode_qkv_kernel(
     stride_cs,
     stride_ch,
     stride_bt,
+    max_blocks,  # block table columns
     stride_os,
     stride_oh,
     num_heads,
@@ -108,20 +113,32 @@ def _decode_qkv_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(seq_len - window, 0)  # the query sits at seq_len - 1
-    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + split * per_split
-    end = tl.minimum(start + per_split, seq_len)
-    cached_end = tl.minimum(end, seq_len - 1)  # the newest key comes from the qkv row, not the cache
     table = block_tables_ptr + seq * stride_bt
+    if NUM_SPLITS == 1 and not HAS_WINDOW:
+        # the range starts at key 0: the first two blocks' ids load beside seq_len, not after it (the table's
+        # columns past a sequence's blocks hold valid page ids or 0, and the K/V loads below are masked)
+        start = 0
+        pos = offs_n
+        pos_next = pos + BLOCK_N
+        block = tl.load(table + pos // PAGE_SIZE, mask=pos // PAGE_SIZE < max_blocks, other=0).to(tl.int64)
+        block_next = tl.load(table + pos_next // PAGE_SIZE, mask=pos_next // PAGE_SIZE < max_blocks, other=0)
+        block_next = block_next.to(tl.int64)
+        end = seq_len
+        cached_end = seq_len - 1  # the newest key comes from the qkv row, not the cache
+    else:
+        per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+        cached_end = tl.minimum(end, seq_len - 1)
+        pos = start + offs_n
+        pos_next = pos + BLOCK_N
+        block = tl.load(table + pos // PAGE_SIZE, mask=pos < cached_end, other=0).to(tl.int64)
+        block_next = tl.load(table + pos_next // PAGE_SIZE, mask=pos_next < cached_end, other=0).to(tl.int64)
     head_off = kv_head * stride_ch
-    pos = start + offs_n
-    block = tl.load(table + pos // PAGE_SIZE, mask=pos < cached_end, other=0).to(tl.int64)
     offset = block * stride_cp + (pos % PAGE_SIZE) * stride_cs + head_off
     key_mask = (pos < cached_end)[:, None] & row_mask
     k1, k2 = _halves(k_cache_ptr + offset[:, None], cols, half, key_mask)
     v1, v2 = _halves(v_cache_ptr + offset[:, None], cols, half, key_mask)
-    pos_next = pos + BLOCK_N
-    block_next = tl.load(table + pos_next // PAGE_SIZE, mask=pos_next < cached_end, other=0).to(tl.int64)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
 
@@ -245,7 +262,7 @@ def decode_attention_qkv(
     if num_seqs == 0:
         return out
     block_half = next_power_of_2(head_dim // 2)
-    block_n = block_n or (64 if head_dim <= 128 else 32)
+    block_n = block_n or (BLOCK_N if head_dim <= 128 else BLOCK_N // 2)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     pdl = use_pdl(qkv, num_seqs)
     part_out, part_lse = split_partials(out, num_splits)
@@ -272,6 +289,7 @@ def decode_attention_qkv(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
+        block_tables.shape[1],
         out.stride(0),
         out.stride(1),
         num_heads,
@@ -293,7 +311,7 @@ def decode_attention_qkv(
         BLOCK_HALF=block_half,
         DOT_PRECISION=dot_precision(qkv.dtype),
         USE_PDL=pdl,
-        num_warps=4,
+        num_warps=NUM_WARPS,
         num_stages=1,
         launch_pdl=pdl,
     )

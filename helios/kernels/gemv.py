@@ -75,33 +75,40 @@ def _gated(gate, up, GATED: tl.constexpr):
 
 
 @jit
-def _row(x_rows, r_rows, cols, mask, HAS_RESIDUAL: tl.constexpr):
-    """x (+ residual, added in float32 and rounded to x's dtype as torch's add does) at cols."""
+def _x_chunk(x_rows, cols, mask, K, GATED: tl.constexpr):
+    """The GEMV's input at cols ([1, BLOCK_K]): x, or act(gate) * up of a [gate | up] row."""
     x = tl.load(x_rows + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(r_rows + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    if GATED != 0:
+        x = _gated(x, tl.load(x_rows + K + cols, mask=mask, other=0.0), GATED)
     return x
 
 
 @jit
-def _x_chunk(x_rows, r_rows, norm_w_ptr, cols, mask, K, rstd, GATED: tl.constexpr, NORM: tl.constexpr,
-             HAS_RESIDUAL: tl.constexpr):
-    """The GEMV's input at cols ([1, BLOCK_K]): x, act(gate) * up, or the RMSNorm of x (+ residual) with the
-    roundings of helios.kernels.rmsnorm (rstd [BLOCK_M] from the statistics pass)."""
-    if NORM != 0:
-        s = _row(x_rows, r_rows, cols, mask, HAS_RESIDUAL)
-        h = s.to(tl.float32) * rstd[:, None]
-        w = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        if NORM == 2:
-            y = h * w
+def _add_rms_norm_tail(out_ptr, N, counter_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, eps,
+                       TAIL_NORM: tl.constexpr, N_POW2: tl.constexpr):
+    """The last program to finish reads the whole output row back and writes rms_norm(out + residual) and
+    out + residual, with helios.kernels.rmsnorm's roundings: the add and norm after a one-row projection
+    without a launch of their own. Every program counts itself in at `counter_ptr` after its store (the
+    barrier, then one gpu-scope acq_rel atomic: the release covers the whole program's stores, as in CUDA's
+    grid sync); the one that sees every other program counted resets the counter for the next launch."""
+    tl.debug_barrier()
+    count = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if count == tl.num_programs(0) - 1:
+        cols = tl.arange(0, N_POW2)
+        mask = cols < N
+        w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(out_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")  # L2: other SMs wrote it
+        r = tl.load(res_ptr + cols, mask=mask, other=0.0)
+        s = (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype)
+        tl.store(res_out_ptr + cols, s, mask=mask)
+        h = s.to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+        if TAIL_NORM == 2:
+            normed = h * w
         else:
-            y = h.to(s.dtype).to(tl.float32) * w
-        x = y.to(s.dtype)
-    else:
-        x = tl.load(x_rows + cols, mask=mask, other=0.0)
-        if GATED != 0:
-            x = _gated(x, tl.load(x_rows + K + cols, mask=mask, other=0.0), GATED)
-    return x
+            normed = h.to(s.dtype).to(tl.float32) * w
+        tl.store(normed_ptr + cols, normed.to(s.dtype), mask=mask)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
 
 
 @jit
@@ -126,14 +133,15 @@ def _gemv_kernel(
     IEEE_DOT: tl.constexpr,  # float32 operands, full precision (not tf32)
     USE_PDL: tl.constexpr,
     GATED: tl.constexpr,  # 0: x as is; 1 / 2: x = silu / gelu_tanh(gate) * up of a [gate | up] row of 2K
-    # RMSNorm of x (+ residual) folded in: 0 none; 1 llama's roundings; 2 gemma's (multiply in float32).
-    # Each program reads the whole row once for the statistics (M = 1 only); program 0 writes x + residual.
-    NORM: tl.constexpr = 0,
-    HAS_RESIDUAL: tl.constexpr = False,
-    K_POW2: tl.constexpr = 16,  # next power of two >= K (the statistics pass loads the row at once)
-    res_ptr=None,  # [M, K], stride_xm apart like x
-    norm_w_ptr=None,  # [K]
-    res_out_ptr=None,  # [M, K] contiguous: x + residual
+    # the add + RMSNorm after the projection, in its last program (_add_rms_norm_tail; M = 1, SPLIT_K = 1 only):
+    # 0 none; 1 llama's roundings; 2 gemma's (multiply in float32)
+    TAIL_NORM: tl.constexpr = 0,
+    N_POW2: tl.constexpr = 16,  # next power of two >= N (the tail loads the row at once)
+    counter_ptr=None,  # [1] int32, 0 between launches
+    res_ptr=None,  # [1, N] the residual stream
+    norm_w_ptr=None,  # [N]
+    normed_ptr=None,  # [1, N] rms_norm(out + residual)
+    res_out_ptr=None,  # [1, N] out + residual
     eps=0.0,
 ):
     pid_n = tl.program_id(0)
@@ -158,22 +166,6 @@ def _gemv_kernel(
                          mask=n_mask[:, None] & ((k_begin + offs_k) < k_end)[None, :], other=0.0)
     pdl_wait(USE_PDL)
 
-    r_rows = x_rows
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM != 0:
-        # the statistics pass: the row as _rms_norm_kernel sees it (x + residual rounded to x's dtype)
-        if HAS_RESIDUAL:
-            r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-        kk = tl.arange(0, K_POW2)[None, :]
-        row_mask = m_mask[:, None] & (kk < K)
-        s = _row(x_rows, r_rows, kk, row_mask, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            # program (0, 0) only; as a tile: a scalar mask term trips the interpreter
-            first = (tl.zeros([BLOCK_M, K_POW2], dtype=tl.int32) + pid_n + pid_k) == 0
-            tl.store(res_out_ptr + offs_m.to(tl.int64)[:, None] * K + kk, s, mask=row_mask & first)
-        h = s.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / K + eps)
-
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
     else:
@@ -186,12 +178,11 @@ def _gemv_kernel(
         if EVEN_N and EVEN_K:
             has_next = tl.full([BLOCK_N, BLOCK_K], 1, tl.int1) & (k + BLOCK_K < k_end)
             w_next = tl.load(w_rows + nxt[None, :], mask=has_next, other=0.0)
-            x = _x_chunk(x_rows, r_rows, norm_w_ptr, cols[None, :], m_mask[:, None], K, rstd, GATED, NORM,
-                         HAS_RESIDUAL)
+            x = _x_chunk(x_rows, cols[None, :], m_mask[:, None], K, GATED)
         else:
             w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_end)[None, :], other=0.0)
             x_mask = m_mask[:, None] & (cols < k_end)[None, :]
-            x = _x_chunk(x_rows, r_rows, norm_w_ptr, cols[None, :], x_mask, K, rstd, GATED, NORM, HAS_RESIDUAL)
+            x = _x_chunk(x_rows, cols[None, :], x_mask, K, GATED)
         if USE_DOT:
             if IEEE_DOT:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -210,6 +201,9 @@ def _gemv_kernel(
         result = acc
     out_ptrs = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    if TAIL_NORM != 0:
+        _add_rms_norm_tail(out_ptr, N, counter_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, eps, TAIL_NORM,
+                           N_POW2)
 
 
 @jit
@@ -245,13 +239,13 @@ def gemv(
     num_stages: int | None = None,
     split_k: int | None = None,
     gated: str | None = None,
-    norm: tuple | None = None,
+    tail: dict | None = None,
 ) -> torch.Tensor:  # [M, N]
     """x @ weight.T with float32 accumulation and one rounding; unset tile arguments take default_config.
 
     gated="silu" | "gelu_tanh": x is a [M, 2K] row of [gate | up] and the product is act(gate) * up @ weight.T,
     the activation computed as the GEMV reads x (the down projection with helios.kernels.activation folded in).
-    norm: see gemv_add_rms_norm."""
+    tail: _gemv_kernel's tail arguments (gemv_add_rms_norm; one row, one K split)."""
     require_triton()
     assert x.dim() == 2 and weight.dim() == 2, f"expected x [M, K], weight [N, K]: {tuple(x.shape)}, {tuple(weight.shape)}"
     m, k = x.shape
@@ -287,17 +281,7 @@ def gemv(
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     split_k = cdiv(k, k_per_split)  # no empty splits
     even_k = k % k_per_split == 0
-    norm_args = {}
-    if norm is not None:
-        residual, norm_weight, eps, in_float32, residual_out = norm
-        assert m == 1 and gated is None, "the folded RMSNorm takes one plain row"
-        assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
-        if residual is not None:
-            assert residual.shape == x.shape and residual.stride() == x.stride() and residual.dtype == x.dtype
-            assert residual_out.shape == x.shape and residual_out.is_contiguous()
-        norm_args = dict(NORM=2 if in_float32 else 1, HAS_RESIDUAL=residual is not None, K_POW2=next_power_of_2(k),
-                         res_ptr=residual, norm_w_ptr=norm_weight, res_out_ptr=residual_out, eps=eps)
-
+    assert tail is None or (m == 1 and split_k == 1), "the tail norm takes one row and one K split"
     # HELIOS_GEMV_PDL=0: the GEMV launches wait for the kernel before them (benchmarks compare)
     pdl = use_pdl(x, m) and switched_on("HELIOS_GEMV_PDL")
     grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
@@ -327,7 +311,7 @@ def gemv(
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
-        **norm_args,
+        **(tail or {}),
     )
     if split_k > 1:
         block = min(1024, next_power_of_2(n))
@@ -338,21 +322,49 @@ def gemv(
     return out
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The tail's arrival counter on `device`: one int32, 0 between launches (each launch's last program resets
+    it). One per device serves every launch: kernels on the stream run one after another (PDL dependents wait
+    in pdl_wait, before the tail)."""
+    if device not in _COUNTERS:
+        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[device]
+
+
+def tail_norm_fits(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether gemv_add_rms_norm runs in one launch: one row and no K split in the default tiles."""
+    return m == 1 and default_config(m, n, k, dtype).split_k == 1
+
+
 def gemv_add_rms_norm(
-    x: torch.Tensor,  # [1, K]
-    residual: torch.Tensor | None,  # [1, K] or None (the first layer: no add)
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
+    x: torch.Tensor,  # [1, K] ([1, 2K] gated)
     weight: torch.Tensor,  # [N, K]
+    residual: torch.Tensor,  # [1, N]
+    norm_weight: torch.Tensor,  # [N]
+    eps: float,
     multiply_in_float32: bool = False,
-    **config,  # tile arguments of gemv
-) -> tuple[torch.Tensor, torch.Tensor]:  # (rms_norm(x + residual) @ weight.T [1, N], x + residual [1, K])
-    """helios.kernels.rmsnorm.fused_add_rms_norm followed by the GEMV, in one launch: every program computes the
-    row's statistics itself (the row is 8 KB at K = 4096, read from L2) and normalizes each chunk as it reads it,
-    with the norm kernel's roundings; program 0 writes x + residual for the next layer's add."""
-    residual_out = torch.empty_like(x) if residual is not None else x
-    out = gemv(x, weight, norm=(residual, norm_weight, eps, multiply_in_float32, residual_out), **config)
-    return out, residual_out
+    gated: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (rms_norm(x @ weight.T + residual) [1, N], x @ weight.T + residual)
+    """The GEMV, then helios.kernels.rmsnorm.fused_add_rms_norm of its output, in one launch where
+    tail_norm_fits (the last program norms the row: _add_rms_norm_tail), else in the two; the same values."""
+    m, n = x.shape[0], weight.shape[0]
+    k = x.shape[1] // 2 if gated is not None else x.shape[1]
+    assert residual.shape == (m, n) and residual.dtype == x.dtype, f"residual must be [{m}, {n}] {x.dtype}"
+    assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
+    check_last_dim_contiguous("residual", residual)
+    if not tail_norm_fits(m, n, k, x.dtype):
+        from helios.kernels.rmsnorm import fused_add_rms_norm
+
+        return fused_add_rms_norm(gemv(x, weight, gated=gated), residual, norm_weight, eps, multiply_in_float32)
+    normed = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(normed)
+    tail = dict(TAIL_NORM=2 if multiply_in_float32 else 1, N_POW2=next_power_of_2(n), counter_ptr=_counter(x.device),
+                res_ptr=residual, norm_w_ptr=norm_weight, normed_ptr=normed, res_out_ptr=residual_out, eps=eps)
+    gemv(x, weight, gated=gated, tail=tail)
+    return normed, residual_out
 
 
 def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:

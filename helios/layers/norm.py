@@ -39,16 +39,31 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         return rms_norm(x, self.weight, self.eps, self.multiply_in_float32)
 
-    def forward_add_gemv(
+    def forward_add_projected(
         self,
-        x: torch.Tensor,  # [1, dim]
-        residual: torch.Tensor | None,  # [1, dim]; None for the first layer
-        weight: torch.Tensor,  # [N, dim], the projection that reads the normed row
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual) @ weight.T, x + residual)
-        """forward_add then the projection, in one GEMV launch (batch-1 decode on the GPU path)."""
-        from helios.kernels.gemv import gemv_add_rms_norm
+        x: torch.Tensor,  # [T, in] ([T, 2 * in] gated: a [gate | up] row)
+        projection,  # helios.layers.linear.Linear [out = dim, in]
+        residual: torch.Tensor,  # [T, dim]
+        gated: str | None = None,  # the activation of a gated MLP's down projection
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(y + residual), y + residual), y = projection(act(x) or x)
+        """A projection, the residual add and this norm (GPU path). At batch 1 a projection on the Triton GEMV
+        takes the add and norm into its last program (helios.kernels.gemv.gemv_add_rms_norm: no launch of their
+        own, same values); HELIOS_TAIL_NORM=0 keeps them in their own kernel (benchmarks compare)."""
+        from helios.kernels._triton import switched_on
+        from helios.kernels.gemv import gemv, gemv_add_rms_norm, gemv_serves
 
-        return gemv_add_rms_norm(x, residual, self.weight, self.eps, weight, self.multiply_in_float32)
+        if projection.bias is None and gemv_serves(x, projection.weight):
+            if switched_on("HELIOS_TAIL_NORM"):
+                return gemv_add_rms_norm(x, projection.weight, residual, self.weight, self.eps,
+                                         self.multiply_in_float32, gated)
+            y = gemv(x, projection.weight, gated=gated)
+        else:
+            if gated is not None:
+                from helios.kernels import activation
+
+                x = getattr(activation, f"{gated}_and_mul")(x)
+            y = projection(x)
+        return self.forward_add(y, residual, fused=True)
 
     def forward_add(
         self,
