@@ -310,8 +310,8 @@ def capture_under(graphed, buckets: list[int], env: dict[str, str]):
 
 def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, str], label: str) -> list[str]:
     """The same decode graphs captured again under `env` (HELIOS_PDL=0: no programmatic dependent launch;
-    HELIOS_GEMV=all / narrow: the Triton GEMV for every / the o and down one-row projections, HELIOS_TAIL_NORM=0
-    with it: norms in their own kernels), replayed alone."""
+    HELIOS_GEMV=all / narrow: the Triton GEMV for every / the o and down one-row projections, HELIOS_PDL=0 with it), replayed
+    alone."""
     off = capture_under(graphed, list(limits), env)
 
     class _Off:  # graph_replays reads .graphs
@@ -324,29 +324,27 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
 
 
 def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "0", gemv_pdl: str = "1",
-             tail: str = "1", block_n: int = 64, warps: int = 4) -> dict[str, str]:
+             block_n: int = 64, warps: int = 4, norm_warps: int = 8) -> dict[str, str]:
     """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in),
     and the one-launch decode's tiles; the defaults are helios' own."""
     return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,
-            "HELIOS_GEMV_PDL": gemv_pdl, "HELIOS_TAIL_NORM": tail, "decode_qkv.BLOCK_N": str(block_n),
-            "decode_qkv.NUM_WARPS": str(warps)}
+            "HELIOS_GEMV_PDL": gemv_pdl, "decode_qkv.BLOCK_N": str(block_n), "decode_qkv.NUM_WARPS": str(warps),
+            "rmsnorm.WIDE_ROW_WARPS": str(norm_warps)}
 
 
-# label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), the add + RMSNorm in the o / down
-# GEMV's last program (HELIOS_TAIL_NORM), decode attention in one launch from the qkv row or after rotary_cache
-# (HELIOS_FUSED_DECODE) and its tiles, the o weight pulled into L2 beside attention (HELIOS_L2_PREFETCH),
-# programmatic dependent launch (HELIOS_PDL, HELIOS_GEMV_PDL)
+# label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), decode attention in one launch from
+# the qkv row or after rotary_cache (HELIOS_FUSED_DECODE) and its tiles, the norm kernel's warps, the o weight
+# pulled into L2 beside attention (HELIOS_L2_PREFETCH), programmatic dependent launch (HELIOS_PDL, HELIOS_GEMV_PDL).
+# Measured and dropped (H200, 2026-12-03, session 4; b=1 engine, same process): the add + RMSNorm in the o / down
+# GEMV's last program 74.5% against 82.3%; decode tiles of 128 keys x 4 / x 8 warps 71.3 / 74.5%, 32 keys 74.3%,
+# 64 keys x 2 warps 38.0% (all beside that tail: the 64 x 4 default 74.5%).
 ENGINE_VARIANTS = {
-    "GEMV o/down + tail norms, PDL off, fused decode (default)": _variant(),
-    "GEMV o/down, norms in their own kernels (session 3 default)": _variant(tail="0"),
-    "GEMV o/down + tail norms, rotary_cache + decode": _variant(fused="0"),
-    "GEMV o/down + tail norms, PDL on": _variant(pdl="1"),
-    "GEMV o/down + tail norms, decode 128 keys x 4 warps": _variant(block_n=128),
-    "GEMV o/down + tail norms, decode 128 keys x 8 warps": _variant(block_n=128, warps=8),
-    "GEMV o/down + tail norms, decode 32 keys x 4 warps": _variant(block_n=32),
-    "GEMV o/down + tail norms, decode 64 keys x 2 warps": _variant(warps=2),
-    "GEMV qkv/o/down + tail norms": _variant(gemv="nowide"),
-    "GEMV for all + tail norms": _variant(gemv="all"),
+    "GEMV o/down, PDL off, fused decode (default)": _variant(),
+    "GEMV o/down, rotary_cache + decode": _variant(fused="0"),
+    "GEMV o/down, PDL on": _variant(pdl="1"),
+    "GEMV o/down, 4096-wide norm on 4 warps": _variant(norm_warps=4),
+    "GEMV o/down, 4096-wide norm on 16 warps": _variant(norm_warps=16),
+    "GEMV o/down, o in L2": _variant(l2="bulk"),
     "cuBLAS, PDL off, fused decode": _variant(gemv="0"),
 }
 
@@ -567,7 +565,7 @@ def host_profile(layers: int = 2, rows: int = 28) -> list[str]:
     return lines
 
 
-DIAGNOSTICS = "graphs,pdl,gemv,tail,gemv_pdl,narrow,narrow_pdl,profile,profile_gemv,ceiling,timeline,engines"
+DIAGNOSTICS = "graphs,pdl,gemv,gemv_pdl,narrow,narrow_pdl,profile,profile_gemv,ceiling,timeline,engines"
 
 
 def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = True, diagnose: tuple[str, ...] = (),
@@ -621,18 +619,14 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
             "graphs": lambda: long_replay() + graph_replays(graphed, limits, ctx),
             "pdl": lambda: variant_replays(graphed, limits, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
             "gemv": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all"}, "GEMV for all"),
-            "tail": lambda: variant_replays(graphed, one, ctx, {"HELIOS_TAIL_NORM": "0"}, "norms in their own kernels"),
             "gemv_pdl": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all", "HELIOS_PDL": "0"},
                                                 "GEMV for all, PDL off"),
             "narrow": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow"}, "GEMV for o/down only"),
             "narrow_pdl": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
                                                   "GEMV for o/down only, PDL off"),
             "profile": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
-            "profile_tail": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_TAIL_NORM": "0"},
-                                                  "PDL off, norms in their own kernels"),
-            "profile_decode128": lambda: profile_graph(graphed, ctx, {"decode_qkv.BLOCK_N": "128",
-                                                                      "decode_qkv.NUM_WARPS": "8"},
-                                                       "decode 128 keys x 8 warps"),
+            "profile_norm4": lambda: profile_graph(graphed, ctx, {"rmsnorm.WIDE_ROW_WARPS": "4"},
+                                                   "4096-wide norm on 4 warps"),
             "profile_gemv": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "all"},
                                                   "PDL off, GEMV for all"),
             "profile_narrow": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "narrow"},

@@ -57,11 +57,9 @@ class KernelShape:
     # (out, in) of each projection batch-1 decode sends to the GEMV (helios.kernels.gemv.gemv_serves)
     projections: tuple[tuple[int, int], ...] = ()
     projections_ffn: int = 0  # the MLP's intermediate size: its down GEMV also runs gated
-    # forms of the fused path's GEMVs into the hidden size (o; down, gated): False plain, True with the add +
-    # RMSNorm after them in their last program (helios.layers.norm.RMSNorm.forward_add_projected). A core
-    # compiles both, a process loads the one HELIOS_TAIL_NORM picks; () for a model without the fused path
-    # (gemma3: every GEMV plain)
-    tail_norms: tuple[bool, ...] = (False, True)
+    # the fused path's down GEMV reads [gate | up] (helios.layers.norm.RMSNorm.forward_add_projected); False
+    # for a model without the fused path (gemma3: every GEMV plain)
+    gated_down: bool = True
     vocab_size: int = 0  # the sampling tail's rows (greedy argmax); 0: not launched
     # decode attention: "fused" from the qkv row (decode_qkv), "split" after rotary_cache (paged_attention); a core
     # compiles both, a process loads the one HELIOS_FUSED_DECODE picks (head_dim < 32 always takes "split")
@@ -96,7 +94,7 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
         activation=arch.hidden_act,
         projections=tuple(sorted(projections)) if _DTYPES[manifest.dtype].itemsize == 2 else (),
         projections_ffn=ffn,
-        tail_norms=() if is_gemma else (False, True),
+        gated_down=not is_gemma,
         vocab_size=arch.vocab_size,
     )
 
@@ -109,9 +107,8 @@ def runtime_shape(shape: KernelShape) -> KernelShape:
     from helios.kernels.gemv import gemv_admits, gemv_mode
 
     mode = gemv_mode()
-    tail = switched_on("HELIOS_TAIL_NORM") and True in shape.tail_norms
     return replace(shape, decode_paths=("fused",) if switched_on("HELIOS_FUSED_DECODE") else ("split",),
-                   cache_write=False, tail_norms=(tail,) if shape.tail_norms else (),
+                   cache_write=False,
                    projections=tuple(p for p in shape.projections if gemv_admits(mode, *p)))
 
 
@@ -123,7 +120,7 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     Outputs are garbage: only which kernels get launched (and so compiled or loaded) matters."""
     from helios.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from helios.kernels.decode_qkv import decode_attention_qkv
-    from helios.kernels.gemv import gemv, gemv_add_rms_norm
+    from helios.kernels.gemv import gemv
     from helios.kernels.paged_attention import paged_decode_attention
     from helios.kernels.prefill_attention import paged_prefill_attention
     from helios.kernels.reshape_and_cache import reshape_and_cache
@@ -134,22 +131,13 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     nq, nkv, d, dt = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
     scale = d**-0.5
     z = dict(dtype=dt, device=device)
-    hidden, q_width = shape.hidden_size, shape.num_heads * shape.head_dim
     for n, k in shape.projections:  # batch-1 GEMVs: full-size (uninitialized) weights, as the tile choice reads N, K
         weight = torch.empty(n, k, **z)
-        if n != hidden or not shape.tail_norms:  # qkv, gate_up, lm_head; every GEMV off the fused path
+        if shape.gated_down and (n, k) == (shape.hidden_size, shape.projections_ffn):
+            # down reads act(gate) * up of a [gate | up] row (helios.layers.norm.RMSNorm.forward_add_projected)
+            gemv(torch.zeros(1, 2 * k, **z), weight, gated=shape.activation)
+        else:
             gemv(torch.zeros(1, k, **z), weight)
-            continue
-        # into the hidden size: o, and down reading act(gate) * up of a [gate | up] row; then the next norm, in
-        # the GEMV's last program or its own kernel (helios.layers.norm.RMSNorm.forward_add_projected)
-        for gated in [None] * (k == q_width) + [shape.activation] * (k == shape.projections_ffn):
-            x = torch.zeros(1, 2 * k if gated else k, **z)
-            for tail in shape.tail_norms:
-                if tail:
-                    gemv_add_rms_norm(x, weight, torch.zeros(1, n, **z), torch.ones(n, **z), 1e-6,
-                                      shape.norm_in_float32, gated)
-                else:
-                    gemv(x, weight, gated=gated)
     if shape.vocab_size:  # greedy rows of the sampler (helios.runner.sampler), float32 logits
         argmax_rows(torch.zeros(1, shape.vocab_size, dtype=torch.float32, device=device))
     for num_tokens in (1, 2):  # decode rows, then a two-token prefill

@@ -84,34 +84,6 @@ def _x_chunk(x_rows, cols, mask, K, GATED: tl.constexpr):
 
 
 @jit
-def _add_rms_norm_tail(out_ptr, N, counter_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, eps,
-                       TAIL_NORM: tl.constexpr, N_POW2: tl.constexpr):
-    """The last program to finish reads the whole output row back and writes rms_norm(out + residual) and
-    out + residual, with helios.kernels.rmsnorm's roundings: the add and norm after a one-row projection
-    without a launch of their own. Every program counts itself in at `counter_ptr` after its store (the
-    barrier, then one gpu-scope acq_rel atomic: the release covers the whole program's stores, as in CUDA's
-    grid sync); the one that sees every other program counted resets the counter for the next launch."""
-    tl.debug_barrier()
-    count = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    if count == tl.num_programs(0) - 1:
-        cols = tl.arange(0, N_POW2)
-        mask = cols < N
-        w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.load(out_ptr + cols, mask=mask, other=0.0, cache_modifier=".cg")  # L2: other SMs wrote it
-        r = tl.load(res_ptr + cols, mask=mask, other=0.0)
-        s = (y.to(tl.float32) + r.to(tl.float32)).to(y.dtype)
-        tl.store(res_out_ptr + cols, s, mask=mask)
-        h = s.to(tl.float32)
-        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-        if TAIL_NORM == 2:
-            normed = h * w
-        else:
-            normed = h.to(s.dtype).to(tl.float32) * w
-        tl.store(normed_ptr + cols, normed.to(s.dtype), mask=mask)
-        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@jit
 def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
@@ -133,16 +105,6 @@ def _gemv_kernel(
     IEEE_DOT: tl.constexpr,  # float32 operands, full precision (not tf32)
     USE_PDL: tl.constexpr,
     GATED: tl.constexpr,  # 0: x as is; 1 / 2: x = silu / gelu_tanh(gate) * up of a [gate | up] row of 2K
-    # the add + RMSNorm after the projection, in its last program (_add_rms_norm_tail; M = 1, SPLIT_K = 1 only):
-    # 0 none; 1 llama's roundings; 2 gemma's (multiply in float32)
-    TAIL_NORM: tl.constexpr = 0,
-    N_POW2: tl.constexpr = 16,  # next power of two >= N (the tail loads the row at once)
-    counter_ptr=None,  # [1] int32, 0 between launches
-    res_ptr=None,  # [1, N] the residual stream
-    norm_w_ptr=None,  # [N]
-    normed_ptr=None,  # [1, N] rms_norm(out + residual)
-    res_out_ptr=None,  # [1, N] out + residual
-    eps=0.0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -201,9 +163,6 @@ def _gemv_kernel(
         result = acc
     out_ptrs = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-    if TAIL_NORM != 0:
-        _add_rms_norm_tail(out_ptr, N, counter_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, eps, TAIL_NORM,
-                           N_POW2)
 
 
 @jit
@@ -239,13 +198,11 @@ def gemv(
     num_stages: int | None = None,
     split_k: int | None = None,
     gated: str | None = None,
-    tail: dict | None = None,
 ) -> torch.Tensor:  # [M, N]
     """x @ weight.T with float32 accumulation and one rounding; unset tile arguments take default_config.
 
     gated="silu" | "gelu_tanh": x is a [M, 2K] row of [gate | up] and the product is act(gate) * up @ weight.T,
-    the activation computed as the GEMV reads x (the down projection with helios.kernels.activation folded in).
-    tail: _gemv_kernel's tail arguments (gemv_add_rms_norm; one row, one K split)."""
+    the activation computed as the GEMV reads x (the down projection with helios.kernels.activation folded in)."""
     require_triton()
     assert x.dim() == 2 and weight.dim() == 2, f"expected x [M, K], weight [N, K]: {tuple(x.shape)}, {tuple(weight.shape)}"
     m, k = x.shape
@@ -281,7 +238,6 @@ def gemv(
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     split_k = cdiv(k, k_per_split)  # no empty splits
     even_k = k % k_per_split == 0
-    assert tail is None or (m == 1 and split_k == 1), "the tail norm takes one row and one K split"
     # HELIOS_GEMV_PDL=0: the GEMV launches wait for the kernel before them (benchmarks compare)
     pdl = use_pdl(x, m) and switched_on("HELIOS_GEMV_PDL")
     grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
@@ -311,7 +267,6 @@ def gemv(
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
-        **(tail or {}),
     )
     if split_k > 1:
         block = min(1024, next_power_of_2(n))
@@ -320,51 +275,6 @@ def gemv(
             launch_pdl=pdl,
         )
     return out
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counter(device: torch.device) -> torch.Tensor:
-    """The tail's arrival counter on `device`: one int32, 0 between launches (each launch's last program resets
-    it). One per device serves every launch: kernels on the stream run one after another (PDL dependents wait
-    in pdl_wait, before the tail)."""
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
-
-
-def tail_norm_fits(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether gemv_add_rms_norm runs in one launch: one row and no K split in the default tiles."""
-    return m == 1 and default_config(m, n, k, dtype).split_k == 1
-
-
-def gemv_add_rms_norm(
-    x: torch.Tensor,  # [1, K] ([1, 2K] gated)
-    weight: torch.Tensor,  # [N, K]
-    residual: torch.Tensor,  # [1, N]
-    norm_weight: torch.Tensor,  # [N]
-    eps: float,
-    multiply_in_float32: bool = False,
-    gated: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # (rms_norm(x @ weight.T + residual) [1, N], x @ weight.T + residual)
-    """The GEMV, then helios.kernels.rmsnorm.fused_add_rms_norm of its output, in one launch where
-    tail_norm_fits (the last program norms the row: _add_rms_norm_tail), else in the two; the same values."""
-    m, n = x.shape[0], weight.shape[0]
-    k = x.shape[1] // 2 if gated is not None else x.shape[1]
-    assert residual.shape == (m, n) and residual.dtype == x.dtype, f"residual must be [{m}, {n}] {x.dtype}"
-    assert norm_weight.shape == (n,) and norm_weight.is_contiguous()
-    check_last_dim_contiguous("residual", residual)
-    if not tail_norm_fits(m, n, k, x.dtype):
-        from helios.kernels.rmsnorm import fused_add_rms_norm
-
-        return fused_add_rms_norm(gemv(x, weight, gated=gated), residual, norm_weight, eps, multiply_in_float32)
-    normed = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(normed)
-    tail = dict(TAIL_NORM=2 if multiply_in_float32 else 1, N_POW2=next_power_of_2(n), counter_ptr=_counter(x.device),
-                res_ptr=residual, norm_w_ptr=norm_weight, normed_ptr=normed, res_out_ptr=residual_out, eps=eps)
-    gemv(x, weight, gated=gated, tail=tail)
-    return normed, residual_out
 
 
 def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -394,8 +304,8 @@ def gemv_admits(mode: str, rows: int, cols: int) -> bool:
 def gemv_mode() -> str:
     """HELIOS_GEMV: "narrow" (default) sends the one-row products whose weight has no more rows than columns
     here (o and down of a llama layer, down with the gated activation folded in); "all" (or "1") every one-row
-    product; "square" only square weights (o); "nowide" all but weights with 4x more rows than columns (qkv
-    with its norm folded, o, down); "0" leaves every product to cuBLAS.
+    product; "square" only square weights (o); "nowide" all but weights with 4x more rows than columns (qkv,
+    o, down); "0" leaves every product to cuBLAS.
 
     NOTE: narrow by default on measurement: a b=1 decode step of an 8B llama through the engine ran at
     83.0-83.3% of the bandwidth limit with narrow (and PDL off), 80.2-80.4% all on cuBLAS, 82.1-82.7% nowide

@@ -21,6 +21,9 @@ from helios.kernels._triton import (
     use_pdl,
 )
 
+# warps of a program over a row of 2048-4096 (a decode step's norms at batch 1: latency; gpu_decode.py tries others)
+WIDE_ROW_WARPS = 8
+
 
 @jit
 def _rms_norm_kernel(
@@ -93,7 +96,7 @@ def _launch(x, residual, weight, eps, multiply_in_float32):
     if num_rows == 0:
         return out, residual_out
     block = next_power_of_2(dim)
-    num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+    num_warps = 4 if block <= 1024 else WIDE_ROW_WARPS if block <= 4096 else 16
     _rms_norm_kernel[(num_rows,)](
         x,
         residual if residual is not None else x,

@@ -46,16 +46,15 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor,  # [T, dim]
         gated: str | None = None,  # the activation of a gated MLP's down projection
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(y + residual), y + residual), y = projection(act(x) or x)
-        """A projection, the residual add and this norm (GPU path). At batch 1 a projection on the Triton GEMV
-        takes the add and norm into its last program (helios.kernels.gemv.gemv_add_rms_norm: no launch of their
-        own, same values); HELIOS_TAIL_NORM=0 keeps them in their own kernel (benchmarks compare)."""
-        from helios.kernels._triton import switched_on
-        from helios.kernels.gemv import gemv, gemv_add_rms_norm, gemv_serves
+        """A projection, the residual add and this norm (GPU path): the projection on the Triton GEMV at batch 1
+        (the down projection with the activation folded in), then the add and norm in one kernel.
+
+        NOTE: the add and norm in the GEMV's last program (an arrival counter, the last program norms the row)
+        saved their launches but made each o / down GEMV ~9 us slower on the H200 (2026-12-03, session 4:
+        the b=1 engine at 74.5% of the bandwidth limit against 82.3%), so they keep their own kernel."""
+        from helios.kernels.gemv import gemv, gemv_serves
 
         if projection.bias is None and gemv_serves(x, projection.weight):
-            if switched_on("HELIOS_TAIL_NORM"):
-                return gemv_add_rms_norm(x, projection.weight, residual, self.weight, self.eps,
-                                         self.multiply_in_float32, gated)
             y = gemv(x, projection.weight, gated=gated)
         else:
             if gated is not None:

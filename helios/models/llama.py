@@ -65,8 +65,7 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (next_norm(out + residual), out + residual)
         """forward() on the GPU path, norms shifted by one: each residual add rides in the next norm's kernel
-        and, at batch 1, add and norm ride in the o and down GEMVs before them (RMSNorm.forward_add_projected);
-        the same values."""
+        (RMSNorm.forward_add_projected; at batch 1 the gated activation rides in the down GEMV); the same values."""
         heads = self.attn.attend(h, cos_sin, kv_cache, meta)
         h, residual = self.mlp_norm.forward_add_projected(heads, self.attn.o, residual)
         ffn = getattr(self, self.ffn_name)

@@ -99,52 +99,6 @@ def test_gated_gemv_is_the_activation_then_the_product(dtype, gated, m, n, k, co
     torch.testing.assert_close(out.float(), gemv_ref(x, weight, gated).float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("in_float32", [False, True], ids=["llama", "gemma"])
-@pytest.mark.parametrize("gated", [None, "silu"])
-@pytest.mark.parametrize("n, k, config", [(40, 300, dict(block_n=8, block_k=64)), (64, 1024, dict(block_n=16, block_k=128))])
-def test_gemv_with_the_add_and_rms_norm_after_it_in_its_last_program(dtype, in_float32, gated, n, k, config, monkeypatch):
-    """gemv_add_rms_norm == gemv then fused_add_rms_norm, bit for bit, in one launch whose last program norms the
-    row; the arrival counter is back at 0 after each launch, so a second launch gives the same bits."""
-    import helios.kernels.gemv as gemv_module
-    from helios.kernels.rmsnorm import fused_add_rms_norm
-
-    monkeypatch.setattr(gemv_module, "default_config", lambda *a: gemv_module.GemvConfig(**config, num_warps=4,
-                                                                                         num_stages=1, split_k=1))
-    g = torch.Generator().manual_seed(13)
-    x = torch.randn(1, 2 * k if gated else k, generator=g).to(dtype)
-    residual = torch.randn(1, n, generator=g).to(dtype)
-    norm_w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
-    weight = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
-    launches = []
-    real_gemv = gemv_module.gemv
-    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: launches.append(kw.get("tail")) or real_gemv(*a, **kw))
-    normed, new_residual = gemv_module.gemv_add_rms_norm(x, weight, residual, norm_w, 1e-6, in_float32, gated)
-    assert len(launches) == 1 and launches[0] is not None  # one GEMV launch, with the tail
-    expected_normed, expected_residual = fused_add_rms_norm(real_gemv(x, weight, gated=gated), residual, norm_w, 1e-6,
-                                                            in_float32)
-    assert torch.equal(new_residual, expected_residual)
-    assert torch.equal(normed, expected_normed)
-    assert gemv_module._counter(x.device).item() == 0
-    again, _ = gemv_module.gemv_add_rms_norm(x, weight, residual, norm_w, 1e-6, in_float32, gated)
-    assert torch.equal(again, normed)
-
-
-def test_gemv_add_rms_norm_takes_two_launches_when_k_is_split():
-    """A product the default tiles split along K (a small N) keeps the norm in its own kernel: same values."""
-    from helios.kernels.gemv import default_config, gemv, gemv_add_rms_norm, tail_norm_fits
-    from helios.kernels.rmsnorm import fused_add_rms_norm
-
-    n, k = 32, 4096
-    assert default_config(1, n, k).split_k > 1 and not tail_norm_fits(1, n, k, torch.float32)
-    g = torch.Generator().manual_seed(17)
-    x, residual = torch.randn(1, k, generator=g), torch.randn(1, n, generator=g)
-    weight, norm_w = torch.randn(n, k, generator=g) / k**0.5, 1 + 0.1 * torch.randn(n, generator=g)
-    normed, new_residual = gemv_add_rms_norm(x, weight, residual, norm_w, 1e-6)
-    expected = fused_add_rms_norm(gemv(x, weight), residual, norm_w, 1e-6)
-    assert torch.equal(normed, expected[0]) and torch.equal(new_residual, expected[1])
-
-
 @pytest.mark.parametrize("value, mode", [(None, "narrow"), ("all", "all"), ("1", "all"), ("narrow", "narrow"),
                                          ("square", "square"), ("nowide", "nowide"), ("0", "off"), ("wide", "off")])
 def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
@@ -177,32 +131,24 @@ def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mod
     loaded = runtime_shape(shape)
     expected = {"off": (), "narrow": (o, down), "square": (o,), "nowide": (qkv, o, down), "all": shape.projections}
     assert loaded.projections == expected[mode]
-    assert loaded.tail_norms == (True,) and shape.tail_norms == (False, True)  # HELIOS_TAIL_NORM, on by default
     assert loaded.decode_splits == shape.decode_splits and loaded.projections_ffn == 14336
     # one decode attention path (HELIOS_FUSED_DECODE, on by default) and no unfused cache write at start
     assert loaded.decode_paths == ("fused",) and not loaded.cache_write and shape.decode_paths == ("fused", "split")
 
 
-@pytest.mark.parametrize("tail_norms", [(False, True), (True,), (False,), ()])
-def test_ahead_of_time_launches_cover_the_gemv_forms_the_fused_path_runs(monkeypatch, tail_norms):
-    """run_launchers (what a core compiles and start-up loads) launches o and down in the forms HELIOS_TAIL_NORM
-    picks (down gated), the other projections plain, and every projection plain for a model off the fused path."""
+@pytest.mark.parametrize("gated_down", [True, False])
+def test_ahead_of_time_launches_cover_the_gemv_forms_the_runtime_runs(monkeypatch, gated_down):
+    """run_launchers (what a core compiles and start-up loads) launches the down projection gated (reading
+    [gate | up]) on the fused path, every other projection plain, and every projection plain off that path."""
     import helios.kernels.gemv as gemv_module
     from helios.kernels.aot_shapes import KernelShape, run_launchers
 
     calls = []
-    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, **kw: calls.append((tuple(w.shape), kw.get("gated"), False)))
-    monkeypatch.setattr(gemv_module, "gemv_add_rms_norm",
-                        lambda x, w, *a: calls.append((tuple(w.shape), a[-1], True)) or (x, x))
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, **kw: calls.append((tuple(w.shape), kw.get("gated") or "")))
     qkv, o, gate_up, down = (96, 32), (32, 32), (128, 32), (32, 64)
     shape = KernelShape(dtype=torch.float32, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, page_size=16,
-                        layer_kinds=((None, None),), decode_splits=(1,), projections=(qkv, o, gate_up, down),
-                        projections_ffn=64, tail_norms=tail_norms, decode_paths=(), cache_write=False)
+                        layer_kinds=(), decode_splits=(1,), projections=(qkv, o, gate_up, down), projections_ffn=64,
+                        gated_down=gated_down, decode_paths=(), cache_write=False)
     run_launchers(shape)
-    gemvs = sorted(c for c in calls if c[0] in (qkv, o, gate_up, down))
-    if not tail_norms:
-        assert gemvs == sorted([(p, None, False) for p in (qkv, o, gate_up, down)])
-    else:
-        want = [(qkv, None, False), (gate_up, None, False)]
-        want += [(o, None, t) for t in tail_norms] + [(down, "silu", t) for t in tail_norms]
-        assert gemvs == sorted(want)
+    want = [(qkv, ""), (o, ""), (gate_up, ""), (down, "silu" if gated_down else "")]
+    assert sorted(c for c in calls if c[0] in (qkv, o, gate_up, down)) == sorted(want)
