@@ -277,7 +277,8 @@ def graph_replays(graphed, limits: dict[int, float], ctx: int) -> list[str]:
 
 def capture_under(graphed, buckets: list[int], env: dict[str, str]):
     """The runner's decode graphs for `buckets` captured again with `env` set (the kernels read it at capture);
-    a key "module.NAME" sets helios.kernels.<module>.NAME instead (tile constants, e.g. decode_qkv.BLOCK_N)."""
+    a key "package.module.NAME" sets helios.package.module.NAME instead (tile constants such as
+    kernels.decode_qkv.BLOCK_N), and "graphs.short_seq_len" the new GraphRunner's own (before capture)."""
     import importlib
     import os
 
@@ -285,19 +286,23 @@ def capture_under(graphed, buckets: list[int], env: dict[str, str]):
 
     gr = graphed.graphs
     names = {k: v for k, v in env.items() if "." not in k}
-    attrs = {tuple(k.split(".")): int(v) for k, v in env.items() if "." in k}
+    attrs = {k: int(v) for k, v in env.items() if "." in k and not k.startswith("graphs.")}
     saved = {name: os.environ.get(name) for name in names}
     saved_attrs = {}
-    for (module, attr), value in attrs.items():
-        mod = importlib.import_module(f"helios.kernels.{module}")
+    for key, value in attrs.items():
+        module, attr = key.rsplit(".", 1)
+        mod = importlib.import_module(f"helios.{module}")
         saved_attrs[(mod, attr)] = getattr(mod, attr)
         setattr(mod, attr, value)
     os.environ.update(names)
     try:
-        return GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in buckets if b in gr.graphs],
-                           max_model_len=gr.max_model_len, page_size=gr.page_size,
-                           vocab_size=gr.buffers.logits.shape[1], num_kv_heads=graphed.arch.num_kv_heads,
-                           device=graphed.device)
+        new = GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in buckets if b in gr.graphs],
+                          max_model_len=gr.max_model_len, page_size=gr.page_size,
+                          vocab_size=gr.buffers.logits.shape[1], num_kv_heads=graphed.arch.num_kv_heads,
+                          device=graphed.device, capture=False)
+        new.short_seq_len = int(env.get("graphs.short_seq_len", new.short_seq_len))
+        new.capture()
+        return new
     finally:
         for name, value in saved.items():
             if value is None:
@@ -324,12 +329,13 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
 
 
 def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "0", gemv_pdl: str = "1",
-             block_n: int = 64, warps: int = 4, norm_warps: int = 8) -> dict[str, str]:
+             block_n: int = 64, warps: int = 4, norm_warps: int = 8, short: int = 256) -> dict[str, str]:
     """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in),
     and the one-launch decode's tiles; the defaults are helios' own."""
     return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,
-            "HELIOS_GEMV_PDL": gemv_pdl, "decode_qkv.BLOCK_N": str(block_n), "decode_qkv.NUM_WARPS": str(warps),
-            "rmsnorm.WIDE_ROW_WARPS": str(norm_warps)}
+            "HELIOS_GEMV_PDL": gemv_pdl, "kernels.decode_qkv.BLOCK_N": str(block_n),
+            "kernels.decode_qkv.NUM_WARPS": str(warps), "kernels.rmsnorm.WIDE_ROW_WARPS": str(norm_warps),
+            "graphs.short_seq_len": str(short)}
 
 
 # label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), decode attention in one launch from
@@ -342,6 +348,8 @@ ENGINE_VARIANTS = {
     "GEMV o/down, PDL off, fused decode (default)": _variant(),
     "GEMV o/down, rotary_cache + decode": _variant(fused="0"),
     "GEMV o/down, PDL on": _variant(pdl="1"),
+    "GEMV o/down, pinned decode splits (16) + merge even for short sequences": _variant(short=0),
+    "GEMV o/down, pinned splits, 32-key decode tiles": _variant(short=0, block_n=32),
     "GEMV o/down, 4096-wide norm on 4 warps": _variant(norm_warps=4),
     "GEMV o/down, 4096-wide norm on 16 warps": _variant(norm_warps=16),
     "GEMV o/down, o in L2": _variant(l2="bulk"),
@@ -625,8 +633,10 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
             "narrow_pdl": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
                                                   "GEMV for o/down only, PDL off"),
             "profile": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
-            "profile_norm4": lambda: profile_graph(graphed, ctx, {"rmsnorm.WIDE_ROW_WARPS": "4"},
+            "profile_norm4": lambda: profile_graph(graphed, ctx, {"kernels.rmsnorm.WIDE_ROW_WARPS": "4"},
                                                    "4096-wide norm on 4 warps"),
+            "profile_splits": lambda: profile_graph(graphed, ctx, {"graphs.short_seq_len": "0"},
+                                                    "pinned decode splits + merge"),
             "profile_gemv": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "all"},
                                                   "PDL off, GEMV for all"),
             "profile_narrow": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "narrow"},

@@ -235,6 +235,7 @@ class GraphRunner:
         self.num_splits = {b: graph_decode_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # one split, for steps of short sequences
+        self.short_seq_len = SHORT_SEQ_LEN  # 0: no short graphs (benchmarks compare)
         self.capture_s = 0.0
         self.num_replays = 0  # every replay, speculative ones included
         if capture:
@@ -244,7 +245,7 @@ class GraphRunner:
 
     def splits_for(self, bucket: int, max_seq_len: int) -> int:
         """The decode split count of the graph that replays a step of this bucket and longest sequence."""
-        return 1 if max_seq_len <= SHORT_SEQ_LEN else self.num_splits[bucket]
+        return 1 if max_seq_len <= self.short_seq_len else self.num_splits[bucket]
 
     def graph_for(self, bucket: int, max_seq_len: int) -> torch.cuda.CUDAGraph:
         if self.splits_for(bucket, max_seq_len) == 1 and bucket in self.short_graphs:
@@ -268,8 +269,8 @@ class GraphRunner:
         self.buffers.pad_all()
         for bucket in reversed(self.buckets):
             for splits, graphs in ((self.num_splits[bucket], self.graphs), (1, self.short_graphs)):
-                if graphs is self.short_graphs and self.num_splits[bucket] == 1:
-                    continue  # the bucket's own graph has one split already
+                if graphs is self.short_graphs and (self.num_splits[bucket] == 1 or self.short_seq_len <= 0):
+                    continue  # the bucket's own graph has one split already (or no short graphs wanted)
                 self._forward(bucket, splits)  # warm-up: loads/compiles this bucket's kernels, sets up cuBLAS
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
