@@ -329,13 +329,14 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
 
 
 def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "0", gemv_pdl: str = "1",
-             block_n: int = 64, warps: int = 4, norm_warps: int = 8, short: int = 256) -> dict[str, str]:
+             block_n: int = 64, warps: int = 4, norm_warps: int = 8, short: int = 256,
+             fold: str = "exact") -> dict[str, str]:
     """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in),
     and the one-launch decode's tiles; the defaults are helios' own."""
     return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,
             "HELIOS_GEMV_PDL": gemv_pdl, "kernels.decode_qkv.BLOCK_N": str(block_n),
             "kernels.decode_qkv.NUM_WARPS": str(warps), "kernels.rmsnorm.WIDE_ROW_WARPS": str(norm_warps),
-            "graphs.short_seq_len": str(short)}
+            "graphs.short_seq_len": str(short), "HELIOS_FOLD_NORMS": fold}
 
 
 # label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), decode attention in one launch from
@@ -343,16 +344,17 @@ def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "
 # pulled into L2 beside attention (HELIOS_L2_PREFETCH), programmatic dependent launch (HELIOS_PDL, HELIOS_GEMV_PDL).
 # Measured and dropped (H200, 2026-12-03, session 4; b=1 engine, same process): the add + RMSNorm in the o / down
 # GEMV's last program 74.5% against 82.3%; decode tiles of 128 keys x 4 / x 8 warps 71.3 / 74.5%, 32 keys 74.3%,
-# 64 keys x 2 warps 38.0% (all beside that tail: the 64 x 4 default 74.5%).
+# 64 keys x 2 warps 38.0% (all beside that tail: the 64 x 4 default 74.5%); next call (copy 4272 GB/s): default
+# 80.9 / 81.5%, PDL on 74.6 / 75.4%, pinned 16 decode splits + merge for short sequences 80.8 / 81.6% (decode 4.5 us
+# + merge 1.8 us against 6.9 us), 32-key tiles with those splits 81.6 / 80.9%, the 4096-wide norm on 4 warps 81.0 /
+# 81.7% and on 16 warps 81.6 / 80.7%, o in L2 77.6 / 77.7%, cuBLAS 78.1 / 77.9%.
 ENGINE_VARIANTS = {
     "GEMV o/down, PDL off, fused decode (default)": _variant(),
-    "GEMV o/down, rotary_cache + decode": _variant(fused="0"),
-    "GEMV o/down, PDL on": _variant(pdl="1"),
-    "GEMV o/down, pinned decode splits (16) + merge even for short sequences": _variant(short=0),
-    "GEMV o/down, pinned splits, 32-key decode tiles": _variant(short=0, block_n=32),
-    "GEMV o/down, 4096-wide norm on 4 warps": _variant(norm_warps=4),
-    "GEMV o/down, 4096-wide norm on 16 warps": _variant(norm_warps=16),
-    "GEMV o/down, o in L2": _variant(l2="bulk"),
+    "GEMV for all, norms folded (statistics pass)": _variant(gemv="all"),
+    "GEMV for all, norms folded (scaled after the dot)": _variant(gemv="all", fold="after"),
+    "GEMV for all, norms in their own kernels": _variant(gemv="all", fold="0"),
+    "GEMV qkv/o/down, norm folded (scaled after the dot)": _variant(gemv="nowide", fold="after"),
+    "GEMV qkv/o/down, norm folded (statistics pass)": _variant(gemv="nowide"),
     "cuBLAS, PDL off, fused decode": _variant(gemv="0"),
 }
 
@@ -637,6 +639,8 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
                                                    "4096-wide norm on 4 warps"),
             "profile_splits": lambda: profile_graph(graphed, ctx, {"graphs.short_seq_len": "0"},
                                                     "pinned decode splits + merge"),
+            "profile_all_after": lambda: profile_graph(graphed, ctx, {"HELIOS_GEMV": "all", "HELIOS_FOLD_NORMS": "after"},
+                                                       "GEMV for all, norms folded (scaled after the dot)"),
             "profile_gemv": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "all"},
                                                   "PDL off, GEMV for all"),
             "profile_narrow": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "narrow"},

@@ -57,9 +57,8 @@ class KernelShape:
     # (out, in) of each projection batch-1 decode sends to the GEMV (helios.kernels.gemv.gemv_serves)
     projections: tuple[tuple[int, int], ...] = ()
     projections_ffn: int = 0  # the MLP's intermediate size: its down GEMV also runs gated
-    # the fused path's down GEMV reads [gate | up] (helios.layers.norm.RMSNorm.forward_add_projected); False
-    # for a model without the fused path (gemma3: every GEMV plain)
-    gated_down: bool = True
+    # (out, in) of the GEMVs that take their layer's add + RMSNorm (helios.models.llama.folds_norms)
+    norm_projections: tuple[tuple[int, int], ...] = ()
     vocab_size: int = 0  # the sampling tail's rows (greedy argmax); 0: not launched
     # decode attention: "fused" from the qkv row (decode_qkv), "split" after rotary_cache (paged_attention); a core
     # compiles both, a process loads the one HELIOS_FUSED_DECODE picks (head_dim < 32 always takes "split")
@@ -80,6 +79,9 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
     ffn = arch.moe.moe_intermediate_size if arch.moe else arch.intermediate_size
     qkv = ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, h)
     projections = {qkv, (h, q_width), (2 * ffn, h), (h, ffn), (arch.vocab_size, h)}
+    norm_projections = ()
+    if not is_gemma and _DTYPES[manifest.dtype].itemsize == 2:  # llama-family layers fold their norms
+        norm_projections = (qkv,) if arch.moe else tuple(sorted({qkv, (2 * arch.intermediate_size, h)}))
     return KernelShape(
         dtype=_DTYPES[manifest.dtype],
         hidden_size=arch.hidden_size,
@@ -94,7 +96,7 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
         activation=arch.hidden_act,
         projections=tuple(sorted(projections)) if _DTYPES[manifest.dtype].itemsize == 2 else (),
         projections_ffn=ffn,
-        gated_down=not is_gemma,
+        norm_projections=norm_projections,
         vocab_size=arch.vocab_size,
     )
 
@@ -107,9 +109,13 @@ def runtime_shape(shape: KernelShape) -> KernelShape:
     from helios.kernels.gemv import gemv_admits, gemv_mode
 
     mode = gemv_mode()
-    return replace(shape, decode_paths=("fused",) if switched_on("HELIOS_FUSED_DECODE") else ("split",),
-                   cache_write=False,
-                   projections=tuple(p for p in shape.projections if gemv_admits(mode, *p)))
+    shape = replace(shape, decode_paths=("fused",) if switched_on("HELIOS_FUSED_DECODE") else ("split",),
+                    cache_write=False)
+    if mode == "all":
+        return shape
+    # narrow / square / nowide: the admitted shapes only; a norm folds only into an admitted one (helios.models.llama)
+    return replace(shape, projections=tuple(p for p in shape.projections if gemv_admits(mode, *p)),
+                   norm_projections=tuple(p for p in shape.norm_projections if gemv_admits(mode, *p)))
 
 
 def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> None:
@@ -120,7 +126,7 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     Outputs are garbage: only which kernels get launched (and so compiled or loaded) matters."""
     from helios.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from helios.kernels.decode_qkv import decode_attention_qkv
-    from helios.kernels.gemv import gemv
+    from helios.kernels.gemv import gemv, gemv_add_rms_norm
     from helios.kernels.paged_attention import paged_decode_attention
     from helios.kernels.prefill_attention import paged_prefill_attention
     from helios.kernels.reshape_and_cache import reshape_and_cache
@@ -132,12 +138,14 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     scale = d**-0.5
     z = dict(dtype=dt, device=device)
     for n, k in shape.projections:  # batch-1 GEMVs: full-size (uninitialized) weights, as the tile choice reads N, K
-        weight = torch.empty(n, k, **z)
-        if shape.gated_down and (n, k) == (shape.hidden_size, shape.projections_ffn):
-            # down reads act(gate) * up of a [gate | up] row (helios.layers.norm.RMSNorm.forward_add_projected)
-            gemv(torch.zeros(1, 2 * k, **z), weight, gated=shape.activation)
-        else:
-            gemv(torch.zeros(1, k, **z), weight)
+        gemv(torch.zeros(1, k, **z), torch.empty(n, k, **z))
+    for n, k in shape.norm_projections:  # the first layer's (no residual) and every other layer's
+        x, weight, norm = torch.zeros(1, k, **z), torch.empty(n, k, **z), torch.ones(k, **z)
+        gemv_add_rms_norm(x, None, norm, 1e-6, weight)
+        gemv_add_rms_norm(x, x.clone(), norm, 1e-6, weight)
+    if shape.projections:  # the down projection with the gated activation folded in (helios.layers.activation)
+        ffn = shape.projections_ffn
+        gemv(torch.zeros(1, 2 * ffn, **z), torch.empty(shape.hidden_size, ffn, **z), gated=shape.activation)
     if shape.vocab_size:  # greedy rows of the sampler (helios.runner.sampler), float32 logits
         argmax_rows(torch.zeros(1, shape.vocab_size, dtype=torch.float32, device=device))
     for num_tokens in (1, 2):  # decode rows, then a two-token prefill

@@ -75,11 +75,32 @@ def _gated(gate, up, GATED: tl.constexpr):
 
 
 @jit
-def _x_chunk(x_rows, cols, mask, K, GATED: tl.constexpr):
-    """The GEMV's input at cols ([1, BLOCK_K]): x, or act(gate) * up of a [gate | up] row."""
+def _row(x_rows, r_rows, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """x (+ residual, added in float32 and rounded to x's dtype as torch's add does) at cols."""
     x = tl.load(x_rows + cols, mask=mask, other=0.0)
-    if GATED != 0:
-        x = _gated(x, tl.load(x_rows + K + cols, mask=mask, other=0.0), GATED)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + tl.load(r_rows + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+    return x
+
+
+@jit
+def _x_chunk(x_rows, r_rows, norm_w_ptr, cols, mask, K, rstd, GATED: tl.constexpr, NORM: tl.constexpr,
+             HAS_RESIDUAL: tl.constexpr):
+    """The GEMV's input at cols ([1, BLOCK_K]): x, act(gate) * up, or the RMSNorm of x (+ residual) with the
+    roundings of helios.kernels.rmsnorm (rstd [BLOCK_M] from the statistics pass)."""
+    if NORM != 0:
+        s = _row(x_rows, r_rows, cols, mask, HAS_RESIDUAL)
+        h = s.to(tl.float32) * rstd[:, None]
+        w = tl.load(norm_w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if NORM == 2:
+            y = h * w
+        else:
+            y = h.to(s.dtype).to(tl.float32) * w
+        x = y.to(s.dtype)
+    else:
+        x = tl.load(x_rows + cols, mask=mask, other=0.0)
+        if GATED != 0:
+            x = _gated(x, tl.load(x_rows + K + cols, mask=mask, other=0.0), GATED)
     return x
 
 
@@ -105,6 +126,19 @@ def _gemv_kernel(
     IEEE_DOT: tl.constexpr,  # float32 operands, full precision (not tf32)
     USE_PDL: tl.constexpr,
     GATED: tl.constexpr,  # 0: x as is; 1 / 2: x = silu / gelu_tanh(gate) * up of a [gate | up] row of 2K
+    # RMSNorm of x (+ residual) folded in: 0 none; 1 llama's roundings; 2 gemma's (multiply in float32).
+    # Each program reads the whole row once for the statistics (M = 1 only); program 0 writes x + residual.
+    NORM: tl.constexpr = 0,
+    # NORM_AFTER: no statistics pass; each program sums the squares of the row as its K loop reads it, multiplies
+    # x (+ residual) by the norm weight in float32 (no roundings in between) and scales its dot products by
+    # rsqrt(mean + eps) at the end (one K split only)
+    NORM_AFTER: tl.constexpr = False,
+    HAS_RESIDUAL: tl.constexpr = False,
+    K_POW2: tl.constexpr = 16,  # next power of two >= K (the statistics pass loads the row at once)
+    res_ptr=None,  # [M, K], stride_xm apart like x
+    norm_w_ptr=None,  # [K]
+    res_out_ptr=None,  # [M, K] contiguous: x + residual
+    eps=0.0,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -128,6 +162,23 @@ def _gemv_kernel(
                          mask=n_mask[:, None] & ((k_begin + offs_k) < k_end)[None, :], other=0.0)
     pdl_wait(USE_PDL)
 
+    r_rows = x_rows
+    if HAS_RESIDUAL:
+        r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    if NORM != 0 and not NORM_AFTER:
+        # the statistics pass: the row as _rms_norm_kernel sees it (x + residual rounded to x's dtype)
+        kk = tl.arange(0, K_POW2)[None, :]
+        row_mask = m_mask[:, None] & (kk < K)
+        s = _row(x_rows, r_rows, kk, row_mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            # program (0, 0) only; as a tile: a scalar mask term trips the interpreter
+            first = (tl.zeros([BLOCK_M, K_POW2], dtype=tl.int32) + pid_n + pid_k) == 0
+            tl.store(res_out_ptr + offs_m.to(tl.int64)[:, None] * K + kk, s, mask=row_mask & first)
+        h = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / K + eps)
+
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced over K once, after the loop
     else:
@@ -140,11 +191,20 @@ def _gemv_kernel(
         if EVEN_N and EVEN_K:
             has_next = tl.full([BLOCK_N, BLOCK_K], 1, tl.int1) & (k + BLOCK_K < k_end)
             w_next = tl.load(w_rows + nxt[None, :], mask=has_next, other=0.0)
-            x = _x_chunk(x_rows, cols[None, :], m_mask[:, None], K, GATED)
+            x_mask = m_mask[:, None]
         else:
             w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_end)[None, :], other=0.0)
             x_mask = m_mask[:, None] & (cols < k_end)[None, :]
-            x = _x_chunk(x_rows, cols[None, :], x_mask, K, GATED)
+        if NORM_AFTER:
+            s = _row(x_rows, r_rows, cols[None, :], x_mask, HAS_RESIDUAL)
+            if HAS_RESIDUAL:  # the programs of the first output tile write x + residual
+                first = (tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.int32) + pid_n) == 0
+                tl.store(res_out_ptr + offs_m.to(tl.int64)[:, None] * K + cols[None, :], s, mask=x_mask & first)
+            h = s.to(tl.float32)
+            squares += h * h
+            x = h * tl.load(norm_w_ptr + cols[None, :], mask=cols[None, :] < K, other=0.0).to(tl.float32)
+        else:
+            x = _x_chunk(x_rows, r_rows, norm_w_ptr, cols[None, :], x_mask, K, rstd, GATED, NORM, HAS_RESIDUAL)
         if USE_DOT:
             if IEEE_DOT:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -161,6 +221,8 @@ def _gemv_kernel(
         result = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
         result = acc
+    if NORM_AFTER:
+        result = result * tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
     out_ptrs = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -198,11 +260,13 @@ def gemv(
     num_stages: int | None = None,
     split_k: int | None = None,
     gated: str | None = None,
+    norm: tuple | None = None,
 ) -> torch.Tensor:  # [M, N]
     """x @ weight.T with float32 accumulation and one rounding; unset tile arguments take default_config.
 
     gated="silu" | "gelu_tanh": x is a [M, 2K] row of [gate | up] and the product is act(gate) * up @ weight.T,
-    the activation computed as the GEMV reads x (the down projection with helios.kernels.activation folded in)."""
+    the activation computed as the GEMV reads x (the down projection with helios.kernels.activation folded in).
+    norm: see gemv_add_rms_norm."""
     require_triton()
     assert x.dim() == 2 and weight.dim() == 2, f"expected x [M, K], weight [N, K]: {tuple(x.shape)}, {tuple(weight.shape)}"
     m, k = x.shape
@@ -238,6 +302,19 @@ def gemv(
     k_per_split = cdiv(cdiv(k, split_k), block_k) * block_k
     split_k = cdiv(k, k_per_split)  # no empty splits
     even_k = k % k_per_split == 0
+    norm_args = {}
+    if norm is not None:
+        residual, norm_weight, eps, in_float32, residual_out = norm
+        assert m == 1 and gated is None, "the folded RMSNorm takes one plain row"
+        assert norm_weight.shape == (k,) and norm_weight.is_contiguous()
+        if residual is not None:
+            assert residual.shape == x.shape and residual.stride() == x.stride() and residual.dtype == x.dtype
+            assert residual_out.shape == x.shape and residual_out.is_contiguous()
+        after = fold_mode() == "after" and split_k == 1
+        norm_args = dict(NORM=2 if in_float32 else 1, NORM_AFTER=after, HAS_RESIDUAL=residual is not None,
+                         K_POW2=next_power_of_2(k), res_ptr=residual, norm_w_ptr=norm_weight,
+                         res_out_ptr=residual_out, eps=eps)
+
     # HELIOS_GEMV_PDL=0: the GEMV launches wait for the kernel before them (benchmarks compare)
     pdl = use_pdl(x, m) and switched_on("HELIOS_GEMV_PDL")
     grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
@@ -267,6 +344,7 @@ def gemv(
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
+        **norm_args,
     )
     if split_k > 1:
         block = min(1024, next_power_of_2(n))
@@ -275,6 +353,32 @@ def gemv(
             launch_pdl=pdl,
         )
     return out
+
+
+def gemv_add_rms_norm(
+    x: torch.Tensor,  # [1, K]
+    residual: torch.Tensor | None,  # [1, K] or None (the first layer: no add)
+    norm_weight: torch.Tensor,  # [K]
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    multiply_in_float32: bool = False,
+    **config,  # tile arguments of gemv
+) -> tuple[torch.Tensor, torch.Tensor]:  # (rms_norm(x + residual) @ weight.T [1, N], x + residual [1, K])
+    """helios.kernels.rmsnorm.fused_add_rms_norm followed by the GEMV, in one launch: every program computes the
+    row's statistics itself (the row is 8 KB at K = 4096, read from L2) and normalizes each chunk as it reads it,
+    with the norm kernel's roundings; program 0 writes x + residual for the next layer's add."""
+    residual_out = torch.empty_like(x) if residual is not None else x
+    out = gemv(x, weight, norm=(residual, norm_weight, eps, multiply_in_float32, residual_out), **config)
+    return out, residual_out
+
+
+def fold_mode() -> str:
+    """HELIOS_FOLD_NORMS: how a norm folded into the GEMV after it is computed: "exact" (a statistics pass, then
+    the norm kernel's roundings), "after" (the squares summed during the K loop, the scale applied after the
+    dot: no pass before the weight stream, roundings as gemma's float32 multiply minus the bf16 steps), "0"
+    (not folded: helios.models.llama.folds_norms)."""
+    value = os.environ.get("HELIOS_FOLD_NORMS", "exact").strip().lower()
+    return value if value in ("exact", "after") else "exact"
 
 
 def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -304,8 +408,8 @@ def gemv_admits(mode: str, rows: int, cols: int) -> bool:
 def gemv_mode() -> str:
     """HELIOS_GEMV: "narrow" (default) sends the one-row products whose weight has no more rows than columns
     here (o and down of a llama layer, down with the gated activation folded in); "all" (or "1") every one-row
-    product; "square" only square weights (o); "nowide" all but weights with 4x more rows than columns (qkv,
-    o, down); "0" leaves every product to cuBLAS.
+    product; "square" only square weights (o); "nowide" all but weights with 4x more rows than columns (qkv
+    with its norm folded, o, down); "0" leaves every product to cuBLAS.
 
     NOTE: narrow by default on measurement: a b=1 decode step of an 8B llama through the engine ran at
     83.0-83.3% of the bandwidth limit with narrow (and PDL off), 80.2-80.4% all on cuBLAS, 82.1-82.7% nowide

@@ -27,12 +27,23 @@ def gated(gate_up: torch.Tensor, act: Activation) -> torch.Tensor:  # [..., 2*F]
 class GatedMLP(nn.Module):
     """down(act(gate) * up) over a fused projection: gate_up.weight [2*F, H], down.weight [H, F]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: Activation = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: Activation = "silu", fused: bool = False):
         super().__init__()
         self.act = act
+        self.fused = fused  # GPU path: act(gate) * up in one Triton kernel (helios.kernels.activation)
         self.gate_up = Linear(hidden_size, 2 * intermediate_size)
         self.down = Linear(intermediate_size, hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        """The GPU path runs the down projection through RMSNorm.forward_add_projected instead (gated there)."""
-        return self.down(gated(self.gate_up(x), self.act))
+    def forward(self, x: torch.Tensor, gate_up: torch.Tensor | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
+        """gate_up: the gate_up projection of x, already computed (then x is not read)."""
+        if gate_up is None:
+            gate_up = self.gate_up(x)
+        if self.fused:
+            from helios.kernels import activation
+            from helios.kernels.gemv import gemv, gemv_serves
+
+            if self.down.bias is None and gemv_serves(gate_up, self.down.weight):
+                # batch-1 decode: the activation rides in the down GEMV as it reads its input (same values)
+                return gemv(gate_up, self.down.weight, gated=self.act)
+            return self.down(getattr(activation, f"{self.act}_and_mul")(gate_up))
+        return self.down(gated(gate_up, self.act))

@@ -268,19 +268,11 @@ class Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, D]
         kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
         meta: AttentionMetadata,
+        qkv: torch.Tensor | None = None,  # [T, (Nq + 2*Nkv)*D]: the qkv projection of x, already computed
     ) -> torch.Tensor:  # [T, H]
-        return self.o(self.attend(x, cos_sin, kv_cache, meta))
-
-    def attend(
-        self,
-        x: torch.Tensor,  # [T, H]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, D]
-        kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, Nq*D], the heads' outputs before the o projection
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        qkv = self.qkv(x)
+        qkv = self.qkv(x) if qkv is None else qkv
         if getattr(self.backend, "fuses_layers", False):  # GPU: norms + rotary + cache write in one launch
             norms = None
             if self.q_norm is not None:
@@ -292,7 +284,7 @@ class Attention(nn.Module):
                 o = self.backend.forward_qkv(
                     qkv, *cos_sin, self.num_heads, kv_cache, meta, self.scale, self.sliding_window, self.softcap, norms
                 )
-            return o.reshape(num_tokens, q_size)
+            return self.o(o.reshape(num_tokens, q_size))
         cos, sin = cos_sin
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
@@ -305,4 +297,4 @@ class Attention(nn.Module):
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
-        return o.reshape(num_tokens, q_size)
+        return self.o(o.reshape(num_tokens, q_size))

@@ -39,30 +39,16 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         return rms_norm(x, self.weight, self.eps, self.multiply_in_float32)
 
-    def forward_add_projected(
+    def forward_add_gemv(
         self,
-        x: torch.Tensor,  # [T, in] ([T, 2 * in] gated: a [gate | up] row)
-        projection,  # helios.layers.linear.Linear [out = dim, in]
-        residual: torch.Tensor,  # [T, dim]
-        gated: str | None = None,  # the activation of a gated MLP's down projection
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(y + residual), y + residual), y = projection(act(x) or x)
-        """A projection, the residual add and this norm (GPU path): the projection on the Triton GEMV at batch 1
-        (the down projection with the activation folded in), then the add and norm in one kernel.
+        x: torch.Tensor,  # [1, dim]
+        residual: torch.Tensor | None,  # [1, dim]; None for the first layer
+        weight: torch.Tensor,  # [N, dim], the projection that reads the normed row
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual) @ weight.T, x + residual)
+        """forward_add then the projection, in one GEMV launch (batch-1 decode on the GPU path)."""
+        from helios.kernels.gemv import gemv_add_rms_norm
 
-        NOTE: the add and norm in the GEMV's last program (an arrival counter, the last program norms the row)
-        saved their launches but made each o / down GEMV ~9 us slower on the H200 (2026-12-03, session 4:
-        the b=1 engine at 74.5% of the bandwidth limit against 82.3%), so they keep their own kernel."""
-        from helios.kernels.gemv import gemv, gemv_serves
-
-        if projection.bias is None and gemv_serves(x, projection.weight):
-            y = gemv(x, projection.weight, gated=gated)
-        else:
-            if gated is not None:
-                from helios.kernels import activation
-
-                x = getattr(activation, f"{gated}_and_mul")(x)
-            y = projection(x)
-        return self.forward_add(y, residual, fused=True)
+        return gemv_add_rms_norm(x, residual, self.weight, self.eps, weight, self.multiply_in_float32)
 
     def forward_add(
         self,

@@ -17,6 +17,15 @@ from helios.layers.norm import RMSNorm
 from helios.layers.rotary import RotaryEmbedding
 
 
+def folds_norms(x: torch.Tensor, projection: Linear) -> bool:
+    """Whether the GPU path folds a layer's norms into its GEMVs: one row on the GEMV's terms, no bias, and
+    HELIOS_FOLD_NORMS not "0" (benchmarks compare)."""
+    from helios.kernels._triton import switched_on
+    from helios.kernels.gemv import gemv_serves
+
+    return projection.bias is None and gemv_serves(x, projection.weight) and switched_on("HELIOS_FOLD_NORMS")
+
+
 def is_sliding(arch: Architecture, layer_idx: int) -> bool:
     return bool(arch.layer_types) and arch.layer_types[layer_idx] == "sliding"
 
@@ -57,21 +66,26 @@ class DecoderLayer(nn.Module):
 
     def forward_fused(
         self,
-        h: torch.Tensor,  # [T, H], attn_norm(x + residual): this layer's normed input
-        residual: torch.Tensor,  # [T, H], x + residual: the stream this layer adds to
-        next_norm: RMSNorm,  # the next layer's attn_norm, or the final norm
+        x: torch.Tensor,  # [T, H], the previous layer's output (the embedding for the first layer)
+        residual: torch.Tensor | None,  # [T, H], the stream before that output's add; None for the first
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (next_norm(out + residual), out + residual)
-        """forward() on the GPU path, norms shifted by one: each residual add rides in the next norm's kernel
-        (RMSNorm.forward_add_projected; at batch 1 the gated activation rides in the down GEMV); the same values."""
-        heads = self.attn.attend(h, cos_sin, kv_cache, meta)
-        h, residual = self.mlp_norm.forward_add_projected(heads, self.attn.o, residual)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the stream before its add)
+        """forward() on the GPU path: each residual add rides in the next norm's kernel; same values. At batch 1
+        the norm and its add ride in the GEMV of the projection after them (helios.kernels.gemv)."""
         ffn = getattr(self, self.ffn_name)
-        if isinstance(ffn, GatedMLP):
-            return next_norm.forward_add_projected(ffn.gate_up(h), ffn.down, residual, gated=ffn.act)
-        return next_norm.forward_add(ffn(h), residual, fused=True)
+        if folds_norms(x, self.attn.qkv):
+            qkv, residual = self.attn_norm.forward_add_gemv(x, residual, self.attn.qkv.weight)
+            a = self.attn(x, cos_sin, kv_cache, meta, qkv=qkv)
+            if isinstance(ffn, GatedMLP) and ffn.fused and folds_norms(a, ffn.gate_up):
+                gate_up, residual = self.mlp_norm.forward_add_gemv(a, residual, ffn.gate_up.weight)
+                return ffn(a, gate_up=gate_up), residual
+            h, residual = self.mlp_norm.forward_add(a, residual, fused=True)
+            return ffn(h), residual
+        h, residual = self.attn_norm.forward_add(x, residual, fused=True)
+        h, residual = self.mlp_norm.forward_add(self.attn(h, cos_sin, kv_cache, meta), residual, fused=True)
+        return ffn(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -99,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def make_ffn(self, arch: Architecture, layer_idx: int) -> tuple[nn.Module, str]:
-        return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act), "mlp"
+        return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, fused=self.is_fused), "mlp"
 
     def forward(
         self,
@@ -113,12 +127,11 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.cos_sin(meta.positions, x.dtype)
         local_rope = rope if self.local_rotary is self.rotary else self.local_rotary.cos_sin(meta.positions, x.dtype)
         if self.is_fused:
-            h, residual = self.layers[0].attn_norm.forward_add(x, None, fused=True)
+            residual = None
             for i, layer in enumerate(self.layers):
-                next_norm = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else self.norm
-                h, residual = layer.forward_fused(h, residual, next_norm, local_rope if is_sliding(self.arch, i) else rope,
+                x, residual = layer.forward_fused(x, residual, local_rope if is_sliding(self.arch, i) else rope,
                                                   kv_caches[i], meta)
-            return h
+            return self.norm.forward_add(x, residual, fused=True)[0]
         for i, layer in enumerate(self.layers):
             x = layer(x, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
         return self.norm(x)

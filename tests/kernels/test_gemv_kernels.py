@@ -99,6 +99,39 @@ def test_gated_gemv_is_the_activation_then_the_product(dtype, gated, m, n, k, co
     torch.testing.assert_close(out.float(), gemv_ref(x, weight, gated).float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["add", "first"])
+@pytest.mark.parametrize("in_float32", [False, True], ids=["llama", "gemma"])
+@pytest.mark.parametrize("n, k, config", [(40, 300, dict(block_n=8, block_k=64)), (64, 1024, dict(block_n=16, block_k=128)),
+                                          (48, 256, dict(block_n=8, block_k=64, split_k=2))])
+@pytest.mark.parametrize("fold", ["exact", "after"])
+def test_gemv_with_the_add_and_rms_norm_folded_in(dtype, with_residual, in_float32, n, k, config, fold, monkeypatch):
+    """gemv_add_rms_norm == fused_add_rms_norm then gemv: the same new residual bit for bit, and the product of
+    the normed row within a rounding of the statistics (the row's sum of squares is reduced in another order;
+    "after" also skips the normed row's bf16 roundings)."""
+    from helios.kernels.gemv import gemv_add_rms_norm
+
+    monkeypatch.setenv("HELIOS_FOLD_NORMS", fold)
+    from helios.kernels.rmsnorm import fused_add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    residual = torch.randn(1, k, generator=g).to(dtype) if with_residual else None
+    norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    out, new_residual = gemv_add_rms_norm(x, residual, norm_w, 1e-6, weight, in_float32, **config)
+    if with_residual:
+        normed, expected_residual = fused_add_rms_norm(x, residual, norm_w, 1e-6, in_float32)
+        assert torch.equal(new_residual, expected_residual)
+    else:
+        normed, expected_residual = rms_norm(x, norm_w, 1e-6, in_float32), x
+        assert new_residual is x
+    tol = 2 * _TOL[dtype]
+    torch.testing.assert_close(out.float(), gemv_ref(normed, weight).float(), rtol=tol, atol=tol)
+    again, _ = gemv_add_rms_norm(x, residual, norm_w, 1e-6, weight, in_float32, **config)
+    assert torch.equal(out, again)
+
+
 @pytest.mark.parametrize("value, mode", [(None, "narrow"), ("all", "all"), ("1", "all"), ("narrow", "narrow"),
                                          ("square", "square"), ("nowide", "nowide"), ("0", "off"), ("wide", "off")])
 def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
@@ -126,29 +159,13 @@ def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mod
     qkv, o, gate_up, down, head = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)
     shape = KernelShape(dtype=torch.bfloat16, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                         page_size=16, layer_kinds=((None, None),), decode_splits=(1, 4),
-                        projections=(qkv, o, gate_up, down, head), projections_ffn=14336)
+                        projections=(qkv, o, gate_up, down, head), projections_ffn=14336,
+                        norm_projections=(qkv, gate_up))
     monkeypatch.setattr(gemv_module, "gemv_mode", lambda: mode)
     loaded = runtime_shape(shape)
-    expected = {"off": (), "narrow": (o, down), "square": (o,), "nowide": (qkv, o, down), "all": shape.projections}
-    assert loaded.projections == expected[mode]
+    expected = {"off": ((), ()), "narrow": ((o, down), ()), "square": ((o,), ()), "nowide": ((qkv, o, down), (qkv,)),
+                "all": (shape.projections, shape.norm_projections)}
+    assert (loaded.projections, loaded.norm_projections) == expected[mode]
     assert loaded.decode_splits == shape.decode_splits and loaded.projections_ffn == 14336
     # one decode attention path (HELIOS_FUSED_DECODE, on by default) and no unfused cache write at start
     assert loaded.decode_paths == ("fused",) and not loaded.cache_write and shape.decode_paths == ("fused", "split")
-
-
-@pytest.mark.parametrize("gated_down", [True, False])
-def test_ahead_of_time_launches_cover_the_gemv_forms_the_runtime_runs(monkeypatch, gated_down):
-    """run_launchers (what a core compiles and start-up loads) launches the down projection gated (reading
-    [gate | up]) on the fused path, every other projection plain, and every projection plain off that path."""
-    import helios.kernels.gemv as gemv_module
-    from helios.kernels.aot_shapes import KernelShape, run_launchers
-
-    calls = []
-    monkeypatch.setattr(gemv_module, "gemv", lambda x, w, **kw: calls.append((tuple(w.shape), kw.get("gated") or "")))
-    qkv, o, gate_up, down = (96, 32), (32, 32), (128, 32), (32, 64)
-    shape = KernelShape(dtype=torch.float32, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, page_size=16,
-                        layer_kinds=(), decode_splits=(1,), projections=(qkv, o, gate_up, down), projections_ffn=64,
-                        gated_down=gated_down, decode_paths=(), cache_write=False)
-    run_launchers(shape)
-    want = [(qkv, ""), (o, ""), (gate_up, ""), (down, "silu" if gated_down else "")]
-    assert sorted(c for c in calls if c[0] in (qkv, o, gate_up, down)) == sorted(want)
