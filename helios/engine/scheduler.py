@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from msgspec.structs import replace
+
 from helios.engine.block_pool import BlockPool
 from helios.engine.config import SchedulerConfig
 from helios.engine.messages import (
@@ -175,6 +177,7 @@ class Scheduler:
             scheduled.append(self._schedule_chunk(req, num_new))
             budget -= num_new
 
+        self._look_ahead(scheduled)
         # NOTE: finished ids wait for a plan with work, so the runner is never handed an empty batch.
         finished_req_ids: list[str] = []
         if scheduled:
@@ -267,6 +270,24 @@ class Scheduler:
     def _exceeds_page_capacity(self, req: Request) -> bool:
         """True when feeding all of the request's tokens needs more pages than the whole pool holds."""
         return self.block_pool.num_blocks_for(req.num_tokens) > self.block_pool.num_blocks
+
+    def _look_ahead(self, scheduled: list[ScheduledRequest]) -> None:
+        """A decode step's request also takes the page its next position falls in, after every allocation of
+        this step and only while the pool keeps a free page for each running request: the runner may then run
+        the next decode step before this one's ids are read (helios/runner/decode_overlap.py needs that page in
+        hand). The request would take it at its next step anyway; without it, at a high concurrency some
+        request of nearly every step sits at a page boundary and no step is ever speculated."""
+        pool = self.block_pool
+        for j, s in enumerate(scheduled):
+            req = self._scheduled[s.req_id]
+            if (
+                len(s.token_ids) == 1
+                and s.sample
+                and pool.num_blocks_for(s.num_computed_tokens + 2) > len(req.block_ids)
+                and pool.num_free_blocks > len(self.running)
+            ):
+                req.block_ids.extend(pool.allocate(1))
+                scheduled[j] = replace(s, block_ids=list(req.block_ids))
 
     def _schedule_chunk(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens

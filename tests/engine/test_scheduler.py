@@ -465,3 +465,33 @@ def test_resumed_request_past_page_capacity_finishes_with_length():
     run_until_idle(core, collected)
     assert collected.final["a"].finish_reason == "length" and len(collected.tokens["a"]) == 11
     assert_idle(core)
+
+
+# --- look-ahead page ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_pages, takes", [(64, True), (3, False)])
+def test_a_decode_step_at_a_page_boundary_also_holds_the_next_page_while_pages_are_plenty(num_pages, takes):
+    """The step that decodes the last slot of a page also takes the page of the next position (the runner's
+    speculative next step needs it in hand), unless the pool is down to a page per running request."""
+    core, _ = make_core(page_size=4, num_pages=num_pages, max_concurrency=1)
+    core.add_request(request("a", prompt_len=7, max_tokens=5))
+    plans = []
+    original = core.scheduler.schedule
+
+    def schedule():
+        plan = original()
+        plans.append(plan)
+        return plan
+
+    core.scheduler.schedule = schedule
+    got = run_until_idle(core)
+    assert len(got.tokens["a"]) == 5
+    prefill, decodes = plans[0].scheduled[0], [p.scheduled[0] for p in plans[1:] if p.scheduled]
+    assert len(prefill.block_ids) == 2  # 7 prompt tokens: two pages; a prefill never looks ahead
+    # decode positions 7, 8, ...: position 7 fills page 2's last slot, so that step may hold page 3 already
+    at_boundary = decodes[0]
+    assert at_boundary.num_computed_tokens == 7
+    assert len(at_boundary.block_ids) == (3 if takes else 2)
+    assert all(len(d.block_ids) == 3 for d in decodes[1:])
+    assert_idle(core)
