@@ -347,13 +347,13 @@ def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "
 # 64 keys x 2 warps 38.0% (all beside that tail: the 64 x 4 default 74.5%); next call (copy 4272 GB/s): default
 # 80.9 / 81.5%, PDL on 74.6 / 75.4%, pinned 16 decode splits + merge for short sequences 80.8 / 81.6% (decode 4.5 us
 # + merge 1.8 us against 6.9 us), 32-key tiles with those splits 81.6 / 80.9%, the 4096-wide norm on 4 warps 81.0 /
-# 81.7% and on 16 warps 81.6 / 80.7%, o in L2 77.6 / 77.7%, cuBLAS 78.1 / 77.9%.
+# 81.7% and on 16 warps 81.6 / 80.7%, o in L2 77.6 / 77.7%, cuBLAS 78.1 / 77.9%; last call (copy 4217 GB/s): default
+# 84.5 / 84.4%, the folded norm scaled after the dot (no statistics pass; removed) 77.0 / 77.0% with the GEMV for
+# all and 83.1 / 83.2% for qkv/o/down, beside the statistics pass 82.4 / 82.1% and 84.1 / 83.9%.
 ENGINE_VARIANTS = {
     "GEMV o/down, PDL off, fused decode (default)": _variant(),
     "GEMV for all, norms folded (statistics pass)": _variant(gemv="all"),
-    "GEMV for all, norms folded (scaled after the dot)": _variant(gemv="all", fold="after"),
     "GEMV for all, norms in their own kernels": _variant(gemv="all", fold="0"),
-    "GEMV qkv/o/down, norm folded (scaled after the dot)": _variant(gemv="nowide", fold="after"),
     "GEMV qkv/o/down, norm folded (statistics pass)": _variant(gemv="nowide"),
     "cuBLAS, PDL off, fused decode": _variant(gemv="0"),
 }
@@ -639,8 +639,6 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
                                                    "4096-wide norm on 4 warps"),
             "profile_splits": lambda: profile_graph(graphed, ctx, {"graphs.short_seq_len": "0"},
                                                     "pinned decode splits + merge"),
-            "profile_all_after": lambda: profile_graph(graphed, ctx, {"HELIOS_GEMV": "all", "HELIOS_FOLD_NORMS": "after"},
-                                                       "GEMV for all, norms folded (scaled after the dot)"),
             "profile_gemv": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "all"},
                                                   "PDL off, GEMV for all"),
             "profile_narrow": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0", "HELIOS_GEMV": "narrow"},

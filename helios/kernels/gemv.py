@@ -129,10 +129,6 @@ def _gemv_kernel(
     # RMSNorm of x (+ residual) folded in: 0 none; 1 llama's roundings; 2 gemma's (multiply in float32).
     # Each program reads the whole row once for the statistics (M = 1 only); program 0 writes x + residual.
     NORM: tl.constexpr = 0,
-    # NORM_AFTER: no statistics pass; each program sums the squares of the row as its K loop reads it, multiplies
-    # x (+ residual) by the norm weight in float32 (no roundings in between) and scales its dot products by
-    # rsqrt(mean + eps) at the end (one K split only)
-    NORM_AFTER: tl.constexpr = False,
     HAS_RESIDUAL: tl.constexpr = False,
     K_POW2: tl.constexpr = 16,  # next power of two >= K (the statistics pass loads the row at once)
     res_ptr=None,  # [M, K], stride_xm apart like x
@@ -163,12 +159,11 @@ def _gemv_kernel(
     pdl_wait(USE_PDL)
 
     r_rows = x_rows
-    if HAS_RESIDUAL:
-        r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    if NORM != 0 and not NORM_AFTER:
+    if NORM != 0:
         # the statistics pass: the row as _rms_norm_kernel sees it (x + residual rounded to x's dtype)
+        if HAS_RESIDUAL:
+            r_rows = res_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
         kk = tl.arange(0, K_POW2)[None, :]
         row_mask = m_mask[:, None] & (kk < K)
         s = _row(x_rows, r_rows, kk, row_mask, HAS_RESIDUAL)
@@ -191,19 +186,11 @@ def _gemv_kernel(
         if EVEN_N and EVEN_K:
             has_next = tl.full([BLOCK_N, BLOCK_K], 1, tl.int1) & (k + BLOCK_K < k_end)
             w_next = tl.load(w_rows + nxt[None, :], mask=has_next, other=0.0)
-            x_mask = m_mask[:, None]
+            x = _x_chunk(x_rows, r_rows, norm_w_ptr, cols[None, :], m_mask[:, None], K, rstd, GATED, NORM,
+                         HAS_RESIDUAL)
         else:
             w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_end)[None, :], other=0.0)
             x_mask = m_mask[:, None] & (cols < k_end)[None, :]
-        if NORM_AFTER:
-            s = _row(x_rows, r_rows, cols[None, :], x_mask, HAS_RESIDUAL)
-            if HAS_RESIDUAL:  # the programs of the first output tile write x + residual
-                first = (tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.int32) + pid_n) == 0
-                tl.store(res_out_ptr + offs_m.to(tl.int64)[:, None] * K + cols[None, :], s, mask=x_mask & first)
-            h = s.to(tl.float32)
-            squares += h * h
-            x = h * tl.load(norm_w_ptr + cols[None, :], mask=cols[None, :] < K, other=0.0).to(tl.float32)
-        else:
             x = _x_chunk(x_rows, r_rows, norm_w_ptr, cols[None, :], x_mask, K, rstd, GATED, NORM, HAS_RESIDUAL)
         if USE_DOT:
             if IEEE_DOT:
@@ -221,8 +208,6 @@ def _gemv_kernel(
         result = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
     else:
         result = acc
-    if NORM_AFTER:
-        result = result * tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
     out_ptrs = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -310,10 +295,8 @@ def gemv(
         if residual is not None:
             assert residual.shape == x.shape and residual.stride() == x.stride() and residual.dtype == x.dtype
             assert residual_out.shape == x.shape and residual_out.is_contiguous()
-        after = fold_mode() == "after" and split_k == 1
-        norm_args = dict(NORM=2 if in_float32 else 1, NORM_AFTER=after, HAS_RESIDUAL=residual is not None,
-                         K_POW2=next_power_of_2(k), res_ptr=residual, norm_w_ptr=norm_weight,
-                         res_out_ptr=residual_out, eps=eps)
+        norm_args = dict(NORM=2 if in_float32 else 1, HAS_RESIDUAL=residual is not None, K_POW2=next_power_of_2(k),
+                         res_ptr=residual, norm_w_ptr=norm_weight, res_out_ptr=residual_out, eps=eps)
 
     # HELIOS_GEMV_PDL=0: the GEMV launches wait for the kernel before them (benchmarks compare)
     pdl = use_pdl(x, m) and switched_on("HELIOS_GEMV_PDL")
@@ -370,15 +353,6 @@ def gemv_add_rms_norm(
     residual_out = torch.empty_like(x) if residual is not None else x
     out = gemv(x, weight, norm=(residual, norm_weight, eps, multiply_in_float32, residual_out), **config)
     return out, residual_out
-
-
-def fold_mode() -> str:
-    """HELIOS_FOLD_NORMS: how a norm folded into the GEMV after it is computed: "exact" (a statistics pass, then
-    the norm kernel's roundings), "after" (the squares summed during the K loop, the scale applied after the
-    dot: no pass before the weight stream, roundings as gemma's float32 multiply minus the bf16 steps), "0"
-    (not folded: helios.models.llama.folds_norms)."""
-    value = os.environ.get("HELIOS_FOLD_NORMS", "exact").strip().lower()
-    return value if value in ("exact", "after") else "exact"
 
 
 def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
