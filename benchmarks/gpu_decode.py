@@ -134,7 +134,8 @@ def llama_8b_tensors():
     return hf, t, arch, weight_bytes
 
 
-def timed_decode(runner, arch, batch: int, prompt_len: int, new: int, profiler=None, ids_out: list | None = None) -> float:
+def timed_decode(runner, arch, batch: int, prompt_len: int, new: int, profiler=None,
+                 ids_out: list | None = None) -> float:
     """Decode tokens/s of `batch` requests through the engine (scheduler + runner + sampler), prefill excluded;
     `profiler` (a cProfile.Profile) runs over the timed decode steps only; `ids_out` receives each request's
     output ids."""
@@ -278,11 +279,11 @@ def graph_replays(graphed, limits: dict[int, float], ctx: int) -> list[str]:
 def capture_under(graphed, buckets: list[int], env: dict[str, str]):
     """The runner's decode graphs for `buckets` captured again with `env` set (the kernels read it at capture);
     a key "package.module.NAME" sets helios.package.module.NAME instead (tile constants such as
-    kernels.decode_qkv.BLOCK_N), and "graphs.short_seq_len" the new GraphRunner's own (before capture)."""
+    kernels.decode_qkv.BLOCK_N), and "graphs.short_seq_len" the new GraphRunner's short_seq_len."""
     import importlib
     import os
 
-    from helios.runner.cuda_graphs import GraphRunner
+    from helios.runner.cuda_graphs import SHORT_SEQ_LEN, GraphRunner
 
     gr = graphed.graphs
     names = {k: v for k, v in env.items() if "." not in k}
@@ -296,13 +297,10 @@ def capture_under(graphed, buckets: list[int], env: dict[str, str]):
         setattr(mod, attr, value)
     os.environ.update(names)
     try:
-        new = GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in buckets if b in gr.graphs],
-                          max_model_len=gr.max_model_len, page_size=gr.page_size,
-                          vocab_size=gr.buffers.logits.shape[1], num_kv_heads=graphed.arch.num_kv_heads,
-                          device=graphed.device, capture=False)
-        new.short_seq_len = int(env.get("graphs.short_seq_len", new.short_seq_len))
-        new.capture()
-        return new
+        return GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in buckets if b in gr.graphs],
+                           max_model_len=gr.max_model_len, page_size=gr.page_size,
+                           vocab_size=gr.buffers.logits.shape[1], num_kv_heads=graphed.arch.num_kv_heads,
+                           device=graphed.device, short_seq_len=int(env.get("graphs.short_seq_len", SHORT_SEQ_LEN)))
     finally:
         for name, value in saved.items():
             if value is None:
@@ -315,8 +313,8 @@ def capture_under(graphed, buckets: list[int], env: dict[str, str]):
 
 def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, str], label: str) -> list[str]:
     """The same decode graphs captured again under `env` (HELIOS_PDL=0: no programmatic dependent launch;
-    HELIOS_GEMV=all / narrow: the Triton GEMV for every / the o and down one-row projections, HELIOS_PDL=0 with it), replayed
-    alone."""
+    HELIOS_GEMV=all / narrow: the Triton GEMV for every / the o and down one-row projections, HELIOS_FOLD_NORMS=0
+    with it: norms in their own kernels), replayed alone."""
     off = capture_under(graphed, list(limits), env)
 
     class _Off:  # graph_replays reads .graphs
@@ -330,7 +328,7 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
 
 def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "0", gemv_pdl: str = "1",
              block_n: int = 64, warps: int = 4, norm_warps: int = 8, short: int = 256,
-             fold: str = "exact") -> dict[str, str]:
+             fold: str = "1") -> dict[str, str]:
     """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in),
     and the one-launch decode's tiles; the defaults are helios' own."""
     return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,

@@ -220,6 +220,7 @@ class GraphRunner:
         num_kv_heads: int,
         device: torch.device,
         capture: bool = True,
+        short_seq_len: int = SHORT_SEQ_LEN,  # 0: no one-split short graphs (benchmarks compare)
     ):
         assert buckets, "no decode buckets"
         self.model = model
@@ -235,7 +236,7 @@ class GraphRunner:
         self.num_splits = {b: graph_decode_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # one split, for steps of short sequences
-        self.short_seq_len = SHORT_SEQ_LEN  # 0: no short graphs (benchmarks compare)
+        self.short_seq_len = short_seq_len
         self.capture_s = 0.0
         self.num_replays = 0  # every replay, speculative ones included
         if capture:
