@@ -64,6 +64,9 @@ class KernelShape:
     # compiles both, a process loads the one HELIOS_FUSED_DECODE picks (head_dim < 32 always takes "split")
     decode_paths: tuple[str, ...] = ("fused", "split")
     cache_write: bool = True  # the unfused cache write (backends without fused layers); never loaded at start
+    # batch-1 decode without norm kernels (helios.models.llama.runs_norm_free): the o / down GEMVs that add into
+    # the stream, the down GEMV and decode attention that scale by the stream's rstd, the embedding's statistic
+    norm_free: bool = False
 
 
 def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
@@ -80,8 +83,11 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
     qkv = ((arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim, h)
     projections = {qkv, (h, q_width), (2 * ffn, h), (h, ffn), (arch.vocab_size, h)}
     norm_projections = ()
-    if not is_gemma and _DTYPES[manifest.dtype].itemsize == 2:  # llama-family layers fold their norms
+    sixteen_bit = _DTYPES[manifest.dtype].itemsize == 2
+    if not is_gemma and sixteen_bit:  # llama-family layers fold their norms
         norm_projections = (qkv,) if arch.moe else tuple(sorted({qkv, (2 * arch.intermediate_size, h)}))
+    # helios.models.llama.LlamaForCausalLM.fold_norm_weights: plain gated MLPs, no qkv bias
+    norm_free = not is_gemma and sixteen_bit and not arch.moe and not arch.attention_bias
     return KernelShape(
         dtype=_DTYPES[manifest.dtype],
         hidden_size=arch.hidden_size,
@@ -97,6 +103,7 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
         projections=tuple(sorted(projections)) if _DTYPES[manifest.dtype].itemsize == 2 else (),
         projections_ffn=ffn,
         norm_projections=norm_projections,
+        norm_free=norm_free,
         vocab_size=arch.vocab_size,
     )
 
@@ -109,8 +116,12 @@ def runtime_shape(shape: KernelShape) -> KernelShape:
     from helios.kernels.gemv import gemv_admits, gemv_mode
 
     mode = gemv_mode()
-    shape = replace(shape, decode_paths=("fused",) if switched_on("HELIOS_FUSED_DECODE") else ("split",),
-                    cache_write=False)
+    fused = switched_on("HELIOS_FUSED_DECODE")
+    # the norm-free layers take the GEMV for o and down (helios.models.llama.runs_norm_free) and decode_qkv
+    norm_free = (shape.norm_free and fused and switched_on("HELIOS_DEFER_NORMS") and shape.head_dim >= 32
+                 and gemv_admits(mode, shape.hidden_size, shape.num_heads * shape.head_dim)
+                 and gemv_admits(mode, shape.hidden_size, shape.projections_ffn))
+    shape = replace(shape, decode_paths=("fused",) if fused else ("split",), cache_write=False, norm_free=norm_free)
     if mode == "all":
         return shape
     # narrow / square / nowide: the admitted shapes only; a norm folds only into an admitted one (helios.models.llama)
@@ -146,6 +157,8 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     if shape.projections:  # the down projection with the gated activation folded in (helios.layers.activation)
         ffn = shape.projections_ffn
         gemv(torch.zeros(1, 2 * ffn, **z), torch.empty(shape.hidden_size, ffn, **z), gated=shape.activation)
+    if shape.norm_free and shape.projections and "fused" in shape.decode_paths and d >= 32:
+        _norm_free_launchers(shape, device)
     if shape.vocab_size:  # greedy rows of the sampler (helios.runner.sampler), float32 logits
         argmax_rows(torch.zeros(1, shape.vocab_size, dtype=torch.float32, device=device))
     for num_tokens in (1, 2):  # decode rows, then a two-token prefill
@@ -179,3 +192,31 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
             if num_tokens > 1:
                 qsl = torch.tensor([0, num_tokens], dtype=torch.int32, device=device)
                 paged_prefill_attention(q, kv_cache, qsl, seq_lens, block_tables, num_tokens, scale, window, softcap)
+
+
+def _norm_free_launchers(shape: KernelShape, device) -> None:
+    """The launches of helios.models.llama's norm-free batch-1 layer, with the runtime's partial counts (the
+    embedding's one, the o / down GEMVs' one per program: each reader's loop over them is sized at compile)."""
+    from helios.kernels.decode_qkv import decode_attention_qkv
+    from helios.kernels.gemv import RowNorm, gemv_add
+    from helios.kernels.rmsnorm import row_sum_squares
+
+    nq, nkv, d, h, ffn = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size, shape.projections_ffn
+    z = dict(dtype=shape.dtype, device=device)
+    stream = torch.zeros(1, h, **z)
+    first = row_sum_squares(stream)
+    _, partials = gemv_add(torch.zeros(1, nq * d, **z), torch.empty(h, nq * d, **z), stream)
+    gemv_add(torch.zeros(1, 2 * ffn, **z), torch.empty(h, ffn, **z), stream, gated=shape.activation,
+             row_norm=RowNorm(partials, h, 1e-6))
+    qkv = torch.zeros(1, (nq + 2 * nkv) * d, **z)
+    cos = torch.ones(1, d, **z)
+    kv_cache = torch.zeros(2, 4, shape.page_size, nkv, d, **z)
+    slots = torch.zeros(1, dtype=torch.int64, device=device)
+    tables = torch.zeros(1, 16, dtype=torch.int32, device=device)
+    lens = torch.ones(1, dtype=torch.int32, device=device)
+    norms = (torch.ones(d, **z), torch.ones(d, **z)) if shape.qk_norm else (None, None)
+    for sums in (first, partials):
+        for window, softcap in shape.layer_kinds:
+            for splits in shape.decode_splits:
+                decode_attention_qkv(qkv, cos, cos, kv_cache, slots, tables, lens, nq, d**-0.5, window, softcap, *norms,
+                                     1e-6, shape.norm_in_float32, num_splits=splits, row_norm=RowNorm(sums, h, 1e-6))

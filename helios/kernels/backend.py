@@ -16,6 +16,7 @@ import torch
 
 from helios.kernels._triton import require_triton, switched_on
 from helios.kernels.decode_qkv import decode_attention_qkv
+from helios.kernels.gemv import RowNorm, row_rstd_ref
 from helios.kernels.paged_attention import choose_num_splits, paged_decode_attention
 from helios.kernels.prefill_attention import paged_prefill_attention
 from helios.kernels.reshape_and_cache import reshape_and_cache
@@ -80,17 +81,22 @@ class TritonAttentionBackend:
         sliding_window: int | None,
         softcap: float | None,
         qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None,  # (q weight, k weight, eps, f32)
+        row_norm: RowNorm | None = None,  # one row: qkv projects the un-normed stream, times its rstd first
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """forward() with the q/k norms, rotary and the cache write in one launch (rotary_cache); a decode-only
-        batch runs them inside its attention launch (decode_qkv), unless HELIOS_FUSED_DECODE=0 (benchmarks)."""
+        batch runs them inside its attention launch (decode_qkv), unless HELIOS_FUSED_DECODE=0 (benchmarks).
+        row_norm (helios.models.llama's norm-free layers): decode_qkv scales the row as it reads it; the other
+        paths scale it first in torch."""
         q_norm, k_norm, eps, in_f32 = qk_norm if qk_norm is not None else (None, None, 1e-6, False)
         head_dim = kv_cache.shape[4]
         if qkv.shape[0] == meta.num_seqs and head_dim >= 32 and switched_on("HELIOS_FUSED_DECODE"):
             splits = self._decode_splits(meta, sliding_window, kv_cache.shape[3], qkv.device)
             return decode_attention_qkv(
                 qkv, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, num_heads, scale,
-                sliding_window, softcap, q_norm, k_norm, eps, in_f32, num_splits=splits,
+                sliding_window, softcap, q_norm, k_norm, eps, in_f32, num_splits=splits, row_norm=row_norm,
             )
+        if row_norm is not None:
+            qkv = (qkv.float() * row_rstd_ref(row_norm)).to(qkv.dtype)
         q = rotary_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads, q_norm, k_norm, eps, in_f32)
         return self._attend(q, kv_cache, meta, scale, sliding_window, softcap)
 

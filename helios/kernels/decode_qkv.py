@@ -27,6 +27,7 @@ from helios.kernels._triton import (
     tl,
     use_pdl,
 )
+from helios.kernels.gemv import RowNorm, row_rstd, row_rstd_ref, times_rstd
 from helios.kernels.paged_attention import (
     _scaled,
     check_paged_inputs,
@@ -86,6 +87,14 @@ def _decode_qkv_kernel(
     BLOCK_HALF: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
+    # ROW_SCALE (one sequence): the qkv row is the projection of the un-normed residual stream (its norm weight
+    # folded into the qkv weight); q, k and v are multiplied by the stream's rstd from a RowNorm first
+    ROW_SCALE: tl.constexpr = False,
+    P_BLOCK: tl.constexpr = 1,
+    partials_ptr=None,
+    num_partials=1,
+    row_dim=1,
+    row_eps=0.0,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -147,15 +156,24 @@ def _decode_qkv_kernel(
     h = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + h
     q_mask = (h < GROUP)[:, None] & row_mask
+    rstd = 1.0
+    if ROW_SCALE:
+        rstd = row_rstd(partials_ptr, num_partials, row_dim, row_eps, P_BLOCK)
     q1, q2 = _halves(row + heads[:, None] * head_dim, cols, half, q_mask)
+    q1 = times_rstd(q1, rstd, ROW_SCALE)
+    q2 = times_rstd(q2, rstd, ROW_SCALE)
     r1, r2 = _norm_rotate(q1, q2, qw1, qw2, cos1, cos2, sin1, sin2, head_dim, eps, HAS_NORM, MULTIPLY_IN_FLOAT32)
     qa = r1.to(k1.dtype)  # rounded as rotary_cache stores q
     qb = r2.to(k1.dtype)
     n1, n2 = _halves(row + (num_heads + kv_head) * head_dim, cols, half, row_mask)
+    n1 = times_rstd(n1, rstd, ROW_SCALE)
+    n2 = times_rstd(n2, rstd, ROW_SCALE)
     kn1, kn2 = _norm_rotate(n1, n2, kw1, kw2, cos1, cos2, sin1, sin2, head_dim, eps, HAS_NORM, MULTIPLY_IN_FLOAT32)
     kn1 = kn1.to(k1.dtype)  # [1, BLOCK_HALF], as the cache holds it
     kn2 = kn2.to(k1.dtype)
     vn1, vn2 = _halves(row + (num_heads + num_kv_heads + kv_head) * head_dim, cols, half, row_mask)
+    vn1 = times_rstd(vn1, rstd, ROW_SCALE)
+    vn2 = times_rstd(vn2, rstd, ROW_SCALE)
     # the program whose range holds the newest position writes it to the cache (none for a padded row)
     owns_newest = (start < end) & (end == seq_len)
     slot = tl.load(slot_mapping_ptr + seq)
@@ -242,8 +260,13 @@ def decode_attention_qkv(
     multiply_in_float32: bool = False,
     num_splits: int = 1,
     block_n: int | None = None,
+    row_norm: RowNorm | None = None,  # one sequence: qkv is the projection of the un-normed stream (see below)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """rotary_and_cache then paged_decode_attention, in one launch (two with splits > 1: the merge)."""
+    """rotary_and_cache then paged_decode_attention, in one launch (two with splits > 1: the merge).
+
+    row_norm: the qkv row is x @ W'.T with x the residual stream before its RMSNorm and W' the qkv weight with
+    the norm weight folded in (helios.models.llama.fold_norm_weights); q, k and v are first multiplied by x's
+    rstd and rounded, which is what the norm kernel + projection would have written."""
     require_triton()
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache must be [2, num_pages, page_size, Nkv, D]"
     _, _, page_size, num_kv_heads, head_dim = kv_cache.shape
@@ -268,6 +291,13 @@ def decode_attention_qkv(
     part_out, part_lse = split_partials(out, num_splits)
     has_norm = q_norm is not None
     group = num_heads // num_kv_heads
+    row_args = {}
+    if row_norm is not None:
+        assert num_seqs == 1, "a RowNorm scales one row"
+        partials = row_norm.partials
+        assert partials.dtype == torch.float32 and partials.dim() == 1 and partials.is_contiguous()
+        row_args = dict(ROW_SCALE=True, P_BLOCK=next_power_of_2(partials.numel()), partials_ptr=partials,
+                        num_partials=partials.numel(), row_dim=row_norm.dim, row_eps=row_norm.eps)
     _decode_qkv_kernel[(num_seqs, num_kv_heads, num_splits)](
         qkv,
         cos,
@@ -314,6 +344,7 @@ def decode_attention_qkv(
         num_warps=NUM_WARPS,
         num_stages=1,
         launch_pdl=pdl,
+        **row_args,
     )
     merge_splits(part_out, part_lse, out, num_splits, pdl)
     return out
@@ -322,8 +353,11 @@ def decode_attention_qkv(
 def decode_attention_qkv_ref(
     qkv, cos, sin, kv_cache, slot_mapping, block_tables, seq_lens, num_heads, scale, sliding_window=None,
     softcap=None, q_norm=None, k_norm=None, eps=1e-6, multiply_in_float32=False, num_splits=1, block_n=None,
+    row_norm=None,
 ) -> torch.Tensor:
     """The two-launch path's references: rotary_and_cache_ref (writes the cache), then decode attention."""
+    if row_norm is not None:
+        qkv = (qkv.float() * row_rstd_ref(row_norm)).to(qkv.dtype)
     q = rotary_and_cache_ref(qkv, cos, sin, kv_cache, slot_mapping, num_heads, q_norm, k_norm, eps,
                              multiply_in_float32)
     return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap)

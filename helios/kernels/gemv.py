@@ -37,6 +37,16 @@ GATES = {None: 0, "silu": 1, "gelu_tanh": 2}
 _TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200: below this, split K to fill the chip
 
 
+class RowNorm(NamedTuple):
+    """A one-row RMS statistic handed from the GEMV that wrote the row to the kernel that reads it, in place of
+    a norm launch between them: float32 partial sums of the row's squares, one per program of the writer
+    (gemv_add), summed by each reader in one fixed order: rstd = rsqrt(sum(partials) / dim + eps)."""
+
+    partials: torch.Tensor  # [P] float32
+    dim: int  # the row's length (the mean's divisor)
+    eps: float
+
+
 class GemvConfig(NamedTuple):
     block_n: int  # output rows per program (>= 16 when M > 4: those use tl.dot)
     block_k: int  # K elements per chunk (power of two)
@@ -84,10 +94,27 @@ def _row(x_rows, r_rows, cols, mask, HAS_RESIDUAL: tl.constexpr):
 
 
 @jit
+def times_rstd(x, rstd, ROW_SCALE: tl.constexpr):
+    """x * rstd (a scalar) rounded back to x's dtype, with ROW_SCALE; x as is without."""
+    if ROW_SCALE:
+        x = (x.to(tl.float32) * rstd).to(x.dtype)
+    return x
+
+
+@jit
+def row_rstd(partials_ptr, num_partials, dim, eps, P_BLOCK: tl.constexpr):
+    """rsqrt(sum(partials) / dim + eps): a RowNorm's statistic, the partials summed in one fixed order."""
+    p = tl.arange(0, P_BLOCK)
+    parts = tl.load(partials_ptr + p, mask=p < num_partials, other=0.0)
+    return tl.rsqrt(tl.sum(parts, axis=0) / dim + eps)
+
+
+@jit
 def _x_chunk(x_rows, r_rows, norm_w_ptr, cols, mask, K, rstd, GATED: tl.constexpr, NORM: tl.constexpr,
-             HAS_RESIDUAL: tl.constexpr):
+             HAS_RESIDUAL: tl.constexpr, ROW_SCALE: tl.constexpr = False, row_scale=1.0):
     """The GEMV's input at cols ([1, BLOCK_K]): x, act(gate) * up, or the RMSNorm of x (+ residual) with the
-    roundings of helios.kernels.rmsnorm (rstd [BLOCK_M] from the statistics pass)."""
+    roundings of helios.kernels.rmsnorm (rstd [BLOCK_M] from the statistics pass). ROW_SCALE: x (gate and up)
+    times rstd from a RowNorm first, rounded as the normed row's projection would be stored."""
     if NORM != 0:
         s = _row(x_rows, r_rows, cols, mask, HAS_RESIDUAL)
         h = s.to(tl.float32) * rstd[:, None]
@@ -98,9 +125,9 @@ def _x_chunk(x_rows, r_rows, norm_w_ptr, cols, mask, K, rstd, GATED: tl.constexp
             y = h.to(s.dtype).to(tl.float32) * w
         x = y.to(s.dtype)
     else:
-        x = tl.load(x_rows + cols, mask=mask, other=0.0)
+        x = times_rstd(tl.load(x_rows + cols, mask=mask, other=0.0), row_scale, ROW_SCALE)
         if GATED != 0:
-            x = _gated(x, tl.load(x_rows + K + cols, mask=mask, other=0.0), GATED)
+            x = _gated(x, times_rstd(tl.load(x_rows + K + cols, mask=mask, other=0.0), row_scale, ROW_SCALE), GATED)
     return x
 
 
@@ -135,6 +162,17 @@ def _gemv_kernel(
     norm_w_ptr=None,  # [K]
     res_out_ptr=None,  # [M, K] contiguous: x + residual
     eps=0.0,
+    # ROW_SCALE: x (M = 1) times the rstd of a RowNorm (partials [num_partials] float32 over a row of norm_dim)
+    ROW_SCALE: tl.constexpr = False,
+    P_BLOCK: tl.constexpr = 1,  # next power of two >= num_partials
+    partials_ptr=None,
+    num_partials=1,
+    norm_dim=1,
+    # ADD_OUT (M = 1, no split-K): out = round(x @ w.T) + add, rounded as torch's add; each program also writes
+    # the float32 sum of its out elements' squares to sq_ptr[pid_n] (the RowNorm of out)
+    ADD_OUT: tl.constexpr = False,
+    add_ptr=None,  # [1, N]
+    sq_ptr=None,  # [cdiv(N, BLOCK_N)] float32
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -160,6 +198,9 @@ def _gemv_kernel(
 
     r_rows = x_rows
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    row_scale = 1.0
+    if ROW_SCALE:  # a scalar: nothing of it stays live across the loop but one register
+        row_scale = row_rstd(partials_ptr, num_partials, norm_dim, eps, P_BLOCK)
     if NORM != 0:
         # the statistics pass: the row as _rms_norm_kernel sees it (x + residual rounded to x's dtype)
         if HAS_RESIDUAL:
@@ -187,11 +228,12 @@ def _gemv_kernel(
             has_next = tl.full([BLOCK_N, BLOCK_K], 1, tl.int1) & (k + BLOCK_K < k_end)
             w_next = tl.load(w_rows + nxt[None, :], mask=has_next, other=0.0)
             x = _x_chunk(x_rows, r_rows, norm_w_ptr, cols[None, :], m_mask[:, None], K, rstd, GATED, NORM,
-                         HAS_RESIDUAL)
+                         HAS_RESIDUAL, ROW_SCALE, row_scale)
         else:
             w_next = tl.load(w_rows + nxt[None, :], mask=n_mask[:, None] & (nxt < k_end)[None, :], other=0.0)
             x_mask = m_mask[:, None] & (cols < k_end)[None, :]
-            x = _x_chunk(x_rows, r_rows, norm_w_ptr, cols[None, :], x_mask, K, rstd, GATED, NORM, HAS_RESIDUAL)
+            x = _x_chunk(x_rows, r_rows, norm_w_ptr, cols[None, :], x_mask, K, rstd, GATED, NORM, HAS_RESIDUAL,
+                         ROW_SCALE, row_scale)
         if USE_DOT:
             if IEEE_DOT:
                 acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -209,7 +251,15 @@ def _gemv_kernel(
     else:
         result = acc
     out_ptrs = out_ptr + pid_k * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    result = result.to(out_ptr.dtype.element_ty)
+    if ADD_OUT:
+        # NOTE: loaded after the loop: held across it, the tile cost 38 registers (128 -> 166 a thread on sm90,
+        # 3 programs an SM instead of 4: the 512 programs of o / down no longer fit one wave)
+        added = tl.load(add_ptr + offs_n[None, :], mask=n_mask[None, :], other=0.0).to(tl.float32)
+        result = (result.to(tl.float32) + added).to(out_ptr.dtype.element_ty)
+        y = tl.where(n_mask[None, :], result.to(tl.float32), 0.0)
+        tl.store(sq_ptr + pid_n, tl.sum(tl.sum(y * y, axis=1), axis=0))
+    tl.store(out_ptrs, result, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @jit
@@ -246,12 +296,15 @@ def gemv(
     split_k: int | None = None,
     gated: str | None = None,
     norm: tuple | None = None,
+    row_norm: RowNorm | None = None,
+    add: torch.Tensor | None = None,
+    sums: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M, N]
     """x @ weight.T with float32 accumulation and one rounding; unset tile arguments take default_config.
 
     gated="silu" | "gelu_tanh": x is a [M, 2K] row of [gate | up] and the product is act(gate) * up @ weight.T,
     the activation computed as the GEMV reads x (the down projection with helios.kernels.activation folded in).
-    norm: see gemv_add_rms_norm."""
+    norm: see gemv_add_rms_norm; row_norm, add and sums: see gemv_add."""
     require_triton()
     assert x.dim() == 2 and weight.dim() == 2, f"expected x [M, K], weight [N, K]: {tuple(x.shape)}, {tuple(weight.shape)}"
     m, k = x.shape
@@ -297,7 +350,20 @@ def gemv(
             assert residual_out.shape == x.shape and residual_out.is_contiguous()
         norm_args = dict(NORM=2 if in_float32 else 1, HAS_RESIDUAL=residual is not None, K_POW2=next_power_of_2(k),
                          res_ptr=residual, norm_w_ptr=norm_weight, res_out_ptr=residual_out, eps=eps)
+    if row_norm is not None:
+        assert m == 1 and norm is None, "a RowNorm scales one plain row"
+        partials = row_norm.partials
+        assert partials.dtype == torch.float32 and partials.dim() == 1 and partials.is_contiguous()
+        norm_args.update(ROW_SCALE=True, P_BLOCK=next_power_of_2(partials.numel()), partials_ptr=partials,
+                         num_partials=partials.numel(), norm_dim=row_norm.dim, eps=row_norm.eps)
+    if add is not None:
+        assert m == 1 and split_k == 1 and norm is None, "the add rides in a one-row GEMV without split-K"
+        assert sums is not None and sums.shape == (cdiv(n, block_n),) and sums.dtype == torch.float32
+        norm_args.update(ADD_OUT=True, add_ptr=add, sq_ptr=sums)
 
+    # NOTE: ptxas gave the add / row-scale forms 166 registers a thread (the plain GEMV 128): 3 programs of 4 warps
+    # an SM instead of 4, so o / down's 512 programs took two waves; capped, they keep 4 (no spills on sm90)
+    occupancy = dict(maxnreg=128) if (add is not None or row_norm is not None) and num_warps == 4 else {}
     # HELIOS_GEMV_PDL=0: the GEMV launches wait for the kernel before them (benchmarks compare)
     pdl = use_pdl(x, m) and switched_on("HELIOS_GEMV_PDL")
     grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
@@ -328,6 +394,7 @@ def gemv(
         num_stages=num_stages,
         launch_pdl=pdl,
         **norm_args,
+        **occupancy,
     )
     if split_k > 1:
         block = min(1024, next_power_of_2(n))
@@ -336,6 +403,32 @@ def gemv(
             launch_pdl=pdl,
         )
     return out
+
+
+def gemv_add(
+    x: torch.Tensor,  # [1, K] ([1, 2K] gated)
+    weight: torch.Tensor,  # [N, K]
+    add: torch.Tensor,  # [1, N], same dtype: the residual stream
+    *,
+    gated: str | None = None,
+    row_norm: RowNorm | None = None,  # x's own statistic: x (gate and up) is scaled by its rstd as it is read
+    **config,  # tile arguments of gemv (split_k is always 1)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (x @ weight.T + add [1, N], the partials of its RowNorm, float32)
+    """A one-row projection that adds its product to the residual stream and hands the sum's RMS statistic on
+    as RowNorm partials, one per program (helios.models.llama's norm-free decode layer): the next projection's
+    reader scales by rstd, so no norm kernel runs between them. The add rounds as torch's `x @ weight.T + add`
+    in x's dtype; with row_norm, x is first multiplied by its rstd and rounded (the values a norm kernel's
+    output times weight would give when the norm weight is folded into the projection before x:
+    helios.models.llama.fold_norm_weights)."""
+    assert x.shape[0] == 1 and add.shape == (1, weight.shape[0]) and add.dtype == x.dtype, (
+        f"gemv_add takes one row: x {tuple(x.shape)}, add {tuple(add.shape)}")
+    n, k = weight.shape
+    assert k > 0, "an empty product"
+    check_last_dim_contiguous("add", add)
+    config["split_k"] = 1
+    block_n = config.get("block_n") or default_config(1, n, k, x.dtype).block_n
+    sums = torch.empty(cdiv(n, block_n), dtype=torch.float32, device=x.device)
+    return gemv(x, weight, gated=gated, row_norm=row_norm, add=add, sums=sums, **config), sums
 
 
 def gemv_add_rms_norm(
@@ -404,3 +497,17 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, gated: str | None = None) ->
 
         x = (gelu_tanh_and_mul_ref if gated == "gelu_tanh" else silu_and_mul_ref)(x)
     return F.linear(x.to(torch.float32), weight.to(torch.float32)).to(x.dtype)
+
+
+def gemv_add_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor, gated: str | None = None,
+                 row_norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv_add in torch: x (times its rstd, rounded) through gemv_ref, plus add; the sum of its squares [1]."""
+    if row_norm is not None:
+        x = (x.float() * row_rstd_ref(row_norm)).to(x.dtype)
+    out = gemv_ref(x, weight, gated) + add
+    return out, out.float().square().sum().reshape(1)
+
+
+def row_rstd_ref(row_norm: RowNorm) -> torch.Tensor:
+    """A RowNorm's rstd as a float32 scalar tensor."""
+    return torch.rsqrt(row_norm.partials.sum() / row_norm.dim + row_norm.eps)

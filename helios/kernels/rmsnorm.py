@@ -69,6 +69,29 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * dim + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@jit
+def _sum_squares_kernel(x_ptr, out_ptr, dim, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    cols = tl.arange(0, BLOCK)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    h = tl.load(x_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    tl.store(out_ptr, tl.sum(h * h, axis=0))
+
+
+def row_sum_squares(x: torch.Tensor) -> torch.Tensor:  # [1, dim] -> [1] float32
+    """The float32 sum of a row's squares: the one partial of the RowNorm (helios.kernels.gemv) of a row no GEMV
+    wrote (the embedding, before the first layer of the norm-free decode path)."""
+    require_triton()
+    assert x.dim() == 2 and x.shape[0] == 1, f"one row, got {tuple(x.shape)}"
+    check_last_dim_contiguous("x", x)
+    out = torch.empty(1, dtype=torch.float32, device=x.device)
+    block = next_power_of_2(x.shape[1])
+    pdl = use_pdl(x, 1)
+    _sum_squares_kernel[(1,)](x, out, x.shape[1], BLOCK=block, USE_PDL=pdl,
+                              num_warps=4 if block <= 1024 else WIDE_ROW_WARPS if block <= 4096 else 16, launch_pdl=pdl)
+    return out
+
+
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
     """(num_rows, inner_rows, stride0, stride1) of a [N, dim] or [N, M, dim] tensor."""
     if x.dim() == 2:

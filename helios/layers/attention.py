@@ -274,17 +274,7 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv(x) if qkv is None else qkv
         if getattr(self.backend, "fuses_layers", False):  # GPU: norms + rotary + cache write in one launch
-            norms = None
-            if self.q_norm is not None:
-                norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.multiply_in_float32)
-            from helios.kernels.prefetch import l2_prefetch
-
-            # batch-1 decode: the o weight may stream into L2 beside the latency-bound kernels (opt-in)
-            with l2_prefetch(self.o.weight, num_tokens):
-                o = self.backend.forward_qkv(
-                    qkv, *cos_sin, self.num_heads, kv_cache, meta, self.scale, self.sliding_window, self.softcap, norms
-                )
-            return self.o(o.reshape(num_tokens, q_size))
+            return self.o(self.attend_qkv(qkv, cos_sin, kv_cache, meta))
         cos, sin = cos_sin
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
@@ -298,3 +288,24 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
         return self.o(o.reshape(num_tokens, q_size))
+
+    def attend_qkv(
+        self,
+        qkv: torch.Tensor,  # [T, (Nq + 2*Nkv)*D], the qkv projection
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        row_norm=None,  # helios.kernels.gemv.RowNorm: qkv projects the un-normed row (see the backend)
+    ) -> torch.Tensor:  # [T, Nq*D], before the o projection
+        """The fused backend's attention from the qkv projection: q/k norms, rotary, cache write, attention."""
+        norms = None
+        if self.q_norm is not None:
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.multiply_in_float32)
+        from helios.kernels.prefetch import l2_prefetch
+
+        num_tokens = qkv.shape[0]
+        # batch-1 decode: the o weight may stream into L2 beside the latency-bound kernels (opt-in)
+        with l2_prefetch(self.o.weight, num_tokens):
+            o = self.backend.forward_qkv(qkv, *cos_sin, self.num_heads, kv_cache, meta, self.scale,
+                                         self.sliding_window, self.softcap, norms, row_norm=row_norm)
+        return o.reshape(num_tokens, self.num_heads * self.head_dim)

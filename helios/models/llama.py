@@ -26,6 +26,21 @@ def folds_norms(x: torch.Tensor, projection: Linear) -> bool:
     return projection.bias is None and gemv_serves(x, projection.weight) and switched_on("HELIOS_FOLD_NORMS")
 
 
+def runs_norm_free(x: torch.Tensor, model: "LlamaForCausalLM") -> bool:
+    """Whether this forward takes the norm-free batch-1 decode layers (DecoderLayer.forward_norm_free): the norm
+    weights are folded (LlamaForCausalLM.fold_norm_weights), one row, the o and down products on the GEMV's
+    terms (helios.kernels.gemv.gemv_serves), HELIOS_DEFER_NORMS not "0" (read at each capture: benchmarks
+    compare)."""
+    from helios.kernels._triton import switched_on
+    from helios.kernels.gemv import gemv_serves
+
+    if not model.norms_folded or x.shape[0] != 1:
+        return False
+    layer = model.layers[0]
+    return (gemv_serves(x, layer.attn.o.weight) and gemv_serves(x, getattr(layer, layer.ffn_name).down.weight)
+            and switched_on("HELIOS_DEFER_NORMS"))
+
+
 def is_sliding(arch: Architecture, layer_idx: int) -> bool:
     return bool(arch.layer_types) and arch.layer_types[layer_idx] == "sliding"
 
@@ -87,6 +102,28 @@ class DecoderLayer(nn.Module):
         h, residual = self.mlp_norm.forward_add(self.attn(h, cos_sin, kv_cache, meta), residual, fused=True)
         return ffn(h), residual
 
+    def forward_norm_free(
+        self,
+        x: torch.Tensor,  # [1, H], the residual stream
+        partials: torch.Tensor,  # [P] float32: the partial sums of x's squares (helios.kernels.gemv.RowNorm)
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (the stream after this layer, its partials)
+        """forward() at batch-1 decode with no norm kernel: the norm weights are folded into the qkv and gate_up
+        weights (LlamaForCausalLM.fold_norm_weights), so each projection reads the un-normed stream and its
+        reader scales by the stream's rstd (the attention launch for qkv, the down GEMV for gate_up); the o and
+        down GEMVs add into the stream and write the partial sums of its squares that rstd comes from."""
+        from helios.kernels.gemv import RowNorm, gemv_add
+
+        mlp = getattr(self, self.ffn_name)
+        dim = x.shape[1]
+        a = self.attn.attend_qkv(linear(x, self.attn.qkv.weight), cos_sin, kv_cache, meta,
+                                 row_norm=RowNorm(partials, dim, self.attn_norm.eps))
+        x, partials = gemv_add(a, self.attn.o.weight, x)
+        return gemv_add(linear(x, mlp.gate_up.weight), mlp.down.weight, x, gated=mlp.act,
+                        row_norm=RowNorm(partials, dim, self.mlp_norm.eps))
+
 
 class LlamaForCausalLM(nn.Module):
     """llama / qwen2 / qwen3. Subclasses change the feed-forward of a layer via `make_ffn`."""
@@ -96,6 +133,7 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         # GPU path (Triton backend): fused residual + norm, rotary + cache write and gated activation kernels
         self.is_fused = getattr(backend, "fuses_layers", False)
+        self.norms_folded = False  # fold_norm_weights ran: every attn / mlp norm weight is 1
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(arch, i, backend, *self.make_ffn(arch, i)) for i in range(arch.num_layers)
@@ -112,6 +150,43 @@ class LlamaForCausalLM(nn.Module):
             else self.rotary
         )
 
+    def fold_norm_weights(self, force: bool = False) -> None:
+        """On the GPU path of a 16-bit model with plain gated-MLP layers and no qkv / o / MLP biases: multiply each
+        layer's attn and mlp norm weights into the columns of its qkv and gate_up weights (new tensors; the
+        bound ones may be shared) and set the norm weights to 1, so that a projection of the un-normed stream
+        times its rstd is the projection of the normed one (runs_norm_free). Every path then reads the folded
+        weights: the norm kernels multiply by 1. Numerics: the weight products are rounded to 16 bits once, where
+        the unfolded path rounds the normed row times its weight; both within the dtype's tolerance.
+        HELIOS_DEFER_NORMS=0 at load keeps the weights as bound. force: any device and dtype (tests run the
+        norm-free layers in the Triton interpreter on the CPU)."""
+        from helios.kernels._triton import HAS_TRITON, interpret_mode, switched_on
+
+        weight = self.layers[0].attn.qkv.weight
+        on_gpu = (weight.device.type == "cuda" and weight.dtype in (torch.bfloat16, torch.float16) and HAS_TRITON
+                  and not interpret_mode())
+        eligible = (
+            (force or on_gpu)
+            and self.is_fused
+            and switched_on("HELIOS_DEFER_NORMS")
+            and all(self._folds(layer) for layer in self.layers)
+        )
+        if not eligible or self.norms_folded:
+            return
+        for layer in self.layers:
+            mlp = getattr(layer, layer.ffn_name)
+            for norm, projection in ((layer.attn_norm, layer.attn.qkv), (layer.mlp_norm, mlp.gate_up)):
+                w = projection.weight
+                projection._parameters["weight"] = nn.Parameter(w * norm.weight.to(w.dtype), requires_grad=False)
+                norm._parameters["weight"] = nn.Parameter(torch.ones_like(norm.weight), requires_grad=False)
+        self.norms_folded = True
+
+    @staticmethod
+    def _folds(layer: DecoderLayer) -> bool:
+        mlp = getattr(layer, layer.ffn_name)
+        return (isinstance(mlp, GatedMLP) and mlp.fused and mlp.gate_up.bias is None and mlp.down.bias is None
+                and layer.attn.qkv.bias is None and layer.attn.o.bias is None
+                and not layer.attn_norm.multiply_in_float32 and not layer.mlp_norm.multiply_in_float32)
+
     def make_ffn(self, arch: Architecture, layer_idx: int) -> tuple[nn.Module, str]:
         return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, fused=self.is_fused), "mlp"
 
@@ -126,6 +201,14 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.arch.embedding_scale, dtype=x.dtype)
         rope = self.rotary.cos_sin(meta.positions, x.dtype)
         local_rope = rope if self.local_rotary is self.rotary else self.local_rotary.cos_sin(meta.positions, x.dtype)
+        if self.is_fused and runs_norm_free(x, self):
+            from helios.kernels.rmsnorm import row_sum_squares
+
+            partials = row_sum_squares(x)
+            for i, layer in enumerate(self.layers):
+                x, partials = layer.forward_norm_free(x, partials, local_rope if is_sliding(self.arch, i) else rope,
+                                                      kv_caches[i], meta)
+            return self.norm.forward_add(x, None, fused=True)[0]
         if self.is_fused:
             residual = None
             for i, layer in enumerate(self.layers):

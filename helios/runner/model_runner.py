@@ -160,6 +160,12 @@ class ModelRunner:
         if is_cuda:
             tensors = move_tensors(tensors, self.device, self.dtype)
         self.model = build_model(arch, tensors, self.device, self.dtype, attention_backend)
+        # NOTE: the GPU tensors moved here are the model's alone now: dropping the dict lets the family's weight
+        # rewrite for its GPU path (llama: fold_norm_weights) free each replaced tensor as it goes
+        del tensors
+        fold = getattr(self.model, "fold_norm_weights", None)
+        if fold is not None:
+            fold()
         t2 = time.perf_counter()
         if num_pages is None:
             if not is_cuda:

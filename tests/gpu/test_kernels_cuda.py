@@ -124,6 +124,42 @@ def test_decode_from_qkv(dtype, num_splits):
     checks.check_decode_qkv(CUDA, dtype, 2, 16, num_splits=num_splits, sliding_window=33, softcap=5.0, qk_norm=True)
 
 
+@DTYPES
+@pytest.mark.parametrize("num_splits, partials", [(1, 1), (4, 512)])
+def test_decode_from_qkv_scaled_by_a_row_norm(dtype, num_splits, partials):
+    """The norm-free layer's attention (rstd = 2 exactly: kernel and reference scale to the same values)."""
+    from helios.kernels.gemv import RowNorm
+
+    sums = torch.full((partials,), 32.0 / partials, device=CUDA)  # 32 / 128 = 1 / 4
+    checks.check_decode_qkv(CUDA, dtype, 4, 16, seq_lens=(300,), num_splits=num_splits, head_dim=128,
+                            row_norm=RowNorm(sums, 128, 0.0))
+    checks.check_decode_qkv(CUDA, dtype, 2, 16, seq_lens=(37,), num_splits=num_splits, qk_norm=True,
+                            row_norm=RowNorm(sums, 128, 0.0))
+
+
+@DTYPES
+@pytest.mark.parametrize("gated", [None, "silu"])
+def test_gemv_add_at_llama_8b_shapes(dtype, gated):
+    """gemv_add as the norm-free layer runs it: o (4096 x 4096) and down (4096 x 14336, gated, scaled by a
+    RowNorm of 512 partials): the sum plus one float32 partial sum of squares per program."""
+    from helios.kernels.gemv import RowNorm, gemv_add, gemv_add_ref
+
+    g = torch.Generator().manual_seed(5)
+    k = 14336 if gated else 4096
+    x = (2 * torch.randn(1, 2 * k if gated else k, generator=g)).to(CUDA, dtype)
+    weight = (torch.randn(4096, k, generator=g) / k**0.5).to(CUDA, dtype)
+    add = torch.randn(1, 4096, generator=g).to(CUDA, dtype)
+    row_norm = RowNorm(torch.rand(512, generator=g).to(CUDA) * 40, 2 * k, 1e-5) if gated else None
+    out, partials = gemv_add(x, weight, add, gated=gated, row_norm=row_norm)
+    expected, sum_squares = gemv_add_ref(x, weight, add, gated, row_norm)
+    tol = 3.2e-2 if dtype == torch.bfloat16 else 1e-4
+    scale = (expected.float() - add.float()).abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol * max(1.0, scale))
+    assert partials.shape == (512,)
+    torch.testing.assert_close(partials.sum(), out.float().square().sum(), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(partials.sum(), sum_squares[0], rtol=2e-2, atol=0)
+
+
 def test_argmax_rows():
     checks.check_argmax_rows(CUDA)
 

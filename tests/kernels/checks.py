@@ -189,6 +189,7 @@ def check_decode_qkv(
     block_n=None,
     num_kv_heads=2,
     head_dim=64,
+    row_norm=None,
 ):
     """The one-launch decode (norms, rotary, cache write, attention from the qkv row) against rotary_and_cache_ref
     then decode attention's reference: the output and the whole cache. A seq_len of 0 is a padded graph row
@@ -210,8 +211,9 @@ def check_decode_qkv(
     actual, expected = c.kv_cache.clone(), c.kv_cache.clone()
     args = (cos, sin)
     tail = (c.block_tables, seqs, num_heads, head_dim**-0.5, sliding_window, softcap)
-    out = decode_attention_qkv(qkv, *args, actual, slots, *tail, **norms, num_splits=num_splits, block_n=block_n)
-    ref = decode_attention_qkv_ref(qkv, *args, expected, slots, *tail, **norms)
+    out = decode_attention_qkv(qkv, *args, actual, slots, *tail, **norms, num_splits=num_splits, block_n=block_n,
+                               row_norm=row_norm)
+    ref = decode_attention_qkv_ref(qkv, *args, expected, slots, *tail, **norms, row_norm=row_norm)
     _close(actual, expected, dtype, device)
     _close(out, ref, dtype, device)
     assert not out[[i for i, n in enumerate(lens) if n == 0]].any()

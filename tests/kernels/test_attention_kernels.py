@@ -94,3 +94,19 @@ def test_decode_from_qkv_norms_window_softcap_splits(num_splits):
 
 def test_decode_from_qkv_half_gemma_norm_order():
     checks.check_decode_qkv("cpu", torch.float16, 2, 16, qk_norm=True, multiply_in_float32=True, num_splits=2)
+
+
+@pytest.mark.parametrize("dtype, num_splits, partials, qk_norm", [(torch.float32, 1, 1, False),
+                                                                  (torch.float16, 2, 5, True)])
+def test_decode_from_qkv_scales_an_un_normed_row_by_its_rstd(dtype, num_splits, partials, qk_norm):
+    """row_norm (the norm-free decode layer): q, k and v times the stream's rstd, rounded, then as before; the
+    cache gets the scaled key and value. (bfloat16 runs in tests/gpu: the interpreter's bfloat16 dot is garbage.)"""
+    from helios.kernels.gemv import RowNorm
+
+    # rstd = rsqrt(250 / 1000) = 2 exactly: the scaled row is exact, so kernel and reference see the same values
+    # whatever rounding their rsqrt has (and a missed scale shows)
+    sums = torch.full((partials,), 250.0 / partials)
+    out = checks.check_decode_qkv("cpu", dtype, 2, 16, seq_lens=(37,), num_splits=num_splits, qk_norm=qk_norm,
+                                  row_norm=RowNorm(sums, 1000, 0.0))
+    plain = checks.check_decode_qkv("cpu", dtype, 2, 16, seq_lens=(37,), num_splits=num_splits, qk_norm=qk_norm)
+    assert not torch.allclose(out.float(), plain.float(), atol=1e-2)

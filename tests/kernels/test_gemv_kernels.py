@@ -128,6 +128,42 @@ def test_gemv_with_the_add_and_rms_norm_folded_in(dtype, with_residual, in_float
     assert torch.equal(out, again)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gated", [None, "silu", "gelu_tanh"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "row-norm"])
+@pytest.mark.parametrize("n, k, config", [(40, 300, dict(block_n=8, block_k=64)), (64, 256, dict(block_n=16, block_k=128))])
+def test_gemv_add_adds_into_the_stream_and_hands_on_its_sum_of_squares(dtype, gated, scaled, n, k, config):
+    """gemv_add == gemv_add_ref (x times its rstd, the product, + add; rounded as torch rounds), one float32 sum of
+    squares of the written row per program; split-K is never taken (a program owns whole output rows)."""
+    from helios.kernels.gemv import RowNorm, gemv_add, gemv_add_ref
+
+    g = torch.Generator().manual_seed(21)
+    x = (4 * torch.randn(1, 2 * k if gated else k, generator=g)).to(dtype)
+    weight = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    add = torch.randn(1, n, generator=g).to(dtype)
+    row_norm = RowNorm(torch.rand(7, generator=g) * 40 + 1, 2 * k if gated else k, 1e-5) if scaled else None
+    out, partials = gemv_add(x, weight, add, gated=gated, row_norm=row_norm, split_k=4, **config)
+    expected, sum_squares = gemv_add_ref(x, weight, add, gated, row_norm)
+    tol = 2 * _TOL[dtype]
+    # the add may cancel the product: an absolute tolerance at the product's scale (its rounding before the add)
+    scale = (expected.float() - add.float()).abs().max().item()
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol * max(1.0, scale))
+    assert partials.dtype == torch.float32 and partials.shape == (-(-n // config["block_n"]),)
+    torch.testing.assert_close(partials.sum(), out.float().square().sum(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(partials.sum(), sum_squares[0], rtol=0.05, atol=0)
+    again, again_partials = gemv_add(x, weight, add, gated=gated, row_norm=row_norm, **config)
+    assert torch.equal(out, again) and torch.equal(partials, again_partials), "not reproducible run to run"
+
+
+def test_row_sum_squares_is_the_one_partial_of_an_embedding_row():
+    from helios.kernels.rmsnorm import row_sum_squares
+
+    x = torch.randn(1, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    sums = row_sum_squares(x)
+    assert sums.shape == (1,) and sums.dtype == torch.float32
+    torch.testing.assert_close(sums[0], x.float().square().sum(), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("value, mode", [(None, "narrow"), ("all", "all"), ("1", "all"), ("narrow", "narrow"),
                                          ("square", "square"), ("nowide", "nowide"), ("0", "off"), ("wide", "off")])
 def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
@@ -156,12 +192,48 @@ def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mod
     shape = KernelShape(dtype=torch.bfloat16, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                         page_size=16, layer_kinds=((None, None),), decode_splits=(1, 4),
                         projections=(qkv, o, gate_up, down, head), projections_ffn=14336,
-                        norm_projections=(qkv, gate_up))
+                        norm_projections=(qkv, gate_up), norm_free=True)
     monkeypatch.setattr(gemv_module, "gemv_mode", lambda: mode)
+    monkeypatch.delenv("HELIOS_DEFER_NORMS", raising=False)
     loaded = runtime_shape(shape)
+    # the norm-free layers need the GEMV for o and down
+    assert loaded.norm_free == (mode in ("narrow", "nowide", "all"))
+    monkeypatch.setenv("HELIOS_DEFER_NORMS", "0")
+    assert not runtime_shape(shape).norm_free
     expected = {"off": ((), ()), "narrow": ((o, down), ()), "square": ((o,), ()), "nowide": ((qkv, o, down), (qkv,)),
                 "all": (shape.projections, shape.norm_projections)}
     assert (loaded.projections, loaded.norm_projections) == expected[mode]
     assert loaded.decode_splits == shape.decode_splits and loaded.projections_ffn == 14336
     # one decode attention path (HELIOS_FUSED_DECODE, on by default) and no unfused cache write at start
     assert loaded.decode_paths == ("fused",) and not loaded.cache_write and shape.decode_paths == ("fused", "split")
+
+
+def test_ahead_of_time_launchers_cover_the_norm_free_layer():
+    """run_launchers with norm_free launches what helios.models.llama's norm-free layer does (interpreted here on
+    small shapes, so every launcher's arguments are checked): the embedding's statistic, both gemv_add forms, and
+    decode attention scaled by a RowNorm of one and of many partials."""
+    from helios.kernels import aot_shapes, decode_qkv, gemv as gemv_module, rmsnorm
+
+    calls = []
+
+    def spy(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append((name, kwargs.get("gated"), None if kwargs.get("row_norm") is None
+                          else kwargs["row_norm"].partials.numel()))
+            return real(*args, **kwargs)
+        return wrapper
+
+    shape = aot_shapes.KernelShape(dtype=torch.float16, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=32,
+                                   page_size=16, layer_kinds=((None, None),), decode_splits=(1,),
+                                   projections=((128, 64), (64, 128)), projections_ffn=96, norm_free=True,
+                                   decode_paths=("fused",), cache_write=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gemv_module, "gemv_add", spy(gemv_module, "gemv_add"))
+        mp.setattr(rmsnorm, "row_sum_squares", spy(rmsnorm, "row_sum_squares"))
+        mp.setattr(decode_qkv, "decode_attention_qkv", spy(decode_qkv, "decode_attention_qkv"))
+        aot_shapes._norm_free_launchers(shape, "cpu")
+    programs = -(-64 // default_config(1, 64, 128).block_n)
+    assert calls == [("row_sum_squares", None, None), ("gemv_add", None, None), ("gemv_add", "silu", programs),
+                     ("decode_attention_qkv", None, 1), ("decode_attention_qkv", None, programs)]
