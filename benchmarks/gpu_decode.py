@@ -279,10 +279,12 @@ def graph_replays(graphed, limits: dict[int, float], ctx: int) -> list[str]:
 def capture_under(graphed, buckets: list[int], env: dict[str, str]):
     """The runner's decode graphs for `buckets` captured again with `env` set (the kernels read it at capture);
     a key "package.module.NAME" sets helios.package.module.NAME instead (tile constants such as
-    kernels.decode_qkv.BLOCK_N), and "graphs.short_seq_len" the new GraphRunner's short_seq_len."""
+    kernels.decode_qkv.BLOCK_N), and "graphs.short_seq_len" / "graphs.short_programs" the new GraphRunner's
+    short_seq_len / short_programs."""
     import importlib
     import os
 
+    from helios.kernels.aot_shapes import SHORT_PROGRAMS
     from helios.runner.cuda_graphs import SHORT_SEQ_LEN, GraphRunner
 
     gr = graphed.graphs
@@ -300,7 +302,8 @@ def capture_under(graphed, buckets: list[int], env: dict[str, str]):
         return GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in buckets if b in gr.graphs],
                            max_model_len=gr.max_model_len, page_size=gr.page_size,
                            vocab_size=gr.buffers.logits.shape[1], num_kv_heads=graphed.arch.num_kv_heads,
-                           device=graphed.device, short_seq_len=int(env.get("graphs.short_seq_len", SHORT_SEQ_LEN)))
+                           device=graphed.device, short_seq_len=int(env.get("graphs.short_seq_len", SHORT_SEQ_LEN)),
+                           short_programs=int(env.get("graphs.short_programs", SHORT_PROGRAMS)))
     finally:
         for name, value in saved.items():
             if value is None:
@@ -328,13 +331,14 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
 
 def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "0", gemv_pdl: str = "1",
              block_n: int = 64, warps: int = 4, norm_warps: int = 8, short: int = 256,
-             fold: str = "1", defer: str = "1") -> dict[str, str]:
+             fold: str = "1", defer: str = "1", programs: int = 32, merge: int = 1) -> dict[str, str]:
     """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in),
     and the one-launch decode's tiles; the defaults are helios' own."""
     return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,
             "HELIOS_GEMV_PDL": gemv_pdl, "kernels.decode_qkv.BLOCK_N": str(block_n),
             "kernels.decode_qkv.NUM_WARPS": str(warps), "kernels.rmsnorm.WIDE_ROW_WARPS": str(norm_warps),
-            "graphs.short_seq_len": str(short), "HELIOS_FOLD_NORMS": fold, "HELIOS_DEFER_NORMS": defer}
+            "graphs.short_seq_len": str(short), "HELIOS_FOLD_NORMS": fold, "HELIOS_DEFER_NORMS": defer,
+            "graphs.short_programs": str(programs), "kernels.decode_qkv.MERGE_IN_KERNEL": str(merge)}
 
 
 # label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), decode attention in one launch from
@@ -349,10 +353,12 @@ def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "
 # 84.5 / 84.4%, the folded norm scaled after the dot (no statistics pass; removed) 77.0 / 77.0% with the GEMV for
 # all and 83.1 / 83.2% for qkv/o/down, beside the statistics pass 82.4 / 82.1% and 84.1 / 83.9%.
 ENGINE_VARIANTS = {
-    "norm-free layers, GEMV o/down (default)": _variant(),
-    "norm kernels, GEMV o/down (the previous default)": _variant(defer="0"),
+    "norm-free layers, short steps in 4 decode splits merged in-launch (default)": _variant(),
+    "norm-free layers, short steps in one decode split": _variant(programs=0),
+    "norm-free layers, short steps in 2 splits": _variant(programs=16),
+    "norm-free layers, short steps in 8 splits": _variant(programs=64),
     "norm-free layers, GEMV for all": _variant(gemv="all"),
-    "cuBLAS, norm kernels": _variant(gemv="0"),
+    "norm kernels, one split (the previous default)": _variant(defer="0", programs=0),
 }
 
 

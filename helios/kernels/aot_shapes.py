@@ -23,6 +23,20 @@ def graph_decode_splits(bucket: int, num_kv_heads: int, max_model_len: int, num_
     return choose_num_splits(max_model_len, bucket, num_kv_heads, num_sms)
 
 
+# programs a decode graph's short-sequence variant aims for: splits = cdiv(SHORT_PROGRAMS, rows x kv heads), at most
+# SHORT_SPLITS_MAX (with the merge inside decode_qkv's launch, a split costs no extra launch)
+SHORT_PROGRAMS = 32
+SHORT_SPLITS_MAX = 8
+
+
+def short_decode_splits(bucket: int, num_kv_heads: int, programs: int = SHORT_PROGRAMS) -> int:
+    """The decode split count of a graph of `bucket` rows replayed while every sequence is short (helios.runner.
+    cuda_graphs.SHORT_SEQ_LEN keys or fewer): 1 for buckets that fill `programs` (seq, kv head) programs already."""
+    if programs <= 0:
+        return 1
+    return max(1, min(SHORT_SPLITS_MAX, -(-programs // max(1, bucket * num_kv_heads))))
+
+
 def parse_target(target: str) -> int:
     """'cuda-sm90' -> 90 (the GPUTarget arch)."""
     m = re.fullmatch(r"cuda-sm(\d+)", target)
@@ -77,6 +91,8 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
         kinds.add((arch.sliding_window if sliding else None, arch.attn_logit_softcapping))
     context = manifest.limits.context_length
     splits = {1} | {graph_decode_splits(b, arch.num_kv_heads, context, num_sms) for b in plan.decode_buckets}
+    if arch.head_dim >= 32:  # the short graphs split only where decode_qkv merges in its launch
+        splits |= {short_decode_splits(b, arch.num_kv_heads) for b in plan.decode_buckets}
     is_gemma = arch.family == "gemma3"
     h, q_width = arch.hidden_size, arch.num_heads * arch.head_dim
     ffn = arch.moe.moe_intermediate_size if arch.moe else arch.intermediate_size

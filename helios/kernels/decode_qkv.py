@@ -41,6 +41,13 @@ from helios.kernels.rotary_cache import _halves, _norm_rotate, rotary_and_cache_
 # keys per loop step at head_dim <= 128 (half above) and warps per program; benchmarks/gpu_decode.py tries others
 BLOCK_N = 64
 NUM_WARPS = 4
+# splits > 1 merge in the launch (the last program of each (sequence, kv head) to finish), not in a second kernel;
+# 0: paged_attention's merge kernel (benchmarks compare)
+MERGE_IN_KERNEL = 1
+# arrival counters of the in-launch merge, one per (sequence, kv head) and device: allocated once (a graph keeps
+# pointing at them), zero between launches (each merging program resets its own)
+_COUNTER_SLOTS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @jit
@@ -95,6 +102,10 @@ def _decode_qkv_kernel(
     num_partials=1,
     row_dim=1,
     row_eps=0.0,
+    # MERGE (NUM_SPLITS > 1): the last program of a (sequence, kv head) to arrive at counter_ptr merges the splits
+    MERGE: tl.constexpr = False,
+    BLOCK_S: tl.constexpr = 1,  # next power of two >= NUM_SPLITS
+    counter_ptr=None,  # [>= num_seqs * num_kv_heads] int32, zero
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -240,6 +251,42 @@ def _decode_qkv_kernel(
         tl.store(part_out_ptr + part[:, None] * head_dim + half + cols, o2, mask=q_mask)
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=h < GROUP)
+        if MERGE:
+            # every thread's partial stores are issued before the one release; the last to arrive acquires them
+            tl.debug_barrier()
+            counter = counter_ptr + seq * num_kv_heads + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                _merge_group(part_out_ptr, part_lse_ptr, out_ptr + seq * stride_os, seq, heads, h < GROUP, cols,
+                             row_mask, half, head_dim, num_heads, stride_oh, NUM_SPLITS, BLOCK_S)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+
+
+@jit
+def _merge_group(part_out_ptr, part_lse_ptr, out_ptr, seq, heads, h_mask, cols, row_mask, half, head_dim, num_heads,
+                 stride_oh, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """paged_attention's merge kernel for one GQA group's heads ([BLOCK_H]) inside the decode launch: the splits'
+    partial outputs weighted by exp2(lse - max lse), in the same order. Loads bypass L1 (other SMs wrote them)."""
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < NUM_SPLITS
+    rows = (seq * num_heads + heads)[:, None] * NUM_SPLITS + s[None, :]  # [BLOCK_H, BLOCK_S]
+    lse = tl.load(part_lse_ptr + rows, mask=h_mask[:, None] & s_mask[None, :], other=float("-inf"),
+                  cache_modifier=".cg")
+    g = tl.max(lse, axis=1)
+    g = tl.where(g == float("-inf"), 0.0, g)
+    w = tl.exp2(lse - g[:, None])  # [BLOCK_H, BLOCK_S]; 0 for empty splits
+    den = tl.sum(w, axis=1)
+    inv = 1.0 / tl.where(den > 0, den, 1.0)
+    mask3 = (h_mask[:, None] & s_mask[None, :])[:, :, None] & row_mask[None, :, :]
+    base = part_out_ptr + rows[:, :, None] * head_dim + cols[None, :, :]  # [BLOCK_H, BLOCK_S, BLOCK_HALF]
+    o1 = tl.load(base, mask=mask3, other=0.0, cache_modifier=".cg")
+    o2 = tl.load(base + half, mask=mask3, other=0.0, cache_modifier=".cg")
+    r1 = tl.sum(w[:, :, None] * o1, axis=1) * inv[:, None]
+    r2 = tl.sum(w[:, :, None] * o2, axis=1) * inv[:, None]
+    out = out_ptr + heads[:, None] * stride_oh + cols
+    store_mask = h_mask[:, None] & row_mask
+    tl.store(out, r1.to(out_ptr.dtype.element_ty), mask=store_mask)
+    tl.store(out + half, r2.to(out_ptr.dtype.element_ty), mask=store_mask)
 
 
 def decode_attention_qkv(
@@ -289,6 +336,10 @@ def decode_attention_qkv(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     pdl = use_pdl(qkv, num_seqs)
     part_out, part_lse = split_partials(out, num_splits)
+    merge = num_splits > 1 and MERGE_IN_KERNEL and num_seqs * num_kv_heads <= _COUNTER_SLOTS
+    merge_args = {}
+    if merge:
+        merge_args = dict(MERGE=True, BLOCK_S=next_power_of_2(num_splits), counter_ptr=_arrival_counters(qkv.device))
     has_norm = q_norm is not None
     group = num_heads // num_kv_heads
     row_args = {}
@@ -345,9 +396,21 @@ def decode_attention_qkv(
         num_stages=1,
         launch_pdl=pdl,
         **row_args,
+        **merge_args,
     )
-    merge_splits(part_out, part_lse, out, num_splits, pdl)
+    if not merge:
+        merge_splits(part_out, part_lse, out, num_splits, pdl)
     return out
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed arrival counters of the in-launch merge (allocated once, never replaced).
+
+    NOTE: first allocated by a warm-up launch, never inside a graph capture (GraphRunner warms every graph up
+    first); the merging programs leave them zero."""
+    if device not in _counters:
+        _counters[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _counters[device]
 
 
 def decode_attention_qkv_ref(

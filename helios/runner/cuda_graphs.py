@@ -19,15 +19,16 @@ from dataclasses import dataclass
 import torch
 
 from helios.engine.messages import ScheduledRequest
-from helios.kernels.aot_shapes import graph_decode_splits
+from helios.kernels.aot_shapes import SHORT_PROGRAMS, graph_decode_splits, short_decode_splits
 from helios.layers.attention import Attention, AttentionMetadata
 from helios.runner.input_batch import BLOCK_TABLE_ALIGN, BatchLayout, round_up
 
 # rows of the packed int64 input buffer (one host->device copy per step instead of four)
 TOKEN_IDS, POSITIONS, SLOT_MAPPING, SEQ_LENS = range(4)
-# NOTE: a bucket whose pinned split count is > 1 also gets a graph with one split, replayed while every sequence
-# of the step has at most this many keys: choose_num_splits' own rule (no split shorter than 256 keys). Its
-# single launch skips the merge kernel that an empty-but-for-one-split step would still pay for.
+# NOTE: a bucket whose pinned split count is > 1 also gets a graph with fewer splits, replayed while every sequence
+# of the step has at most this many keys: choose_num_splits' own rule (no split shorter than 256 keys). With one
+# split it skips the merge kernel that an empty-but-for-one-split step would still pay for; with decode_qkv's
+# merge inside its launch, a few splits (aot_shapes.short_decode_splits) spread a short step over more programs.
 SHORT_SEQ_LEN = 256
 
 
@@ -220,7 +221,8 @@ class GraphRunner:
         num_kv_heads: int,
         device: torch.device,
         capture: bool = True,
-        short_seq_len: int = SHORT_SEQ_LEN,  # 0: no one-split short graphs (benchmarks compare)
+        short_seq_len: int = SHORT_SEQ_LEN,  # 0: no short-sequence graphs (benchmarks compare)
+        short_programs: int = SHORT_PROGRAMS,  # the short graphs' split rule (aot_shapes.short_decode_splits)
     ):
         assert buckets, "no decode buckets"
         self.model = model
@@ -235,8 +237,11 @@ class GraphRunner:
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if capture else 132
         self.num_splits = {b: graph_decode_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # one split, for steps of short sequences
+        # fewer splits (one, or a few where decode merges inside its launch), for steps of short sequences
+        self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.short_seq_len = short_seq_len
+        head_dim = kv_cache.layers[0].shape[-1]
+        self.short_splits = {b: self._short_splits(b, num_kv_heads, head_dim, short_programs) for b in self.buckets}
         self.capture_s = 0.0
         self.num_replays = 0  # every replay, speculative ones included
         if capture:
@@ -244,12 +249,24 @@ class GraphRunner:
 
     # --- capture ----------------------------------------------------------------------------------
 
+    @staticmethod
+    def _short_splits(bucket: int, num_kv_heads: int, head_dim: int, programs: int) -> int:
+        """A few splits when decode attention is decode_qkv's one launch with its merge inside (a split then
+        costs no launch: more programs for a latency-bound kernel); otherwise one (no merge kernel)."""
+        from helios.kernels import decode_qkv
+        from helios.kernels._triton import switched_on
+
+        # NOTE: head_dim < 32 decodes through paged_attention (backend.forward_qkv), whose splits cost a merge kernel
+        if not (decode_qkv.MERGE_IN_KERNEL and switched_on("HELIOS_FUSED_DECODE") and head_dim >= 32):
+            return 1
+        return short_decode_splits(bucket, num_kv_heads, programs)
+
     def splits_for(self, bucket: int, max_seq_len: int) -> int:
         """The decode split count of the graph that replays a step of this bucket and longest sequence."""
-        return 1 if max_seq_len <= self.short_seq_len else self.num_splits[bucket]
+        return self.short_splits[bucket] if max_seq_len <= self.short_seq_len else self.num_splits[bucket]
 
     def graph_for(self, bucket: int, max_seq_len: int) -> torch.cuda.CUDAGraph:
-        if self.splits_for(bucket, max_seq_len) == 1 and bucket in self.short_graphs:
+        if max_seq_len <= self.short_seq_len and bucket in self.short_graphs:
             return self.short_graphs[bucket]
         return self.graphs[bucket]
 
@@ -269,9 +286,9 @@ class GraphRunner:
         pool = torch.cuda.graph_pool_handle()
         self.buffers.pad_all()
         for bucket in reversed(self.buckets):
-            for splits, graphs in ((self.num_splits[bucket], self.graphs), (1, self.short_graphs)):
-                if graphs is self.short_graphs and (self.num_splits[bucket] == 1 or self.short_seq_len <= 0):
-                    continue  # the bucket's own graph has one split already (or no short graphs wanted)
+            for splits, graphs in ((self.num_splits[bucket], self.graphs), (self.short_splits[bucket], self.short_graphs)):
+                if graphs is self.short_graphs and (splits == self.num_splits[bucket] or self.short_seq_len <= 0):
+                    continue  # the bucket's own graph has these splits already (or no short graphs wanted)
                 self._forward(bucket, splits)  # warm-up: loads/compiles this bucket's kernels, sets up cuBLAS
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()

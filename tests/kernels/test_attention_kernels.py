@@ -110,3 +110,16 @@ def test_decode_from_qkv_scales_an_un_normed_row_by_its_rstd(dtype, num_splits, 
                                   row_norm=RowNorm(sums, 1000, 0.0))
     plain = checks.check_decode_qkv("cpu", dtype, 2, 16, seq_lens=(37,), num_splits=num_splits, qk_norm=qk_norm)
     assert not torch.allclose(out.float(), plain.float(), atol=1e-2)
+
+
+@pytest.mark.parametrize("merge_in_kernel", [1, 0])
+def test_decode_from_qkv_merges_splits_in_its_launch(monkeypatch, merge_in_kernel):
+    """Splits merged by the last program of each (sequence, kv head) to arrive, or by the merge kernel: the same
+    outputs; the arrival counters are zero again after the launch."""
+    from helios.kernels import decode_qkv
+
+    monkeypatch.setattr(decode_qkv, "MERGE_IN_KERNEL", merge_in_kernel)
+    checks.check_decode_qkv("cpu", torch.float32, 4, 16, seq_lens=(37, 1, 70, 0, 130), num_splits=4, block_n=16)
+    checks.check_decode_qkv("cpu", torch.float16, 2, 4, seq_lens=(5, 40), num_splits=3, qk_norm=True, block_n=16)
+    if merge_in_kernel:
+        assert not decode_qkv._counters[torch.device("cpu")].any()
