@@ -331,14 +331,15 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
 
 def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "0", gemv_pdl: str = "1",
              block_n: int = 64, warps: int = 4, norm_warps: int = 8, short: int = 256,
-             fold: str = "1", defer: str = "1", programs: int = 32, merge: int = 1) -> dict[str, str]:
+             fold: str = "1", defer: str = "1", programs: int = 64, merge: int = 1, wide: int = 1) -> dict[str, str]:
     """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in),
     and the one-launch decode's tiles; the defaults are helios' own."""
     return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,
             "HELIOS_GEMV_PDL": gemv_pdl, "kernels.decode_qkv.BLOCK_N": str(block_n),
             "kernels.decode_qkv.NUM_WARPS": str(warps), "kernels.rmsnorm.WIDE_ROW_WARPS": str(norm_warps),
             "graphs.short_seq_len": str(short), "HELIOS_FOLD_NORMS": fold, "HELIOS_DEFER_NORMS": defer,
-            "graphs.short_programs": str(programs), "kernels.decode_qkv.MERGE_IN_KERNEL": str(merge)}
+            "graphs.short_programs": str(programs), "kernels.decode_qkv.MERGE_IN_KERNEL": str(merge),
+            "kernels.gemv.NORM_FREE_WIDE": str(wide)}
 
 
 # label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), decode attention in one launch from
@@ -353,12 +354,10 @@ def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "
 # 84.5 / 84.4%, the folded norm scaled after the dot (no statistics pass; removed) 77.0 / 77.0% with the GEMV for
 # all and 83.1 / 83.2% for qkv/o/down, beside the statistics pass 82.4 / 82.1% and 84.1 / 83.9%.
 ENGINE_VARIANTS = {
-    "norm-free layers, short steps in 4 decode splits merged in-launch (default)": _variant(),
-    "norm-free layers, short steps in one decode split": _variant(programs=0),
-    "norm-free layers, short steps in 2 splits": _variant(programs=16),
-    "norm-free layers, short steps in 8 splits": _variant(programs=64),
-    "norm-free layers, GEMV for all": _variant(gemv="all"),
-    "norm kernels, one split (the previous default)": _variant(defer="0", programs=0),
+    "norm-free layers, GEMV for every projection, short steps in 8 decode splits (default)": _variant(),
+    "norm-free layers, cuBLAS for qkv / gate_up / lm_head": _variant(wide=0),
+    "norm-free layers, short steps in 4 splits": _variant(programs=32),
+    "norm kernels, GEMV o / down, one split (the session-4 default)": _variant(defer="0", programs=0),
 }
 
 

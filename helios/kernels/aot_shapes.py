@@ -25,7 +25,7 @@ def graph_decode_splits(bucket: int, num_kv_heads: int, max_model_len: int, num_
 
 # programs a decode graph's short-sequence variant aims for: splits = cdiv(SHORT_PROGRAMS, rows x kv heads), at most
 # SHORT_SPLITS_MAX (with the merge inside decode_qkv's launch, a split costs no extra launch)
-SHORT_PROGRAMS = 32
+SHORT_PROGRAMS = 64
 SHORT_SPLITS_MAX = 8
 
 
@@ -81,6 +81,7 @@ class KernelShape:
     # batch-1 decode without norm kernels (helios.models.llama.runs_norm_free): the o / down GEMVs that add into
     # the stream, the down GEMV and decode attention that scale by the stream's rstd, the embedding's statistic
     norm_free: bool = False
+    plain_down: bool = True  # the gated down GEMV without the add (every batch-1 path but the norm-free one)
 
 
 def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
@@ -129,6 +130,7 @@ def runtime_shape(shape: KernelShape) -> KernelShape:
     attention path, no unfused cache write (a core compiles them all, so that every switch serves without
     compiling; loading the unused ones costs start-up)."""
     from helios.kernels._triton import switched_on
+    from helios.kernels import gemv as gemv_module
     from helios.kernels.gemv import gemv_admits, gemv_mode
 
     mode = gemv_mode()
@@ -140,8 +142,15 @@ def runtime_shape(shape: KernelShape) -> KernelShape:
     shape = replace(shape, decode_paths=("fused",) if fused else ("split",), cache_write=False, norm_free=norm_free)
     if mode == "all":
         return shape
-    # narrow / square / nowide: the admitted shapes only; a norm folds only into an admitted one (helios.models.llama)
-    return replace(shape, projections=tuple(p for p in shape.projections if gemv_admits(mode, *p)),
+    # narrow / square / nowide: the admitted shapes only (every one on the norm-free path, gemv.NORM_FREE_WIDE); a
+    # norm folds only into an admitted one (helios.models.llama)
+    wide = norm_free and gemv_module.NORM_FREE_WIDE
+    projections = tuple(p for p in shape.projections if wide or gemv_admits(mode, *p))
+    if norm_free:  # its o and down GEMVs are gemv_add's: the plain forms never launch at batch 1
+        h = shape.hidden_size
+        projections = tuple(p for p in projections if p not in ((h, shape.num_heads * shape.head_dim),
+                                                                 (h, shape.projections_ffn)))
+    return replace(shape, projections=projections, plain_down=not norm_free,
                    norm_projections=tuple(p for p in shape.norm_projections if gemv_admits(mode, *p)))
 
 
@@ -170,7 +179,7 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
         x, weight, norm = torch.zeros(1, k, **z), torch.empty(n, k, **z), torch.ones(k, **z)
         gemv_add_rms_norm(x, None, norm, 1e-6, weight)
         gemv_add_rms_norm(x, x.clone(), norm, 1e-6, weight)
-    if shape.projections:  # the down projection with the gated activation folded in (helios.layers.activation)
+    if shape.projections and shape.plain_down:  # down with the gated activation folded in (helios.layers.activation)
         ffn = shape.projections_ffn
         gemv(torch.zeros(1, 2 * ffn, **z), torch.empty(shape.hidden_size, ffn, **z), gated=shape.activation)
     if shape.norm_free and shape.projections and "fused" in shape.decode_paths and d >= 32:
@@ -211,17 +220,18 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
 
 
 def _norm_free_launchers(shape: KernelShape, device) -> None:
-    """The launches of helios.models.llama's norm-free batch-1 layer, with the runtime's partial counts (the
-    embedding's one, the o / down GEMVs' one per program: each reader's loop over them is sized at compile)."""
+    """The launches of helios.models.llama's norm-free batch-1 layer, with the runtime's partial count (the o /
+    down GEMVs' one per program, which the embedding's statistic copies: each reader's load is sized at compile)."""
     from helios.kernels.decode_qkv import decode_attention_qkv
-    from helios.kernels.gemv import RowNorm, gemv_add
+    from helios.kernels.gemv import RowNorm, gemv_add, num_partials
     from helios.kernels.rmsnorm import row_sum_squares
 
     nq, nkv, d, h, ffn = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size, shape.projections_ffn
     z = dict(dtype=shape.dtype, device=device)
     stream = torch.zeros(1, h, **z)
-    first = row_sum_squares(stream)
+    first = row_sum_squares(stream, num_partials(h, nq * d, shape.dtype))
     _, partials = gemv_add(torch.zeros(1, nq * d, **z), torch.empty(h, nq * d, **z), stream)
+    assert first.shape == partials.shape, "one decode variant reads both"
     gemv_add(torch.zeros(1, 2 * ffn, **z), torch.empty(h, ffn, **z), stream, gated=shape.activation,
              row_norm=RowNorm(partials, h, 1e-6))
     qkv = torch.zeros(1, (nq + 2 * nkv) * d, **z)
@@ -231,8 +241,7 @@ def _norm_free_launchers(shape: KernelShape, device) -> None:
     tables = torch.zeros(1, 16, dtype=torch.int32, device=device)
     lens = torch.ones(1, dtype=torch.int32, device=device)
     norms = (torch.ones(d, **z), torch.ones(d, **z)) if shape.qk_norm else (None, None)
-    for sums in (first, partials):
-        for window, softcap in shape.layer_kinds:
-            for splits in shape.decode_splits:
-                decode_attention_qkv(qkv, cos, cos, kv_cache, slots, tables, lens, nq, d**-0.5, window, softcap, *norms,
-                                     1e-6, shape.norm_in_float32, num_splits=splits, row_norm=RowNorm(sums, h, 1e-6))
+    for window, softcap in shape.layer_kinds:
+        for splits in shape.decode_splits:
+            decode_attention_qkv(qkv, cos, cos, kv_cache, slots, tables, lens, nq, d**-0.5, window, softcap, *norms,
+                                 1e-6, shape.norm_in_float32, num_splits=splits, row_norm=RowNorm(partials, h, 1e-6))

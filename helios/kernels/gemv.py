@@ -35,6 +35,10 @@ from helios.kernels._triton import (
 GATES = {None: 0, "silu": 1, "gelu_tanh": 2}
 
 _TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200: below this, split K to fill the chip
+# helios.models.llama's norm-free batch-1 layers send their wide one-row products (qkv, gate_up) and the lm_head
+# here too, whatever HELIOS_GEMV admits (0: linear's choice, cuBLAS by default; benchmarks compare). NOTE: on
+# measurement: 86.6-86.7% of the bandwidth limit against 83.3-83.7% with cuBLAS for them (H200, 2026-12-03)
+NORM_FREE_WIDE = 1
 
 
 class RowNorm(NamedTuple):
@@ -403,6 +407,11 @@ def gemv(
             launch_pdl=pdl,
         )
     return out
+
+
+def num_partials(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The RowNorm partials gemv_add writes for an output row of n ([N, K] weight, default tiles): one a program."""
+    return cdiv(n, default_config(1, n, k, dtype).block_n)
 
 
 def gemv_add(

@@ -70,24 +70,31 @@ def _rms_norm_kernel(
 
 
 @jit
-def _sum_squares_kernel(x_ptr, out_ptr, dim, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    cols = tl.arange(0, BLOCK)
+def _sum_squares_kernel(x_ptr, out_ptr, dim, num_parts, PARTS: tl.constexpr, CHUNK: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    p = tl.arange(0, PARTS)
+    idx = p[:, None] * CHUNK + tl.arange(0, CHUNK)[None, :]  # [PARTS, CHUNK]
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
-    h = tl.load(x_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
-    tl.store(out_ptr, tl.sum(h * h, axis=0))
+    h = tl.load(x_ptr + idx, mask=(idx < dim) & (p < num_parts)[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + p, tl.sum(h * h, axis=1), mask=p < num_parts)
 
 
-def row_sum_squares(x: torch.Tensor) -> torch.Tensor:  # [1, dim] -> [1] float32
-    """The float32 sum of a row's squares: the one partial of the RowNorm (helios.kernels.gemv) of a row no GEMV
-    wrote (the embedding, before the first layer of the norm-free decode path)."""
+def row_sum_squares(x: torch.Tensor, num_parts: int = 1) -> torch.Tensor:  # [1, dim] -> [num_parts] float32
+    """A row's float32 sum of squares in `num_parts` partials (consecutive chunks): the RowNorm (helios.kernels.gemv)
+    of a row no GEMV wrote (the embedding, before the first norm-free decode layer). As many partials as the
+    gemv_add that writes the later rows (gemv.num_partials), so their readers are one compiled variant."""
     require_triton()
     assert x.dim() == 2 and x.shape[0] == 1, f"one row, got {tuple(x.shape)}"
     check_last_dim_contiguous("x", x)
-    out = torch.empty(1, dtype=torch.float32, device=x.device)
-    block = next_power_of_2(x.shape[1])
+    dim = x.shape[1]
+    num_parts = max(1, min(num_parts, dim))
+    out = torch.empty(num_parts, dtype=torch.float32, device=x.device)
+    chunk = next_power_of_2(-(-dim // num_parts))
+    parts = next_power_of_2(-(-dim // chunk))
+    block = parts * chunk
     pdl = use_pdl(x, 1)
-    _sum_squares_kernel[(1,)](x, out, x.shape[1], BLOCK=block, USE_PDL=pdl,
+    _sum_squares_kernel[(1,)](x, out, dim, num_parts, PARTS=parts, CHUNK=chunk, USE_PDL=pdl,
                               num_warps=4 if block <= 1024 else WIDE_ROW_WARPS if block <= 4096 else 16, launch_pdl=pdl)
     return out
 

@@ -41,6 +41,14 @@ def runs_norm_free(x: torch.Tensor, model: "LlamaForCausalLM") -> bool:
             and switched_on("HELIOS_DEFER_NORMS"))
 
 
+def _wide(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A wide one-row product of the norm-free path (qkv, gate_up, the lm_head): the GEMV whatever HELIOS_GEMV
+    admits (helios.kernels.gemv.NORM_FREE_WIDE), or `linear`'s choice."""
+    from helios.kernels import gemv
+
+    return gemv.gemv(x, weight) if gemv.NORM_FREE_WIDE else linear(x, weight)
+
+
 def is_sliding(arch: Architecture, layer_idx: int) -> bool:
     return bool(arch.layer_types) and arch.layer_types[layer_idx] == "sliding"
 
@@ -118,10 +126,10 @@ class DecoderLayer(nn.Module):
 
         mlp = getattr(self, self.ffn_name)
         dim = x.shape[1]
-        a = self.attn.attend_qkv(linear(x, self.attn.qkv.weight), cos_sin, kv_cache, meta,
+        a = self.attn.attend_qkv(_wide(x, self.attn.qkv.weight), cos_sin, kv_cache, meta,
                                  row_norm=RowNorm(partials, dim, self.attn_norm.eps))
         x, partials = gemv_add(a, self.attn.o.weight, x)
-        return gemv_add(linear(x, mlp.gate_up.weight), mlp.down.weight, x, gated=mlp.act,
+        return gemv_add(_wide(x, mlp.gate_up.weight), mlp.down.weight, x, gated=mlp.act,
                         row_norm=RowNorm(partials, dim, self.mlp_norm.eps))
 
 
@@ -202,9 +210,11 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.cos_sin(meta.positions, x.dtype)
         local_rope = rope if self.local_rotary is self.rotary else self.local_rotary.cos_sin(meta.positions, x.dtype)
         if self.is_fused and runs_norm_free(x, self):
+            from helios.kernels.gemv import num_partials
             from helios.kernels.rmsnorm import row_sum_squares
 
-            partials = row_sum_squares(x)
+            o = self.layers[0].attn.o.weight  # the embedding's partials in the o / down GEMVs' count
+            partials = row_sum_squares(x, num_partials(*o.shape, o.dtype))
             for i, layer in enumerate(self.layers):
                 x, partials = layer.forward_norm_free(x, partials, local_rope if is_sliding(self.arch, i) else rope,
                                                       kv_caches[i], meta)
@@ -221,7 +231,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return softcap_logits(linear(hidden, weight), self.arch.final_logit_softcapping)
+        logits = _wide(hidden, weight) if runs_norm_free(hidden, self) else linear(hidden, weight)
+        return softcap_logits(logits, self.arch.final_logit_softcapping)
 
 
 def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:  # [N, V]

@@ -155,13 +155,14 @@ def test_gemv_add_adds_into_the_stream_and_hands_on_its_sum_of_squares(dtype, ga
     assert torch.equal(out, again) and torch.equal(partials, again_partials), "not reproducible run to run"
 
 
-def test_row_sum_squares_is_the_one_partial_of_an_embedding_row():
+@pytest.mark.parametrize("num_parts", [1, 7, 38, 300, 1000])
+def test_row_sum_squares_splits_an_embedding_row_into_partials(num_parts):
     from helios.kernels.rmsnorm import row_sum_squares
 
     x = torch.randn(1, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    sums = row_sum_squares(x)
-    assert sums.shape == (1,) and sums.dtype == torch.float32
-    torch.testing.assert_close(sums[0], x.float().square().sum(), rtol=1e-6, atol=1e-6)
+    sums = row_sum_squares(x, num_parts)
+    assert sums.shape == (min(num_parts, 300),) and sums.dtype == torch.float32
+    torch.testing.assert_close(sums.sum(), x.float().square().sum(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("value, mode", [(None, "narrow"), ("all", "all"), ("1", "all"), ("narrow", "narrow"),
@@ -195,11 +196,15 @@ def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mod
                         norm_projections=(qkv, gate_up), norm_free=True)
     monkeypatch.setattr(gemv_module, "gemv_mode", lambda: mode)
     monkeypatch.delenv("HELIOS_DEFER_NORMS", raising=False)
-    loaded = runtime_shape(shape)
-    # the norm-free layers need the GEMV for o and down
-    assert loaded.norm_free == (mode in ("narrow", "nowide", "all"))
+    # the norm-free layers need the GEMV for o and down; they send every other one-row product there too
+    norm_free = runtime_shape(shape)
+    assert norm_free.norm_free == (mode in ("narrow", "nowide", "all"))
+    if norm_free.norm_free:  # but the plain o and down forms: theirs add into the stream (gemv_add)
+        wide = shape.projections if mode == "all" else (qkv, gate_up, head)
+        assert norm_free.projections == wide and norm_free.plain_down == (mode == "all")
     monkeypatch.setenv("HELIOS_DEFER_NORMS", "0")
-    assert not runtime_shape(shape).norm_free
+    loaded = runtime_shape(shape)
+    assert not loaded.norm_free
     expected = {"off": ((), ()), "narrow": ((o, down), ()), "square": ((o,), ()), "nowide": ((qkv, o, down), (qkv,)),
                 "all": (shape.projections, shape.norm_projections)}
     assert (loaded.projections, loaded.norm_projections) == expected[mode]
@@ -236,4 +241,4 @@ def test_ahead_of_time_launchers_cover_the_norm_free_layer():
         aot_shapes._norm_free_launchers(shape, "cpu")
     programs = -(-64 // default_config(1, 64, 128).block_n)
     assert calls == [("row_sum_squares", None, None), ("gemv_add", None, None), ("gemv_add", "silu", programs),
-                     ("decode_attention_qkv", None, 1), ("decode_attention_qkv", None, programs)]
+                     ("decode_attention_qkv", None, programs)]
