@@ -10,6 +10,7 @@ import hashlib
 import json
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,17 +89,30 @@ def verify_files(path: Path, manifest: Manifest, digests: bool = True) -> None:
         size = file.stat().st_size
         if size != entry.size:
             raise CoreError(f"{path}: {entry.path} has {size} bytes, the manifest says {entry.size}")
-    if not digests:
-        return
-    # NOTE: one thread per file (hashlib releases the GIL on large blocks): an 8B core's four 4 GiB shards
-    # hash in the time of one instead of four; the first mismatch in manifest order is the one reported.
+    if digests:
+        start_digest_check(path, manifest)()
+
+
+def start_digest_check(path: Path, manifest: Manifest) -> Callable[[], None]:
+    """Hash every file of the core on background threads; the returned function waits for them and raises
+    CoreError on the first mismatch (in manifest order). helios serve hashes while it builds the engine (the
+    weights upload, kernel load and graph capture), and serves nothing before the check has passed.
+
+    NOTE: one thread per file (hashlib releases the GIL on large blocks): an 8B core's four 4 GiB shards hash in
+    the time of one instead of four."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1, max(1, len(manifest.files)))) as pool:
-        actual = list(pool.map(_sha256, [path / entry.path for entry in manifest.files]))
-    for entry, sha in zip(manifest.files, actual):
-        if sha != entry.sha256:
-            raise CoreError(f"{path}: {entry.path} does not match its sha256 digest (corrupt or modified)")
+    pool = ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1, max(1, len(manifest.files))),
+                              thread_name_prefix="helios-sha256")
+    futures = [pool.submit(_sha256, Path(path) / entry.path) for entry in manifest.files]
+    pool.shutdown(wait=False)
+
+    def wait() -> None:
+        for entry, future in zip(manifest.files, futures):
+            if future.result() != entry.sha256:
+                raise CoreError(f"{path}: {entry.path} does not match its sha256 digest (corrupt or modified)")
+
+    return wait
 
 
 def _map_safetensors(file: Path) -> dict[str, torch.Tensor]:
@@ -128,6 +142,8 @@ def _map_safetensors(file: Path) -> dict[str, torch.Tensor]:
 
 
 def load_core(path: Path, verify_digests: bool = True, map_weights: bool = True) -> LoadedCore:
+    """The core at `path`: manifest read, file sizes checked, contents against their sha256 (verify_digests=False:
+    the caller runs start_digest_check itself), weights memory-mapped."""
     path = Path(path)
     manifest = read_manifest(path)
     verify_files(path, manifest, digests=verify_digests)

@@ -153,22 +153,34 @@ def build_engine(core, config: ServerConfig, serving: Serving):
 
 
 def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:
-    """Load and verify the core, build the engine; records the load time in runtime.timings."""
-    from helios.core.load import load_core
+    """Load and verify the core, build the engine; records the load time in runtime.timings. The core's digests
+    are checked on background threads while the engine builds (the weights upload, kernel load and graph
+    capture): a mismatch fails the start-up before anything is served."""
+    from helios.core.load import load_core, start_digest_check
 
     t0 = time.perf_counter()
-    core = load_core(Path(core_path))
+    core = load_core(Path(core_path), verify_digests=False)
+    digests_match = start_digest_check(core.path, core.manifest)
     manifest = core.manifest
     tokenizer = Tokenizer.from_file(core.tokenizer_path, manifest.tokenizer, manifest.arch.vocab_size)
     serving = resolve_serving(manifest, config)
     t1 = time.perf_counter()
     engine = build_engine(core, config, serving)
+    t2 = time.perf_counter()
+    try:
+        digests_match()
+    except Exception:
+        shutdown = getattr(engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        raise
     runtime = Runtime(manifest, tokenizer, core.template_source, engine, config, serving)
     runtime.timings["load"] = time.perf_counter() - t0
     # the runner's own split (weights to the device, kernel load, KV allocation, graph capture)
     st = engine.core.runner.startup
     runtime.timings.update(open=t1 - t0, weights=st.load_s, kernels=st.kernels_s, kv=st.kv_alloc_s,
-                           capture=st.capture_s, graphs=st.num_graphs, kernels_jit=st.kernels_jit)
+                           capture=st.capture_s, graphs=st.num_graphs, kernels_jit=st.kernels_jit,
+                           verify=runtime.timings["load"] - (t2 - t0))
     return runtime
 
 

@@ -75,6 +75,12 @@ def test_flipped_byte_and_other_version_are_refused(tiny_llama, tmp_path):
     weights.write_bytes(bytes(data))
     with pytest.raises(CoreError, match="sha256"):
         load_core(core)
+    # helios serve hashes while it builds the engine, and still refuses the core before serving anything
+    from helios.server.config import ServerConfig
+    from helios.server.runtime import build_runtime
+
+    with pytest.raises(CoreError, match="sha256"):
+        build_runtime(core, ServerConfig(kv_cache_tokens=256))
     r = run_cli("verify", str(core))
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     other = export_core(tiny_llama, tmp_path / "v")
