@@ -302,7 +302,8 @@ def _prebuild_launchers(shape: KernelShape, device: torch.device, target) -> int
             with torch.cuda.device(device):
                 kernel._init_handles()
 
-        with ThreadPoolExecutor(max_workers=min(8, max(1, len(kernels)))) as pool:
+        # one host compiler per core: the norm-free path's ~25 start-up kernels built in two rounds, not four
+        with ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1, len(kernels)))) as pool:
             list(pool.map(init, kernels))
         return len(kernels)
     except Exception as exc:  # noqa: BLE001 - an optimization only
