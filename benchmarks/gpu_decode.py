@@ -353,6 +353,9 @@ def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "
 # 81.7% and on 16 warps 81.6 / 80.7%, o in L2 77.6 / 77.7%, cuBLAS 78.1 / 77.9%; last call (copy 4217 GB/s): default
 # 84.5 / 84.4%, the folded norm scaled after the dot (no statistics pass; removed) 77.0 / 77.0% with the GEMV for
 # all and 83.1 / 83.2% for qkv/o/down, beside the statistics pass 82.4 / 82.1% and 84.1 / 83.9%.
+# Session 5 (H200, 2026-12-03): the norm-free layers 83.3-83.7% (cuBLAS qkv / gate_up / lm_head) and 86.6-86.7% (GEMV
+# for all) against 81.2-81.3% for session 4's default; next call 84.7-85.0% for every norm-free form against 82.9-83.0%;
+# short-step decode splits 1 / 2 / 4 / 8: 83.0 / 82.7 / 83.4 / 83.7%.
 ENGINE_VARIANTS = {
     "norm-free layers, GEMV for every projection, short steps in 8 decode splits (default)": _variant(),
     "norm-free layers, cuBLAS for qkv / gate_up / lm_head": _variant(wide=0),
