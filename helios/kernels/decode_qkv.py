@@ -8,9 +8,11 @@ cos/sin row are loaded before the PDL wait, beside the qkv projection's tail; af
 GQA group's q heads and the newest key and value from the qkv row, normalizes and rotates them as
 rotary_cache does (same roundings: q and k are rounded to the cache dtype before any product), writes the
 newest key and value into the cache (the program whose range holds the newest position), and attends the
-cached keys plus the newest one, held in registers. Splits > 1 write partials that paged_attention's merge
-kernel combines. `decode_attention_qkv_ref` is rotary_and_cache_ref followed by paged_decode_attention_ref.
-Imports torch and helios.kernels (_triton, paged_attention, rotary_cache) only.
+cached keys plus the newest one, held in registers. Splits > 1 write partials; the last program of each
+(sequence, kv head) to finish merges them inside the launch (an arrival counter; MERGE_IN_KERNEL=0: paged_attention's
+merge kernel). A RowNorm first scales the qkv row by the residual stream's rstd (helios.models.llama's norm-free
+layers). `decode_attention_qkv_ref` is rotary_and_cache_ref followed by paged_decode_attention_ref.
+Imports torch and helios.kernels (_triton, gemv, paged_attention, rotary_cache) only.
 """
 
 from __future__ import annotations
