@@ -16,7 +16,7 @@ import torch
 
 from helios.kernels._triton import require_triton, switched_on
 from helios.kernels.decode_qkv import decode_attention_qkv
-from helios.kernels.gemv import RowNorm, row_rstd_ref
+from helios.kernels.gemv import RowNorm, times_rstd_ref
 from helios.kernels.paged_attention import choose_num_splits, paged_decode_attention
 from helios.kernels.prefill_attention import paged_prefill_attention
 from helios.kernels.reshape_and_cache import reshape_and_cache
@@ -96,7 +96,7 @@ class TritonAttentionBackend:
                 sliding_window, softcap, q_norm, k_norm, eps, in_f32, num_splits=splits, row_norm=row_norm,
             )
         if row_norm is not None:
-            qkv = (qkv.float() * row_rstd_ref(row_norm)).to(qkv.dtype)
+            qkv = times_rstd_ref(qkv, row_norm)
         q = rotary_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads, q_norm, k_norm, eps, in_f32)
         return self._attend(q, kv_cache, meta, scale, sliding_window, softcap)
 

@@ -29,7 +29,7 @@ from helios.kernels._triton import (
     tl,
     use_pdl,
 )
-from helios.kernels.gemv import RowNorm, row_rstd, row_rstd_ref, times_rstd
+from helios.kernels.gemv import RowNorm, row_rstd, times_rstd, times_rstd_ref
 from helios.kernels.paged_attention import (
     _scaled,
     check_paged_inputs,
@@ -422,7 +422,7 @@ def decode_attention_qkv_ref(
 ) -> torch.Tensor:
     """The two-launch path's references: rotary_and_cache_ref (writes the cache), then decode attention."""
     if row_norm is not None:
-        qkv = (qkv.float() * row_rstd_ref(row_norm)).to(qkv.dtype)
+        qkv = times_rstd_ref(qkv, row_norm)
     q = rotary_and_cache_ref(qkv, cos, sin, kv_cache, slot_mapping, num_heads, q_norm, k_norm, eps,
                              multiply_in_float32)
     return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, sliding_window, softcap)

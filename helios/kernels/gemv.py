@@ -409,9 +409,10 @@ def gemv(
     return out
 
 
-def num_partials(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """The RowNorm partials gemv_add writes for an output row of n ([N, K] weight, default tiles): one a program."""
-    return cdiv(n, default_config(1, n, k, dtype).block_n)
+def num_partials(n: int, k: int, dtype: torch.dtype = torch.bfloat16, block_n: int | None = None) -> int:
+    """The RowNorm partials gemv_add writes for an output row of n ([N, K] weight; default tiles unless block_n):
+    one a program."""
+    return cdiv(n, block_n or default_config(1, n, k, dtype).block_n)
 
 
 def gemv_add(
@@ -435,8 +436,7 @@ def gemv_add(
     assert k > 0, "an empty product"
     check_last_dim_contiguous("add", add)
     config["split_k"] = 1
-    block_n = config.get("block_n") or default_config(1, n, k, x.dtype).block_n
-    sums = torch.empty(cdiv(n, block_n), dtype=torch.float32, device=x.device)
+    sums = torch.empty(num_partials(n, k, x.dtype, config.get("block_n")), dtype=torch.float32, device=x.device)
     return gemv(x, weight, gated=gated, row_norm=row_norm, add=add, sums=sums, **config), sums
 
 
@@ -512,11 +512,12 @@ def gemv_add_ref(x: torch.Tensor, weight: torch.Tensor, add: torch.Tensor, gated
                  row_norm: RowNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv_add in torch: x (times its rstd, rounded) through gemv_ref, plus add; the sum of its squares [1]."""
     if row_norm is not None:
-        x = (x.float() * row_rstd_ref(row_norm)).to(x.dtype)
+        x = times_rstd_ref(x, row_norm)
     out = gemv_ref(x, weight, gated) + add
     return out, out.float().square().sum().reshape(1)
 
 
-def row_rstd_ref(row_norm: RowNorm) -> torch.Tensor:
-    """A RowNorm's rstd as a float32 scalar tensor."""
-    return torch.rsqrt(row_norm.partials.sum() / row_norm.dim + row_norm.eps)
+def times_rstd_ref(x: torch.Tensor, row_norm: RowNorm) -> torch.Tensor:
+    """x times a RowNorm's rstd (float32), rounded back to x's dtype: what times_rstd does as a kernel reads x."""
+    rstd = torch.rsqrt(row_norm.partials.sum() / row_norm.dim + row_norm.eps)
+    return (x.float() * rstd).to(x.dtype)

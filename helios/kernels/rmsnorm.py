@@ -92,11 +92,15 @@ def row_sum_squares(x: torch.Tensor, num_parts: int = 1) -> torch.Tensor:  # [1,
     out = torch.empty(num_parts, dtype=torch.float32, device=x.device)
     chunk = next_power_of_2(-(-dim // num_parts))
     parts = next_power_of_2(-(-dim // chunk))
-    block = parts * chunk
     pdl = use_pdl(x, 1)
     _sum_squares_kernel[(1,)](x, out, dim, num_parts, PARTS=parts, CHUNK=chunk, USE_PDL=pdl,
-                              num_warps=4 if block <= 1024 else WIDE_ROW_WARPS if block <= 4096 else 16, launch_pdl=pdl)
+                              num_warps=_row_warps(parts * chunk), launch_pdl=pdl)
     return out
+
+
+def _row_warps(block: int) -> int:
+    """Warps of a one-program-per-row kernel over `block` elements."""
+    return 4 if block <= 1024 else WIDE_ROW_WARPS if block <= 4096 else 16
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -126,7 +130,7 @@ def _launch(x, residual, weight, eps, multiply_in_float32):
     if num_rows == 0:
         return out, residual_out
     block = next_power_of_2(dim)
-    num_warps = 4 if block <= 1024 else WIDE_ROW_WARPS if block <= 4096 else 16
+    num_warps = _row_warps(block)
     _rms_norm_kernel[(num_rows,)](
         x,
         residual if residual is not None else x,

@@ -209,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
             x = x * torch.tensor(self.arch.embedding_scale, dtype=x.dtype)
         rope = self.rotary.cos_sin(meta.positions, x.dtype)
         local_rope = rope if self.local_rotary is self.rotary else self.local_rotary.cos_sin(meta.positions, x.dtype)
-        if self.is_fused and runs_norm_free(x, self):
+        if runs_norm_free(x, self):  # norms are folded only on the fused path
             from helios.kernels.gemv import num_partials
             from helios.kernels.rmsnorm import row_sum_squares
 

@@ -174,13 +174,14 @@ def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:
         if shutdown is not None:
             shutdown()
         raise
+    t3 = time.perf_counter()
     runtime = Runtime(manifest, tokenizer, core.template_source, engine, config, serving)
     runtime.timings["load"] = time.perf_counter() - t0
     # the runner's own split (weights to the device, kernel load, KV allocation, graph capture)
     st = engine.core.runner.startup
     runtime.timings.update(open=t1 - t0, weights=st.load_s, kernels=st.kernels_s, kv=st.kv_alloc_s,
                            capture=st.capture_s, graphs=st.num_graphs, kernels_jit=st.kernels_jit,
-                           verify=runtime.timings["load"] - (t2 - t0))
+                           verify=t3 - t2)
     return runtime
 
 
