@@ -331,7 +331,8 @@ def variant_replays(graphed, limits: dict[int, float], ctx: int, env: dict[str, 
 
 def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "0", gemv_pdl: str = "1",
              block_n: int = 64, warps: int = 4, norm_warps: int = 8, short: int = 256,
-             fold: str = "1", defer: str = "1", programs: int = 64, merge: int = 1, wide: int = 1) -> dict[str, str]:
+             fold: str = "1", defer: str = "1", programs: int = 64, merge: int = 1, wide: int = 1,
+             rope_table: str = "1", small_chunk_tiles: tuple[int, int] = (0, 0)) -> dict[str, str]:
     """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in),
     and the one-launch decode's tiles; the defaults are helios' own."""
     return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,
@@ -339,7 +340,9 @@ def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "
             "kernels.decode_qkv.NUM_WARPS": str(warps), "kernels.rmsnorm.WIDE_ROW_WARPS": str(norm_warps),
             "graphs.short_seq_len": str(short), "HELIOS_FOLD_NORMS": fold, "HELIOS_DEFER_NORMS": defer,
             "graphs.short_programs": str(programs), "kernels.decode_qkv.MERGE_IN_KERNEL": str(merge),
-            "kernels.gemv.NORM_FREE_WIDE": str(wide)}
+            "kernels.gemv.NORM_FREE_WIDE": str(wide), "HELIOS_ROPE_TABLE": rope_table,
+            "kernels.gemv.SMALL_CHUNK_MIN_TILES": str(small_chunk_tiles[0]),
+            "kernels.gemv.SMALL_CHUNK_MAX_TILES": str(small_chunk_tiles[1])}
 
 
 # label -> switches: cuBLAS or the GEMV for which projections (HELIOS_GEMV), decode attention in one launch from
@@ -357,10 +360,11 @@ def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "
 # for all) against 81.2-81.3% for session 4's default; next call 84.7-85.0% for every norm-free form against 82.9-83.0%;
 # short-step decode splits 1 / 2 / 4 / 8: 83.0 / 82.7 / 83.4 / 83.7%.
 ENGINE_VARIANTS = {
-    "norm-free layers, GEMV for every projection, short steps in 8 decode splits (default)": _variant(),
-    "norm-free layers, cuBLAS for qkv / gate_up / lm_head": _variant(wide=0),
-    "norm-free layers, short steps in 4 splits": _variant(programs=32),
-    "norm kernels, GEMV o / down, one split (the session-4 default)": _variant(defer="0", programs=0),
+    "norm-free layers, GEMV for every projection, 8 short splits, rope table (default)": _variant(),
+    "norm-free layers, PDL on": _variant(pdl="1"),
+    "norm-free layers, PDL on, qkv in 8 x 256 tiles": _variant(pdl="1", small_chunk_tiles=(600, 1100)),
+    "norm-free layers, qkv in 8 x 256 tiles": _variant(small_chunk_tiles=(600, 1100)),
+    "norm-free layers, rope computed each step (session 5's default)": _variant(rope_table="0"),
 }
 
 

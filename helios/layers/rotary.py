@@ -6,6 +6,7 @@ the activation dtype). No weights: the table is derived from the architecture on
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -77,14 +78,36 @@ class RotaryEmbedding:
                 # request's numerics depend on its batch neighbours; not served.
                 raise NotImplementedError(f"rope scaling type {scaling.type!r} is not supported")
         self.inv_freq = inv_freq.to(device)  # [head_dim // 2] float32
+        self.table: torch.Tensor | None = None  # [num_positions, 2, head_dim]: (cos, sin) rows (tabulate)
+
+    def tabulate(self, num_positions: int, dtype: torch.dtype) -> None:
+        """Compute the (cos, sin) rows of positions 0 .. num_positions - 1 once, with cos_sin's own ops on the
+        inv_freq device, so cos_sin gathers a step's rows in one launch instead of ~9 elementwise ones (the
+        CUDA path: the same elementwise kernels over the same inputs give the same bits). Every position a
+        step can ask for must lie below num_positions (an out-of-range gather is a device-side assert)."""
+        self.table = None
+        positions = torch.arange(num_positions, device=self.inv_freq.device)
+        self.table = torch.stack(self.cos_sin(positions, dtype), dim=1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64 -> (cos, sin) each [T, head_dim] in `dtype`."""
+        """positions [T] int64 -> (cos, sin) each [T, head_dim] in `dtype` (rows of the table when one was
+        made for dtype; views with a row stride of 2 * head_dim then)."""
+        table = self.table
+        if table is not None and table.dtype == dtype and os.environ.get("HELIOS_ROPE_TABLE", "1") != "0":
+            rows = table.index_select(0, positions)
+            return rows[:, 0], rows[:, 1]
         freqs = positions[:, None].to(torch.float32) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
+
+
+def tabulate_rope(model: torch.nn.Module, num_positions: int, dtype: torch.dtype) -> None:
+    """RotaryEmbedding.tabulate for each distinct rotary embedding a model holds (global and local bases)."""
+    ropes = {id(v): v for v in vars(model).values() if isinstance(v, RotaryEmbedding)}
+    for rope in ropes.values():
+        rope.tabulate(num_positions, dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -257,3 +257,20 @@ def test_l2_prefetch_branch_runs_beside_the_body_in_a_graph(monkeypatch, mode):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, want)
     assert torch.equal(weight, kept)
+
+
+@DTYPES
+def test_rope_table_rows_equal_the_computed_rows(dtype):
+    """On CUDA the tabulated (cos, sin) rows are the very bits cos_sin computes per step (same elementwise
+    kernels over the same inputs): the runner gathers them in place of ~9 launches a step."""
+    from helios.core.manifest import RopeScaling
+    from helios.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(128, 500000.0, RopeScaling(type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                     high_freq_factor=4.0, original_max_position_embeddings=8192),
+                           131072, CUDA)
+    positions = torch.tensor([0, 1, 7, 4095, 131071, 33], device=CUDA)
+    want = rope.cos_sin(positions, dtype)
+    rope.tabulate(131072, dtype)
+    got = rope.cos_sin(positions, dtype)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -169,6 +169,29 @@ def test_rope_frequencies_match_hf(params):
     assert ours.attention_scaling == pytest.approx(ref_scaling)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_rows_are_the_computed_rows(dtype):
+    """The tabulated (cos, sin) rows a step gathers are the rows cos_sin computes for those positions (the
+    torch CPU kernels may round a vectorized lane apart from a scalar one: within one ulp), and the table
+    serves only its own dtype."""
+    from helios.core.manifest import RopeScaling
+    from helios.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 500000.0, RopeScaling(type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                    high_freq_factor=4.0, original_max_position_embeddings=8192),
+                           131072)
+    positions = torch.tensor([0, 1, 7, 4095, 131071, 33])
+    want = rope.cos_sin(positions, dtype)
+    rope.tabulate(131072, dtype)
+    got = rope.cos_sin(positions, dtype)
+    assert got[0].shape == got[1].shape == (6, 64) and got[0].dtype == dtype
+    ulp = torch.finfo(dtype).eps
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=ulp, rtol=ulp)
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    assert rope.cos_sin(positions, other)[0].dtype == other  # computed, not gathered from the other dtype
+
+
 def test_softcap_path_matches_sdpa_path():
     """The eager soft-capped path (used when a cap is set) agrees with SDPA for a cap too large to bite,
     including the chunked-prefill offset and the sliding window."""
