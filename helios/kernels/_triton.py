@@ -46,10 +46,10 @@ def interpret_mode() -> bool:
 # the KV cache, outputs) and may load constant inputs (weights) before it. `pdl_launch_dependents` lets the
 # next PDL kernel start early. Both are no-ops unless the USE_PDL constexpr is set, which launchers take from
 # `use_pdl(tensor, rows)`.
-# NOTE: only one-row launches (batch-1 decode) use it. There every kernel of a step is ours (the GEMV replaces
-# cuBLAS) and PDL paid: a layer-shaped chain ran 5% faster with it (benchmarks/gpu_gemv.py, H200). Next to
-# cuBLAS kernels (batch 16 and up) it cost 2.5% per step instead (gpu_decode's PDL-off graphs), so those
-# launches stay ordinary.
+# NOTE: only one-row launches (batch-1 decode) use it, and by default only where every kernel of the step is ours
+# (pdl_scope: the norm-free layers, the GEMV for every projection): there PDL paid (a layer-shaped chain 5% faster,
+# benchmarks/gpu_gemv.py; the engine's b=1 step 2.8-2.9 points of the bandwidth limit, H200). Next to cuBLAS
+# kernels (batch 16 and up, the other batch-1 paths) it cost up to 2.5% per step instead, so those stay ordinary.
 _PDL_FORCED: bool | None = None
 
 
@@ -62,8 +62,8 @@ def _capability_major(index: int) -> int:
 
 def use_pdl(t, rows: int) -> bool:
     """Whether a launch over `rows` rows (tokens, sequences) on t's device uses PDL: one row, CUDA, compute
-    capability 9.0+, compiled (not interpreted) kernels, HELIOS_PDL=1. Ahead-of-time compiles for a
-    target decide the device part with `forced_pdl`."""
+    capability 9.0+, compiled (not interpreted) kernels, pdl_allowed(). Ahead-of-time compiles for a
+    target decide with `forced_pdl`."""
     if rows != 1:
         return False
     if _PDL_FORCED is not None:
@@ -82,11 +82,29 @@ def switched_on(name: str, default: bool = True) -> bool:
     return value.strip().lower() not in ("0", "false", "off", "no")
 
 
+_PDL_SCOPE = False  # inside pdl_scope(): one-row launches take PDL unless HELIOS_PDL says otherwise
+
+
 def pdl_allowed() -> bool:
-    """Whether one-row launches use PDL: only with HELIOS_PDL=1. Off by default on measurement: through the
-    engine at batch 1 (H200, 2026-12-03) PDL made no difference with cuBLAS projections (80.2 vs 80.3% of the
-    bandwidth limit) and cost 2-3 points with the GEMV for o and down (83.0-83.3% without it)."""
-    return switched_on("HELIOS_PDL", default=False)
+    """Whether one-row launches use PDL: HELIOS_PDL=1 every one, HELIOS_PDL=0 none, unset (or empty) those
+    inside pdl_scope(), the steps where every kernel is ours (helios.models.llama's norm-free decode layers).
+
+    NOTE: scoped on measurement (b=1 engine decode of an 8B llama, H200, 2026-12-03, session 6): the norm-free step ran at
+    87.6-87.7% of the bandwidth limit with PDL against 84.7-84.9% without; next to cuBLAS projections (the
+    other batch-1 paths) PDL made no difference or cost 2-3 points (2026-12-03)."""
+    value = os.environ.get("HELIOS_PDL", "").strip()
+    return _PDL_SCOPE if not value else switched_on("HELIOS_PDL")
+
+
+@contextmanager
+def pdl_scope(on: bool = True) -> Iterator[None]:
+    """One-row launches inside take PDL when HELIOS_PDL is unset (pdl_allowed)."""
+    global _PDL_SCOPE
+    saved, _PDL_SCOPE = _PDL_SCOPE, on
+    try:
+        yield
+    finally:
+        _PDL_SCOPE = saved
 
 
 @contextmanager

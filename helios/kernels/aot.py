@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from helios.kernels._triton import HAS_TRITON, forced_pdl, interpret_mode, pdl_allowed, triton
+from helios.kernels._triton import HAS_TRITON, forced_pdl, interpret_mode, triton
 
 if HAS_TRITON:
     import triton.runtime.jit  # noqa: F401  (JITFunction, for _relative_sources)
@@ -129,10 +129,11 @@ def _compile_launched(shape: KernelShape, target, device: torch.device | str = "
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
-        # one-row launches take programmatic dependent launch on sm90+ devices with HELIOS_PDL=1: a core holds
-        # both forms for such a target, so either setting serves without compiling (both_pdl); at start only
-        # this process's setting is built
-        for pdl in sorted({False, target.arch >= 90}) if both_pdl else [target.arch >= 90 and pdl_allowed()]:
+        # one-row launches take programmatic dependent launch on sm90+ devices (pdl_allowed: the norm-free
+        # layers' by default, every one or none by HELIOS_PDL): a core holds both forms of each for such a target,
+        # so any setting serves without compiling (both_pdl); at start only this process's choices are built
+        # (None: each launch decides as at run time)
+        for pdl in sorted({False, target.arch >= 90}) if both_pdl else [None if target.arch >= 90 else False]:
             with forced_pdl(pdl):
                 run_launchers(shape, device)
     finally:

@@ -159,7 +159,15 @@ def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> Non
     layouts: the norms on [T, hidden] rows, rotary + cache write on the fused qkv output, the gated activation
     on [T, 2F] (F a multiple of 16, as the intermediate sizes served are), attention on q [T, Nq, D] and the
     cache one [2, pages, page, Nkv, D] tensor, block tables 16 wide (runner/input_batch pads them so).
-    Outputs are garbage: only which kernels get launched (and so compiled or loaded) matters."""
+    Outputs are garbage: only which kernels get launched (and so compiled or loaded) matters. A norm-free shape's
+    one-row launches are those of helios.models.llama's norm-free step, which runs in pdl_scope: so do they here."""
+    from helios.kernels._triton import pdl_scope
+
+    with pdl_scope(shape.norm_free):
+        _launch_all(shape, device)
+
+
+def _launch_all(shape: KernelShape, device) -> None:
     from helios.kernels.activation import gelu_tanh_and_mul, silu_and_mul
     from helios.kernels.decode_qkv import decode_attention_qkv
     from helios.kernels.gemv import gemv, gemv_add_rms_norm

@@ -39,10 +39,6 @@ _TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200: below this, split K to fill
 # here too, whatever HELIOS_GEMV admits (0: linear's choice, cuBLAS by default; benchmarks compare). NOTE: on
 # measurement: 86.6-86.7% of the bandwidth limit against 83.3-83.7% with cuBLAS for them (H200, 2026-12-03)
 NORM_FREE_WIDE = 1
-# One-row grids of this many 8-row tiles (inclusive range; 0, 0: none) stream 256-column chunks instead of 1024:
-# a benchmark knob (benchmarks/gpu_decode.py): qkv's 768 tiles at 8 x 256 ran 14.9 us alone against 16.0 us
-SMALL_CHUNK_MIN_TILES = 0
-SMALL_CHUNK_MAX_TILES = 0
 
 
 class RowNorm(NamedTuple):
@@ -70,10 +66,10 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) 
     sweep on the H200 for every 8B projection (2026-12-03: qkv 16.0 us, o 10.0, gate_up 57.0, down 29.4,
     lm_head 237.6; cuBLAS 15.8, 13.4, 62.7, 32.7, 251.7)."""
     block_k = 512 if dtype.itemsize <= 2 else 256  # 1 KB per row chunk: 16-byte loads, 64 threads a row
+    if m == 1 and dtype.itemsize <= 2 and k >= 1024:
+        block_k = 1024
     block_n = 8 if m <= 4 else 16
     num_tiles = cdiv(n, block_n)
-    if m == 1 and dtype.itemsize <= 2 and k >= 1024:
-        block_k = 256 if SMALL_CHUNK_MIN_TILES <= num_tiles <= SMALL_CHUNK_MAX_TILES else 1024
     split_k = 1
     while num_tiles * split_k < _TARGET_PROGRAMS and k // (block_k * split_k * 2) >= 2:
         split_k *= 2

@@ -210,15 +210,17 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary.cos_sin(meta.positions, x.dtype)
         local_rope = rope if self.local_rotary is self.rotary else self.local_rotary.cos_sin(meta.positions, x.dtype)
         if runs_norm_free(x, self):  # norms are folded only on the fused path
+            from helios.kernels._triton import pdl_scope
             from helios.kernels.gemv import num_partials
             from helios.kernels.rmsnorm import row_sum_squares
 
             o = self.layers[0].attn.o.weight  # the embedding's partials in the o / down GEMVs' count
-            partials = row_sum_squares(x, num_partials(*o.shape, o.dtype))
-            for i, layer in enumerate(self.layers):
-                x, partials = layer.forward_norm_free(x, partials, local_rope if is_sliding(self.arch, i) else rope,
-                                                      kv_caches[i], meta)
-            return self.norm.forward_add(x, None, fused=True)[0]
+            with pdl_scope():  # every kernel of the step is ours: each may start beside the one before it
+                partials = row_sum_squares(x, num_partials(*o.shape, o.dtype))
+                for i, layer in enumerate(self.layers):
+                    x, partials = layer.forward_norm_free(x, partials, local_rope if is_sliding(self.arch, i) else rope,
+                                                          kv_caches[i], meta)
+                return self.norm.forward_add(x, None, fused=True)[0]
         if self.is_fused:
             residual = None
             for i, layer in enumerate(self.layers):
@@ -231,7 +233,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = _wide(hidden, weight) if runs_norm_free(hidden, self) else linear(hidden, weight)
+        if runs_norm_free(hidden, self):
+            from helios.kernels._triton import pdl_scope
+
+            with pdl_scope():
+                logits = _wide(hidden, weight)
+        else:
+            logits = linear(hidden, weight)
         return softcap_logits(logits, self.arch.final_logit_softcapping)
 
 

@@ -62,7 +62,7 @@ def test_manifest_lists_the_kernels(exported):
     index = json.loads((core.path / kt.dir / "index.json").read_text())
     entries = [(e["kernel"].rsplit(":", 1)[1], bool(e["specialization"]["options"].get("launch_pdl")))
                for e in index["kernels"]]
-    # sm90: one-row launches (batch-1 decode) may use programmatic dependent launch (HELIOS_PDL=1), so the core
+    # sm90: one-row launches (batch-1 decode) may use programmatic dependent launch (pdl_allowed), so the core
     # holds them in both forms; the plain form of most is also the multi-row one. A 256-token context never
     # splits decode (splits need > 256 keys): no merge kernel. Decode for each of the sliding and full layers;
     # the norm without and with the residual add; the batch-1 GEMV in two specializations (the projections do

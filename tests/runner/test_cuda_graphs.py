@@ -158,15 +158,18 @@ def test_norm_free_layers_match_eager_on_cpu(core, monkeypatch):
     into the stream and handing on the partial sums of its squares, decode attention and the down GEMV scaling by
     its rstd), run in float32 in the Triton interpreter: the eager runner's greedy tokens, graphed and not."""
     import helios.kernels.gemv as gemv_module
+    from helios.kernels._triton import pdl_allowed
     from helios.models.llama import DecoderLayer, runs_norm_free
 
     arch = core.manifest.arch
     prompts = {"a": prompt(7, seed=1)}
     expected = _greedy_decode(ModelRunner(arch, core.tensors, num_pages=32, page_size=PAGE_SIZE), prompts, steps=5)
     monkeypatch.setattr(gemv_module, "gemv_serves", lambda x, weight: x.shape[0] == 1)  # the GPU's one-row rule
-    calls = []
+    calls = []  # whether the layer's one-row launches may take PDL (pdl_scope: every kernel of the step is ours)
     layer_forward = DecoderLayer.forward_norm_free
-    monkeypatch.setattr(DecoderLayer, "forward_norm_free", lambda self, *a: calls.append(1) or layer_forward(self, *a))
+    monkeypatch.setattr(DecoderLayer, "forward_norm_free",
+                        lambda self, *a: calls.append(pdl_allowed()) or layer_forward(self, *a))
+    monkeypatch.delenv("HELIOS_PDL", raising=False)
     for graphed in (False, True):
         runner = ModelRunner(arch, core.tensors, num_pages=32, page_size=PAGE_SIZE, attention_backend="triton")
         assert not runner.model.norms_folded  # on the CPU only when forced
@@ -178,9 +181,28 @@ def test_norm_free_layers_match_eager_on_cpu(core, monkeypatch):
             runner.graphs = graph_runner(runner, buckets=(1,))
         calls.clear()
         assert _greedy_decode(runner, prompts, steps=5) == expected
-        assert len(calls) == 5 * arch.num_layers  # every decode step, no prefill
+        assert len(calls) == 5 * arch.num_layers and all(calls)  # every decode step, no prefill
+        assert not pdl_allowed()
         if graphed:
             assert runner.graphs.num_replays == 5
+
+
+def test_pdl_is_scoped_unless_the_environment_says(monkeypatch):
+    """One-row launches take PDL inside pdl_scope (the norm-free step) when HELIOS_PDL is unset or empty; "1"
+    everywhere, "0" nowhere."""
+    from helios.kernels._triton import pdl_allowed, pdl_scope
+
+    for value, outside, inside in ((None, False, True), ("", False, True), ("1", True, True), ("0", False, False)):
+        if value is None:
+            monkeypatch.delenv("HELIOS_PDL", raising=False)
+        else:
+            monkeypatch.setenv("HELIOS_PDL", value)
+        assert pdl_allowed() == outside
+        with pdl_scope():
+            assert pdl_allowed() == inside
+            with pdl_scope(False):
+                assert pdl_allowed() == outside
+        assert pdl_allowed() == outside
 
 
 @needs_interpreter
