@@ -13,6 +13,9 @@ import torch
 from helios.core.manifest import RopeScaling
 
 
+_TABLE_CHUNK = 1 << 16  # positions a RotaryEmbedding.tabulate pass computes at once
+
+
 def _default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:  # [head_dim // 2]
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
     return 1.0 / (theta**exponents)
@@ -86,8 +89,14 @@ class RotaryEmbedding:
         CUDA path: the same elementwise kernels over the same inputs give the same bits). Every position a
         step can ask for must lie below num_positions (an out-of-range gather is a device-side assert)."""
         self.table = None
-        positions = torch.arange(num_positions, device=self.inv_freq.device)
-        self.table = torch.stack(self.cos_sin(positions, dtype), dim=1)
+        device = self.inv_freq.device
+        table = torch.empty(num_positions, 2, self.head_dim, dtype=dtype, device=device)
+        for start in range(0, num_positions, _TABLE_CHUNK):  # float32 temporaries of a chunk, not of the table
+            positions = torch.arange(start, min(start + _TABLE_CHUNK, num_positions), device=device)
+            cos, sin = self.cos_sin(positions, dtype)
+            table[start : start + len(positions), 0] = cos
+            table[start : start + len(positions), 1] = sin
+        self.table = table
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> (cos, sin) each [T, head_dim] in `dtype` (rows of the table when one was

@@ -269,7 +269,7 @@ def test_rope_table_rows_equal_the_computed_rows(dtype):
     rope = RotaryEmbedding(128, 500000.0, RopeScaling(type="llama3", factor=8.0, low_freq_factor=1.0,
                                                      high_freq_factor=4.0, original_max_position_embeddings=8192),
                            131072, CUDA)
-    positions = torch.tensor([0, 1, 7, 4095, 131071, 33], device=CUDA)
+    positions = torch.tensor([0, 1, 7, 4095, 65535, 65536, 131071, 33], device=CUDA)
     want = rope.cos_sin(positions, dtype)
     rope.tabulate(131072, dtype)
     got = rope.cos_sin(positions, dtype)

@@ -180,11 +180,11 @@ def test_rope_table_rows_are_the_computed_rows(dtype):
     rope = RotaryEmbedding(64, 500000.0, RopeScaling(type="llama3", factor=8.0, low_freq_factor=1.0,
                                                     high_freq_factor=4.0, original_max_position_embeddings=8192),
                            131072)
-    positions = torch.tensor([0, 1, 7, 4095, 131071, 33])
+    positions = torch.tensor([0, 1, 7, 4095, 65535, 65536, 131071, 33])  # tabulated in chunks of 65536
     want = rope.cos_sin(positions, dtype)
     rope.tabulate(131072, dtype)
     got = rope.cos_sin(positions, dtype)
-    assert got[0].shape == got[1].shape == (6, 64) and got[0].dtype == dtype
+    assert got[0].shape == got[1].shape == (8, 64) and got[0].dtype == dtype
     ulp = torch.finfo(dtype).eps
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=ulp, rtol=ulp)
