@@ -775,7 +775,8 @@ def main() -> None:
     from helios.kernels._triton import switched_on
     from helios.kernels.gemv import gemv_mode
 
-    print(torch.__version__, torch.cuda.get_device_name(), f"GEMV mode {gemv_mode()}, PDL {os.environ.get('HELIOS_PDL') or 'norm-free steps'}, "
+    pdl = os.environ.get("HELIOS_PDL") or "norm-free steps"
+    print(torch.__version__, torch.cuda.get_device_name(), f"GEMV mode {gemv_mode()}, PDL {pdl}, "
           f"fused decode {switched_on('HELIOS_FUSED_DECODE')}", flush=True)
     if args.host_profile:
         print("\n".join(host_profile()), flush=True)

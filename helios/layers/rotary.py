@@ -6,7 +6,6 @@ the activation dtype). No weights: the table is derived from the architecture on
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -102,9 +101,12 @@ class RotaryEmbedding:
         """positions [T] int64 -> (cos, sin) each [T, head_dim] in `dtype` (rows of the table when one was
         made for dtype; views with a row stride of 2 * head_dim then)."""
         table = self.table
-        if table is not None and table.dtype == dtype and os.environ.get("HELIOS_ROPE_TABLE", "1") != "0":
-            rows = table.index_select(0, positions)
-            return rows[:, 0], rows[:, 1]
+        if table is not None and table.dtype == dtype:
+            from helios.kernels._triton import switched_on
+
+            if switched_on("HELIOS_ROPE_TABLE"):  # read at each capture: benchmarks compare
+                rows = table.index_select(0, positions)
+                return rows[:, 0], rows[:, 1]
         freqs = positions[:, None].to(torch.float32) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling

@@ -21,7 +21,7 @@ import torch
 from helios.engine.messages import ScheduledRequest
 from helios.kernels.aot_shapes import SHORT_PROGRAMS, graph_decode_splits, short_decode_splits
 from helios.layers.attention import Attention, AttentionMetadata
-from helios.runner.input_batch import BLOCK_TABLE_ALIGN, BatchLayout, round_up
+from helios.runner.input_batch import BatchLayout, max_table_blocks, round_up
 
 # rows of the packed int64 input buffer (one host->device copy per step instead of four)
 TOKEN_IDS, POSITIONS, SLOT_MAPPING, SEQ_LENS = range(4)
@@ -231,7 +231,7 @@ class GraphRunner:
         self.max_model_len = max_model_len
         self.page_size = page_size
         self.device = torch.device(device)
-        self.max_blocks = round_up(-(-max_model_len // page_size), BLOCK_TABLE_ALIGN)
+        self.max_blocks = max_table_blocks(max_model_len, page_size)
         self.buffers = StaticBuffers(self.buckets[-1], self.max_blocks, vocab_size, self.device)
         self.backends = attention_backends(model)
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if capture else 132

@@ -64,6 +64,12 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def max_table_blocks(max_model_len: int, page_size: int) -> int:
+    """Pages a padded block table row holds for a max_model_len context (the graphs' static width): every
+    position a step can address lies below max_table_blocks * page_size."""
+    return round_up(-(-max_model_len // page_size), BLOCK_TABLE_ALIGN)
+
+
 @dataclass(frozen=True)
 class BatchLayout:
     """The host-side (plain Python) layout of one step's flattened token batch."""

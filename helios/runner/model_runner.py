@@ -34,13 +34,12 @@ from helios.models import build_model
 from helios.runner.cpu_threads import DecodeThreads, same_bits_across_threads
 from helios.runner.decode_overlap import DecodeOverlap, speculable
 from helios.runner.input_batch import (
-    BLOCK_TABLE_ALIGN,
     BatchLayout,
     RequestRows,
     RequestState,
     layout_batch,
+    max_table_blocks,
     prepare_batch,
-    round_up,
 )
 from helios.runner.kv_cache import KVCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
@@ -178,8 +177,7 @@ class ModelRunner:
         if is_cuda:
             # every position a step can address: the graphs' block tables hold max_blocks pages (the speculative
             # next step stays inside a request's pages)
-            tabulate_rope(self.model, round_up(-(-self.max_model_len // page_size), BLOCK_TABLE_ALIGN) * page_size,
-                          self.dtype)
+            tabulate_rope(self.model, max_table_blocks(self.max_model_len, page_size) * page_size, self.dtype)
         t2 = time.perf_counter()
         if num_pages is None:
             if not is_cuda:
