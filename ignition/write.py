@@ -24,6 +24,7 @@ from ignition.errors import ExportError
 
 ALIGN = 64  # header padding so the tensor data region starts cache-line aligned
 SHARD_BYTES = 4 << 30
+COPY_CHUNK = 1 << 24  # bytes moved at a time when the header goes in front of a shard's data
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int32: "I32"}
 
@@ -80,14 +81,32 @@ class _ShardWriter:
             # pad with spaces (allowed by the format) so data starts at an ALIGN boundary
             pad = (-(8 + len(raw))) % ALIGN
             raw += b" " * pad
-            out_path = self.directory / name
-            with open(out_path, "wb") as out, open(data_path, "rb") as src:
-                out.write(len(raw).to_bytes(8, "little"))
-                out.write(raw)
-                shutil.copyfileobj(src, out, 1 << 22)
-            data_path.unlink()
+            _prepend(len(raw).to_bytes(8, "little") + raw, data_path, self.directory / name)
             names.append(name)
         return names
+
+
+def _prepend(head: bytes, data_path: Path, out_path: Path, chunk: int = COPY_CHUNK) -> None:
+    """Write head followed by data_path's bytes to out_path, consuming data_path as it goes.
+
+    The data moves from its end backwards, truncating the source behind each chunk, so an export
+    needs the disk for its weights plus one chunk, not twice the weights (a 16 GB core would
+    otherwise need 32 GB free at the end of its write).
+    """
+    size = data_path.stat().st_size
+    with open(data_path, "r+b") as src, open(out_path, "wb") as out:
+        out.write(head)
+        end = size
+        while end > 0:
+            start = max(0, end - chunk)
+            src.seek(start)
+            block = src.read(end - start)
+            out.seek(len(head) + start)
+            out.write(block)
+            out.flush()
+            src.truncate(start)
+            end = start
+    data_path.unlink()
 
 
 def sha256_path(path: Path) -> str:

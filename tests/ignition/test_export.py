@@ -120,3 +120,16 @@ def test_inspect_shows_the_core(tiny_llama, tmp_path):
         assert needle in r.stdout
     r = run_cli("verify", str(core))
     assert r.returncode == 0 and r.stdout.startswith("ok:")
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 64, 1000])
+def test_header_goes_in_front_of_the_data_chunk_by_chunk(tmp_path, size):
+    from ignition.write import _prepend
+
+    data = bytes(range(256)) * 4
+    data = data[:size]
+    src = tmp_path / ".data-0"
+    src.write_bytes(data)
+    _prepend(b"HEAD", src, tmp_path / "out", chunk=7)
+    assert (tmp_path / "out").read_bytes() == b"HEAD" + data
+    assert not src.exists()

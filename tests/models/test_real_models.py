@@ -3,6 +3,8 @@ GGUF loading: Qwen2.5-Coder-0.5B-Instruct (qwen2) and Gemma 3 270M (gemma3). Slo
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -24,13 +26,15 @@ CASES = {
 def real(request, tmp_path_factory):
     fixture, prompts = CASES[request.param]
     gguf = request.getfixturevalue(fixture)
-    core = load_core(export_core(gguf, tmp_path_factory.mktemp("cores") / request.param, ExportOptions(dtype="float32")))
+    path = export_core(gguf, tmp_path_factory.mktemp("cores") / request.param, ExportOptions(dtype="float32"))
+    core = load_core(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     yield request.param, core, model, tok, prompts
     del model
+    shutil.rmtree(path, ignore_errors=True)  # 1-2 GB of float32 weights: CI's disk is shared
 
 
 def test_greedy_and_logprobs_match_transformers(real):

@@ -14,6 +14,7 @@ the hermes parser matches the tag text either way. SYSTEM below is the prompt fo
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -49,6 +50,7 @@ def qwen_server(qwen25_coder_gguf, tmp_path_factory):
         yield url
     finally:
         _stop(proc)
+        shutil.rmtree(core, ignore_errors=True)  # 2 GB of float32 weights: CI's disk is shared
 
 
 @pytest.fixture(scope="module")
