@@ -10,6 +10,8 @@ from typing import Literal
 
 from msgspec import Struct
 
+from helios.engine.constraint import OutputConstraint
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -53,6 +55,8 @@ class EngineRequest(Struct, frozen=True, kw_only=True):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reasoning_budget: ReasoningBudget | None = None
+    # structured output: the grammar the answer must follow (helios/engine/constraint.py); never shared
+    constraint: OutputConstraint | None = None
     # NOTE: a request with prompt_logprobs must prefill from scratch (no prefix reuse).
 
 
@@ -114,6 +118,10 @@ class ScheduledRequest(Struct, frozen=True, kw_only=True):
     # set only with sample: the runner returns this id instead of sampling (no draw, no logprob record) and
     # records it as an output token, as it does a sampled one
     forced_token_id: int | None = None
+    # set only with sample: the tokens the sample may take (structured output), a bitmask of little-endian
+    # int32 words (bit i of word w allows token 32w+i); the runner masks the rest before sampling, never the
+    # logprobs, which describe the raw distribution
+    token_mask: bytes | None = None
 
 
 class SchedulerOutput(Struct, frozen=True, kw_only=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 
+from helios.engine.constraint import ConstraintState
 from helios.engine.messages import EngineRequest, FinishReason, PositionLogprobs, SamplingParams
 from helios.engine.reasoning_budget import ReasoningBudgetState
 
@@ -55,6 +56,7 @@ class Request:
         "is_known_to_runner",
         "num_preemptions",
         "reasoning",
+        "constraint",
         "page_hashes",
         "num_published_pages",
         "num_cached_tokens",
@@ -79,6 +81,7 @@ class Request:
         self.num_preemptions = 0
         budget = request.reasoning_budget
         self.reasoning = ReasoningBudgetState(budget) if budget is not None else None
+        self.constraint = ConstraintState(request.constraint) if request.constraint is not None else None
         # prefix cache (helios/engine/prefix_cache.py): the chained hashes of the first full pages of
         # all_token_ids, extended on demand (kept across preemption: they depend on the tokens alone)
         self.page_hashes: list[bytes] = []
@@ -124,6 +127,16 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.reasoning is not None:
             self.reasoning.observe(token_id)
+        if self.constraint is not None:
+            self.constraint.observe(token_id)
+
+    def token_mask(self) -> bytes | None:
+        """The tokens the next sample may take under the request's output constraint; None: any."""
+        return self.constraint.token_mask() if self.constraint is not None else None
+
+    @property
+    def constraint_error(self) -> str | None:
+        return self.constraint.error if self.constraint is not None else None
 
     def finish(self, status: RequestStatus, *, stop_token: int | list[int] | None = None, error: str | None = None) -> None:
         assert status in _FINISH_REASONS, status

@@ -229,7 +229,10 @@ class Scheduler:
                     req.append_output_token(result.sampled_token_id)
                     if is_forced:
                         self.num_reasoning_budget_cuts += 1
-                    req.check_stop(self.config.max_model_len)
+                    if req.constraint_error is not None:
+                        req.finish(RequestStatus.FINISHED_ERROR, error=req.constraint_error)
+                    else:
+                        req.check_stop(self.config.max_model_len)
             elif req.sampling.max_tokens == 0 and req.is_prefill_done:
                 req.finish(RequestStatus.FINISHED_LENGTH)  # prompt scoring: zero generated tokens
             if new_token_ids or prompt_logprobs is not None or req.is_finished:
@@ -294,6 +297,7 @@ class Scheduler:
         end = start + num_new
         self._scheduled[req.req_id] = req
         sample = end == req.num_tokens and req.sampling.max_tokens > 0
+        forced_token_id = req.forced_token_id if sample else None
         return ScheduledRequest(
             req_id=req.req_id,
             token_ids=req.all_token_ids[start:end],
@@ -302,7 +306,8 @@ class Scheduler:
             sample=sample,
             want_prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens,
             # NOTE: a running request is never finished here, so the forced token fits the output limit
-            forced_token_id=req.forced_token_id if sample else None,
+            forced_token_id=forced_token_id,
+            token_mask=req.token_mask() if sample and forced_token_id is None else None,
         )
 
     def _preempt(self, req: Request) -> None:

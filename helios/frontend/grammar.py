@@ -1,18 +1,24 @@
-"""Lark and regex grammars through llguidance: bounded compilation at admission, exact-byte validation after.
+"""Grammars through llguidance: bounded compilation at admission, exact-byte validation, token masks.
 
-Owns the one grammar compiler of helios (Responses custom tools today; structured output uses the same
-bounds): a definition is compiled once before admission (a bad or oversized grammar is an InvalidRequest),
-and a completed text is checked byte by byte against it. Matching runs over a private 256-symbol byte
-vocabulary, so the verdict depends on the exact UTF-8 bytes, never on how a model tokenizer splits them.
+Owns the one grammar compiler of helios, for two uses under the same bounds (a bad or oversized grammar is an
+InvalidRequest before admission):
+- Responses custom tools: a completed text is checked byte by byte against a Lark or regex grammar. Matching
+  runs over a private 256-symbol byte vocabulary, so the verdict depends on the exact UTF-8 bytes, never on
+  how a model tokenizer splits them.
+- structured output: a JSON schema, Lark or regex grammar compiled over the model's own vocabulary into a
+  matcher, whose token masks the engine applies while the answer is generated (helios/engine/constraint.py).
 No torch; llguidance is imported here only.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 from helios.frontend.sampling import InvalidRequest
 
@@ -92,22 +98,84 @@ class Grammar:
         return None
 
 
-def compile_grammar(syntax: str, definition: str, param: str | None = None) -> Grammar:
-    """Compile a Lark or regex definition under the bounds above; InvalidRequest names what is wrong."""
+def _source(syntax: str, definition: str, param: str | None) -> str:
+    """llguidance's grammar source for a bounded Lark or regex definition."""
     import llguidance
 
-    if syntax not in SYNTAXES:
-        raise InvalidRequest(f"unsupported grammar syntax {syntax!r}; use lark or regex", param)
     if not isinstance(definition, str) or not definition:
         raise InvalidRequest("a grammar needs a nonempty string definition", param)
     if len(definition.encode("utf-8")) > MAX_DEFINITION_BYTES:
         raise InvalidRequest(f"the {syntax} grammar exceeds {MAX_DEFINITION_BYTES} bytes", param)
-    source = (llguidance.LLMatcher.grammar_from_regex(definition) if syntax == "regex"
-              else llguidance.LLMatcher.grammar_from_lark(definition))
+    return (llguidance.LLMatcher.grammar_from_regex(definition) if syntax == "regex"
+            else llguidance.LLMatcher.grammar_from_lark(definition))
+
+
+def _matcher(tokenizer, source: str, what: str, param: str | None):
+    """A matcher at its start state, under the bounds; a compile error is an InvalidRequest naming `what`."""
+    import llguidance
+
     # NOTE: the constructor never raises for grammar errors or exhausted limits; it enters an error state
-    matcher = llguidance.LLMatcher(_tokenizer(), source, log_level=0, limits=_limits())
+    matcher = llguidance.LLMatcher(tokenizer, source, log_level=0, limits=_limits())
     if matcher.is_error():
         reason = "; ".join(line.strip() for line in matcher.get_error().splitlines()
                            if line.strip() and not _QUOTE.match(line))[:MAX_ERROR_CHARS]
-        raise InvalidRequest(f"invalid {syntax} grammar: {reason}", param)
+        raise InvalidRequest(f"invalid {what}: {reason}", param)
+    return matcher
+
+
+def compile_grammar(syntax: str, definition: str, param: str | None = None) -> Grammar:
+    """Compile a Lark or regex definition under the bounds above; InvalidRequest names what is wrong."""
+    if syntax not in SYNTAXES:
+        raise InvalidRequest(f"unsupported grammar syntax {syntax!r}; use lark or regex", param)
+    matcher = _matcher(_tokenizer(), _source(syntax, definition, param), f"{syntax} grammar", param)
     return Grammar(syntax, definition, matcher)  # type: ignore[arg-type]
+
+# structured output's JSON: flexible whitespace between tokens, at most this much at a time (a model cannot
+# fill its output limit with blank lines inside an object)
+JSON_OPTIONS = {"whitespace_pattern": r"[\n\t ]{0,16}"}
+OutputSyntax = Literal["json_schema", "lark", "regex"]
+
+
+class OutputCompiler:
+    """Compiles structured-output grammars over a model vocabulary into fresh llguidance matchers.
+
+    The vocabulary (llguidance's LLTokenizer over the core's tokenizer.json, with the model's logit width
+    and its end-of-generation ids: the grammar's end allows exactly those) is built on first use, once.
+    """
+
+    def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int]):
+        self._tokenizer_json = tokenizer_json  # called once, on first use
+        self._vocab_size = vocab_size
+        self._eos_token_ids = list(eos_token_ids)
+        self._vocabulary: Any = None
+        self._lock = threading.Lock()
+
+    def _llg_tokenizer(self):
+        with self._lock:
+            if self._vocabulary is None:
+                import llguidance
+
+                try:
+                    self._vocabulary = llguidance.LLTokenizer(
+                        self._tokenizer_json(), n_vocab=self._vocab_size, eos_token=self._eos_token_ids or None)
+                except Exception as e:  # NOTE: a tokenizer llguidance cannot read: no structured output here
+                    raise InvalidRequest(f"this core's tokenizer cannot drive structured output: {e}") from None
+            return self._vocabulary
+
+    def compile(self, syntax: OutputSyntax, definition: Any, param: str | None = None):
+        """A matcher at its start state for a JSON schema (a dict), Lark or regex definition."""
+        import llguidance
+
+        if syntax == "json_schema":
+            if not isinstance(definition, dict):
+                raise InvalidRequest("a JSON schema must be an object", param)
+            if len(json.dumps(definition, ensure_ascii=False).encode("utf-8")) > MAX_DEFINITION_BYTES:
+                raise InvalidRequest(f"the JSON schema exceeds {MAX_DEFINITION_BYTES} bytes", param)
+            try:
+                source = llguidance.LLMatcher.grammar_from_json_schema(definition, defaults=JSON_OPTIONS)
+            except (TypeError, ValueError, RuntimeError) as e:
+                raise InvalidRequest(f"invalid JSON schema: {_first_line(str(e))[:MAX_ERROR_CHARS]}", param) from None
+            return _matcher(self._llg_tokenizer(), source, "JSON schema", param)
+        if syntax not in SYNTAXES:
+            raise InvalidRequest(f"unsupported output grammar {syntax!r}", param)
+        return _matcher(self._llg_tokenizer(), _source(syntax, definition, param), f"{syntax} grammar", param)

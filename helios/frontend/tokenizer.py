@@ -100,6 +100,10 @@ class Tokenizer:
             return None
         return self.token_bytes[token_id].decode("utf-8", errors="replace")
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what llguidance builds its vocabulary from)."""
+        return self._tok.to_str()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text -> ids. add_special_tokens applies the prepared policy (BOS/EOS), not tokenizer.json's."""
         ids = self._tok.encode(text, add_special_tokens=False).ids if text else []

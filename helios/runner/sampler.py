@@ -261,6 +261,32 @@ def transform_logits(
     return _with_rows(x, sampled, y, owned=owned)
 
 
+def mask_logits(
+    logits: torch.Tensor,  # [batch, vocab] float32 (not modified)
+    masks: Sequence[bytes | None],  # per row: allowed tokens as little-endian int32 bitmask words, None: all
+) -> torch.Tensor:  # [batch, vocab] float32: a copy with each masked row's refused tokens at -inf
+    """Structured output's token masks (helios/engine/constraint.py) on the rows that have one. Tokens past
+    a mask's last word are refused; mask bits past the vocabulary are ignored."""
+    batch, vocab = logits.shape
+    if len(masks) != batch:
+        raise ValueError(f"{batch} logit rows but {len(masks)} token masks")
+    rows = [i for i, m in enumerate(masks) if m is not None]
+    out = logits.clone()
+    if not rows:
+        return out
+    num_words = (vocab + 31) // 32
+    packed = bytearray(4 * num_words * len(rows))
+    for j, i in enumerate(rows):
+        m = masks[i][: 4 * num_words]
+        packed[4 * num_words * j : 4 * num_words * j + len(m)] = m
+    words = torch.frombuffer(packed, dtype=torch.int32).view(len(rows), num_words).to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words[:, :, None] >> shifts) & 1).view(len(rows), 32 * num_words)[:, :vocab].bool()
+    index = torch.tensor(rows, device=logits.device)
+    out[index] = out[index].masked_fill(~allowed, -math.inf)
+    return out
+
+
 def sample(
     logits: torch.Tensor,  # [batch, vocab] float32 raw logits (not modified)
     states: Sequence[SamplerState],

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from helios.engine.constraint import OutputConstraint
 from helios.engine.messages import EngineRequest, PositionLogprobs, ReasoningBudget
 from helios.engine.scheduler import QueueFull
 from helios.frontend.sampling import SamplingFields, resolve_sampling
@@ -218,12 +219,13 @@ def child_usage(child: Child | None, num_prompt: int, num_reasoning: int = 0) ->
 
 
 def make_child(runtime: Runtime, prefix: str, prompt_ids: list[int], fields: SamplingFields, max_tokens: int,
-               skip_special_tokens: bool = True, reasoning_budget: ReasoningBudget | None = None) -> Child:
+               skip_special_tokens: bool = True, reasoning_budget: ReasoningBudget | None = None,
+               constraint: OutputConstraint | None = None) -> Child:
     """One choice (index 0) for the conversational protocols that have no n: sampling resolved, pipeline built."""
     sampling = resolve_sampling(fields, runtime.manifest, max_tokens)
     tok = runtime.tokenizer
     request = EngineRequest(req_id=f"{prefix}-0", prompt_token_ids=prompt_ids, sampling=sampling,
-                            reasoning_budget=reasoning_budget)
+                            reasoning_budget=reasoning_budget, constraint=constraint)
     processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop, skip_special_tokens,
                                 control_ids(runtime))
     return Child(0, request, processor)

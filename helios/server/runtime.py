@@ -18,6 +18,7 @@ from msgspec import Struct
 
 from helios.core.manifest import Manifest
 from helios.frontend.chat import ChatRenderer
+from helios.frontend.grammar import OutputCompiler
 from helios.frontend.tokenizer import Tokenizer
 from helios.server.config import ServerConfig
 from helios.server.errors import bad_request, rate_limited
@@ -103,6 +104,9 @@ class Runtime:
         self.manifest = manifest
         self.tokenizer = tokenizer
         self.chat = ChatRenderer(template_source, manifest.template, tokenizer)
+        # structured output's grammars over the model's vocabulary; the end of a grammar allows the EOS ids
+        self.output_grammars = OutputCompiler(lambda: tokenizer.to_json(), manifest.arch.vocab_size,
+                                              manifest.tokenizer.eos_token_ids)
         self.engine = engine
         self.config = config
         self.serving = serving or resolve_serving(manifest, config)

@@ -50,6 +50,7 @@ class FakeRunner:
         self.block_tables: dict[str, list[int]] = {}
         self.plans: list[SchedulerOutput] = []
         self.num_new = defaultdict(int)  # req_id -> times sent as new (1 + preemptions)
+        self.ignore_masks = False  # a broken runner: samples outside structured output's token masks
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         self.plans.append(plan)
@@ -105,11 +106,14 @@ class FakeRunner:
                 token = scripted[index] if scripted is not None and index < len(scripted) else context_token(kv)
                 if s.forced_token_id is not None:  # like the real runner: no draw, no logprob record
                     token = s.forced_token_id
-                elif self.sampling[s.req_id].logprobs is not None:
-                    logprobs = _record(token, len(kv))
+                elif s.token_mask is not None and not self.ignore_masks and not allowed(s.token_mask, token):
+                    token = min(t for t in range(VOCAB) if allowed(s.token_mask, t))  # a masked draw
                 known.append(token)
+                if self.sampling[s.req_id].logprobs is not None and s.forced_token_id is None:
+                    logprobs = _record(token, len(kv))
             else:
                 assert s.forced_token_id is None, "a token is forced only where one is sampled"
+                assert s.token_mask is None, "a token mask comes only where one is sampled"
                 assert len(kv) < len(known) or self.sampling[s.req_id].max_tokens == 0
             results.append(
                 RequestResult(
@@ -120,6 +124,11 @@ class FakeRunner:
 
     def _read(self, block_ids: list[int], num_tokens: int) -> list[int]:
         return [self.slots[block_ids[p // self.page_size]][p % self.page_size] for p in range(num_tokens)]
+
+
+def allowed(mask: bytes, token_id: int) -> bool:
+    """Whether a token mask (little-endian int32 bitmask words) allows token_id."""
+    return token_id >> 3 < len(mask) and bool(mask[token_id >> 3] >> (token_id & 7) & 1)
 
 
 def _record(token_id: int, position: int) -> PositionLogprobs:
@@ -133,10 +142,11 @@ def make_core(script=None, fail=None, **config) -> tuple[EngineCore, FakeRunner]
     return EngineCore(cfg, runner), runner
 
 
-def request(req_id: str, prompt_len: int = 8, seed: int = 0, reasoning_budget=None, **sampling) -> EngineRequest:
+def request(req_id: str, prompt_len: int = 8, seed: int = 0, reasoning_budget=None, constraint=None,
+            **sampling) -> EngineRequest:
     prompt = [10 + (seed * 131 + i * 17 + len(req_id)) % 500 for i in range(prompt_len)]
     return EngineRequest(req_id=req_id, prompt_token_ids=prompt, sampling=SamplingParams(**sampling),
-                         reasoning_budget=reasoning_budget)
+                         reasoning_budget=reasoning_budget, constraint=constraint)
 
 
 class Collected:

@@ -26,6 +26,8 @@ from helios.server.generation import (Child, Generation, check_thinking_token_bu
                                       finish_reason, make_child)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
+from helios.server.structured import (OutputFormat, check_combination, compile_format, messages_output_format,
+                                      one_format, output_constraint, with_format_instruction)
 from helios.server.thinking_budget import reasoning_budget
 from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
 
@@ -80,6 +82,7 @@ class MessagesRequest(Struct, kw_only=True):
     thinking: Thinking | None = None
     context_management: dict | None = None
     output_config: dict | None = None
+    output_format: dict | None = None  # structured outputs' earlier spelling of output_config.format
     service_tier: str | None = None
     # native extensions, as on the OpenAI routes
     seed: int | None = None
@@ -286,16 +289,25 @@ def _decode(body: bytes) -> MessagesRequest:
         raise from_validation(e) from None
 
 
-def _render(req: MessagesRequest, runtime: Runtime, plan: ToolPlan | None = None):
+def _output_format(req: MessagesRequest) -> OutputFormat | None:
+    """output_config.format or output_format: {"type": "json_schema", "schema": {...}} (one of them)."""
+    return one_format(messages_output_format((req.output_config or {}).get("format"), "output_config.format"),
+                      messages_output_format(req.output_format))
+
+
+def _render(req: MessagesRequest, runtime: Runtime, plan: ToolPlan | None = None,
+            fmt: OutputFormat | None = None):
     messages, hints = to_conversation(req)
     # NOTE: a final assistant message is a prefill: the template continues it instead of opening a turn
     prefill = messages[-1].role == "assistant"
     if prefill and not runtime.manifest.template.continuation:
         raise bad_request("this core's template cannot continue an assistant prefill")
+    check_combination(fmt, has_stops=bool(req.stop_sequences or req.stop_token_ids or req.stop_token_sequences),
+                      ignore_eos=req.ignore_eos, continuation=prefill)
     plan = plan or _tool_plan(req, runtime)
     thinking = req.thinking or Thinking(type="disabled")
     effort = messages_effort((req.output_config or {}).get("effort"), thinking.type, thinking.budget_tokens)
-    prompt = runtime.chat.render(with_instruction(messages, plan), tools=plan.presented,
+    prompt = runtime.chat.render(with_format_instruction(with_instruction(messages, plan), fmt), tools=plan.presented,
                                  add_generation_prompt=not prefill, continue_final_message=prefill,
                                  template_kwargs=effort_template_kwargs(None, effort, runtime.manifest.recipe))
     return prompt, hints
@@ -317,7 +329,8 @@ def prepare(body: bytes, runtime: Runtime, count_only: bool = False) -> Prepared
     _check_request(req, runtime)
     plan = _tool_plan(req, runtime)
     try:
-        prompt, hints = _render(req, runtime, plan)
+        fmt = _output_format(req)
+        prompt, hints = _render(req, runtime, plan, fmt)
         if count_only:
             return Prepared(req=req, prompt_ids=prompt.token_ids, child=None, cache_boundaries=[])
         if req.max_tokens is None:
@@ -327,8 +340,10 @@ def prepare(body: bytes, runtime: Runtime, count_only: bool = False) -> Prepared
                                         serving.default_max_tokens, allow_zero=False)
         fields = sampling_fields(req, stop=list(req.stop_sequences or []))
         budget = reasoning_budget(runtime, _thinking_budget(req), prompt.token_ids, plan)
+        matcher = compile_format(runtime, fmt) if fmt is not None else None
+        constraint = output_constraint(runtime, matcher, prompt.token_ids, plan) if matcher is not None else None
         child = make_child(runtime, f"msg_{uuid.uuid4().hex[:24]}", prompt.token_ids, fields, max_tokens,
-                           reasoning_budget=budget)
+                           reasoning_budget=budget, constraint=constraint)
         spec = output_spec(runtime, plan, prompt.token_ids)
         child.output_spec = dataclasses.replace(spec, new_call_id=_call_id) if spec is not None else None
     except InvalidRequest as e:

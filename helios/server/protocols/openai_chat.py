@@ -25,6 +25,9 @@ from helios.server.generation import (Child, Generation, control_ids, encode_pro
                                       finish_reason, usage)
 from helios.server.http import SSE_DONE, sse_event
 from helios.server.runtime import Runtime
+from helios.server.structured import (chat_response_format, check_combination, compile_format,
+                                      native_structured_outputs, one_format, output_constraint,
+                                      with_format_instruction)
 from helios.server.thinking_budget import check_thinking_token_budget, reasoning_budget
 from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
 
@@ -84,7 +87,8 @@ class ChatCompletionRequest(Struct, kw_only=True):
     tools: list[dict] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict | None = None
+    response_format: Any = None
+    structured_outputs: Any = None  # native extension: json | json_object | regex | grammar | choice
     logit_bias: dict[str, float] | None = None
     thinking_token_budget: int | None = None
     reasoning_effort: Any = None
@@ -124,8 +128,6 @@ def _check_unsupported(req: ChatCompletionRequest, runtime: Runtime) -> None:
         raise bad_request("prompt_logprobs cannot be combined with stream: true", "prompt_logprobs")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise bad_request("structured output (response_format) is not supported by this server yet", "response_format")
     check_thinking_token_budget(runtime, req.thinking_token_budget)
 
 
@@ -162,6 +164,10 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
     _check_unsupported(req, runtime)
     plan = _tool_plan(req, runtime)
     try:
+        fmt = one_format(chat_response_format(req.response_format), native_structured_outputs(req.structured_outputs))
+        check_combination(fmt, has_stops=bool(req.stop or req.stop_token_ids or req.stop_token_sequences),
+                          ignore_eos=req.ignore_eos, continuation=req.continue_final_message)
+        matcher = compile_format(runtime, fmt) if fmt is not None else None
         messages = [
             ChatMessage(role=m.role, content=_content_text(m), reasoning=m.reasoning_content or m.reasoning,
                         name=m.name, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
@@ -171,7 +177,7 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
         effort = native_effort(req.reasoning_effort, recipe, "reasoning_effort")
         kwargs = effort_template_kwargs(req.chat_template_kwargs, effort, recipe)
         prompt = runtime.chat.render(
-            with_instruction(messages, plan), tools=plan.presented, add_generation_prompt=req.add_generation_prompt,
+            with_format_instruction(with_instruction(messages, plan), fmt), tools=plan.presented, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, template_kwargs=kwargs,
         )
         serving = runtime.serving
@@ -185,8 +191,9 @@ def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[
         children = []
         for j in range(req.n):
             sampling = resolve_sampling(fields, runtime.manifest, max_tokens, seed_offset=j)
+            constraint = output_constraint(runtime, matcher, prompt.token_ids, plan) if matcher is not None else None
             request = EngineRequest(req_id=f"{base}-{j}", prompt_token_ids=prompt.token_ids, sampling=sampling,
-                                    reasoning_budget=budget)
+                                    reasoning_budget=budget, constraint=constraint)
             tok = runtime.tokenizer
             processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop,
                                         req.skip_special_tokens, control_ids(runtime))

@@ -23,6 +23,8 @@ from helios.server.generation import (Child, Generation, encode_prompt_logprobs,
 from helios.server.http import SSE_DONE, sse_event
 from helios.server.protocols.openai_chat import StreamOptions
 from helios.server.runtime import Runtime
+from helios.server.structured import (chat_response_format, check_combination, compile_format,
+                                      native_structured_outputs, one_format, output_constraint)
 
 MAX_N = 128
 
@@ -58,6 +60,8 @@ class CompletionRequest(Struct, kw_only=True):
     tools: Any = None
     tool_choice: Any = None
     thinking_token_budget: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None  # native extension: json | json_object | regex | grammar | choice
     user: str | None = None
 
 
@@ -131,6 +135,11 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
     _check_unsupported(req)
     try:
         prompts = _prompts(req, runtime)
+        fmt = one_format(chat_response_format(req.response_format), native_structured_outputs(req.structured_outputs))
+        check_combination(fmt, has_stops=bool(req.stop or req.stop_token_ids or req.stop_token_sequences),
+                          ignore_eos=req.ignore_eos)
+        # NOTE: raw text: the whole output follows the grammar (no reasoning or tool envelope, no instruction)
+        matcher = compile_format(runtime, fmt) if fmt is not None else None
         scoring = req.echo and req.logprobs is not None
         # NOTE: echo + logprobs scores the prompt; an explicit prompt_logprobs overrides that count.
         prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else (req.logprobs if scoring else None)
@@ -149,8 +158,10 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
                 sampling = resolve_sampling(fields, runtime.manifest, max_tokens, seed_offset=j)
                 if max_tokens == 0 and prompt_k is None:
                     continue  # tokenization and echo only: nothing to submit
+                constraint = (output_constraint(runtime, matcher, None, None, conversational=False)
+                              if matcher is not None and max_tokens > 0 else None)
                 request = EngineRequest(req_id=f"{base}-{i * req.n + j}", prompt_token_ids=prompt.token_ids,
-                                        sampling=sampling)
+                                        sampling=sampling, constraint=constraint)
                 processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, stop, req.skip_special_tokens)
                 children.append(Child(i * req.n + j, request, processor))
     except InvalidRequest as e:

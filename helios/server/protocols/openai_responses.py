@@ -25,6 +25,8 @@ from helios.server.generation import (Child, Generation, check_thinking_token_bu
                                       failure, finish_reason, make_child)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
+from helios.server.structured import (check_combination, compile_format, output_constraint, responses_text_format,
+                                      with_format_instruction)
 from helios.server.thinking_budget import reasoning_budget
 from helios.server.tools import (ChoiceOutput, DeclaredTool, ToolPlan, custom_tool, function_tool, namespaced,
                                  output_spec, plan_tools, with_instruction)
@@ -199,9 +201,8 @@ def _check_request(req: ResponsesRequest, runtime: Runtime) -> None:
         raise bad_request("prompt_logprobs is not supported on /v1/responses", "prompt_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
-    fmt = (req.text or {}).get("format") or {}
-    if fmt.get("type") not in (None, "text"):
-        raise bad_request("structured output (text.format) is not supported by this server yet", "text")
+    if req.text is not None and not isinstance(req.text, dict):
+        raise bad_request("text must be an object", "text")
     check_thinking_token_budget(runtime, req.thinking_token_budget)
     if isinstance(req.input, list) and not req.input:
         raise bad_request("input must be a string or a nonempty array of items", "input")
@@ -260,9 +261,14 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
     plan = _tool_plan(req, runtime)
     try:
         messages = to_conversation(req)
+        fmt = responses_text_format((req.text or {}).get("format"))
+        check_combination(fmt, has_stops=bool(req.stop or req.stop_token_ids or req.stop_token_sequences),
+                          ignore_eos=req.ignore_eos)
+        matcher = compile_format(runtime, fmt) if fmt is not None else None
         effort = named_effort((req.reasoning or {}).get("effort"), "reasoning", "reasoning.effort")
         kwargs = effort_template_kwargs(None, effort, runtime.manifest.recipe)
-        prompt = runtime.chat.render(with_instruction(messages, plan), tools=plan.presented, template_kwargs=kwargs)
+        prompt = runtime.chat.render(with_format_instruction(with_instruction(messages, plan), fmt),
+                                     tools=plan.presented, template_kwargs=kwargs)
         serving = runtime.serving
         max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt.token_ids), serving.max_model_len,
                                         serving.default_max_tokens, allow_zero=False)
@@ -273,7 +279,9 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
         )
         hex_id = uuid.uuid4().hex
         budget = reasoning_budget(runtime, req.thinking_token_budget, prompt.token_ids, plan)
-        child = make_child(runtime, f"resp_{hex_id}", prompt.token_ids, fields, max_tokens, reasoning_budget=budget)
+        constraint = output_constraint(runtime, matcher, prompt.token_ids, plan) if matcher is not None else None
+        child = make_child(runtime, f"resp_{hex_id}", prompt.token_ids, fields, max_tokens, reasoning_budget=budget,
+                           constraint=constraint)
         child.output_spec = output_spec(runtime, plan, prompt.token_ids)
     except InvalidRequest as e:
         e.param = _PARAMS.get(e.param, e.param)  # the frontend names Chat's fields
@@ -362,7 +370,7 @@ def _response(runtime: Runtime, prep: Prepared, status: str, output: list[dict],
         "model": runtime.serving.model_id, "output": output,
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": None, "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None},
-        "store": False, "temperature": sampling.temperature, "text": {"format": {"type": "text"}},
+        "store": False, "temperature": sampling.temperature, "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto", "tools": req.tools or [],
         "top_logprobs": req.top_logprobs or 0, "top_p": sampling.top_p, "truncation": "disabled",
         "usage": _usage(prep, num_reasoning) if status in ("completed", "incomplete") else None,
