@@ -329,3 +329,25 @@ def test_helios_serve_refuses_a_default_budget_on_a_core_without_reasoning(tmp_p
     assert done.returncode != 0
     lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
     assert len(lines) == 1 and "thinking_token_budget needs a core with reasoning syntax" in lines[0], lines
+
+
+def test_an_output_grammar_starts_after_the_forced_close(runtimes):
+    """Reasoning is free; after the budget forces </think> the answer follows the grammar, then EOS (the only
+    token the finished grammar allows, though this model never picks it on its own): finish "stop"."""
+    plain, _ = runtimes
+    grammar = {"structured_outputs": {"regex": "[a-z]{4}"}, "max_tokens": 20}
+    capped, uncapped = post_all(plain, [
+        ("/v1/chat/completions", {**CHAT, **grammar, "thinking_token_budget": BUDGET, "logprobs": True}, None),
+        ("/v1/chat/completions", {**CHAT, **grammar}, None),
+    ])
+    body = capped.json()
+    assert capped.status_code == 200, body
+    choice = body["choices"][0]
+    import re
+
+    assert re.fullmatch("[a-z]{4}", choice["message"]["content"]), choice
+    assert choice["message"]["reasoning_content"] and choice["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == BUDGET
+    # spec: under a grammar, reasoning that never closes runs to the limit without an answer
+    choice = uncapped.json()["choices"][0]
+    assert choice["message"]["content"] == "" and choice["finish_reason"] == "length"
