@@ -11,6 +11,7 @@ import torch
 from helios.engine.messages import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 from helios.runner.sampler import SamplerState, mask_logits, sample
 from tests.runner.test_model_runner import core, runner  # noqa: F401 (fixtures: a tiny random-weight core)
+from tests.runner.test_sampler import DEVICES
 
 VOCAB = 70  # not a multiple of 32: the last mask word is partial
 
@@ -22,23 +23,26 @@ def mask_of(ids, num_words: int = (VOCAB + 31) // 32) -> bytes:
     return bytes(words)
 
 
-def test_masked_rows_keep_exactly_their_tokens_and_others_are_copied():
-    x = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+@pytest.mark.parametrize("device", DEVICES)
+def test_masked_rows_keep_exactly_their_tokens_and_others_are_copied(device):
+    x = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)).to(device)
+    before = x.clone()
     keep = [0, 31, 32, 69]
     y = mask_logits(x, [None, mask_of(keep), mask_of([5], num_words=1)])
     assert torch.equal(y[0], x[0]) and y is not x
     assert torch.isfinite(y[1]).nonzero().flatten().tolist() == keep
     assert torch.equal(y[1][keep], x[1][keep])
     assert torch.isfinite(y[2]).nonzero().flatten().tolist() == [5]  # a short mask refuses the rest
-    assert torch.equal(x, x.clone())  # the input is untouched
+    assert torch.equal(x, before)  # the input is untouched
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_draws_stay_inside_the_mask(temperature):
+def test_draws_stay_inside_the_mask(temperature, device):
     keep = [3, 17, 64]
     params = SamplingParams(temperature=temperature, top_p=0.95, top_k=40, seed=11, repetition_penalty=1.2)
     for seed in range(20):
-        x = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(seed)) * 4
+        x = (torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(seed)) * 4).to(device)
         [t] = sample(mask_logits(x, [mask_of(keep)]), [SamplerState(params, [3, 4])])
         assert t in keep
         if temperature == 0.0:
