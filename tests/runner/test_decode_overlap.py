@@ -201,10 +201,51 @@ def test_identical_outputs_with_real_graphs(core):
 
     def outputs(decode_overlap: bool):
         eng = engine(decode_overlap)
-        outs = run(eng, requests)
+        outs = run(eng, requests + constrained_batch(core)[1:])  # structured output beside them
         return {k: (tokens(v), v[-1].finish_reason) for k, v in outs.items()}, eng.runner
 
     off, _ = outputs(False)
     on, runner = outputs(True)
     assert on == off
     assert runner.graphs is not None and runner.overlap_hits > 0
+    check_constrained(core, {k: (ids, finish, None) for k, (ids, finish) in on.items()})
+
+
+def constrained(core, req_id: str, n: int, regex: str, prompt_seed: int = 0, **sampling) -> EngineRequest:
+    """A request whose output must match `regex` (structured output), with a fresh matcher; ends at EOS."""
+    from helios.engine.constraint import OutputConstraint
+    from helios.frontend.grammar import OutputCompiler
+
+    eos = core.manifest.tokenizer.eos_token_ids
+    compiler = OutputCompiler(lambda: core.tokenizer_path.read_text(), core.manifest.arch.vocab_size, eos)
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 24, "eos_token_ids": tuple(eos), **sampling})
+    return EngineRequest(req_id=req_id, prompt_token_ids=prompt(n, seed=prompt_seed), sampling=params,
+                         constraint=OutputConstraint(matcher=compiler.compile("regex", regex)))
+
+
+def constrained_batch(core) -> list[EngineRequest]:
+    return [req("a", 5, 10, prompt_seed=1),
+            constrained(core, "c", 9, "[a-z]{5}", prompt_seed=2),
+            constrained(core, "s", 5, "(yes|no)!", prompt_seed=3, temperature=0.9, seed=4)]
+
+
+def check_constrained(core, outs) -> None:
+    import re
+
+    from helios.frontend.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(core.tokenizer_path, core.manifest.tokenizer, core.manifest.arch.vocab_size)
+    for req_id, regex in (("c", "[a-z]{5}"), ("s", "(yes|no)!")):
+        ids, finish, _ = outs[req_id]
+        assert finish == "stop" and ids[-1] in core.manifest.tokenizer.eos_token_ids, (req_id, ids)
+        assert re.fullmatch(regex, tok.decode(ids[:-1])), (req_id, tok.decode(ids[:-1]))
+
+
+@needs_interpreter
+def test_constrained_requests_mixed_in(core):
+    # a token mask is applied at sampling, after the (speculated) forward: the same tokens either way
+    off, _ = drive(core, False, constrained_batch(core))
+    on, runner = drive(core, True, constrained_batch(core))
+    assert on == off
+    check_constrained(core, on)
+    assert runner.overlap_hits > 0
