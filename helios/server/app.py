@@ -25,7 +25,7 @@ from helios.server.generation import Generation
 from helios.server.http import JSON, ClientDisconnected, Request, run_until_disconnect
 from helios.server.metrics import PROMETHEUS_CONTENT_TYPE, Snapshot, render_json, render_prometheus, wants_json
 from helios.server.protocols import (anthropic_messages, ollama, openai_chat, openai_completions, openai_models,
-                                     openai_responses)
+                                     openai_responses, systemone)
 from helios.server.runtime import Runtime, build_runtime, warm_up
 
 logger = logging.getLogger("helios.server")
@@ -145,6 +145,11 @@ class HeliosApp:
             if method != "POST":
                 raise errors.method_not_allowed(method, path)
             return await self._generate_conversation(request, openai_responses, extra)
+        if path in ("/v1/systemone", "/v1/decisions"):
+            self._authenticate(request)
+            if method != "POST":
+                raise errors.method_not_allowed(method, path)
+            return await self._decide(request, path == "/v1/decisions", extra)
         if path == "/api/tags":
             self._authenticate(request)
             return await self._only(request, "GET", lambda r: r.respond_json(200, ollama.tags(self.runtime)))
@@ -225,12 +230,16 @@ class HeliosApp:
             return raw
         return await self.runtime.run_blocking(encodings.decode_body, raw, codings, limit)
 
-    async def _generate(self, request: Request, chat: bool, extra: list) -> None:
-        rt = self.runtime
-        rt.http_metrics.num_requests += 1
+    def _count_request(self, request: Request, extra: list) -> None:
+        """A generating request: counted, and answered with its x-request-id (the caller's when well-formed)."""
+        self.runtime.http_metrics.num_requests += 1
         incoming = request.headers.get("x-request-id", "")
         request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
         extra.append((b"x-request-id", request_id.encode()))
+
+    async def _generate(self, request: Request, chat: bool, extra: list) -> None:
+        rt = self.runtime
+        self._count_request(request, extra)
         body = await self._read_json_body(request)
         if chat:
             req, children, prompt_ids = await rt.run_blocking(openai_chat.prepare, body, rt)
@@ -272,10 +281,7 @@ class HeliosApp:
     async def _generate_conversation(self, request: Request, protocol, extra: list) -> None:
         """Messages and Responses: one choice; `protocol` has prepare, stream_events and buffered."""
         rt = self.runtime
-        rt.http_metrics.num_requests += 1
-        incoming = request.headers.get("x-request-id", "")
-        request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
-        extra.append((b"x-request-id", request_id.encode()))
+        self._count_request(request, extra)
         body = await self._read_json_body(request)
         prep = await rt.run_blocking(protocol.prepare, body, rt)
         rt.admission.acquire(1)
@@ -287,6 +293,21 @@ class HeliosApp:
                 await run_until_disconnect(request, request.stream_sse(events, extra))
                 return
             result = await run_until_disconnect(request, protocol.buffered(rt, prep, gen))
+            await request.respond_json(200, result, extra)
+        finally:
+            rt.admission.release(1)
+
+    async def _decide(self, request: Request, decisions: bool, extra: list) -> None:
+        """System One and Decisions: questions scored one after another, under one admission slot."""
+        rt = self.runtime
+        self._count_request(request, extra)
+        systemone.check_transport(request.headers, decisions)
+        body = await self._read_json_body(request)
+        prepare = systemone.prepare_decisions if decisions else systemone.prepare_systemone
+        prep = await rt.run_blocking(prepare, body, rt)
+        rt.admission.acquire(1)
+        try:
+            result = await run_until_disconnect(request, systemone.execute(rt, prep))
             await request.respond_json(200, result, extra)
         finally:
             rt.admission.release(1)
