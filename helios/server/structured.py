@@ -32,11 +32,12 @@ class OutputFormat:
 
     syntax: OutputSyntax
     definition: Any  # the schema (a dict) or the grammar text
-    param: str  # the request field it came from, for errors
+    param: str  # the request field it came from (errors about the format as a whole)
     is_json: bool = False  # JSON output: conversations get the JSON-only instruction
     name: str | None = None
     description: str | None = None
     schema_given: bool = True  # False for json_object: any JSON object, no schema to show
+    definition_param: str | None = None  # where the schema or grammar sits when not `param` (compile errors)
 
 
 def _json_object(param: str) -> OutputFormat:
@@ -53,7 +54,7 @@ def _schema(value: Any, param: str) -> dict:
     return value
 
 
-def _named_schema(fmt: dict, param: str) -> OutputFormat:
+def _named_schema(fmt: dict, param: str, top: str) -> OutputFormat:
     """{name, schema, description, strict}: the json_schema format's fields (Chat nests them, Responses not)."""
     name = fmt.get("name")
     if not isinstance(name, str) or not _FORMAT_NAME.match(name):
@@ -65,7 +66,8 @@ def _named_schema(fmt: dict, param: str) -> OutputFormat:
     if strict is not None and not isinstance(strict, bool):
         raise InvalidRequest("strict must be a boolean", f"{param}.strict")
     schema = _schema(fmt.get("schema", {}), f"{param}.schema")
-    return OutputFormat("json_schema", schema, param, is_json=True, name=name, description=description)
+    return OutputFormat("json_schema", schema, top, is_json=True, name=name, description=description,
+                        definition_param=f"{param}.schema")
 
 
 def _typed_format(value: Any, param: str, nested: bool) -> OutputFormat | None:
@@ -83,11 +85,11 @@ def _typed_format(value: Any, param: str, nested: bool) -> OutputFormat | None:
     if kind != "json_schema":
         raise InvalidRequest(f"{param}.type must be text, json_object or json_schema", param)
     if not nested:
-        return _named_schema(value, param)
+        return _named_schema(value, param, param)
     inner = value.get("json_schema")
     if not isinstance(inner, dict):
         raise InvalidRequest(f"{param} json_schema needs a json_schema object", f"{param}.json_schema")
-    return _named_schema(inner, f"{param}.json_schema")
+    return _named_schema(inner, f"{param}.json_schema", param)
 
 
 def chat_response_format(value: Any, param: str = "response_format") -> OutputFormat | None:
@@ -106,7 +108,8 @@ def messages_output_format(value: Any, param: str = "output_format") -> OutputFo
         return None
     if not isinstance(value, dict) or value.get("type") != "json_schema":
         raise InvalidRequest("output_format must be {\"type\": \"json_schema\", \"schema\": {...}}", param)
-    return OutputFormat("json_schema", _schema(value.get("schema"), f"{param}.schema"), param, is_json=True)
+    return OutputFormat("json_schema", _schema(value.get("schema"), f"{param}.schema"), param, is_json=True,
+                        definition_param=f"{param}.schema")
 
 
 def native_structured_outputs(value: Any, param: str = "structured_outputs") -> OutputFormat | None:
@@ -192,7 +195,7 @@ def with_format_instruction(messages: list[ChatMessage], fmt: OutputFormat | Non
 
 def compile_format(runtime: Runtime, fmt: OutputFormat):
     """The compiled matcher at its start state (compile once; each child takes a deep copy)."""
-    return runtime.output_grammars.compile(fmt.syntax, fmt.definition, fmt.param)
+    return runtime.output_grammars.compile(fmt.syntax, fmt.definition, fmt.definition_param or fmt.param)
 
 
 def output_constraint(runtime: Runtime, matcher, prompt_ids: list[int] | None, plan: ToolPlan | None,
