@@ -225,8 +225,8 @@ def constrained(core, req_id: str, n: int, regex: str, prompt_seed: int = 0, **s
 
 def constrained_batch(core) -> list[EngineRequest]:
     return [req("a", 5, 10, prompt_seed=1),
-            constrained(core, "c", 9, "[a-z]{5}", prompt_seed=2),
-            constrained(core, "s", 5, "(yes|no)!", prompt_seed=3, temperature=0.9, seed=4)]
+            constrained(core, "json-c", 9, "[a-z]{5}", prompt_seed=2),
+            constrained(core, "json-s", 5, "(yes|no)!", prompt_seed=3, temperature=0.9, seed=4)]
 
 
 def check_constrained(core, outs) -> None:
@@ -235,7 +235,7 @@ def check_constrained(core, outs) -> None:
     from helios.frontend.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(core.tokenizer_path, core.manifest.tokenizer, core.manifest.arch.vocab_size)
-    for req_id, regex in (("c", "[a-z]{5}"), ("s", "(yes|no)!")):
+    for req_id, regex in (("json-c", "[a-z]{5}"), ("json-s", "(yes|no)!")):
         ids, finish, _ = outs[req_id]
         assert finish == "stop" and ids[-1] in core.manifest.tokenizer.eos_token_ids, (req_id, ids)
         assert re.fullmatch(regex, tok.decode(ids[:-1])), (req_id, tok.decode(ids[:-1]))
