@@ -34,6 +34,7 @@ class SamplingParams(Struct, frozen=True, kw_only=True):
     logprobs: int | None = None  # None: no generation logprobs; N: top-N natural alternatives
     logprob_token_ids: tuple[int, ...] | None = None  # explicit alternatives, replaces top-N
     prompt_logprobs: int | None = None  # None: none; N: top-N alternatives per prompt position
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits the draw reads
 
 
 class ReasoningBudget(Struct, frozen=True, kw_only=True):

@@ -21,6 +21,8 @@ MAX_STOP_TOKEN_SEQUENCES = 16
 MAX_STOP_SEQUENCE_LEN = 64
 MAX_LOGPROBS = 20
 MAX_EXPLICIT_IDS = 128
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
+LOGIT_BIAS_RANGE = 100.0  # |bias| bound (OpenAI's)
 _CLAMPED = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -53,6 +55,7 @@ class SamplingFields(Struct, kw_only=True):
     logprobs: int | None = None  # generation logprobs: None off, N natural alternatives
     logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> added to its logit for the draw
 
 
 _SHARED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
@@ -103,6 +106,27 @@ def _check_stops(fields: SamplingFields, vocab_size: int) -> tuple[tuple[int, ..
     if stops and sequences:
         raise InvalidRequest("string stops cannot be combined with token stops", "stop")
     return tuple(fields.stop_token_ids), tuple(tuple(s) for s in fields.stop_token_sequences)
+
+
+def _check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """{"id": bias} -> ((id, bias), ...) in id order; ids in the vocabulary, biases finite within +-100."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias accepts at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids; got {key!r}", "logit_bias") from None
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"logit_bias token ids must be in [0, {vocab_size})", "logit_bias")
+        if not (math.isfinite(value) and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE):
+            raise InvalidRequest(f"logit_bias values must be in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]",
+                                 "logit_bias")
+        out[token_id] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _check_logprobs(fields: SamplingFields, manifest: Manifest) -> tuple[int, ...] | None:
@@ -203,4 +227,5 @@ def resolve_sampling(fields: SamplingFields, manifest: Manifest, max_tokens: int
         logprobs=fields.logprobs,
         logprob_token_ids=explicit,
         prompt_logprobs=fields.prompt_logprobs,
+        logit_bias=_check_logit_bias(fields.logit_bias, manifest.arch.vocab_size),
     )

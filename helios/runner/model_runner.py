@@ -43,7 +43,7 @@ from helios.runner.input_batch import (
 )
 from helios.runner.kv_cache import KVCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
-from helios.runner.sampler import SamplerState, mask_logits, sample, sample_device
+from helios.runner.sampler import SamplerState, draw_logits, sample, sample_device
 
 
 DEFAULT_DECODE_BUCKETS = [1, 2, 4, 8] + list(range(16, 257, 16))  # when no graph plan is given
@@ -343,16 +343,16 @@ class ModelRunner:
             # the engine's forced tokens (reasoning close at the thinking budget): not drawn, no logprob record
             forced = {s.req_id: s.forced_token_id for s in scheduled if s.forced_token_id is not None}
             forced_ids = [forced.get(r.req_id) for r in sampling_rows] if forced else None
-            # structured output: refused tokens at -inf in a copy, for the draw only
+            # logit_bias and structured output's masks, in a copy the draw alone reads
             masks = {s.req_id: s.token_mask for s in scheduled if s.token_mask is not None}
-            draw_logits = (mask_logits(sample_logits, [masks.get(r.req_id) for r in sampling_rows]) if masks
-                           else sample_logits)
+            biased = draw_logits(sample_logits, [masks.get(r.req_id) for r in sampling_rows],
+                                 [st.sampling.logit_bias for st in states])
             # NOTE: sample() leaves its input untouched, so logprobs below read the raw distribution.
             sampler_states = [st.sampler_state for st in states]
             if speculate is not None:
-                token_ids = speculate(sample_device(draw_logits, sampler_states))
+                token_ids = speculate(sample_device(biased, sampler_states))
             else:
-                token_ids = sample(draw_logits, sampler_states, forced_ids)
+                token_ids = sample(biased, sampler_states, forced_ids)
             for row, state, token_id in zip(sampling_rows, states, token_ids):
                 sampled[row.req_id] = int(token_id)
                 state.sampler_state.append(int(token_id))

@@ -261,29 +261,40 @@ def transform_logits(
     return _with_rows(x, sampled, y, owned=owned)
 
 
-def mask_logits(
+def draw_logits(
     logits: torch.Tensor,  # [batch, vocab] float32 (not modified)
     masks: Sequence[bytes | None],  # per row: allowed tokens as little-endian int32 bitmask words, None: all
-) -> torch.Tensor:  # [batch, vocab] float32: a copy with each masked row's refused tokens at -inf
-    """Structured output's token masks (helios/engine/constraint.py) on the rows that have one. Tokens past
-    a mask's last word are refused; mask bits past the vocabulary are ignored."""
+    biases: Sequence[tuple[tuple[int, float], ...]] = (),  # per row: (token id, bias) pairs (logit_bias)
+) -> torch.Tensor:  # [batch, vocab] float32: `logits` itself when nothing applies, else a copy
+    """What the draw reads before penalties and temperature: each row's logit_bias added, then structured
+    output's token mask (helios/engine/constraint.py), refused tokens at -inf. Tokens past a mask's last word
+    are refused; mask bits past the vocabulary are ignored. Logprobs never read this: they stay raw."""
     batch, vocab = logits.shape
-    if len(masks) != batch:
-        raise ValueError(f"{batch} logit rows but {len(masks)} token masks")
+    if len(masks) != batch or (biases and len(biases) != batch):
+        raise ValueError(f"{batch} logit rows but {len(masks)} token masks and {len(biases)} bias lists")
+    biased = [i for i, b in enumerate(biases) if b]
     rows = [i for i, m in enumerate(masks) if m is not None]
+    if not biased and not rows:
+        return logits
     out = logits.clone()
-    if not rows:
-        return out
-    num_words = (vocab + 31) // 32
-    packed = bytearray(4 * num_words * len(rows))
-    for j, i in enumerate(rows):
-        m = masks[i][: 4 * num_words]
-        packed[4 * num_words * j : 4 * num_words * j + len(m)] = m
-    words = torch.frombuffer(packed, dtype=torch.int32).view(len(rows), num_words).to(logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((words[:, :, None] >> shifts) & 1).view(len(rows), 32 * num_words)[:, :vocab].bool()
-    index = torch.tensor(rows, device=logits.device)
-    out[index] = out[index].masked_fill(~allowed, -math.inf)
+    if biased:
+        index = [(i, t) for i in biased for t, _ in biases[i]]
+        values = torch.tensor([v for i in biased for _, v in biases[i]], dtype=out.dtype)
+        row_ids, token_ids = zip(*index)
+        # NOTE: one indexed add: a row's ids are distinct (resolve_sampling merged duplicates)
+        out.index_put_((torch.tensor(row_ids, device=out.device), torch.tensor(token_ids, device=out.device)),
+                       values.to(out.device), accumulate=True)
+    if rows:
+        num_words = (vocab + 31) // 32
+        packed = bytearray(4 * num_words * len(rows))
+        for j, i in enumerate(rows):
+            m = masks[i][: 4 * num_words]
+            packed[4 * num_words * j : 4 * num_words * j + len(m)] = m
+        words = torch.frombuffer(packed, dtype=torch.int32).view(len(rows), num_words).to(logits.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((words[:, :, None] >> shifts) & 1).view(len(rows), 32 * num_words)[:, :vocab].bool()
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = out[index].masked_fill(~allowed, -math.inf)
     return out
 
 

@@ -242,3 +242,34 @@ def test_no_prefix_cache_flag(tmp_path):
         assert (snap["reused_tokens"], snap["cached_pages"]) == (0, 0)
     finally:
         _stop(proc)
+
+
+def test_logit_bias_steers_the_draw_and_leaves_logprobs_raw(client):
+    base = dict(model=ALIAS, messages=MSGS, max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
+                extra_body={"return_tokens_as_token_ids": True})
+    plain = client.chat.completions.create(**base).choices[0].logprobs.content
+    forced = 1000  # an ordinary token the model would not pick here
+    got = client.chat.completions.create(**base, logit_bias={str(forced): 100}).choices[0].logprobs.content
+    assert [e.token for e in got] == [f"token_id:{forced}"] * 3 != [e.token for e in plain]
+    # the record describes the raw distribution: the same alternatives, the forced token below them
+    assert [t.token for t in got[0].top_logprobs] == [t.token for t in plain[0].top_logprobs]
+    assert got[0].logprob < plain[0].top_logprobs[-1].logprob
+    # a ban moves greedy off the model's first choice
+    top = plain[0].token.removeprefix("token_id:")
+    banned = client.chat.completions.create(**base, logit_bias={top: -100}).choices[0].logprobs.content
+    assert banned[0].token != plain[0].token and banned[0].token == plain[0].top_logprobs[1].token
+    raw = client.completions.create(model=ALIAS, prompt="The", max_tokens=2, temperature=0, logprobs=1,
+                                    logit_bias={str(forced): 100}, extra_body={"return_tokens_as_token_ids": True})
+    assert raw.choices[0].logprobs.tokens == [f"token_id:{forced}"] * 2
+
+
+@pytest.mark.parametrize("bias, words", [
+    ({"x": 1}, "token ids"), ({"-1": 1}, "in [0, 49152)"), ({"49152": 1}, "in [0, 49152)"),
+    ({"5": 100.5}, "[-100, 100]"), ({str(i): 1 for i in range(1025)}, "at most 1024"),
+])
+def test_logit_bias_limits(client, bias, words):
+    for create in (lambda: client.chat.completions.create(model=ALIAS, messages=MSGS, max_tokens=1, logit_bias=bias),
+                   lambda: client.completions.create(model=ALIAS, prompt="Hi", max_tokens=1, logit_bias=bias)):
+        with pytest.raises(openai.BadRequestError) as e:
+            create()
+        assert e.value.body["param"] == "logit_bias" and words in e.value.message

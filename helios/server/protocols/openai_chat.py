@@ -117,7 +117,7 @@ def _sampling_fields(req: ChatCompletionRequest) -> SamplingFields:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return sampling_fields(
         req, stop=stop, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        logprob_token_ids=req.logprob_token_ids, prompt_logprobs=req.prompt_logprobs,
+        logprob_token_ids=req.logprob_token_ids, prompt_logprobs=req.prompt_logprobs, logit_bias=req.logit_bias,
     )
 
 
@@ -126,8 +126,6 @@ def _check_unsupported(req: ChatCompletionRequest, runtime: Runtime) -> None:
         raise bad_request(f"n must be in [1, {MAX_N}]", "n")
     if req.stream and req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs cannot be combined with stream: true", "prompt_logprobs")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     check_thinking_token_budget(runtime, req.thinking_token_budget)
 
 

@@ -112,8 +112,6 @@ def _check_unsupported(req: CompletionRequest) -> None:
         raise bad_request("raw completions do not accept tools", "tools")
     if req.thinking_token_budget is not None:
         raise bad_request("raw completions do not accept thinking_token_budget", "thinking_token_budget")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise bad_request("logprobs must be in [0, 20]", "logprobs")
     if req.stream and req.prompt_logprobs is not None:
@@ -147,6 +145,7 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
         fields = sampling_fields(
             req, stop=stop, logprobs=req.logprobs, logprob_token_ids=req.logprob_token_ids,
             prompt_logprobs=max(prompt_k, req.logprobs or 0) if prompt_k is not None else None,
+            logit_bias=req.logit_bias,
         )
         serving, tok = runtime.serving, runtime.tokenizer
         base = f"cmpl-{uuid.uuid4().hex}"
