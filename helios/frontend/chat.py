@@ -82,8 +82,10 @@ def lower_messages(messages: list[ChatMessage], caps: TemplateCaps) -> list[dict
     lead: list[str] = []
     rest = messages
     if has_developer:
-        # NOTE: all system and developer instructions become one leading system message, in request order.
-        lead = [m.content or "" for m in messages if m.role in ("system", "developer")]
+        # NOTE: all system and developer instructions become one leading system message, in request order,
+        # each section keeping its role label (the same textual cue as an inline system message's)
+        lead = [f"<{m.role}>{m.content}</{m.role}>" for m in messages
+                if m.role in ("system", "developer") and m.content]
         rest = [m for m in messages if m.role not in ("system", "developer")]
     elif messages and messages[0].role == "system":
         lead = [messages[0].content or ""]

@@ -60,4 +60,5 @@ def test_system_and_developer_lowering():
     dev = [ChatMessage(role="user", content="u"), ChatMessage(role="developer", content="D"),
            ChatMessage(role="system", content="S")]
     out = lower_messages(dev, CAPS)
-    assert out[0] == {"role": "system", "content": "D\n\nS"} and out[1:] == [{"role": "user", "content": "u"}]
+    assert out[0] == {"role": "system", "content": "<developer>D</developer>\n\n<system>S</system>"}
+    assert out[1:] == [{"role": "user", "content": "u"}]

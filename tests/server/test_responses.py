@@ -170,10 +170,12 @@ def _prompt(runtime, body: dict) -> str:
 def test_instructions_lead_and_string_input(core_runtime):
     text = _prompt(core_runtime, {"input": "hi", "instructions": "Be brief."})
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    # developer instructions merge with the system text into one leading system message, in request order
+    # developer instructions merge with the system text into one leading system message, in request order,
+    # each section labelled with its role
     text = _prompt(core_runtime, {"instructions": "A", "input": [
         {"role": "user", "content": "hi"}, {"role": "developer", "content": "B"}]})
-    assert text.startswith("<|im_start|>system\nA\n\nB<|im_end|>\n<|im_start|>user\nhi<|im_end|>")
+    assert text.startswith("<|im_start|>system\n<system>A</system>\n\n<developer>B</developer><|im_end|>\n"
+                           "<|im_start|>user\nhi<|im_end|>")
 
 
 def test_function_calls_join_their_assistant_turn(core_runtime):
