@@ -43,6 +43,7 @@ class OutputDelta(Struct):
     # `text` hides them; a terminating EOS/stop token has none; text beyond a matched stop string is cut
     tokens: list[tuple[int, str]] = []
     num_new_tokens: int = 0  # native tokens generated in this step (including hidden stop tokens)
+    token_ids: list[int] = []  # those tokens' ids, in order (return_token_ids)
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     stop_reason: str | int | list[int] | None = None  # matched stop string or token(s)
@@ -165,7 +166,8 @@ class OutputProcessor:
         return delta
 
     def _process(self, out: EngineOutput) -> OutputDelta:
-        delta = OutputDelta(num_new_tokens=len(out.new_token_ids), prompt_logprobs=out.prompt_logprobs)
+        delta = OutputDelta(num_new_tokens=len(out.new_token_ids), token_ids=list(out.new_token_ids),
+                            prompt_logprobs=out.prompt_logprobs)
         self.num_generated += len(out.new_token_ids)
         if out.num_prompt_tokens:
             self.num_prompt_tokens = out.num_prompt_tokens

@@ -41,12 +41,16 @@ class Child:
     has_started: bool = False  # the first generated token arrived
     tokens: list[tuple[int, str]] = field(default_factory=list)  # (token_id, text) pairs for the output parsers
     output_spec: object = None  # helios.server.tools.OutputSpec: how this choice's output is parsed (None: text)
+    token_ids: list[int] = field(default_factory=list)  # every generated id, hidden stop tokens included
+    token_times: list[float] = field(default_factory=list)  # per id: seconds from admission to its arrival here
 
     @property
     def req_id(self) -> str:
         return self.request.req_id
 
-    def absorb(self, delta: OutputDelta) -> None:
+    def absorb(self, delta: OutputDelta, elapsed: float = 0.0) -> None:
+        self.token_ids += delta.token_ids
+        self.token_times += [elapsed] * len(delta.token_ids)
         self.text += delta.text
         self.entries += delta.entries
         self.tokens += delta.tokens
@@ -134,7 +138,7 @@ class Generation:
                 if delta.num_new_tokens:
                     child.has_started = True
                 self._note_first_text(delta)
-                child.absorb(delta)
+                child.absorb(delta, round(time.monotonic() - self.admitted_at, 6))
                 yield child, delta
         finally:
             for t in tasks:

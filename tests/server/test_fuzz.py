@@ -62,7 +62,8 @@ ROUTES = [
         "stop_token_sequences", "ignore_eos", "logprobs", "top_logprobs", "logprob_token_ids", "prompt_logprobs",
         "return_tokens_as_token_ids", "skip_special_tokens", "stream", "stream_options", "add_generation_prompt",
         "continue_final_message", "chat_template_kwargs", "tools", "tool_choice", "response_format", "logit_bias",
-        "thinking_token_budget", "reasoning_effort", "user"), ("messages",),
+        "thinking_token_budget", "reasoning_effort", "user", "structured_outputs", "return_token_ids",
+        "return_token_timestamps"), ("messages",),
         budget=("max_tokens", "max_completion_tokens")),
     Route("/v1/completions", "openai", (
         {"prompt": "Hello", "max_tokens": 2},
@@ -73,7 +74,7 @@ ROUTES = [
         "frequency_penalty", "seed", "max_tokens", "n", "best_of", "echo", "stop", "stop_token_ids",
         "stop_token_sequences", "ignore_eos", "logprobs", "logprob_token_ids", "prompt_logprobs",
         "return_tokens_as_token_ids", "skip_special_tokens", "stream", "stream_options", "suffix", "logit_bias",
-        "tools", "tool_choice", "thinking_token_budget", "user")),
+        "tools", "tool_choice", "thinking_token_budget", "user", "response_format", "structured_outputs")),
     Route("/v1/messages", "anthropic", (
         {"model": "m", "max_tokens": 2, "messages": MSGS},
         {"model": "m", "max_tokens": 2, "messages": MSGS, "stream": True, "system": "Be brief."},
@@ -96,6 +97,12 @@ ROUTES = [
         "tool_choice", "text", "reasoning", "include", "top_logprobs", "store", "background", "previous_response_id",
         "metadata", "parallel_tool_calls", "truncation", "user"), ("input",),
         budget=("max_output_tokens",)),
+    Route("/v1/decisions", "openai", (
+        {"model": "m", "input": "Charged twice", "questions": [{"type": "predicate", "instructions": "Refund?"}]},
+        {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}],
+         "questions": [{"type": "choice", "instructions": "Team?", "choices": [{"value": "a"}, {"value": False}]},
+                       {"type": "score", "instructions": "Urgency?", "levels": [{"label": "Low"}, {"label": "High"}]}]},
+    ), ("model", "input", "questions", "safety_identifier"), ("questions",), budget=()),
     Route("/api/show", "ollama", ({"model": "m"}, {"model": "m", "verbose": True}), ("model", "verbose", "name"), budget=()),
 ]
 

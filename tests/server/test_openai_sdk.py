@@ -273,3 +273,37 @@ def test_logit_bias_limits(client, bias, words):
         with pytest.raises(openai.BadRequestError) as e:
             create()
         assert e.value.body["param"] == "logit_bias" and words in e.value.message
+
+
+def _sse(response) -> list[dict]:
+    import json
+
+    return [json.loads(line[6:]) for line in response.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_token_ids_and_timestamps_buffered_and_streamed(http, frontend):
+    body = {"model": ALIAS, "messages": MSGS, "max_tokens": 12, "temperature": 0, "n": 2,
+            "return_token_ids": True, "return_token_timestamps": True}
+    full = http.post("/v1/chat/completions", json=body).json()
+    usage = full["usage"]
+    assert len(full["prompt_token_ids"]) == usage["prompt_tokens"]
+    assert sum(len(c["token_ids"]) for c in full["choices"]) == usage["completion_tokens"]
+    for c in full["choices"]:
+        times = c["token_timestamps"]
+        assert len(times) == len(c["token_ids"]) and times == sorted(times) and times[0] > 0
+        ids = [t for t in c["token_ids"] if t not in frontend[0].tokenizer.eos_token_ids]
+        assert frontend[1].decode(ids, skip_special_tokens=True) == c["message"]["content"]
+    # streamed without a usage chunk: ids spread over the chunks, prompt ids first, usage on the terminal chunks
+    chunks = _sse(http.post("/v1/chat/completions", json={**body, "stream": True, "return_token_timestamps": False}))
+    assert chunks[0]["prompt_token_ids"] == full["prompt_token_ids"]
+    assert all("prompt_token_ids" not in c for c in chunks[1:]) and all(c["choices"] for c in chunks)
+    for i, choice in enumerate(full["choices"]):
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == i]
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+        assert all("token_timestamps" not in c for c in mine)
+    terminal = [chunk for chunk in chunks if chunk["choices"][0]["finish_reason"] is not None]
+    last = terminal[-1]["usage"]  # (the repeated prompt now reuses cached pages)
+    assert len(terminal) == 2 and {k: last[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == \
+        {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    assert all("usage" not in chunk for chunk in chunks if chunk not in terminal)

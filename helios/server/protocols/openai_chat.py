@@ -78,6 +78,8 @@ class ChatCompletionRequest(Struct, kw_only=True):
     logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False  # prompt_token_ids, and token_ids per choice (every generated id)
+    return_token_timestamps: bool = False  # token_timestamps per choice: seconds from admission, per token id
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -251,13 +253,14 @@ def response(runtime: Runtime, req: ChatCompletionRequest, children: list[Child]
             num_calls = len(calls)
             message = {"role": "assistant", "content": out.text if out.text or not calls else None,
                        "reasoning_content": out.reasoning, "tool_calls": [_tool_call_json(t) for t in calls]}
-        choices.append({
+        choice = {
             "index": c.index,
             "message": message,
             "logprobs": _logprobs(runtime, req, c.entries),
             "finish_reason": _finish(c, num_calls),
             "stop_reason": stop_reason,
-        })
+        }
+        choices.append(_observed(req, choice, c.token_ids, c.token_times))
     body = {
         "id": children[0].req_id.rsplit("-", 1)[0],
         "object": "chat.completion",
@@ -268,7 +271,18 @@ def response(runtime: Runtime, req: ChatCompletionRequest, children: list[Child]
     }
     if req.prompt_logprobs is not None:
         body["prompt_logprobs"] = encode_prompt_logprobs(runtime, children[0].prompt_logprobs, req.prompt_logprobs)
+    if req.return_token_ids:
+        body["prompt_token_ids"] = list(children[0].request.prompt_token_ids)
     return body
+
+
+def _observed(req: ChatCompletionRequest, choice: dict, token_ids: list[int], times: list[float]) -> dict:
+    """The token observation extensions on one choice (buffered) or one chunk's choice (streamed)."""
+    if req.return_token_ids:
+        choice["token_ids"] = token_ids
+    if req.return_token_timestamps:
+        choice["token_timestamps"] = times
+    return choice
 
 
 async def stream_events(runtime: Runtime, req: ChatCompletionRequest, gen: Generation, num_prompt: int):
@@ -279,19 +293,38 @@ async def stream_events(runtime: Runtime, req: ChatCompletionRequest, gen: Gener
             "created": int(time.time()), "model": runtime.serving.model_id}
     announced: set[int] = set()
     outputs = {c.index: ChoiceOutput(c.output_spec) for c in gen.children if c.output_spec is not None}
+    observing = req.return_token_ids or req.return_token_timestamps
+    # ids (and times) of tokens not yet on a chunk, per choice: each goes on the next chunk of its choice
+    pending: dict[int, tuple[list[int], list[float]]] = {c.index: ([], []) for c in gen.children}
+    first = [True]
 
     def chunk(choices: list[dict]) -> bytes:
         body = {**base, "choices": choices}
+        if first[0] and req.return_token_ids:
+            body["prompt_token_ids"] = list(gen.children[0].request.prompt_token_ids)
+        first[0] = False
+        if observing:
+            for choice in choices:
+                ids, times = pending[choice["index"]]
+                _observed(req, choice, list(ids), list(times))
+                ids.clear()
+                times.clear()
         if continuous:
             body["usage"] = _usage(gen.children, num_prompt, outputs)
         elif include_usage:
             body["usage"] = None
+        elif req.return_token_ids and any(c["finish_reason"] is not None for c in choices):
+            body["usage"] = _usage(gen.children, num_prompt, outputs)  # no usage chunk follows: the terminal one
         return sse_event(msgspec.json.encode(body))
 
     async for child, delta in gen.deltas():
         if (err := failure(child)) is not None:
             yield sse_event(err.encode())
             return
+        if delta.token_ids:
+            ids, times = pending[child.index]
+            ids += delta.token_ids
+            times += child.token_times[len(child.token_times) - len(delta.token_ids):]
         if child.has_started and child.index not in announced:
             announced.add(child.index)
             yield chunk([{"index": child.index, "delta": {"role": "assistant", "content": ""},
