@@ -162,6 +162,13 @@ class OutputCompiler:
                     raise InvalidRequest(f"this core's tokenizer cannot drive structured output: {e}") from None
             return self._vocabulary
 
+    def prepare(self) -> None:
+        """Build the vocabulary now (a server warms it in the background; a failure waits for a request)."""
+        try:
+            self._llg_tokenizer()
+        except InvalidRequest:
+            pass
+
     def compile(self, syntax: OutputSyntax, definition: Any, param: str | None = None):
         """A matcher at its start state for a JSON schema (a dict), Lark or regex definition."""
         import llguidance
