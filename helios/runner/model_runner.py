@@ -196,6 +196,9 @@ class ModelRunner:
             decode_overlap = False
         self.decode_overlap = is_cuda if decode_overlap is None else decode_overlap  # may be flipped between steps
         self._overlap: DecodeOverlap | None = None  # made at the first graphed step (tests attach graphs late)
+        # forward passes by kind (/metrics' graph launches): a decode graph's replay, the speculative next step's
+        # replay, an eager forward (prefill, mixed batches, the CPU)
+        self.launches: dict[str, int] = {"graph": 0, "speculative": 0, "eager": 0}
         # CPU decode steps pick their intra-op thread count by timing (helios.runner.cpu_threads)
         self.decode_threads = None
         if self.device.type == "cpu" and decode_threads_are_exact(self.model, arch, torch.get_num_threads()):
@@ -283,6 +286,7 @@ class ModelRunner:
             logits = self.graphs.logits_rows(layout, len(plan.scheduled))  # the speculative step's rows
         elif bucket is not None:
             logits = self.graphs.run(plan.scheduled, layout, bucket)  # [N, V] float32, the graph's output rows
+            self.launches["graph"] += 1
         elif self.decode_threads is not None and layout.is_decode_only:
             with self.decode_threads.run(len(layout.seq_lens)):
                 logits = self._forward(plan.scheduled, layout)
@@ -294,6 +298,7 @@ class ModelRunner:
             and speculable(plan.scheduled, self.requests, self.page_size, self.graphs.max_blocks)
         ):
             def speculate(token_ids: torch.Tensor) -> list[int]:
+                self.launches["speculative"] += 1
                 return overlap.launch(plan.scheduled, bucket, token_ids)
         return ModelRunnerOutput(results=self._postprocess(plan.scheduled, layout.rows, logits, speculate))
 
@@ -307,6 +312,7 @@ class ModelRunner:
         return self._overlap
 
     def _forward(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> torch.Tensor:  # [N, V] float32
+        self.launches["eager"] += 1
         batch = prepare_batch(scheduled, self.requests, self.page_size, self.device, layout)
         hidden = self.model.forward(batch.token_ids, batch.meta, self.kv_cache.layers)  # [T, H]
         # float32 logits for the used rows only: sampling and logprobs both read the raw distribution

@@ -199,6 +199,7 @@ class HeliosApp:
             http_admission_in_use=rt.admission.in_use,
             http_requests=rt.http_metrics.num_requests,
             uptime_seconds=int(time.monotonic() - rt.started),
+            graph_launches=dict(getattr(getattr(getattr(rt.engine, "core", None), "runner", None), "launches", {})),
         )
         metrics = rt.engine.metrics()
         values = {f: getattr(metrics, f) for f in metrics.__struct_fields__ if f in Snapshot.__struct_fields__}

@@ -1,16 +1,19 @@
 """/metrics: one Snapshot of engine and HTTP state, as Prometheus text 0.0.4 or as JSON.
 
 `Snapshot` is the JSON object (absent fields decode as zero, so dashboards read older servers); the text
-exposition is written by hand (counters end in _total, every family has HELP and TYPE). No torch.
+exposition is prometheus_client's, from a collector over one Snapshot (counters end in _total). No torch.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
 import msgspec
 from msgspec import Struct
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 FIRST_RESPONSE_WINDOW_S = 60.0
 FIRST_RESPONSE_CAPACITY = 4096
@@ -62,6 +65,7 @@ class Snapshot(Struct, kw_only=True):
     http_admission_in_use: int = 0
     http_requests: int = 0
     uptime_seconds: int = 0
+    graph_launches: dict[str, int] = {}  # forward passes by kind: graph, speculative, eager
 
 
 # field -> (prometheus name, type, help); fields without a metric (draft_steps, learned_drafter) are JSON-only
@@ -126,20 +130,36 @@ class HttpMetrics:
         return FirstResponse(median_seconds=median, samples=len(values), truncated=self._truncated)
 
 
+class _SnapshotCollector:
+    """prometheus_client's view of one Snapshot: every PROMETHEUS field, graph launches by kind, first response."""
+
+    def __init__(self, snap: Snapshot):
+        self.snap = snap
+
+    def collect(self):
+        snap = self.snap
+        for field, (name, kind, help_text) in PROMETHEUS.items():
+            value = int(getattr(snap, field))
+            if kind == "counter":
+                yield CounterMetricFamily(name.removesuffix("_total"), help_text, value=value)
+            else:
+                yield GaugeMetricFamily(name, help_text, value=value)
+        launches = CounterMetricFamily("flare_graph_launches", "Model forward passes by kind", labels=["kind"])
+        for kind, count in sorted(snap.graph_launches.items()):
+            launches.add_metric([kind], count)
+        yield launches
+        fr = snap.first_response
+        yield GaugeMetricFamily("flare_first_response_median_seconds",
+                                "Median admission-to-first-text time (60 s window)",
+                                value=fr.median_seconds if fr.median_seconds is not None else math.nan)
+        yield GaugeMetricFamily("flare_history_drafts_enabled", "Shared decoded history augments learned proposals",
+                                value=0)
+
+
 def render_prometheus(snap: Snapshot) -> bytes:
-    lines = []
-    for field, (name, kind, help_text) in PROMETHEUS.items():
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        lines.append(f"{name} {int(getattr(snap, field))}")
-    fr = snap.first_response
-    lines.append("# HELP flare_first_response_median_seconds Median admission-to-first-text time (60 s window)")
-    lines.append("# TYPE flare_first_response_median_seconds gauge")
-    lines.append(f"flare_first_response_median_seconds {fr.median_seconds if fr.median_seconds is not None else 'NaN'}")
-    lines.append("# HELP flare_history_drafts_enabled Shared decoded history augments learned proposals")
-    lines.append("# TYPE flare_history_drafts_enabled gauge")
-    lines.append("flare_history_drafts_enabled 0")
-    return ("\n".join(lines) + "\n").encode()
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(snap))
+    return generate_latest(registry)
 
 
 def render_json(snap: Snapshot) -> bytes:

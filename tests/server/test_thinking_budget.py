@@ -134,7 +134,10 @@ def test_metrics_report_the_cuts(runtimes):
     text, js = post_all_get(plain, ["/metrics", "/metrics?format=json"])
     count = msgspec.json.decode(js.content)["reasoning_budget_cuts"]
     assert count == cuts(plain) >= 1
-    assert f"flare_reasoning_budget_cuts_total {count}\n" in text.text
+    assert f"flare_reasoning_budget_cuts_total {count}.0\n" in text.text
+    launches = msgspec.json.decode(js.content)["graph_launches"]  # this CPU engine: eager forwards only
+    assert launches["eager"] > 0 and launches["graph"] == launches["speculative"] == 0
+    assert f'flare_graph_launches_total{{kind="eager"}} {launches["eager"]}.0\n' in text.text
 
 
 def post_all_get(runtime, paths):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import math
 import zlib
 
 import brotli
 import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 import zstandard
 
 from helios.server.config import ConfigError, HeliosConfig, load_config
@@ -47,8 +49,12 @@ def test_metrics_negotiation(query, accept, expected):
 def test_metrics_bad_format_and_text():
     with pytest.raises(ValueError):
         wants_json({"format": "xml"}, None)
-    text = render_prometheus(Snapshot(generated_tokens=5)).decode()
-    assert "# TYPE flare_generated_tokens_total counter\nflare_generated_tokens_total 5\n" in text
+    text = render_prometheus(Snapshot(generated_tokens=5, graph_launches={"eager": 3, "graph": 7})).decode()
+    assert "# TYPE flare_generated_tokens_total counter\nflare_generated_tokens_total 5.0\n" in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["flare_generated_tokens"].type == "counter"
+    assert {s.labels["kind"]: s.value for s in families["flare_graph_launches"].samples} == {"eager": 3, "graph": 7}
+    assert math.isnan(families["flare_first_response_median_seconds"].samples[0].value)
     assert msgspec.json.decode(b'{"active": 2}', type=Snapshot).generated_tokens == 0  # absent reads as zero
     m = HttpMetrics()
     for s in (0.1, 0.3, 0.2):
