@@ -24,8 +24,8 @@ from helios.server.errors import ApiError
 from helios.server.generation import Generation
 from helios.server.http import JSON, ClientDisconnected, Request, run_until_disconnect
 from helios.server.metrics import PROMETHEUS_CONTENT_TYPE, Snapshot, render_json, render_prometheus, wants_json
-from helios.server.protocols import (anthropic_messages, ollama, openai_chat, openai_completions, openai_models,
-                                     openai_responses, systemone)
+from helios.server.protocols import (anthropic_messages, decisions, ollama, openai_chat, openai_completions,
+                                     openai_models, openai_responses, systemone)
 from helios.server.runtime import Runtime, build_runtime, warm_up
 
 logger = logging.getLogger("helios.server")
@@ -298,17 +298,18 @@ class HeliosApp:
         finally:
             rt.admission.release(1)
 
-    async def _decide(self, request: Request, decisions: bool, extra: list) -> None:
+    async def _decide(self, request: Request, is_decisions: bool, extra: list) -> None:
         """System One and Decisions: questions scored one after another, under one admission slot."""
         rt = self.runtime
+        protocol = decisions if is_decisions else systemone
         self._count_request(request, extra)
-        systemone.check_transport(request.headers, decisions)
+        protocol.check_transport(request.headers)
         body = await self._read_json_body(request)
-        prepare = systemone.prepare_decisions if decisions else systemone.prepare_systemone
+        prepare = decisions.prepare_decisions if is_decisions else systemone.prepare_systemone
         prep = await rt.run_blocking(prepare, body, rt)
         rt.admission.acquire(1)
         try:
-            result = await run_until_disconnect(request, systemone.execute(rt, prep))
+            result = await run_until_disconnect(request, protocol.execute(rt, prep))
             await request.respond_json(200, result, extra)
         finally:
             rt.admission.release(1)

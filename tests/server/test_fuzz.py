@@ -13,6 +13,7 @@ derandomize=True keeps CI reproducible; FLARE_FUZZ_EXAMPLES scales the example c
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -144,6 +145,7 @@ def _mutations(route: Route):
 def _apply(base: dict, ops) -> dict:
     body = json.loads(json.dumps(base))
     for op, target, value in ops:
+        value = copy.deepcopy(value)  # NOTE: strategies share their list values: one placed twice could nest itself
         if op == "set":
             body[target] = value
         elif op == "del":

@@ -14,9 +14,10 @@ import pytest
 
 from helios.core.manifest import LogprobCaps, ReasoningSyntax
 from helios.engine.messages import EngineOutput, PositionLogprobs, TokenLogprob
+from helios.server import scorer
 from helios.server.config import ServerConfig
 from helios.server.errors import ApiError
-from helios.server.protocols import systemone
+from helios.server.protocols import decisions, systemone
 from helios.server.runtime import Runtime
 from tests.server.conftest import CORE
 
@@ -100,7 +101,7 @@ def test_decisions_answers_in_order_with_typed_values(http):
 
 def test_a_question_reads_what_completions_reports_for_its_prompt(http, core_runtime):
     """The same rendered prompt and label ids through /v1/completions with logprob_token_ids."""
-    prep = systemone.prepare_decisions(json.dumps(SPEC_DECISIONS).encode(), core_runtime)
+    prep = decisions.prepare_decisions(json.dumps(SPEC_DECISIONS).encode(), core_runtime)
     item = prep.items[1]
     label_ids = list(item.request.sampling.logprob_token_ids)
     r = _post(http, "/v1/completions", {"model": "x", "prompt": item.request.prompt_token_ids, "max_tokens": 1,
@@ -108,7 +109,7 @@ def test_a_question_reads_what_completions_reports_for_its_prompt(http, core_run
                                         "return_tokens_as_token_ids": True})
     assert r.status_code == 200, r.text
     top = r.json()["choices"][0]["logprobs"]["top_logprobs"][0]
-    expected = systemone._normalized([top[f"token_id:{i}"] for i in label_ids])
+    expected = scorer.normalized([top[f"token_id:{i}"] for i in label_ids])
     d = _post(http, "/v1/decisions", SPEC_DECISIONS).json()["answers"][1]
     assert [e["probability"] for e in d["probabilities"]] == pytest.approx(expected, abs=1e-4)
     assert d["confidence"] == pytest.approx(math.exp(max(top[f"token_id:{i}"] for i in label_ids)), abs=1e-4)
@@ -270,14 +271,14 @@ def test_core_and_template_constraints_are_400(core_runtime):
         open="<think>", close="</think>", starts_in_reasoning=True))
     opens = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
             "<|im_start|>assistant\n<think>\n"
-    err = _raises(systemone.prepare_decisions, json.dumps(SPEC_DECISIONS).encode(),
+    err = _raises(decisions.prepare_decisions, json.dumps(SPEC_DECISIONS).encode(),
                   _runtime(core_runtime, opens, template=thinking))
     assert err.status == 400 and "reasoning" in err.message
     # a template that reads enable_thinking gets false, and closes reasoning before the answer
     switch = opens.replace("<think>\n", "{% if enable_thinking is false %}<think>\n\n</think>\n{% else %}"
                                         "<think>\n{% endif %}")
     caps = msgspec.structs.replace(thinking, kwargs=["enable_thinking"])
-    prep = systemone.prepare_decisions(json.dumps(SPEC_DECISIONS).encode(), _runtime(core_runtime, switch,
+    prep = decisions.prepare_decisions(json.dumps(SPEC_DECISIONS).encode(), _runtime(core_runtime, switch,
                                                                                       template=caps))
     assert core_runtime.tokenizer.decode(prep.items[0].request.prompt_token_ids).endswith("</think>\n")
     long_state = {**SPEC_SYSTEMONE, "state": "charged twice " * 5000}
@@ -333,8 +334,8 @@ def test_formulas_and_sequential_children(core_runtime):
     lps = [[math.log(0.6), math.log(0.2)], [math.log(0.1), math.log(0.1)], [math.log(0.2), math.log(0.3)]]
     engine = ScriptedEngine(lps)
     rt = _runtime(core_runtime, engine=engine)
-    prep = systemone.prepare_decisions(json.dumps(SPEC_DECISIONS).encode(), rt)
-    out = asyncio.run(systemone.execute(rt, prep))
+    prep = decisions.prepare_decisions(json.dumps(SPEC_DECISIONS).encode(), rt)
+    out = asyncio.run(decisions.execute(rt, prep))
     assert engine.max_active == 1 and len(engine.submitted) == 3
     predicate, choice, score = out["answers"]
     assert predicate["probability"] == pytest.approx(0.75)
