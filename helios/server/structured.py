@@ -20,7 +20,7 @@ from helios.frontend.chat import ChatMessage
 from helios.frontend.grammar import OutputSyntax
 from helios.frontend.sampling import InvalidRequest
 from helios.server.runtime import Runtime
-from helios.server.thinking_budget import output_starts_in_reasoning
+from helios.server.thinking_budget import output_starts_in_reasoning, tool_open_token_ids
 from helios.server.tools import ToolPlan
 
 _FORMAT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a json_schema format's name
@@ -214,13 +214,3 @@ def output_constraint(runtime: Runtime, matcher, prompt_ids: list[int] | None, p
         tool_open_token_ids=tool_open_token_ids(runtime, plan),
     )
 
-
-def tool_open_token_ids(runtime: Runtime, plan: ToolPlan | None) -> tuple[int, ...]:
-    """The single-token openers of the core's tool-call syntax, while this request's tools are parsed."""
-    name = runtime.manifest.recipe.tool_parser
-    if plan is None or not plan.parses_tools or not name:
-        return ()
-    from helios.output.parsers import make_tool_parser
-
-    ids = [runtime.tokenizer.encode(marker, add_special_tokens=False) for marker in make_tool_parser(name).text_markers]
-    return tuple(sorted({i[0] for i in ids if len(i) == 1}))

@@ -83,12 +83,21 @@ def output_starts_in_reasoning(syntax: ReasoningSyntax, prompt_ids: list[int]) -
 def _tool_open_token_ids(runtime: Runtime, plan: ToolPlan | None) -> tuple[int, ...]:
     """Single-token tool openers that may end reasoning implicitly (Qwen, GLM), while tools are parsed."""
     name = runtime.manifest.recipe.tool_parser
+    if not name:
+        return ()
+    from helios.output.parsers import make_tool_parser
+
+    if not make_tool_parser(name).ends_reasoning:
+        return ()  # calls are not recognized inside reasoning: an opener there is reasoning text
+    return tool_open_token_ids(runtime, plan)
+
+
+def tool_open_token_ids(runtime: Runtime, plan: ToolPlan | None) -> tuple[int, ...]:
+    """The single-token openers of the core's tool-call syntax, while this request's tools are parsed."""
+    name = runtime.manifest.recipe.tool_parser
     if plan is None or not plan.parses_tools or not name:
         return ()
     from helios.output.parsers import make_tool_parser
 
-    parser = make_tool_parser(name)
-    if not parser.ends_reasoning:
-        return ()  # calls are not recognized inside reasoning: an opener there is reasoning text
-    ids = [runtime.tokenizer.encode(marker, add_special_tokens=False) for marker in parser.text_markers]
+    ids = [runtime.tokenizer.encode(marker, add_special_tokens=False) for marker in make_tool_parser(name).text_markers]
     return tuple(sorted({i[0] for i in ids if len(i) == 1}))
