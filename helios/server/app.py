@@ -78,7 +78,8 @@ class HeliosApp:
         rt = self.runtime
         t = rt.timings
         split = (f"open {t.get('open', 0.0):.2f}s, weights {t.get('weights', 0.0):.2f}s, "
-                 f"kernel load {t.get('kernels', 0.0):.2f}s, KV {t.get('kv', 0.0):.2f}s, "
+                 f"kernel load {t.get('kernels', 0.0):.2f}s beside the weights ({t.get('kernels_wait', 0.0):.2f}s "
+                 f"after them), KV {t.get('kv', 0.0):.2f}s, "
                  f"capture {t.get('capture', 0.0):.2f}s ({int(t.get('graphs', 0))} graphs, "
                  f"{int(t.get('kernels_jit', 0))} kernels compiled), digests {t.get('verify', 0.0):.2f}s more")
         print(f"helios: {rt.serving.model_id} ready: load {t.get('load', 0.0):.2f}s ({split}), "

@@ -127,6 +127,36 @@ def test_cuda_graphs_are_ignored_on_cpu(core):
         ModelRunner(core.manifest.arch, core.tensors, num_pages=None, page_size=PAGE_SIZE)
 
 
+def test_the_kernel_load_thread_reports_its_summary_and_time_and_reraises(monkeypatch):
+    """The precompiled-kernel load runs beside the weights upload (model_runner._KernelLoad): join gives what
+    load_kernels gave and how long it took, or raises on the constructing thread what it raised."""
+    import contextlib
+    import time
+
+    from helios.kernels import aot
+    from helios.runner.model_runner import _KernelLoad
+
+    class Loaded:
+        def summary(self):
+            return "3 precompiled kernels"
+
+    def slow_load(core_dir, targets, device):
+        time.sleep(0.05)
+        return Loaded()
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # no GPU here
+    monkeypatch.setattr(aot, "load_kernels", slow_load)
+    summary, seconds = _KernelLoad("core", [], torch.device("cuda")).join()
+    assert summary == "3 precompiled kernels" and seconds >= 0.05
+
+    def failing_load(core_dir, targets, device):
+        raise RuntimeError("kernels dir unreadable")
+
+    monkeypatch.setattr(aot, "load_kernels", failing_load)
+    with pytest.raises(RuntimeError, match="unreadable"):
+        _KernelLoad("core", [], torch.device("cuda")).join()
+
+
 def _greedy_decode(runner: ModelRunner, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
     blocks = {r: list(range(i * 8, i * 8 + 8)) for i, r in enumerate(prompts)}
     new = [NewRequestData(req_id=r, prompt_token_ids=p, sampling=GREEDY) for r, p in prompts.items()]
