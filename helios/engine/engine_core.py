@@ -46,6 +46,8 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     cached_pages: int = 0  # pages holding a prefix-cache hash, in use or free (evictable)
     preemptions: int = 0
     reasoning_budget_cuts: int = 0  # requests whose reasoning was closed by their thinking-token budget
+    verify_steps: int = 0  # forward passes that advanced at least one decode round (no speculation: no drafts)
+    verification_rounds: int = 0  # decode request rounds that committed a token (zero-draft rounds)
 
 
 class EngineCore:
@@ -134,4 +136,6 @@ class EngineCore:
                 cached_pages=pool.num_cached_blocks,
                 preemptions=scheduler.num_preemptions,
                 reasoning_budget_cuts=scheduler.num_reasoning_budget_cuts,
+                verify_steps=scheduler.num_decode_steps,
+                verification_rounds=scheduler.num_decode_rounds,
             )

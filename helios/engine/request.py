@@ -55,6 +55,7 @@ class Request:
         "is_prefill_counted",
         "is_known_to_runner",
         "num_preemptions",
+        "is_decoding",
         "reasoning",
         "constraint",
         "page_hashes",
@@ -79,6 +80,7 @@ class Request:
         self.is_prefill_counted = False  # prefill_tokens metric: a prompt counts once, not per recompute
         self.is_known_to_runner = False  # sent in new_requests and not yet in finished_req_ids
         self.num_preemptions = 0
+        self.is_decoding = False  # its next step feeds its last sampled token (a decode round); not after preemption
         budget = request.reasoning_budget
         self.reasoning = ReasoningBudgetState(budget) if budget is not None else None
         self.constraint = ConstraintState(request.constraint) if request.constraint is not None else None

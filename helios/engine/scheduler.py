@@ -45,6 +45,11 @@ class Scheduler:
         self.num_reused_tokens = 0  # tokens covered by prefix-cache hits, at every admission
         self.num_preemptions = 0
         self.num_reasoning_budget_cuts = 0  # requests whose reasoning the thinking budget closed
+        # decode rounds (/metrics' verification fields; without speculation every round has zero drafts): a
+        # round is one request fed its last sampled token that committed the next; steps count forward passes
+        # holding at least one, so decode_weight_bytes x steps/s is the weight bandwidth decode consumes
+        self.num_decode_rounds = 0
+        self.num_decode_steps = 0
         self._finished_req_ids: list[str] = []  # for the runner's next plan
         self._pending_outputs: list[EngineOutput] = []  # terminal records decided inside schedule()
         self._scheduled: dict[str, Request] = {}  # the requests of the last plan
@@ -195,6 +200,7 @@ class Scheduler:
         """
         outputs = self.take_pending_outputs()
         results = {result.req_id: result for result in runner_output.results}
+        num_rounds = 0
         for chunk in plan.scheduled:
             req = self._scheduled.get(chunk.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
@@ -224,6 +230,10 @@ class Scheduler:
                     req.finish(RequestStatus.FINISHED_ERROR,
                                error=f"runner sampled instead of the forced token for {req.req_id}")
                 else:
+                    # a decode round: the last sampled token in, the next out (not a prefill's or a resumed
+                    # request's first sample)
+                    num_rounds += req.is_decoding
+                    req.is_decoding = True
                     new_token_ids = [result.sampled_token_id]
                     logprobs = [result.logprobs] if result.logprobs is not None and not is_forced else None
                     req.append_output_token(result.sampled_token_id)
@@ -242,6 +252,8 @@ class Scheduler:
                 self.running.remove(req)
                 self._release(req)
         self._scheduled = {}
+        self.num_decode_rounds += num_rounds
+        self.num_decode_steps += num_rounds > 0
         return outputs
 
     def fail_step(self, plan: SchedulerOutput, error: str, req_ids: set[str] | None = None) -> list[EngineOutput]:
@@ -316,6 +328,7 @@ class Scheduler:
         req.block_ids = []
         req.num_computed_tokens = req.num_published_pages = 0
         req.status = RequestStatus.PREEMPTED
+        req.is_decoding = False
         req.num_preemptions += 1
         if not req.is_prompt_logprobs_sent:
             req.prompt_logprobs = []  # recollected on recompute

@@ -67,6 +67,20 @@ def test_single_request_tokens_follow_the_model():
     assert (m.prefill_tokens, m.generated_tokens, m.completed, m.failed) == (10, 5, 1, 0)
     assert (m.active, m.pending, m.free_pages, m.total_pages, m.page_tokens) == (0, 0, 64, 64, 4)
     assert (m.reused_tokens, m.cached_pages) == (0, 3)  # 14 tokens computed (the last one never is): 3 pages
+    # the first token came from the prefill; each later one from a decode round of one token (no drafts)
+    assert (m.verification_rounds, m.verify_steps) == (4, 4)
+
+
+def test_decode_rounds_count_requests_and_steps_count_forward_passes():
+    core, runner = make_core(max_concurrency=4, num_pages=256)
+    for i in range(3):
+        core.add_request(request(f"r{i}", prompt_len=6, max_tokens=5))
+    run_until_idle(core)
+    m = core.metrics()
+    decode_plans = [p for p in runner.plans if any(len(s.token_ids) == 1 for s in p.scheduled)]
+    assert m.verification_rounds == 3 * 4  # 5 tokens each, the first from its prefill
+    assert m.verify_steps == len(decode_plans) == 4  # admitted together: batched rounds share their steps
+    assert m.generated_tokens == 15
 
 
 def test_chunked_prefill_respects_chunk_and_budget():
@@ -230,6 +244,11 @@ def test_preemption_gives_the_same_tokens(enable_prefix_caching):
         assert m.reused_tokens > 0 and m.prefill_tokens < num_prompt <= m.prefill_tokens + m.reused_tokens
     else:
         assert (m.prefill_tokens, m.reused_tokens, m.cached_pages) == (num_prompt, 0, 0)
+    # a resumed request's first sample comes from its recompute, not from a decode round (a request resent
+    # twice before its next sample resumes once)
+    num_resends = sum(1 for p in runner.plans for n in p.new_requests if n.output_token_ids)
+    assert m.generated_tokens - len(reqs) - num_resends <= m.verification_rounds < m.generated_tokens - len(reqs)
+    assert 0 < m.verify_steps <= m.verification_rounds
     assert_idle(core)
 
 

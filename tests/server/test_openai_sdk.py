@@ -235,11 +235,18 @@ def test_no_prefix_cache_flag(tmp_path):
     proc, url = serve_core(CORE, config, tmp_path / "serve.log", ("--no-prefix-cache",))
     try:
         body = {"model": ALIAS, "messages": _prefix_cache_messages(), "max_tokens": 4, "temperature": 0}
+        num_generated = []
         for _ in range(2):
             r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
             assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            num_generated.append(r["usage"]["completion_tokens"])
         snap = httpx.get(url + "/metrics?format=json").json()
         assert (snap["reused_tokens"], snap["cached_pages"]) == (0, 0)
+        # one decode round per token after each prefill's first (the warm-up request's included), one at a
+        # time here; no speculation: no drafts
+        rounds = snap["generated_tokens"] - snap["completed"]
+        assert sum(num_generated) - 2 <= rounds and snap["verification_rounds"] == snap["verify_steps"] == rounds
+        assert snap["verification_drafts"] == snap["accepted_drafts"] == 0
     finally:
         _stop(proc)
 
