@@ -12,6 +12,7 @@ Imports torch, helios.layers.attention (metadata) and helios.kernels.aot_shapes 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +41,45 @@ def pick_bucket(num_seqs: int, buckets: list[int]) -> int | None:
 
 def blocks_needed(s: ScheduledRequest, page_size: int) -> int:
     return -(-(s.num_computed_tokens + len(s.token_ids)) // page_size)
+
+
+class ReplayTimer:
+    """GPU time of replayed graphs (/metrics' replay_gpu_ns): a pair of timing events around each replay on the
+    stream, read by `poll` once the pair has completed, never waited for; events are reused. Off CUDA (the
+    CPU tests' GraphRunner) it records nothing."""
+
+    MAX_PENDING = 1024  # beyond this many unread pairs the oldest is waited for (the runner polls every step)
+
+    def __init__(self, device: torch.device):
+        self.enabled = device.type == "cuda"
+        self.total_ns = 0
+        self.num_samples = 0
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._free: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def timing(self) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        pair = self._free.pop() if self._free else (torch.cuda.Event(enable_timing=True),
+                                                    torch.cuda.Event(enable_timing=True))
+        pair[0].record()
+        yield
+        pair[1].record()
+        self._pending.append(pair)
+        if len(self._pending) > self.MAX_PENDING:
+            self._pending[0][1].synchronize()
+            self.poll()
+
+    def poll(self) -> int:
+        """Add the completed pairs, oldest first; returns total_ns."""
+        while self._pending and self._pending[0][1].query():
+            start, end = pair = self._pending.popleft()
+            self.total_ns += round(start.elapsed_time(end) * 1e6)  # milliseconds
+            self.num_samples += 1
+            self._free.append(pair)
+        return self.total_ns
 
 
 @dataclass(frozen=True)
@@ -244,6 +284,7 @@ class GraphRunner:
         self.short_splits = {b: self._short_splits(b, num_kv_heads, head_dim, short_programs) for b in self.buckets}
         self.capture_s = 0.0
         self.num_replays = 0  # every replay, speculative ones included
+        self.timer = ReplayTimer(self.device)  # their GPU time
         if capture:
             self.capture()
 
@@ -335,8 +376,9 @@ class GraphRunner:
         return rows[torch.tensor(layout.logits_indices, dtype=torch.int64, device=rows.device)]
 
     def _replay(self, bucket: int, max_seq_len: int) -> None:
-        if bucket in self.graphs:
-            self.graph_for(bucket, max_seq_len).replay()
-        else:
-            self._forward(bucket, self.splits_for(bucket, max_seq_len))
+        with self.timer.timing():
+            if bucket in self.graphs:
+                self.graph_for(bucket, max_seq_len).replay()
+            else:
+                self._forward(bucket, self.splits_for(bucket, max_seq_len))
         self.num_replays += 1

@@ -234,6 +234,7 @@ class ModelRunner:
         # forward passes by kind (/metrics' graph launches): a decode graph's replay, the speculative next step's
         # replay, an eager forward (prefill, mixed batches, the CPU)
         self.launches: dict[str, int] = {"graph": 0, "speculative": 0, "eager": 0}
+        self.replay_gpu_ns = 0  # GPU time of completed graph replays (/metrics' replay_gpu_ns)
         # CPU decode steps pick their intra-op thread count by timing (helios.runner.cpu_threads)
         self.decode_threads = None
         if self.device.type == "cpu" and decode_threads_are_exact(self.model, arch, torch.get_num_threads()):
@@ -336,7 +337,10 @@ class ModelRunner:
             def speculate(token_ids: torch.Tensor) -> list[int]:
                 self.launches["speculative"] += 1
                 return overlap.launch(plan.scheduled, bucket, token_ids)
-        return ModelRunnerOutput(results=self._postprocess(plan.scheduled, layout.rows, logits, speculate))
+        results = self._postprocess(plan.scheduled, layout.rows, logits, speculate)
+        if self.graphs is not None:
+            self.replay_gpu_ns = self.graphs.timer.poll()  # this step's replays have completed (its tokens are read)
+        return ModelRunnerOutput(results=results)
 
     def _decode_overlap(self) -> DecodeOverlap | None:
         if not self.decode_overlap or self.graphs is None:

@@ -193,6 +193,7 @@ class HeliosApp:
 
     def snapshot(self) -> Snapshot:
         rt = self.runtime
+        runner = getattr(getattr(rt.engine, "core", None), "runner", None)  # absent on fake engines
         snap = Snapshot(
             decode_weight_bytes=rt.manifest.decode_weight_bytes,
             first_response=rt.http_metrics.first_response(),
@@ -200,7 +201,8 @@ class HeliosApp:
             http_admission_in_use=rt.admission.in_use,
             http_requests=rt.http_metrics.num_requests,
             uptime_seconds=int(time.monotonic() - rt.started),
-            graph_launches=dict(getattr(getattr(getattr(rt.engine, "core", None), "runner", None), "launches", {})),
+            graph_launches=dict(getattr(runner, "launches", {})),
+            replay_gpu_ns=getattr(runner, "replay_gpu_ns", 0),
         )
         metrics = rt.engine.metrics()
         values = {f: getattr(metrics, f) for f in metrics.__struct_fields__ if f in Snapshot.__struct_fields__}

@@ -157,6 +157,50 @@ def test_the_kernel_load_thread_reports_its_summary_and_time_and_reraises(monkey
         _KernelLoad("core", [], torch.device("cuda")).join()
 
 
+def test_replay_timer_adds_completed_pairs_oldest_first_and_reuses_events(monkeypatch):
+    from helios.runner.cuda_graphs import ReplayTimer
+
+    class FakeEvent:  # a timing event whose completion the test decides (no GPU here)
+        made = 0
+
+        def __init__(self, enable_timing):
+            assert enable_timing
+            FakeEvent.made += 1
+            self.done, self.at = False, 0.0
+
+        def record(self):
+            self.done, self.at = False, clock[0]
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+        def elapsed_time(self, end):
+            return end.at - self.at  # milliseconds
+
+    clock = [0.0]
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    assert not ReplayTimer(torch.device("cpu")).enabled  # off CUDA: nothing recorded
+    timer = ReplayTimer(torch.device("cpu"))
+    timer.enabled = True
+    for ms in (1.5, 2.0):
+        with timer.timing():
+            clock[0] += ms
+    assert timer.poll() == 0 and timer.num_samples == 0  # nothing completed yet: never waited for
+    first, second = timer._pending
+    second[1].done = True  # completed out of order: the first is still pending, so neither is read
+    assert timer.poll() == 0
+    first[1].done = True
+    assert timer.poll() == 3_500_000 and timer.num_samples == 2
+    with timer.timing():
+        clock[0] += 0.25
+    assert FakeEvent.made == 4  # a completed pair was reused
+    timer._pending[0][1].done = True
+    assert timer.poll() == 3_750_000
+
+
 def _greedy_decode(runner: ModelRunner, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
     blocks = {r: list(range(i * 8, i * 8 + 8)) for i, r in enumerate(prompts)}
     new = [NewRequestData(req_id=r, prompt_token_ids=p, sampling=GREEDY) for r, p in prompts.items()]
@@ -342,8 +386,11 @@ def test_greedy_outputs_identical_with_graphs(core):
     eager = {k: tokens(v) for k, v in run(engine(False), requests).items()}
     graphed_engine = engine(True)
     graphed = {k: tokens(v) for k, v in run(graphed_engine, requests).items()}
-    assert graphed_engine.runner.graphs.num_replays > 0
+    graphs = graphed_engine.runner.graphs
+    assert graphs.num_replays > 0
     assert graphed == eager
+    # every replay of the run was timed and read (each step's tokens were read before the next step)
+    assert graphs.timer.num_samples == graphs.num_replays and graphed_engine.runner.replay_gpu_ns > 0
 
 
 @gpu
