@@ -1,4 +1,5 @@
-"""`helios serve CORE`: serve a prepared core over HTTP (Granian, one worker process that owns the engine).
+"""`helios serve CORE`: serve a prepared core over HTTP (Granian, one worker process that owns the engine);
+`helios top [URL]`: the serving terminal dashboard over a server's /metrics.
 
 The parent checks the configuration and the manifest (one clear line on failure) and hands the core path
 to Granian's worker through the environment; the worker's app factory loads, warms up and reports the
@@ -94,6 +95,84 @@ def serve(
         websockets=False,
     ).serve()
     sys.exit(0)
+
+
+class _FetchError(Exception):
+    """One line on why /metrics gave no Snapshot (unreachable, an HTTP error, not the JSON object)."""
+
+
+def _fetch_snapshot(url: str, timeout_s: float):
+    """GET URL/metrics?format=json decoded into a Snapshot (stdlib HTTP: httpx is only a test dependency)."""
+    import urllib.error
+    import urllib.request
+
+    import msgspec
+
+    from helios.server.metrics import Snapshot
+
+    metrics_url = url.rstrip("/") + "/metrics?format=json"
+    request = urllib.request.Request(metrics_url, headers={"Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            body = response.read()
+    except urllib.error.HTTPError as e:
+        raise _FetchError(f"{metrics_url}: HTTP {e.code} {e.reason}") from None
+    except urllib.error.URLError as e:
+        raise _FetchError(f"cannot reach {metrics_url}: {e.reason}") from None
+    except (OSError, ValueError) as e:  # timeouts, resets mid-body, a malformed URL
+        raise _FetchError(f"cannot reach {metrics_url}: {e}") from None
+    try:
+        return msgspec.json.decode(body, type=Snapshot)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise _FetchError(f"{metrics_url}: not a helios metrics object ({e})") from None
+
+
+@app.command()
+def top(
+    url: Annotated[str, typer.Argument(help="The server's base URL.")] = "http://127.0.0.1:8000",
+    interval: Annotated[float, typer.Option(min=0.05, help="Seconds between polls of /metrics.")] = 1.0,
+    window: Annotated[float, typer.Option(min=1.0, help="Sampling window of the rates, in seconds.")] = 60.0,
+    once: Annotated[bool, typer.Option("--once", help="Two samples INTERVAL apart, one frame, then exit.")] = False,
+) -> None:
+    """Watch a helios server: tok/s, WEIGHTS, DEPTH, KV pages and admission, polled from /metrics?format=json."""
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from helios.server.view import RateHistory, render_frame
+
+    history = RateHistory(window_s=window)
+    timeout_s = max(2.0, min(interval, 10.0))
+    if once:
+        for i in range(2):
+            if i:
+                time.sleep(interval)
+            try:
+                snap = _fetch_snapshot(url, timeout_s)
+            except _FetchError as e:
+                typer.echo(f"helios top: {e}", err=True)
+                raise typer.Exit(1) from None
+            history.add(time.monotonic(), snap)
+        console = Console()
+        console.print(render_frame(history, url, width=console.width))
+        return
+    error = None
+    try:
+        with Live(auto_refresh=False) as live:
+            while True:
+                started = time.monotonic()
+                try:
+                    snap = _fetch_snapshot(url, timeout_s)
+                    history.add(time.monotonic(), snap)
+                    error = None
+                except _FetchError as e:
+                    error = f"{e} (retrying every {interval:g} s)"
+                # the console width is read per frame, so the layout follows a resized terminal
+                live.update(render_frame(history, url, error, width=live.console.width), refresh=True)
+                time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        pass
 
 
 if __name__ == "__main__":
