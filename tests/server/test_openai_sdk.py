@@ -116,6 +116,22 @@ def test_completions_prompt_forms_and_indices(client, frontend):
         assert len(r.choices) == (1 if prompt is ids else 2)
 
 
+def test_empty_text_prompt_is_the_bos_token_and_empty_ids_are_rejected(client, frontend):
+    _, tok, _ = frontend
+    bos = tok.info.bos_token_id
+    assert bos is not None and tok.encode("") == []  # the default core declares a BOS it does not add
+    kw = dict(model=ALIAS, max_tokens=3, temperature=0, extra_body={"return_tokens_as_token_ids": True})
+    r = client.completions.create(prompt="", echo=True, logprobs=1, **kw)
+    assert r.usage.prompt_tokens == 1
+    assert r.choices[0].logprobs.tokens[0] == f"token_id:{bos}" and r.choices[0].logprobs.token_logprobs[0] is None
+    same = client.completions.create(prompt=[bos], **kw)
+    assert same.choices[0].text == r.choices[0].text
+    for prompt in ([], [[]], [[bos], []]):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(prompt=prompt, **kw)
+        assert e.value.body["param"] == "prompt"
+
+
 def test_completions_echo_and_stop(client):
     r = client.completions.create(model=ALIAS, prompt="The capital of France is", max_tokens=8, temperature=0,
                                   echo=True, stop=["."])

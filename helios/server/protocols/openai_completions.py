@@ -89,8 +89,12 @@ def _prompts(req: CompletionRequest, runtime: Runtime) -> list[Prompt]:
     for item in items:
         if isinstance(item, str):
             ids = tok.encode(item)
-            if not ids:
-                raise bad_request("an empty prompt needs a core that adds a BOS token", "prompt")
+            if not ids:  # empty text: the prepared BOS token alone, where the core has one
+                bos = tok.info.bos_token_id
+                if bos is None:
+                    raise bad_request("an empty text prompt needs a core with a BOS token; this one has none",
+                                      "prompt")
+                ids = [bos]
             out.append(Prompt(item, ids))
         else:
             if not item:
