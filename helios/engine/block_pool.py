@@ -4,6 +4,7 @@ Owns page ids only (the runner owns the tensors they index). A page holding the 
 request's tokens may carry that page's chained hash (helios/engine/prefix_cache.py): the prefix cache.
 A page whose count reaches zero goes back to the free list but keeps its hash, so a later request can still
 take it (a hit); allocate() hands out the least recently freed page first and drops its hash (eviction).
+With `track_evictions` the pool also lists each eviction (page, hash) for the host tier to store.
 Pure Python: must not import torch or numpy.
 """
 
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Sequence
 class BlockPool:
     """`num_blocks` pages of `block_size` tokens; ids are 0 .. num_blocks-1."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, track_evictions: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"BlockPool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -29,6 +30,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._block_by_hash: dict[bytes, int] = {}
         self._hash_by_block: dict[int, bytes] = {}
+        # (page, hash) of every eviction since the last take_evictions(); None when nobody reads them
+        self._evictions: list[tuple[int, bytes]] | None = [] if track_evictions else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -63,7 +66,17 @@ class BlockPool:
             block_hash = self._hash_by_block.pop(block_id, None)
             if block_hash is not None:
                 del self._block_by_hash[block_hash]
+                if self._evictions is not None:
+                    self._evictions.append((block_id, block_hash))
         return block_ids
+
+    def take_evictions(self) -> list[tuple[int, bytes]]:
+        """The (page, hash) evictions since the last call, oldest first; the pages still hold that KV until the
+        plan that allocated them runs."""
+        evictions = self._evictions or []
+        if self._evictions is not None:
+            self._evictions = []
+        return evictions
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """Share pages: used ones, or free cached ones (a prefix-cache hit takes them off the free list).
@@ -101,6 +114,12 @@ class BlockPool:
             return
         self._block_by_hash[block_hash] = block_id
         self._hash_by_block[block_id] = block_hash
+
+    def uncache_block(self, block_id: int) -> None:
+        """Drop the page's hash, if any (its KV never arrived: a failed step's copy-in)."""
+        block_hash = self._hash_by_block.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_by_hash[block_hash]
 
     def block_hash(self, block_id: int) -> bytes | None:
         return self._hash_by_block.get(block_id)

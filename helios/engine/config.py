@@ -48,6 +48,12 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     enable_prefix_caching: Annotated[
         bool, Meta(description="Reuse the KV pages of earlier requests' identical full-page prefixes.")
     ] = True
+    host_cache_pages: Annotated[
+        int, Meta(ge=0, le=1 << 24, description="Host DRAM records (one KV page each) behind the prefix cache; 0: off.")
+    ] = 0
+    page_bytes: Annotated[
+        int, Meta(ge=0, le=1 << 40, description="Bytes one KV page holds across all layers (host tier byte counts).")
+    ] = 0
 
     def __post_init__(self) -> None:
         _check_bounds(self)

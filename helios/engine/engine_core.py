@@ -48,6 +48,12 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     reasoning_budget_cuts: int = 0  # requests whose reasoning was closed by their thinking-token budget
     verify_steps: int = 0  # forward passes that advanced at least one decode round (no speculation: no drafts)
     verification_rounds: int = 0  # decode request rounds that committed a token (zero-draft rounds)
+    # the host DRAM tier of the prefix cache (zero when off)
+    host_hits: int = 0  # admissions that copied at least one host record in
+    host_reused_tokens: int = 0  # tokens those records covered (part of reused_tokens)
+    host_memory_records: int = 0  # records held now
+    host_bytes_out: int = 0  # bytes copied from evicted GPU pages to host records
+    host_bytes_in: int = 0  # bytes copied from host records into GPU pages
 
 
 class EngineCore:
@@ -91,7 +97,9 @@ class EngineCore:
         else:
             # NOTE: an abort during execute frees the request's pages at once; that is safe because pages
             # are only handed out again (allocated, or shared by a prefix-cache hit) by the next schedule(),
-            # after execute has returned; pages this step filled are cached only by update(), after it too.
+            # after execute has returned; pages this step filled are cached only by update(), after it too (pages
+            # restored from the host tier are cached by schedule(), but the runner copies them in before it
+            # runs any forward of this plan, and a failed plan uncaches them).
             try:
                 runner_output = self.runner.execute(plan)
             except RequestExecutionError as exc:
@@ -122,6 +130,7 @@ class EngineCore:
         with self._lock:
             scheduler = self.scheduler
             pool = scheduler.block_pool
+            host = scheduler.host_cache
             return EngineMetrics(
                 prefill_tokens=scheduler.num_prefill_tokens,
                 generated_tokens=self._num_generated_tokens,
@@ -138,4 +147,9 @@ class EngineCore:
                 reasoning_budget_cuts=scheduler.num_reasoning_budget_cuts,
                 verify_steps=scheduler.num_decode_steps,
                 verification_rounds=scheduler.num_decode_rounds,
+                host_hits=host.num_hits if host else 0,
+                host_reused_tokens=host.num_reused_tokens if host else 0,
+                host_memory_records=host.num_records if host else 0,
+                host_bytes_out=host.num_bytes_out if host else 0,
+                host_bytes_in=host.num_bytes_in if host else 0,
             )

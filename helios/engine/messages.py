@@ -133,6 +133,11 @@ class SchedulerOutput(Struct, frozen=True, kw_only=True):
     # unknown id is a no-op
     finished_req_ids: list[str]
     num_scheduled_tokens: int
+    # the host tier of the prefix cache (helios/engine/host_cache.py): (page, slot) pages the pool evicted, copied
+    # out to host records, then (slot, page) records copied into fresh pages; the runner applies every copy-out,
+    # then every copy-in, before any forward of the plan (its forward writes into the evicted pages)
+    copy_out: list[tuple[int, int]] = []
+    copy_in: list[tuple[int, int]] = []
 
 
 class RequestResult(Struct, frozen=True, kw_only=True):

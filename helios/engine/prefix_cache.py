@@ -2,7 +2,8 @@
 
 A full page of token ids is named by a chained hash of its tokens and its parent page's hash, so equal
 hashes mean equal whole prefixes. The hash <-> page map and eviction live in the BlockPool; this module
-computes the hashes, looks a request's prefix up at admission and publishes its pages once computed.
+computes the hashes, looks a request's prefix up at admission (the GPU pages, then the host tier's records,
+helios/engine/host_cache.py) and publishes its pages once computed.
 Pure Python: must not import torch or numpy.
 """
 
@@ -13,6 +14,7 @@ from array import array
 from collections.abc import Sequence
 
 from helios.engine.block_pool import BlockPool
+from helios.engine.host_cache import HostCache
 from helios.engine.request import Request
 
 ROOT_HASH = b""  # the parent of a request's first page
@@ -41,9 +43,10 @@ def extend_page_hashes(page_hashes: list[bytes], token_ids: Sequence[int], page_
 class PrefixCache:
     """The scheduler's side of the prefix cache over one BlockPool (the pool keeps the hash <-> page map)."""
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, host: HostCache | None = None) -> None:
         self.pool = pool
         self.page_size = pool.block_size
+        self.host = host
 
     def match(self, req: Request) -> list[int]:
         """Cached pages a waiting request can start from (nothing is taken: the caller increfs them).
@@ -57,6 +60,49 @@ class PrefixCache:
         num_pages = (req.num_tokens - 1) // self.page_size
         extend_page_hashes(req.page_hashes, req.all_token_ids, self.page_size, num_pages)
         return self.pool.find_cached_prefix(req.page_hashes[:num_pages])
+
+    def match_host(self, req: Request, num_gpu_pages: int) -> list[int]:
+        """Host slots that continue a waiting request's `num_gpu_pages` matched GPU pages (after match();
+        nothing is taken), within the same cap of (num_tokens - 1) // page_size pages in all."""
+        if self.host is None or req.wants_prompt_logprobs:
+            return []
+        num_pages = (req.num_tokens - 1) // self.page_size
+        return self.host.find_prefix(req.page_hashes[num_gpu_pages:num_pages])
+
+    def restore(self, req: Request, num_gpu_pages: int, slots: list[int]) -> list[tuple[int, int]]:
+        """The admitted request copies `slots` into its fresh pages after its `num_gpu_pages` GPU hits: returns
+        the plan's (slot, page) copy-ins. The pages are published at once (they will hold full pages before any
+        forward of this plan reads them); the slots are pinned for this plan."""
+        assert self.host is not None
+        first, end = num_gpu_pages, num_gpu_pages + len(slots)
+        pages = req.block_ids[first:end]
+        for block_id, block_hash in zip(pages, req.page_hashes[first:end]):
+            self.pool.cache_block(block_id, block_hash)
+        self.host.take(req.page_hashes[first:end], len(slots) * self.page_size)
+        return list(zip(slots, pages))
+
+    def store_evictions(self) -> list[tuple[int, int]]:
+        """The plan's (page, slot) copy-outs: every page the pool evicted while this plan was built whose hash
+        the host tier does not hold yet (those it holds are touched). Ends the plan's pins."""
+        if self.host is None:
+            return []
+        copy_out = []
+        for block_id, block_hash in self.pool.take_evictions():
+            slot = self.host.store(block_hash)
+            if slot is not None:
+                copy_out.append((block_id, slot))
+        self.host.end_step()
+        return copy_out
+
+    def forget_copies(self, copy_out: list[tuple[int, int]], copy_in: list[tuple[int, int]]) -> None:
+        """A plan failed: its copies may never have run, so the records it stored and the pages it restored
+        are dropped (they would name KV that is not there)."""
+        if self.host is None:
+            return
+        for _, slot in copy_out:
+            self.host.discard_slot(slot)
+        for _, block_id in copy_in:
+            self.pool.uncache_block(block_id)
 
     def publish(self, req: Request) -> None:
         """Cache every page of a running request now fully covered by its computed tokens (after a step)."""

@@ -4,7 +4,8 @@ Owns the waiting queue, the running set and every request's pages. One step is
 `plan = schedule()` -> runner -> `update(plan, runner_output)`; there are no prefill/decode modes: each
 running request gets its next prefill chunk or one decode token, then waiting requests are admitted
 first-come-first-served while slots, token budget and pages allow, each starting after the longest run of
-cached pages of its tokens; update() publishes the pages a step filled. Not thread-safe (EngineCore locks it).
+cached pages of its tokens (GPU pages, then host records copied in); update() publishes the pages a step
+filled. Not thread-safe (EngineCore locks it).
 Pure Python: must not import torch or numpy.
 """
 
@@ -16,6 +17,7 @@ from msgspec.structs import replace
 
 from helios.engine.block_pool import BlockPool
 from helios.engine.config import SchedulerConfig
+from helios.engine.host_cache import HostCache
 from helios.engine.messages import (
     EngineOutput,
     EngineRequest,
@@ -36,8 +38,10 @@ class QueueFull(Exception):
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.block_pool = BlockPool(config.num_pages, config.page_size)
-        self.prefix_cache = PrefixCache(self.block_pool) if config.enable_prefix_caching else None
+        is_host_cache = config.enable_prefix_caching and config.host_cache_pages > 0
+        self.block_pool = BlockPool(config.num_pages, config.page_size, track_evictions=is_host_cache)
+        self.host_cache = HostCache(config.host_cache_pages, config.page_bytes) if is_host_cache else None
+        self.prefix_cache = PrefixCache(self.block_pool, self.host_cache) if config.enable_prefix_caching else None
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
@@ -112,6 +116,7 @@ class Scheduler:
         budget = config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         new_requests: list[NewRequestData] = []
+        copy_in: list[tuple[int, int]] = []
         self._scheduled = {}
         is_preempted = False
 
@@ -153,17 +158,23 @@ class Scheduler:
                 self._finish_now(req, RequestStatus.FINISHED_LENGTH)
                 continue
             assert not req.block_ids and req.num_computed_tokens == 0, req
-            hits = self.prefix_cache.match(req) if self.prefix_cache is not None else []
-            num_reused = len(hits) * pool.block_size
+            hits, host_slots = [], []
+            if self.prefix_cache is not None:
+                hits = self.prefix_cache.match(req)
+                host_slots = self.prefix_cache.match_host(req, len(hits))
+            num_reused = (len(hits) + len(host_slots)) * pool.block_size
             num_new = min(req.num_tokens - num_reused, config.prefill_chunk_size, budget)
+            # host pages are fresh pages too (num_needed counts them); hits still on the free list leave it when
+            # taken, so they count against it too
             num_needed = pool.num_blocks_for(num_reused + num_new) - len(hits)
-            # hits still on the free list leave it when taken, so they count against it too
             if not pool.can_allocate(num_needed + pool.num_free_among(hits)):
                 break
             self.waiting.popleft()
             pool.incref(hits)  # NOTE: before allocate(), which would otherwise evict free hits
             req.block_ids = hits + pool.allocate(num_needed)
-            req.num_published_pages = len(hits)
+            if host_slots:
+                copy_in.extend(self.prefix_cache.restore(req, len(hits), host_slots))
+            req.num_published_pages = len(hits) + len(host_slots)
             req.num_computed_tokens = req.num_reused_tokens = num_reused
             if req.status is RequestStatus.WAITING:  # the first admission: usage reports this reuse
                 req.num_cached_tokens = num_reused
@@ -183,6 +194,9 @@ class Scheduler:
             budget -= num_new
 
         self._look_ahead(scheduled)
+        # after every allocation of the plan (look-ahead pages too), so each eviction is copied out before the
+        # forward that overwrites its page
+        copy_out = self.prefix_cache.store_evictions() if self.prefix_cache is not None else []
         # NOTE: finished ids wait for a plan with work, so the runner is never handed an empty batch.
         finished_req_ids: list[str] = []
         if scheduled:
@@ -192,6 +206,8 @@ class Scheduler:
             scheduled=scheduled,
             finished_req_ids=finished_req_ids,
             num_scheduled_tokens=config.max_num_batched_tokens - budget,
+            copy_out=copy_out,
+            copy_in=copy_in,
         )
 
     def update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineOutput]:
@@ -262,6 +278,8 @@ class Scheduler:
         outputs = self.take_pending_outputs()
         # the runner may not have applied the plan's drops; resend them (dropping is idempotent)
         self._finished_req_ids.extend(plan.finished_req_ids)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget_copies(plan.copy_out, plan.copy_in)
         affected = [self._scheduled[c.req_id] for c in plan.scheduled if c.req_id in self._scheduled]
         for req in reversed(affected):  # reversed: preempted ones reach the queue front in admission order
             if req.status is not RequestStatus.RUNNING:

@@ -42,6 +42,7 @@ from helios.runner.input_batch import (
     max_table_blocks,
     prepare_batch,
 )
+from helios.runner.host_cache import HostKVStore
 from helios.runner.kv_cache import KVCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
 from helios.runner.sampler import SamplerState, draw_logits, sample, sample_device
@@ -175,12 +176,14 @@ class ModelRunner:
         core_path: Path | str | None = None,
         kernel_targets: list[KernelTarget] = (),
         decode_overlap: bool | None = None,
+        host_cache_pages: int = 0,
     ):
         """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
         core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core).
         decode_overlap: speculate the next graphed decode step (runner/decode_overlap.py); None means on
         CUDA (where graphs exist), True also on the CPU once a test attaches a GraphRunner(capture=False);
-        HELIOS_DECODE_OVERLAP=0 turns it off whatever the argument."""
+        HELIOS_DECODE_OVERLAP=0 turns it off whatever the argument. host_cache_pages: records of the prefix
+        cache's host DRAM tier (runner/host_cache.py), 0 for none."""
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = dtype or tensors["embed.weight"].dtype
@@ -222,6 +225,7 @@ class ModelRunner:
             reserve = activation_reserve_bytes(arch, tokens, self.dtype, max(buckets))
             num_pages = pages_from_free_memory(arch, page_size, self.dtype, self.device, gpu_memory_fraction, reserve)
         self.kv_cache = KVCache.from_arch(arch, num_pages, page_size, self.dtype, self.device)
+        self.host_store = HostKVStore(self.kv_cache, host_cache_pages) if host_cache_pages > 0 else None
         if is_cuda:
             torch.cuda.synchronize(self.device)
         t3 = time.perf_counter()
@@ -307,6 +311,8 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for new in plan.new_requests:
             self.requests[new.req_id] = self._new_state(new)
+        if plan.copy_out or plan.copy_in:
+            self._copy_host_pages(plan)
         if not plan.scheduled:
             if self._overlap is not None:
                 self._overlap.take(plan, None)  # every plan ends a pending speculation
@@ -341,6 +347,14 @@ class ModelRunner:
         if self.graphs is not None:
             self.replay_gpu_ns = self.graphs.timer.poll()  # this step's replays have completed (its tokens are read)
         return ModelRunnerOutput(results=results)
+
+    def _copy_host_pages(self, plan: SchedulerOutput) -> None:
+        """The host tier's copies, before any forward of the plan: out first (the forward and the copy-ins write
+        into the evicted pages), then in. On the device's stream, so they are ordered with the forwards."""
+        if self.host_store is None:
+            raise RuntimeError("the plan copies host pages, but the runner has no host store (host_cache_pages=0)")
+        self.host_store.copy_out(self.kv_cache, plan.copy_out)
+        self.host_store.copy_in(self.kv_cache, plan.copy_in)
 
     def _decode_overlap(self) -> DecodeOverlap | None:
         if not self.decode_overlap or self.graphs is None:

@@ -45,6 +45,9 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     prefix_caching: Annotated[
         bool, Meta(description="Reuse the KV pages of earlier requests' identical prefixes (GPU prefix cache).")
     ] = True
+    host_cache_bytes: Annotated[
+        int, Meta(ge=0, le=1 << 44, description="Host DRAM behind the prefix cache for evicted KV pages; 0: off.")
+    ] = 0
     device: Annotated[
         Literal["auto", "cpu", "cuda"], Meta(description="auto: CUDA when a GPU is visible (KV pool sized from free memory), else CPU.")
     ] = "auto"

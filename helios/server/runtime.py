@@ -131,18 +131,23 @@ def build_engine(core, config: ServerConfig, serving: Serving):
     from helios.engine.async_engine import AsyncEngine
     from helios.engine.config import SchedulerConfig
     from helios.engine.engine_core import EngineCore
-    from helios.runner.model_runner import ModelRunner
-
-    from helios.runner.model_runner import resolve_device
+    from helios.runner.kv_cache import KVCache
+    from helios.runner.model_runner import ModelRunner, resolve_device
 
     page_size = core.manifest.graph_plan.page_size
+    dtype = core.tensors["embed.weight"].dtype  # the runner's default: the KV pages take the weights' dtype
+    page_bytes = KVCache.bytes_per_page(core.manifest.arch, page_size, dtype)
+    # the prefix cache's host DRAM tier: whole pages only; nothing without the prefix cache it stands behind
+    host_cache_pages = config.host_cache_bytes // page_bytes if config.prefix_caching else 0
     if resolve_device(config.device) == "cuda":
         # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
-        runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len)
+        runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,
+                                       dtype=dtype, host_cache_pages=host_cache_pages)
         num_pages = runner.num_pages
     else:
         num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
-        runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size)
+        runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, dtype=dtype,
+                             host_cache_pages=host_cache_pages)
     scheduler = SchedulerConfig(
         max_concurrency=serving.max_concurrency,
         max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency),
@@ -152,6 +157,8 @@ def build_engine(core, config: ServerConfig, serving: Serving):
         num_pages=num_pages,
         max_model_len=serving.max_model_len,
         enable_prefix_caching=config.prefix_caching,
+        host_cache_pages=host_cache_pages,
+        page_bytes=page_bytes,
     )
     return AsyncEngine(EngineCore(scheduler, runner))
 

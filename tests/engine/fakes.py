@@ -31,9 +31,10 @@ def context_token(context: list[int]) -> int:
 
 
 class FakeRunner:
-    """Tracks a simulated paged KV (the token id in every slot) and asserts the scheduler's plans are consistent:
-    a request that starts from cached pages finds exactly its own tokens there, and a page shared by two live
-    requests is never written.
+    """Tracks a simulated paged KV (the token id in every slot, and in every host record of the host tier) and
+    asserts the scheduler's plans are consistent: every chunk finds exactly its request's earlier tokens in its
+    pages (cached, copied in from host records, or written by its own earlier chunks), and a page shared by two
+    live requests is never written. Copies run as the real runner runs them: every copy-out, then every copy-in.
 
     `script[req_id]` overrides the sampled tokens by output index; `fail(plan)` may return an exception.
     """
@@ -44,6 +45,8 @@ class FakeRunner:
         self.fail = fail
         self.kv: dict[str, list[int] | None] = {}  # tokens in KV per request; None until its first chunk
         self.slots: dict[int, list[int | None]] = defaultdict(lambda: [None] * page_size)  # page -> token ids
+        self.host: dict[int, list[int | None]] = {}  # host record (slot) -> token ids
+        self.num_copied_out = self.num_copied_in = 0
         self.known: dict[str, list[int]] = {}  # prompt + outputs as the runner knows them
         self.num_prompt: dict[str, int] = {}
         self.sampling: dict[str, SamplingParams] = {}
@@ -68,6 +71,7 @@ class FakeRunner:
             self.num_new[new.req_id] += 1
         if self.fail is not None and (exc := self.fail(plan)) is not None:
             raise exc
+        self._copy(plan)
         for s in plan.scheduled:
             self.block_tables[s.req_id] = list(s.block_ids)
         owners: dict[int, int] = defaultdict(int)
@@ -81,6 +85,8 @@ class FakeRunner:
                 kv = self.kv[s.req_id] = self._read(s.block_ids, s.num_computed_tokens)
                 assert s.num_computed_tokens % self.page_size == 0 and kv == known[: len(kv)], s.req_id
             assert s.num_computed_tokens == len(kv), (s.req_id, s.num_computed_tokens, len(kv))
+            # attention reads every earlier position from the pages: they must hold this request's tokens
+            assert self._read(s.block_ids, len(kv)) == kv, f"{s.req_id} reads another prefix's KV"
             assert s.token_ids == known[len(kv) : len(kv) + len(s.token_ids)], s.req_id
             assert s.token_ids, "a scheduled request has tokens"
             start = len(kv)
@@ -121,6 +127,21 @@ class FakeRunner:
                 )
             )
         return ModelRunnerOutput(results=results)
+
+    def _copy(self, plan: SchedulerOutput) -> None:
+        out_slots = [slot for _, slot in plan.copy_out]
+        in_slots = [slot for slot, _ in plan.copy_in]
+        assert len(set(out_slots)) == len(out_slots), "a host record written twice in one plan"
+        assert not set(out_slots) & set(in_slots), "a host record written and read in one plan"
+        assert len({b for _, b in plan.copy_in}) == len(plan.copy_in), "a page copied into twice"
+        for block_id, slot in plan.copy_out:
+            assert block_id in self.slots, f"copy-out of page {block_id}, never written"
+            self.host[slot] = list(self.slots[block_id])
+        for slot, block_id in plan.copy_in:
+            assert slot in self.host, f"copy-in of host record {slot}, never written"
+            self.slots[block_id] = list(self.host[slot])
+        self.num_copied_out += len(plan.copy_out)
+        self.num_copied_in += len(plan.copy_in)
 
     def _read(self, block_ids: list[int], num_tokens: int) -> list[int]:
         return [self.slots[block_ids[p // self.page_size]][p % self.page_size] for p in range(num_tokens)]
