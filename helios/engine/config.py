@@ -51,6 +51,9 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     host_cache_pages: Annotated[
         int, Meta(ge=0, le=1 << 24, description="Host DRAM records (one KV page each) behind the prefix cache; 0: off.")
     ] = 0
+    host_disk_pages: Annotated[
+        int, Meta(ge=0, le=1 << 32, description="Disk records (one KV page each) behind the host DRAM tier; 0: off.")
+    ] = 0
     page_bytes: Annotated[
         int, Meta(ge=0, le=1 << 40, description="Bytes one KV page holds across all layers (host tier byte counts).")
     ] = 0

@@ -8,6 +8,7 @@ Pure Python: must not import torch or numpy (the runner is any object with `exec
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Protocol
 
 from msgspec import Struct
@@ -54,13 +55,17 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     host_memory_records: int = 0  # records held now
     host_bytes_out: int = 0  # bytes copied from evicted GPU pages to host records
     host_bytes_in: int = 0  # bytes copied from host records into GPU pages
+    host_disk_records: int = 0  # records of the disk tier behind it (files in its record directory)
 
 
 class EngineCore:
-    def __init__(self, config: SchedulerConfig, runner: Runner) -> None:
+    def __init__(self, config: SchedulerConfig, runner: Runner, disk_records: Sequence[bytes] = ()) -> None:
+        """disk_records: the hashes of the host tier's record files found at start-up, least recently used first."""
         self.config = config
         self.runner = runner
         self.scheduler = Scheduler(config)
+        if self.scheduler.host_cache is not None:
+            self.scheduler.host_cache.seed_disk(disk_records)
         self.error: str | None = None  # set by a runner failure that is not request-specific
         self._lock = threading.RLock()
         self._num_generated_tokens = 0
@@ -152,4 +157,5 @@ class EngineCore:
                 host_memory_records=host.num_records if host else 0,
                 host_bytes_out=host.num_bytes_out if host else 0,
                 host_bytes_in=host.num_bytes_in if host else 0,
+                host_disk_records=host.num_disk_records if host else 0,
             )

@@ -138,6 +138,12 @@ class SchedulerOutput(Struct, frozen=True, kw_only=True):
     # then every copy-in, before any forward of the plan (its forward writes into the evicted pages)
     copy_out: list[tuple[int, int]] = []
     copy_in: list[tuple[int, int]] = []
+    # its disk tier: (slot, hash) DRAM records written to files before their slots are reused, hashes whose files
+    # are deleted, (hash, slot) files read into DRAM slots. The runner's order: spill, disk_drop, copy_out, load,
+    # copy_in (a slot spilled from is then written; a slot loaded into is then read)
+    spill: list[tuple[int, bytes]] = []
+    disk_drop: list[bytes] = []
+    load: list[tuple[bytes, int]] = []
 
 
 class RequestResult(Struct, frozen=True, kw_only=True):

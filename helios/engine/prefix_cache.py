@@ -2,8 +2,8 @@
 
 A full page of token ids is named by a chained hash of its tokens and its parent page's hash, so equal
 hashes mean equal whole prefixes. The hash <-> page map and eviction live in the BlockPool; this module
-computes the hashes, looks a request's prefix up at admission (the GPU pages, then the host tier's records,
-helios/engine/host_cache.py) and publishes its pages once computed.
+computes the hashes, looks a request's prefix up at admission (the GPU pages, then the host tier's records in
+DRAM or on disk, helios/engine/host_cache.py) and publishes its pages once computed.
 Pure Python: must not import torch or numpy.
 """
 
@@ -61,25 +61,26 @@ class PrefixCache:
         extend_page_hashes(req.page_hashes, req.all_token_ids, self.page_size, num_pages)
         return self.pool.find_cached_prefix(req.page_hashes[:num_pages])
 
-    def match_host(self, req: Request, num_gpu_pages: int) -> list[int]:
-        """Host slots that continue a waiting request's `num_gpu_pages` matched GPU pages (after match();
-        nothing is taken), within the same cap of (num_tokens - 1) // page_size pages in all."""
+    def match_host(self, req: Request, num_gpu_pages: int) -> list[int | None]:
+        """Host records that continue a waiting request's `num_gpu_pages` matched GPU pages (after match();
+        nothing is taken), within the same cap of (num_tokens - 1) // page_size pages in all: a DRAM slot, or
+        None for a disk record (restore() loads it into a slot)."""
         if self.host is None or req.wants_prompt_logprobs:
             return []
         num_pages = (req.num_tokens - 1) // self.page_size
-        return self.host.find_prefix(req.page_hashes[num_gpu_pages:num_pages])
+        return self.host.find_tiered_prefix(req.page_hashes[num_gpu_pages:num_pages])
 
-    def restore(self, req: Request, num_gpu_pages: int, slots: list[int]) -> list[tuple[int, int]]:
-        """The admitted request copies `slots` into its fresh pages after its `num_gpu_pages` GPU hits: returns
-        the plan's (slot, page) copy-ins. The pages are published at once (they will hold full pages before any
-        forward of this plan reads them); the slots are pinned for this plan."""
+    def restore(self, req: Request, num_gpu_pages: int, slots: list[int | None]) -> list[tuple[int, int]]:
+        """The admitted request copies `slots` (match_host's records) into its fresh pages after its
+        `num_gpu_pages` GPU hits: returns the plan's (slot, page) copy-ins. The pages are published at once (they
+        will hold full pages before any forward of this plan reads them); the slots are pinned for this plan."""
         assert self.host is not None
         first, end = num_gpu_pages, num_gpu_pages + len(slots)
         pages = req.block_ids[first:end]
         for block_id, block_hash in zip(pages, req.page_hashes[first:end]):
             self.pool.cache_block(block_id, block_hash)
-        self.host.take(req.page_hashes[first:end], len(slots) * self.page_size)
-        return list(zip(slots, pages))
+        taken = self.host.take(req.page_hashes[first:end], len(slots) * self.page_size, slots)
+        return list(zip(taken, pages))
 
     def store_evictions(self) -> list[tuple[int, int]]:
         """The plan's (page, slot) copy-outs: every page the pool evicted while this plan was built whose hash
@@ -94,11 +95,18 @@ class PrefixCache:
         self.host.end_step()
         return copy_out
 
-    def forget_copies(self, copy_out: list[tuple[int, int]], copy_in: list[tuple[int, int]]) -> None:
+    def take_disk_ops(self) -> tuple[list[tuple[int, bytes]], list[bytes], list[tuple[bytes, int]]]:
+        """The plan's (spill, disk_drop, load) of the host tier's disk records (empty without one)."""
+        return self.host.take_disk_ops() if self.host is not None else ([], [], [])
+
+    def forget_copies(self, copy_out: list[tuple[int, int]], copy_in: list[tuple[int, int]],
+                      spill: list[tuple[int, bytes]] = (), disk_drop: list[bytes] = (),
+                      load: list[tuple[bytes, int]] = ()) -> None:
         """A plan failed: its copies may never have run, so the records it stored and the pages it restored
-        are dropped (they would name KV that is not there)."""
+        are dropped (they would name KV that is not there); so are its disk records (HostCache.forget_disk_ops)."""
         if self.host is None:
             return
+        self.host.forget_disk_ops(spill, disk_drop, load)
         for _, slot in copy_out:
             self.host.discard_slot(slot)
         for _, block_id in copy_in:

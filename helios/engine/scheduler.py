@@ -40,7 +40,8 @@ class Scheduler:
         self.config = config
         is_host_cache = config.enable_prefix_caching and config.host_cache_pages > 0
         self.block_pool = BlockPool(config.num_pages, config.page_size, track_evictions=is_host_cache)
-        self.host_cache = HostCache(config.host_cache_pages, config.page_bytes) if is_host_cache else None
+        self.host_cache = (HostCache(config.host_cache_pages, config.page_bytes, config.host_disk_pages)
+                           if is_host_cache else None)
         self.prefix_cache = PrefixCache(self.block_pool, self.host_cache) if config.enable_prefix_caching else None
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
@@ -197,6 +198,8 @@ class Scheduler:
         # after every allocation of the plan (look-ahead pages too), so each eviction is copied out before the
         # forward that overwrites its page
         copy_out = self.prefix_cache.store_evictions() if self.prefix_cache is not None else []
+        # the disk tier's operations ride with work only (the runner sees no plan without it): they wait
+        spill, disk_drop, load = self.prefix_cache.take_disk_ops() if scheduled and self.prefix_cache else ([], [], [])
         # NOTE: finished ids wait for a plan with work, so the runner is never handed an empty batch.
         finished_req_ids: list[str] = []
         if scheduled:
@@ -208,6 +211,9 @@ class Scheduler:
             num_scheduled_tokens=config.max_num_batched_tokens - budget,
             copy_out=copy_out,
             copy_in=copy_in,
+            spill=spill,
+            disk_drop=disk_drop,
+            load=load,
         )
 
     def update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineOutput]:
@@ -279,7 +285,7 @@ class Scheduler:
         # the runner may not have applied the plan's drops; resend them (dropping is idempotent)
         self._finished_req_ids.extend(plan.finished_req_ids)
         if self.prefix_cache is not None:
-            self.prefix_cache.forget_copies(plan.copy_out, plan.copy_in)
+            self.prefix_cache.forget_copies(plan.copy_out, plan.copy_in, plan.spill, plan.disk_drop, plan.load)
         affected = [self._scheduled[c.req_id] for c in plan.scheduled if c.req_id in self._scheduled]
         for req in reversed(affected):  # reversed: preempted ones reach the queue front in admission order
             if req.status is not RequestStatus.RUNNING:

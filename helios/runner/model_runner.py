@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from helios.core.manifest import Architecture, GraphPlan, KernelTarget
+from helios.engine.engine_core import RequestExecutionError
 from helios.engine.messages import (
     ModelRunnerOutput,
     NewRequestData,
@@ -42,6 +43,7 @@ from helios.runner.input_batch import (
     max_table_blocks,
     prepare_batch,
 )
+from helios.runner.disk_cache import DiskKVStore
 from helios.runner.host_cache import HostKVStore
 from helios.runner.kv_cache import KVCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
@@ -177,13 +179,15 @@ class ModelRunner:
         kernel_targets: list[KernelTarget] = (),
         decode_overlap: bool | None = None,
         host_cache_pages: int = 0,
+        host_disk_dir: Path | str | None = None,
     ):
         """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
         core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core).
         decode_overlap: speculate the next graphed decode step (runner/decode_overlap.py); None means on
         CUDA (where graphs exist), True also on the CPU once a test attaches a GraphRunner(capture=False);
         HELIOS_DECODE_OVERLAP=0 turns it off whatever the argument. host_cache_pages: records of the prefix
-        cache's host DRAM tier (runner/host_cache.py), 0 for none."""
+        cache's host DRAM tier (runner/host_cache.py), 0 for none; host_disk_dir: the directory of its disk records
+        (runner/disk_cache.py; use record_dir()), None for none."""
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = dtype or tensors["embed.weight"].dtype
@@ -226,6 +230,7 @@ class ModelRunner:
             num_pages = pages_from_free_memory(arch, page_size, self.dtype, self.device, gpu_memory_fraction, reserve)
         self.kv_cache = KVCache.from_arch(arch, num_pages, page_size, self.dtype, self.device)
         self.host_store = HostKVStore(self.kv_cache, host_cache_pages) if host_cache_pages > 0 else None
+        self.disk_store = DiskKVStore(host_disk_dir, self.host_store) if self.host_store and host_disk_dir else None
         if is_cuda:
             torch.cuda.synchronize(self.device)
         t3 = time.perf_counter()
@@ -311,7 +316,7 @@ class ModelRunner:
             self.requests.pop(req_id, None)
         for new in plan.new_requests:
             self.requests[new.req_id] = self._new_state(new)
-        if plan.copy_out or plan.copy_in:
+        if plan.copy_out or plan.copy_in or plan.spill or plan.disk_drop or plan.load:
             self._copy_host_pages(plan)
         if not plan.scheduled:
             if self._overlap is not None:
@@ -353,7 +358,23 @@ class ModelRunner:
         into the evicted pages), then in. On the device's stream, so they are ordered with the forwards."""
         if self.host_store is None:
             raise RuntimeError("the plan copies host pages, but the runner has no host store (host_cache_pages=0)")
+        if plan.spill or plan.disk_drop or plan.load:
+            # the disk tier's I/O, in the plan's order: spill, drop, copy-out, load, copy-in (see messages.py)
+            if self.disk_store is None:
+                raise RuntimeError("the plan moves disk records, but the runner has no disk store (host_disk_dir)")
+            if self.host_store.is_cuda and (plan.spill or plan.load):
+                # NOTE: the host reads and writes pinned slots that earlier asynchronous copies may still use
+                torch.cuda.current_stream(self.device).synchronize()
+            self.disk_store.spill(plan.spill)
+            self.disk_store.drop(plan.disk_drop)
         self.host_store.copy_out(self.kv_cache, plan.copy_out)
+        if plan.load:
+            try:
+                self.disk_store.load(plan.load)
+            except OSError as exc:
+                # NOTE: no request is at fault: the engine forgets the plan's copies and the records it loaded and
+                # runs its requests again from scratch (they recompute what the unreadable records held)
+                raise RequestExecutionError(set(), f"host disk tier: {exc}") from exc
         self.host_store.copy_in(self.kv_cache, plan.copy_in)
 
     def _decode_overlap(self) -> DecodeOverlap | None:

@@ -48,6 +48,12 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     host_cache_bytes: Annotated[
         int, Meta(ge=0, le=1 << 44, description="Host DRAM behind the prefix cache for evicted KV pages; 0: off.")
     ] = 0
+    host_disk_dir: Annotated[
+        str, Meta(max_length=4096, description="Directory of the disk records behind the host DRAM tier (a subdirectory per core KV identity); empty: off.")
+    ] = ""
+    host_disk_bytes: Annotated[
+        int, Meta(ge=0, le=1 << 50, description="Disk behind the host DRAM tier for KV pages it evicts (needs host_disk_dir and host_cache_bytes); 0: off.")
+    ] = 0
     device: Annotated[
         Literal["auto", "cpu", "cuda"], Meta(description="auto: CUDA when a GPU is visible (KV pool sized from free memory), else CPU.")
     ] = "auto"

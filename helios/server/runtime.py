@@ -131,6 +131,7 @@ def build_engine(core, config: ServerConfig, serving: Serving):
     from helios.engine.async_engine import AsyncEngine
     from helios.engine.config import SchedulerConfig
     from helios.engine.engine_core import EngineCore
+    from helios.runner.disk_cache import record_dir
     from helios.runner.kv_cache import KVCache
     from helios.runner.model_runner import ModelRunner, resolve_device
 
@@ -139,15 +140,18 @@ def build_engine(core, config: ServerConfig, serving: Serving):
     page_bytes = KVCache.bytes_per_page(core.manifest.arch, page_size, dtype)
     # the prefix cache's host DRAM tier: whole pages only; nothing without the prefix cache it stands behind
     host_cache_pages = config.host_cache_bytes // page_bytes if config.prefix_caching else 0
+    # its disk tier: only behind the DRAM tier; one subdirectory per KV identity (runner/disk_cache.py)
+    host_disk_pages = config.host_disk_bytes // page_bytes if host_cache_pages and config.host_disk_dir else 0
+    host_disk_dir = record_dir(config.host_disk_dir, core.manifest, dtype, page_size) if host_disk_pages else None
     if resolve_device(config.device) == "cuda":
         # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
         runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,
-                                       dtype=dtype, host_cache_pages=host_cache_pages)
+                                       dtype=dtype, host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir)
         num_pages = runner.num_pages
     else:
         num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
         runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, dtype=dtype,
-                             host_cache_pages=host_cache_pages)
+                             host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir)
     scheduler = SchedulerConfig(
         max_concurrency=serving.max_concurrency,
         max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency),
@@ -158,9 +162,11 @@ def build_engine(core, config: ServerConfig, serving: Serving):
         max_model_len=serving.max_model_len,
         enable_prefix_caching=config.prefix_caching,
         host_cache_pages=host_cache_pages,
+        host_disk_pages=host_disk_pages,
         page_bytes=page_bytes,
     )
-    return AsyncEngine(EngineCore(scheduler, runner))
+    disk_records = runner.disk_store.list_records() if runner.disk_store is not None else []
+    return AsyncEngine(EngineCore(scheduler, runner, disk_records))
 
 
 def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:

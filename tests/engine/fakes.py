@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from helios.engine.config import SchedulerConfig
-from helios.engine.engine_core import EngineCore
+from helios.engine.engine_core import EngineCore, RequestExecutionError
 from helios.engine.messages import (
     EngineOutput,
     EngineRequest,
@@ -34,12 +34,15 @@ class FakeRunner:
     """Tracks a simulated paged KV (the token id in every slot, and in every host record of the host tier) and
     asserts the scheduler's plans are consistent: every chunk finds exactly its request's earlier tokens in its
     pages (cached, copied in from host records, or written by its own earlier chunks), and a page shared by two
-    live requests is never written. Copies run as the real runner runs them: every copy-out, then every copy-in.
+    live requests is never written. Copies run as the real runner runs them: spill, disk_drop, copy-out, load,
+    copy-in. `disk` (hash -> token ids) stands for the disk tier's record directory; a load of a missing record
+    raises what the real runner raises (RequestExecutionError naming no request), after the earlier copies.
 
     `script[req_id]` overrides the sampled tokens by output index; `fail(plan)` may return an exception.
     """
 
-    def __init__(self, page_size: int, script: dict[str, list[int]] | None = None, fail=None) -> None:
+    def __init__(self, page_size: int, script: dict[str, list[int]] | None = None, fail=None,
+                 disk: dict[bytes, list[int | None]] | None = None) -> None:
         self.page_size = page_size
         self.script = script or {}
         self.fail = fail
@@ -47,6 +50,8 @@ class FakeRunner:
         self.slots: dict[int, list[int | None]] = defaultdict(lambda: [None] * page_size)  # page -> token ids
         self.host: dict[int, list[int | None]] = {}  # host record (slot) -> token ids
         self.num_copied_out = self.num_copied_in = 0
+        self.disk: dict[bytes, list[int | None]] = disk if disk is not None else {}  # the disk tier's files
+        self.num_spilled = self.num_loaded = 0
         self.known: dict[str, list[int]] = {}  # prompt + outputs as the runner knows them
         self.num_prompt: dict[str, int] = {}
         self.sampling: dict[str, SamplingParams] = {}
@@ -131,17 +136,36 @@ class FakeRunner:
     def _copy(self, plan: SchedulerOutput) -> None:
         out_slots = [slot for _, slot in plan.copy_out]
         in_slots = [slot for slot, _ in plan.copy_in]
+        load_slots = [slot for _, slot in plan.load]
+        spill_slots = [slot for slot, _ in plan.spill]
         assert len(set(out_slots)) == len(out_slots), "a host record written twice in one plan"
         assert not set(out_slots) & set(in_slots), "a host record written and read in one plan"
         assert len({b for _, b in plan.copy_in}) == len(plan.copy_in), "a page copied into twice"
+        assert len(set(spill_slots)) == len(spill_slots), "a host record spilled twice in one plan"
+        assert len(set(load_slots)) == len(load_slots), "a host record loaded twice in one plan"
+        assert not set(load_slots) & set(out_slots), "a host record loaded and copied out in one plan"
+        assert not {h for _, h in plan.load} & set(plan.disk_drop), "a disk record loaded and dropped in one plan"
+        for slot, block_hash in plan.spill:
+            assert slot in self.host, f"spill of host record {slot}, never written"
+            if block_hash in self.disk:  # a record named by a hash always holds the same tokens
+                assert self.disk[block_hash] == self.host[slot], "one hash, two records"
+            self.disk[block_hash] = list(self.host[slot])
+        for block_hash in plan.disk_drop:
+            self.disk.pop(block_hash, None)
         for block_id, slot in plan.copy_out:
             assert block_id in self.slots, f"copy-out of page {block_id}, never written"
             self.host[slot] = list(self.slots[block_id])
+        for block_hash, slot in plan.load:
+            if block_hash not in self.disk:
+                raise RequestExecutionError(set(), f"host disk tier: no record {block_hash.hex()}")
+            self.host[slot] = list(self.disk[block_hash])
         for slot, block_id in plan.copy_in:
             assert slot in self.host, f"copy-in of host record {slot}, never written"
             self.slots[block_id] = list(self.host[slot])
         self.num_copied_out += len(plan.copy_out)
         self.num_copied_in += len(plan.copy_in)
+        self.num_spilled += len(plan.spill)
+        self.num_loaded += len(plan.load)
 
     def _read(self, block_ids: list[int], num_tokens: int) -> list[int]:
         return [self.slots[block_ids[p // self.page_size]][p % self.page_size] for p in range(num_tokens)]
@@ -156,11 +180,12 @@ def _record(token_id: int, position: int) -> PositionLogprobs:
     return PositionLogprobs(token=TokenLogprob(token_id, -0.01 * position, 1), alternatives=[])
 
 
-def make_core(script=None, fail=None, **config) -> tuple[EngineCore, FakeRunner]:
+def make_core(script=None, fail=None, disk=None, **config) -> tuple[EngineCore, FakeRunner]:
+    """disk: the disk tier's records (hash -> token ids) a restarted server would find, least recently used first."""
     defaults = dict(max_concurrency=4, max_num_batched_tokens=64, prefill_chunk_size=16, page_size=4, num_pages=64)
     cfg = SchedulerConfig(**{**defaults, **config})
-    runner = FakeRunner(cfg.page_size, script=script, fail=fail)
-    return EngineCore(cfg, runner), runner
+    runner = FakeRunner(cfg.page_size, script=script, fail=fail, disk=disk)
+    return EngineCore(cfg, runner, list(runner.disk)), runner
 
 
 def request(req_id: str, prompt_len: int = 8, seed: int = 0, reasoning_budget=None, constraint=None,
