@@ -25,33 +25,31 @@ class HostKVStore:
 
     def copy_out(self, kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
         """(page, slot) pairs: the pages' KV into the host records. Slots are distinct (the engine's rule)."""
-        if not copies:
-            return
-        if self.is_cuda:
-            for gpu, host in zip(kv_cache.layers, self.layers):
-                for block_id, slot, n in _runs(copies):
-                    for kv in range(2):  # host[kv, slot:slot + n] is contiguous pinned memory: one DMA each
-                        host[kv, slot : slot + n].copy_(gpu[kv, block_id : block_id + n], non_blocking=True)
-            return
-        pages = torch.tensor([b for b, _ in copies])
-        slots = torch.tensor([s for _, s in copies])
-        for gpu, host in zip(kv_cache.layers, self.layers):
-            host[:, slots] = gpu[:, pages]
+        _copy(kv_cache.layers, self.layers, copies, self.is_cuda)
 
     def copy_in(self, kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
         """(slot, page) pairs: the host records into the pages. Pages are distinct (each is a fresh one)."""
-        if not copies:
-            return
-        if self.is_cuda:
-            for gpu, host in zip(kv_cache.layers, self.layers):
-                for slot, block_id, n in _runs(copies):
-                    for kv in range(2):
-                        gpu[kv, block_id : block_id + n].copy_(host[kv, slot : slot + n], non_blocking=True)
-            return
-        slots = torch.tensor([s for s, _ in copies])
-        pages = torch.tensor([b for _, b in copies])
-        for gpu, host in zip(kv_cache.layers, self.layers):
-            gpu[:, pages] = host[:, slots]
+        _copy(self.layers, kv_cache.layers, copies, self.is_cuda)
+
+
+def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor], copies: list[tuple[int, int]],
+          is_cuda: bool) -> None:
+    """(source index, target index) pairs along dim 1 of each layer's [2, pages or slots, ...] tensor. On CUDA, one
+    non-blocking copy per run of consecutive pairs and k/v half (a slot range is contiguous pinned memory: one
+    DMA each); on the CPU, one indexed copy per layer."""
+    if not copies:
+        return
+    if is_cuda:
+        runs = _runs(copies)
+        for source, target in zip(sources, targets):
+            for a, b, n in runs:
+                for kv in range(2):
+                    target[kv, b : b + n].copy_(source[kv, a : a + n], non_blocking=True)
+        return
+    index_from = torch.tensor([a for a, _ in copies])
+    index_to = torch.tensor([b for _, b in copies])
+    for source, target in zip(sources, targets):
+        target[:, index_to] = source[:, index_from]
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
