@@ -146,11 +146,32 @@ def test_stream_stop_sequence_reports_exact_string(http):
 
 
 def test_anthropic_version_required(http):
+    """Missing, malformed, impossible or earlier than 2023-06-01: 400 on both routes."""
     body = {"max_tokens": 2, "messages": Q}
-    for headers in ({"x-api-key": API_KEY}, {"x-api-key": API_KEY, "anthropic-version": "2026-10-21"}):
+    for headers in ({"x-api-key": API_KEY}, *({"x-api-key": API_KEY, "anthropic-version": v}
+                                               for v in ("2023-05-31", "2023-6-1", "latest", "2024-02-30", ""))):
         assert "anthropic-version" in _anthropic_error(_post(http, body, headers=headers), 400, "invalid_request_error")
         assert "anthropic-version" in _anthropic_error(_post(http, body, "/v1/messages/count_tokens", headers), 400,
                                                        "invalid_request_error")
+
+
+def test_later_anthropic_versions_are_served(http):
+    """Any later date of the same form is served with 2023-06-01 semantics (the SDKs send their own date)."""
+    body = {"max_tokens": 2, "messages": Q, "temperature": 0}
+    for version in ("2023-06-01", "2026-10-21", "2031-01-01"):
+        headers = {"x-api-key": API_KEY, "anthropic-version": version}
+        r = _post(http, body, headers=headers)
+        assert r.status_code == 200, (version, r.text)
+        assert r.json()["type"] == "message"
+        assert _post(http, body, "/v1/messages/count_tokens", headers).json()["input_tokens"] > 0
+
+
+def test_stock_sdk_without_extra_headers(server):
+    """The official SDK as a user runs it: its own anthropic-version, no default_headers."""
+    with anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0) as client:
+        msg = client.messages.create(model="x", max_tokens=3, messages=Q)
+        assert msg.type == "message" and msg.usage.output_tokens >= 1
+        assert client.messages.count_tokens(model="x", messages=Q).input_tokens > 0
 
 
 def test_x_api_key_and_bearer(server):

@@ -9,8 +9,10 @@ message_start / content_block_* / message_delta / message_stop events. Errors us
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import json
+import re
 import uuid
 from typing import Any
 
@@ -32,6 +34,7 @@ from helios.server.thinking_budget import reasoning_budget
 from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
 
 ANTHROPIC_VERSION = "2023-06-01"
+_VERSION_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 THINKING_MARKER = "flare-thinking-v1:"
 MAX_CACHE_HINTS = 4
 _REJECTED = ("logprobs", "top_logprobs", "return_tokens_as_token_ids", "logprob_token_ids", "prompt_logprobs")
@@ -358,10 +361,24 @@ def count_tokens(body: bytes, runtime: Runtime) -> dict:
 
 
 def check_version(headers: dict[str, str]) -> None:
+    """anthropic-version: 2023-06-01 or any later date of the same YYYY-MM-DD form (the official SDKs send their
+    own newer date); each is served with 2023-06-01 semantics. Missing, malformed or earlier: 400."""
     version = headers.get("anthropic-version")
-    if version != ANTHROPIC_VERSION:
-        got = "is missing" if version is None else f"{version!r} is not supported"
-        raise bad_request(f"the anthropic-version header {got}; use {ANTHROPIC_VERSION}")
+    if version is None:
+        raise bad_request(f"the anthropic-version header is missing; use {ANTHROPIC_VERSION} or later")
+    if not _is_supported_version(version.strip()):
+        raise bad_request(f"the anthropic-version header {version!r} is not supported; use {ANTHROPIC_VERSION} "
+                          "or a later YYYY-MM-DD date")
+
+
+def _is_supported_version(version: str) -> bool:
+    if not _VERSION_DATE.fullmatch(version):
+        return False
+    try:
+        date = datetime.date.fromisoformat(version)
+    except ValueError:  # 2024-02-30: the form, not a date
+        return False
+    return date >= datetime.date.fromisoformat(ANTHROPIC_VERSION)
 
 
 # --- output encoding ------------------------------------------------------------------------------------
