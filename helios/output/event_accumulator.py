@@ -1,26 +1,51 @@
-"""The ordered accumulator of semantic events: parser events -> ordered blocks (text, reasoning, tool calls).
+"""The ordered output accumulator: semantic events -> ordered blocks (text, reasoning, tool calls) + block events.
 
-Folds TextDelta / ReasoningDelta / ToolCall events into the same OutputBlock / BlockEvent vocabulary as
-helios.output.accumulator, so every encoder (Chat, Messages, Responses; buffered and SSE) reads one ordered
-output. A tool call is one block published whole (start, one delta with its arguments, stop); whitespace
-that would open a block alone (the newline between two envelopes) waits for text and is dropped when a call
-or the end comes first; the first ParseError is kept in `error` and ends accumulation. Pure Python.
+Folds TextDelta / ReasoningDelta / ToolCall events into OutputBlocks and the BlockEvents that announce them, so
+every encoder (Chat, Messages, Responses; buffered and SSE) reads one ordered output and the buffered and
+streamed forms never disagree. A tool call is one block published whole (start, one delta with its arguments,
+stop); on the parsed path, whitespace that would open a block alone (the newline between two envelopes) waits
+for text and is dropped when a call or the end comes first; the first ParseError is kept in `error` and ends
+accumulation. The text-only path (helios.output.accumulator.OutputAccumulator) is this accumulator fed answer
+text alone. Pure Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from helios.output.accumulator import BlockEvent, BlockKind, OutputBlock
+from typing import Literal
+
+from msgspec import Struct, field
+
 from helios.output.events import Event, ParseError, ReasoningDelta, TextDelta, ToolCall
 from helios.output.processor import TokenEntry
+
+BlockKind = Literal["text", "reasoning", "tool_call"]
+
+
+class OutputBlock(Struct, kw_only=True):
+    kind: BlockKind
+    text: str = ""  # answer or reasoning text; a tool call's JSON arguments
+    entries: list[TokenEntry] = field(default_factory=list)  # logprob entries whose first byte is in this block
+    name: str | None = None  # tool calls
+    call_id: str | None = None
+
+
+class BlockEvent(Struct, kw_only=True):
+    kind: Literal["start", "delta", "stop"]
+    index: int
+    block: OutputBlock
+    text: str = ""
+    entries: list[TokenEntry] = field(default_factory=list)
 
 
 class EventAccumulator:
     """add(events, entries) -> block events in order; close() ends the open block; `blocks` is the buffered view."""
 
-    def __init__(self) -> None:
+    def __init__(self, holds_blank: bool = True) -> None:
         self.blocks: list[OutputBlock] = []
+        # False: whitespace opens a text block like any text (the text-only path shows exactly what was generated)
+        self.holds_blank = holds_blank
         self.calls: dict[int, ToolCall] = {}  # block index -> the call (namespace, index) behind a tool block
         self.error: ParseError | None = None
         self._open: OutputBlock | None = None
@@ -61,8 +86,10 @@ class EventAccumulator:
                     continue
                 text = self._blank[1] + ev.text if self._blank and self._blank[0] == kind else ev.text
                 self._blank = None
-                if text.isspace() or not text:  # NOTE: a block never opens with whitespace alone
-                    self._blank = (kind, text) if text else None
+                if not text:
+                    continue
+                if text.isspace() and self.holds_blank:  # NOTE: a parsed block never opens with whitespace alone
+                    self._blank = (kind, text)
                     continue
                 self._delta(self._start(kind, out), text, out)
             elif isinstance(ev, ToolCall):

@@ -139,19 +139,22 @@ class OutputProcessor:
         if entry is not None:
             self._entries.append(entry)
         self._pairs.append([token_id, self._pair_text(token_id, piece), len(piece)])
+        released, matched = self._feed_stops(piece, delta)
+        if not matched:
+            self._release(len(released), delta)
+            delta.entries += self._release_entries(self._stops.num_released if self._stops.stops else None)
+
+    def _feed_stops(self, piece: str, delta: OutputDelta) -> tuple[str, bool]:
+        """Text through the stop matcher: (released text, whether a stop string ended the choice here)."""
         released, matched = self._stops.feed(piece)
         delta.text += released
-        if matched is not None:
-            self._finish(delta, "stop", matched)
-            self._cut(len(released), delta)
-            delta.entries += self._release_entries(self._stops.match_pos)
-            self._entries = []
-        elif not self._stops.stops:
-            self._release(len(released), delta)
-            delta.entries += self._release_entries(None)
-        else:
-            self._release(len(released), delta)
-            delta.entries += self._release_entries(self._stops.num_released)
+        if matched is None:
+            return released, False
+        self._finish(delta, "stop", matched)
+        self._cut(len(released), delta)
+        delta.entries += self._release_entries(self._stops.match_pos)
+        self._entries = []
+        return released, True
 
     def _finish(self, delta: OutputDelta, reason: str, stop_reason=None) -> None:
         self.finished = True
@@ -202,13 +205,8 @@ class OutputProcessor:
         tail = self._detok.flush()
         if tail:
             self._pairs.append([NO_TOKEN, tail, len(tail)])  # held bytes of earlier tokens, decoded at the end
-        released, matched = self._stops.feed(tail)
-        delta.text += released
-        if matched is not None:
-            self._finish(delta, "stop", matched)
-            self._cut(len(released), delta)
-            delta.entries += self._release_entries(self._stops.match_pos)
-            self._entries = []
+        released, matched = self._feed_stops(tail, delta)
+        if matched:
             return
         rest = self._stops.flush()
         delta.text += rest

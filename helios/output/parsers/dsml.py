@@ -9,30 +9,17 @@ output: later generated text is discarded. ｜ is U+FF5C.
 
 from __future__ import annotations
 
-from typing import Any
-
-from helios.output.parsers.base import BaseToolParser
+from helios.output.parsers.sections import SectionToolParser
 from helios.output.parsers.xml_invoke import InvokeMarkup
 
 BAR = "\uff5c"
 PREFIX = f"{BAR}DSML{BAR}"
 OPEN, CLOSE = f"<{PREFIX}function_calls>", f"</{PREFIX}function_calls>"
-_MARKUP = InvokeMarkup(PREFIX)
 
 
-class DsmlToolParser(BaseToolParser):
+class DsmlToolParser(SectionToolParser):
     name = "dsml"
-    text_markers = (OPEN,)
-    block_markers = (f"<{PREFIX}invoke", CLOSE)
-    call_close = _MARKUP.invoke_close
+    section_open, section_close = OPEN, CLOSE
+    call_open = f"<{PREFIX}invoke"
+    markup = InvokeMarkup(PREFIX)
     close_ends_output = True
-
-    def classify(self, buf: str, in_block: bool):
-        if not in_block:
-            return "block", len(OPEN), None
-        if buf.startswith(CLOSE):
-            return "close", len(CLOSE), None
-        return "call", 0, None
-
-    def parse_call(self, envelope: str) -> tuple[str, dict[str, Any]]:
-        return _MARKUP.parse(envelope, self.tools)

@@ -11,27 +11,19 @@ from typing import Any
 
 import msgspec
 
-from helios.output.parsers.base import BaseToolParser, CallError
+from helios.output.parsers.base import CallError
+from helios.output.parsers.sections import SectionToolParser
 
-OPEN, CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-CALL_OPEN, ARGS, CALL_CLOSE = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+ARGS = "<|tool_call_argument_begin|>"
 
 
-class KimiToolParser(BaseToolParser):
+class KimiToolParser(SectionToolParser):
     name = "kimi"
-    text_markers = (OPEN,)
-    block_markers = (CALL_OPEN, CLOSE)
-    call_close = CALL_CLOSE
+    section_open, section_close = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    call_open, call_close = "<|tool_call_begin|>", "<|tool_call_end|>"
+    wrapped = True
 
-    def classify(self, buf: str, in_block: bool):
-        if not in_block:
-            return "block", len(OPEN), None
-        if buf.startswith(CLOSE):
-            return "close", len(CLOSE), None
-        return "call", 0, None
-
-    def parse_call(self, envelope: str) -> tuple[str, dict[str, Any]]:
-        body = envelope[len(CALL_OPEN): len(envelope) - len(CALL_CLOSE)]
+    def parse_body(self, body: str) -> tuple[str, dict[str, Any]]:
         head, sep, raw = body.partition(ARGS)
         if not sep:
             raise CallError(f"missing {ARGS}")
