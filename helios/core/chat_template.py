@@ -174,6 +174,17 @@ class ChatTemplate:
         """Every undeclared variable the template reads (messages, tools, enable_thinking, ...)."""
         return frozenset(jinja2.meta.find_undeclared_variables(self._ast))
 
+    def reads_field(self, name: str) -> bool:
+        """Whether the template reads `name` off some value (`x.name` or `x['name']`): e.g. a tool message's
+        `is_error`, which few templates express; the frontend lowers differently for the others."""
+        for node in self._ast.find_all((jinja2.nodes.Getattr, jinja2.nodes.Getitem)):
+            if isinstance(node, jinja2.nodes.Getattr) and node.attr == name:
+                return True
+            if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) \
+                    and node.arg.value == name:
+                return True
+        return False
+
     @property
     def kwargs(self) -> list[str]:
         """The chat_template_kwargs the template reads: undeclared variables no render, special token or global

@@ -3,11 +3,16 @@
 Owns the neutral chat message type and the lowering rules of the spec's "Conversation and tool semantics":
 developer instructions merge with system text into one leading system message; a later system message
 becomes a user message wrapped in <system>...</system> when the template cannot render it inline.
-Rendering goes through helios.core.chat_template (sandboxed Jinja). No torch.
+Replayed tool calls reach the template with JSON-object arguments as objects (transformers' shape), a tool error
+as the template's own `is_error` field when it reads one, else as a visible "Error: " prefix; a leading
+Claude Code attribution line is dropped (see `drop_attribution`). Rendering goes through
+helios.core.chat_template (sandboxed Jinja). No torch.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 from msgspec import Struct
@@ -19,6 +24,10 @@ from helios.frontend.tokenizer import Tokenizer
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TEXT_BLOCK_SEPARATOR = "\n\n"  # text blocks of one message (Messages, Responses) join with blank lines
+ERROR_PREFIX = "Error: "  # a failed tool result's text, for templates without an error field of their own
+# Claude Code's first system block: "x-anthropic-billing-header: cc_version=...; cc_entrypoint=...;" (some versions
+# add a per-request "cch=..."). It is billing metadata for Anthropic's API, not an instruction to the model.
+_ATTRIBUTION = re.compile(r"x-anthropic-billing-header:[^\n]*(?:\n\n|\n|$)")
 
 
 def join_text_blocks(texts: list[str]) -> str:
@@ -40,6 +49,7 @@ class ChatMessage(Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
+    is_error: bool = False  # a tool result that reports a failure (Messages tool_result is_error)
 
 
 class ChatPrompt(Struct, frozen=True):
@@ -72,8 +82,40 @@ def order_tool_results(messages: list[ChatMessage]) -> list[ChatMessage]:
     return out
 
 
-def lower_messages(messages: list[ChatMessage], caps: TemplateCaps) -> list[dict[str, Any]]:
-    """Apply the system/developer rules and produce the template's plain message dicts."""
+def drop_attribution(text: str) -> str:
+    """System text without a leading Claude Code attribution line.
+
+    NOTE: the line opens the prompt, so a per-request hash in it (cch=...) would make every follow-up miss the
+    prefix cache on the whole conversation. It is dropped rather than moved after the reusable part: it tells the
+    model nothing, and any place in the prompt still breaks reuse of what follows it."""
+    match = _ATTRIBUTION.match(text)
+    return text[match.end():] if match else text
+
+
+def template_tool_calls(calls: list[dict]) -> list[dict]:
+    """Calls whose arguments text parses as a JSON object carry the object, as transformers-style templates
+    expect (they apply tojson: a string would be encoded twice); any other arguments stay as sent."""
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        arguments = fn.get("arguments") if isinstance(fn, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**fn, "arguments": parsed}}
+        out.append(call)
+    return out
+
+
+def lower_messages(messages: list[ChatMessage], caps: TemplateCaps,
+                   error_field: bool = False) -> list[dict[str, Any]]:
+    """Apply the system/developer rules and produce the template's plain message dicts. error_field: the
+    template reads a message's `is_error` (else a failed tool result's text gets ERROR_PREFIX)."""
+    if messages and messages[0].role == "system" and messages[0].content:
+        messages = [ChatMessage(role="system", content=drop_attribution(messages[0].content)), *messages[1:]]
     if any(m.role not in ROLES for m in messages):
         bad = next(m.role for m in messages if m.role not in ROLES)
         raise InvalidRequest(f"unsupported message role {bad!r}", "messages")
@@ -103,13 +145,18 @@ def lower_messages(messages: list[ChatMessage], caps: TemplateCaps) -> list[dict
             else:
                 out.append({"role": "user", "content": f"<system>{text}</system>"})
             continue
-        msg: dict[str, Any] = {"role": m.role, "content": m.content if m.content is not None else ""}
+        content = m.content if m.content is not None else ""
+        if m.is_error and not error_field:
+            content = ERROR_PREFIX + content
+        msg: dict[str, Any] = {"role": m.role, "content": content}
+        if m.is_error and error_field:
+            msg["is_error"] = True
         if m.reasoning is not None:
             msg["reasoning_content"] = m.reasoning
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_calls:
-            msg["tool_calls"] = m.tool_calls
+            msg["tool_calls"] = template_tool_calls(m.tool_calls)
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
@@ -123,6 +170,7 @@ class ChatRenderer:
         self.caps = caps
         self.tokenizer = tokenizer
         self._template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token) if source else None
+        self._error_field = self._template is not None and self._template.reads_field("is_error")
 
     @property
     def available(self) -> bool:
@@ -158,7 +206,7 @@ class ChatRenderer:
             raise InvalidRequest(f"chat_template_kwargs may not set {reserved[0]!r}", "chat_template_kwargs")
         try:
             text = self._template.render(
-                lower_messages(order_tool_results(messages), self.caps),
+                lower_messages(order_tool_results(messages), self.caps, self._error_field),
                 tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
