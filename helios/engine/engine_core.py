@@ -14,6 +14,7 @@ from typing import Protocol
 from msgspec import Struct
 
 from helios.engine.config import SchedulerConfig
+from helios.engine.constraint import ConstraintOwner
 from helios.engine.messages import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput
 from helios.engine.scheduler import QueueFull, Scheduler
 
@@ -59,11 +60,13 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
 
 
 class EngineCore:
-    def __init__(self, config: SchedulerConfig, runner: Runner, disk_records: Sequence[bytes] = ()) -> None:
-        """disk_records: the hashes of the host tier's record files found at start-up, least recently used first."""
+    def __init__(self, config: SchedulerConfig, runner: Runner, disk_records: Sequence[bytes] = (), *,
+                 constraints: ConstraintOwner | None = None) -> None:
+        """disk_records: the hashes of the host tier's record files found at start-up, least recently used first;
+        constraints: structured output's grammar owner (helios/engine/constraint.py)."""
         self.config = config
         self.runner = runner
-        self.scheduler = Scheduler(config)
+        self.scheduler = Scheduler(config, constraints)
         if self.scheduler.host_cache is not None:
             self.scheduler.host_cache.seed_disk(disk_records)
         self.error: str | None = None  # set by a runner failure that is not request-specific

@@ -10,8 +10,6 @@ from typing import Literal
 
 from msgspec import Struct
 
-from helios.engine.constraint import OutputConstraint
-
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -51,13 +49,27 @@ class ReasoningBudget(Struct, frozen=True, kw_only=True):
     tool_open_token_ids: tuple[int, ...] = ()
 
 
+class ConstraintSpec(Struct, frozen=True, kw_only=True):
+    """A request's output grammar (structured output) and the envelopes around it, resolved by the frontend.
+
+    The grammar constrains the final answer: while the prompt left output inside reasoning it waits for the
+    reasoning close token, and at the answer's first token a single-token tool opener (the tool-call envelope)
+    is allowed as well and releases the request from the grammar. Compiled by the engine's ConstraintOwner.
+    """
+
+    grammar: str  # llguidance's serialized grammar (LLMatcher.grammar_from_*), validated by the frontend
+    starts_in_reasoning: bool = False  # output opens inside reasoning: the grammar starts after close_token_id
+    close_token_id: int | None = None  # the prepared single-token reasoning close delimiter
+    tool_open_token_ids: tuple[int, ...] = ()  # single-token tool openers allowed in place of the answer
+
+
 class EngineRequest(Struct, frozen=True, kw_only=True):
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     reasoning_budget: ReasoningBudget | None = None
-    # structured output: the grammar the answer must follow (helios/engine/constraint.py); never shared
-    constraint: OutputConstraint | None = None
+    # structured output: the grammar the answer must follow (its state lives with the ConstraintOwner)
+    constraint: ConstraintSpec | None = None
     # NOTE: a request with prompt_logprobs must prefill from scratch (no prefix reuse).
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 
-from helios.engine.constraint import ConstraintState
 from helios.engine.messages import EngineRequest, FinishReason, PositionLogprobs, SamplingParams
 from helios.engine.reasoning_budget import ReasoningBudgetState
 
@@ -57,7 +56,7 @@ class Request:
         "num_preemptions",
         "is_decoding",
         "reasoning",
-        "constraint",
+        "has_constraint",
         "page_hashes",
         "num_published_pages",
         "num_cached_tokens",
@@ -83,7 +82,7 @@ class Request:
         self.is_decoding = False  # its next step feeds its last sampled token (a decode round); not after preemption
         budget = request.reasoning_budget
         self.reasoning = ReasoningBudgetState(budget) if budget is not None else None
-        self.constraint = ConstraintState(request.constraint) if request.constraint is not None else None
+        self.has_constraint = request.constraint is not None  # its grammar state lives with the ConstraintOwner
         # prefix cache (helios/engine/prefix_cache.py): the chained hashes of the first full pages of
         # all_token_ids, extended on demand (kept across preemption: they depend on the tokens alone)
         self.page_hashes: list[bytes] = []
@@ -129,16 +128,6 @@ class Request:
         self.all_token_ids.append(token_id)
         if self.reasoning is not None:
             self.reasoning.observe(token_id)
-        if self.constraint is not None:
-            self.constraint.observe(token_id)
-
-    def token_mask(self) -> bytes | None:
-        """The tokens the next sample may take under the request's output constraint; None: any."""
-        return self.constraint.token_mask() if self.constraint is not None else None
-
-    @property
-    def constraint_error(self) -> str | None:
-        return self.constraint.error if self.constraint is not None else None
 
     def finish(self, status: RequestStatus, *, stop_token: int | list[int] | None = None, error: str | None = None) -> None:
         assert status in _FINISH_REASONS, status

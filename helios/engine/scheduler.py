@@ -17,6 +17,7 @@ from msgspec.structs import replace
 
 from helios.engine.block_pool import BlockPool
 from helios.engine.config import SchedulerConfig
+from helios.engine.constraint import ConstraintOwner
 from helios.engine.host_cache import HostCache
 from helios.engine.messages import (
     EngineOutput,
@@ -36,8 +37,10 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, constraints: ConstraintOwner | None = None) -> None:
+        """constraints: the owner of structured output's grammar state (None: requests with one are refused)."""
         self.config = config
+        self.constraints = constraints
         is_host_cache = config.enable_prefix_caching and config.host_cache_pages > 0
         self.block_pool = BlockPool(config.num_pages, config.page_size, track_evictions=is_host_cache)
         self.host_cache = (HostCache(config.host_cache_pages, config.page_bytes, config.host_disk_pages)
@@ -92,6 +95,10 @@ class Scheduler:
             )
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"the model request queue is full ({self.config.max_waiting} waiting)")
+        if request.constraint is not None:
+            if self.constraints is None:
+                raise ValueError("structured output is not available on this engine (no constraint owner)")
+            self.constraints.open(request.req_id, request.constraint)
         req = Request(request)
         self.requests[req.req_id] = req
         self.waiting.append(req)
@@ -261,8 +268,10 @@ class Scheduler:
                     req.append_output_token(result.sampled_token_id)
                     if is_forced:
                         self.num_reasoning_budget_cuts += 1
-                    if req.constraint_error is not None:
-                        req.finish(RequestStatus.FINISHED_ERROR, error=req.constraint_error)
+                    constraint_error = (self.constraints.observe(req.req_id, result.sampled_token_id)
+                                        if req.has_constraint else None)
+                    if constraint_error is not None:
+                        req.finish(RequestStatus.FINISHED_ERROR, error=constraint_error)
                     else:
                         req.check_stop(self.config.max_model_len)
             elif req.sampling.max_tokens == 0 and req.is_prefill_done:
@@ -343,7 +352,8 @@ class Scheduler:
             want_prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens,
             # NOTE: a running request is never finished here, so the forced token fits the output limit
             forced_token_id=forced_token_id,
-            token_mask=req.token_mask() if sample and forced_token_id is None else None,
+            token_mask=(self.constraints.token_mask(req.req_id)
+                        if req.has_constraint and sample and forced_token_id is None else None),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -371,6 +381,8 @@ class Scheduler:
         self.block_pool.free(reversed(req.block_ids))  # tail first: the prefix cache keeps heads longer
         req.block_ids = []
         self._forget_in_runner(req)
+        if req.has_constraint:
+            self.constraints.close(req.req_id)
         del self.requests[req.req_id]
 
     def _forget_in_runner(self, req: Request) -> None:

@@ -5,8 +5,9 @@ InvalidRequest before admission):
 - Responses custom tools: a completed text is checked byte by byte against a Lark or regex grammar. Matching
   runs over a private 256-symbol byte vocabulary, so the verdict depends on the exact UTF-8 bytes, never on
   how a model tokenizer splits them.
-- structured output: a JSON schema, Lark or regex grammar compiled over the model's own vocabulary into a
-  matcher, whose token masks the engine applies while the answer is generated (helios/engine/constraint.py).
+- structured output: a JSON schema, Lark or regex grammar validated over the model's own vocabulary into
+  llguidance's serialized grammar (the ConstraintSpec's text); the constraint owner (frontend/constraints.py)
+  takes fresh matchers of it from here, compiled once per grammar text, and hands the engine token masks.
 No torch; llguidance is imported here only.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,6 +32,7 @@ MAX_GRAMMAR_SYMBOLS = 100_000  # llguidance max_grammar_size: symbols in all pro
 MAX_LEXER_FUEL = 1_000_000  # llguidance initial_lexer_fuel: regex analysis work at compile time (~20 ms)
 MAX_LEXER_STATES = 50_000  # llguidance max_lexer_states: ~1-2 kB each
 MAX_ERROR_CHARS = 400  # compiler messages quote the grammar; keep a refusal readable
+MAX_CACHED_GRAMMARS = 64  # compiled structured-output start states kept by grammar text (least recently used out)
 
 _EOS = 256  # the byte vocabulary's end symbol; never consumed
 
@@ -137,10 +140,11 @@ OutputSyntax = Literal["json_schema", "lark", "regex"]
 
 
 class OutputCompiler:
-    """Compiles structured-output grammars over a model vocabulary into fresh llguidance matchers.
+    """Validates structured-output grammars over a model vocabulary and hands out fresh llguidance matchers.
 
     The vocabulary (llguidance's LLTokenizer over the core's tokenizer.json, with the model's logit width
     and its end-of-generation ids: the grammar's end allows exactly those) is built on first use, once.
+    Compiled start states are cached by grammar text (validation compiles; the constraint owner then copies).
     """
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: list[int]):
@@ -149,6 +153,8 @@ class OutputCompiler:
         self._eos_token_ids = list(eos_token_ids)
         self._vocabulary: Any = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar text -> matcher at its start state
+        self._compiled_lock = threading.Lock()
 
     def _llg_tokenizer(self):
         with self._lock:
@@ -169,8 +175,24 @@ class OutputCompiler:
         except InvalidRequest:
             pass
 
-    def compile(self, syntax: OutputSyntax, definition: Any, param: str | None = None):
-        """A matcher at its start state for a JSON schema (a dict), Lark or regex definition."""
+    def matcher(self, grammar: str, what: str = "grammar", param: str | None = None):
+        """A fresh matcher (this caller's own) at the start state of a serialized grammar; InvalidRequest when
+        it does not compile under the bounds."""
+        with self._compiled_lock:
+            start = self._compiled.get(grammar)
+            if start is not None:
+                self._compiled.move_to_end(grammar)
+        if start is None:
+            start = _matcher(self._llg_tokenizer(), grammar, what, param)
+            with self._compiled_lock:
+                self._compiled[grammar] = start
+                while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+        return start.deep_copy()
+
+    def compile(self, syntax: OutputSyntax, definition: Any, param: str | None = None) -> str:
+        """llguidance's serialized grammar for a JSON schema (a dict), Lark or regex definition, validated over
+        the model's vocabulary (a compile error is an InvalidRequest naming `param`)."""
         import llguidance
 
         if syntax == "json_schema":
@@ -182,7 +204,10 @@ class OutputCompiler:
                 source = llguidance.LLMatcher.grammar_from_json_schema(definition, defaults=JSON_OPTIONS)
             except (TypeError, ValueError, RuntimeError) as e:
                 raise InvalidRequest(f"invalid JSON schema: {_first_line(str(e))[:MAX_ERROR_CHARS]}", param) from None
-            return _matcher(self._llg_tokenizer(), source, "JSON schema", param)
+            self.matcher(source, "JSON schema", param)
+            return source
         if syntax not in SYNTAXES:
             raise InvalidRequest(f"unsupported output grammar {syntax!r}", param)
-        return _matcher(self._llg_tokenizer(), _source(syntax, definition, param), f"{syntax} grammar", param)
+        source = _source(syntax, definition, param)
+        self.matcher(source, f"{syntax} grammar", param)
+        return source

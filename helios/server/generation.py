@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from helios.engine.constraint import OutputConstraint
-from helios.engine.messages import EngineRequest, PositionLogprobs, ReasoningBudget
+from helios.engine.messages import ConstraintSpec, EngineRequest, PositionLogprobs, ReasoningBudget
 from helios.engine.scheduler import QueueFull
 from helios.frontend.sampling import SamplingFields, resolve_sampling
 from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry, finite
@@ -224,7 +223,7 @@ def child_usage(child: Child | None, num_prompt: int, num_reasoning: int = 0) ->
 
 def make_child(runtime: Runtime, prefix: str, prompt_ids: list[int], fields: SamplingFields, max_tokens: int,
                skip_special_tokens: bool = True, reasoning_budget: ReasoningBudget | None = None,
-               constraint: OutputConstraint | None = None) -> Child:
+               constraint: ConstraintSpec | None = None) -> Child:
     """One choice (index 0) for the conversational protocols that have no n: sampling resolved, pipeline built."""
     sampling = resolve_sampling(fields, runtime.manifest, max_tokens)
     tok = runtime.tokenizer

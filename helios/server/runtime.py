@@ -126,8 +126,9 @@ class Runtime:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def build_engine(core, config: ServerConfig, serving: Serving):
-    """Runner + scheduler + engine thread for a loaded core (the torch side comes from helios.runner)."""
+def build_engine(core, config: ServerConfig, serving: Serving, constraints=None):
+    """Runner + scheduler + engine thread for a loaded core (the torch side comes from helios.runner);
+    constraints: structured output's grammar owner (helios/frontend/constraints.py)."""
     from helios.engine.async_engine import AsyncEngine
     from helios.engine.config import SchedulerConfig
     from helios.engine.engine_core import EngineCore
@@ -166,7 +167,7 @@ def build_engine(core, config: ServerConfig, serving: Serving):
         page_bytes=page_bytes,
     )
     disk_records = runner.disk_store.list_records() if runner.disk_store is not None else []
-    return AsyncEngine(EngineCore(scheduler, runner, disk_records))
+    return AsyncEngine(EngineCore(scheduler, runner, disk_records, constraints=constraints))
 
 
 def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:
@@ -174,6 +175,7 @@ def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:
     are checked on background threads while the engine builds (the weights upload, kernel load and graph
     capture): a mismatch fails the start-up before anything is served."""
     from helios.core.load import load_core, start_digest_check
+    from helios.frontend.constraints import GrammarConstraints
 
     t0 = time.perf_counter()
     core = load_core(Path(core_path), verify_digests=False)
@@ -181,18 +183,18 @@ def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:
     manifest = core.manifest
     tokenizer = Tokenizer.from_file(core.tokenizer_path, manifest.tokenizer, manifest.arch.vocab_size)
     serving = resolve_serving(manifest, config)
+    # the runtime first: its structured-output compiler validates grammars and feeds the engine's constraint owner
+    runtime = Runtime(manifest, tokenizer, core.template_source, None, config, serving)
     t1 = time.perf_counter()
-    engine = build_engine(core, config, serving)
-    t2 = time.perf_counter()
     try:
+        constraints = GrammarConstraints(runtime.output_grammars.matcher)
+        engine = runtime.engine = build_engine(core, config, serving, constraints)
+        t2 = time.perf_counter()
         digests_match()
     except Exception:
-        shutdown = getattr(engine, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        runtime.shutdown()
         raise
     t3 = time.perf_counter()
-    runtime = Runtime(manifest, tokenizer, core.template_source, engine, config, serving)
     runtime.timings["load"] = time.perf_counter() - t0
     # the runner's own split (weights to the device, kernel load, KV allocation, graph capture)
     st = engine.core.runner.startup

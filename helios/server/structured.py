@@ -3,8 +3,8 @@
 Owns the neutral OutputFormat each protocol lowers into (Chat and Completions response_format and the native
 structured_outputs extension, Responses text.format, Messages output_format), the spec's combination rules
 (no custom stops, ignore_eos or assistant continuation under an output constraint), the JSON-only
-instruction added to a conversation's system prompt, and the per-request OutputConstraint: a matcher
-compiled over the model's vocabulary, applied after reasoning and beside single-token tool openers.
+instruction added to a conversation's system prompt, and the per-request ConstraintSpec: a grammar validated
+over the model's vocabulary, applied after reasoning and beside single-token tool openers.
 No torch.
 """
 
@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from helios.engine.constraint import OutputConstraint
+from helios.engine.messages import ConstraintSpec
 from helios.frontend.chat import ChatMessage
 from helios.frontend.grammar import OutputSyntax
 from helios.frontend.sampling import InvalidRequest
@@ -193,22 +193,23 @@ def with_format_instruction(messages: list[ChatMessage], fmt: OutputFormat | Non
     return [ChatMessage(role="system", content=text), *messages]
 
 
-def compile_format(runtime: Runtime, fmt: OutputFormat):
-    """The compiled matcher at its start state (compile once; each child takes a deep copy)."""
+def compile_format(runtime: Runtime, fmt: OutputFormat) -> str:
+    """The format's serialized llguidance grammar, validated over the model's vocabulary (once per request; the
+    engine's constraint owner compiles each child's own state from it, cached by text)."""
     return runtime.output_grammars.compile(fmt.syntax, fmt.definition, fmt.definition_param or fmt.param)
 
 
-def output_constraint(runtime: Runtime, matcher, prompt_ids: list[int] | None, plan: ToolPlan | None,
-                      conversational: bool = True) -> OutputConstraint:
-    """One child's constraint: its own matcher copy; on a conversation, the grammar starts after reasoning
-    (when this prompt leaves output inside it) and a single-token tool opener may take the answer's place."""
+def output_constraint(runtime: Runtime, grammar: str, prompt_ids: list[int] | None, plan: ToolPlan | None,
+                      conversational: bool = True) -> ConstraintSpec:
+    """One child's constraint: on a conversation, the grammar starts after reasoning (when this prompt leaves
+    output inside it) and a single-token tool opener may take the answer's place."""
     if not conversational:
-        return OutputConstraint(matcher=matcher.deep_copy())
+        return ConstraintSpec(grammar=grammar)
     syntax = runtime.manifest.template.reasoning
     starts = (syntax is not None and syntax.close_token_id is not None and prompt_ids is not None
               and output_starts_in_reasoning(syntax, prompt_ids))
-    return OutputConstraint(
-        matcher=matcher.deep_copy(),
+    return ConstraintSpec(
+        grammar=grammar,
         starts_in_reasoning=starts,
         close_token_id=syntax.close_token_id if starts else None,
         tool_open_token_ids=tool_open_token_ids(runtime, plan),

@@ -180,12 +180,13 @@ def _record(token_id: int, position: int) -> PositionLogprobs:
     return PositionLogprobs(token=TokenLogprob(token_id, -0.01 * position, 1), alternatives=[])
 
 
-def make_core(script=None, fail=None, disk=None, **config) -> tuple[EngineCore, FakeRunner]:
-    """disk: the disk tier's records (hash -> token ids) a restarted server would find, least recently used first."""
+def make_core(script=None, fail=None, disk=None, constraints=None, **config) -> tuple[EngineCore, FakeRunner]:
+    """disk: the disk tier's records (hash -> token ids) a restarted server would find, least recently used first;
+    constraints: structured output's grammar owner (helios.engine.constraint.ConstraintOwner)."""
     defaults = dict(max_concurrency=4, max_num_batched_tokens=64, prefill_chunk_size=16, page_size=4, num_pages=64)
     cfg = SchedulerConfig(**{**defaults, **config})
     runner = FakeRunner(cfg.page_size, script=script, fail=fail, disk=disk)
-    return EngineCore(cfg, runner, list(runner.disk)), runner
+    return EngineCore(cfg, runner, list(runner.disk), constraints=constraints), runner
 
 
 def request(req_id: str, prompt_len: int = 8, seed: int = 0, reasoning_budget=None, constraint=None,

@@ -1,12 +1,14 @@
-"""Structured output in the engine (fake runner that draws inside the mask, real llguidance matchers): the
-grammar's tokens and nothing else, only after reasoning, a tool opener in the answer's place, preemption."""
+"""Structured output in the engine (fake runner that draws inside the mask, real llguidance matchers held by the
+frontend's constraint owner): the grammar's tokens and nothing else, only after reasoning, a tool opener in the
+answer's place, preemption, and the owner's state freed when a request ends."""
 
 from __future__ import annotations
 
 import llguidance
 import pytest
 
-from helios.engine.constraint import ConstraintState, OutputConstraint
+from helios.engine.messages import ConstraintSpec
+from helios.frontend.constraints import ConstraintState, GrammarConstraints
 from tests.engine.fakes import VOCAB, allowed, make_core, reference_tokens, request, run_until_idle
 
 EOS = 2
@@ -31,14 +33,20 @@ class _Vocabulary:
 _TOKENIZER = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary()), n_vocab=VOCAB, eos_token=EOS)
 
 
-def matcher(lark: str):
-    m = llguidance.LLMatcher(_TOKENIZER, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+def matcher(grammar: str):
+    m = llguidance.LLMatcher(_TOKENIZER, grammar, log_level=0)
     assert not m.is_error(), m.get_error()
     return m
 
 
-def constraint(lark: str = 'start: "ab" "c"', **kw) -> OutputConstraint:
-    return OutputConstraint(matcher=matcher(lark), **kw)
+def constraint(lark: str = 'start: "ab" "c"', **kw) -> ConstraintSpec:
+    return ConstraintSpec(grammar=llguidance.LLMatcher.grammar_from_lark(lark), **kw)
+
+
+def make_constrained_core(**kw):
+    owner = GrammarConstraints(matcher)
+    core, runner = make_core(constraints=owner, **kw)
+    return core, runner, owner
 
 
 def text(tokens: list[int]) -> bytes:
@@ -46,10 +54,12 @@ def text(tokens: list[int]) -> bytes:
 
 
 def run_one(req, script=None, ignore_masks=False, **config):
-    core, runner = make_core(script={req.req_id: script} if script else None, **config)
+    core, runner, owner = make_constrained_core(script={req.req_id: script} if script else None, **config)
     runner.ignore_masks = ignore_masks
     core.add_request(req)
-    return run_until_idle(core), runner
+    got = run_until_idle(core)
+    assert len(owner) == 0  # the finished request's grammar state is freed
+    return got, runner
 
 
 def masked_plans(runner) -> list[bool]:
@@ -66,7 +76,7 @@ def test_the_output_is_the_grammar_then_eos():
 
 def test_an_unconstrained_request_in_the_batch_is_untouched():
     plain = request("p", max_tokens=6, seed=1)
-    core, runner = make_core()
+    core, runner, _ = make_constrained_core()
     core.add_request(plain)
     core.add_request(request("a", max_tokens=16, eos_token_ids=(EOS,), constraint=constraint()))
     got = run_until_idle(core)
@@ -93,7 +103,8 @@ def test_a_tool_opener_takes_the_answers_place_and_releases_the_grammar():
 
 
 def test_the_tool_opener_is_allowed_only_at_the_answers_start():
-    state = ConstraintState(constraint(tool_open_token_ids=(TOOL,)))
+    spec = constraint(tool_open_token_ids=(TOOL,))
+    state = ConstraintState(spec, matcher(spec.grammar))
     first = state.token_mask()
     assert allowed(first, TOOL) and allowed(first, BYTE0 + ord("a")) and not allowed(first, BYTE0 + ord("b"))
     state.observe(BYTE0 + ord("a"))
@@ -115,7 +126,7 @@ def test_preemption_keeps_the_grammar_state(num_pages):
     lark = 'start: "x"{12} "!"'
     reqs = [request(f"r{i}", prompt_len=8, seed=i, max_tokens=20, eos_token_ids=(EOS,),
                     constraint=constraint(lark)) for i in range(2)]
-    core, _ = make_core(num_pages=num_pages, page_size=4, max_concurrency=2)
+    core, _, owner = make_constrained_core(num_pages=num_pages, page_size=4, max_concurrency=2)
     for r in reqs:
         core.add_request(r)
     got = run_until_idle(core)
@@ -123,3 +134,30 @@ def test_preemption_keeps_the_grammar_state(num_pages):
         assert text(got.tokens[r.req_id]) == b"x" * 12 + b"!" and got.tokens[r.req_id][-1] == EOS
     if num_pages == 6:
         assert core.scheduler.num_preemptions > 0
+
+
+def test_an_abort_frees_the_grammar_state():
+    core, _, owner = make_constrained_core()
+    core.add_request(request("a", max_tokens=16, eos_token_ids=(EOS,), constraint=constraint()))
+    core.add_request(request("w", max_tokens=16, eos_token_ids=(EOS,), constraint=constraint()))
+    core.step()
+    assert len(owner) == 2
+    assert core.abort("a").finish_reason == "abort" and core.abort("w").finish_reason == "abort"
+    assert len(owner) == 0
+
+
+def test_a_grammar_the_owner_cannot_compile_is_refused_at_admission():
+    def refuse(grammar):
+        from helios.frontend.sampling import InvalidRequest
+        raise InvalidRequest("invalid lark grammar: no start rule")
+
+    core, _ = make_core(constraints=GrammarConstraints(refuse))
+    with pytest.raises(ValueError, match="invalid lark grammar: no start rule"):
+        core.add_request(request("a", constraint=constraint()))
+    assert not core.has_unfinished_requests()
+
+
+def test_an_engine_without_an_owner_refuses_a_constraint():
+    core, _ = make_core()
+    with pytest.raises(ValueError, match="structured output is not available"):
+        core.add_request(request("a", constraint=constraint()))

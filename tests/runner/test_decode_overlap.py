@@ -42,6 +42,16 @@ def graphed_runner(core, decode_overlap: bool) -> ModelRunner:
     return runner
 
 
+def grammar_owner(core):
+    """Structured output's constraint owner over the core's vocabulary, and its compiler (one per core)."""
+    from helios.frontend.constraints import GrammarConstraints
+    from helios.frontend.grammar import OutputCompiler
+
+    compiler = OutputCompiler(lambda: core.tokenizer_path.read_text(), core.manifest.arch.vocab_size,
+                              core.manifest.tokenizer.eos_token_ids)
+    return GrammarConstraints(compiler.matcher), compiler
+
+
 def drive(core, decode_overlap: bool, requests: list[EngineRequest], events=None) -> tuple[dict, ModelRunner]:
     """Step an engine until it is idle; events: {step: [EngineRequest to add, or a req_id to abort]}.
     Returns {req_id: (token ids, finish reason, logprobs)} and the runner."""
@@ -49,7 +59,7 @@ def drive(core, decode_overlap: bool, requests: list[EngineRequest], events=None
     runner = graphed_runner(core, decode_overlap)
     config = SchedulerConfig(max_concurrency=4, max_num_batched_tokens=64, prefill_chunk_size=64,
                              page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_model_len=MAX_MODEL_LEN)
-    engine = EngineCore(config, runner)
+    engine = EngineCore(config, runner, constraints=grammar_owner(core)[0])
     outs: dict[str, list] = {}
     for r in requests:
         engine.add_request(r)
@@ -193,7 +203,7 @@ def test_identical_outputs_with_real_graphs(core):
                              max_model_len=512, decode_overlap=decode_overlap)
         config = SchedulerConfig(max_concurrency=8, max_num_batched_tokens=512, prefill_chunk_size=512,
                                  page_size=16, num_pages=128, max_model_len=512)
-        return EngineCore(config, runner)
+        return EngineCore(config, runner, constraints=grammar_owner(core)[0])
 
     requests = [req(f"g{i}", 4 + 5 * i, 20 + 7 * i, prompt_seed=i) for i in range(4)]
     requests += [req("s", 9, 40, prompt_seed=9, temperature=0.8, top_p=0.95, seed=5),
@@ -212,15 +222,14 @@ def test_identical_outputs_with_real_graphs(core):
 
 
 def constrained(core, req_id: str, n: int, regex: str, prompt_seed: int = 0, **sampling) -> EngineRequest:
-    """A request whose output must match `regex` (structured output), with a fresh matcher; ends at EOS."""
-    from helios.engine.constraint import OutputConstraint
-    from helios.frontend.grammar import OutputCompiler
+    """A request whose output must match `regex` (structured output); ends at EOS."""
+    from helios.engine.messages import ConstraintSpec
 
     eos = core.manifest.tokenizer.eos_token_ids
-    compiler = OutputCompiler(lambda: core.tokenizer_path.read_text(), core.manifest.arch.vocab_size, eos)
+    compiler = grammar_owner(core)[1]
     params = SamplingParams(**{"temperature": 0.0, "max_tokens": 24, "eos_token_ids": tuple(eos), **sampling})
     return EngineRequest(req_id=req_id, prompt_token_ids=prompt(n, seed=prompt_seed), sampling=params,
-                         constraint=OutputConstraint(matcher=compiler.compile("regex", regex)))
+                         constraint=ConstraintSpec(grammar=compiler.compile("regex", regex)))
 
 
 def constrained_batch(core) -> list[EngineRequest]:
