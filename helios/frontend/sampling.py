@@ -36,8 +36,9 @@ class InvalidRequest(Exception):
         self.code = code
 
 
-class SamplingFields(Struct, kw_only=True):
-    """Neutral sampling request, as a protocol decoded it: None means the client omitted the field."""
+class SamplingRequest(Struct, kw_only=True):
+    """The sampling and token-stop fields every generating protocol's request body carries under the same names;
+    the protocol request Structs inherit them (None: the client omitted the field)."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -47,31 +48,37 @@ class SamplingFields(Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
+    stop_token_ids: list[int] | None = None
+    stop_token_sequences: list[list[int]] | None = None
+    ignore_eos: bool = False
+
+
+class SamplingFields(SamplingRequest, kw_only=True):
+    """Neutral sampling request, as a protocol decoded it: the shared fields plus the protocol-specific ones."""
+
     max_tokens: int | None = None
     stop: list[str] = []
-    stop_token_ids: list[int] = []
-    stop_token_sequences: list[list[int]] = []
-    ignore_eos: bool = False
     logprobs: int | None = None  # generation logprobs: None off, N natural alternatives
     logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> added to its logit for the draw
 
+    @property
+    def has_stops(self) -> bool:
+        """Custom stops of any kind (strings, token ids, token sequences)."""
+        return bool(self.stop or self.stop_token_ids or self.stop_token_sequences)
 
-_SHARED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed")
+
+def sampling_fields(req: SamplingRequest, *, stop: list[str], **extra) -> SamplingFields:
+    """SamplingFields from any protocol request (a SamplingRequest); `stop` and the protocol-specific logprob
+    fields come from the caller."""
+    shared = {name: getattr(req, name) for name in SamplingRequest.__struct_fields__}
+    return SamplingFields(**shared, stop=stop, **extra)
 
 
-def sampling_fields(req, *, stop: list[str], **extra) -> SamplingFields:
-    """SamplingFields from any protocol request that carries the shared sampling and token-stop fields;
-    `stop` and the protocol-specific logprob fields come from the caller."""
-    return SamplingFields(
-        **{name: getattr(req, name) for name in _SHARED},
-        stop=stop,
-        stop_token_ids=list(req.stop_token_ids or []),
-        stop_token_sequences=list(req.stop_token_sequences or []),
-        ignore_eos=req.ignore_eos,
-        **extra,
-    )
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """The OpenAI routes' stop: one string, a list of strings, or none."""
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 def _clamp(value: float, rng: Range | None, default: float, name: str) -> float:
@@ -90,11 +97,12 @@ def _check_stops(fields: SamplingFields, vocab_size: int) -> tuple[tuple[int, ..
         raise InvalidRequest("stop strings must be nonempty", "stop")
     if sum(len(s.encode()) for s in stops) > MAX_STOP_BYTES:
         raise InvalidRequest(f"stop strings may total at most {MAX_STOP_BYTES} UTF-8 bytes", "stop")
-    sequences = [[t] for t in fields.stop_token_ids] + list(fields.stop_token_sequences)
+    token_ids, token_sequences = list(fields.stop_token_ids or []), list(fields.stop_token_sequences or [])
+    sequences = [[t] for t in token_ids] + token_sequences
     if len(sequences) > MAX_STOP_TOKEN_SEQUENCES:
         raise InvalidRequest(
             f"stop_token_ids and stop_token_sequences accept at most {MAX_STOP_TOKEN_SEQUENCES} sequences in all",
-            "stop_token_ids" if fields.stop_token_ids else "stop_token_sequences",
+            "stop_token_ids" if token_ids else "stop_token_sequences",
         )
     for seq in sequences:
         if not seq or len(seq) > MAX_STOP_SEQUENCE_LEN:
@@ -105,7 +113,7 @@ def _check_stops(fields: SamplingFields, vocab_size: int) -> tuple[tuple[int, ..
             raise InvalidRequest(f"stop token ids must be in [0, {vocab_size})", "stop_token_ids")
     if stops and sequences:
         raise InvalidRequest("string stops cannot be combined with token stops", "stop")
-    return tuple(fields.stop_token_ids), tuple(tuple(s) for s in fields.stop_token_sequences)
+    return tuple(token_ids), tuple(tuple(s) for s in token_sequences)
 
 
 def _check_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -171,7 +179,8 @@ def _check_logprobs(fields: SamplingFields, manifest: Manifest) -> tuple[int, ..
 
 
 def resolve_max_tokens(
-    requested: int | None, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int, allow_zero: bool
+    requested: int | None, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int, allow_zero: bool,
+    param: str = "max_tokens",
 ) -> int:
     """The output budget: explicit or default, bounded by the remaining context (400 when it cannot fit)."""
     remaining = max_model_len - num_prompt_tokens
@@ -183,12 +192,12 @@ def resolve_max_tokens(
     if requested is None:
         return min(default_max_tokens, remaining)
     if requested < 0 or (requested == 0 and not allow_zero):
-        raise InvalidRequest("max_tokens must be a positive integer", "max_tokens")
+        raise InvalidRequest(f"{param} must be a positive integer", param)
     if requested > remaining:
         raise InvalidRequest(
             f"this model's maximum context length is {max_model_len} tokens; the prompt has {num_prompt_tokens} "
             f"and {requested} output tokens were requested",
-            "max_tokens",
+            param,
         )
     return requested
 

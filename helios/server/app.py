@@ -13,8 +13,10 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -117,52 +119,17 @@ class HeliosApp:
                     pass
 
     async def _route(self, request: Request, extra: list) -> None:
-        path, method = request.path, request.method
-        if path == "/health":
-            return await self._only(request, "GET", self._health)
-        if path == "/metrics":
-            return await self._only(request, "GET", self._metrics)
-        if path == "/v1/models" or path.startswith("/v1/models/"):
-            self._authenticate(request)
-            name = path[len("/v1/models/"):] if path.startswith("/v1/models/") else None
-            return await self._only(request, "GET", lambda r: self._models(r, name))
-        if path in ("/v1/chat/completions", "/v1/completions"):
-            self._authenticate(request)
-            if method != "POST":
-                raise errors.method_not_allowed(method, path)
-            return await self._generate(request, chat=path == "/v1/chat/completions", extra=extra)
-        if path in ("/v1/messages", "/v1/messages/count_tokens"):
-            self._authenticate(request, anthropic=True)
-            if method != "POST":
-                raise errors.method_not_allowed(method, path)
+        path = request.path
+        route = ROUTES.get(MODEL_PREFIX if path.startswith(MODEL_PREFIX) else path)
+        if route is None:
+            raise errors.not_found(path)
+        if route.auth is not None:
+            self._authenticate(request, anthropic=route.auth == "anthropic")
+        if request.method != route.method:
+            raise errors.method_not_allowed(request.method, path)
+        if route.auth == "anthropic":
             anthropic_messages.check_version(request.headers)
-            if path == "/v1/messages":
-                return await self._generate_conversation(request, anthropic_messages, extra)
-            body = await self._read_json_body(request)
-            return await request.respond_json(200, await self.runtime.run_blocking(
-                anthropic_messages.count_tokens, body, self.runtime))
-        if path == "/v1/responses":
-            self._authenticate(request)
-            if method != "POST":
-                raise errors.method_not_allowed(method, path)
-            return await self._generate_conversation(request, openai_responses, extra)
-        if path in ("/v1/systemone", "/v1/decisions"):
-            self._authenticate(request)
-            if method != "POST":
-                raise errors.method_not_allowed(method, path)
-            return await self._decide(request, path == "/v1/decisions", extra)
-        if path == "/api/tags":
-            self._authenticate(request)
-            return await self._only(request, "GET", lambda r: r.respond_json(200, ollama.tags(self.runtime)))
-        if path == "/api/show":
-            self._authenticate(request)
-            return await self._only(request, "POST", self._ollama_show)
-        raise errors.not_found(path)
-
-    async def _only(self, request: Request, method: str, handler) -> None:
-        if request.method != method:
-            raise errors.method_not_allowed(request.method, request.path)
-        await handler(request)
+        await route.handle(self, request, extra)
 
     def _authenticate(self, request: Request, anthropic: bool = False) -> None:
         """Bearer KEY; Anthropic routes also take x-api-key: KEY, and when both come both must match."""
@@ -241,38 +208,31 @@ class HeliosApp:
         request_id = incoming if _REQUEST_ID.match(incoming) else uuid.uuid4().hex
         extra.append((b"x-request-id", request_id.encode()))
 
-    async def _generate(self, request: Request, chat: bool, extra: list) -> None:
+    async def _generate(self, request: Request, protocol, extra: list) -> None:
+        """Every generating route: decode -> prepare on the frontend pool -> admission (a slot per choice) ->
+        submit -> the protocol's buffered or SSE encoding. `protocol` has prepare, buffered and stream_events."""
         rt = self.runtime
         self._count_request(request, extra)
         body = await self._read_json_body(request)
-        if chat:
-            req, children, prompt_ids = await rt.run_blocking(openai_chat.prepare, body, rt)
-            stream = req.stream
-        else:
-            prep = await rt.run_blocking(openai_completions.prepare, body, rt)
-            children, stream = prep.children, prep.req.stream
-        num_slots = max(1, len(children))
+        prep = await rt.run_blocking(protocol.prepare, body, rt)
+        num_slots = max(1, len(prep.children))
         rt.admission.acquire(num_slots)
         try:
-            gen = Generation(rt, children) if children else None
-            if gen is not None:
-                await gen.submit()
-            if stream:
-                if chat:
-                    events = openai_chat.stream_events(rt, req, gen, len(prompt_ids))
-                else:
-                    events = openai_completions.stream_events(rt, prep, gen)
+            gen = Generation(rt, prep.children)
+            await gen.submit()
+            if prep.stream:
+                events = protocol.stream_events(rt, prep, gen)
                 await run_until_disconnect(request, request.stream_sse(events, extra))
                 return
-            if gen is not None:
-                await run_until_disconnect(request, gen.run())
-            if chat:
-                result = openai_chat.response(rt, req, children, len(prompt_ids))
-            else:
-                result = openai_completions.response(rt, prep)
+            result = await run_until_disconnect(request, protocol.buffered(rt, prep, gen))
             await request.respond_json(200, result, extra)
         finally:
             rt.admission.release(num_slots)
+
+    async def _count_tokens(self, request: Request) -> None:
+        body = await self._read_json_body(request)
+        await request.respond_json(200, await self.runtime.run_blocking(anthropic_messages.count_tokens, body,
+                                                                        self.runtime))
 
     async def _ollama_show(self, request: Request) -> None:
         try:
@@ -282,40 +242,47 @@ class HeliosApp:
             raise
         await request.respond_json(200, ollama.show(self.runtime, body, request.headers.get("content-encoding")))
 
-    async def _generate_conversation(self, request: Request, protocol, extra: list) -> None:
-        """Messages and Responses: one choice; `protocol` has prepare, stream_events and buffered."""
-        rt = self.runtime
-        self._count_request(request, extra)
-        body = await self._read_json_body(request)
-        prep = await rt.run_blocking(protocol.prepare, body, rt)
-        rt.admission.acquire(1)
-        try:
-            gen = Generation(rt, [prep.child])
-            await gen.submit()
-            if prep.stream:
-                events = protocol.stream_events(rt, prep, gen)
-                await run_until_disconnect(request, request.stream_sse(events, extra))
-                return
-            result = await run_until_disconnect(request, protocol.buffered(rt, prep, gen))
-            await request.respond_json(200, result, extra)
-        finally:
-            rt.admission.release(1)
-
-    async def _decide(self, request: Request, is_decisions: bool, extra: list) -> None:
+    async def _decide(self, request: Request, protocol, extra: list) -> None:
         """System One and Decisions: questions scored one after another, under one admission slot."""
         rt = self.runtime
-        protocol = decisions if is_decisions else systemone
         self._count_request(request, extra)
         protocol.check_transport(request.headers)
         body = await self._read_json_body(request)
-        prepare = decisions.prepare_decisions if is_decisions else systemone.prepare_systemone
-        prep = await rt.run_blocking(prepare, body, rt)
+        prep = await rt.run_blocking(protocol.prepare, body, rt)
         rt.admission.acquire(1)
         try:
             result = await run_until_disconnect(request, protocol.execute(rt, prep))
             await request.respond_json(200, result, extra)
         finally:
             rt.admission.release(1)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One path: its method, how it authenticates (None: open; "anthropic": x-api-key too, plus the
+    anthropic-version check) and its handler (app, request, extra headers)."""
+
+    method: str
+    auth: Literal["bearer", "anthropic"] | None
+    handle: Callable[[HeliosApp, Request, list], Awaitable[None]]
+
+
+MODEL_PREFIX = "/v1/models/"
+ROUTES: dict[str, Route] = {
+    "/health": Route("GET", None, lambda app, r, x: app._health(r)),
+    "/metrics": Route("GET", None, lambda app, r, x: app._metrics(r)),
+    "/v1/models": Route("GET", "bearer", lambda app, r, x: app._models(r, None)),
+    MODEL_PREFIX: Route("GET", "bearer", lambda app, r, x: app._models(r, r.path[len(MODEL_PREFIX):])),
+    "/v1/chat/completions": Route("POST", "bearer", lambda app, r, x: app._generate(r, openai_chat, x)),
+    "/v1/completions": Route("POST", "bearer", lambda app, r, x: app._generate(r, openai_completions, x)),
+    "/v1/messages": Route("POST", "anthropic", lambda app, r, x: app._generate(r, anthropic_messages, x)),
+    "/v1/messages/count_tokens": Route("POST", "anthropic", lambda app, r, x: app._count_tokens(r)),
+    "/v1/responses": Route("POST", "bearer", lambda app, r, x: app._generate(r, openai_responses, x)),
+    "/v1/systemone": Route("POST", "bearer", lambda app, r, x: app._decide(r, systemone, x)),
+    "/v1/decisions": Route("POST", "bearer", lambda app, r, x: app._decide(r, decisions, x)),
+    "/api/tags": Route("GET", "bearer", lambda app, r, x: r.respond_json(200, ollama.tags(app.runtime))),
+    "/api/show": Route("POST", "bearer", lambda app, r, x: app._ollama_show(r)),
+}
 
 
 def create_app() -> HeliosApp:

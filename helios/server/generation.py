@@ -14,14 +14,15 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from helios.engine.messages import ConstraintSpec, EngineRequest, PositionLogprobs, ReasoningBudget
+from helios.engine.messages import EngineRequest, PositionLogprobs
 from helios.engine.scheduler import QueueFull
-from helios.frontend.sampling import SamplingFields, resolve_sampling
+from helios.frontend.context import ModelContext
+from helios.frontend.prepare import Choice
+from helios.output.choice import ChoiceOutput, OutputSpec
 from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry, finite
 from helios.output.termination import Cause, termination_cause
 from helios.server.errors import ApiError, bad_request, server_error, unavailable
 from helios.server.runtime import Runtime
-from helios.server.thinking_budget import check_thinking_token_budget  # noqa: F401 (the protocols' import)
 
 
 @dataclass
@@ -39,9 +40,13 @@ class Child:
     error: str | None = None
     has_started: bool = False  # the first generated token arrived
     tokens: list[tuple[int, str]] = field(default_factory=list)  # (token_id, text) pairs for the output parsers
-    output_spec: object = None  # helios.server.tools.OutputSpec: how this choice's output is parsed (None: text)
+    output_spec: OutputSpec | None = None  # how this choice's output is parsed (None: text)
     token_ids: list[int] = field(default_factory=list)  # every generated id, hidden stop tokens included
     token_times: list[float] = field(default_factory=list)  # per id: seconds from admission to its arrival here
+
+    @classmethod
+    def of(cls, choice: Choice) -> Child:
+        return cls(choice.index, choice.request, choice.processor, output_spec=choice.output_spec)
 
     @property
     def req_id(self) -> str:
@@ -66,6 +71,12 @@ def failure(child: Child) -> ApiError | None:
     if child.finish_reason == "abort":
         return unavailable("the request was aborted (the runtime is shutting down)")
     return None
+
+
+def output_failure(out: ChoiceOutput) -> ApiError | None:
+    """Output that broke tool_choice or could not be parsed: HTTP 500 buffered, a terminal event streamed."""
+    message = out.failure_message()
+    return server_error(message) if message is not None else None
 
 
 class Generation:
@@ -151,13 +162,24 @@ class Generation:
         return self.children
 
 
-def token_string(runtime: Runtime, token_id: int, as_ids: bool) -> str:
-    return f"token_id:{token_id}" if as_ids else runtime.tokenizer.token_text(token_id)
+async def parsed_output(gen: Generation, child: Child) -> ChoiceOutput:
+    """Buffered, one choice: every delta through its parsers; a failed choice or output raises its ApiError."""
+    out = ChoiceOutput(child.output_spec)
+    async for _, delta in gen.deltas():
+        out.add(delta)
+    if (err := failure(child) or output_failure(out)) is not None:
+        raise err
+    out.close()
+    return out
 
 
-def encode_prompt_logprobs(runtime: Runtime, records: list[PositionLogprobs], k: int) -> list[dict | None]:
+def token_string(ctx: ModelContext, token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else ctx.tokenizer.token_text(token_id)
+
+
+def encode_prompt_logprobs(ctx: ModelContext, records: list[PositionLogprobs], k: int) -> list[dict | None]:
     """[null, {id: {logprob, rank, decoded_token}}, ...]: the actual token plus up to k alternatives."""
-    tok = runtime.tokenizer
+    tok = ctx.tokenizer
     out: list[dict | None] = [None]
     for rec in records:
         entry = {}
@@ -206,6 +228,15 @@ def finish_reason(child: Child, protocol: str, num_tool_calls: int = 0) -> str:
     return FINISH_REASONS[protocol].get(c, FINISH_REASONS[protocol]["eos"])
 
 
+def reported_stop_reason(child: Child) -> str | int | None:
+    """What stopped a choice, as the OpenAI routes report it: the stop string, or the stop token id (None for
+    EOS, for a token sequence and for any other finish)."""
+    reason = child.stop_reason
+    if child.finish_reason != "stop" or isinstance(reason, list) or reason in child.request.sampling.eos_token_ids:
+        return None
+    return reason
+
+
 class TokenUsage(msgspec.Struct, frozen=True):
     """Native counts every protocol encodes: prompt (cached included), cached, generated, reasoning."""
 
@@ -221,34 +252,15 @@ def child_usage(child: Child | None, num_prompt: int, num_reasoning: int = 0) ->
     return TokenUsage(num_prompt, child.processor.num_cached_tokens, child.processor.num_generated, num_reasoning)
 
 
-def make_child(runtime: Runtime, prefix: str, prompt_ids: list[int], fields: SamplingFields, max_tokens: int,
-               skip_special_tokens: bool = True, reasoning_budget: ReasoningBudget | None = None,
-               constraint: ConstraintSpec | None = None) -> Child:
-    """One choice (index 0) for the conversational protocols that have no n: sampling resolved, pipeline built."""
-    sampling = resolve_sampling(fields, runtime.manifest, max_tokens)
-    tok = runtime.tokenizer
-    request = EngineRequest(req_id=f"{prefix}-0", prompt_token_ids=prompt_ids, sampling=sampling,
-                            reasoning_budget=reasoning_budget, constraint=constraint)
-    processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop, skip_special_tokens,
-                                control_ids(runtime))
-    return Child(0, request, processor)
-
-
-def control_ids(runtime: Runtime) -> frozenset[int]:
-    """BOS/PAD/UNK: special tokens whose text the output parsers never see (EOS ids come with sampling)."""
-    info = runtime.manifest.tokenizer
-    return frozenset(i for i in (info.bos_token_id, info.pad_token_id, info.unk_token_id) if i is not None)
-
-
-def encode_token_entry(runtime: Runtime, e: TokenEntry, as_ids: bool) -> dict:
+def encode_token_entry(ctx: ModelContext, e: TokenEntry, as_ids: bool) -> dict:
     """The Chat token shape {token, logprob, bytes, top_logprobs}, shared by the protocols that use it."""
-    table = runtime.tokenizer.token_bytes
+    table = ctx.tokenizer.token_bytes
     return {
-        "token": token_string(runtime, e.token_id, as_ids),
+        "token": token_string(ctx, e.token_id, as_ids),
         "logprob": e.logprob,
         "bytes": list(e.token_bytes),
         "top_logprobs": [
-            {"token": token_string(runtime, t.token_id, as_ids), "logprob": finite(t.logprob),
+            {"token": token_string(ctx, t.token_id, as_ids), "logprob": finite(t.logprob),
              "bytes": list(table[t.token_id]) if 0 <= t.token_id < len(table) else []}
             for t in e.top
         ],

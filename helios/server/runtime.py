@@ -17,8 +17,7 @@ from typing import Any
 from msgspec import Struct
 
 from helios.core.manifest import Manifest
-from helios.frontend.chat import ChatRenderer
-from helios.frontend.grammar import OutputCompiler
+from helios.frontend.context import ModelContext, ModelLimits
 from helios.frontend.tokenizer import Tokenizer
 from helios.server.config import ServerConfig
 from helios.server.errors import bad_request, rate_limited
@@ -98,18 +97,23 @@ class Admission:
         self.in_use = max(0, self.in_use - n)
 
 
+def model_limits(serving: Serving) -> ModelLimits:
+    """The serving limits request preparation reads."""
+    return ModelLimits(max_model_len=serving.max_model_len, default_max_tokens=serving.default_max_tokens,
+                       thinking_token_budget=serving.thinking_token_budget)
+
+
 class Runtime:
+    """What the serving process owns; `model` is the frozen ModelContext request preparation reads."""
+
     def __init__(self, manifest: Manifest, tokenizer: Tokenizer, template_source: str | None, engine: Any,
                  config: ServerConfig, serving: Serving | None = None):
-        self.manifest = manifest
-        self.tokenizer = tokenizer
-        self.chat = ChatRenderer(template_source, manifest.template, tokenizer)
-        # structured output's grammars over the model's vocabulary; the end of a grammar allows the EOS ids
-        self.output_grammars = OutputCompiler(lambda: tokenizer.to_json(), manifest.arch.vocab_size,
-                                              manifest.tokenizer.eos_token_ids)
+        self.serving = serving or resolve_serving(manifest, config)
+        self.model = ModelContext.build(manifest, model_limits(self.serving), tokenizer, template_source)
+        self.manifest, self.tokenizer = manifest, tokenizer
+        self.chat, self.output_grammars = self.model.chat, self.model.output_grammars
         self.engine = engine
         self.config = config
-        self.serving = serving or resolve_serving(manifest, config)
         self.admission = Admission(self.serving.admission_slots)
         self.http_metrics = HttpMetrics()
         self.pool = ThreadPoolExecutor(config.frontend_workers, thread_name_prefix="helios-frontend")

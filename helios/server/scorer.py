@@ -27,11 +27,12 @@ import msgspec
 
 from helios.engine.messages import EngineRequest, SamplingParams
 from helios.frontend.chat import ChatMessage, ChatPrompt
+from helios.frontend.context import ModelContext
 from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_sampling
 from helios.frontend.tokenizer import Tokenizer
 from helios.output.processor import OutputProcessor
 from helios.server.errors import bad_request, from_invalid, server_error
-from helios.server.generation import Child, Generation, control_ids, failure
+from helios.server.generation import Child, Generation, failure
 from helios.server.runtime import Runtime
 
 MAX_QUESTIONS = 64
@@ -147,9 +148,9 @@ def _label_ids(tok: Tokenizer, prompt: ChatPrompt, labels: tuple[str, ...], cach
     return cache[key]
 
 
-def _check_answer_position(runtime: Runtime, prompt: ChatPrompt) -> None:
+def _check_answer_position(ctx: ModelContext, prompt: ChatPrompt) -> None:
     """The answer must not start inside reasoning: the text after the cue must not leave reasoning open."""
-    syntax = runtime.manifest.template.reasoning
+    syntax = ctx.manifest.template.reasoning
     if syntax is None:
         return
     tail = prompt.text[prompt.text.rfind(ANSWER_CUE) + len(ANSWER_CUE):]
@@ -158,30 +159,30 @@ def _check_answer_position(runtime: Runtime, prompt: ChatPrompt) -> None:
                           "off; System One scoring needs the answer as the first assistant token")
 
 
-def _read_sampling(runtime: Runtime, label_ids: tuple[int, ...]) -> SamplingParams:
+def _read_sampling(ctx: ModelContext, label_ids: tuple[int, ...]) -> SamplingParams:
     """One read token with the labels' explicit logprobs: the core's logprob rules (400 naming a re-export when
     the core lacks explicit-ID inputs), then greedy and unpenalized, since only the raw logprobs are read."""
     fields = SamplingFields(max_tokens=1, logprobs=0, logprob_token_ids=list(label_ids), ignore_eos=True)
-    sampling = resolve_sampling(fields, runtime.manifest, 1)
+    sampling = resolve_sampling(fields, ctx.manifest, 1)
     return msgspec.structs.replace(sampling, temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
                                    presence_penalty=0.0, frequency_penalty=0.0)
 
 
-def compile_questions(runtime: Runtime, state: str, items: list[Item]) -> None:
+def compile_questions(ctx: ModelContext, state: str, items: list[Item]) -> None:
     """Render each question, verify its labels and build its engine request (in place)."""
-    if not runtime.chat.available:
+    if not ctx.chat.available:
         raise bad_request("this core has no chat template; System One scoring needs one")
-    kwargs = {k: False for k in THINKING_KWARGS if k in runtime.manifest.template.kwargs}
-    base, cache, limit = f"decide-{uuid.uuid4().hex}", {}, runtime.serving.max_model_len
+    kwargs = {k: False for k in THINKING_KWARGS if k in ctx.manifest.template.kwargs}
+    base, cache, limit = f"decide-{uuid.uuid4().hex}", {}, ctx.limits.max_model_len
     try:
         for j, item in enumerate(items):
             if item.num_labels == 1:
                 continue
             for labels in _label_sets(item.kind, item.num_labels):
                 message = ChatMessage(role="user", content=_question_text(state, item, labels))
-                prompt = runtime.chat.render([message], template_kwargs=kwargs)
-                _check_answer_position(runtime, prompt)
-                if (label_ids := _label_ids(runtime.tokenizer, prompt, labels, cache)) is not None:
+                prompt = ctx.chat.render([message], template_kwargs=kwargs)
+                _check_answer_position(ctx, prompt)
+                if (label_ids := _label_ids(ctx.tokenizer, prompt, labels, cache)) is not None:
                     break
             else:
                 raise bad_request(f"this core's tokenizer has no distinct single-token labels for {item.num_labels} "
@@ -190,7 +191,7 @@ def compile_questions(runtime: Runtime, state: str, items: list[Item]) -> None:
                 raise bad_request(f"a question expands to {len(prompt.token_ids)} prompt tokens; this model's maximum "
                                   f"context length is {limit} tokens", "questions")
             item.request = EngineRequest(req_id=f"{base}-{j}", prompt_token_ids=prompt.token_ids,
-                                         sampling=_read_sampling(runtime, label_ids))
+                                         sampling=_read_sampling(ctx, label_ids))
     except InvalidRequest as e:
         raise from_invalid(e) from None
 
@@ -200,8 +201,9 @@ def compile_questions(runtime: Runtime, state: str, items: list[Item]) -> None:
 
 async def _read(runtime: Runtime, request: EngineRequest) -> tuple[list[float], Child]:
     """One question's child: submit, drain, and the labels' raw logprobs in label order."""
-    tok = runtime.tokenizer
-    processor = OutputProcessor(tok.token_bytes, tok.special_ids, request.sampling, (), True, control_ids(runtime))
+    tok = runtime.model.tokenizer
+    processor = OutputProcessor(tok.token_bytes, tok.special_ids, request.sampling, (), True,
+                                runtime.model.control_ids)
     child = Child(0, request, processor)
     gen = Generation(runtime, [child])
     try:

@@ -297,8 +297,8 @@ def test_history_blocks(http):
 # --- lowering on the real core (no engine) --------------------------------------------------------------
 
 
-def _prepare(runtime, body: dict, count_only=False):
-    return am.prepare(msgspec.json.encode({"max_tokens": 4, **body}), runtime, count_only)
+def _prepare(runtime, body: dict):
+    return am.prepare(msgspec.json.encode({"max_tokens": 4, **body}), runtime)
 
 
 def test_system_forms_and_empty_system(core_runtime):

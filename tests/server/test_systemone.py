@@ -101,7 +101,7 @@ def test_decisions_answers_in_order_with_typed_values(http):
 
 def test_a_question_reads_what_completions_reports_for_its_prompt(http, core_runtime):
     """The same rendered prompt and label ids through /v1/completions with logprob_token_ids."""
-    prep = decisions.prepare_decisions(json.dumps(SPEC_DECISIONS).encode(), core_runtime)
+    prep = decisions.prepare(json.dumps(SPEC_DECISIONS).encode(), core_runtime)
     item = prep.items[1]
     label_ids = list(item.request.sampling.logprob_token_ids)
     r = _post(http, "/v1/completions", {"model": "x", "prompt": item.request.prompt_token_ids, "max_tokens": 1,
@@ -234,7 +234,7 @@ def _raises(fn, *args) -> ApiError:
 
 def test_prompts_share_the_state_and_labels_are_the_first_assistant_token(core_runtime):
     tok = core_runtime.tokenizer
-    prep = systemone.prepare_systemone(json.dumps(SPEC_SYSTEMONE).encode(), core_runtime)
+    prep = systemone.prepare(json.dumps(SPEC_SYSTEMONE).encode(), core_runtime)
     prompts = [tok.decode(i.request.prompt_token_ids) for i in prep.items]
     head = prompts[0][: prompts[0].index("Question:")]
     assert '"message": "Charged twice"' in head and all(p.startswith(head) for p in prompts)
@@ -255,36 +255,36 @@ def test_labels_fall_back_then_run_out(core_runtime):
         return {"model": "m", "state": "s", "questions": {"c": {"type": "choice",
                                                                "criteria": {f"o{i}": None for i in range(n)}}}}
 
-    prep = systemone.prepare_systemone(json.dumps(choice(27)).encode(), core_runtime)
+    prep = systemone.prepare(json.dumps(choice(27)).encode(), core_runtime)
     ids = prep.items[0].request.sampling.logprob_token_ids
     assert len(set(ids)) == 27 and "\na. o26\n" in core_runtime.tokenizer.decode(prep.items[0].request.prompt_token_ids)
-    err = _raises(systemone.prepare_systemone, json.dumps(choice(53)).encode(), core_runtime)
+    err = _raises(systemone.prepare, json.dumps(choice(53)).encode(), core_runtime)
     assert err.status == 400 and "single-token labels" in err.message
 
 
 def test_core_and_template_constraints_are_400(core_runtime):
     body = json.dumps(SPEC_SYSTEMONE).encode()
     no_ids = _runtime(core_runtime, logprobs=LogprobCaps(explicit_token_ids=False))
-    err = _raises(systemone.prepare_systemone, body, no_ids)
+    err = _raises(systemone.prepare, body, no_ids)
     assert err.status == 400 and "re-export" in err.message
     thinking = msgspec.structs.replace(core_runtime.manifest.template, reasoning=ReasoningSyntax(
         open="<think>", close="</think>", starts_in_reasoning=True))
     opens = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" \
             "<|im_start|>assistant\n<think>\n"
-    err = _raises(decisions.prepare_decisions, json.dumps(SPEC_DECISIONS).encode(),
+    err = _raises(decisions.prepare, json.dumps(SPEC_DECISIONS).encode(),
                   _runtime(core_runtime, opens, template=thinking))
     assert err.status == 400 and "reasoning" in err.message
     # a template that reads enable_thinking gets false, and closes reasoning before the answer
     switch = opens.replace("<think>\n", "{% if enable_thinking is false %}<think>\n\n</think>\n{% else %}"
                                         "<think>\n{% endif %}")
     caps = msgspec.structs.replace(thinking, kwargs=["enable_thinking"])
-    prep = decisions.prepare_decisions(json.dumps(SPEC_DECISIONS).encode(), _runtime(core_runtime, switch,
+    prep = decisions.prepare(json.dumps(SPEC_DECISIONS).encode(), _runtime(core_runtime, switch,
                                                                                       template=caps))
     assert core_runtime.tokenizer.decode(prep.items[0].request.prompt_token_ids).endswith("</think>\n")
     long_state = {**SPEC_SYSTEMONE, "state": "charged twice " * 5000}
-    err = _raises(systemone.prepare_systemone, json.dumps(long_state).encode(), core_runtime)
+    err = _raises(systemone.prepare, json.dumps(long_state).encode(), core_runtime)
     assert err.status == 400 and "context length" in err.message
-    err = _raises(systemone.prepare_systemone, body, _runtime(core_runtime, ""))
+    err = _raises(systemone.prepare, body, _runtime(core_runtime, ""))
     assert err.status == 400 and "chat template" in err.message
 
 
@@ -334,7 +334,7 @@ def test_formulas_and_sequential_children(core_runtime):
     lps = [[math.log(0.6), math.log(0.2)], [math.log(0.1), math.log(0.1)], [math.log(0.2), math.log(0.3)]]
     engine = ScriptedEngine(lps)
     rt = _runtime(core_runtime, engine=engine)
-    prep = decisions.prepare_decisions(json.dumps(SPEC_DECISIONS).encode(), rt)
+    prep = decisions.prepare(json.dumps(SPEC_DECISIONS).encode(), rt)
     out = asyncio.run(decisions.execute(rt, prep))
     assert engine.max_active == 1 and len(engine.submitted) == 3
     predicate, choice, score = out["answers"]
@@ -347,7 +347,7 @@ def test_formulas_and_sequential_children(core_runtime):
     assert usage["input_tokens"] == sum(len(i.request.prompt_token_ids) for i in prep.items)
     engine = ScriptedEngine(lps)
     rt = _runtime(core_runtime, engine=engine)
-    prep = systemone.prepare_systemone(json.dumps(SPEC_SYSTEMONE).encode(), rt)
+    prep = systemone.prepare(json.dumps(SPEC_SYSTEMONE).encode(), rt)
     answers = asyncio.run(systemone.execute(rt, prep))["answers"]
     assert answers["refund"]["noul"] == pytest.approx(0.75)
     assert answers["team"]["choice"] == "billing" and answers["team"]["confidence"] == pytest.approx(0.5)
@@ -357,7 +357,7 @@ def test_formulas_and_sequential_children(core_runtime):
 def test_a_dropped_request_aborts_its_current_child(core_runtime):
     engine = ScriptedEngine([[0.0, 0.0]] * 3, hang=True)
     rt = _runtime(core_runtime, engine=engine)
-    prep = systemone.prepare_systemone(json.dumps(SPEC_SYSTEMONE).encode(), rt)
+    prep = systemone.prepare(json.dumps(SPEC_SYSTEMONE).encode(), rt)
 
     async def main():
         task = asyncio.ensure_future(systemone.execute(rt, prep))

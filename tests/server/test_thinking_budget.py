@@ -268,31 +268,29 @@ def test_tool_openers_that_end_reasoning_reach_the_engine():
     from types import SimpleNamespace
 
     from helios.core.manifest import ReasoningSyntax
-    from helios.server.thinking_budget import reasoning_budget
-    from helios.server.tools import ToolPlan
+    from helios.frontend.reasoning import reasoning_budget
 
     syntax = ReasoningSyntax(open="<think>", close="</think>", open_token_id=300, close_token_id=301,
                              starts_in_reasoning=True)
     pieces = {"<tool_call>": [302], "<function=": [40, 41]}
 
-    def runtime(tool_parser, default=None):
+    def model(tool_parser, default=None):
         manifest = SimpleNamespace(template=SimpleNamespace(reasoning=syntax),
                                    recipe=SimpleNamespace(tool_parser=tool_parser))
-        return SimpleNamespace(manifest=manifest, serving=SimpleNamespace(thinking_token_budget=default),
+        return SimpleNamespace(manifest=manifest, limits=SimpleNamespace(thinking_token_budget=default),
                                tokenizer=SimpleNamespace(encode=lambda text, add_special_tokens: pieces[text]))
 
-    tools = ToolPlan(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     prompt = [5, 300, 6]
-    got = reasoning_budget(runtime("qwen_xml"), 7, prompt, tools)
+    got = reasoning_budget(model("qwen_xml"), 7, prompt, parses_tools=True)
     assert (got.max_reasoning_tokens, got.close_token_id, got.starts_in_reasoning) == (7, 301, True)
     assert got.tool_open_token_ids == (302,)
-    assert reasoning_budget(runtime("qwen_xml"), 7, prompt, ToolPlan()).tool_open_token_ids == ()
-    assert reasoning_budget(runtime("hermes"), 7, prompt, tools).tool_open_token_ids == ()
+    assert reasoning_budget(model("qwen_xml"), 7, prompt, parses_tools=False).tool_open_token_ids == ()
+    assert reasoning_budget(model("hermes"), 7, prompt, parses_tools=True).tool_open_token_ids == ()
     # the default applies only when the request names none; none at all leaves reasoning uncapped
-    assert reasoning_budget(runtime(None, default=4), None, prompt).max_reasoning_tokens == 4
-    assert reasoning_budget(runtime(None), None, prompt) is None
+    assert reasoning_budget(model(None, default=4), None, prompt).max_reasoning_tokens == 4
+    assert reasoning_budget(model(None), None, prompt) is None
     # the prompt closed reasoning (e.g. enable_thinking=false): output starts in content
-    assert not reasoning_budget(runtime(None), 7, [300, 9, 301, 10]).starts_in_reasoning
+    assert not reasoning_budget(model(None), 7, [300, 9, 301, 10]).starts_in_reasoning
 
 
 def test_without_reasoning_syntax_messages_budgets_are_advisory(runtimes, thinking_core):

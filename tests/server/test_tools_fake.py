@@ -18,7 +18,7 @@ from helios.engine.messages import EngineOutput
 from helios.server.app import HeliosApp
 from helios.server.config import ServerConfig
 from helios.server.runtime import Runtime
-from helios.server.tools import REQUIRED_INSTRUCTION
+from helios.frontend.tools import REQUIRED_INSTRUCTION
 from tests.frontend.conftest import byte_level_tok, make_manifest, tokenizer  # noqa: F401 (fixtures)
 from tests.server.test_app_fake import FakeEngine
 

@@ -8,7 +8,6 @@ message_start / content_block_* / message_delta / message_stop events. Errors us
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
 import json
@@ -21,17 +20,18 @@ from msgspec import UNSET, Struct, UnsetType
 
 from helios.frontend.chat import ChatMessage, join_text_blocks, tool_call
 from helios.frontend.effort import effort_template_kwargs, messages_effort
-from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, sampling_fields
-from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
+from helios.frontend.prepare import Conversation, GenerationRequest, prepare as prepare_request, render
+from helios.frontend.reasoning import check_thinking_token_budget
+from helios.frontend import structured
+from helios.frontend.sampling import InvalidRequest, SamplingRequest, sampling_fields
+from helios.frontend.tools import ToolPlan, function_tool, plan_tools
+from helios.output.accumulator import BlockEvent, OutputBlock
+from helios.output.choice import ChoiceOutput
 from helios.server.errors import ApiError, bad_request, from_invalid, from_validation
-from helios.server.generation import (Child, Generation, check_thinking_token_budget, child_usage, failure,
-                                      finish_reason, make_child)
+from helios.server.generation import (Child, Generation, child_usage, failure, finish_reason, output_failure,
+                                      parsed_output)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
-from helios.server.structured import (OutputFormat, check_combination, compile_format, messages_output_format,
-                                      one_format, output_constraint, with_format_instruction)
-from helios.server.thinking_budget import reasoning_budget
-from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
 
 ANTHROPIC_VERSION = "2023-06-01"
 _VERSION_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
@@ -69,16 +69,16 @@ class Thinking(Struct, kw_only=True):
     budget_tokens: int | None = None
 
 
-class MessagesRequest(Struct, kw_only=True):
+class MessagesRequest(SamplingRequest, kw_only=True):
+    """Messages' body; the shared sampling fields (top_k, seed, min_p, penalties, token stops, ignore_eos
+    are native extensions here, as on the OpenAI routes) come from SamplingRequest."""
+
     messages: list[Message]
     model: str | None = None
     max_tokens: int | None = None  # required on /v1/messages, unused by count_tokens
     system: str | list[Block] | None = None
     stop_sequences: list[str] | None = None
     stream: bool = False
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
     metadata: dict | None = None
     tools: list[dict] | None = None
     tool_choice: dict | None = None
@@ -87,16 +87,7 @@ class MessagesRequest(Struct, kw_only=True):
     output_config: dict | None = None
     output_format: dict | None = None  # structured outputs' earlier spelling of output_config.format
     service_tier: str | None = None
-    # native extensions, as on the OpenAI routes
-    seed: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    thinking_token_budget: int | None = None
-    stop_token_ids: list[int] | None = None
-    stop_token_sequences: list[list[int]] | None = None
-    ignore_eos: bool = False
+    thinking_token_budget: int | None = None  # native extension
     # rejected on this route (spec: "Generation log probabilities"); UNSET tells absence from null
     logprobs: Any | UnsetType = UNSET
     top_logprobs: Any | UnsetType = UNSET
@@ -108,12 +99,16 @@ class MessagesRequest(Struct, kw_only=True):
 class Prepared(Struct, kw_only=True):
     req: MessagesRequest
     prompt_ids: list[int]
-    child: Child | None  # None for count_tokens
+    child: Child
     cache_boundaries: list[int]  # candidate prefix-checkpoint boundaries (prompt token positions)
 
     @property
     def stream(self) -> bool:
         return self.req.stream
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.child]
 
 
 def thinking_signature(text: str) -> str:
@@ -234,7 +229,7 @@ def _check_request(req: MessagesRequest, runtime: Runtime) -> None:
             raise bad_request("thinking.budget_tokens must be a positive integer")
         if budget is not None and req.thinking_token_budget is not None and budget != req.thinking_token_budget:
             raise bad_request("thinking.budget_tokens and thinking_token_budget must match")
-    check_thinking_token_budget(runtime, req.thinking_token_budget, None)
+    check_thinking_token_budget(runtime.model, req.thinking_token_budget, None)
     for edit in (req.context_management or {}).get("edits") or []:
         keep = edit.get("keep") if isinstance(edit, dict) else None
         if not (isinstance(edit, dict) and edit.get("type") == "clear_thinking_20251015"
@@ -266,7 +261,8 @@ def _tool_plan(req: MessagesRequest, runtime: Runtime) -> ToolPlan:
     choice = req.tool_choice or {}
     mode = _CHOICE_MODES.get(choice.get("type", "auto"), "auto")
     parallel = choice.get("disable_parallel_tool_use") is not True
-    return plan_tools(runtime, tools, mode, choice.get("name") if mode == "named" else None, parallel, None, None)
+    return plan_tools(runtime.model, tools, mode, choice.get("name") if mode == "named" else None, parallel, None,
+                      None)
 
 
 def _call_id() -> str:
@@ -286,35 +282,30 @@ def _boundaries(runtime: Runtime, text: str, hints: list[str]) -> list[int]:
     return out
 
 
-def _decode(body: bytes) -> MessagesRequest:
+def decode(body: bytes, runtime: Runtime) -> tuple[MessagesRequest, GenerationRequest, list[str]]:
+    """The body -> the neutral request, plus the cache hints (Messages' own checks and spellings on the way)."""
     try:
-        return msgspec.json.decode(body, type=MessagesRequest)
+        req = msgspec.json.decode(body, type=MessagesRequest)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation(e) from None
-
-
-def _output_format(req: MessagesRequest) -> OutputFormat | None:
-    """output_config.format or output_format: {"type": "json_schema", "schema": {...}} (one of them)."""
-    return one_format(messages_output_format((req.output_config or {}).get("format"), "output_config.format"),
-                      messages_output_format(req.output_format))
-
-
-def _render(req: MessagesRequest, runtime: Runtime, plan: ToolPlan | None = None,
-            fmt: OutputFormat | None = None):
+    _check_request(req, runtime)
+    plan = _tool_plan(req, runtime)
+    # output_config.format or output_format: {"type": "json_schema", "schema": {...}} (one of them)
+    fmt = structured.one_format(
+        structured.messages_output_format((req.output_config or {}).get("format"), "output_config.format"),
+        structured.messages_output_format(req.output_format))
     messages, hints = to_conversation(req)
     # NOTE: a final assistant message is a prefill: the template continues it instead of opening a turn
     prefill = messages[-1].role == "assistant"
     if prefill and not runtime.manifest.template.continuation:
         raise bad_request("this core's template cannot continue an assistant prefill")
-    check_combination(fmt, has_stops=bool(req.stop_sequences or req.stop_token_ids or req.stop_token_sequences),
-                      ignore_eos=req.ignore_eos, continuation=prefill)
-    plan = plan or _tool_plan(req, runtime)
     thinking = req.thinking or Thinking(type="disabled")
     effort = messages_effort((req.output_config or {}).get("effort"), thinking.type, thinking.budget_tokens)
-    prompt = runtime.chat.render(with_format_instruction(with_instruction(messages, plan), fmt), tools=plan.presented,
-                                 add_generation_prompt=not prefill, continue_final_message=prefill,
-                                 template_kwargs=effort_template_kwargs(None, effort, runtime.manifest.recipe))
-    return prompt, hints
+    conversation = Conversation(messages, add_generation_prompt=not prefill, continue_final_message=prefill,
+                                template_kwargs=effort_template_kwargs(None, effort, runtime.manifest.recipe))
+    fields = sampling_fields(req, stop=list(req.stop_sequences or []))
+    return req, GenerationRequest(conversation, fields, req.max_tokens, plan=plan, fmt=fmt,
+                                  thinking_budget=_thinking_budget(req), new_call_id=_call_id), hints
 
 
 def _thinking_budget(req: MessagesRequest) -> int | None:
@@ -327,38 +318,27 @@ def _thinking_budget(req: MessagesRequest) -> int | None:
     return None
 
 
-def prepare(body: bytes, runtime: Runtime, count_only: bool = False) -> Prepared:
+def prepare(body: bytes, runtime: Runtime) -> Prepared:
     """Blocking frontend work (decode, lower, template, tokenize, sampling) on the frontend pool."""
-    req = _decode(body)
-    _check_request(req, runtime)
-    plan = _tool_plan(req, runtime)
     try:
-        fmt = _output_format(req)
-        prompt, hints = _render(req, runtime, plan, fmt)
-        if count_only:
-            return Prepared(req=req, prompt_ids=prompt.token_ids, child=None, cache_boundaries=[])
+        req, neutral, hints = decode(body, runtime)
         if req.max_tokens is None:
             raise bad_request("max_tokens is required")
-        serving = runtime.serving
-        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.token_ids), serving.max_model_len,
-                                        serving.default_max_tokens, allow_zero=False)
-        fields = sampling_fields(req, stop=list(req.stop_sequences or []))
-        budget = reasoning_budget(runtime, _thinking_budget(req), prompt.token_ids, plan)
-        matcher = compile_format(runtime, fmt) if fmt is not None else None
-        constraint = output_constraint(runtime, matcher, prompt.token_ids, plan) if matcher is not None else None
-        child = make_child(runtime, f"msg_{uuid.uuid4().hex[:24]}", prompt.token_ids, fields, max_tokens,
-                           reasoning_budget=budget, constraint=constraint)
-        spec = output_spec(runtime, plan, prompt.token_ids)
-        child.output_spec = dataclasses.replace(spec, new_call_id=_call_id) if spec is not None else None
+        prep = prepare_request(runtime.model, neutral, f"msg_{uuid.uuid4().hex[:24]}")
     except InvalidRequest as e:
         raise from_invalid(e) from None
-    return Prepared(req=req, prompt_ids=prompt.token_ids, child=child,
-                    cache_boundaries=_boundaries(runtime, prompt.text, hints))
+    return Prepared(req=req, prompt_ids=prep.prompt_ids, child=Child.of(prep.choices[0]),
+                    cache_boundaries=_boundaries(runtime, prep.prompt_text or "", hints))
 
 
 def count_tokens(body: bytes, runtime: Runtime) -> dict:
     """{"input_tokens": N}: the whole prepared prompt, i.e. input_tokens + cache_read_input_tokens."""
-    return {"input_tokens": len(prepare(body, runtime, count_only=True).prompt_ids)}
+    try:
+        _, neutral, _ = decode(body, runtime)
+        prompt = render(runtime.model, neutral)
+    except InvalidRequest as e:
+        raise from_invalid(e) from None
+    return {"input_tokens": len(prompt.token_ids)}
 
 
 def check_version(headers: dict[str, str]) -> None:
@@ -396,7 +376,7 @@ def _usage(prep: Prepared, final: bool) -> dict:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": u.num_cached}
 
 
-def _stop(prep: Prepared, acc: OutputAccumulator | ChoiceOutput) -> tuple[str, str | None]:
+def _stop(prep: Prepared, acc: ChoiceOutput) -> tuple[str, str | None]:
     reason = finish_reason(prep.child, "messages", acc.num_tool_calls)
     return reason, prep.child.stop_reason if reason == "stop_sequence" else None
 
@@ -418,12 +398,7 @@ def _message(runtime: Runtime, prep: Prepared, content: list, stop: tuple[str | 
 
 
 async def buffered(runtime: Runtime, prep: Prepared, gen: Generation) -> dict:
-    acc = ChoiceOutput(prep.child.output_spec)
-    async for _, delta in gen.deltas():
-        acc.add(delta)
-    if (err := failure(prep.child) or acc.failure()) is not None:
-        raise err
-    acc.close()
+    acc = await parsed_output(gen, prep.child)
     return _message(runtime, prep, [_block_json(b, True) for b in acc.blocks], _stop(prep, acc), True)
 
 
@@ -467,7 +442,7 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
         for ev in acc.add(delta):
             for frame in _block_events(ev):
                 yield frame
-        if (err := acc.failure()) is not None:
+        if (err := output_failure(acc)) is not None:
             yield error_event(err)
             return
         if delta.finished:

@@ -108,7 +108,7 @@ def _shown_value(value: str | bool) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else value
 
 
-def prepare_decisions(body: bytes, runtime: Runtime) -> Prepared:
+def prepare(body: bytes, runtime: Runtime) -> Prepared:
     """Blocking frontend work for /v1/decisions: runs on the frontend pool."""
     try:
         req = msgspec.json.decode(body, type=DecisionsRequest)
@@ -131,7 +131,7 @@ def prepare_decisions(body: bytes, runtime: Runtime) -> Prepared:
             items.append(Item("score", name, q.instructions,
                               [described(lv.label, lv.description or None) for lv in q.levels],
                               [lv.label for lv in q.levels], num_labels=len(q.levels)))
-    scorer.compile_questions(runtime, state, items)
+    scorer.compile_questions(runtime.model, state, items)
     return Prepared(items)
 
 

@@ -9,27 +9,26 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from msgspec import Struct
 
-from helios.engine.messages import EngineRequest
 from helios.frontend.chat import ChatMessage, join_text_blocks
 from helios.frontend.effort import effort_template_kwargs, native_effort
-from helios.frontend.sampling import (InvalidRequest, SamplingFields, resolve_max_tokens, resolve_sampling,
-                                      sampling_fields)
-from helios.output.processor import OutputDelta, OutputProcessor, TokenEntry
+from helios.frontend.prepare import Conversation, GenerationRequest, prepare as prepare_request
+from helios.frontend.reasoning import check_thinking_token_budget
+from helios.frontend import structured
+from helios.frontend.sampling import InvalidRequest, SamplingFields, SamplingRequest, sampling_fields, stop_strings
+from helios.frontend.tools import ToolPlan, function_tool, plan_tools
+from helios.output.choice import ChoiceOutput, parsed
+from helios.output.processor import OutputDelta, TokenEntry
 from helios.server.errors import bad_request, from_invalid, from_validation
-from helios.server.generation import (Child, Generation, control_ids, encode_prompt_logprobs, encode_token_entry, failure,
-                                      finish_reason, usage)
+from helios.server.generation import (Child, Generation, encode_prompt_logprobs, encode_token_entry, failure,
+                                      finish_reason, output_failure, reported_stop_reason, usage)
 from helios.server.http import SSE_DONE, sse_event
 from helios.server.runtime import Runtime
-from helios.server.structured import (chat_response_format, check_combination, compile_format,
-                                      native_structured_outputs, one_format, output_constraint,
-                                      with_format_instruction)
-from helios.server.thinking_budget import check_thinking_token_budget, reasoning_budget
-from helios.server.tools import ChoiceOutput, ToolPlan, function_tool, output_spec, plan_tools, with_instruction
 
 MAX_N = 128
 
@@ -55,24 +54,13 @@ class Message(Struct, kw_only=True):
     reasoning: str | None = None
 
 
-class ChatCompletionRequest(Struct, kw_only=True):
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: list[Message]
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stop_token_sequences: list[list[int]] | None = None
-    ignore_eos: bool = False
     logprobs: bool | None = None
     top_logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
@@ -116,9 +104,8 @@ def _sampling_fields(req: ChatCompletionRequest) -> SamplingFields:
         raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return sampling_fields(
-        req, stop=stop, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        req, stop=stop_strings(req.stop), logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         logprob_token_ids=req.logprob_token_ids, prompt_logprobs=req.prompt_logprobs, logit_bias=req.logit_bias,
     )
 
@@ -128,7 +115,7 @@ def _check_unsupported(req: ChatCompletionRequest, runtime: Runtime) -> None:
         raise bad_request(f"n must be in [1, {MAX_N}]", "n")
     if req.stream and req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs cannot be combined with stream: true", "prompt_logprobs")
-    check_thinking_token_budget(runtime, req.thinking_token_budget)
+    check_thinking_token_budget(runtime.model, req.thinking_token_budget)
 
 
 def _tool_plan(req: ChatCompletionRequest, runtime: Runtime) -> ToolPlan:
@@ -152,61 +139,59 @@ def _tool_plan(req: ChatCompletionRequest, runtime: Runtime) -> ToolPlan:
     else:
         raise bad_request("tool_choice must be \"auto\", \"none\", \"required\" or "
                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
-    return plan_tools(runtime, tools, mode, named, req.parallel_tool_calls is not False)
+    return plan_tools(runtime.model, tools, mode, named, req.parallel_tool_calls is not False)
 
 
-def prepare(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, list[Child], list[int]]:
-    """Blocking frontend work (decode, template, tokenize, sampling): runs on the frontend pool."""
+@dataclass
+class ChatPrepared:
+    req: ChatCompletionRequest
+    children: list[Child]
+    prompt_ids: list[int]
+
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
+
+def decode(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, GenerationRequest]:
+    """The body -> the neutral request (Chat's own checks and spellings on the way)."""
     try:
         req = msgspec.json.decode(body, type=ChatCompletionRequest)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation(e) from None
     _check_unsupported(req, runtime)
     plan = _tool_plan(req, runtime)
+    fmt = structured.one_format(structured.chat_response_format(req.response_format),
+                                structured.native_structured_outputs(req.structured_outputs))
+    messages = [
+        ChatMessage(role=m.role, content=_content_text(m), reasoning=m.reasoning_content or m.reasoning,
+                    name=m.name, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
+        for m in req.messages
+    ]
+    recipe = runtime.manifest.recipe
+    effort = native_effort(req.reasoning_effort, recipe, "reasoning_effort")
+    conversation = Conversation(messages, req.add_generation_prompt, req.continue_final_message,
+                                effort_template_kwargs(req.chat_template_kwargs, effort, recipe))
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return req, GenerationRequest(conversation, _sampling_fields(req), requested, n=req.n, plan=plan, fmt=fmt,
+                                  thinking_budget=req.thinking_token_budget,
+                                  skip_special_tokens=req.skip_special_tokens)
+
+
+def prepare(body: bytes, runtime: Runtime) -> ChatPrepared:
+    """Blocking frontend work (decode, template, tokenize, sampling): runs on the frontend pool."""
     try:
-        fmt = one_format(chat_response_format(req.response_format), native_structured_outputs(req.structured_outputs))
-        check_combination(fmt, has_stops=bool(req.stop or req.stop_token_ids or req.stop_token_sequences),
-                          ignore_eos=req.ignore_eos, continuation=req.continue_final_message)
-        matcher = compile_format(runtime, fmt) if fmt is not None else None
-        messages = [
-            ChatMessage(role=m.role, content=_content_text(m), reasoning=m.reasoning_content or m.reasoning,
-                        name=m.name, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
-            for m in req.messages
-        ]
-        recipe = runtime.manifest.recipe
-        effort = native_effort(req.reasoning_effort, recipe, "reasoning_effort")
-        kwargs = effort_template_kwargs(req.chat_template_kwargs, effort, recipe)
-        prompt = runtime.chat.render(
-            with_format_instruction(with_instruction(messages, plan), fmt), tools=plan.presented, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, template_kwargs=kwargs,
-        )
-        serving = runtime.serving
-        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        max_tokens = resolve_max_tokens(requested, len(prompt.token_ids), serving.max_model_len,
-                                        serving.default_max_tokens, allow_zero=False)
-        fields = _sampling_fields(req)
-        base = f"chatcmpl-{uuid.uuid4().hex}"
-        budget = reasoning_budget(runtime, req.thinking_token_budget, prompt.token_ids, plan)
-        spec = output_spec(runtime, plan, prompt.token_ids)
-        children = []
-        for j in range(req.n):
-            sampling = resolve_sampling(fields, runtime.manifest, max_tokens, seed_offset=j)
-            constraint = output_constraint(runtime, matcher, prompt.token_ids, plan) if matcher is not None else None
-            request = EngineRequest(req_id=f"{base}-{j}", prompt_token_ids=prompt.token_ids, sampling=sampling,
-                                    reasoning_budget=budget, constraint=constraint)
-            tok = runtime.tokenizer
-            processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, fields.stop,
-                                        req.skip_special_tokens, control_ids(runtime))
-            children.append(Child(j, request, processor, output_spec=spec))
+        req, neutral = decode(body, runtime)
+        prep = prepare_request(runtime.model, neutral, f"chatcmpl-{uuid.uuid4().hex}")
     except InvalidRequest as e:
         raise from_invalid(e) from None
-    return req, children, prompt.token_ids
+    return ChatPrepared(req, [Child.of(c) for c in prep.choices], prep.prompt_ids)
 
 
 def _logprobs(runtime: Runtime, req: ChatCompletionRequest, entries: list[TokenEntry]) -> dict | None:
     if not req.logprobs:
         return None
-    return {"content": [encode_token_entry(runtime, e, req.return_tokens_as_token_ids) for e in entries]}
+    return {"content": [encode_token_entry(runtime.model, e, req.return_tokens_as_token_ids) for e in entries]}
 
 
 def _finish(child: Child, num_tool_calls: int = 0) -> str:
@@ -222,30 +207,27 @@ def _usage(children: list[Child], num_prompt: int, outputs: dict[int, ChoiceOutp
 
 def _parsed(child: Child) -> ChoiceOutput:
     """A buffered choice's whole output through its parsers, as one delta."""
-    out = ChoiceOutput(child.output_spec)
-    out.add(OutputDelta(tokens=child.tokens, entries=child.entries, finished=True,
-                        finish_reason=child.finish_reason, stop_reason=child.stop_reason))
-    out.close()
-    return out
+    return parsed(child.output_spec, OutputDelta(tokens=child.tokens, entries=child.entries, finished=True,
+                                                 finish_reason=child.finish_reason, stop_reason=child.stop_reason))
 
 
 def _tool_call_json(call) -> dict:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def response(runtime: Runtime, req: ChatCompletionRequest, children: list[Child], num_prompt: int) -> dict:
+async def buffered(runtime: Runtime, prep: ChatPrepared, gen: Generation) -> dict:
+    """The chat.completion object once every choice finished."""
+    await gen.run()
+    req, children, num_prompt = prep.req, prep.children, len(prep.prompt_ids)
     for child in children:
         if (err := failure(child)) is not None:
             raise err
     outputs = {c.index: _parsed(c) for c in children if c.output_spec is not None}
     for out in outputs.values():
-        if (err := out.failure()) is not None:
+        if (err := output_failure(out)) is not None:
             raise err
     choices = []
     for c in children:
-        stop_reason = c.stop_reason if c.finish_reason == "stop" and not isinstance(c.stop_reason, list) else None
-        if stop_reason in runtime.manifest.tokenizer.eos_token_ids:
-            stop_reason = None
         message = {"role": "assistant", "content": c.text, "reasoning_content": None, "tool_calls": []}
         num_calls = 0
         if (out := outputs.get(c.index)) is not None:
@@ -258,7 +240,7 @@ def response(runtime: Runtime, req: ChatCompletionRequest, children: list[Child]
             "message": message,
             "logprobs": _logprobs(runtime, req, c.entries),
             "finish_reason": _finish(c, num_calls),
-            "stop_reason": stop_reason,
+            "stop_reason": reported_stop_reason(c),
         }
         choices.append(_observed(req, choice, c.token_ids, c.token_times))
     body = {
@@ -270,7 +252,7 @@ def response(runtime: Runtime, req: ChatCompletionRequest, children: list[Child]
         "usage": _usage(children, num_prompt, outputs),
     }
     if req.prompt_logprobs is not None:
-        body["prompt_logprobs"] = encode_prompt_logprobs(runtime, children[0].prompt_logprobs, req.prompt_logprobs)
+        body["prompt_logprobs"] = encode_prompt_logprobs(runtime.model, children[0].prompt_logprobs, req.prompt_logprobs)
     if req.return_token_ids:
         body["prompt_token_ids"] = list(children[0].request.prompt_token_ids)
     return body
@@ -285,8 +267,9 @@ def _observed(req: ChatCompletionRequest, choice: dict, token_ids: list[int], ti
     return choice
 
 
-async def stream_events(runtime: Runtime, req: ChatCompletionRequest, gen: Generation, num_prompt: int):
+async def stream_events(runtime: Runtime, prep: ChatPrepared, gen: Generation):
     """chat.completion.chunk SSE events; a failure ends the stream with an error event and no [DONE]."""
+    req, num_prompt = prep.req, len(prep.prompt_ids)
     opts = req.stream_options or StreamOptions()
     include_usage, continuous = opts.include_usage, opts.include_usage and opts.continuous_usage_stats
     base = {"id": gen.children[0].req_id.rsplit("-", 1)[0], "object": "chat.completion.chunk",
@@ -334,7 +317,7 @@ async def stream_events(runtime: Runtime, req: ChatCompletionRequest, gen: Gener
         if (out := outputs.get(child.index)) is not None:
             for frame in _parsed_chunks(runtime, req, child, delta, out, chunk):
                 yield frame
-            if (err := out.failure()) is not None:
+            if (err := output_failure(out)) is not None:
                 yield sse_event(err.encode())
                 return
             continue
@@ -366,7 +349,7 @@ def _parsed_chunks(runtime: Runtime, req: ChatCompletionRequest, child: Child, d
             body = {"content": ev.text}
         yield chunk([{"index": child.index, "delta": body, "logprobs": _logprobs(runtime, req, ev.entries),
                       "finish_reason": None}])
-    if delta.finished and out.failure() is None:
+    if delta.finished and out.error is None:
         out.close()
         yield chunk([{"index": child.index, "delta": {}, "logprobs": None,
                       "finish_reason": _finish(child, out.num_tool_calls)}])

@@ -14,40 +14,29 @@ from typing import Any
 import msgspec
 from msgspec import Struct
 
-from helios.engine.messages import EngineRequest
-from helios.frontend.sampling import InvalidRequest, resolve_max_tokens, resolve_sampling, sampling_fields
-from helios.output.processor import OutputProcessor, TokenEntry, finite
+from helios.frontend.context import ModelContext
+from helios.frontend.prepare import GenerationRequest, prepare as prepare_request
+from helios.frontend import structured
+from helios.frontend.sampling import InvalidRequest, SamplingRequest, sampling_fields, stop_strings
+from helios.output.processor import TokenEntry, finite
 from helios.server.errors import bad_request, from_invalid, from_validation
-from helios.server.generation import (Child, Generation, encode_prompt_logprobs, failure, finish_reason, token_string,
-                                      usage)
+from helios.server.generation import (Child, Generation, encode_prompt_logprobs, failure, finish_reason,
+                                      reported_stop_reason, token_string, usage)
 from helios.server.http import SSE_DONE, sse_event
 from helios.server.protocols.openai_chat import StreamOptions
 from helios.server.runtime import Runtime
-from helios.server.structured import (chat_response_format, check_combination, compile_format,
-                                      native_structured_outputs, one_format, output_constraint)
 
 MAX_N = 128
 
 
-class CompletionRequest(Struct, kw_only=True):
+class CompletionRequest(SamplingRequest, kw_only=True):
     prompt: Any = None
     model: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
     max_tokens: int | None = None
     n: int = 1
     best_of: int | None = None
     echo: bool = False
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stop_token_sequences: list[list[int]] | None = None
-    ignore_eos: bool = False
     logprobs: int | None = None
     logprob_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
@@ -128,6 +117,10 @@ class Prepared(Struct):
     children: list  # list[Child]; empty for max_tokens 0 without scoring
     prompt_k: int | None  # prompt logprob alternatives fetched from the engine
 
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
 
 def prepare(body: bytes, runtime: Runtime) -> Prepared:
     try:
@@ -137,72 +130,56 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
     _check_unsupported(req)
     try:
         prompts = _prompts(req, runtime)
-        fmt = one_format(chat_response_format(req.response_format), native_structured_outputs(req.structured_outputs))
-        check_combination(fmt, has_stops=bool(req.stop or req.stop_token_ids or req.stop_token_sequences),
-                          ignore_eos=req.ignore_eos)
-        # NOTE: raw text: the whole output follows the grammar (no reasoning or tool envelope, no instruction)
-        matcher = compile_format(runtime, fmt) if fmt is not None else None
+        fmt = structured.one_format(structured.chat_response_format(req.response_format),
+                                    structured.native_structured_outputs(req.structured_outputs))
         scoring = req.echo and req.logprobs is not None
         # NOTE: echo + logprobs scores the prompt; an explicit prompt_logprobs overrides that count.
         prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else (req.logprobs if scoring else None)
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         fields = sampling_fields(
-            req, stop=stop, logprobs=req.logprobs, logprob_token_ids=req.logprob_token_ids,
+            req, stop=stop_strings(req.stop), logprobs=req.logprobs, logprob_token_ids=req.logprob_token_ids,
             prompt_logprobs=max(prompt_k, req.logprobs or 0) if prompt_k is not None else None,
             logit_bias=req.logit_bias,
         )
-        serving, tok = runtime.serving, runtime.tokenizer
-        base = f"cmpl-{uuid.uuid4().hex}"
-        children = []
-        for i, prompt in enumerate(prompts):
-            max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.token_ids), serving.max_model_len,
-                                            serving.default_max_tokens, allow_zero=True)
-            for j in range(req.n):
-                sampling = resolve_sampling(fields, runtime.manifest, max_tokens, seed_offset=j)
-                if max_tokens == 0 and prompt_k is None:
-                    continue  # tokenization and echo only: nothing to submit
-                constraint = (output_constraint(runtime, matcher, None, None, conversational=False)
-                              if matcher is not None and max_tokens > 0 else None)
-                request = EngineRequest(req_id=f"{base}-{i * req.n + j}", prompt_token_ids=prompt.token_ids,
-                                        sampling=sampling, constraint=constraint)
-                processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, stop, req.skip_special_tokens)
-                children.append(Child(i * req.n + j, request, processor))
+        neutral = GenerationRequest([p.token_ids for p in prompts], fields, req.max_tokens, allow_zero_tokens=True,
+                                    submit_zero_tokens=prompt_k is not None, n=req.n, fmt=fmt,
+                                    skip_special_tokens=req.skip_special_tokens)
+        prep = prepare_request(runtime.model, neutral, f"cmpl-{uuid.uuid4().hex}")
     except InvalidRequest as e:
         raise from_invalid(e) from None
-    return Prepared(req, prompts, children, prompt_k)
+    return Prepared(req, prompts, [Child.of(c) for c in prep.choices], prompt_k)
 
 
-def _top_map(runtime: Runtime, chosen, alternatives, as_ids: bool) -> dict[str, float]:
+def _top_map(ctx: ModelContext, chosen, alternatives, as_ids: bool) -> dict[str, float]:
     out: dict[str, float] = {}
     for t in [*alternatives, chosen]:
-        key = token_string(runtime, t.token_id, as_ids)
+        key = token_string(ctx, t.token_id, as_ids)
         out.setdefault(key, finite(t.logprob))  # first entry wins when ids decode alike
     return out
 
 
-def _prompt_arrays(runtime: Runtime, prompt: Prompt, records, k: int, as_ids: bool,
+def _prompt_arrays(ctx: ModelContext, prompt: Prompt, records, k: int, as_ids: bool,
                    start: int = 0, stop: int | None = None) -> dict:
     """Echoed prompt positions [start, stop): position 0 has null logprobs; offsets count preceding tokens."""
-    tok = runtime.tokenizer
+    tok = ctx.tokenizer
     stop = len(prompt.token_ids) if stop is None else stop
     tokens, lps, tops, offsets = [], [], [], []
     pos = sum(len(tok.token_text(t)) for t in prompt.token_ids[:start])
     for p in range(start, stop):
         tid = prompt.token_ids[p]
-        tokens.append(token_string(runtime, tid, as_ids))
+        tokens.append(token_string(ctx, tid, as_ids))
         offsets.append(pos)
         pos += len(tok.token_text(tid))
         rec = records[p - 1] if 0 < p <= len(records) else None
         lps.append(finite(rec.token.logprob) if rec else None)
-        tops.append(_top_map(runtime, rec.token, rec.alternatives[:k], as_ids) if rec else None)
+        tops.append(_top_map(ctx, rec.token, rec.alternatives[:k], as_ids) if rec else None)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _gen_arrays(runtime: Runtime, entries: list[TokenEntry], start: int, as_ids: bool) -> dict:
+def _gen_arrays(ctx: ModelContext, entries: list[TokenEntry], start: int, as_ids: bool) -> dict:
     return {
-        "tokens": [token_string(runtime, e.token_id, as_ids) for e in entries],
+        "tokens": [token_string(ctx, e.token_id, as_ids) for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [_top_map(runtime, _chosen(e), e.top, as_ids) for e in entries],
+        "top_logprobs": [_top_map(ctx, _chosen(e), e.top, as_ids) for e in entries],
         "text_offset": [start + e.text_offset for e in entries],
     }
 
@@ -220,21 +197,23 @@ def _merge(a: dict, b: dict) -> dict:
     return {k: a[k] + b[k] for k in a}
 
 
-def _choice_logprobs(runtime, prep: Prepared, prompt: Prompt, child: Child | None, entries, with_prompt: bool):
+def _choice_logprobs(ctx, prep: Prepared, prompt: Prompt, child: Child | None, entries, with_prompt: bool):
     req = prep.req
     if req.logprobs is None:
         return None
     as_ids = req.return_tokens_as_token_ids
     start = len(prompt.text) if req.echo else 0
-    gen = _gen_arrays(runtime, entries, start, as_ids)
+    gen = _gen_arrays(ctx, entries, start, as_ids)
     if with_prompt and req.echo:
         records = child.prompt_logprobs if child is not None else []
-        return _merge(_prompt_arrays(runtime, prompt, records, req.logprobs, as_ids), gen)
+        return _merge(_prompt_arrays(ctx, prompt, records, req.logprobs, as_ids), gen)
     return gen
 
 
-def response(runtime: Runtime, prep: Prepared) -> dict:
-    req = prep.req
+async def buffered(runtime: Runtime, prep: Prepared, gen: Generation) -> dict:
+    """The text_completion object once every choice finished (echo-only choices were never submitted)."""
+    await gen.run()
+    req, ctx = prep.req, runtime.model
     for child in prep.children:
         if (err := failure(child)) is not None:
             raise err
@@ -247,13 +226,13 @@ def response(runtime: Runtime, prep: Prepared) -> dict:
             choice = {
                 "index": i * req.n + j,
                 "text": text,
-                "logprobs": _choice_logprobs(runtime, prep, prompt, child, child.entries if child else [], True),
+                "logprobs": _choice_logprobs(ctx, prep, prompt, child, child.entries if child else [], True),
                 "finish_reason": "length" if child is None else finish_reason(child, "completions"),
-                "stop_reason": child.stop_reason if child and isinstance(child.stop_reason, str) else None,
+                "stop_reason": reported_stop_reason(child) if child is not None else None,
             }
             if prep.prompt_k is not None:
                 records = child.prompt_logprobs if child else []
-                choice["prompt_logprobs"] = encode_prompt_logprobs(runtime, records, prep.prompt_k)
+                choice["prompt_logprobs"] = encode_prompt_logprobs(ctx, records, prep.prompt_k)
             choices.append(choice)
     return {
         "id": prep.children[0].req_id.rsplit("-", 1)[0] if prep.children else f"cmpl-{uuid.uuid4().hex}",
@@ -273,9 +252,10 @@ def _usage(prep: Prepared) -> dict:
     return usage(num_prompt, sum(c.processor.num_generated for c in prep.children), cached, reasoning=False)
 
 
-async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation | None):
-    """text_completion SSE events. Echo goes first; with logprobs, one frame per scored prompt chunk."""
-    req = prep.req
+async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
+    """text_completion SSE events. Echo goes first; with logprobs, one frame per scored prompt chunk; the
+    finishing chunk of a choice carries its stop_reason."""
+    req, ctx = prep.req, runtime.model
     opts = req.stream_options or StreamOptions()
     include_usage, continuous = opts.include_usage, opts.include_usage and opts.continuous_usage_stats
     base = {"id": prep.children[0].req_id.rsplit("-", 1)[0] if prep.children else f"cmpl-{uuid.uuid4().hex}",
@@ -283,8 +263,11 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation | None
     as_ids = req.return_tokens_as_token_ids
     scored: dict[int, int] = {}  # choice index -> prompt positions already sent
 
-    def chunk(index: int, text: str, logprobs, finish: str | None = None) -> bytes:
-        body = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+    def chunk(index: int, text: str, logprobs, finish: str | None = None, child: Child | None = None) -> bytes:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = reported_stop_reason(child) if child is not None else None
+        body = {**base, "choices": [choice]}
         if continuous:
             body["usage"] = _usage(prep)
         elif include_usage:
@@ -303,10 +286,10 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation | None
         if sent is not None and ready <= sent:
             return None
         scored[index] = ready
-        lp = _prompt_arrays(runtime, prompt, records, req.logprobs, as_ids, sent or 0, ready)
+        lp = _prompt_arrays(ctx, prompt, records, req.logprobs, as_ids, sent or 0, ready)
         return chunk(index, prompt.text if sent is None else "", lp)
 
-    if gen is None:  # max_tokens 0 without scoring: echo only, nothing submitted
+    if not gen.children:  # max_tokens 0 without scoring: echo only, nothing submitted
         for i, prompt in enumerate(prep.prompts):
             for j in range(req.n):
                 index = i * req.n + j
@@ -320,9 +303,9 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation | None
             if req.echo and (frame := echo(child.index, prompt, child.prompt_logprobs)) is not None:
                 yield frame
             if delta.text or delta.entries or delta.finished:
-                lp = _choice_logprobs(runtime, prep, prompt, child, delta.entries, False)
+                lp = _choice_logprobs(ctx, prep, prompt, child, delta.entries, False)
                 finish = finish_reason(child, "completions") if delta.finished else None
-                yield chunk(child.index, delta.text, lp, finish)
+                yield chunk(child.index, delta.text, lp, finish, child)
     if include_usage:
         yield sse_event(msgspec.json.encode({**base, "choices": [], "usage": _usage(prep)}))
     yield SSE_DONE

@@ -17,24 +17,24 @@ from msgspec import UNSET, Struct, UnsetType
 
 from helios.frontend.chat import ChatMessage, join_text_blocks, tool_call
 from helios.frontend.effort import effort_template_kwargs, named_effort
-from helios.frontend.sampling import InvalidRequest, SamplingFields, resolve_max_tokens, sampling_fields
-from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
+from helios.frontend.prepare import Conversation, GenerationRequest, prepare as prepare_request
+from helios.frontend.reasoning import check_thinking_token_budget
+from helios.frontend import structured
+from helios.frontend.sampling import InvalidRequest, SamplingRequest, sampling_fields, stop_strings
+from helios.frontend.tools import DeclaredTool, ToolPlan, custom_tool, function_tool, namespaced, plan_tools
+from helios.output.accumulator import BlockEvent, OutputBlock
+from helios.output.choice import ChoiceOutput
 from helios.output.custom_tools import INPUT, custom_input
 from helios.server.errors import ApiError, bad_request, from_invalid, from_validation
-from helios.server.generation import (Child, Generation, check_thinking_token_budget, child_usage, encode_token_entry,
-                                      failure, finish_reason, make_child)
+from helios.server.generation import (Child, Generation, child_usage, encode_token_entry, failure, finish_reason,
+                                      output_failure, parsed_output)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
-from helios.server.structured import (check_combination, compile_format, output_constraint, responses_text_format,
-                                      with_format_instruction)
-from helios.server.thinking_budget import reasoning_budget
-from helios.server.tools import (ChoiceOutput, DeclaredTool, ToolPlan, custom_tool, function_tool, namespaced,
-                                 output_spec, plan_tools, with_instruction)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _INPUT_TEXT = ("input_text", "text")
 _OUTPUT_TEXT = ("output_text", "refusal", "text")
-_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+_PARAMS = {"messages": "input"}  # the frontend names Chat's conversation field
 
 
 class Part(Struct, kw_only=True):
@@ -61,13 +61,14 @@ class Item(Struct, kw_only=True):
     encrypted_content: str | None = None
 
 
-class ResponsesRequest(Struct, kw_only=True):
+class ResponsesRequest(SamplingRequest, kw_only=True):
+    """Responses' body; the shared sampling fields (top_k, seed, min_p, penalties, token stops, ignore_eos
+    are native extensions here) come from SamplingRequest."""
+
     input: str | list[Item]
     model: str | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
     stream: bool = False
     store: bool | None = None
     previous_response_id: str | None = None
@@ -88,16 +89,7 @@ class ResponsesRequest(Struct, kw_only=True):
     service_tier: str | None = None
     stream_options: dict | None = None
     # native extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stop_token_sequences: list[list[int]] | None = None
-    ignore_eos: bool = False
     logprob_token_ids: list[int] | None = None
     return_tokens_as_token_ids: bool = False
     thinking_token_budget: int | None = None
@@ -108,12 +100,17 @@ class Prepared(Struct, kw_only=True):
     req: ResponsesRequest
     prompt_ids: list[int]
     child: Child
+    plan: ToolPlan  # restores namespaces and custom tools on output items
     response_id: str
     created_at: int
 
     @property
     def stream(self) -> bool:
         return self.req.stream
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.child]
 
     @property
     def wants_logprobs(self) -> bool:
@@ -203,7 +200,7 @@ def _check_request(req: ResponsesRequest, runtime: Runtime) -> None:
         raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
     if req.text is not None and not isinstance(req.text, dict):
         raise bad_request("text must be an object", "text")
-    check_thinking_token_budget(runtime, req.thinking_token_budget)
+    check_thinking_token_budget(runtime.model, req.thinking_token_budget)
     if isinstance(req.input, list) and not req.input:
         raise bad_request("input must be a string or a nonempty array of items", "input")
 
@@ -228,7 +225,7 @@ def _tool_plan(req: ResponsesRequest, runtime: Runtime) -> ToolPlan:
     else:
         raise bad_request("tool_choice must be \"auto\", \"none\", \"required\" or "
                           "{\"type\": \"function\" | \"custom\", \"name\": ...}", "tool_choice")
-    return plan_tools(runtime, tools, mode, named, req.parallel_tool_calls is not False, declared=declared,
+    return plan_tools(runtime.model, tools, mode, named, req.parallel_tool_calls is not False, declared=declared,
                       named_kind=named_kind)
 
 
@@ -252,42 +249,35 @@ def _declare(t: Any, namespace: dict | None) -> list[tuple[dict, DeclaredTool]]:
                       "tools")
 
 
-def prepare(body: bytes, runtime: Runtime) -> Prepared:
+def decode(body: bytes, runtime: Runtime) -> tuple[ResponsesRequest, GenerationRequest]:
+    """The body -> the neutral request (Responses' own checks and spellings on the way)."""
     try:
         req = msgspec.json.decode(body, type=ResponsesRequest)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise from_validation(e) from None
     _check_request(req, runtime)
     plan = _tool_plan(req, runtime)
+    messages = to_conversation(req)
+    fmt = structured.responses_text_format((req.text or {}).get("format"))
+    effort = named_effort((req.reasoning or {}).get("effort"), "reasoning", "reasoning.effort")
+    conversation = Conversation(messages, template_kwargs=effort_template_kwargs(None, effort, runtime.manifest.recipe))
+    wants = LOGPROBS_INCLUDE in (req.include or [])
+    fields = sampling_fields(req, stop=stop_strings(req.stop), logprobs=(req.top_logprobs or 0) if wants else None,
+                             logprob_token_ids=req.logprob_token_ids)
+    return req, GenerationRequest(conversation, fields, req.max_output_tokens, max_tokens_param="max_output_tokens",
+                                  plan=plan, fmt=fmt, thinking_budget=req.thinking_token_budget)
+
+
+def prepare(body: bytes, runtime: Runtime) -> Prepared:
+    hex_id = uuid.uuid4().hex
     try:
-        messages = to_conversation(req)
-        fmt = responses_text_format((req.text or {}).get("format"))
-        check_combination(fmt, has_stops=bool(req.stop or req.stop_token_ids or req.stop_token_sequences),
-                          ignore_eos=req.ignore_eos)
-        matcher = compile_format(runtime, fmt) if fmt is not None else None
-        effort = named_effort((req.reasoning or {}).get("effort"), "reasoning", "reasoning.effort")
-        kwargs = effort_template_kwargs(None, effort, runtime.manifest.recipe)
-        prompt = runtime.chat.render(with_format_instruction(with_instruction(messages, plan), fmt),
-                                     tools=plan.presented, template_kwargs=kwargs)
-        serving = runtime.serving
-        max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt.token_ids), serving.max_model_len,
-                                        serving.default_max_tokens, allow_zero=False)
-        wants = LOGPROBS_INCLUDE in (req.include or [])
-        fields = sampling_fields(
-            req, stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            logprobs=(req.top_logprobs or 0) if wants else None, logprob_token_ids=req.logprob_token_ids,
-        )
-        hex_id = uuid.uuid4().hex
-        budget = reasoning_budget(runtime, req.thinking_token_budget, prompt.token_ids, plan)
-        constraint = output_constraint(runtime, matcher, prompt.token_ids, plan) if matcher is not None else None
-        child = make_child(runtime, f"resp_{hex_id}", prompt.token_ids, fields, max_tokens, reasoning_budget=budget,
-                           constraint=constraint)
-        child.output_spec = output_spec(runtime, plan, prompt.token_ids)
+        req, neutral = decode(body, runtime)
+        prep = prepare_request(runtime.model, neutral, f"resp_{hex_id}")
     except InvalidRequest as e:
-        e.param = _PARAMS.get(e.param, e.param)  # the frontend names Chat's fields
+        e.param = _PARAMS.get(e.param, e.param)
         raise from_invalid(e) from None
-    return Prepared(req=req, prompt_ids=prompt.token_ids, child=child, response_id=f"resp_{hex_id}",
-                    created_at=int(time.time()))
+    return Prepared(req=req, prompt_ids=prep.prompt_ids, child=Child.of(prep.choices[0]), plan=neutral.plan,
+                    response_id=f"resp_{hex_id}", created_at=int(time.time()))
 
 
 # --- output encoding ------------------------------------------------------------------------------------
@@ -314,15 +304,10 @@ class _Items:
         return self._ids[index]
 
 
-def _plan(prep: Prepared) -> ToolPlan:
-    spec = prep.child.output_spec
-    return spec.plan if spec is not None else ToolPlan()
-
-
 def _logprobs(runtime: Runtime, prep: Prepared, entries) -> list[dict]:
     if not prep.wants_logprobs:
         return []
-    return [encode_token_entry(runtime, e, prep.req.return_tokens_as_token_ids) for e in entries]
+    return [encode_token_entry(runtime.model, e, prep.req.return_tokens_as_token_ids) for e in entries]
 
 
 def _part(runtime: Runtime, prep: Prepared, block: OutputBlock, full: bool) -> dict:
@@ -378,18 +363,13 @@ def _response(runtime: Runtime, prep: Prepared, status: str, output: list[dict],
     }
 
 
-def _status(prep: Prepared, acc: OutputAccumulator | ChoiceOutput) -> str:
+def _status(prep: Prepared, acc: ChoiceOutput) -> str:
     return finish_reason(prep.child, "responses", acc.num_tool_calls)  # completed | incomplete
 
 
 async def buffered(runtime: Runtime, prep: Prepared, gen: Generation) -> dict:
-    acc = ChoiceOutput(prep.child.output_spec)
-    async for _, delta in gen.deltas():
-        acc.add(delta)
-    if (err := failure(prep.child) or acc.failure()) is not None:
-        raise err
-    acc.close()
-    status, items = _status(prep, acc), _Items(prep.response_id, _plan(prep))
+    acc = await parsed_output(gen, prep.child)
+    status, items = _status(prep, acc), _Items(prep.response_id, prep.plan)
     output = [_item(runtime, prep, items, i, b, status) for i, b in enumerate(acc.blocks)]
     return _response(runtime, prep, status, output, num_reasoning=acc.num_reasoning_tokens)
 
@@ -399,7 +379,7 @@ class _Stream:
 
     def __init__(self, runtime: Runtime, prep: Prepared):
         self.runtime, self.prep = runtime, prep
-        self.items = _Items(prep.response_id, _plan(prep))
+        self.items = _Items(prep.response_id, prep.plan)
         self.seq = 0
 
     def event(self, name: str, body: dict) -> bytes:
@@ -463,7 +443,7 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
         for ev in acc.add(delta):
             for frame in s.block(ev):
                 yield frame
-        if (err := acc.failure()) is not None:
+        if (err := output_failure(acc)) is not None:
             yield failed_event(s, runtime, prep, acc, err)
             return
         if delta.finished:
@@ -477,7 +457,7 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
             return
 
 
-def failed_event(s: _Stream, runtime: Runtime, prep: Prepared, acc: OutputAccumulator | ChoiceOutput,
+def failed_event(s: _Stream, runtime: Runtime, prep: Prepared, acc: ChoiceOutput,
                  err: ApiError) -> bytes:
     output = [_item(runtime, prep, s.items, i, b, "incomplete") for i, b in enumerate(acc.blocks)]
     error = {"code": "server_error", "message": err.message}

@@ -137,7 +137,7 @@ def _check_systemone(body: Any) -> None:
 # --- lowering, answers, response ----------------------------------------------------------------------------
 
 
-def prepare_systemone(body: bytes, runtime: Runtime) -> Prepared:
+def prepare(body: bytes, runtime: Runtime) -> Prepared:
     """Blocking frontend work for /v1/systemone (decode, schema, render, labels): runs on the frontend pool."""
     try:
         obj = msgspec.json.decode(body)
@@ -162,7 +162,7 @@ def prepare_systemone(body: bytes, runtime: Runtime) -> Prepared:
         else:
             items.append(Item("score", qid, instructions, [as_text(v) for v in criteria], list(criteria),
                               num_labels=len(criteria)))
-    scorer.compile_questions(runtime, as_text(obj["state"], indent=2), items)
+    scorer.compile_questions(runtime.model, as_text(obj["state"], indent=2), items)
     return Prepared(items)
 
 

@@ -5,7 +5,7 @@ structured_outputs extension, Responses text.format, Messages output_format), th
 (no custom stops, ignore_eos or assistant continuation under an output constraint), the JSON-only
 instruction added to a conversation's system prompt, and the per-request ConstraintSpec: a grammar validated
 over the model's vocabulary, applied after reasoning and beside single-token tool openers.
-No torch.
+No torch; must not import the server.
 """
 
 from __future__ import annotations
@@ -13,15 +13,17 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from helios.engine.messages import ConstraintSpec
 from helios.frontend.chat import ChatMessage
 from helios.frontend.grammar import OutputSyntax
 from helios.frontend.sampling import InvalidRequest
-from helios.server.runtime import Runtime
-from helios.server.thinking_budget import output_starts_in_reasoning, tool_open_token_ids
-from helios.server.tools import ToolPlan
+from helios.frontend.reasoning import output_starts_in_reasoning, tool_open_token_ids
+from helios.frontend.tools import ToolPlan
+
+if TYPE_CHECKING:
+    from helios.frontend.context import ModelContext
 
 _FORMAT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a json_schema format's name
 
@@ -193,25 +195,25 @@ def with_format_instruction(messages: list[ChatMessage], fmt: OutputFormat | Non
     return [ChatMessage(role="system", content=text), *messages]
 
 
-def compile_format(runtime: Runtime, fmt: OutputFormat) -> str:
+def compile_format(ctx: ModelContext, fmt: OutputFormat) -> str:
     """The format's serialized llguidance grammar, validated over the model's vocabulary (once per request; the
     engine's constraint owner compiles each child's own state from it, cached by text)."""
-    return runtime.output_grammars.compile(fmt.syntax, fmt.definition, fmt.definition_param or fmt.param)
+    return ctx.output_grammars.compile(fmt.syntax, fmt.definition, fmt.definition_param or fmt.param)
 
 
-def output_constraint(runtime: Runtime, grammar: str, prompt_ids: list[int] | None, plan: ToolPlan | None,
+def output_constraint(ctx: ModelContext, grammar: str, prompt_ids: list[int] | None, plan: ToolPlan | None,
                       conversational: bool = True) -> ConstraintSpec:
     """One child's constraint: on a conversation, the grammar starts after reasoning (when this prompt leaves
     output inside it) and a single-token tool opener may take the answer's place."""
     if not conversational:
         return ConstraintSpec(grammar=grammar)
-    syntax = runtime.manifest.template.reasoning
+    syntax = ctx.manifest.template.reasoning
     starts = (syntax is not None and syntax.close_token_id is not None and prompt_ids is not None
               and output_starts_in_reasoning(syntax, prompt_ids))
     return ConstraintSpec(
         grammar=grammar,
         starts_in_reasoning=starts,
         close_token_id=syntax.close_token_id if starts else None,
-        tool_open_token_ids=tool_open_token_ids(runtime, plan),
+        tool_open_token_ids=tool_open_token_ids(ctx, plan is not None and plan.parses_tools),
     )
 

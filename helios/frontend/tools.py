@@ -1,34 +1,31 @@
-"""Tools and parsed output for the conversational protocols (Chat Completions, Messages, Responses).
+"""The request side of tools for the conversational protocols (Chat Completions, Messages, Responses).
 
-Owns the request side of the spec's "Conversation and tool semantics" that every protocol shares once its own
-spelling is decoded: the declared function tools (in the template's HF shape), tool_choice (auto / none /
-required / named), parallel_tool_calls, strict schemas (rejected), a core without a tool parser (400), the
-tool list the template is given (named: only the selected tool) and required mode's prompt instruction.
-Responses custom tools are presented as a JSON function with one string argument `input` (their grammar,
-compiled by helios.frontend.grammar, in the description); a namespaced tool is presented as namespace__name.
-`DeclaredTool` maps a presented name back to what the client declared. On the output side, ChoiceOutput runs one choice's OutputDelta stream through the core's OutputParser
-(helios.output.parsers), the ToolChoiceValidator and the EventAccumulator into the ordered blocks the
-encoders read; without a parser it is today's text-only OutputAccumulator. No torch.
+Owns the spec's "Conversation and tool semantics" that every protocol shares once its own spelling is decoded:
+the declared function tools (in the template's HF shape), tool_choice (auto / none / required / named),
+parallel_tool_calls, strict schemas (rejected), a core without a tool parser (rejected), the tool list the
+template is given (named: only the selected tool) and required mode's prompt instruction. Responses custom
+tools are presented as a JSON function with one string argument `input` (their grammar, compiled by
+helios.frontend.grammar, in the description); a namespaced tool is presented as namespace__name, and
+`DeclaredTool` maps a presented name back to what the client declared. `output_spec` turns a plan into the
+neutral OutputSpec helios.output parses with. Refusals are InvalidRequest. No torch; must not import the server.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from helios.frontend.chat import ChatMessage
 from helios.frontend.grammar import Grammar, compile_grammar
+from helios.frontend.reasoning import request_syntax
 from helios.frontend.sampling import InvalidRequest
-from helios.output.accumulator import BlockEvent, OutputAccumulator, OutputBlock
-from helios.output.custom_tools import INPUT, CustomInputValidator
-from helios.output.event_accumulator import EventAccumulator
-from helios.output.events import ParseError, ToolCall
-from helios.output.processor import OutputDelta
-from helios.output.tool_choice import ToolChoiceMode, ToolChoiceValidator
+from helios.output.choice import OutputSpec
+from helios.output.custom_tools import INPUT
+from helios.output.tool_choice import ToolChoiceMode
 from helios.output.tool_schema import ToolSchemas, ToolSpec
-from helios.server.errors import ApiError, bad_request, from_invalid, server_error
-from helios.server.runtime import Runtime
+
+if TYPE_CHECKING:
+    from helios.frontend.context import ModelContext
 
 # NOTE: the one instruction required mode adds; sampling is unchanged and nothing is fabricated or retried
 REQUIRED_INSTRUCTION = "You must respond by calling one or more of the provided tools."
@@ -97,17 +94,17 @@ class ToolPlan:
 def function_tool(name: Any, description: Any, parameters: Any, strict: Any, param: str) -> dict:
     """A declared function in the template's (HF) shape; strict: true is rejected."""
     if not isinstance(name, str) or not name:
-        raise bad_request("every tool needs a nonempty name", param)
+        raise InvalidRequest("every tool needs a nonempty name", param)
     if strict is True:
-        raise bad_request(f"strict function schemas are not supported (tool {name!r})", param)
+        raise InvalidRequest(f"strict function schemas are not supported (tool {name!r})", param)
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
-        raise bad_request(f"the parameters of tool {name!r} must be a JSON Schema object", param)
+        raise InvalidRequest(f"the parameters of tool {name!r} must be a JSON Schema object", param)
     fn: dict[str, Any] = {"name": name}
     if description is not None:
         if not isinstance(description, str):
-            raise bad_request(f"the description of tool {name!r} must be a string", param)
+            raise InvalidRequest(f"the description of tool {name!r} must be a string", param)
         fn["description"] = description
     fn["parameters"] = parameters
     return {"type": "function", "function": fn}
@@ -119,9 +116,9 @@ def custom_tool(name: Any, description: Any, fmt: Any, param: str, namespace: st
     "regex", "definition"}; the grammar is compiled here, before admission. Presented as a JSON function
     whose one string argument `input` carries the text; the description states the grammar's contract."""
     if not isinstance(name, str) or not name:
-        raise bad_request("every tool needs a nonempty name", param)
+        raise InvalidRequest("every tool needs a nonempty name", param)
     if description is not None and not isinstance(description, str):
-        raise bad_request(f"the description of tool {name!r} must be a string", param)
+        raise InvalidRequest(f"the description of tool {name!r} must be a string", param)
     fmt = {"type": "text"} if fmt is None else fmt
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     grammar = None
@@ -130,9 +127,9 @@ def custom_tool(name: Any, description: Any, fmt: Any, param: str, namespace: st
             grammar = compile_grammar(fmt.get("syntax"), fmt.get("definition"), param)
         except InvalidRequest as e:
             e.message = f"custom tool {name!r}: {e.message}"
-            raise from_invalid(e) from None
+            raise
     elif kind != "text":
-        raise bad_request(f"custom tool {name!r} has an unsupported format type {kind!r}; use text or grammar",
+        raise InvalidRequest(f"custom tool {name!r} has an unsupported format type {kind!r}; use text or grammar",
                           param)
     contract = (f'Call it with one string argument, "{INPUT}", holding the whole text input. '
                 + (grammar.contract if grammar is not None else "The input is free-form text."))
@@ -156,7 +153,7 @@ def _describe(description: str | None, namespace_description: str | None, contra
     return "\n\n".join(p for p in (namespace_description, description, contract) if p)
 
 
-def plan_tools(runtime: Runtime, tools: list[dict], mode: ToolChoiceMode = "auto", named: str | None = None,
+def plan_tools(ctx: ModelContext, tools: list[dict], mode: ToolChoiceMode = "auto", named: str | None = None,
                parallel: bool = True, param: str = "tools", choice_param: str = "tool_choice",
                declared: list[DeclaredTool] | None = None, named_kind: ToolKind | None = None) -> ToolPlan:
     """Validate the neutral tools and choice against the core; the protocol has decoded its own spelling.
@@ -171,18 +168,18 @@ def plan_tools(runtime: Runtime, tools: list[dict], mode: ToolChoiceMode = "auto
         if any(d.namespace for d in clash):
             spelled = " and ".join(f"{d.name!r} in namespace {d.namespace!r}" if d.namespace else f"{d.name!r}"
                                    for d in clash)
-            raise bad_request(f"ambiguous tool name {dup!r}: {spelled} both become {dup!r}", param)
-        raise bad_request(f"tool names must be unique; {dup!r} is declared twice", param)
+            raise InvalidRequest(f"ambiguous tool name {dup!r}: {spelled} both become {dup!r}", param)
+        raise InvalidRequest(f"tool names must be unique; {dup!r} is declared twice", param)
     if mode in ("required", "named") and not tools:
-        raise bad_request(f"tool_choice {mode} needs at least one declared tool", choice_param)
+        raise InvalidRequest(f"tool_choice {mode} needs at least one declared tool", choice_param)
     if mode == "named" and named not in names:
-        raise bad_request(f"tool_choice names {named!r}, which is not declared in tools", choice_param)
+        raise InvalidRequest(f"tool_choice names {named!r}, which is not declared in tools", choice_param)
     by_name = {d.presented: d for d in origins}
     if mode == "named" and named_kind is not None and by_name[named].kind != named_kind:
-        raise bad_request(f"tool_choice selects a {named_kind} tool, but {named!r} is a {by_name[named].kind} tool",
+        raise InvalidRequest(f"tool_choice selects a {named_kind} tool, but {named!r} is a {by_name[named].kind} tool",
                           choice_param)
-    if tools and mode != "none" and not runtime.manifest.recipe.tool_parser:
-        raise bad_request("this core declares no tool-call parser; tools are not supported", param)
+    if tools and mode != "none" and not ctx.manifest.recipe.tool_parser:
+        raise InvalidRequest("this core declares no tool-call parser; tools are not supported", param)
     special = {n: d for n, d in by_name.items() if d.kind != "function" or d.namespace}
     return ToolPlan(tools=list(tools), mode=mode, named=named, parallel=parallel, declared=special)
 
@@ -197,108 +194,18 @@ def with_instruction(messages: list[ChatMessage], plan: ToolPlan | None) -> list
     return [ChatMessage(role="system", content=REQUIRED_INSTRUCTION), *messages]
 
 
-@dataclass(frozen=True)
-class OutputSpec:
-    """How one request's choices parse their output (None on a Child: the text-only path)."""
-
-    tool_parser: str | None
-    reasoning_parser: str | None
-    syntax: Any  # ReasoningSyntax | None
-    plan: ToolPlan
-    new_call_id: Callable[[], str] | None = None
-
-
-def output_spec(runtime: Runtime, plan: ToolPlan | None, prompt_ids: list[int] | None = None) -> OutputSpec | None:
+def output_spec(ctx: ModelContext, plan: ToolPlan | None, prompt_ids: list[int] | None = None) -> OutputSpec | None:
     """The parser set of a request: tools when declared (and not "none"), reasoning whenever the recipe
     declares a parser and the prepared template has reasoning syntax (build's rule); None when neither.
     With the prompt's ids, the reasoning parser starts where this request's output starts (the budget's rule)."""
-    recipe, syntax = runtime.manifest.recipe, runtime.manifest.template.reasoning
+    recipe, syntax = ctx.manifest.recipe, ctx.manifest.template.reasoning
     plan = plan or ToolPlan()
     reasons = recipe.reasoning_parser is not None and (syntax is not None or recipe.reasoning_parser == "dsml")
     if not reasons and not (plan.parses_tools and recipe.tool_parser):
         return None
     if syntax is not None and prompt_ids is not None:
-        from helios.server.thinking_budget import request_syntax
-
         syntax = request_syntax(syntax, prompt_ids)
-    return OutputSpec(recipe.tool_parser, recipe.reasoning_parser, syntax, plan)
-
-
-class ChoiceOutput:
-    """One choice's ordered output: add(delta) -> block events, close() at the end; `error` is terminal."""
-
-    def __init__(self, spec: OutputSpec | None):
-        self.spec = spec
-        self.error: ParseError | None = None
-        if spec is None:
-            self._text = OutputAccumulator()
-            return
-        from helios.output.parsers import build
-
-        plan = spec.plan
-        self.parser = build(spec.tool_parser, spec.reasoning_parser, spec.syntax,
-                            plan.schemas() if plan.parses_tools else None, parse_tools=plan.parses_tools,
-                            new_call_id=spec.new_call_id)
-        mode: ToolChoiceMode = plan.mode if plan.parses_tools else "auto"
-        # NOTE: custom inputs are checked first, so a call that fails its grammar never counts as completed
-        self.custom = CustomInputValidator(plan.custom_grammars if plan.parses_tools else {})
-        self.validator = ToolChoiceValidator(mode, plan.names, plan.named, plan.parallel)
-        self.acc = EventAccumulator()
-        self._finished = False
-
-    def add(self, delta: OutputDelta) -> list[BlockEvent]:
-        if self.spec is None:
-            return self._text.add(delta)
-        if self.error is not None or self._finished:
-            return []
-        events = []
-        for token_id, text in delta.tokens:
-            events += self.parser.feed(token_id, text)
-        natural = delta.finished and delta.finish_reason in ("stop", "length")
-        if natural:
-            events += self.parser.finish(truncated=delta.finish_reason == "length")
-        events = self.validator.filter(self.custom.filter(events))
-        if natural and not self.validator.failed:
-            events += self.validator.finish()
-        if delta.finished:
-            self._finished = True
-        out = self.acc.add(events, delta.entries)
-        self.error = self.acc.error
-        return out
-
-    def close(self) -> list[BlockEvent]:
-        return (self._text if self.spec is None else self.acc).close()
-
-    @property
-    def blocks(self) -> list[OutputBlock]:
-        return (self._text if self.spec is None else self.acc).blocks
-
-    @property
-    def text(self) -> str:
-        return (self._text if self.spec is None else self.acc).text
-
-    @property
-    def reasoning(self) -> str | None:
-        """The reasoning text (None when there is none)."""
-        return None if self.spec is None else (self.acc.reasoning or None)
-
-    @property
-    def num_tool_calls(self) -> int:
-        return (self._text if self.spec is None else self.acc).num_tool_calls
-
-    def tool_call(self, block_index: int) -> ToolCall | None:
-        return None if self.spec is None else self.acc.calls.get(block_index)
-
-    @property
-    def tool_calls(self) -> list[ToolCall]:
-        return [] if self.spec is None else self.acc.tool_calls
-
-    @property
-    def num_reasoning_tokens(self) -> int:
-        return 0 if self.spec is None else self.parser.num_reasoning_tokens
-
-    def failure(self) -> ApiError | None:
-        """The output broke tool_choice or could not be parsed: HTTP 500 buffered, a terminal event streamed."""
-        if self.error is None:
-            return None
-        return server_error(f"the model output is not a valid answer ({self.error.kind}): {self.error.message}")
+    parses = plan.parses_tools
+    return OutputSpec(recipe.tool_parser, recipe.reasoning_parser, syntax, tools=plan.schemas() if parses else None,
+                      mode=plan.mode if parses else "auto", names=tuple(plan.names), named=plan.named,
+                      parallel=plan.parallel, custom_grammars=plan.custom_grammars if parses else {})
