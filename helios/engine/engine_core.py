@@ -1,13 +1,12 @@
 """EngineCore: one scheduler plus one runner; `step()` is schedule -> execute -> update, plus metrics.
 
-Owns the step loop body, runner-failure handling and the counters behind /metrics. Thread-safe: add_request,
-abort and metrics may be called while a step executes (the lock is never held during runner.execute).
+Owns the step loop body, runner-failure handling and the counters behind /metrics. Single-threaded: one thread
+owns it (AsyncEngine's engine thread, or a test's caller), so adds and aborts only happen between steps.
 Pure Python: must not import torch or numpy (the runner is any object with `execute`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -70,7 +69,6 @@ class EngineCore:
         if self.scheduler.host_cache is not None:
             self.scheduler.host_cache.seed_disk(disk_records)
         self.error: str | None = None  # set by a runner failure that is not request-specific
-        self._lock = threading.RLock()
         self._num_generated_tokens = 0
         self._num_completed = 0
         self._num_failed = 0
@@ -81,84 +79,66 @@ class EngineCore:
 
     def add_request(self, request: EngineRequest) -> None:
         """Raises QueueFull (queue bound) or ValueError (cannot run); both count as failed."""
-        with self._lock:
-            try:
-                self.scheduler.add_request(request)
-            except (QueueFull, ValueError):
-                self._num_failed += 1
-                raise
+        try:
+            self.scheduler.add_request(request)
+        except (QueueFull, ValueError):
+            self._num_failed += 1
+            raise
 
     def abort(self, req_id: str) -> EngineOutput | None:
         """Cancel at any state and free its pages now; returns the terminal record, None if unknown."""
-        with self._lock:
-            return self.scheduler.abort(req_id)
+        return self.scheduler.abort(req_id)
 
     def has_unfinished_requests(self) -> bool:
-        with self._lock:
-            return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineOutput]:
-        with self._lock:
-            plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()
         if not plan.scheduled:
             runner_output = ModelRunnerOutput(results=[])
         else:
-            # NOTE: an abort during execute frees the request's pages at once; that is safe because pages
-            # are only handed out again (allocated, or shared by a prefix-cache hit) by the next schedule(),
-            # after execute has returned; pages this step filled are cached only by update(), after it too (pages
-            # restored from the host tier are cached by schedule(), but the runner copies them in before it
-            # runs any forward of this plan, and a failed plan uncaches them).
             try:
                 runner_output = self.runner.execute(plan)
             except RequestExecutionError as exc:
-                with self._lock:
-                    outputs = self.scheduler.fail_step(plan, str(exc), exc.req_ids)
-                return self._count(outputs)
+                return self._count(self.scheduler.fail_step(plan, str(exc), exc.req_ids))
             except Exception as exc:
-                message = f"{type(exc).__name__}: {exc}"
-                with self._lock:
-                    self.error = message
-                    outputs = self.scheduler.fail_step(plan, message)
-                return self._count(outputs)
-        with self._lock:
-            outputs = self.scheduler.update(plan, runner_output)
-        return self._count(outputs)
+                self.error = f"{type(exc).__name__}: {exc}"
+                return self._count(self.scheduler.fail_step(plan, self.error))
+        return self._count(self.scheduler.update(plan, runner_output))
 
     def _count(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
-        with self._lock:
-            for output in outputs:
-                self._num_generated_tokens += len(output.new_token_ids)
-                if output.finish_reason in ("stop", "length"):
-                    self._num_completed += 1
-                elif output.finish_reason == "error":
-                    self._num_failed += 1
+        for output in outputs:
+            self._num_generated_tokens += len(output.new_token_ids)
+            if output.finish_reason in ("stop", "length"):
+                self._num_completed += 1
+            elif output.finish_reason == "error":
+                self._num_failed += 1
         return outputs
 
     def metrics(self) -> EngineMetrics:
-        with self._lock:
-            scheduler = self.scheduler
-            pool = scheduler.block_pool
-            host = scheduler.host_cache
-            return EngineMetrics(
-                prefill_tokens=scheduler.num_prefill_tokens,
-                generated_tokens=self._num_generated_tokens,
-                completed=self._num_completed,
-                failed=self._num_failed,
-                active=scheduler.num_running,
-                pending=scheduler.num_waiting,
-                free_pages=pool.num_free_blocks,  # cached free pages included: allocation evicts them
-                total_pages=pool.num_blocks,
-                page_tokens=pool.block_size,
-                reused_tokens=scheduler.num_reused_tokens,
-                cached_pages=pool.num_cached_blocks,
-                preemptions=scheduler.num_preemptions,
-                reasoning_budget_cuts=scheduler.num_reasoning_budget_cuts,
-                verify_steps=scheduler.num_decode_steps,
-                verification_rounds=scheduler.num_decode_rounds,
-                host_hits=host.num_hits if host else 0,
-                host_reused_tokens=host.num_reused_tokens if host else 0,
-                host_memory_records=host.num_records if host else 0,
-                host_bytes_out=host.num_bytes_out if host else 0,
-                host_bytes_in=host.num_bytes_in if host else 0,
-                host_disk_records=host.num_disk_records if host else 0,
-            )
+        scheduler = self.scheduler
+        pool = scheduler.block_pool
+        host = scheduler.host_cache
+        return EngineMetrics(
+            prefill_tokens=scheduler.num_prefill_tokens,
+            generated_tokens=self._num_generated_tokens,
+            completed=self._num_completed,
+            failed=self._num_failed,
+            active=scheduler.num_running,
+            pending=scheduler.num_waiting,
+            free_pages=pool.num_free_blocks,  # cached free pages included: allocation evicts them
+            total_pages=pool.num_blocks,
+            page_tokens=pool.block_size,
+            reused_tokens=scheduler.num_reused_tokens,
+            cached_pages=pool.num_cached_blocks,
+            preemptions=scheduler.num_preemptions,
+            reasoning_budget_cuts=scheduler.num_reasoning_budget_cuts,
+            verify_steps=scheduler.num_decode_steps,
+            verification_rounds=scheduler.num_decode_rounds,
+            host_hits=host.num_hits if host else 0,
+            host_reused_tokens=host.num_reused_tokens if host else 0,
+            host_memory_records=host.num_records if host else 0,
+            host_bytes_out=host.num_bytes_out if host else 0,
+            host_bytes_in=host.num_bytes_in if host else 0,
+            host_disk_records=host.num_disk_records if host else 0,
+        )

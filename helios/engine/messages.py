@@ -1,6 +1,7 @@
 """Engine boundary messages: requests in, outputs out, and the step contract with the runner.
 
-Plain msgspec data only: no torch, numpy or tokenizer here. One engine step is
+Plain msgspec data only: no torch, numpy, tokenizer or live objects here, so each message could cross a process
+boundary (tests/engine/test_messages.py round-trips every one through msgpack). One engine step is
 `plan = scheduler.schedule()` -> `out = runner.execute(plan)` -> `scheduler.update(plan, out)`.
 """
 
@@ -71,6 +72,12 @@ class EngineRequest(Struct, frozen=True, kw_only=True):
     # structured output: the grammar the answer must follow (its state lives with the ConstraintOwner)
     constraint: ConstraintSpec | None = None
     # NOTE: a request with prompt_logprobs must prefill from scratch (no prefix reuse).
+
+
+class AbortRequest(Struct, frozen=True, kw_only=True):
+    """Cancel a request in any state: its pages are freed at the next step boundary, its stream ends "abort"."""
+
+    req_id: str
 
 
 class TokenLogprob(Struct, frozen=True, array_like=True):

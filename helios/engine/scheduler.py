@@ -5,7 +5,7 @@ Owns the waiting queue, the running set and every request's pages. One step is
 running request gets its next prefill chunk or one decode token, then waiting requests are admitted
 first-come-first-served while slots, token budget and pages allow, each starting after the longest run of
 cached pages of its tokens (GPU pages, then host records copied in); update() publishes the pages a step
-filled. Not thread-safe (EngineCore locks it).
+filled. Not thread-safe: only the engine thread calls it (adds and aborts reach it through AsyncEngine's inbox).
 Pure Python: must not import torch or numpy.
 """
 

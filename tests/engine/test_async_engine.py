@@ -1,4 +1,5 @@
-"""AsyncEngine with a fake runner: concurrent streams, aborts, runner failures, idle wait, shutdown."""
+"""AsyncEngine with a fake runner: concurrent streams, the inbox (adds and aborts at step boundaries, admission
+verdicts, aborts that win over a running step), runner failures, idle wait, shutdown."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import time
 
 import pytest
 
-from helios.engine.async_engine import AsyncEngine, EngineUnavailable
-from helios.engine.scheduler import QueueFull
+from helios.engine.async_engine import AsyncEngine, EngineUnavailable, QueueFull
 from tests.engine.fakes import make_core, reference_tokens, request
 
 
@@ -82,7 +82,8 @@ def test_abort_mid_stream_frees_pages_and_ends_the_stream():
             seen.append(out)
             if len(seen) == 3:
                 engine.abort("a")
-                assert core.scheduler.block_pool.num_free_blocks == 1024  # freed at once
+        # freed by the engine thread before the abort record was delivered
+        assert engine.metrics().free_pages == 1024 and engine.metrics().active == 0
         return seen
 
     seen = asyncio.run(main())
@@ -101,10 +102,10 @@ def test_closing_the_stream_aborts_the_request():
             if out.new_token_ids:
                 break
         await stream.aclose()
-        assert "a" not in core.scheduler.requests
-        # the id is free for a new request at once
+        # the id is free for a new request at once: the inbox aborts the old one first, and none of its
+        # tokens reach the new stream
         tokens, outputs = await consume(engine, request("a", max_tokens=2))
-        assert len(tokens) == 2
+        assert tokens == reference_tokens(request("a", max_tokens=2))
 
     asyncio.run(main())
     engine.shutdown()
@@ -119,12 +120,12 @@ def test_abort_while_the_step_executes():
         stream = await engine.submit(request("a", max_tokens=50))
         await asyncio.to_thread(gated.entered.wait, 5)
         engine.abort("a")
-        assert_pages_free(core)
         gated.gate.set()
-        return [o async for o in stream]
+        return [o async for o in stream], engine.metrics()
 
-    outputs = asyncio.run(main())
-    assert [o.finish_reason for o in outputs] == ["abort"]
+    outputs, metrics = asyncio.run(main())
+    assert [o.finish_reason for o in outputs] == ["abort"]  # the running step's token is not delivered
+    assert metrics.free_pages == metrics.total_pages
     engine.shutdown()
     assert_pages_free(core)
 
@@ -134,14 +135,19 @@ def test_queue_full_through_submit():
 
     async def main():
         gated.gate.clear()
-        first = await engine.submit(request("a", max_tokens=3))
+        first = await engine.submit(request("a", max_tokens=3))  # admitted before its first step
         await asyncio.to_thread(gated.entered.wait, 5)  # "a" is running: the queue is empty
-        second = await engine.submit(request("b", max_tokens=3))
-        with pytest.raises(QueueFull):
-            await engine.submit(request("c"))
-        with pytest.raises(ValueError, match="already active"):
+        # the verdicts come at the next step boundary, in arrival order
+        second = asyncio.create_task(engine.submit(request("b", max_tokens=3)))
+        third = asyncio.create_task(engine.submit(request("c")))
+        await asyncio.sleep(0.01)
+        assert not second.done() and not third.done()
+        with pytest.raises(ValueError, match="already active"):  # known at once: "b" is in flight
             await engine.submit(request("b"))
         gated.gate.set()
+        second = await second
+        with pytest.raises(QueueFull, match="queue is full"):
+            await third
         return [o async for o in first], [o async for o in second]
 
     a, b = asyncio.run(main())
@@ -214,3 +220,70 @@ def test_shutdown_joins_the_thread_and_ends_open_streams():
 
     with pytest.raises(EngineUnavailable):
         asyncio.run(late())
+
+
+def test_a_refused_request_frees_its_id():
+    engine, core, _ = make_engine(max_model_len=64)
+
+    async def main():
+        with pytest.raises(ValueError, match="exceeds max_model_len"):
+            await engine.submit(request("a", prompt_len=100))
+        tokens, _ = await consume(engine, request("a", max_tokens=2))
+        return tokens
+
+    assert len(asyncio.run(main())) == 2
+    assert engine.metrics().failed == 1
+    engine.shutdown()
+    assert_pages_free(core)
+
+
+def test_a_submitter_cancelled_while_waiting_for_admission_aborts_the_request():
+    engine, core, gated = make_engine(num_pages=1024, max_model_len=4096)
+
+    async def main():
+        gated.gate.clear()
+        first = await engine.submit(request("a", max_tokens=3))
+        await asyncio.to_thread(gated.entered.wait, 5)
+        late = asyncio.create_task(engine.submit(request("b", max_tokens=3000)))
+        await asyncio.sleep(0.01)
+        late.cancel()  # the client went away before the engine answered
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        gated.gate.set()
+        outputs = [o async for o in first]
+        while engine.metrics().active or engine.metrics().pending:
+            await asyncio.sleep(0.005)
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finish_reason == "length"
+    m = engine.metrics()
+    assert m.free_pages == m.total_pages and m.generated_tokens < 100  # "b" did not run on
+    engine.shutdown()
+    assert_pages_free(core)
+
+
+def test_the_scheduler_is_touched_only_by_the_engine_thread():
+    engine, core, _ = make_engine(delay=0.001, max_concurrency=2, max_waiting=16)
+    threads = set()
+    scheduler = core.scheduler
+    for name in ("add_request", "abort", "schedule", "update"):
+        original = getattr(scheduler, name)
+
+        def wrapped(*args, _original=original, **kw):
+            threads.add(threading.current_thread().name)
+            return _original(*args, **kw)
+
+        setattr(scheduler, name, wrapped)
+
+    async def main():
+        stream = await engine.submit(request("x", max_tokens=500))
+        task = asyncio.gather(*(consume(engine, request(f"r{i}", max_tokens=4)) for i in range(4)))
+        async for out in stream:
+            if out.new_token_ids:
+                engine.abort("x")
+        await task
+
+    asyncio.run(main())
+    engine.shutdown()
+    assert threads == {"helios-engine"}
