@@ -32,6 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 from helios.core.manifest import Architecture  # noqa: E402
 from helios.engine.messages import EngineRequest, SamplingParams  # noqa: E402
+from helios.switches import Switches  # noqa: E402
+
+# the process's execution switches: this benchmark is its own composition root, so it reads HELIOS_* once, here
+# (`HELIOS_GEMV=all python3 benchmarks/gpu_decode.py` runs every runner with them); variants build their own
+SWITCHES = Switches.from_environ(os.environ)
 
 
 def copy_bandwidth() -> float:
@@ -88,11 +93,13 @@ def parity() -> list[str]:
         for backend in ("torch", "triton"):
             for dtype in (torch.float32, torch.bfloat16):
                 tensors = {k: v.to("cuda", dtype) for k, v in core.tensors.items()}
-                runner = ModelRunner(core.manifest.arch, tensors, 64, 16, device="cuda", attention_backend=backend)
+                runner = ModelRunner(core.manifest.arch, tensors, 64, 16, device="cuda", attention_backend=backend,
+                                     switches=SWITCHES)
                 logits = runner.forward_logits(prompt).float().cpu()
                 err = (logits - ref_logits).norm() / ref_logits.norm()
                 eng = make_engine(core, num_pages=64, page_size=16, chunk=16)
-                eng.runner = ModelRunner(core.manifest.arch, tensors, 64, 16, device="cuda", attention_backend=backend)
+                eng.runner = ModelRunner(core.manifest.arch, tensors, 64, 16, device="cuda", attention_backend=backend,
+                                     switches=SWITCHES)
                 out = tokens(run(eng, [EngineRequest(req_id="a", prompt_token_ids=prompt, sampling=greedy(32))])["a"])
                 same = sum(x == y for x, y in zip(out, ref))
                 replays = eng.runner.graphs.num_replays if eng.runner.graphs is not None else 0
@@ -277,9 +284,27 @@ def graph_replays(graphed, limits: dict[int, float], ctx: int) -> list[str]:
     return lines
 
 
+def variant_model(graphed, switches: Switches):
+    """The runner's model built again over the same (bound, possibly norm-folded) weights with other switches: the
+    forward path, the layers' kernels and the backend's decode path are chosen at construction; the rotary
+    table is made as the runner makes it (rope_table)."""
+    from helios.layers.rotary import tabulate_rope
+    from helios.models import build_model
+    from helios.runner.input_batch import max_table_blocks
+
+    params = dict(graphed.model.named_parameters())  # shared, not copied
+    model = build_model(graphed.arch, params, graphed.device, graphed.dtype, switches=switches,
+                        norms_folded=graphed.model.norms_folded)
+    if switches.rope_table:
+        tabulate_rope(model, max_table_blocks(graphed.max_model_len, graphed.page_size) * graphed.page_size,
+                      graphed.dtype)
+    return model
+
+
 def capture_under(graphed, buckets: list[int], env: dict[str, str]):
-    """The runner's decode graphs for `buckets` captured again with `env` set (the kernels read it at capture);
-    a key "package.module.NAME" sets helios.package.module.NAME instead (tile constants such as
+    """The runner's decode graphs for `buckets` captured again over a model built with the switches `env`'s
+    HELIOS_* keys spell (helios.switches; the keys left out take their defaults, never the process's); a key
+    "package.module.NAME" sets helios.package.module.NAME instead (tile constants such as
     kernels.decode_qkv.BLOCK_N), and "graphs.short_seq_len" / "graphs.short_programs" the new GraphRunner's
     short_seq_len / short_programs."""
     import importlib
@@ -288,28 +313,22 @@ def capture_under(graphed, buckets: list[int], env: dict[str, str]):
     from helios.runner.cuda_graphs import SHORT_SEQ_LEN, GraphRunner
 
     gr = graphed.graphs
-    names = {k: v for k, v in env.items() if "." not in k}
+    switches = Switches.from_environ({k: v for k, v in env.items() if "." not in k})
     attrs = {k: int(v) for k, v in env.items() if "." in k and not k.startswith("graphs.")}
-    saved = {name: os.environ.get(name) for name in names}
     saved_attrs = {}
     for key, value in attrs.items():
         module, attr = key.rsplit(".", 1)
         mod = importlib.import_module(f"helios.{module}")
         saved_attrs[(mod, attr)] = getattr(mod, attr)
         setattr(mod, attr, value)
-    os.environ.update(names)
     try:
-        return GraphRunner(graphed.model, graphed.kv_cache, buckets=[b for b in buckets if b in gr.graphs],
+        return GraphRunner(variant_model(graphed, switches), graphed.kv_cache,
+                           buckets=[b for b in buckets if b in gr.graphs],
                            max_model_len=gr.max_model_len, page_size=gr.page_size,
                            vocab_size=gr.buffers.logits.shape[1], num_kv_heads=graphed.arch.num_kv_heads,
                            device=graphed.device, short_seq_len=int(env.get("graphs.short_seq_len", SHORT_SEQ_LEN)),
                            short_programs=int(env.get("graphs.short_programs", SHORT_PROGRAMS)))
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name)
-            else:
-                os.environ[name] = value
         for (mod, attr), value in saved_attrs.items():
             setattr(mod, attr, value)
 
@@ -333,8 +352,8 @@ def _variant(gemv: str = "narrow", fused: str = "1", l2: str = "0", pdl: str = "
              block_n: int = 64, warps: int = 4, norm_warps: int = 8, short: int = 256,
              fold: str = "1", defer: str = "1", programs: int = 64, merge: int = 1, wide: int = 1,
              rope_table: str = "1") -> dict[str, str]:
-    """Every switch a b=1 decode graph reads at capture, spelled out (the process environment never leaks in),
-    and the one-launch decode's tiles; the defaults are helios' own."""
+    """Every switch a b=1 decode graph's model is built with, spelled out as HELIOS_* values (the process's switches
+    never leak in), and the one-launch decode's tiles; the defaults are helios' own."""
     return {"HELIOS_GEMV": gemv, "HELIOS_FUSED_DECODE": fused, "HELIOS_L2_PREFETCH": l2, "HELIOS_PDL": pdl,
             "HELIOS_GEMV_PDL": gemv_pdl, "kernels.decode_qkv.BLOCK_N": str(block_n),
             "kernels.decode_qkv.NUM_WARPS": str(warps), "kernels.rmsnorm.WIDE_ROW_WARPS": str(norm_warps),
@@ -558,7 +577,7 @@ def host_profile(layers: int = 2, rows: int = 28) -> list[str]:
                   p + "mlp_norm.weight": torch.ones(h, device="cuda", dtype=torch.bfloat16),
                   p + "attn.qkv.weight": rnd(qkv, h), p + "attn.o.weight": rnd(h, a["num_heads"] * a["head_dim"]),
                   p + "mlp.gate_up.weight": rnd(2 * f, h), p + "mlp.down.weight": rnd(h, f)})
-    runner = ModelRunner(arch, t, 64, 16, device="cuda", dtype=torch.bfloat16, max_model_len=512)
+    runner = ModelRunner(arch, t, 64, 16, device="cuda", dtype=torch.bfloat16, max_model_len=512, switches=SWITCHES)
     gr = runner.graphs
     gr.buffers.load(prepare_decode_inputs(decode_inputs(1, 160, 16), 16, 1))
     graph = gr.graph_for(1, 161)
@@ -602,7 +621,8 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
     prompt_len, new = 128, 64
     num_pages = 256 * ((prompt_len + new) // 16 + 2) + 16
     t0 = time.perf_counter()
-    graphed = ModelRunner(arch, t, num_pages, 16, device="cuda", dtype=torch.bfloat16, max_model_len=4096)
+    graphed = ModelRunner(arch, t, num_pages, 16, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
+                          switches=SWITCHES)
     lines.append(f"graphed runner: {graphed.startup.summary()} (constructed in {time.perf_counter() - t0:.1f} s)")
     st = graphed.startup
     table.append((f"graph capture, {st.num_graphs} graphs, cold ({st.kernels_jit} kernels JIT)",
@@ -617,7 +637,7 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
     del again
     torch.cuda.empty_cache()
     eager = ModelRunner(arch, t, num_pages, 16, device="cuda", dtype=torch.bfloat16, max_model_len=4096,
-                        cuda_graphs=False) if eager else None
+                        cuda_graphs=False, switches=SWITCHES) if eager else None
     limits = {}
     for batch in (1, 16, 64, 256):
         kv_bytes = batch * (prompt_len + new // 2) * a["num_layers"] * 2 * a["num_kv_heads"] * a["head_dim"] * 2
@@ -772,12 +792,7 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true", help="only: where a b=1 engine step's host time goes")
     args = parser.parse_args()
     start = time.perf_counter()
-    from helios.kernels._triton import switched_on
-    from helios.kernels.gemv import gemv_mode
-
-    pdl = os.environ.get("HELIOS_PDL") or "norm-free steps"
-    print(torch.__version__, torch.cuda.get_device_name(), f"GEMV mode {gemv_mode()}, PDL {pdl}, "
-          f"fused decode {switched_on('HELIOS_FUSED_DECODE')}", flush=True)
+    print(torch.__version__, torch.cuda.get_device_name(), SWITCHES.describe(), flush=True)
     if args.host_profile:
         print("\n".join(host_profile()), flush=True)
         return

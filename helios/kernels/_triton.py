@@ -73,32 +73,23 @@ def use_pdl(t, rows: int) -> bool:
     return _capability_major(t.device.index if t.device.index is not None else 0) >= 9
 
 
-def switched_on(name: str, default: bool = True) -> bool:
-    """An environment switch: False when `name` says "0", "false", "off" or "no", True for any other value,
-    `default` when unset."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    return value.strip().lower() not in ("0", "false", "off", "no")
-
-
-_PDL_SCOPE = False  # inside pdl_scope(): one-row launches take PDL unless HELIOS_PDL says otherwise
+_PDL_SCOPE = False  # inside pdl_scope(on): whether one-row launches take PDL
 
 
 def pdl_allowed() -> bool:
-    """Whether one-row launches use PDL: HELIOS_PDL=1 every one, HELIOS_PDL=0 none, unset (or empty) those
-    inside pdl_scope(), the steps where every kernel is ours (helios.models.llama's norm-free decode layers).
+    """Whether one-row launches use PDL: what the innermost pdl_scope says, False outside any. The model enters
+    the scope on each forward from its switches (helios.switches: HELIOS_PDL unset = the norm-free decode steps
+    only, where every kernel is ours; on = every one-row launch; off = none); nothing here reads the environment.
 
     NOTE: scoped on measurement (b=1 engine decode of an 8B llama, H200, 2026-12-03, session 6): the norm-free step ran at
     87.6-87.7% of the bandwidth limit with PDL against 84.7-84.9% without; next to cuBLAS projections (the
     other batch-1 paths) PDL made no difference or cost 2-3 points (2026-12-03)."""
-    value = os.environ.get("HELIOS_PDL", "").strip()
-    return _PDL_SCOPE if not value else switched_on("HELIOS_PDL")
+    return _PDL_SCOPE
 
 
 @contextmanager
 def pdl_scope(on: bool = True) -> Iterator[None]:
-    """One-row launches inside take PDL when HELIOS_PDL is unset (pdl_allowed)."""
+    """One-row launches inside take PDL when `on` (pdl_allowed); the scope before is restored on exit."""
     global _PDL_SCOPE
     saved, _PDL_SCOPE = _PDL_SCOPE, on
     try:

@@ -18,11 +18,11 @@ A different target or Triton version falls back to JIT compiling on first use, w
 specializes on dtypes, constexprs and the 16-divisibility of integer arguments, never on the token count, so the
 plan's shapes reduce to: dtype, heads, head_dim, hidden size, page size, layer kinds (window / soft-cap), q/k
 norms, activation and pinned decode splits.
-Imports torch, triton (guarded), helios.kernels (aot_shapes: what to launch) and helios.core.manifest.
+Imports torch, triton (guarded) and helios.kernels (aot_shapes: what to launch); never helios.core: a manifest
+arrives as an argument (read by helios.runner.aot_compile, which also holds the command line ignition runs).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib
 import json
@@ -105,7 +105,7 @@ def _tuples(value):
 
 
 def _compile_launched(shape: KernelShape, target, device: torch.device | str = "cpu",
-                      both_pdl: bool = True) -> list[tuple[object, str, object]]:
+                      both_pdl: bool = True, pdl: bool | None = None) -> list[tuple[object, str, object]]:
     """(JIT function, specialization data, compiled kernel) of every kernel run_launchers launches, compiled
     (or found in the current Triton cache) for `target`; nothing is launched (on the CPU: under the stand-in
     driver)."""
@@ -130,12 +130,12 @@ def _compile_launched(shape: KernelShape, target, device: torch.device | str = "
     knobs.runtime.jit_cache_hook = hook
     try:
         # one-row launches take programmatic dependent launch on sm90+ devices (pdl_allowed: the norm-free
-        # layers' by default, every one or none by HELIOS_PDL): a core holds both forms of each for such a target,
-        # so any setting serves without compiling (both_pdl); at start only this process's choices are built
-        # (None: each launch decides as at run time)
-        for pdl in sorted({False, target.arch >= 90}) if both_pdl else [None if target.arch >= 90 else False]:
-            with forced_pdl(pdl):
-                run_launchers(shape, device)
+        # layers' by default, every one or none by the pdl switch): a core holds both forms of each for such a
+        # target, so any setting serves without compiling (both_pdl); at start only this process's choices are
+        # built (None: each launch decides as at run time, under the process's `pdl` switch)
+        for forced in sorted({False, target.arch >= 90}) if both_pdl else [None if target.arch >= 90 else False]:
+            with forced_pdl(forced):
+                run_launchers(shape, device, pdl)
     finally:
         knobs.runtime.jit_cache_hook = previous
     return sorted(compiled.values(), key=lambda item: item[1])
@@ -235,10 +235,11 @@ class KernelLoad:
         return self.messages[0] if self.messages else self.status
 
 
-def runtime_cache_root() -> Path:
-    env = os.environ.get("HELIOS_KERNEL_CACHE")
-    if env:
-        return Path(env)
+def runtime_cache_root(kernel_cache: str | None = None) -> Path:
+    """Where kernels are installed at start: the kernel_cache switch (HELIOS_KERNEL_CACHE, helios.switches) when
+    set, else helios/triton under $XDG_CACHE_HOME or ~/.cache."""
+    if kernel_cache:
+        return Path(kernel_cache)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "helios" / "triton"
 
@@ -290,14 +291,14 @@ def _kernel_dirs(cache_dir: Path) -> set[str]:
     return {p.parent.name for p in cache_dir.glob("*/*.cubin")} if cache_dir.is_dir() else set()
 
 
-def _prebuild_launchers(shape: KernelShape, device: torch.device, target) -> int:
+def _prebuild_launchers(shape: KernelShape, device: torch.device, target, pdl: bool | None) -> int:
     """Build the launcher stubs of every kernel in parallel threads (each is a host-compiler subprocess on
     Triton <= 3.6, ~0.4 s apiece), so the warm launches after this find them cached; returns how many kernels.
     Best effort: on a Triton whose internals differ, the warm launches build them one by one instead."""
     from concurrent.futures import ThreadPoolExecutor
 
     try:
-        kernels = [kernel for _, _, kernel in _compile_launched(shape, target, device, both_pdl=False)]
+        kernels = [kernel for _, _, kernel in _compile_launched(shape, target, device, both_pdl=False, pdl=pdl)]
 
         def init(kernel):
             with torch.cuda.device(device):
@@ -312,16 +313,13 @@ def _prebuild_launchers(shape: KernelShape, device: torch.device, target) -> int
         return 0
 
 
-def _read_manifest(core_dir: Path):
-    from helios.core.manifest import MANIFEST_FILE, decode_manifest
-
-    return decode_manifest((Path(core_dir) / MANIFEST_FILE).read_bytes())
-
-
-def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | str,
+def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | str, manifest, *, gemv: str = "narrow",
+                 fused_decode: bool = True, defer_norms: bool = True, pdl: bool | None = None,
                  cache_root: Path | None = None) -> KernelLoad:
     """Install the core's kernels for this device and load each through one ordinary launch (Triton finds it
-    in the installed cache); warn and fall back to JIT when they do not fit."""
+    in the installed cache); warn and fall back to JIT when they do not fit. manifest: the core's (decoded by
+    the caller); gemv, fused_decode, defer_norms, pdl: the process's switches (helios.switches), which pick the
+    kernels it launches (runtime_shape); cache_root: runtime_cache_root's answer for them."""
     device = torch.device(device)
     if device.type != "cuda" or not kernel_targets:
         return KernelLoad("absent", messages=["no precompiled kernels (compiled on first use)"])
@@ -336,13 +334,13 @@ def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | st
         return KernelLoad("mismatch", target=chosen.target, messages=[reason])
     cache_dir, index = install_cache(kernels_dir, cache_root)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    shape = runtime_shape(shape_from_manifest(_read_manifest(core_dir), num_sms))
+    shape = runtime_shape(shape_from_manifest(manifest, num_sms), gemv, fused_decode, defer_norms)
     before = _kernel_dirs(cache_dir)
     with torch.cuda.device(device):
         from triton.runtime import driver
 
-        _prebuild_launchers(shape, device, driver.active.get_current_target())
-        run_launchers(shape, device)
+        _prebuild_launchers(shape, device, driver.active.get_current_target(), pdl)
+        run_launchers(shape, device, pdl)
         torch.cuda.synchronize(device)
     compiled = sorted(_kernel_dirs(cache_dir) - before)
     result = KernelLoad("loaded", target=chosen.target, num_loaded=len(index["kernels"]),
@@ -354,13 +352,13 @@ def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | st
     return result
 
 
-def load_offline(core_dir: Path, cache_root: Path) -> tuple[int, int]:
+def load_offline(core_dir: Path, manifest, cache_root: Path) -> tuple[int, int]:
     """What load_kernels does, under a stand-in driver for the kernels' target (no GPU needed): install them,
-    run every launcher through the compile hook; (index entries, kernels compiled because none matched)."""
+    run every launcher through the compile hook; (index entries, kernels compiled because none matched).
+    manifest: the core's, decoded by the caller (helios.runner.aot_compile.load_offline)."""
     from triton import knobs
     from triton.runtime import driver
 
-    manifest = _read_manifest(core_dir)
     (kt,) = manifest.kernels[:1]
     cache_dir, index = install_cache(Path(core_dir) / kt.dir, cache_root)
     arch = parse_target(index["target"])
@@ -401,27 +399,3 @@ class JitCounter:
             from triton import knobs
 
             knobs.runtime.jit_cache_hook = self._previous
-
-
-# --- command line (run by ignition export in a subprocess) -------------------------------------------
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m helios.kernels.aot")
-    sub = parser.add_subparsers(dest="command", required=True)
-    comp = sub.add_parser("compile", help="compile a core's kernels for a GPU target")
-    comp.add_argument("--manifest", type=Path, required=True, help="core.toml to compile for")
-    comp.add_argument("--target", required=True, help="cuda-sm<NN>")
-    comp.add_argument("--out", type=Path, required=True, help="directory to write kernels into")
-    args = parser.parse_args(argv)
-    from helios.core.manifest import decode_manifest
-
-    manifest = decode_manifest(args.manifest.read_bytes())
-    arch = parse_target(args.target)
-    index = compile_kernels(shape_from_manifest(manifest, TARGET_SMS.get(arch, 132)), args.target, args.out)
-    print(json.dumps({"kernels": len(index["kernels"]), "triton_version": index["triton_version"]}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

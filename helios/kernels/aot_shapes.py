@@ -71,14 +71,14 @@ class KernelShape:
     # (out, in) of each projection batch-1 decode sends to the GEMV (helios.kernels.gemv.gemv_serves)
     projections: tuple[tuple[int, int], ...] = ()
     projections_ffn: int = 0  # the MLP's intermediate size: its down GEMV also runs gated
-    # (out, in) of the GEMVs that take their layer's add + RMSNorm (helios.models.llama.folds_norms)
+    # (out, in) of the GEMVs that take their layer's add + RMSNorm (helios.models.llama: DecoderLayer.fold_attn_norm / fold_mlp_norm)
     norm_projections: tuple[tuple[int, int], ...] = ()
     vocab_size: int = 0  # the sampling tail's rows (greedy argmax); 0: not launched
     # decode attention: "fused" from the qkv row (decode_qkv), "split" after rotary_cache (paged_attention); a core
-    # compiles both, a process loads the one HELIOS_FUSED_DECODE picks (head_dim < 32 always takes "split")
+    # compiles both, a process loads the one its fused_decode switch picks (head_dim < 32 always takes "split")
     decode_paths: tuple[str, ...] = ("fused", "split")
     cache_write: bool = True  # the unfused cache write (backends without fused layers); never loaded at start
-    # batch-1 decode without norm kernels (helios.models.llama.runs_norm_free): the o / down GEMVs that add into
+    # batch-1 decode without norm kernels (helios.models.llama: the "norm_free" path): the o / down GEMVs that add into
     # the stream, the down GEMV and decode attention that scale by the stream's rstd, the embedding's statistic
     norm_free: bool = False
     plain_down: bool = True  # the gated down GEMV without the add (every batch-1 path but the norm-free one)
@@ -103,7 +103,7 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
     sixteen_bit = _DTYPES[manifest.dtype].itemsize == 2
     if not is_gemma and sixteen_bit:  # llama-family layers fold their norms
         norm_projections = (qkv,) if arch.moe else tuple(sorted({qkv, (2 * arch.intermediate_size, h)}))
-    # helios.models.llama.LlamaForCausalLM.fold_norm_weights: plain gated MLPs, no qkv bias
+    # helios.runner.norm_folding.fold_norm_weights: plain gated MLPs, no qkv bias
     norm_free = not is_gemma and sixteen_bit and not arch.moe and not arch.attention_bias
     return KernelShape(
         dtype=_DTYPES[manifest.dtype],
@@ -125,18 +125,17 @@ def shape_from_manifest(manifest, num_sms: int = 132) -> KernelShape:
     )
 
 
-def runtime_shape(shape: KernelShape) -> KernelShape:
-    """The part of `shape` this process launches: the GEMV shapes only as HELIOS_GEMV admits them, one decode
-    attention path, no unfused cache write (a core compiles them all, so that every switch serves without
+def runtime_shape(shape: KernelShape, gemv: str, fused_decode: bool = True, defer_norms: bool = True) -> KernelShape:
+    """The part of `shape` this process launches under its switches (helios.switches, passed in): the GEMV shapes
+    only as `gemv` admits them, one decode attention path (fused_decode), the norm-free layers only with
+    defer_norms, no unfused cache write (a core compiles them all, so that every switch serves without
     compiling; loading the unused ones costs start-up)."""
-    from helios.kernels._triton import switched_on
     from helios.kernels import gemv as gemv_module
-    from helios.kernels.gemv import gemv_admits, gemv_mode
+    from helios.kernels.gemv import gemv_admits
 
-    mode = gemv_mode()
-    fused = switched_on("HELIOS_FUSED_DECODE")
-    # the norm-free layers take the GEMV for o and down (helios.models.llama.runs_norm_free) and decode_qkv
-    norm_free = (shape.norm_free and fused and switched_on("HELIOS_DEFER_NORMS") and shape.head_dim >= 32
+    mode, fused = gemv, fused_decode
+    # the norm-free layers take the GEMV for o and down (helios.models.llama's norm-free path) and decode_qkv
+    norm_free = (shape.norm_free and fused and defer_norms and shape.head_dim >= 32
                  and gemv_admits(mode, shape.hidden_size, shape.num_heads * shape.head_dim)
                  and gemv_admits(mode, shape.hidden_size, shape.projections_ffn))
     shape = replace(shape, decode_paths=("fused",) if fused else ("split",), cache_write=False, norm_free=norm_free)
@@ -154,16 +153,18 @@ def runtime_shape(shape: KernelShape) -> KernelShape:
                    norm_projections=tuple(p for p in shape.norm_projections if gemv_admits(mode, *p)))
 
 
-def run_launchers(shape: KernelShape, device: torch.device | str = "cpu") -> None:
+def run_launchers(shape: KernelShape, device: torch.device | str = "cpu", pdl: bool | None = None) -> None:
     """Call every launcher of the runtime path once per variant, on small tensors that mirror the runtime
     layouts: the norms on [T, hidden] rows, rotary + cache write on the fused qkv output, the gated activation
     on [T, 2F] (F a multiple of 16, as the intermediate sizes served are), attention on q [T, Nq, D] and the
     cache one [2, pages, page, Nkv, D] tensor, block tables 16 wide (runner/input_batch pads them so).
     Outputs are garbage: only which kernels get launched (and so compiled or loaded) matters. A norm-free shape's
-    one-row launches are those of helios.models.llama's norm-free step, which runs in pdl_scope: so do they here."""
+    one-row launches are those of helios.models.llama's norm-free step, which runs in pdl_scope: so do they here.
+    pdl: the pdl switch (helios.switches): None scopes PDL to the norm-free step, True / False every one-row launch
+    or none, as the model's forwards do."""
     from helios.kernels._triton import pdl_scope
 
-    with pdl_scope(shape.norm_free):
+    with pdl_scope(shape.norm_free if pdl is None else pdl):
         _launch_all(shape, device)
 
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from helios.kernels._triton import require_triton, switched_on
+from helios.kernels._triton import require_triton
 from helios.kernels.decode_qkv import decode_attention_qkv
 from helios.kernels.gemv import RowNorm, times_rstd_ref
 from helios.kernels.paged_attention import choose_num_splits, paged_decode_attention
@@ -42,6 +42,8 @@ class TritonAttentionBackend:
 
     `decode_num_splits` pins the decode split count; a CUDA graph must pin it (the split count is a launch
     constant baked into the captured graph), eager decode picks it from the batch's longest sequence.
+    `fused_decode` (the fused_decode switch, helios.switches): a decode-only batch attends from the qkv row in
+    one launch (decode_qkv); False runs rotary_cache and paged decode attention instead (benchmarks compare).
     """
 
     name = "triton"
@@ -49,10 +51,11 @@ class TritonAttentionBackend:
     # write, gated activation): helios.layers read this once at construction
     fuses_layers = True
 
-    def __init__(self, decode_num_splits: int | None = None):
+    def __init__(self, decode_num_splits: int | None = None, fused_decode: bool = True):
         require_triton()
         assert decode_num_splits is None or decode_num_splits >= 1
         self.decode_num_splits = decode_num_splits
+        self.fused_decode = fused_decode
         self._num_sms: dict[torch.device, int] = {}
 
     def forward(
@@ -84,12 +87,12 @@ class TritonAttentionBackend:
         row_norm: RowNorm | None = None,  # one row: qkv projects the un-normed stream, times its rstd first
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """forward() with the q/k norms, rotary and the cache write in one launch (rotary_cache); a decode-only
-        batch runs them inside its attention launch (decode_qkv), unless HELIOS_FUSED_DECODE=0 (benchmarks).
+        batch runs them inside its attention launch (decode_qkv), unless fused_decode is off (benchmarks).
         row_norm (helios.models.llama's norm-free layers): decode_qkv scales the row as it reads it; the other
         paths scale it first in torch."""
         q_norm, k_norm, eps, in_f32 = qk_norm if qk_norm is not None else (None, None, 1e-6, False)
         head_dim = kv_cache.shape[4]
-        if qkv.shape[0] == meta.num_seqs and head_dim >= 32 and switched_on("HELIOS_FUSED_DECODE"):
+        if qkv.shape[0] == meta.num_seqs and head_dim >= 32 and self.fused_decode:
             splits = self._decode_splits(meta, sliding_window, kv_cache.shape[3], qkv.device)
             return decode_attention_qkv(
                 qkv, cos, sin, kv_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens, num_heads, scale,

@@ -314,7 +314,7 @@ def decode_attention_qkv(
     """rotary_and_cache then paged_decode_attention, in one launch (two with splits > 1: the merge).
 
     row_norm: the qkv row is x @ W'.T with x the residual stream before its RMSNorm and W' the qkv weight with
-    the norm weight folded in (helios.models.llama.fold_norm_weights); q, k and v are first multiplied by x's
+    the norm weight folded in (helios.runner.norm_folding.fold_norm_weights); q, k and v are first multiplied by x's
     rstd and rounded, which is what the norm kernel + projection would have written."""
     require_triton()
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache must be [2, num_pages, page_size, Nkv, D]"

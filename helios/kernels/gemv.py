@@ -10,7 +10,6 @@ Imports torch and helios.kernels._triton only.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -26,7 +25,6 @@ from helios.kernels._triton import (
     pdl_launch_dependents,
     pdl_wait,
     require_triton,
-    switched_on,
     tanh,
     tl,
     use_pdl,
@@ -36,7 +34,7 @@ GATES = {None: 0, "silu": 1, "gelu_tanh": 2}
 
 _TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200: below this, split K to fill the chip
 # helios.models.llama's norm-free batch-1 layers send their wide one-row products (qkv, gate_up) and the lm_head
-# here too, whatever HELIOS_GEMV admits (0: linear's choice, cuBLAS by default; benchmarks compare). NOTE: on
+# here too, whatever the gemv switch admits (0: linear's choice, cuBLAS by default; benchmarks compare). NOTE: on
 # measurement: 86.6-86.7% of the bandwidth limit against 83.3-83.7% with cuBLAS for them (H200, 2026-12-03)
 NORM_FREE_WIDE = 1
 
@@ -303,12 +301,14 @@ def gemv(
     row_norm: RowNorm | None = None,
     add: torch.Tensor | None = None,
     sums: torch.Tensor | None = None,
+    allow_pdl: bool = True,
 ) -> torch.Tensor:  # [M, N]
     """x @ weight.T with float32 accumulation and one rounding; unset tile arguments take default_config.
 
     gated="silu" | "gelu_tanh": x is a [M, 2K] row of [gate | up] and the product is act(gate) * up @ weight.T,
     the activation computed as the GEMV reads x (the down projection with helios.kernels.activation folded in).
-    norm: see gemv_add_rms_norm; row_norm, add and sums: see gemv_add."""
+    norm: see gemv_add_rms_norm; row_norm, add and sums: see gemv_add. allow_pdl=False (the gemv_pdl switch,
+    helios.switches): the launch waits for the kernel before it even where use_pdl would let it start early."""
     require_triton()
     assert x.dim() == 2 and weight.dim() == 2, f"expected x [M, K], weight [N, K]: {tuple(x.shape)}, {tuple(weight.shape)}"
     m, k = x.shape
@@ -368,8 +368,7 @@ def gemv(
     # NOTE: ptxas gave the add / row-scale forms 166 registers a thread (the plain GEMV 128): 3 programs of 4 warps
     # an SM instead of 4, so o / down's 512 programs took two waves; capped, they keep 4 (no spills on sm90)
     occupancy = dict(maxnreg=128) if (add is not None or row_norm is not None) and num_warps == 4 else {}
-    # HELIOS_GEMV_PDL=0: the GEMV launches wait for the kernel before them (benchmarks compare)
-    pdl = use_pdl(x, m) and switched_on("HELIOS_GEMV_PDL")
+    pdl = allow_pdl and use_pdl(x, m)
     grid = (cdiv(n, block_n), split_k, cdiv(m, block_m))
     target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     _gemv_kernel[grid](
@@ -429,7 +428,7 @@ def gemv_add(
     reader scales by rstd, so no norm kernel runs between them. The add rounds as torch's `x @ weight.T + add`
     in x's dtype; with row_norm, x is first multiplied by its rstd and rounded (the values a norm kernel's
     output times weight would give when the norm weight is folded into the projection before x:
-    helios.models.llama.fold_norm_weights)."""
+    helios.runner.norm_folding.fold_norm_weights)."""
     assert x.shape[0] == 1 and add.shape == (1, weight.shape[0]) and add.dtype == x.dtype, (
         f"gemv_add takes one row: x {tuple(x.shape)}, add {tuple(add.shape)}")
     n, k = weight.shape
@@ -457,10 +456,18 @@ def gemv_add_rms_norm(
     return out, residual_out
 
 
-def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def gemv_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether one-row products of `dtype` on `device` can take the GEMV at all: 16-bit, on a GPU, with compiled
+    (not interpreted) Triton kernels. Read once per model (helios.layers.linear.one_row_gemv)."""
+    return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and HAS_TRITON
+            and not interpret_mode())
+
+
+def gemv_serves(x: torch.Tensor, weight: torch.Tensor, mode: str) -> bool:
     """Whether `helios.layers.linear` sends this product here: one row (batch-1 decode), 16-bit, on a GPU
-    with compiled Triton kernels, and the weight's shape admitted by HELIOS_GEMV (gemv_mode). At M = 4 and 16
-    the GEMV lost to cuBLAS (28-50% of copy bandwidth against cuBLAS's 58-97%), so those stay on cuBLAS."""
+    with compiled Triton kernels, and the weight's shape admitted by `mode` (the gemv switch, helios.switches:
+    gemv_admits). At M = 4 and 16 the GEMV lost to cuBLAS (28-50% of copy bandwidth against cuBLAS's 58-97%),
+    so those stay on cuBLAS."""
     if not (
         x.dim() == 2
         and x.shape[0] == 1
@@ -470,33 +477,23 @@ def gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.stride(-1) == 1
         and weight.is_contiguous()
     ):
-        return False  # NOTE: before the environment is read: every CPU projection asks
-    return gemv_admits(gemv_mode(), *weight.shape)
+        return False  # NOTE: first: every CPU projection asks
+    return HAS_TRITON and not interpret_mode() and gemv_admits(mode, *weight.shape)
 
 
 def gemv_admits(mode: str, rows: int, cols: int) -> bool:
-    """Whether HELIOS_GEMV's `mode` sends a one-row product with a [rows, cols] weight to the GEMV."""
-    if mode == "nowide":
-        return rows < 4 * cols
-    return mode == "all" or (mode == "narrow" and rows <= cols) or (mode == "square" and rows == cols)
-
-
-def gemv_mode() -> str:
-    """HELIOS_GEMV: "narrow" (default) sends the one-row products whose weight has no more rows than columns
-    here (o and down of a llama layer, down with the gated activation folded in); "all" (or "1") every one-row
-    product; "square" only square weights (o); "nowide" all but weights with 4x more rows than columns (qkv
-    with its norm folded, o, down); "0" leaves every product to cuBLAS.
+    """Whether the gemv switch's `mode` sends a one-row product with a [rows, cols] weight to the GEMV: "narrow"
+    (the default) the weights with no more rows than columns (o and down of a llama layer, down with the gated
+    activation folded in); "all" every one; "square" only square weights (o); "nowide" all but weights with 4x
+    more rows than columns (qkv with its norm folded, o, down); "off" none (cuBLAS).
 
     NOTE: narrow by default on measurement: a b=1 decode step of an 8B llama through the engine ran at
     83.0-83.3% of the bandwidth limit with narrow (and PDL off), 80.2-80.4% all on cuBLAS, 82.1-82.7% nowide
     (H200, 2026-12-03, benchmarks/RESULTS.md): alone the GEMV beats cuBLAS on o and down (10.0 vs 12.3 us
     with cuBLAS's split-K reduce, 29.0 vs 30.6), cuBLAS wins the wide gate_up (55.1 vs 57.0)."""
-    if not HAS_TRITON or interpret_mode():
-        return "off"
-    value = os.environ.get("HELIOS_GEMV", "narrow").strip().lower()
-    if value in ("all", "1", "on", "true", "yes"):
-        return "all"
-    return value if value in ("narrow", "square", "nowide") else "off"
+    if mode == "nowide":
+        return rows < 4 * cols
+    return mode == "all" or (mode == "narrow" and rows <= cols) or (mode == "square" and rows == cols)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, gated: str | None = None) -> torch.Tensor:

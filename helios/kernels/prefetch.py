@@ -6,14 +6,14 @@ with a ramp at each end. `l2_prefetch(weight)` forks a side stream that pulls th
 kernels and joins it before the projection, which then reads from L2. Under CUDA graph capture the fork and
 join become graph edges, so the replay runs the two branches concurrently.
 
-HELIOS_L2_PREFETCH picks the mechanism: "0" (default) none; "bulk" the Hopper bulk prefetch instruction
-(cp.async.bulk.prefetch.L2, one per 8 KB); "load" plain cache-global loads whose values are discarded.
+The l2_prefetch switch (HELIOS_L2_PREFETCH, helios.switches) picks the mechanism, passed in as `mode`: "off" (default)
+none; "bulk" the Hopper bulk prefetch instruction (cp.async.bulk.prefetch.L2, one per 8 KB); "load" plain
+cache-global loads whose values are discarded.
 Imports torch and helios.kernels._triton only.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -55,11 +55,6 @@ def _load_prefetch_kernel(words_ptr, num_words, sink_ptr, BLOCK: tl.constexpr, P
     tl.store(sink_ptr, total, mask=total == 0x5EED1E55)
 
 
-def prefetch_mode() -> str:
-    value = os.environ.get("HELIOS_L2_PREFETCH", "0").strip().lower()
-    return value if value in ("bulk", "load") else "off"
-
-
 def prefetch_to_l2(weight: torch.Tensor, mode: str, sink: torch.Tensor) -> None:
     """Enqueue the L2 prefetch of `weight` (contiguous, 16-byte aligned) on the current stream; `sink` is one
     int32 the load mode may write (never, for a real weight)."""
@@ -86,11 +81,10 @@ def _side(device: torch.device) -> tuple[torch.cuda.Stream, torch.Tensor]:
 
 
 @contextmanager
-def l2_prefetch(weight: torch.Tensor, num_tokens: int) -> Iterator[None]:
+def l2_prefetch(weight: torch.Tensor, num_tokens: int, mode: str = "off") -> Iterator[None]:
     """Prefetch `weight` into L2 on a side stream while the body's kernels run; joined on exit. Only for one
-    decode row on a Hopper-class GPU with HELIOS_L2_PREFETCH set; otherwise nothing happens."""
-    mode = prefetch_mode() if num_tokens == 1 and weight.is_cuda else "off"
-    if mode == "off" or not HAS_TRITON or interpret_mode():
+    decode row on a GPU with `mode` "bulk" or "load" (the l2_prefetch switch); otherwise nothing happens."""
+    if mode not in ("bulk", "load") or num_tokens != 1 or not weight.is_cuda or not HAS_TRITON or interpret_mode():
         yield
         return
     if mode == "bulk" and torch.cuda.get_device_capability(weight.device)[0] < 9:

@@ -8,6 +8,7 @@ from torch import nn
 
 from helios.core.manifest import Activation
 from helios.layers.linear import Linear
+from helios.switches import DEFAULT_SWITCHES, Switches
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -27,12 +28,13 @@ def gated(gate_up: torch.Tensor, act: Activation) -> torch.Tensor:  # [..., 2*F]
 class GatedMLP(nn.Module):
     """down(act(gate) * up) over a fused projection: gate_up.weight [2*F, H], down.weight [H, F]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, act: Activation = "silu", fused: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: Activation = "silu", fused: bool = False,
+                 switches: Switches = DEFAULT_SWITCHES):
         super().__init__()
         self.act = act
         self.fused = fused  # GPU path: act(gate) * up in one Triton kernel (helios.kernels.activation)
-        self.gate_up = Linear(hidden_size, 2 * intermediate_size)
-        self.down = Linear(intermediate_size, hidden_size)
+        self.gate_up = Linear(hidden_size, 2 * intermediate_size, switches=switches)
+        self.down = Linear(intermediate_size, hidden_size, switches=switches)
 
     def forward(self, x: torch.Tensor, gate_up: torch.Tensor | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
         """gate_up: the gate_up projection of x, already computed (then x is not read)."""
@@ -40,10 +42,10 @@ class GatedMLP(nn.Module):
             gate_up = self.gate_up(x)
         if self.fused:
             from helios.kernels import activation
-            from helios.kernels.gemv import gemv, gemv_serves
+            from helios.kernels.gemv import gemv
 
-            if self.down.bias is None and gemv_serves(gate_up, self.down.weight):
+            if self.down.serves_gemv(gate_up):
                 # batch-1 decode: the activation rides in the down GEMV as it reads its input (same values)
-                return gemv(gate_up, self.down.weight, gated=self.act)
+                return gemv(gate_up, self.down.weight, gated=self.act, allow_pdl=self.down.switches.gemv_pdl)
             return self.down(getattr(activation, f"{self.act}_and_mul")(gate_up))
         return self.down(gated(gate_up, self.act))

@@ -19,6 +19,7 @@ from torch import nn
 from helios.layers.linear import Linear
 from helios.layers.norm import RMSNorm
 from helios.layers.rotary import apply_rotary
+from helios.switches import DEFAULT_SWITCHES, Switches
 
 
 @dataclass(frozen=True)
@@ -216,16 +217,25 @@ _BACKENDS = {
 }
 
 
-def select_attention_backend(
-    name: str | None = None, device: torch.device | str = "cpu", **options
-) -> AttentionBackend:
-    """Pick the backend once per model. `name` overrides (tests); CUDA defaults to Triton when it is
-    importable, everything else to torch SDPA. `options` go to the backend (e.g. decode_num_splits)."""
+def attention_backend_name(name: str | None = None, device: torch.device | str = "cpu") -> str:
+    """The backend a model on `device` gets: `name` when given (tests); CUDA defaults to Triton when it is
+    importable, everything else to torch SDPA."""
     from helios.kernels._triton import HAS_TRITON
 
     chosen = name or ("triton" if torch.device(device).type == "cuda" and HAS_TRITON else "torch")
     if chosen not in _BACKENDS:
         raise ValueError(f"unknown attention backend {chosen!r}; known: {sorted(_BACKENDS)}")
+    return chosen
+
+
+def select_attention_backend(
+    name: str | None = None, device: torch.device | str = "cpu", switches: Switches = DEFAULT_SWITCHES, **options
+) -> AttentionBackend:
+    """Pick the backend once per model (attention_backend_name). `options` go to the backend (e.g.
+    decode_num_splits); the Triton one also takes the fused_decode switch."""
+    chosen = attention_backend_name(name, device)
+    if chosen == "triton":
+        options.setdefault("fused_decode", switches.fused_decode)
     module, cls = _BACKENDS[chosen].split(":")
     return getattr(importlib.import_module(module), cls)(**options)
 
@@ -251,6 +261,7 @@ class Attention(nn.Module):
         scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        switches: Switches = DEFAULT_SWITCHES,
     ):
         super().__init__()
         self.num_heads = num_heads
@@ -260,10 +271,11 @@ class Attention(nn.Module):
         self.scale = scale if scale is not None else head_dim**-0.5
         self.sliding_window = sliding_window
         self.softcap = softcap
-        self.qkv = Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias)
+        self.l2_prefetch = switches.l2_prefetch  # batch-1 GPU decode: the o weight into L2 beside attention
+        self.qkv = Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, switches=switches)
         self.q_norm = RMSNorm(head_dim, norm_eps, norm_multiply_in_float32) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps, norm_multiply_in_float32) if qk_norm else None
-        self.o = Linear(num_heads * head_dim, hidden_size)
+        self.o = Linear(num_heads * head_dim, hidden_size, switches=switches)
 
     def forward(
         self,
@@ -308,7 +320,7 @@ class Attention(nn.Module):
 
         num_tokens = qkv.shape[0]
         # batch-1 decode: the o weight may stream into L2 beside the latency-bound kernels (opt-in)
-        with l2_prefetch(self.o.weight, num_tokens):
+        with l2_prefetch(self.o.weight, num_tokens, self.l2_prefetch):
             o = self.backend.forward_qkv(qkv, *cos_sin, self.num_heads, kv_cache, meta, self.scale,
                                          self.sliding_window, self.softcap, norms, row_norm=row_norm)
         return o.reshape(num_tokens, self.num_heads * self.head_dim)

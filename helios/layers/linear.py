@@ -2,7 +2,8 @@
 
 Weights start on the meta device and are bound without a copy by `helios.models.bind_tensors`.
 `linear` is the one matmul entry point: F.linear, oneDNN for wide float32 projections on the CPU, or
-helios.kernels.gemv for one-row 16-bit products on a GPU (batch-1 decode).
+helios.kernels.gemv for one-row 16-bit products on a GPU (batch-1 decode) as the model's switches admit
+(helios.switches: gemv, gemv_pdl; a Linear keeps the Switches it was built with).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helios.kernels.gemv import gemv, gemv_serves
+from helios.kernels import gemv as gemv_kernels
+from helios.switches import DEFAULT_SWITCHES, Switches
 
 
 @functools.cache
@@ -34,16 +36,18 @@ def linear(
     x: torch.Tensor,  # [..., in]
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None = None,  # [out]
+    switches: Switches = DEFAULT_SWITCHES,
 ) -> torch.Tensor:  # [..., out]
-    """y = x @ W^T (+ b). Wide float32 projections (out > in: qkv, gate/up, lm_head) on the CPU go to oneDNN.
+    """y = x @ W^T (+ b). Wide float32 projections (out > in: qkv, gate/up, lm_head) on the CPU go to oneDNN;
+    one-row 16-bit GPU products to the GEMV where `switches.gemv` admits the weight's shape.
 
     NOTE: torch's MKL path runs a small-batch float32 GEMV on one thread here (~7 GB/s of weights on the
     2-core CI machine), while oneDNN splits the output columns over every thread (~1.7x on qkv, gate/up and
     lm_head, at batch 1, 8 and 512 alike); for narrow outputs (o, down) it splits worse, so those stay on
     F.linear. Both accumulate in float32: results differ by float32 rounding only.
     """
-    if bias is None and gemv_serves(x, weight):
-        return gemv(x, weight)
+    if bias is None and gemv_kernels.gemv_serves(x, weight, switches.gemv):
+        return gemv_kernels.gemv(x, weight, allow_pdl=switches.gemv_pdl)
     if (
         weight.shape[0] > weight.shape[1]
         and x.dtype == torch.float32
@@ -55,13 +59,23 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Module):
-    """y = x @ W^T (+ b); `weight` [out, in], optional `bias` [out]."""
+def one_row_gemv(device: torch.device | str, dtype: torch.dtype | None, switches: Switches, rows: int,
+                 cols: int) -> bool:
+    """Whether a one-row product with a [rows, cols] weight of `dtype` on `device` takes the GEMV under
+    `switches` (what `linear` decides per call, decided once when a model picks its forward path)."""
+    return (dtype is not None and gemv_kernels.gemv_available(device, dtype)
+            and gemv_kernels.gemv_admits(switches.gemv, rows, cols))
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+
+class Linear(nn.Module):
+    """y = x @ W^T (+ b); `weight` [out, in], optional `bias` [out]; `switches` pick its one-row GPU kernel."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 switches: Switches = DEFAULT_SWITCHES):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.switches = switches
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, device="meta"), requires_grad=False)
@@ -69,7 +83,11 @@ class Linear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.switches)
+
+    def serves_gemv(self, x: torch.Tensor) -> bool:  # x [1, in]
+        """Whether `linear` sends x's product with this weight to the GEMV (one row on the GPU path)."""
+        return self.bias is None and gemv_kernels.gemv_serves(x, self.weight, self.switches.gemv)
 
 
 class Embedding(nn.Module):

@@ -14,6 +14,7 @@ from torch import nn
 from helios.core.manifest import Activation
 from helios.layers.activation import gated
 from helios.layers.linear import Linear, Stacked
+from helios.switches import DEFAULT_SWITCHES, Switches
 
 
 def route(
@@ -40,13 +41,14 @@ class SparseMoe(nn.Module):
         top_k: int,
         norm_topk_prob: bool,
         act: Activation = "silu",
+        switches: Switches = DEFAULT_SWITCHES,
     ):
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.act = act
-        self.router = Linear(hidden_size, num_experts)
+        self.router = Linear(hidden_size, num_experts, switches=switches)
         self.gate_up = Stacked(num_experts, 2 * moe_intermediate_size, hidden_size)
         self.down = Stacked(num_experts, hidden_size, moe_intermediate_size)
 

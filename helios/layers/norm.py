@@ -44,11 +44,13 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,  # [1, dim]
         residual: torch.Tensor | None,  # [1, dim]; None for the first layer
         weight: torch.Tensor,  # [N, dim], the projection that reads the normed row
+        allow_pdl: bool = True,  # the gemv_pdl switch (helios.switches)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual) @ weight.T, x + residual)
         """forward_add then the projection, in one GEMV launch (batch-1 decode on the GPU path)."""
         from helios.kernels.gemv import gemv_add_rms_norm
 
-        return gemv_add_rms_norm(x, residual, self.weight, self.eps, weight, self.multiply_in_float32)
+        return gemv_add_rms_norm(x, residual, self.weight, self.eps, weight, self.multiply_in_float32,
+                                 allow_pdl=allow_pdl)
 
     def forward_add(
         self,

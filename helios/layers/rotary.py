@@ -86,7 +86,8 @@ class RotaryEmbedding:
         """Compute the (cos, sin) rows of positions 0 .. num_positions - 1 once, with cos_sin's own ops on the
         inv_freq device, so cos_sin gathers a step's rows in one launch instead of ~9 elementwise ones (the
         CUDA path: the same elementwise kernels over the same inputs give the same bits). Every position a
-        step can ask for must lie below num_positions (an out-of-range gather is a device-side assert)."""
+        step can ask for must lie below num_positions (an out-of-range gather is a device-side assert). The
+        runner tabulates at load unless the rope_table switch is off (helios.switches)."""
         self.table = None
         device = self.inv_freq.device
         table = torch.empty(num_positions, 2, self.head_dim, dtype=dtype, device=device)
@@ -102,11 +103,8 @@ class RotaryEmbedding:
         made for dtype; views with a row stride of 2 * head_dim then)."""
         table = self.table
         if table is not None and table.dtype == dtype:
-            from helios.kernels._triton import switched_on
-
-            if switched_on("HELIOS_ROPE_TABLE"):  # read at each capture: benchmarks compare
-                rows = table.index_select(0, positions)
-                return rows[:, 0], rows[:, 1]
+            rows = table.index_select(0, positions)
+            return rows[:, 0], rows[:, 1]
         freqs = positions[:, None].to(torch.float32) * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling

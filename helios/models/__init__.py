@@ -15,6 +15,7 @@ from torch import nn
 
 from helios.core.manifest import Architecture
 from helios.layers.attention import AttentionMetadata, select_attention_backend
+from helios.switches import DEFAULT_SWITCHES, Switches
 
 # family -> "module:Class"
 _FAMILIES = {
@@ -47,15 +48,33 @@ def build_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     attention_backend: str | None = None,
+    *,
+    switches: Switches = DEFAULT_SWITCHES,
+    norms_folded: bool = False,
 ) -> CausalLM:
-    """Build the family's module on meta, bind `tensors` (cast/moved only if dtype/device differ)."""
-    if arch.family not in _FAMILIES:
-        raise ValueError(f"no model for family {arch.family!r}; known: {sorted(_FAMILIES)}")
-    module, cls = _FAMILIES[arch.family].split(":")
-    backend = select_attention_backend(attention_backend, device)
-    model = getattr(importlib.import_module(module), cls)(arch, backend, device)
+    """Build the family's module on meta, bind `tensors` (cast/moved only if dtype/device differ). The model picks
+    its forward path here, once: from the backend, device, dtype and `switches`; norms_folded says the runner's
+    load step folded the norm weights into `tensors` (helios.runner.norm_folding)."""
+    cls = model_class(arch.family)
+    backend = select_attention_backend(attention_backend, device, switches)
+    model_dtype = dtype or tensors["embed.weight"].dtype  # the activations' (the path's GEMV rule reads it)
+    model = cls(arch, backend, device, dtype=model_dtype, switches=switches, norms_folded=norms_folded)
     bind_tensors(model, tensors, device, dtype)
     return model.eval()
+
+
+def model_class(family: str) -> type:
+    """The family's module class (imported here, on first use)."""
+    if family not in _FAMILIES:
+        raise ValueError(f"no model for family {family!r}; known: {sorted(_FAMILIES)}")
+    module, cls = _FAMILIES[family].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def folds_norm_weights(arch: Architecture) -> bool:
+    """Whether the family's layers take norm weights folded into qkv / gate_up (helios.runner.norm_folding)."""
+    rule = getattr(model_class(arch.family), "folds_norm_weights", None)
+    return bool(rule is not None and rule(arch))
 
 
 def bind_tensors(

@@ -14,16 +14,19 @@ from helios.core.manifest import Architecture
 from helios.layers.activation import GatedMLP
 from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, linear
+from helios.layers.norm_free import pdl_launches
 from helios.layers.norm import RMSNorm
 from helios.layers.rotary import RotaryEmbedding
 from helios.models.llama import is_sliding, softcap_logits
+from helios.switches import DEFAULT_SWITCHES, Switches
 
 # HF's Gemma3TextConfig default for the local (sliding) rope base when a core does not state one
 _DEFAULT_LOCAL_THETA = 10_000.0
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend):
+    def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
+                 switches: Switches = DEFAULT_SWITCHES):
         super().__init__()
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.attn_norm = RMSNorm(h, eps, multiply_in_float32=True)
@@ -40,10 +43,11 @@ class Gemma3DecoderLayer(nn.Module):
             scale=arch.query_scale,
             sliding_window=arch.sliding_window if is_sliding(arch, layer_idx) else None,
             softcap=arch.attn_logit_softcapping,
+            switches=switches,
         )
         self.attn_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
         self.mlp_norm = RMSNorm(h, eps, multiply_in_float32=True)
-        self.mlp = GatedMLP(h, arch.intermediate_size, arch.hidden_act)
+        self.mlp = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
         self.mlp_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
 
     def forward(
@@ -58,13 +62,22 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu"):
+    """One forward path: torch layers around the backend's attention (the sandwich norms never fuse); with
+    the pdl switch on, its one-row launches take PDL. Norm weights are never folded (gemma multiplies in float32)."""
+
+    def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
         super().__init__()
+        if norms_folded:
+            raise ValueError("gemma3 norm weights are never folded")
         self.arch = arch
+        self.switches = switches
+        self.pdl = switches.pdl is True
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, i, backend) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(arch, i, backend, switches) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
+                                                                    switches=switches)
         # global layers: rope_theta with the declared scaling; local layers: rope_local_theta, unscaled
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings, device
@@ -84,10 +97,13 @@ class Gemma3ForCausalLM(nn.Module):
         x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
         rope = self.rotary.cos_sin(meta.positions, x.dtype)
         local_rope = self.local_rotary.cos_sin(meta.positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
+        with pdl_launches(self.pdl):
+            for i, layer in enumerate(self.layers):
+                x = layer(x, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return softcap_logits(linear(hidden, weight), self.arch.final_logit_softcapping)
+        with pdl_launches(self.pdl):
+            logits = linear(hidden, weight, None, self.switches)
+        return softcap_logits(logits, self.arch.final_logit_softcapping)

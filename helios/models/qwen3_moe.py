@@ -12,6 +12,10 @@ from helios.models.llama import LlamaForCausalLM
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def folds_norm_weights(arch: Architecture) -> bool:
+        return False  # an expert's gate_up cannot take the MLP norm (each token picks other experts)
+
     def make_ffn(self, arch: Architecture, layer_idx: int) -> tuple[nn.Module, str]:
         moe = arch.moe
         if moe is None:
@@ -26,6 +30,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                 moe.num_experts_per_tok,
                 moe.norm_topk_prob,
                 arch.hidden_act,
+                switches=self.switches,
             ),
             "moe",
         )

@@ -281,7 +281,10 @@ class GraphRunner:
         self.short_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.short_seq_len = short_seq_len
         head_dim = kv_cache.layers[0].shape[-1]
-        self.short_splits = {b: self._short_splits(b, num_kv_heads, head_dim, short_programs) for b in self.buckets}
+        # the fused_decode switch, as the model's backends were built with it (a torch backend never fuses: as on)
+        fused_decode = all(getattr(b, "fused_decode", True) for b in self.backends)
+        self.short_splits = {b: self._short_splits(b, num_kv_heads, head_dim, short_programs, fused_decode)
+                             for b in self.buckets}
         self.capture_s = 0.0
         self.num_replays = 0  # every replay, speculative ones included
         self.timer = ReplayTimer(self.device)  # their GPU time
@@ -291,14 +294,13 @@ class GraphRunner:
     # --- capture ----------------------------------------------------------------------------------
 
     @staticmethod
-    def _short_splits(bucket: int, num_kv_heads: int, head_dim: int, programs: int) -> int:
+    def _short_splits(bucket: int, num_kv_heads: int, head_dim: int, programs: int, fused_decode: bool) -> int:
         """A few splits when decode attention is decode_qkv's one launch with its merge inside (a split then
         costs no launch: more programs for a latency-bound kernel); otherwise one (no merge kernel)."""
         from helios.kernels import decode_qkv
-        from helios.kernels._triton import switched_on
 
         # NOTE: head_dim < 32 decodes through paged_attention (backend.forward_qkv), whose splits cost a merge kernel
-        if not (decode_qkv.MERGE_IN_KERNEL and switched_on("HELIOS_FUSED_DECODE") and head_dim >= 32):
+        if not (decode_qkv.MERGE_IN_KERNEL and fused_decode and head_dim >= 32):
             return 1
         return short_decode_splits(bucket, num_kv_heads, programs)
 

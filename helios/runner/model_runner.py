@@ -12,7 +12,6 @@ records how long each took in `startup`.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import warnings
@@ -28,9 +27,11 @@ from helios.engine.messages import (
     NewRequestData,
     PositionLogprobs,
     RequestResult,
+    RunnerStats,
     SchedulerOutput,
     ScheduledRequest,
 )
+from helios.layers.attention import attention_backend_name
 from helios.layers.rotary import tabulate_rope
 from helios.models import build_model
 from helios.runner.cpu_threads import DecodeThreads, same_bits_across_threads
@@ -47,7 +48,9 @@ from helios.runner.disk_cache import DiskKVStore
 from helios.runner.host_cache import HostKVStore
 from helios.runner.kv_cache import KVCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
+from helios.runner.norm_folding import fold_norm_weights, foldable, should_fold
 from helios.runner.sampler import SamplerState, draw_logits, sample, sample_device
+from helios.switches import DEFAULT_SWITCHES, Switches
 
 
 DEFAULT_DECODE_BUCKETS = [1, 2, 4, 8] + list(range(16, 257, 16))  # when no graph plan is given
@@ -68,6 +71,8 @@ class StartupTimes:
     kernels: str = ""  # what happened to the core's precompiled kernels
     kernels_jit: int = 0  # kernels compiled (or fetched from Triton's cache) during capture
     graphs: str = ""  # why graphs are off, when they are
+    weights: str = "as bound"  # the load step's weight rewrite: "norms folded" (helios.runner.norm_folding)
+    path: str = ""  # the forward path the model picked (helios.models.llama: eager, fused, norm_free)
 
     def summary(self) -> str:
         total = self.kernels_wait_s + self.load_s + self.kv_alloc_s + self.capture_s
@@ -78,6 +83,7 @@ class StartupTimes:
             f"({self.kernels or 'none'}; {self.kernels_jit} compiled at capture)",
             f"KV {self.kv_alloc_s:.2f} s ({self.num_pages} pages)",
             f"capture {self.capture_s:.2f} s ({graphs})",
+            f"weights {self.weights}, {self.path or 'one'} forward path",
         ]
         return ", ".join(parts)
 
@@ -133,19 +139,30 @@ class _KernelLoad:
     """helios.kernels.aot.load_kernels on a thread of its own; join() gives its summary and duration, or raises
     what it raised."""
 
-    def __init__(self, core_path: Path, kernel_targets: list[KernelTarget], device: torch.device):
+    def __init__(self, core_path: Path, kernel_targets: list[KernelTarget], device: torch.device, manifest=None,
+                 switches: Switches = DEFAULT_SWITCHES):
         self._summary, self._error, self._seconds = "", None, 0.0
-        self._thread = threading.Thread(target=self._run, args=(core_path, kernel_targets, device),
+        self._thread = threading.Thread(target=self._run, args=(core_path, kernel_targets, device, manifest, switches),
                                         name="helios-kernel-load", daemon=True)
         self._thread.start()
 
-    def _run(self, core_path: Path, kernel_targets: list[KernelTarget], device: torch.device) -> None:
-        from helios.kernels.aot import load_kernels
+    def _run(self, core_path: Path, kernel_targets: list[KernelTarget], device: torch.device, manifest,
+             switches: Switches) -> None:
+        from helios.kernels.aot import load_kernels, runtime_cache_root
 
         t0 = time.perf_counter()
         try:
+            if manifest is None and kernel_targets:
+                from helios.runner.aot_compile import read_manifest
+
+                manifest = read_manifest(core_path)
             with torch.cuda.device(device):
-                self._summary = load_kernels(core_path, kernel_targets, device).summary()
+                # the kernels this process launches follow its switches (helios.kernels.aot_shapes.runtime_shape)
+                self._summary = load_kernels(
+                    core_path, kernel_targets, device, manifest, gemv=switches.gemv,
+                    fused_decode=switches.fused_decode, defer_norms=switches.defer_norms, pdl=switches.pdl,
+                    cache_root=runtime_cache_root(switches.kernel_cache),
+                ).summary()
         except BaseException as exc:  # noqa: BLE001 - re-raised by join on the constructing thread
             self._error = exc
         self._seconds = time.perf_counter() - t0
@@ -180,14 +197,23 @@ class ModelRunner:
         decode_overlap: bool | None = None,
         host_cache_pages: int = 0,
         host_disk_dir: Path | str | None = None,
+        switches: Switches | None = None,
+        fold_norms: bool | None = None,
+        manifest=None,
     ):
         """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
         core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core).
         decode_overlap: speculate the next graphed decode step (runner/decode_overlap.py); None means on
         CUDA (where graphs exist), True also on the CPU once a test attaches a GraphRunner(capture=False);
-        HELIOS_DECODE_OVERLAP=0 turns it off whatever the argument. host_cache_pages: records of the prefix
+        the decode_overlap switch off turns it off whatever the argument. host_cache_pages: records of the prefix
         cache's host DRAM tier (runner/host_cache.py), 0 for none; host_disk_dir: the directory of its disk records
-        (runner/disk_cache.py; use record_dir()), None for none."""
+        (runner/disk_cache.py; use record_dir()), None for none. switches: the process's execution switches
+        (helios.switches; None: the declared defaults, as if no HELIOS_* variable were set), read once at start
+        by the caller and handed to the model, its layers and the kernel load. fold_norms: the norm-folding load
+        step (runner/norm_folding.py); None: its GPU rule, True: wherever the family allows (tests run the
+        norm-free layers in the Triton interpreter), False: never. manifest: the core's, for the kernel load (read
+        from core_path when None)."""
+        self.switches = switches = switches if switches is not None else DEFAULT_SWITCHES
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = dtype or tensors["embed.weight"].dtype
@@ -202,21 +228,30 @@ class ModelRunner:
             # before anything compiles: Triton must see the installed cache from the first kernel on. The load
             # (host-compiler launcher stubs, one tiny launch per kernel) runs beside the weights upload below,
             # which compiles nothing: a copy engine's work against a CPU's
-            kernel_load = _KernelLoad(Path(core_path), list(kernel_targets), self.device)
+            kernel_load = _KernelLoad(Path(core_path), list(kernel_targets), self.device, manifest, switches)
         if is_cuda:
             tensors = move_tensors(tensors, self.device, self.dtype)
         t1 = time.perf_counter()
         if kernel_load is not None:
             self.startup.kernels, self.startup.kernels_s = kernel_load.join()
         t1, weights_s = time.perf_counter(), t1 - t0
-        self.model = build_model(arch, tensors, self.device, self.dtype, attention_backend)
-        # NOTE: the GPU tensors moved here are the model's alone now: dropping the dict lets the family's weight
-        # rewrite for its GPU path (llama: fold_norm_weights) free each replaced tensor as it goes
+        # the load step's weight rewrite, before the model is built on the result (runner/norm_folding.py)
+        fused = attention_backend_name(attention_backend, self.device) == "triton"
+        if fold_norms is None:
+            fold_norms = should_fold(arch, tensors, self.device, self.dtype, fused, switches)
+        elif fold_norms:
+            fold_norms = fused and foldable(arch, tensors)
+        if fold_norms:
+            # NOTE: on CUDA the moved tensors are this dict's alone: each replaced one is freed as the fold goes;
+            # elsewhere the caller's (mmap-backed) dict is left as it was
+            tensors = tensors if is_cuda else dict(tensors)
+            fold_norm_weights(arch, tensors)
+            self.startup.weights = "norms folded into qkv / gate_up"
+        self.model = build_model(arch, tensors, self.device, self.dtype, attention_backend, switches=switches,
+                                 norms_folded=fold_norms)
+        self.startup.path = getattr(self.model, "path", "")
         del tensors
-        fold = getattr(self.model, "fold_norm_weights", None)
-        if fold is not None:
-            fold()
-        if is_cuda:
+        if is_cuda and switches.rope_table:
             # every position a step can address: the graphs' block tables hold max_blocks pages (the speculative
             # next step stays inside a request's pages)
             tabulate_rope(self.model, max_table_blocks(self.max_model_len, page_size) * page_size, self.dtype)
@@ -236,7 +271,7 @@ class ModelRunner:
         t3 = time.perf_counter()
         self.requests: dict[str, RequestState] = {}
         self.graphs = self._build_graphs(graph_plan, cuda_graphs)
-        if os.environ.get("HELIOS_DECODE_OVERLAP", "1") == "0":
+        if not switches.decode_overlap:
             decode_overlap = False
         self.decode_overlap = is_cuda if decode_overlap is None else decode_overlap  # may be flipped between steps
         self._overlap: DecodeOverlap | None = None  # made at the first graphed step (tests attach graphs late)
@@ -257,11 +292,11 @@ class ModelRunner:
     @classmethod
     def from_core(cls, core, device: torch.device | str = "cpu", num_pages: int | None = None, **kwargs) -> ModelRunner:
         """A runner for a loaded core (helios.core.load.LoadedCore): its graph plan, page size, context
-        length and precompiled kernels."""
+        length and precompiled kernels; kwargs go to the constructor (switches= among them)."""
         m = core.manifest
         kwargs.setdefault("max_model_len", m.limits.context_length)
         return cls(m.arch, core.tensors, num_pages, m.graph_plan.page_size, device, graph_plan=m.graph_plan,
-                   core_path=core.path, kernel_targets=list(m.kernels), **kwargs)
+                   core_path=core.path, kernel_targets=list(m.kernels), manifest=m, **kwargs)
 
     @property
     def num_pages(self) -> int:
@@ -310,6 +345,10 @@ class ModelRunner:
     # --- the step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
+    def stats(self) -> RunnerStats:
+        """Its counters for /metrics, as data (EngineCore folds them into EngineMetrics)."""
+        return RunnerStats(graph_launches=dict(self.launches), replay_gpu_ns=self.replay_gpu_ns)
+
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         # NOTE: drops first: a preempted request can be dropped and re-sent as new in one plan.
         for req_id in plan.finished_req_ids:

@@ -1,7 +1,7 @@
 """Kernel precompile: the core's Triton kernels for one GPU target, written into kernels/<target>/.
 
 The kernels are helios' code and ignition imports no helios runtime, so the compile runs in a subprocess
-(`python -m helios.kernels.aot compile`), which also gives it a clean Triton environment: no interpreter,
+(`python -m helios.runner.aot_compile compile`), which also gives it a clean Triton environment: no interpreter,
 a private cache dir. No GPU is needed: Triton compiles for the named target with its bundled ptxas.
 """
 
@@ -49,7 +49,7 @@ def compile_kernels(manifest: Manifest, target: str, out_dir: Path) -> tuple[Ker
     with tempfile.TemporaryDirectory(prefix="ignition-kernels-") as tmp:
         manifest_path = Path(tmp) / MANIFEST_FILE
         manifest_path.write_bytes(encode_manifest(manifest))
-        cmd = [sys.executable, "-m", "helios.kernels.aot", "compile", "--manifest", str(manifest_path),
+        cmd = [sys.executable, "-m", "helios.runner.aot_compile", "compile", "--manifest", str(manifest_path),
                "--target", target, "--out", str(out_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp)
     if proc.returncode != 0:

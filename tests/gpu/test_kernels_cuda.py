@@ -212,29 +212,31 @@ def test_gemv(dtype, m):
     _check_gemv(dtype, m, 4096, 14336, split_k=4)  # down, split-K
 
 
-def test_linear_sends_one_row_16_bit_products_to_the_gemv(monkeypatch):
+def test_linear_sends_one_row_16_bit_products_to_the_gemv():
     from helios.kernels.gemv import gemv_ref, gemv_serves
     from helios.layers.linear import linear
+    from helios.switches import DEFAULT_SWITCHES, Switches
 
     g = torch.Generator(device=CUDA).manual_seed(0)
     w = torch.randn(6144, 4096, generator=g, device=CUDA, dtype=torch.bfloat16) / 64
     x = torch.randn(1, 4096, generator=g, device=CUDA, dtype=torch.bfloat16)
-    monkeypatch.delenv("HELIOS_GEMV", raising=False)
-    assert not gemv_serves(x, w)  # narrow by default: a qkv-shaped weight stays on cuBLAS
-    monkeypatch.setenv("HELIOS_GEMV", "all")
-    assert gemv_serves(x, w) and not gemv_serves(torch.cat([x, x]), w) and not gemv_serves(x.float(), w.float())
-    torch.testing.assert_close(linear(x, w).float(), gemv_ref(x, w).float(), rtol=1.6e-2, atol=1.6e-2)
-    monkeypatch.setenv("HELIOS_GEMV", "narrow")  # only weights with no more rows than columns
-    down = torch.randn(4096, 8192, generator=g, device=CUDA, dtype=torch.bfloat16)
-    assert not gemv_serves(x, w) and gemv_serves(torch.cat([x, x], 1), down)
-    monkeypatch.setenv("HELIOS_GEMV", "0")
-    assert not gemv_serves(x, w)
-    torch.testing.assert_close(linear(x, w).float(), gemv_ref(x, w).float(), rtol=1.6e-2, atol=1.6e-2)
+    assert DEFAULT_SWITCHES.gemv == "narrow"
+    assert not gemv_serves(x, w, "narrow")  # narrow by default: a qkv-shaped weight stays on cuBLAS
+    assert gemv_serves(x, w, "all") and not gemv_serves(torch.cat([x, x]), w, "all")
+    assert not gemv_serves(x.float(), w.float(), "all")
+    every = Switches(gemv="all")
+    torch.testing.assert_close(linear(x, w, None, every).float(), gemv_ref(x, w).float(), rtol=1.6e-2, atol=1.6e-2)
+    down = torch.randn(4096, 8192, generator=g, device=CUDA, dtype=torch.bfloat16)  # narrow: rows <= columns
+    assert gemv_serves(torch.cat([x, x], 1), down, "narrow")
+    assert not gemv_serves(x, w, "off")
+    torch.testing.assert_close(linear(x, w, None, Switches(gemv="off")).float(), gemv_ref(x, w).float(),
+                               rtol=1.6e-2, atol=1.6e-2)
 
 
 @pytest.mark.parametrize("mode", ["bulk", "load"])
-def test_l2_prefetch_branch_runs_beside_the_body_in_a_graph(monkeypatch, mode):
-    """HELIOS_L2_PREFETCH: the side-stream prefetch is captured as a parallel branch joined before the consumer;
+def test_l2_prefetch_branch_runs_beside_the_body_in_a_graph(mode):
+    """The l2_prefetch switch (HELIOS_L2_PREFETCH): the side-stream prefetch is captured as a parallel branch
+    joined before the consumer;
     the weight is untouched and the consumer's result is the same as without it."""
     from helios.kernels.prefetch import l2_prefetch
 
@@ -242,10 +244,9 @@ def test_l2_prefetch_branch_runs_beside_the_body_in_a_graph(monkeypatch, mode):
     kept = weight.clone()
     x = torch.randn(1, 4096, device=CUDA, dtype=torch.bfloat16)
     want = x @ weight.T
-    monkeypatch.setenv("HELIOS_L2_PREFETCH", mode)
 
     def step():
-        with l2_prefetch(weight, 1):
+        with l2_prefetch(weight, 1, mode):
             y = x * 2.0
         return (y / 2.0) @ weight.T
 

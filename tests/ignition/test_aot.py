@@ -99,7 +99,7 @@ def test_helios_loader_accepts_and_triton_finds_every_kernel(exported, tmp_path)
     # subprocess: no interpreter there): each kernel must be found in the installed cache, none compiled
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    code = ("import sys, json; from pathlib import Path; from helios.kernels.aot import load_offline; "
+    code = ("import sys, json; from pathlib import Path; from helios.runner.aot_compile import load_offline; "
             "print(json.dumps(load_offline(Path(sys.argv[1]), Path(sys.argv[2]))))")
     proc = subprocess.run([sys.executable, "-c", code, str(core.path), str(tmp_path / "cache")],
                           capture_output=True, text=True, env=env, timeout=600)
@@ -133,12 +133,13 @@ def test_runner_loads_precompiled_kernels_and_compiles_nothing(exported, tmp_pat
 
     from helios.kernels.aot import JitCounter, device_target
     from helios.runner.model_runner import ModelRunner
+    from helios.switches import Switches
 
     if device_target("cuda") != TARGET:
         pytest.skip(f"this GPU is {device_target('cuda')}, the export targets {TARGET}")
-    monkeypatch.setenv("HELIOS_KERNEL_CACHE", str(tmp_path / "cache"))
+    switches = Switches.from_environ({"HELIOS_KERNEL_CACHE": str(tmp_path / "cache")})
     core = load_core(exported[0])
-    runner = ModelRunner.from_core(core, device="cuda", num_pages=64, max_model_len=256)
+    runner = ModelRunner.from_core(core, device="cuda", num_pages=64, max_model_len=256, switches=switches)
     assert "precompiled kernels" in runner.startup.kernels and "compiled here" not in runner.startup.kernels
     assert runner.startup.num_graphs > 0 and runner.startup.kernels_jit == 0, runner.startup.summary()
     with JitCounter() as jit:

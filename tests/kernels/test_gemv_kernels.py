@@ -166,27 +166,29 @@ def test_row_sum_squares_splits_an_embedding_row_into_partials(num_parts):
 
 
 @pytest.mark.parametrize("value, mode", [(None, "narrow"), ("all", "all"), ("1", "all"), ("narrow", "narrow"),
-                                         ("square", "square"), ("nowide", "nowide"), ("0", "off"), ("wide", "off")])
-def test_helios_gemv_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
+                                         ("square", "square"), ("nowide", "nowide"), ("0", "off"), ("off", "off")])
+def test_the_gemv_switch_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
     """HELIOS_GEMV: narrow (default: weights with no more rows than columns, o and down), all, square, nowide or
-    off; the shape
-    rule beside it in gemv_serves needs CUDA tensors (tests/gpu)."""
+    off; the device rule beside it in gemv_serves needs CUDA tensors (tests/gpu); the interpreter never takes
+    the one-row path."""
     import helios.kernels.gemv as gemv_module
+    from helios.switches import Switches
 
+    switches = Switches.from_environ({} if value is None else {"HELIOS_GEMV": value})
+    assert switches.gemv == mode
+    qkv, o = (6144, 4096), (4096, 4096)
+    assert gemv_module.gemv_admits(mode, *o) == (mode != "off")
+    assert gemv_module.gemv_admits(mode, *qkv) == (mode in ("all", "nowide"))
     monkeypatch.setattr(gemv_module, "HAS_TRITON", True)
     monkeypatch.setattr(gemv_module, "interpret_mode", lambda: False)
-    if value is None:
-        monkeypatch.delenv("HELIOS_GEMV", raising=False)
-    else:
-        monkeypatch.setenv("HELIOS_GEMV", value)
-    assert gemv_module.gemv_mode() == mode
+    assert gemv_module.gemv_available("cuda", torch.bfloat16) and not gemv_module.gemv_available("cpu", torch.bfloat16)
+    assert not gemv_module.gemv_available("cuda", torch.float32)
     monkeypatch.setattr(gemv_module, "interpret_mode", lambda: True)
-    assert gemv_module.gemv_mode() == "off"  # the interpreter never takes the one-row path
+    assert not gemv_module.gemv_available("cuda", torch.bfloat16)
 
 
 @pytest.mark.parametrize("mode", ["off", "narrow", "square", "nowide", "all"])
-def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mode):
-    import helios.kernels.gemv as gemv_module
+def test_start_up_loads_only_the_gemv_shapes_the_gemv_switch_admits(mode):
     from helios.kernels.aot_shapes import KernelShape, runtime_shape
 
     qkv, o, gate_up, down, head = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)
@@ -194,23 +196,22 @@ def test_start_up_loads_only_the_gemv_shapes_helios_gemv_admits(monkeypatch, mod
                         page_size=16, layer_kinds=((None, None),), decode_splits=(1, 4),
                         projections=(qkv, o, gate_up, down, head), projections_ffn=14336,
                         norm_projections=(qkv, gate_up), norm_free=True)
-    monkeypatch.setattr(gemv_module, "gemv_mode", lambda: mode)
-    monkeypatch.delenv("HELIOS_DEFER_NORMS", raising=False)
     # the norm-free layers need the GEMV for o and down; they send every other one-row product there too
-    norm_free = runtime_shape(shape)
+    norm_free = runtime_shape(shape, mode)
     assert norm_free.norm_free == (mode in ("narrow", "nowide", "all"))
     if norm_free.norm_free:  # but the plain o and down forms: theirs add into the stream (gemv_add)
         wide = shape.projections if mode == "all" else (qkv, gate_up, head)
         assert norm_free.projections == wide and norm_free.plain_down == (mode == "all")
-    monkeypatch.setenv("HELIOS_DEFER_NORMS", "0")
-    loaded = runtime_shape(shape)
+    loaded = runtime_shape(shape, mode, defer_norms=False)
     assert not loaded.norm_free
     expected = {"off": ((), ()), "narrow": ((o, down), ()), "square": ((o,), ()), "nowide": ((qkv, o, down), (qkv,)),
                 "all": (shape.projections, shape.norm_projections)}
     assert (loaded.projections, loaded.norm_projections) == expected[mode]
     assert loaded.decode_splits == shape.decode_splits and loaded.projections_ffn == 14336
-    # one decode attention path (HELIOS_FUSED_DECODE, on by default) and no unfused cache write at start
+    # one decode attention path (the fused_decode switch, on by default) and no unfused cache write at start
     assert loaded.decode_paths == ("fused",) and not loaded.cache_write and shape.decode_paths == ("fused", "split")
+    split = runtime_shape(shape, mode, fused_decode=False)
+    assert split.decode_paths == ("split",) and not split.norm_free  # the norm-free layers decode in one launch
 
 
 def test_ahead_of_time_launchers_cover_the_norm_free_layer():

@@ -140,16 +140,22 @@ def test_the_kernel_load_thread_reports_its_summary_and_time_and_reraises(monkey
         def summary(self):
             return "3 precompiled kernels"
 
-    def slow_load(core_dir, targets, device):
+    seen = {}
+
+    def slow_load(core_dir, targets, device, manifest, **switches):
         time.sleep(0.05)
+        seen.update(switches)
         return Loaded()
 
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # no GPU here
     monkeypatch.setattr(aot, "load_kernels", slow_load)
     summary, seconds = _KernelLoad("core", [], torch.device("cuda")).join()
     assert summary == "3 precompiled kernels" and seconds >= 0.05
+    # the kernels it loads are the ones the process's switches launch (the declared defaults here)
+    assert seen == {"gemv": "narrow", "fused_decode": True, "defer_norms": True, "pdl": None,
+                    "cache_root": aot.runtime_cache_root()}
 
-    def failing_load(core_dir, targets, device):
+    def failing_load(core_dir, targets, device, manifest, **switches):
         raise RuntimeError("kernels dir unreadable")
 
     monkeypatch.setattr(aot, "load_kernels", failing_load)
@@ -228,55 +234,63 @@ def test_padded_graph_function_matches_eager_on_cpu(core):
 
 @needs_interpreter
 def test_norm_free_layers_match_eager_on_cpu(core, monkeypatch):
-    """The batch-1 layers without norm kernels (norm weights folded into qkv / gate_up, the o / down GEMVs adding
-    into the stream and handing on the partial sums of its squares, decode attention and the down GEMV scaling by
-    its rstd), run in float32 in the Triton interpreter: the eager runner's greedy tokens, graphed and not."""
+    """The batch-1 layers without norm kernels (norm weights folded into qkv / gate_up at load, the o / down GEMVs
+    adding into the stream and handing on the partial sums of its squares, decode attention and the down GEMV
+    scaling by its rstd), run in float32 in the Triton interpreter: the eager runner's greedy tokens, graphed and
+    not; their one-row launches take PDL (pdl_scope) unless the pdl switch is off."""
     import helios.kernels.gemv as gemv_module
     from helios.kernels._triton import pdl_allowed
-    from helios.models.llama import DecoderLayer, runs_norm_free
+    from helios.models.llama import FUSED, NORM_FREE, DecoderLayer
+    from helios.switches import Switches
 
     arch = core.manifest.arch
     prompts = {"a": prompt(7, seed=1)}
     expected = _greedy_decode(ModelRunner(arch, core.tensors, num_pages=32, page_size=PAGE_SIZE), prompts, steps=5)
-    monkeypatch.setattr(gemv_module, "gemv_serves", lambda x, weight: x.shape[0] == 1)  # the GPU's one-row rule
+    # the GPU's one-row rule, on the CPU: chosen at construction (gemv_available) and asked per call (gemv_serves)
+    monkeypatch.setattr(gemv_module, "gemv_available", lambda device, dtype: True)
+    monkeypatch.setattr(gemv_module, "gemv_serves", lambda x, weight, mode: x.shape[0] == 1)
     calls = []  # whether the layer's one-row launches may take PDL (pdl_scope: every kernel of the step is ours)
     layer_forward = DecoderLayer.forward_norm_free
     monkeypatch.setattr(DecoderLayer, "forward_norm_free",
                         lambda self, *a: calls.append(pdl_allowed()) or layer_forward(self, *a))
-    monkeypatch.delenv("HELIOS_PDL", raising=False)
-    for graphed in (False, True):
-        runner = ModelRunner(arch, core.tensors, num_pages=32, page_size=PAGE_SIZE, attention_backend="triton")
-        assert not runner.model.norms_folded  # on the CPU only when forced
-        runner.model.fold_norm_weights(force=True)
-        assert runner.model.norms_folded
+    kw = dict(num_pages=32, page_size=PAGE_SIZE, attention_backend="triton")
+    assert not ModelRunner(arch, core.tensors, **kw).model.norms_folded  # on the CPU only when asked for
+    for graphed, switches in ((False, Switches()), (True, Switches()), (False, Switches(pdl=False))):
+        runner = ModelRunner(arch, core.tensors, fold_norms=True, switches=switches, **kw)
+        assert runner.model.norms_folded and runner.model.path == NORM_FREE
         assert (runner.model.layers[0].attn_norm.weight == 1).all()
-        assert runs_norm_free(torch.zeros(1, arch.hidden_size), runner.model)
+        assert not (core.tensors["layers.0.attn_norm.weight"] == 1).all()  # the core's tensors are untouched
+        assert runner.startup.weights.startswith("norms folded") and "norm_free" in runner.startup.summary()
         if graphed:
             runner.graphs = graph_runner(runner, buckets=(1,))
         calls.clear()
         assert _greedy_decode(runner, prompts, steps=5) == expected
-        assert len(calls) == 5 * arch.num_layers and all(calls)  # every decode step, no prefill
+        assert len(calls) == 5 * arch.num_layers and all(c == (switches.pdl is not False) for c in calls)
         assert not pdl_allowed()
         if graphed:
             assert runner.graphs.num_replays == 5
+    # defer_norms off: the weights stay as bound, the fused path
+    runner = ModelRunner(arch, core.tensors, fold_norms=None, switches=Switches(defer_norms=False), **kw)
+    assert not runner.model.norms_folded and runner.model.path == FUSED and runner.startup.weights == "as bound"
 
 
-def test_pdl_is_scoped_unless_the_environment_says(monkeypatch):
-    """One-row launches take PDL inside pdl_scope (the norm-free step) when HELIOS_PDL is unset or empty; "1"
-    everywhere, "0" nowhere."""
+def test_pdl_is_scoped_as_the_switch_says():
+    """One-row launches take PDL inside pdl_scope (the norm-free step, or every forward with the pdl switch on)
+    and never outside one; a scope restores the one before it."""
     from helios.kernels._triton import pdl_allowed, pdl_scope
+    from helios.layers.norm_free import pdl_launches
 
-    for value, outside, inside in ((None, False, True), ("", False, True), ("1", True, True), ("0", False, False)):
-        if value is None:
-            monkeypatch.delenv("HELIOS_PDL", raising=False)
-        else:
-            monkeypatch.setenv("HELIOS_PDL", value)
-        assert pdl_allowed() == outside
-        with pdl_scope():
-            assert pdl_allowed() == inside
-            with pdl_scope(False):
-                assert pdl_allowed() == outside
-        assert pdl_allowed() == outside
+    assert not pdl_allowed()
+    with pdl_scope():
+        assert pdl_allowed()
+        with pdl_scope(False):
+            assert not pdl_allowed()
+        assert pdl_allowed()
+    assert not pdl_allowed()
+    with pdl_launches(True):
+        assert pdl_allowed()
+    with pdl_launches(False):
+        assert not pdl_allowed()
 
 
 @needs_interpreter
@@ -409,16 +423,15 @@ def test_one_row_gemv_path_matches_cublas_in_the_model(core, monkeypatch, mode, 
     (HELIOS_DEFER_NORMS=1: norm weights folded into qkv / gate_up, no norm kernel) against the same step on cuBLAS
     with the norm kernels and the weights as bound (HELIOS_GEMV=0, HELIOS_DEFER_NORMS=0): logits within bf16
     rounding, same argmax."""
-    from helios.models.llama import runs_norm_free
+    from helios.models.llama import NORM_FREE
+    from helios.switches import Switches
 
     kw = dict(num_pages=64, page_size=16, device="cuda", dtype=torch.bfloat16, max_model_len=256)
     logits = {}
     for env, deferred in (("0", "0"), (mode, defer)):
-        monkeypatch.setenv("HELIOS_GEMV", env)  # read while the graphs are captured
-        monkeypatch.setenv("HELIOS_DEFER_NORMS", deferred)  # read at load (the fold) and at capture
-        runner = ModelRunner(core.manifest.arch, core.tensors, cuda_graphs=True, **kw)
-        row = torch.zeros(1, core.manifest.arch.hidden_size, dtype=torch.bfloat16, device="cuda")
-        assert runner.model.norms_folded == (deferred == "1") and runs_norm_free(row, runner.model) == (deferred == "1")
+        switches = Switches.from_environ({"HELIOS_GEMV": env, "HELIOS_DEFER_NORMS": deferred})
+        runner = ModelRunner(core.manifest.arch, core.tensors, cuda_graphs=True, switches=switches, **kw)
+        assert runner.model.norms_folded == (deferred == "1") and (runner.model.path == NORM_FREE) == (deferred == "1")
         ids = prompt(19, seed=3)
         runner.execute(plan([ScheduledRequest(req_id="r", token_ids=ids, num_computed_tokens=0, block_ids=[0, 1],
                                               sample=False)],

@@ -15,6 +15,7 @@ from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.engine.messages import EngineRequest, NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 from helios.kernels._triton import HAS_TRITON, interpret_mode
+from helios.switches import Switches
 from helios.runner.cuda_graphs import GraphRunner, prepare_decode_inputs
 from helios.runner.model_runner import ModelRunner
 from tests.models.engine_harness import run, tokens
@@ -182,12 +183,12 @@ def test_a_plan_other_than_the_speculated_step_is_a_miss(core):
     assert (on.overlap_hits, on.overlap_misses) == (2, 3)
 
 
-def test_switch(core, monkeypatch):
+def test_switch(core):
     args = (core.manifest.arch, core.tensors, 8, PAGE_SIZE)
     assert ModelRunner(*args).decode_overlap is False  # CPU: off unless asked for
     assert ModelRunner(*args, decode_overlap=True).decode_overlap is True
-    monkeypatch.setenv("HELIOS_DECODE_OVERLAP", "0")
-    assert ModelRunner(*args, decode_overlap=True).decode_overlap is False
+    off = Switches.from_environ({"HELIOS_DECODE_OVERLAP": "0"})
+    assert ModelRunner(*args, decode_overlap=True, switches=off).decode_overlap is False
 
 
 def plan(scheduled, new=()):

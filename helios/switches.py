@@ -1,0 +1,144 @@
+"""Execution switches: every HELIOS_* variable that changes how a model executes, declared once here.
+
+Read from the environment once at start (`Switches.from_environ(os.environ)`, by the composition root or a
+benchmark), validated (a bad value is one SwitchError naming the variable and what it accepts), then passed as
+this frozen object: runner -> model -> layers, which hand kernel launchers plain values. Nothing below reads
+the environment on a forward (STYLE.md rule 17). The defaults are the measured fast paths (benchmarks/RESULTS.md),
+so a caller that passes nothing runs as a process with none of the variables set.
+Pure Python: imports msgspec only (the server and the engine may import it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import msgspec
+
+GemvMode = Literal["narrow", "all", "square", "nowide", "off"]
+L2Prefetch = Literal["off", "bulk", "load"]
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+class SwitchError(ValueError):
+    """A HELIOS_* variable holds a value its switch does not accept."""
+
+
+class Switch(msgspec.Struct, frozen=True):
+    """The declaration of one switch: its variable, the Switches field it sets, its values and meaning."""
+
+    env: str  # the environment variable
+    field: str  # the Switches attribute
+    kind: str  # "bool", "tristate" (unset / on / off), "choice" or "path"
+    meaning: str
+    choices: tuple[str, ...] = ()  # "choice": the accepted spellings (aliases in ALIASES)
+
+
+# name, type, default (the Switches field's) and meaning of every switch; the order of describe()
+DECLARED: tuple[Switch, ...] = (
+    Switch("HELIOS_GEMV", "gemv", "choice",
+           "which one-row 16-bit GPU projections take the Triton GEMV instead of cuBLAS: narrow (weights with no "
+           "more rows than columns: o, down), all (also 1/on/true/yes), square (o), nowide (all but 4x-tall "
+           "weights), off (also 0/false/no)",
+           ("narrow", "all", "square", "nowide", "off")),
+    Switch("HELIOS_PDL", "pdl", "tristate",
+           "programmatic dependent launch of one-row kernels (sm90+): unset = only the norm-free batch-1 steps, "
+           "where every kernel is ours; on = every one-row launch; off = none"),
+    Switch("HELIOS_GEMV_PDL", "gemv_pdl", "bool",
+           "off: the GEMV launches never start beside the kernel before them (benchmarks compare)"),
+    Switch("HELIOS_ROPE_TABLE", "rope_table", "bool",
+           "GPU: gather each step's rotary rows from the table made at load; off computes them each step"),
+    Switch("HELIOS_DECODE_OVERLAP", "decode_overlap", "bool",
+           "GPU: launch the next graphed decode step before the host has read this one's tokens (speculation); "
+           "off never speculates, whatever the runner's argument"),
+    Switch("HELIOS_FOLD_NORMS", "fold_norms", "bool",
+           "GPU batch 1: the residual add and RMSNorm ride in the GEMV of the projection after them"),
+    Switch("HELIOS_FUSED_DECODE", "fused_decode", "bool",
+           "GPU decode: q/k norms, rotary, cache write and attention in one launch from the qkv row (decode_qkv); "
+           "off runs rotary_cache then paged decode attention"),
+    Switch("HELIOS_DEFER_NORMS", "defer_norms", "bool",
+           "GPU 16-bit llama: norm weights folded into qkv / gate_up at load (runner/norm_folding.py) and batch-1 "
+           "decode without norm kernels; off keeps the weights as bound and the norm kernels"),
+    Switch("HELIOS_L2_PREFETCH", "l2_prefetch", "choice",
+           "GPU batch 1: pull the o weight into L2 beside attention: off (also 0/false/no), bulk (Hopper bulk "
+           "prefetch), load (discarded loads)",
+           ("off", "bulk", "load")),
+    Switch("HELIOS_KERNEL_CACHE", "kernel_cache", "path",
+           "the directory precompiled kernels are installed into at start (default: $XDG_CACHE_HOME or "
+           "~/.cache, then helios/triton)"),
+)
+
+# accepted spellings of a choice -> the value
+ALIASES = {
+    "gemv": {**{v: "all" for v in _TRUE}, **{v: "off" for v in _FALSE}},
+    "l2_prefetch": {v: "off" for v in _FALSE},
+}
+
+
+class Switches(msgspec.Struct, frozen=True, kw_only=True):
+    """The execution switches of one process (DECLARED says what each means); defaults = nothing set."""
+
+    gemv: GemvMode = "narrow"
+    pdl: bool | None = None  # None: only the norm-free batch-1 steps
+    gemv_pdl: bool = True
+    rope_table: bool = True
+    decode_overlap: bool = True
+    fold_norms: bool = True
+    fused_decode: bool = True
+    defer_norms: bool = True
+    l2_prefetch: L2Prefetch = "off"
+    kernel_cache: str | None = None  # None: the default directory (helios.kernels.aot.runtime_cache_root)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> Switches:
+        """The switches the HELIOS_* variables of `environ` set; unset or empty variables keep the default.
+        Raises SwitchError on a value a switch does not accept."""
+        values = {}
+        for switch in DECLARED:
+            raw = environ.get(switch.env, "").strip()
+            if raw:
+                values[switch.field] = _parse(switch, raw)
+        return cls(**values)
+
+    def describe(self) -> str:
+        """One line for the ready line: every switch as name=value ("default" marks an unset path)."""
+        parts = []
+        for switch in DECLARED:
+            value = getattr(self, switch.field)
+            if switch.kind == "tristate":
+                text = "norm-free" if value is None else _on_off(value)
+            elif switch.kind == "bool":
+                text = _on_off(value)
+            elif switch.kind == "path":
+                text = value or "default"
+            else:
+                text = value
+            parts.append(f"{switch.field}={text}")
+        return "switches: " + " ".join(parts)
+
+
+def _on_off(value: bool) -> str:
+    return "on" if value else "off"
+
+
+def _parse(switch: Switch, raw: str):
+    if switch.kind == "path":
+        return raw
+    value = raw.lower()
+    if switch.kind in ("bool", "tristate"):
+        if value in _TRUE:
+            return True
+        if value in _FALSE:
+            return False
+        accepted = "/".join(_TRUE + _FALSE)
+    else:
+        value = ALIASES.get(switch.field, {}).get(value, value)
+        if value in switch.choices:
+            return value
+        accepted = "/".join(dict.fromkeys(switch.choices + tuple(ALIASES.get(switch.field, {}))))
+    raise SwitchError(f"{switch.env}={raw!r} is not a value it accepts ({accepted})")
+
+
+DEFAULT_SWITCHES = Switches()
