@@ -214,7 +214,7 @@ class HeliosApp:
         rt = self.runtime
         self._count_request(request, extra)
         body = await self._read_json_body(request)
-        prep = await rt.run_blocking(protocol.prepare, body, rt)
+        prep = await rt.run_blocking(protocol.prepare, body, rt.model)
         num_slots = max(1, len(prep.children))
         rt.admission.acquire(num_slots)
         try:
@@ -231,8 +231,8 @@ class HeliosApp:
 
     async def _count_tokens(self, request: Request) -> None:
         body = await self._read_json_body(request)
-        await request.respond_json(200, await self.runtime.run_blocking(anthropic_messages.count_tokens, body,
-                                                                        self.runtime))
+        rt = self.runtime
+        await request.respond_json(200, await rt.run_blocking(anthropic_messages.count_tokens, body, rt.model))
 
     async def _ollama_show(self, request: Request) -> None:
         try:
@@ -248,7 +248,7 @@ class HeliosApp:
         self._count_request(request, extra)
         protocol.check_transport(request.headers)
         body = await self._read_json_body(request)
-        prep = await rt.run_blocking(protocol.prepare, body, rt)
+        prep = await rt.run_blocking(protocol.prepare, body, rt.model)
         rt.admission.acquire(1)
         try:
             result = await run_until_disconnect(request, protocol.execute(rt, prep))

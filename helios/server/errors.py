@@ -7,9 +7,13 @@ No torch.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import msgspec
 
 from helios.frontend.sampling import InvalidRequest
+
+T = TypeVar("T")
 
 
 class ErrorBody(msgspec.Struct):
@@ -82,6 +86,14 @@ def from_validation(exc: msgspec.ValidationError | msgspec.DecodeError) -> ApiEr
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
         message = f"malformed JSON body: {message}"
     return bad_request(message, param)
+
+
+def decode_body(body: bytes, type: type[T]) -> T:
+    """A JSON body into the route's request Struct; malformed JSON and schema errors are 400s naming the field."""
+    try:
+        return msgspec.json.decode(body, type=type)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise from_validation(e) from None
 
 
 def unauthorized() -> ApiError:

@@ -11,11 +11,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from helios.engine.messages import EngineRequest, PositionLogprobs
-from helios.engine.scheduler import QueueFull
+from helios.engine.async_engine import QueueFull
 from helios.frontend.context import ModelContext
 from helios.frontend.prepare import Choice
 from helios.output.choice import ChoiceOutput, OutputSpec
@@ -62,6 +63,22 @@ class Child:
             self.prompt_logprobs += delta.prompt_logprobs
         if delta.finished:
             self.finish_reason, self.stop_reason, self.error = delta.finish_reason, delta.stop_reason, delta.error
+
+
+class OneChoice(msgspec.Struct, kw_only=True):
+    """A prepared request of one choice (Messages, Responses): what the app submits and the encoders read."""
+
+    req: Any  # the protocol's decoded request Struct (it has `stream`)
+    prompt_ids: list[int]
+    child: Child
+
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
+    @property
+    def children(self) -> list[Child]:
+        return [self.child]
 
 
 def failure(child: Child) -> ApiError | None:

@@ -298,7 +298,7 @@ def test_history_blocks(http):
 
 
 def _prepare(runtime, body: dict):
-    return am.prepare(msgspec.json.encode({"max_tokens": 4, **body}), runtime)
+    return am.prepare(msgspec.json.encode({"max_tokens": 4, **body}), runtime.model)
 
 
 def test_system_forms_and_empty_system(core_runtime):

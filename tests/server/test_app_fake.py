@@ -10,7 +10,7 @@ import pytest
 
 from helios.core.manifest import TemplateCaps
 from helios.engine.messages import EngineOutput, PositionLogprobs, TokenLogprob
-from helios.engine.scheduler import QueueFull
+from helios.engine.async_engine import QueueFull
 from helios.server.app import HeliosApp
 from helios.server.config import ServerConfig
 from helios.server.runtime import Runtime
@@ -153,6 +153,52 @@ def test_stop_string_aborts_the_engine_request(make_client, tokenizer):
         choice = r.json()["choices"][0]
         assert choice["text"] == "hello" and choice["finish_reason"] == "stop" and choice["stop_reason"] == " wor"
         assert engine.aborted  # the engine request was cut short
+
+    asyncio.run(main())
+
+
+def test_token_stops_report_their_id_on_every_openai_route(make_client, tokenizer):
+    """A stop_token_ids stop reports the id as stop_reason on Chat and Completions, buffered and on the finishing
+    stream chunk; EOS and token sequences report null (issue 19: Completions said null and streamed none)."""
+    hello = _ids(tokenizer, "hello")
+    stop = _ids(tokenizer, " world")[0]
+
+    def script(req, eos):
+        sampling = req.sampling
+        if sampling.stop_token_sequences:
+            seq = list(sampling.stop_token_sequences[0])
+            return [_out(req, hello), _out(req, seq, True, "stop", stop_token=seq)]
+        if sampling.stop_token_ids:
+            return [_out(req, hello), _out(req, [stop], True, "stop", stop_token=stop)]
+        return [_out(req, hello), _out(req, [eos], True, "stop", stop_token=eos)]
+
+    async def main():
+        c, _ = make_client(script)
+        async with c:
+            for route, body in (("/v1/completions", {"prompt": "x", "max_tokens": 8}), ("/v1/chat/completions", CHAT)):
+                for extra, want in (({"stop_token_ids": [stop]}, stop), ({}, None),
+                                    ({"stop_token_sequences": [[stop, stop]]}, None)):
+                    r = await c.post(route, json={**body, **extra})
+                    choice = r.json()["choices"][0]
+                    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", want), (route, extra)
+                    if route == "/v1/completions":
+                        s = await c.post(route, json={**body, **extra, "stream": True})
+                        chunks = [json.loads(e) for e in _events(s.text)[:-1]]
+                        last = chunks[-1]["choices"][0]
+                        assert last["finish_reason"] == "stop" and last["stop_reason"] == want, extra
+                        assert all("stop_reason" not in ch["choices"][0] for ch in chunks[:-1])
+
+    asyncio.run(main())
+
+
+def test_responses_names_max_output_tokens(make_client):
+    async def main():
+        c, _ = make_client(lambda req, eos: [])
+        async with c:
+            r = await c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 0})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "max_output_tokens"
+        assert err["message"] == "max_output_tokens must be a positive integer"
 
     asyncio.run(main())
 

@@ -49,9 +49,9 @@ RESPONSES = {"instructions": SYSTEM, "input": [
 
 
 def _lowered(runtime) -> dict[str, list[int]]:
-    chat_ids = openai_chat.prepare(msgspec.json.encode({"messages": CHAT, "max_tokens": 4}), runtime).prompt_ids
-    messages = anthropic_messages.prepare(msgspec.json.encode({**MESSAGES, "max_tokens": 4}), runtime)
-    responses = openai_responses.prepare(msgspec.json.encode({**RESPONSES, "max_output_tokens": 4}), runtime)
+    chat_ids = openai_chat.prepare(msgspec.json.encode({"messages": CHAT, "max_tokens": 4}), runtime.model).prompt_ids
+    messages = anthropic_messages.prepare(msgspec.json.encode({**MESSAGES, "max_tokens": 4}), runtime.model)
+    responses = openai_responses.prepare(msgspec.json.encode({**RESPONSES, "max_output_tokens": 4}), runtime.model)
     return {"chat": chat_ids, "messages": messages.prompt_ids, "responses": responses.prompt_ids}
 
 
@@ -158,9 +158,9 @@ def test_parallel_tool_results_follow_call_order(core_runtime):
                                                   for i in ("a", "b")]},
                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "b", "content": "rb"},
                                              {"type": "tool_result", "tool_use_id": "a", "content": "ra"}]}]
-    chat_ids = openai_chat.prepare(msgspec.json.encode({"messages": chat, "max_tokens": 1}), core_runtime).prompt_ids
+    chat_ids = openai_chat.prepare(msgspec.json.encode({"messages": chat, "max_tokens": 1}), core_runtime.model).prompt_ids
     m_ids = anthropic_messages.prepare(msgspec.json.encode({"messages": messages, "max_tokens": 1}),
-                                       core_runtime).prompt_ids
+                                       core_runtime.model).prompt_ids
     assert chat_ids == m_ids
 
 

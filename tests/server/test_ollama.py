@@ -54,6 +54,10 @@ def test_show(http, name):
     assert body["modified_at"] == "0001-01-01T00:00:00Z"
     for verbose in (True, False):
         assert http.post("/api/show", json={"model": name, "verbose": verbose}).json() == body
+    # Ollama's older spelling names the model as "name"; "model" wins when both come
+    assert http.post("/api/show", json={"name": name}).json() == body
+    assert http.post("/api/show", json={"model": name, "name": "nope"}).json() == body
+    assert "nope" in _ollama_error(http.post("/api/show", json={"name": "nope"}), 404)
 
 
 def test_context_length_matches_model_card(http, client):
@@ -64,7 +68,8 @@ def test_context_length_matches_model_card(http, client):
 
 
 @pytest.mark.parametrize("body", [{}, {"model": ""}, {"model": 3}, {"model": None}, {"model": [ALIAS]},
-                                  {"name": ALIAS}, {"model": ALIAS, "verbose": "yes"}, [ALIAS]])
+                                  {"name": ""}, {"name": 3}, {"model": None, "name": ALIAS},
+                                  {"model": ALIAS, "verbose": "yes"}, [ALIAS]])
 def test_show_400(http, body):
     _ollama_error(http.post("/api/show", json=body), 400)
 

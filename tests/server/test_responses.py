@@ -163,7 +163,7 @@ def test_auth_uses_bearer(server):
 
 
 def _prompt(runtime, body: dict) -> str:
-    prep = orsp.prepare(msgspec.json.encode({"max_output_tokens": 4, **body}), runtime)
+    prep = orsp.prepare(msgspec.json.encode({"max_output_tokens": 4, **body}), runtime.model)
     return runtime.tokenizer.decode(prep.prompt_ids)
 
 

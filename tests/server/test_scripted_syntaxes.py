@@ -310,15 +310,15 @@ def test_helios_renders_the_scripted_prompts(served):
         assert manifest.template.tools and manifest.recipe.name == SYNTAXES[served.tag].recipe
         for c in (c for c in scripted_cases() if c.syntax == served.tag):
             want = tok.encode(render_prompt(c), add_special_tokens=False)
-            assert openai_chat.prepare(_wire(_body("chat", c)), runtime).prompt_ids == want, c
-            assert anthropic_messages.prepare(_wire(_body("messages", c)), runtime).prompt_ids == want, c
-            assert openai_responses.prepare(_wire(_body("responses", c)), runtime).prompt_ids == want, c
+            assert openai_chat.prepare(_wire(_body("chat", c)), runtime.model).prompt_ids == want, c
+            assert anthropic_messages.prepare(_wire(_body("messages", c)), runtime.model).prompt_ids == want, c
+            assert openai_responses.prepare(_wire(_body("responses", c)), runtime.model).prompt_ids == want, c
         # tool_choice none presents the tools too: its requests reuse the "call" prompt
         c = case(served.tag, "call")
         want = tok.encode(render_prompt(c), add_special_tokens=False)
-        assert openai_chat.prepare(_wire(_body("chat", c, choice="none")), runtime).prompt_ids == want
-        assert anthropic_messages.prepare(_wire(_body("messages", c, choice="none")), runtime).prompt_ids == want
-        assert openai_responses.prepare(_wire(_body("responses", c, choice="none")), runtime).prompt_ids == want
+        assert openai_chat.prepare(_wire(_body("chat", c, choice="none")), runtime.model).prompt_ids == want
+        assert anthropic_messages.prepare(_wire(_body("messages", c, choice="none")), runtime.model).prompt_ids == want
+        assert openai_responses.prepare(_wire(_body("responses", c, choice="none")), runtime.model).prompt_ids == want
     finally:
         runtime.pool.shutdown(wait=False)
 

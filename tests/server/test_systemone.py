@@ -101,7 +101,7 @@ def test_decisions_answers_in_order_with_typed_values(http):
 
 def test_a_question_reads_what_completions_reports_for_its_prompt(http, core_runtime):
     """The same rendered prompt and label ids through /v1/completions with logprob_token_ids."""
-    prep = decisions.prepare(json.dumps(SPEC_DECISIONS).encode(), core_runtime)
+    prep = decisions.prepare(json.dumps(SPEC_DECISIONS).encode(), core_runtime.model)
     item = prep.items[1]
     label_ids = list(item.request.sampling.logprob_token_ids)
     r = _post(http, "/v1/completions", {"model": "x", "prompt": item.request.prompt_token_ids, "max_tokens": 1,
@@ -226,15 +226,15 @@ def _runtime(core_runtime, source: str | None = None, engine=None, **manifest) -
     return Runtime(m, core_runtime.tokenizer, source, engine, ServerConfig())
 
 
-def _raises(fn, *args) -> ApiError:
+def _raises(prepare, body: bytes, runtime: Runtime) -> ApiError:
     with pytest.raises(ApiError) as info:
-        fn(*args)
+        prepare(body, runtime.model)
     return info.value
 
 
 def test_prompts_share_the_state_and_labels_are_the_first_assistant_token(core_runtime):
     tok = core_runtime.tokenizer
-    prep = systemone.prepare(json.dumps(SPEC_SYSTEMONE).encode(), core_runtime)
+    prep = systemone.prepare(json.dumps(SPEC_SYSTEMONE).encode(), core_runtime.model)
     prompts = [tok.decode(i.request.prompt_token_ids) for i in prep.items]
     head = prompts[0][: prompts[0].index("Question:")]
     assert '"message": "Charged twice"' in head and all(p.startswith(head) for p in prompts)
@@ -255,7 +255,7 @@ def test_labels_fall_back_then_run_out(core_runtime):
         return {"model": "m", "state": "s", "questions": {"c": {"type": "choice",
                                                                "criteria": {f"o{i}": None for i in range(n)}}}}
 
-    prep = systemone.prepare(json.dumps(choice(27)).encode(), core_runtime)
+    prep = systemone.prepare(json.dumps(choice(27)).encode(), core_runtime.model)
     ids = prep.items[0].request.sampling.logprob_token_ids
     assert len(set(ids)) == 27 and "\na. o26\n" in core_runtime.tokenizer.decode(prep.items[0].request.prompt_token_ids)
     err = _raises(systemone.prepare, json.dumps(choice(53)).encode(), core_runtime)
@@ -279,7 +279,7 @@ def test_core_and_template_constraints_are_400(core_runtime):
                                         "<think>\n{% endif %}")
     caps = msgspec.structs.replace(thinking, kwargs=["enable_thinking"])
     prep = decisions.prepare(json.dumps(SPEC_DECISIONS).encode(), _runtime(core_runtime, switch,
-                                                                                      template=caps))
+                                                                                      template=caps).model)
     assert core_runtime.tokenizer.decode(prep.items[0].request.prompt_token_ids).endswith("</think>\n")
     long_state = {**SPEC_SYSTEMONE, "state": "charged twice " * 5000}
     err = _raises(systemone.prepare, json.dumps(long_state).encode(), core_runtime)
@@ -334,7 +334,7 @@ def test_formulas_and_sequential_children(core_runtime):
     lps = [[math.log(0.6), math.log(0.2)], [math.log(0.1), math.log(0.1)], [math.log(0.2), math.log(0.3)]]
     engine = ScriptedEngine(lps)
     rt = _runtime(core_runtime, engine=engine)
-    prep = decisions.prepare(json.dumps(SPEC_DECISIONS).encode(), rt)
+    prep = decisions.prepare(json.dumps(SPEC_DECISIONS).encode(), rt.model)
     out = asyncio.run(decisions.execute(rt, prep))
     assert engine.max_active == 1 and len(engine.submitted) == 3
     predicate, choice, score = out["answers"]
@@ -347,7 +347,7 @@ def test_formulas_and_sequential_children(core_runtime):
     assert usage["input_tokens"] == sum(len(i.request.prompt_token_ids) for i in prep.items)
     engine = ScriptedEngine(lps)
     rt = _runtime(core_runtime, engine=engine)
-    prep = systemone.prepare(json.dumps(SPEC_SYSTEMONE).encode(), rt)
+    prep = systemone.prepare(json.dumps(SPEC_SYSTEMONE).encode(), rt.model)
     answers = asyncio.run(systemone.execute(rt, prep))["answers"]
     assert answers["refund"]["noul"] == pytest.approx(0.75)
     assert answers["team"]["choice"] == "billing" and answers["team"]["confidence"] == pytest.approx(0.5)
@@ -357,7 +357,7 @@ def test_formulas_and_sequential_children(core_runtime):
 def test_a_dropped_request_aborts_its_current_child(core_runtime):
     engine = ScriptedEngine([[0.0, 0.0]] * 3, hang=True)
     rt = _runtime(core_runtime, engine=engine)
-    prep = systemone.prepare(json.dumps(SPEC_SYSTEMONE).encode(), rt)
+    prep = systemone.prepare(json.dumps(SPEC_SYSTEMONE).encode(), rt.model)
 
     async def main():
         task = asyncio.ensure_future(systemone.execute(rt, prep))

@@ -23,13 +23,14 @@ from helios.frontend.effort import effort_template_kwargs, messages_effort
 from helios.frontend.prepare import Conversation, GenerationRequest, prepare as prepare_request, render
 from helios.frontend.reasoning import check_thinking_token_budget
 from helios.frontend import structured
+from helios.frontend.context import ModelContext
 from helios.frontend.sampling import InvalidRequest, SamplingRequest, sampling_fields
 from helios.frontend.tools import ToolPlan, function_tool, plan_tools
 from helios.output.accumulator import BlockEvent, OutputBlock
 from helios.output.choice import ChoiceOutput
-from helios.server.errors import ApiError, bad_request, from_invalid, from_validation
-from helios.server.generation import (Child, Generation, child_usage, failure, finish_reason, output_failure,
-                                      parsed_output)
+from helios.server.errors import ApiError, bad_request, decode_body, from_invalid
+from helios.server.generation import (Child, Generation, OneChoice, child_usage, failure, finish_reason,
+                                      output_failure, parsed_output)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
 
@@ -96,19 +97,9 @@ class MessagesRequest(SamplingRequest, kw_only=True):
     prompt_logprobs: Any | UnsetType = UNSET
 
 
-class Prepared(Struct, kw_only=True):
+class Prepared(OneChoice, kw_only=True):
     req: MessagesRequest
-    prompt_ids: list[int]
-    child: Child
     cache_boundaries: list[int]  # candidate prefix-checkpoint boundaries (prompt token positions)
-
-    @property
-    def stream(self) -> bool:
-        return self.req.stream
-
-    @property
-    def children(self) -> list[Child]:
-        return [self.child]
 
 
 def thinking_signature(text: str) -> str:
@@ -215,7 +206,7 @@ def to_conversation(req: MessagesRequest) -> tuple[list[ChatMessage], list[str]]
     return out, hints
 
 
-def _check_request(req: MessagesRequest, runtime: Runtime) -> None:
+def _check_request(req: MessagesRequest, ctx: ModelContext) -> None:
     for name in _REJECTED:
         if getattr(req, name) is not UNSET:
             raise bad_request(f"{name} is not supported on /v1/messages")
@@ -229,7 +220,7 @@ def _check_request(req: MessagesRequest, runtime: Runtime) -> None:
             raise bad_request("thinking.budget_tokens must be a positive integer")
         if budget is not None and req.thinking_token_budget is not None and budget != req.thinking_token_budget:
             raise bad_request("thinking.budget_tokens and thinking_token_budget must match")
-    check_thinking_token_budget(runtime.model, req.thinking_token_budget, None)
+    check_thinking_token_budget(ctx, req.thinking_token_budget, None)
     for edit in (req.context_management or {}).get("edits") or []:
         keep = edit.get("keep") if isinstance(edit, dict) else None
         if not (isinstance(edit, dict) and edit.get("type") == "clear_thinking_20251015"
@@ -248,7 +239,7 @@ def _check_request(req: MessagesRequest, runtime: Runtime) -> None:
 _CHOICE_MODES = {"auto": "auto", "any": "required", "tool": "named", "none": "none"}
 
 
-def _tool_plan(req: MessagesRequest, runtime: Runtime) -> ToolPlan:
+def _tool_plan(req: MessagesRequest, ctx: ModelContext) -> ToolPlan:
     """Messages' spelling: tools [{name, description, input_schema}] (type custom or absent); tool_choice
     {"type": auto | any | tool | none, "name", "disable_parallel_tool_use"}; any is required mode."""
     tools = []
@@ -261,7 +252,7 @@ def _tool_plan(req: MessagesRequest, runtime: Runtime) -> ToolPlan:
     choice = req.tool_choice or {}
     mode = _CHOICE_MODES.get(choice.get("type", "auto"), "auto")
     parallel = choice.get("disable_parallel_tool_use") is not True
-    return plan_tools(runtime.model, tools, mode, choice.get("name") if mode == "named" else None, parallel, None,
+    return plan_tools(ctx, tools, mode, choice.get("name") if mode == "named" else None, parallel, None,
                       None)
 
 
@@ -269,7 +260,7 @@ def _call_id() -> str:
     return "toolu_" + uuid.uuid4().hex[:24]
 
 
-def _boundaries(runtime: Runtime, text: str, hints: list[str]) -> list[int]:
+def _boundaries(ctx: ModelContext, text: str, hints: list[str]) -> list[int]:
     """Token positions just after each hinted block, found in order in the rendered prompt (advisory:
     a hint whose text the template does not render verbatim is dropped)."""
     out, cursor = [], 0
@@ -278,18 +269,15 @@ def _boundaries(runtime: Runtime, text: str, hints: list[str]) -> list[int]:
         if pos < 0:
             continue
         cursor = pos + len(content)
-        out.append(len(runtime.tokenizer.encode(text[:cursor], add_special_tokens=False)))
+        out.append(len(ctx.tokenizer.encode(text[:cursor], add_special_tokens=False)))
     return out
 
 
-def decode(body: bytes, runtime: Runtime) -> tuple[MessagesRequest, GenerationRequest, list[str]]:
+def decode(body: bytes, ctx: ModelContext) -> tuple[MessagesRequest, GenerationRequest, list[str]]:
     """The body -> the neutral request, plus the cache hints (Messages' own checks and spellings on the way)."""
-    try:
-        req = msgspec.json.decode(body, type=MessagesRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise from_validation(e) from None
-    _check_request(req, runtime)
-    plan = _tool_plan(req, runtime)
+    req = decode_body(body, MessagesRequest)
+    _check_request(req, ctx)
+    plan = _tool_plan(req, ctx)
     # output_config.format or output_format: {"type": "json_schema", "schema": {...}} (one of them)
     fmt = structured.one_format(
         structured.messages_output_format((req.output_config or {}).get("format"), "output_config.format"),
@@ -297,12 +285,12 @@ def decode(body: bytes, runtime: Runtime) -> tuple[MessagesRequest, GenerationRe
     messages, hints = to_conversation(req)
     # NOTE: a final assistant message is a prefill: the template continues it instead of opening a turn
     prefill = messages[-1].role == "assistant"
-    if prefill and not runtime.manifest.template.continuation:
+    if prefill and not ctx.manifest.template.continuation:
         raise bad_request("this core's template cannot continue an assistant prefill")
     thinking = req.thinking or Thinking(type="disabled")
     effort = messages_effort((req.output_config or {}).get("effort"), thinking.type, thinking.budget_tokens)
     conversation = Conversation(messages, add_generation_prompt=not prefill, continue_final_message=prefill,
-                                template_kwargs=effort_template_kwargs(None, effort, runtime.manifest.recipe))
+                                template_kwargs=effort_template_kwargs(None, effort, ctx.manifest.recipe))
     fields = sampling_fields(req, stop=list(req.stop_sequences or []))
     return req, GenerationRequest(conversation, fields, req.max_tokens, plan=plan, fmt=fmt,
                                   thinking_budget=_thinking_budget(req), new_call_id=_call_id), hints
@@ -318,24 +306,24 @@ def _thinking_budget(req: MessagesRequest) -> int | None:
     return None
 
 
-def prepare(body: bytes, runtime: Runtime) -> Prepared:
+def prepare(body: bytes, ctx: ModelContext) -> Prepared:
     """Blocking frontend work (decode, lower, template, tokenize, sampling) on the frontend pool."""
     try:
-        req, neutral, hints = decode(body, runtime)
+        req, neutral, hints = decode(body, ctx)
         if req.max_tokens is None:
             raise bad_request("max_tokens is required")
-        prep = prepare_request(runtime.model, neutral, f"msg_{uuid.uuid4().hex[:24]}")
+        prep = prepare_request(ctx, neutral, f"msg_{uuid.uuid4().hex[:24]}")
     except InvalidRequest as e:
         raise from_invalid(e) from None
     return Prepared(req=req, prompt_ids=prep.prompt_ids, child=Child.of(prep.choices[0]),
-                    cache_boundaries=_boundaries(runtime, prep.prompt_text or "", hints))
+                    cache_boundaries=_boundaries(ctx, prep.prompt_text or "", hints))
 
 
-def count_tokens(body: bytes, runtime: Runtime) -> dict:
+def count_tokens(body: bytes, ctx: ModelContext) -> dict:
     """{"input_tokens": N}: the whole prepared prompt, i.e. input_tokens + cache_read_input_tokens."""
     try:
-        _, neutral, _ = decode(body, runtime)
-        prompt = render(runtime.model, neutral)
+        _, neutral, _ = decode(body, ctx)
+        prompt = render(ctx, neutral)
     except InvalidRequest as e:
         raise from_invalid(e) from None
     return {"input_tokens": len(prompt.token_ids)}

@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from helios.frontend.context import ModelContext
 from helios.server import scorer
-from helios.server.errors import bad_request, from_validation
+from helios.server.errors import bad_request, decode_body
 from helios.server.runtime import Runtime
 from helios.server.scorer import MAX_CRITERIA, MAX_LEVELS, MAX_QUESTIONS, Item, Prepared, described
 
@@ -108,12 +108,9 @@ def _shown_value(value: str | bool) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else value
 
 
-def prepare(body: bytes, runtime: Runtime) -> Prepared:
+def prepare(body: bytes, ctx: ModelContext) -> Prepared:
     """Blocking frontend work for /v1/decisions: runs on the frontend pool."""
-    try:
-        req = msgspec.json.decode(body, type=DecisionsRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise from_validation(e) from None
+    req = decode_body(body, DecisionsRequest)
     state = _input_text(req.input)
     items = []
     for j, q in enumerate(req.questions):
@@ -131,7 +128,7 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
             items.append(Item("score", name, q.instructions,
                               [described(lv.label, lv.description or None) for lv in q.levels],
                               [lv.label for lv in q.levels], num_labels=len(q.levels)))
-    scorer.compile_questions(runtime.model, state, items)
+    scorer.compile_questions(ctx, state, items)
     return Prepared(items)
 
 

@@ -77,7 +77,8 @@ def show(runtime: Runtime, body: bytes, content_encoding: str | None) -> dict:
         raise _error(400, f"malformed JSON body: {e}") from None
     if not isinstance(req, dict):
         raise _error(400, "the body must be a JSON object")
-    name = req.get("model")
+    # NOTE: Ollama takes the older {"name": ...} too; "model" wins when both are given
+    name = req["model"] if "model" in req else req.get("name")
     if not isinstance(name, str) or not name:
         raise _error(400, "model must be a nonempty string")
     if "verbose" in req and not isinstance(req["verbose"], bool):

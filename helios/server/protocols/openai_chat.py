@@ -20,11 +20,12 @@ from helios.frontend.effort import effort_template_kwargs, native_effort
 from helios.frontend.prepare import Conversation, GenerationRequest, prepare as prepare_request
 from helios.frontend.reasoning import check_thinking_token_budget
 from helios.frontend import structured
+from helios.frontend.context import ModelContext
 from helios.frontend.sampling import InvalidRequest, SamplingFields, SamplingRequest, sampling_fields, stop_strings
 from helios.frontend.tools import ToolPlan, function_tool, plan_tools
 from helios.output.choice import ChoiceOutput, parsed
 from helios.output.processor import OutputDelta, TokenEntry
-from helios.server.errors import bad_request, from_invalid, from_validation
+from helios.server.errors import bad_request, decode_body, from_invalid
 from helios.server.generation import (Child, Generation, encode_prompt_logprobs, encode_token_entry, failure,
                                       finish_reason, output_failure, reported_stop_reason, usage)
 from helios.server.http import SSE_DONE, sse_event
@@ -110,15 +111,15 @@ def _sampling_fields(req: ChatCompletionRequest) -> SamplingFields:
     )
 
 
-def _check_unsupported(req: ChatCompletionRequest, runtime: Runtime) -> None:
+def _check_unsupported(req: ChatCompletionRequest, ctx: ModelContext) -> None:
     if not 1 <= req.n <= MAX_N:
         raise bad_request(f"n must be in [1, {MAX_N}]", "n")
     if req.stream and req.prompt_logprobs is not None:
         raise bad_request("prompt_logprobs cannot be combined with stream: true", "prompt_logprobs")
-    check_thinking_token_budget(runtime.model, req.thinking_token_budget)
+    check_thinking_token_budget(ctx, req.thinking_token_budget)
 
 
-def _tool_plan(req: ChatCompletionRequest, runtime: Runtime) -> ToolPlan:
+def _tool_plan(req: ChatCompletionRequest, ctx: ModelContext) -> ToolPlan:
     """Chat's spelling: tools [{"type": "function", "function": {...}}]; tool_choice "auto" | "none" |
     "required" | {"type": "function", "function": {"name": N}}; parallel_tool_calls."""
     tools = []
@@ -139,7 +140,7 @@ def _tool_plan(req: ChatCompletionRequest, runtime: Runtime) -> ToolPlan:
     else:
         raise bad_request("tool_choice must be \"auto\", \"none\", \"required\" or "
                           "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
-    return plan_tools(runtime.model, tools, mode, named, req.parallel_tool_calls is not False)
+    return plan_tools(ctx, tools, mode, named, req.parallel_tool_calls is not False)
 
 
 @dataclass
@@ -153,14 +154,11 @@ class ChatPrepared:
         return self.req.stream
 
 
-def decode(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, GenerationRequest]:
+def decode(body: bytes, ctx: ModelContext) -> tuple[ChatCompletionRequest, GenerationRequest]:
     """The body -> the neutral request (Chat's own checks and spellings on the way)."""
-    try:
-        req = msgspec.json.decode(body, type=ChatCompletionRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise from_validation(e) from None
-    _check_unsupported(req, runtime)
-    plan = _tool_plan(req, runtime)
+    req = decode_body(body, ChatCompletionRequest)
+    _check_unsupported(req, ctx)
+    plan = _tool_plan(req, ctx)
     fmt = structured.one_format(structured.chat_response_format(req.response_format),
                                 structured.native_structured_outputs(req.structured_outputs))
     messages = [
@@ -168,7 +166,7 @@ def decode(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, Genera
                     name=m.name, tool_calls=m.tool_calls, tool_call_id=m.tool_call_id)
         for m in req.messages
     ]
-    recipe = runtime.manifest.recipe
+    recipe = ctx.manifest.recipe
     effort = native_effort(req.reasoning_effort, recipe, "reasoning_effort")
     conversation = Conversation(messages, req.add_generation_prompt, req.continue_final_message,
                                 effort_template_kwargs(req.chat_template_kwargs, effort, recipe))
@@ -178,11 +176,11 @@ def decode(body: bytes, runtime: Runtime) -> tuple[ChatCompletionRequest, Genera
                                   skip_special_tokens=req.skip_special_tokens)
 
 
-def prepare(body: bytes, runtime: Runtime) -> ChatPrepared:
+def prepare(body: bytes, ctx: ModelContext) -> ChatPrepared:
     """Blocking frontend work (decode, template, tokenize, sampling): runs on the frontend pool."""
     try:
-        req, neutral = decode(body, runtime)
-        prep = prepare_request(runtime.model, neutral, f"chatcmpl-{uuid.uuid4().hex}")
+        req, neutral = decode(body, ctx)
+        prep = prepare_request(ctx, neutral, f"chatcmpl-{uuid.uuid4().hex}")
     except InvalidRequest as e:
         raise from_invalid(e) from None
     return ChatPrepared(req, [Child.of(c) for c in prep.choices], prep.prompt_ids)

@@ -19,7 +19,7 @@ from helios.frontend.prepare import GenerationRequest, prepare as prepare_reques
 from helios.frontend import structured
 from helios.frontend.sampling import InvalidRequest, SamplingRequest, sampling_fields, stop_strings
 from helios.output.processor import TokenEntry, finite
-from helios.server.errors import bad_request, from_invalid, from_validation
+from helios.server.errors import bad_request, decode_body, from_invalid
 from helios.server.generation import (Child, Generation, encode_prompt_logprobs, failure, finish_reason,
                                       reported_stop_reason, token_string, usage)
 from helios.server.http import SSE_DONE, sse_event
@@ -63,8 +63,8 @@ def _is_ids(value) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _prompts(req: CompletionRequest, runtime: Runtime) -> list[Prompt]:
-    p, tok = req.prompt, runtime.tokenizer
+def _prompts(req: CompletionRequest, ctx: ModelContext) -> list[Prompt]:
+    p, tok = req.prompt, ctx.tokenizer
     if isinstance(p, str):
         items: list = [p]
     elif _is_ids(p) and p:
@@ -88,8 +88,8 @@ def _prompts(req: CompletionRequest, runtime: Runtime) -> list[Prompt]:
         else:
             if not item:
                 raise bad_request("token-ID prompts must be nonempty", "prompt")
-            if any(not 0 <= t < runtime.manifest.arch.vocab_size for t in item):
-                raise bad_request(f"prompt token ids must be in [0, {runtime.manifest.arch.vocab_size})", "prompt")
+            if any(not 0 <= t < ctx.manifest.arch.vocab_size for t in item):
+                raise bad_request(f"prompt token ids must be in [0, {ctx.manifest.arch.vocab_size})", "prompt")
             out.append(Prompt(tok.decode(item), list(item)))
     return out
 
@@ -122,14 +122,11 @@ class Prepared(Struct):
         return self.req.stream
 
 
-def prepare(body: bytes, runtime: Runtime) -> Prepared:
-    try:
-        req = msgspec.json.decode(body, type=CompletionRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise from_validation(e) from None
+def prepare(body: bytes, ctx: ModelContext) -> Prepared:
+    req = decode_body(body, CompletionRequest)
     _check_unsupported(req)
     try:
-        prompts = _prompts(req, runtime)
+        prompts = _prompts(req, ctx)
         fmt = structured.one_format(structured.chat_response_format(req.response_format),
                                     structured.native_structured_outputs(req.structured_outputs))
         scoring = req.echo and req.logprobs is not None
@@ -143,7 +140,7 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
         neutral = GenerationRequest([p.token_ids for p in prompts], fields, req.max_tokens, allow_zero_tokens=True,
                                     submit_zero_tokens=prompt_k is not None, n=req.n, fmt=fmt,
                                     skip_special_tokens=req.skip_special_tokens)
-        prep = prepare_request(runtime.model, neutral, f"cmpl-{uuid.uuid4().hex}")
+        prep = prepare_request(ctx, neutral, f"cmpl-{uuid.uuid4().hex}")
     except InvalidRequest as e:
         raise from_invalid(e) from None
     return Prepared(req, prompts, [Child.of(c) for c in prep.choices], prompt_k)

@@ -20,14 +20,15 @@ from helios.frontend.effort import effort_template_kwargs, named_effort
 from helios.frontend.prepare import Conversation, GenerationRequest, prepare as prepare_request
 from helios.frontend.reasoning import check_thinking_token_budget
 from helios.frontend import structured
+from helios.frontend.context import ModelContext
 from helios.frontend.sampling import InvalidRequest, SamplingRequest, sampling_fields, stop_strings
 from helios.frontend.tools import DeclaredTool, ToolPlan, custom_tool, function_tool, namespaced, plan_tools
 from helios.output.accumulator import BlockEvent, OutputBlock
 from helios.output.choice import ChoiceOutput
 from helios.output.custom_tools import INPUT, custom_input
-from helios.server.errors import ApiError, bad_request, from_invalid, from_validation
-from helios.server.generation import (Child, Generation, child_usage, encode_token_entry, failure, finish_reason,
-                                      output_failure, parsed_output)
+from helios.server.errors import ApiError, bad_request, decode_body, from_invalid
+from helios.server.generation import (Child, Generation, OneChoice, child_usage, encode_token_entry, failure,
+                                      finish_reason, output_failure, parsed_output)
 from helios.server.http import sse_named
 from helios.server.runtime import Runtime
 
@@ -96,21 +97,11 @@ class ResponsesRequest(SamplingRequest, kw_only=True):
     prompt_logprobs: Any | UnsetType = UNSET  # rejected: Responses has no prompt scoring
 
 
-class Prepared(Struct, kw_only=True):
+class Prepared(OneChoice, kw_only=True):
     req: ResponsesRequest
-    prompt_ids: list[int]
-    child: Child
     plan: ToolPlan  # restores namespaces and custom tools on output items
     response_id: str
     created_at: int
-
-    @property
-    def stream(self) -> bool:
-        return self.req.stream
-
-    @property
-    def children(self) -> list[Child]:
-        return [self.child]
 
     @property
     def wants_logprobs(self) -> bool:
@@ -183,7 +174,7 @@ def to_conversation(req: ResponsesRequest) -> list[ChatMessage]:
     return out
 
 
-def _check_request(req: ResponsesRequest, runtime: Runtime) -> None:
+def _check_request(req: ResponsesRequest, ctx: ModelContext) -> None:
     if req.store:
         raise bad_request("store: true is not supported; Responses are stateless here", "store")
     if req.previous_response_id is not None:
@@ -200,12 +191,12 @@ def _check_request(req: ResponsesRequest, runtime: Runtime) -> None:
         raise bad_request("top_logprobs must be in [0, 20]", "top_logprobs")
     if req.text is not None and not isinstance(req.text, dict):
         raise bad_request("text must be an object", "text")
-    check_thinking_token_budget(runtime.model, req.thinking_token_budget)
+    check_thinking_token_budget(ctx, req.thinking_token_budget)
     if isinstance(req.input, list) and not req.input:
         raise bad_request("input must be a string or a nonempty array of items", "input")
 
 
-def _tool_plan(req: ResponsesRequest, runtime: Runtime) -> ToolPlan:
+def _tool_plan(req: ResponsesRequest, ctx: ModelContext) -> ToolPlan:
     """Responses' spelling: tools [{"type": "function", name, description, parameters, strict} | {"type":
     "custom", name, description, format} | {"type": "namespace", name, description, tools: [function |
     custom]}]; tool_choice "auto" | "none" | "required" | {"type": "function" | "custom", "name": N} (a
@@ -225,7 +216,7 @@ def _tool_plan(req: ResponsesRequest, runtime: Runtime) -> ToolPlan:
     else:
         raise bad_request("tool_choice must be \"auto\", \"none\", \"required\" or "
                           "{\"type\": \"function\" | \"custom\", \"name\": ...}", "tool_choice")
-    return plan_tools(runtime.model, tools, mode, named, req.parallel_tool_calls is not False, declared=declared,
+    return plan_tools(ctx, tools, mode, named, req.parallel_tool_calls is not False, declared=declared,
                       named_kind=named_kind)
 
 
@@ -249,18 +240,15 @@ def _declare(t: Any, namespace: dict | None) -> list[tuple[dict, DeclaredTool]]:
                       "tools")
 
 
-def decode(body: bytes, runtime: Runtime) -> tuple[ResponsesRequest, GenerationRequest]:
+def decode(body: bytes, ctx: ModelContext) -> tuple[ResponsesRequest, GenerationRequest]:
     """The body -> the neutral request (Responses' own checks and spellings on the way)."""
-    try:
-        req = msgspec.json.decode(body, type=ResponsesRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise from_validation(e) from None
-    _check_request(req, runtime)
-    plan = _tool_plan(req, runtime)
+    req = decode_body(body, ResponsesRequest)
+    _check_request(req, ctx)
+    plan = _tool_plan(req, ctx)
     messages = to_conversation(req)
     fmt = structured.responses_text_format((req.text or {}).get("format"))
     effort = named_effort((req.reasoning or {}).get("effort"), "reasoning", "reasoning.effort")
-    conversation = Conversation(messages, template_kwargs=effort_template_kwargs(None, effort, runtime.manifest.recipe))
+    conversation = Conversation(messages, template_kwargs=effort_template_kwargs(None, effort, ctx.manifest.recipe))
     wants = LOGPROBS_INCLUDE in (req.include or [])
     fields = sampling_fields(req, stop=stop_strings(req.stop), logprobs=(req.top_logprobs or 0) if wants else None,
                              logprob_token_ids=req.logprob_token_ids)
@@ -268,11 +256,11 @@ def decode(body: bytes, runtime: Runtime) -> tuple[ResponsesRequest, GenerationR
                                   plan=plan, fmt=fmt, thinking_budget=req.thinking_token_budget)
 
 
-def prepare(body: bytes, runtime: Runtime) -> Prepared:
+def prepare(body: bytes, ctx: ModelContext) -> Prepared:
     hex_id = uuid.uuid4().hex
     try:
-        req, neutral = decode(body, runtime)
-        prep = prepare_request(runtime.model, neutral, f"resp_{hex_id}")
+        req, neutral = decode(body, ctx)
+        prep = prepare_request(ctx, neutral, f"resp_{hex_id}")
     except InvalidRequest as e:
         e.param = _PARAMS.get(e.param, e.param)
         raise from_invalid(e) from None

@@ -12,6 +12,7 @@ import msgspec
 
 from helios.server import scorer
 from helios.server.errors import ApiError, bad_request, from_validation
+from helios.frontend.context import ModelContext
 from helios.server.runtime import Runtime
 from helios.server.scorer import MAX_CRITERIA, MAX_LEVELS, MAX_QUESTIONS, Item, Prepared, as_text, described
 
@@ -137,7 +138,7 @@ def _check_systemone(body: Any) -> None:
 # --- lowering, answers, response ----------------------------------------------------------------------------
 
 
-def prepare(body: bytes, runtime: Runtime) -> Prepared:
+def prepare(body: bytes, ctx: ModelContext) -> Prepared:
     """Blocking frontend work for /v1/systemone (decode, schema, render, labels): runs on the frontend pool."""
     try:
         obj = msgspec.json.decode(body)
@@ -162,7 +163,7 @@ def prepare(body: bytes, runtime: Runtime) -> Prepared:
         else:
             items.append(Item("score", qid, instructions, [as_text(v) for v in criteria], list(criteria),
                               num_labels=len(criteria)))
-    scorer.compile_questions(runtime.model, as_text(obj["state"], indent=2), items)
+    scorer.compile_questions(ctx, as_text(obj["state"], indent=2), items)
     return Prepared(items)
 
 
