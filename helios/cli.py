@@ -1,14 +1,13 @@
-"""`helios serve CORE`: serve a prepared core over HTTP (Granian, one worker process that owns the engine);
+"""`helios serve CORE`: serve a prepared core over HTTP (Granian embedded in this process, which owns the engine);
 `helios top [URL]`: the serving terminal dashboard over a server's /metrics.
 
-The parent checks the configuration and the manifest (one clear line on failure) and hands the core path
-to Granian's worker through the environment; the worker's app factory loads, warms up and reports the
-start-up time split. No torch here: the worker imports the torch side through helios.server.runtime.
+`serve` checks the configuration and the manifest (one clear line on failure), applies the command line's
+overrides to the ServerConfig and hands it to the composition root (helios/compose.py), which builds core ->
+runner -> engine -> app and serves; settings travel as arguments. No torch here (compose imports it lazily).
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -46,7 +45,6 @@ def serve(
     import msgspec
 
     from helios.core.manifest import MANIFEST_FILE, decode_manifest
-    from helios.server.app import ENV_CONFIG, ENV_CORE, ENV_HOST, ENV_KEY_FILE, ENV_NO_PREFIX_CACHE, ENV_PORT
     from helios.server.config import ConfigError, load_config
     from helios.server.runtime import resolve_serving
 
@@ -67,34 +65,19 @@ def serve(
         _fail(f"{config}: {e}")
     if api_key_file is not None and not api_key_file.is_file():
         _fail(f"--api-key-file {api_key_file}: no such file")
-    host = host or server.host
-    port = server.port if port is None else port
-    os.environ[ENV_CORE] = str(core.resolve())
-    os.environ[ENV_HOST] = host
-    os.environ[ENV_PORT] = str(port)
-    if config is not None:
-        os.environ[ENV_CONFIG] = str(config.resolve())
+    overrides: dict = {"host": host or server.host, "port": server.port if port is None else port}
     if api_key_file is not None:
-        os.environ[ENV_KEY_FILE] = str(api_key_file.resolve())
+        try:
+            overrides["api_key"] = api_key_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            _fail(f"--api-key-file {api_key_file}: {e}")
     if no_prefix_cache:
-        os.environ[ENV_NO_PREFIX_CACHE] = "1"
+        overrides["prefix_caching"] = False
+    server = msgspec.structs.replace(server, **overrides)
 
-    from granian import Granian
-    from granian.constants import Interfaces
+    from helios.compose import serve as serve_core
 
-    # NOTE: one worker: the engine (and its KV pool) lives in exactly one process.
-    Granian(
-        "helios.server.app:create_app",
-        address=host,
-        port=port,
-        interface=Interfaces.ASGI,
-        workers=1,
-        factory=True,
-        log_level=log_level,
-        log_access=False,
-        websockets=False,
-    ).serve()
-    sys.exit(0)
+    sys.exit(serve_core(core.resolve(), server, log_level=log_level))
 
 
 class _FetchError(Exception):

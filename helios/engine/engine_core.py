@@ -14,11 +14,13 @@ from msgspec import Struct
 
 from helios.engine.config import SchedulerConfig
 from helios.engine.constraint import ConstraintOwner
-from helios.engine.messages import EngineOutput, EngineRequest, ModelRunnerOutput, SchedulerOutput
+from helios.engine.messages import EngineOutput, EngineRequest, ModelRunnerOutput, RunnerStats, SchedulerOutput
 from helios.engine.scheduler import QueueFull, Scheduler
 
 
 class Runner(Protocol):
+    """Executes plans; a runner may also offer `stats() -> RunnerStats` (its counters for /metrics)."""
+
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
@@ -56,6 +58,9 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     host_bytes_out: int = 0  # bytes copied from evicted GPU pages to host records
     host_bytes_in: int = 0  # bytes copied from host records into GPU pages
     host_disk_records: int = 0  # records of the disk tier behind it (files in its record directory)
+    # the runner's counters (RunnerStats): forward passes by kind, GPU time of graph replays
+    graph_launches: dict[str, int] = {}
+    replay_gpu_ns: int = 0
 
 
 class EngineCore:
@@ -119,6 +124,7 @@ class EngineCore:
         scheduler = self.scheduler
         pool = scheduler.block_pool
         host = scheduler.host_cache
+        stats = self.runner.stats() if hasattr(self.runner, "stats") else RunnerStats()
         return EngineMetrics(
             prefill_tokens=scheduler.num_prefill_tokens,
             generated_tokens=self._num_generated_tokens,
@@ -141,4 +147,6 @@ class EngineCore:
             host_bytes_out=host.num_bytes_out if host else 0,
             host_bytes_in=host.num_bytes_in if host else 0,
             host_disk_records=host.num_disk_records if host else 0,
+            graph_launches=stats.graph_launches,
+            replay_gpu_ns=stats.replay_gpu_ns,
         )

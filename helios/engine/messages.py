@@ -176,3 +176,10 @@ class RequestResult(Struct, frozen=True, kw_only=True):
 
 class ModelRunnerOutput(Struct, frozen=True, kw_only=True):
     results: list[RequestResult]
+
+
+class RunnerStats(Struct, frozen=True, kw_only=True):
+    """The runner's counters (runner.stats()), folded into EngineMetrics; totals since start."""
+
+    graph_launches: dict[str, int] = {}  # forward passes by kind: graph (a decode graph's replay), speculative, eager
+    replay_gpu_ns: int = 0  # GPU time of completed graph replays (zero on the CPU)

@@ -93,7 +93,10 @@ class Scheduler:
             raise ValueError(
                 f"prompt of {num_prompt} tokens exceeds the KV page capacity of {self.config.page_capacity_tokens}"
             )
-        if len(self.waiting) >= self.config.max_waiting:
+        # NOTE: the bound counts requests that must wait for a model slot: those a free slot takes at the next
+        # step (an n-choice group on an idle server) are not refused (issue 19)
+        num_free_slots = max(0, self.config.max_concurrency - len(self.running))
+        if len(self.waiting) - num_free_slots >= self.config.max_waiting:
             raise QueueFull(f"the model request queue is full ({self.config.max_waiting} waiting)")
         if request.constraint is not None:
             if self.constraints is None:

@@ -1,47 +1,49 @@
 """The ASGI app Granian serves: routing, auth, body limits and encodings, admission, lifespan.
 
-The app owns the Runtime (engine included): lifespan startup loads the core (or takes a prebuilt runtime)
-and warms it up; shutdown stops the engine. Protocol modules do the per-API work; every refusal is an
-ApiError answered in `_handle`, never a traceback. No torch.
+The app owns the Runtime (engine included): lifespan startup runs the factory the composition root gave it
+(helios/compose.py; or takes a prebuilt runtime) and its warm-up, then prints the ready line; shutdown stops the
+engine. Protocol modules do the per-API work; every refusal is an ApiError answered in `_handle`, never a
+traceback. No torch; imports of the engine are its public handle's messages only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-import os
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import msgspec
 
 from helios.server import encodings, errors
-from helios.server.config import load_config
 from helios.server.errors import ApiError
 from helios.server.generation import Generation
 from helios.server.http import JSON, ClientDisconnected, Request, run_until_disconnect
 from helios.server.metrics import PROMETHEUS_CONTENT_TYPE, Snapshot, render_json, render_prometheus, wants_json
 from helios.server.protocols import (anthropic_messages, decisions, ollama, openai_chat, openai_completions,
                                      openai_models, openai_responses, systemone)
-from helios.server.runtime import Runtime, build_runtime, warm_up
+from helios.server.runtime import Runtime
 
 logger = logging.getLogger("helios.server")
-ENV_CORE, ENV_CONFIG, ENV_HOST, ENV_PORT, ENV_KEY_FILE, ENV_NO_PREFIX_CACHE = (
-    "HELIOS_CORE", "HELIOS_CONFIG", "HELIOS_HOST", "HELIOS_PORT", "HELIOS_API_KEY_FILE", "HELIOS_NO_PREFIX_CACHE")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
 class HeliosApp:
-    def __init__(self, runtime: Runtime | Callable[[], Runtime], warm: bool = True, announce: str | None = None):
+    def __init__(self, runtime: Runtime | Callable[[], Runtime], warm: bool = True, announce: str | None = None,
+                 warm_up: Callable[[Runtime], Awaitable[None]] | None = None):
+        """runtime: a built Runtime, or the factory that builds one (run off the event loop at start-up);
+        warm_up: one request through the engine before the ready line (when `warm`); announce: the URL it names."""
         self._factory = runtime if callable(runtime) else None
         self.runtime: Runtime | None = None if callable(runtime) else runtime
         self._warm = warm
+        self._warm_up = warm_up
         self._announce = announce
+        self.startup_error: str | None = None  # why the lifespan start-up failed (the server then exits 1)
 
     # --- ASGI entry -----------------------------------------------------------------------------
 
@@ -61,6 +63,7 @@ class HeliosApp:
                 try:
                     await self.startup()
                 except Exception as e:  # one clear line, then Granian stops the worker
+                    self.startup_error = str(e)
                     logger.error("helios: start-up failed: %s", e)
                     await send({"type": "lifespan.startup.failed", "message": str(e)})
                     return
@@ -72,11 +75,9 @@ class HeliosApp:
 
     async def startup(self) -> None:
         if self.runtime is None:
-            import asyncio
-
             self.runtime = await asyncio.get_running_loop().run_in_executor(None, self._factory)
-        if self._warm:
-            await warm_up(self.runtime)
+        if self._warm and self._warm_up is not None:
+            await self._warm_up(self.runtime)
         rt = self.runtime
         t = rt.timings
         split = (f"open {t.get('open', 0.0):.2f}s, weights {t.get('weights', 0.0):.2f}s, "
@@ -88,6 +89,7 @@ class HeliosApp:
               f"warm-up {t.get('warmup', 0.0):.2f}s{' on ' + self._announce if self._announce else ''}", flush=True)
 
     def shutdown(self) -> None:
+        """Stop the engine (a second call is harmless)."""
         if self.runtime is not None:
             self.runtime.shutdown()
 
@@ -159,8 +161,9 @@ class HeliosApp:
             await request.respond_error(errors.unavailable(error))
 
     def snapshot(self) -> Snapshot:
+        """/metrics: the server's own counters plus the engine's public metrics (the runner's counters folded
+        in by the engine), never the engine's internals."""
         rt = self.runtime
-        runner = getattr(getattr(rt.engine, "core", None), "runner", None)  # absent on fake engines
         snap = Snapshot(
             decode_weight_bytes=rt.manifest.decode_weight_bytes,
             first_response=rt.http_metrics.first_response(),
@@ -168,8 +171,6 @@ class HeliosApp:
             http_admission_in_use=rt.admission.in_use,
             http_requests=rt.http_metrics.num_requests,
             uptime_seconds=int(time.monotonic() - rt.started),
-            graph_launches=dict(getattr(runner, "launches", {})),
-            replay_gpu_ns=getattr(runner, "replay_gpu_ns", 0),
         )
         metrics = rt.engine.metrics()
         values = {f: getattr(metrics, f) for f in metrics.__struct_fields__ if f in Snapshot.__struct_fields__}
@@ -283,21 +284,3 @@ ROUTES: dict[str, Route] = {
     "/api/tags": Route("GET", "bearer", lambda app, r, x: r.respond_json(200, ollama.tags(app.runtime))),
     "/api/show": Route("POST", "bearer", lambda app, r, x: app._ollama_show(r)),
 }
-
-
-def create_app() -> HeliosApp:
-    """Granian's factory (in the worker process): the core path and options come through the environment."""
-    core = os.environ[ENV_CORE]
-    config = load_config(Path(os.environ[ENV_CONFIG]) if os.environ.get(ENV_CONFIG) else None).server
-    overrides = {}
-    if os.environ.get(ENV_HOST):
-        overrides["host"] = os.environ[ENV_HOST]
-    if os.environ.get(ENV_PORT):
-        overrides["port"] = int(os.environ[ENV_PORT])
-    if os.environ.get(ENV_KEY_FILE):
-        overrides["api_key"] = Path(os.environ[ENV_KEY_FILE]).read_text(encoding="utf-8").strip()
-    if os.environ.get(ENV_NO_PREFIX_CACHE) == "1":
-        overrides["prefix_caching"] = False
-    config = msgspec.structs.replace(config, **overrides) if overrides else config
-    return HeliosApp(lambda: build_runtime(Path(core), config), announce=f"http://{config.host}:{config.port}")
-

@@ -1,7 +1,7 @@
 """What one serving process owns: the loaded core, tokenizer, chat renderer, engine, admission and pools.
 
-`build_runtime` loads a core and builds the torch side through helios.runner (imported inside the
-function, so this module imports no torch); tests build a Runtime around a fake engine instead.
+The composition root (helios/compose.py) builds a Runtime around the engine it built from a core; tests build
+one around a fake engine instead. No torch, no runner or engine internals.
 Derived serving values (model id, slots, budgets) live in `Serving`, not in the config.
 """
 
@@ -11,7 +11,6 @@ import asyncio
 import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from msgspec import Struct
@@ -128,98 +127,3 @@ class Runtime:
         if shutdown is not None:
             shutdown()
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def build_engine(core, config: ServerConfig, serving: Serving, constraints=None):
-    """Runner + scheduler + engine thread for a loaded core (the torch side comes from helios.runner);
-    constraints: structured output's grammar owner (helios/frontend/constraints.py)."""
-    from helios.engine.async_engine import AsyncEngine
-    from helios.engine.config import SchedulerConfig
-    from helios.engine.engine_core import EngineCore
-    from helios.runner.disk_cache import record_dir
-    from helios.runner.kv_cache import KVCache
-    from helios.runner.model_runner import ModelRunner, resolve_device
-
-    page_size = core.manifest.graph_plan.page_size
-    dtype = core.tensors["embed.weight"].dtype  # the runner's default: the KV pages take the weights' dtype
-    page_bytes = KVCache.bytes_per_page(core.manifest.arch, page_size, dtype)
-    # the prefix cache's host DRAM tier: whole pages only; nothing without the prefix cache it stands behind
-    host_cache_pages = config.host_cache_bytes // page_bytes if config.prefix_caching else 0
-    # its disk tier: only behind the DRAM tier; one subdirectory per KV identity (runner/disk_cache.py)
-    host_disk_pages = config.host_disk_bytes // page_bytes if host_cache_pages and config.host_disk_dir else 0
-    host_disk_dir = record_dir(config.host_disk_dir, core.manifest, dtype, page_size) if host_disk_pages else None
-    if resolve_device(config.device) == "cuda":
-        # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
-        runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,
-                                       dtype=dtype, host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir)
-        num_pages = runner.num_pages
-    else:
-        num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
-        runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, dtype=dtype,
-                             host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir)
-    scheduler = SchedulerConfig(
-        max_concurrency=serving.max_concurrency,
-        max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency),
-        prefill_chunk_size=serving.prefill_chunk_size,
-        max_waiting=serving.max_waiting,
-        page_size=page_size,
-        num_pages=num_pages,
-        max_model_len=serving.max_model_len,
-        enable_prefix_caching=config.prefix_caching,
-        host_cache_pages=host_cache_pages,
-        host_disk_pages=host_disk_pages,
-        page_bytes=page_bytes,
-    )
-    disk_records = runner.disk_store.list_records() if runner.disk_store is not None else []
-    return AsyncEngine(EngineCore(scheduler, runner, disk_records, constraints=constraints))
-
-
-def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:
-    """Load and verify the core, build the engine; records the load time in runtime.timings. The core's digests
-    are checked on background threads while the engine builds (the weights upload, kernel load and graph
-    capture): a mismatch fails the start-up before anything is served."""
-    from helios.core.load import load_core, start_digest_check
-    from helios.frontend.constraints import GrammarConstraints
-
-    t0 = time.perf_counter()
-    core = load_core(Path(core_path), verify_digests=False)
-    digests_match = start_digest_check(core.path, core.manifest)
-    manifest = core.manifest
-    tokenizer = Tokenizer.from_file(core.tokenizer_path, manifest.tokenizer, manifest.arch.vocab_size)
-    serving = resolve_serving(manifest, config)
-    # the runtime first: its structured-output compiler validates grammars and feeds the engine's constraint owner
-    runtime = Runtime(manifest, tokenizer, core.template_source, None, config, serving)
-    t1 = time.perf_counter()
-    try:
-        constraints = GrammarConstraints(runtime.output_grammars.matcher)
-        engine = runtime.engine = build_engine(core, config, serving, constraints)
-        t2 = time.perf_counter()
-        digests_match()
-    except Exception:
-        runtime.shutdown()
-        raise
-    t3 = time.perf_counter()
-    runtime.timings["load"] = time.perf_counter() - t0
-    # the runner's own split (weights to the device, kernel load, KV allocation, graph capture)
-    st = engine.core.runner.startup
-    runtime.timings.update(open=t1 - t0, weights=st.load_s, kernels=st.kernels_s, kernels_wait=st.kernels_wait_s,
-                           kv=st.kv_alloc_s, capture=st.capture_s, graphs=st.num_graphs, kernels_jit=st.kernels_jit,
-                           verify=t3 - t2)
-    return runtime
-
-
-async def warm_up(runtime: Runtime) -> None:
-    """One tiny request through the whole engine path, so the first client does not pay for it."""
-    from helios.engine.messages import EngineRequest, SamplingParams
-
-    t0 = time.perf_counter()
-    bos = runtime.manifest.tokenizer.bos_token_id
-    prompt = [bos if bos is not None else 0] * 2
-    stream = await runtime.engine.submit(
-        EngineRequest(req_id="warmup", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=2, logprobs=1))
-    )
-    async for _ in stream:
-        pass
-    runtime.timings["warmup"] = time.perf_counter() - t0
-    # structured output's vocabulary (~0.3 s for 49k tokens, more for larger ones) off the start-up path
-    runtime.pool.submit(runtime.output_grammars.prepare)

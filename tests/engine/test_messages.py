@@ -20,6 +20,7 @@ from helios.engine.messages import (
     PositionLogprobs,
     ReasoningBudget,
     RequestResult,
+    RunnerStats,
     SamplingParams,
     ScheduledRequest,
     SchedulerOutput,
@@ -56,6 +57,7 @@ SAMPLES = [
                     spill=[(0, b"\x12" * 16)], disk_drop=[b"\x34" * 16], load=[(b"\x56" * 16, 1)]),
     RequestResult(req_id="r", sampled_token_id=11, logprobs=LOGPROBS, prompt_logprobs=[LOGPROBS]),
     ModelRunnerOutput(results=[RequestResult(req_id="r", sampled_token_id=None)]),
+    RunnerStats(graph_launches={"graph": 3, "eager": 1}, replay_gpu_ns=12345),
 ]
 
 
@@ -76,5 +78,6 @@ def test_round_trip_through_msgpack(message):
 
 def test_engine_metrics_round_trip():
     metrics = EngineMetrics(prefill_tokens=1, generated_tokens=2, completed=3, failed=4, active=5, pending=6,
-                            free_pages=7, total_pages=8, page_tokens=16, host_bytes_in=9)
+                            free_pages=7, total_pages=8, page_tokens=16, host_bytes_in=9,
+                            graph_launches={"graph": 2}, replay_gpu_ns=5)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(metrics), type=EngineMetrics) == metrics

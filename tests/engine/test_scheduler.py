@@ -134,11 +134,12 @@ def test_first_come_order_for_equal_work():
 
 
 def test_queue_full_and_invalid_requests():
-    core, _ = make_core(max_waiting=2, max_model_len=32, num_pages=4)
-    core.add_request(request("a"))
-    core.add_request(request("b"))
-    with pytest.raises(QueueFull):
-        core.add_request(request("c"))
+    # two model slots and two waiting places: the first two requests take the free slots, two more wait
+    core, _ = make_core(max_concurrency=2, max_waiting=2, max_model_len=32, num_pages=4)
+    for req_id in "abcd":
+        core.add_request(request(req_id))
+    with pytest.raises(QueueFull, match=r"the model request queue is full \(2 waiting\)"):
+        core.add_request(request("x"))
     with pytest.raises(ValueError, match="already active"):
         core.add_request(request("a"))
     with pytest.raises(ValueError, match="empty"):
@@ -148,15 +149,37 @@ def test_queue_full_and_invalid_requests():
     with pytest.raises(ValueError, match="page capacity"):
         core.add_request(request("g", prompt_len=17, max_tokens=0))  # 4 pages x 4 tokens
     m = core.metrics()
-    assert (m.failed, m.pending) == (5, 2)
-    core.step()  # admits both: the queue has room again
-    assert core.metrics().pending == 0
-    core.add_request(request("c"))
-    core.add_request(request("h", prompt_len=16, max_tokens=0))  # exactly the page capacity: scoring fits
+    assert (m.failed, m.pending) == (5, 4)
+    core.step()  # admits a and b: two still wait, and no slot is free
+    assert (core.metrics().active, core.metrics().pending) == (2, 2)
+    with pytest.raises(QueueFull):
+        core.add_request(request("x"))
     got = run_until_idle(core)
-    assert set(got.final) == {"a", "b", "c", "h"}
+    core.add_request(request("x"))
+    core.add_request(request("h", prompt_len=16, max_tokens=0))  # exactly the page capacity: scoring fits
+    run_until_idle(core, got)
+    assert set(got.final) == {"a", "b", "c", "d", "x", "h"}
     assert all(o.finish_reason == "length" for o in got.final.values())
     assert_idle(core)
+
+
+def test_the_waiting_bound_counts_only_requests_beyond_the_free_slots():
+    """Issue 19: requests a free model slot takes at the next step (an n=2 group's choices on an idle server)
+    never count against max_waiting; only those that must wait for a slot do."""
+    core, _ = make_core(max_concurrency=1, max_waiting=1)
+    core.add_request(request("n0"))  # takes the free slot
+    core.add_request(request("n1"))  # waits: the one waiting place
+    with pytest.raises(QueueFull):
+        core.add_request(request("late"))
+    core, _ = make_core(max_concurrency=4, max_waiting=1)
+    for i in range(5):  # four free slots and one waiting place
+        core.add_request(request(f"c{i}"))
+    with pytest.raises(QueueFull):
+        core.add_request(request("c5"))
+    core.step()
+    assert (core.metrics().active, core.metrics().pending) == (4, 1)
+    got = run_until_idle(core)
+    assert len(got.final) == 5 and core.metrics().failed == 1
 
 
 # --- pages --------------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_flipped_byte_and_other_version_are_refused(tiny_llama, tmp_path):
         load_core(core)
     # helios serve hashes while it builds the engine, and still refuses the core before serving anything
     from helios.server.config import ServerConfig
-    from helios.server.runtime import build_runtime
+    from helios.compose import build_runtime
 
     with pytest.raises(CoreError, match="sha256"):
         build_runtime(core, ServerConfig(kv_cache_tokens=256))

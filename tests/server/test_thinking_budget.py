@@ -19,7 +19,8 @@ import pytest
 
 from helios.server.app import HeliosApp
 from helios.server.config import ServerConfig
-from helios.server.runtime import Runtime, build_runtime, resolve_serving
+from helios.compose import build_runtime
+from helios.server.runtime import Runtime, resolve_serving
 
 TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -160,6 +160,31 @@ def test_dropped_buffered_request_is_aborted(tight_server):
     assert snap["active"] == 0 and snap["http_admission_in_use"] == 0
 
 
+def _wait_idle(url: str) -> dict:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        snap = httpx.get(url + "/metrics?format=json").json()
+        if snap["active"] == 0 and snap["pending"] == 0 and snap["http_admission_in_use"] == 0:
+            return snap
+        time.sleep(0.2)
+    raise AssertionError(f"the server never went idle: {snap}")
+
+
+def test_an_n2_request_on_an_idle_server_is_served_despite_max_waiting_1(tight_server):
+    """Issue 19: the waiting bound counts only requests beyond the free model slots. With one slot and one
+    waiting place, an idle server runs an n=2 group (one choice runs, one waits); n=3 would need two places."""
+    url = tight_server.url
+    _wait_idle(url)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1]
+    _wait_idle(url)
+    r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 3}, timeout=60)
+    _error(r, 503, "server_error")
+    snap = _wait_idle(url)  # the group's admitted choices were aborted with it
+    assert snap["free_pages"] == snap["total_pages"]
+
+
 def test_health_and_metrics_formats(server, http):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
