@@ -24,7 +24,10 @@ from tests.server.test_app_fake import FakeEngine
 
 TEMPLATE = ("{% for t in tools or [] %}tool: {{ t | tojson }}\n{% endfor %}"
             "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
-            "{% for c in m.tool_calls or [] %} [call {{ c.function.name }} {{ c.function.arguments }}]{% endfor %}"
+            # NOTE: object arguments reach templates as objects (as HF templates read them): tojson, as they do
+            "{% for c in m.tool_calls or [] %} [call {{ c.function.name }} "
+            "{% if c.function.arguments is string %}{{ c.function.arguments }}{% else %}"
+            "{{ c.function.arguments | tojson }}{% endif %}]{% endfor %}"
             "{{ '\\n' }}"
             "{% endfor %}assistant:")
 PHONE = {"type": "grammar", "syntax": "regex", "definition": r"\d{3}-\d{4}"}
@@ -149,9 +152,9 @@ def test_custom_and_namespaced_history_is_replayed_as_presented(serve):
             r = await c.responses.create(model="tiny", input=history, tools=TOOLS)
         assert r.status == "completed" and r.output_text == "Done."
         prompt = engine.prompts[0]
-        assert '[call lookup {"input":"555-1234"}]' in prompt
+        assert '[call lookup {"input": "555-1234"}]' in prompt
         assert '[call crm__get_customer {"id": 7}]' in prompt
-        assert '[call crm__note {"input":"line 1\\n\\"quoted\\""}]' in prompt
+        assert '[call crm__note {"input": "line 1\\n\\"quoted\\""}]' in prompt
         assert "tool: Ada\ntool: {\"name\": \"Ada\"}\ntool: noted\n" in prompt
 
     run(main())
