@@ -8,6 +8,7 @@ runner -> engine -> app and serves; settings travel as arguments. No torch here 
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -47,6 +48,7 @@ def serve(
     from helios.core.manifest import MANIFEST_FILE, decode_manifest
     from helios.server.config import ConfigError, load_config
     from helios.server.runtime import resolve_serving
+    from helios.switches import SwitchError, Switches
 
     try:
         server = load_config(config).server
@@ -63,6 +65,10 @@ def serve(
         resolve_serving(manifest, server)  # the start-up checks that need only the manifest
     except ValueError as e:
         _fail(f"{config}: {e}")
+    try:
+        switches = Switches.from_environ(os.environ)  # the execution switches, read once, then passed down
+    except SwitchError as e:
+        _fail(str(e))
     if api_key_file is not None and not api_key_file.is_file():
         _fail(f"--api-key-file {api_key_file}: no such file")
     overrides: dict = {"host": host or server.host, "port": server.port if port is None else port}
@@ -77,7 +83,7 @@ def serve(
 
     from helios.compose import serve as serve_core
 
-    sys.exit(serve_core(core.resolve(), server, log_level=log_level))
+    sys.exit(serve_core(core.resolve(), server, switches, log_level=log_level))
 
 
 class _FetchError(Exception):

@@ -3,7 +3,8 @@
 Owns the one place a ModelRunner is constructed for serving, the constraint owner handed to the engine core, the
 start-up split the ready line reports (read from the runner it built), the warm-up request, and the in-process
 HTTP server (Granian's embedded server on this process's asyncio loop: one process owns the engine). Settings
-travel as arguments (a ServerConfig and the CLI's overrides), never through environment variables.
+travel as arguments (a ServerConfig with the CLI's overrides, the execution Switches the CLI read once), never
+through environment variables.
 Imports torch only inside functions (through helios.runner), so `helios top` and config checks stay light.
 """
 
@@ -18,13 +19,16 @@ from pathlib import Path
 from helios.server.app import HeliosApp
 from helios.server.config import ServerConfig
 from helios.server.runtime import Runtime, Serving, resolve_serving
+from helios.switches import DEFAULT_SWITCHES, Switches
 
 logger = logging.getLogger("helios.server")
 
 
-def build_engine(core, config: ServerConfig, serving: Serving, constraints=None):
+def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
+                 switches: Switches = DEFAULT_SWITCHES):
     """Runner + scheduler + engine thread for a loaded core; returns (AsyncEngine, ModelRunner).
-    constraints: structured output's grammar owner (helios/frontend/constraints.py)."""
+    constraints: structured output's grammar owner (helios/frontend/constraints.py); switches: the execution
+    switches, handed to the runner."""
     from helios.engine.async_engine import AsyncEngine
     from helios.engine.config import SchedulerConfig
     from helios.engine.engine_core import EngineCore
@@ -43,12 +47,13 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None)
     if resolve_device(config.device) == "cuda":
         # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
         runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,
-                                       dtype=dtype, host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir)
+                                       dtype=dtype, host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir,
+                                       switches=switches)
         num_pages = runner.num_pages
     else:
         num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
         runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, dtype=dtype,
-                             host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir)
+                             host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir, switches=switches)
     scheduler = SchedulerConfig(
         max_concurrency=serving.max_concurrency,
         max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency),
@@ -66,7 +71,7 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None)
     return AsyncEngine(EngineCore(scheduler, runner, disk_records, constraints=constraints)), runner
 
 
-def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:
+def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES) -> Runtime:
     """Load and verify the core, build the engine; records the start-up split in runtime.timings. The core's
     digests are checked on background threads while the engine builds (the weights upload, kernel load and graph
     capture): a mismatch fails the start-up before anything is served."""
@@ -85,7 +90,7 @@ def build_runtime(core_path: Path, config: ServerConfig) -> Runtime:
     t1 = time.perf_counter()
     try:
         constraints = GrammarConstraints(runtime.output_grammars.matcher)
-        runtime.engine, runner = build_engine(core, config, serving, constraints)
+        runtime.engine, runner = build_engine(core, config, serving, constraints, switches)
         t2 = time.perf_counter()
         digests_match()
     except Exception:
@@ -118,15 +123,17 @@ async def warm_up(runtime: Runtime) -> None:
     runtime.pool.submit(runtime.output_grammars.prepare)
 
 
-def build_app(core_path: Path, config: ServerConfig) -> HeliosApp:
-    """The app whose lifespan start-up builds the runtime (off the event loop) and warms it up."""
-    return HeliosApp(lambda: build_runtime(Path(core_path), config), warm_up=warm_up,
-                     announce=f"http://{config.host}:{config.port}")
+def build_app(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES) -> HeliosApp:
+    """The app whose lifespan start-up builds the runtime (off the event loop) and warms it up; its ready line
+    lists the switches."""
+    return HeliosApp(lambda: build_runtime(Path(core_path), config, switches), warm_up=warm_up,
+                     announce=f"http://{config.host}:{config.port}", settings=switches.describe())
 
 
-def serve(core_path: Path, config: ServerConfig, log_level: str = "warning") -> int:
+def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES,
+          log_level: str = "warning") -> int:
     """Serve until SIGINT or SIGTERM in this process; the exit status (1 when the start-up failed)."""
-    app = build_app(core_path, config)
+    app = build_app(core_path, config, switches)
     return asyncio.run(_serve(app, config, log_level))
 
 

@@ -35,14 +35,16 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 class HeliosApp:
     def __init__(self, runtime: Runtime | Callable[[], Runtime], warm: bool = True, announce: str | None = None,
-                 warm_up: Callable[[Runtime], Awaitable[None]] | None = None):
+                 warm_up: Callable[[Runtime], Awaitable[None]] | None = None, settings: str | None = None):
         """runtime: a built Runtime, or the factory that builds one (run off the event loop at start-up);
-        warm_up: one request through the engine before the ready line (when `warm`); announce: the URL it names."""
+        warm_up: one request through the engine before the ready line (when `warm`); announce: the URL it names;
+        settings: what the ready line lists after it (the execution switches, helios.switches.describe())."""
         self._factory = runtime if callable(runtime) else None
         self.runtime: Runtime | None = None if callable(runtime) else runtime
         self._warm = warm
         self._warm_up = warm_up
         self._announce = announce
+        self._settings = settings
         self.startup_error: str | None = None  # why the lifespan start-up failed (the server then exits 1)
 
     # --- ASGI entry -----------------------------------------------------------------------------
@@ -86,7 +88,8 @@ class HeliosApp:
                  f"capture {t.get('capture', 0.0):.2f}s ({int(t.get('graphs', 0))} graphs, "
                  f"{int(t.get('kernels_jit', 0))} kernels compiled), digests {t.get('verify', 0.0):.2f}s more")
         print(f"helios: {rt.serving.model_id} ready: load {t.get('load', 0.0):.2f}s ({split}), "
-              f"warm-up {t.get('warmup', 0.0):.2f}s{' on ' + self._announce if self._announce else ''}", flush=True)
+              f"warm-up {t.get('warmup', 0.0):.2f}s{' on ' + self._announce if self._announce else ''}"
+              f"{'; ' + self._settings if self._settings else ''}", flush=True)
 
     def shutdown(self) -> None:
         """Stop the engine (a second call is harmless)."""
