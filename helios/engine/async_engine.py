@@ -180,7 +180,10 @@ class AsyncEngine:
                         self._cv.wait()
                     if self._is_stopping:
                         return
-                self._finish_round([])  # admissions are answered before the step, not after it
+                with self._cv:
+                    has_commands = bool(self._inbox)
+                if has_commands:
+                    self._finish_round([])  # admissions are answered before the step, not after it
                 if self.core.has_unfinished_requests():
                     self._finish_round(self.core.step())
         except Exception as exc:  # a bug in the engine itself: fail every stream, stay unhealthy
