@@ -190,6 +190,7 @@ class AsyncEngine:
             logger.exception("engine loop crashed")
             self._fatal_error = f"engine loop crashed: {type(exc).__name__}: {exc}"
             self._fail_inbox(EngineUnavailable(self._fatal_error))
+            self._live.clear()  # every stream is told below; shutdown leaves the broken core alone
             with self._streams_lock:
                 streams = list(self._streams.items())
             for req_id, stream in streams:

@@ -38,7 +38,7 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         int, Meta(ge=1, le=1 << 20, description="Most prompt tokens one request prefills in one step.")
     ] = 512
     max_waiting: Annotated[
-        int, Meta(ge=1, le=1 << 20, description="Requests waiting for a model slot (beyond the free slots): QueueFull past it.")
+        int, Meta(ge=1, le=1 << 20, description="Requests waiting for a model slot past the free ones (QueueFull).")
     ] = 256
     page_size: Annotated[int, Meta(ge=1, le=1024, description="Tokens per KV page.")] = 16
     num_pages: Annotated[int, Meta(ge=1, le=1 << 24, description="Pages in the KV pool.")] = 1024

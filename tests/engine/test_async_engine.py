@@ -287,3 +287,27 @@ def test_the_scheduler_is_touched_only_by_the_engine_thread():
     asyncio.run(main())
     engine.shutdown()
     assert threads == {"helios-engine"}
+
+
+def test_a_crashed_engine_loop_fails_every_stream_and_refuses_new_work():
+    engine, core, gated = make_engine()
+
+    def broken_schedule():
+        raise RuntimeError("a scheduler bug")
+
+    async def main():
+        gated.gate.clear()
+        stream = await engine.submit(request("a", max_tokens=50))
+        await asyncio.to_thread(gated.entered.wait, 5)
+        core.scheduler.schedule = broken_schedule  # the next step crashes the loop
+        gated.gate.set()
+        outputs = [o async for o in stream]
+        with pytest.raises(EngineUnavailable, match="a scheduler bug"):
+            await engine.submit(request("b"))
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finish_reason == "error"
+    assert "engine loop crashed: RuntimeError: a scheduler bug" in outputs[-1].error
+    assert not engine.is_healthy
+    engine.shutdown(5)  # returns: the broken core is left alone
