@@ -5,8 +5,10 @@ CORE    := cores/build/smollm2-135m-instruct
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 PYTEST_ARGS ?=
+# the coding agents tests/server/test_coding_clients.py drives (versions pinned by clients/package-lock.json)
+CLIENTS := clients/node_modules/.installed
 
-.PHONY: setup core serve test test-gpu bench schemas lint clean
+.PHONY: setup core clients serve test test-gpu bench schemas lint clean
 
 setup: $(STAMP)
 
@@ -23,10 +25,17 @@ core: $(CORE)/core.toml
 $(CORE)/core.toml: $(STAMP) cores/smollm2-135m-instruct.toml
 	.venv/bin/ignition build cores/smollm2-135m-instruct.toml
 
+# Codex and Claude Code from npm into the ignored clients/node_modules (npm ci: exactly the lock file's versions)
+clients: $(CLIENTS)
+
+$(CLIENTS): clients/package.json clients/package-lock.json
+	npm ci --prefix clients --no-audit --no-fund
+	touch $(CLIENTS)
+
 serve: core
 	.venv/bin/helios serve $(CORE) --host $(HOST) --port $(PORT)
 
-test: core
+test: core clients
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-gpu: setup

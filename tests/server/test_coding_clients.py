@@ -1,32 +1,35 @@
-"""Client qualification: Codex and Claude Code, non-interactive, against a running service.
+"""Codex and Claude Code, non-interactive, on inspect / edit / fix tasks in a temporary git repository.
 
-    FLARE_API_TEST_URL=http://127.0.0.1:8000 FLARE_RUN_CLIENT_TESTS=1 \\
+`make test` runs them against a local `helios serve` of the scripted agent core (tests.fixtures.scripted_clients:
+a tiny model trained to answer these tasks with tool calls, so each completes the same way every run). The
+executables are the qualified versions, installed by `make clients` (clients/package-lock.json: Codex 0.162.1 and
+Claude Code 2.1.296) into clients/node_modules/.bin; a missing one fails the test (FLARE_SKIP_CLIENT_TESTS=1 skips
+them on purpose). Against another service (a real model, qualification):
+
+    FLARE_RUN_CLIENT_TESTS=1 FLARE_API_TEST_URL=http://127.0.0.1:8000 \\
       .venv/bin/python -m pytest tests/server/test_coding_clients.py -q
 
-Skipped unless FLARE_RUN_CLIENT_TESTS=1 and FLARE_API_TEST_URL are set; each test also skips when its own
-executable (`codex`, `claude`) is not on PATH. FLARE_API_TEST_KEY is the serving key (a dummy otherwise).
-Qualified versions: Codex 0.162.1 and Claude Code 2.1.296; other versions run but are not qualified.
+FLARE_API_TEST_KEY is the serving key (a dummy otherwise). Other client versions on PATH run when
+clients/node_modules has none, but are not qualified. No client reaches beyond 127.0.0.1: every run has a dead
+HTTP(S) proxy for anything else, and the settings below turn off telemetry, update checks and plugin syncs.
 
-Each test builds a temporary git repository (a module with a bug and its failing pytest test, a module to edit,
-a settings file to read), runs one client on one task, and checks the outcome on disk, never the prose:
-inspection (answer contains a value only the file holds, tree untouched), editing (the asked change, nothing
-else), test execution (the bug fixed, the test unchanged, pytest green).
+Each test checks the outcome on disk, never the prose: inspection (answer contains a value only the file holds,
+tree untouched), editing (the asked change, nothing else), test execution (the bug fixed, the test unchanged,
+pytest green).
 
-Codex (Responses route), configured in a temporary CODEX_HOME:
-  config.toml: model = the served id, model_provider "flare" {base_url = URL/v1, env_key, wire_api =
-  "responses"}, web_search = "disabled" (no hosted search), model_catalog_json, model_context_window = the
-  served max_model_len, approval_policy "never", sandbox_mode "workspace-write".
-  The catalog (ModelsResponse {"models": [ModelInfo]}) describes the served model: context_window =
-  max_model_len, apply_patch_tool_type "freeform", shell_type "shell_command", input_modalities from the card.
+Codex (Responses route): the shipped clients/codex/config.toml and models.json, copied into a temporary
+CODEX_HOME with the served model's id, context (max_model_len) and URL: provider "flare" (wire_api
+"responses"), web_search "disabled", plugins and analytics off, approval "never", sandbox "workspace-write"; the
+catalog entry gives the context window, the freeform apply_patch custom tool and the unified exec shell.
   Run: `codex exec --cd REPO --sandbox workspace-write --skip-git-repo-check --output-last-message FILE PROMPT`.
-Claude Code (Messages route), configured by environment, with a temporary CLAUDE_CONFIG_DIR:
-  ANTHROPIC_BASE_URL = URL, ANTHROPIC_API_KEY and ANTHROPIC_AUTH_TOKEN = the key (the same value, so the
-  x-api-key and bearer headers agree), ANTHROPIC_MODEL and the default opus/sonnet/haiku models = the served id,
-  CLAUDE_CODE_MAX_OUTPUT_TOKENS within the served context.
-  Run: `claude [--bare] -p PROMPT --permission-mode acceptEdits --max-turns 30 --output-format text
-  --allowedTools "Read,Edit,Write,Glob,Grep,Bash(python -m pytest:*),Bash(pytest:*)"` in REPO (--allowedTools
-  is variadic, so it goes last). --bare skips hooks, plugins, MCP, memory and CLAUDE.md discovery and reads
-  the key only from ANTHROPIC_API_KEY.
+Claude Code (Messages route), configured by environment (README: "Claude Code"), with a temporary
+CLAUDE_CONFIG_DIR: ANTHROPIC_BASE_URL = URL, ANTHROPIC_API_KEY and ANTHROPIC_AUTH_TOKEN = the key,
+ANTHROPIC_MODEL and the default opus/sonnet/haiku models = the served id, CLAUDE_CODE_MAX_OUTPUT_TOKENS within
+the served context (its default, 32000, is a 400 on any smaller context), CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC.
+  Run: `claude [--bare] -p PROMPT --permission-mode acceptEdits --max-turns 30 --output-format stream-json
+  --verbose --include-partial-messages --allowedTools "Read,Edit,Write,Glob,Grep,Bash(python -m pytest:*),Bash(pytest:*)"` in REPO
+  (--allowedTools is variadic, so it goes last); the stream's per-turn usage shows the second turn's prompt
+  reuse (>= 90% cached on the scripted core). --bare skips hooks, plugins, MCP, memory and CLAUDE.md discovery.
 Both clients find this checkout's .venv/bin first on PATH, so `python -m pytest` works inside the repository.
 """
 
@@ -37,6 +40,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,16 +49,21 @@ import pytest
 import tomli_w
 
 ROOT = Path(__file__).resolve().parents[2]
-URL = os.environ.get("FLARE_API_TEST_URL", "").rstrip("/")
-KEY = os.environ.get("FLARE_API_TEST_KEY", "")
+CLIENTS = ROOT / "clients"
+CLIENT_BIN = CLIENTS / "node_modules" / ".bin"
+EXTERNAL = os.environ.get("FLARE_RUN_CLIENT_TESTS") == "1"
+URL = os.environ.get("FLARE_API_TEST_URL", "").rstrip("/") if EXTERNAL else ""
+KEY = os.environ.get("FLARE_API_TEST_KEY", "") if EXTERNAL else ""
 DUMMY_KEY = "flare-no-key"  # clients refuse an empty key; an unauthenticated server ignores it
-TIMEOUT_S = float(os.environ.get("FLARE_CLIENT_TEST_TIMEOUT", "900"))
+TIMEOUT_S = float(os.environ.get("FLARE_CLIENT_TEST_TIMEOUT", "900" if EXTERNAL else "180"))
 QUALIFIED = {"codex": "0.162.1", "claude": "2.1.296"}
+DEAD_PROXY = "http://127.0.0.1:9"  # the discard port: any request past 127.0.0.1 fails at once
 
-pytestmark = pytest.mark.skipif(
-    os.environ.get("FLARE_RUN_CLIENT_TESTS") != "1" or not URL,
-    reason="needs FLARE_RUN_CLIENT_TESTS=1 and FLARE_API_TEST_URL",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(os.environ.get("FLARE_SKIP_CLIENT_TESTS") == "1", reason="FLARE_SKIP_CLIENT_TESTS=1"),
+    pytest.mark.skipif(EXTERNAL and not URL, reason="FLARE_RUN_CLIENT_TESTS=1 needs FLARE_API_TEST_URL"),
+]
 
 # --- the project the clients work on ------------------------------------------------------------------
 
@@ -115,20 +124,59 @@ class Served:
     model: str
     max_model_len: int
     input_modalities: list[str]
+    local: bool  # the scripted agent core this module serves
+
+
+def _card(url: str, key: str) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    [card] = r.json()["data"]
+    return card
 
 
 @pytest.fixture(scope="module")
-def served() -> Served:
-    headers = {"Authorization": f"Bearer {KEY}"} if KEY else {}
-    r = httpx.get(URL + "/v1/models", headers=headers, timeout=30)
-    assert r.status_code == 200, r.text
-    [card] = r.json()["data"]
-    return Served(URL, KEY or DUMMY_KEY, card["id"], card["max_model_len"], card["flare"]["input_modalities"])
+def served(tmp_path_factory) -> Served:
+    if URL:
+        card = _card(URL, KEY)
+        yield Served(URL, KEY or DUMMY_KEY, card["id"], card["max_model_len"], card["flare"]["input_modalities"],
+                     local=False)
+        return
+    from tests.fixtures.scripted_clients import MODEL_ID, export_client_core
+    from tests.server.conftest import _stop, serve_core
+
+    tmp = tmp_path_factory.mktemp("scripted-clients")
+    core = export_client_core(tmp / "core").core
+    config = tmp / "server.toml"
+    config.write_text("[server]\naliases = []\n", encoding="utf-8")
+    proc, url = serve_core(core, config, tmp / "serve.log")
+    try:
+        card = _card(url, "")
+        assert card["id"] == MODEL_ID
+        yield Served(url, DUMMY_KEY, card["id"], card["max_model_len"], card["flare"]["input_modalities"],
+                     local=True)
+    finally:
+        _stop(proc)
+
+
+def _executable(name: str) -> str:
+    """The client from clients/node_modules (make clients), else from PATH; missing: the test fails."""
+    exe = CLIENT_BIN / name
+    if exe.is_file():
+        return str(exe)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"`{name}` is not installed: run `make clients` (npm ci --prefix clients), or set "
+                    "FLARE_SKIP_CLIENT_TESTS=1 to skip the client tests")
+    return found
 
 
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{ROOT / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"  # python -m pytest in the repo
+    for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy", "all_proxy"):
+        env[name] = DEAD_PROXY
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
     env.update(extra)
     return env
 
@@ -141,6 +189,7 @@ class Run:
     stdout: str
     stderr: str
     final: str  # the last agent message
+    turns: list[dict]  # per model response, its usage (Claude Code's stream-json); empty for Codex
 
     def describe(self) -> str:
         return (f"{self.client} {self.version} (qualified: {QUALIFIED[self.client.split('-')[0]]}) exited "
@@ -149,84 +198,39 @@ class Run:
 
 
 def _version(exe: str) -> str:
-    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60, env=_env())
     return (out.stdout or out.stderr).strip()
 
 
 # --- Codex: HTTP Responses provider --------------------------------------------------------------------
 
-CODEX_INSTRUCTIONS = (
-    "You are a coding agent running in the Codex CLI in the user's repository. Inspect files and run commands "
-    "with the shell tool, and edit files with apply_patch. Make only the changes the user asks for, verify "
-    "them when asked, and finish with a short answer."
-)
 
-
-def _codex_catalog(s: Served) -> dict:
-    """One ModelInfo for the served model: its context limit and the freeform apply_patch tool."""
-    return {"models": [{
-        "slug": s.model,
-        "display_name": s.model,
-        "description": "Local model served by Flare helios",
-        "supported_reasoning_levels": [],
-        "shell_type": "shell_command",
-        "visibility": "list",
-        "supported_in_api": True,
-        "priority": 0,
-        "upgrade": None,
-        "base_instructions": CODEX_INSTRUCTIONS,
-        "model_messages": None,
-        "supports_reasoning_summaries": False,
-        "default_reasoning_summary": "none",
-        "support_verbosity": False,
-        "default_verbosity": None,
-        "apply_patch_tool_type": "freeform",
-        "truncation_policy": {"mode": "tokens", "limit": min(10000, s.max_model_len // 8)},
-        "supports_parallel_tool_calls": False,
-        "supports_image_detail_original": False,
-        "supports_search_tool": False,
-        "context_window": s.max_model_len,
-        "max_context_window": s.max_model_len,
-        "effective_context_window_percent": 95,
-        "experimental_supported_tools": [],
-        "input_modalities": s.input_modalities,
-        "prefer_websockets": False,
-        "use_responses_lite": False,
-    }]}
-
-
-def _codex_config(s: Served, catalog: Path) -> dict:
-    return {
-        "model": s.model,
-        "model_provider": "flare",
-        "model_catalog_json": str(catalog),
-        "model_context_window": s.max_model_len,
-        "approval_policy": "never",
-        "sandbox_mode": "workspace-write",
-        "web_search": "disabled",
-        "check_for_update_on_startup": False,
-        "model_providers": {"flare": {
-            "name": "Flare",
-            "base_url": s.url + "/v1",
-            "env_key": "FLARE_API_KEY",
-            "wire_api": "responses",
-        }},
-    }
+def codex_home(s: Served, home: Path) -> Path:
+    """The shipped config and catalog, pointed at the served model (its id, context and URL)."""
+    home.mkdir()
+    config = tomllib.loads((CLIENTS / "codex" / "config.toml").read_text(encoding="utf-8"))
+    catalog = json.loads((CLIENTS / "codex" / "models.json").read_text(encoding="utf-8"))
+    [info] = catalog["models"]
+    info.update(slug=s.model, display_name=s.model, context_window=s.max_model_len,
+                max_context_window=s.max_model_len, input_modalities=s.input_modalities)
+    info["truncation_policy"]["limit"] = min(info["truncation_policy"]["limit"], s.max_model_len // 8)
+    config.update(model=s.model, model_context_window=s.max_model_len)
+    config["model_providers"]["flare"]["base_url"] = s.url + "/v1"
+    (home / config["model_catalog_json"]).write_text(json.dumps(catalog, indent=2), encoding="utf-8")
+    (home / "config.toml").write_text(tomli_w.dumps(config), encoding="utf-8")
+    return home
 
 
 def run_codex(s: Served, repo: Path, prompt: str, work: Path) -> Run:
-    home = work / "codex-home"
-    home.mkdir()
-    catalog = home / "flare-models.json"
-    catalog.write_text(json.dumps(_codex_catalog(s), indent=2), encoding="utf-8")
-    (home / "config.toml").write_text(tomli_w.dumps(_codex_config(s, catalog)), encoding="utf-8")
+    home = codex_home(s, work / "codex-home")
     last = work / "codex-last-message.txt"
-    args = ["codex", "exec", "--cd", str(repo), "--sandbox", "workspace-write", "--skip-git-repo-check",
+    exe = _executable("codex")
+    args = [exe, "exec", "--cd", str(repo), "--sandbox", "workspace-write", "--skip-git-repo-check",
             "--output-last-message", str(last), prompt]
     out = subprocess.run(args, cwd=repo, env=_env(CODEX_HOME=str(home), FLARE_API_KEY=s.key),
                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S)
     final = last.read_text(encoding="utf-8") if last.is_file() else out.stdout
-    return Run("codex", _version("codex"), out.returncode, out.stdout, out.stderr, final)
+    return Run("codex", _version(exe), out.returncode, out.stdout, out.stderr, final, [])
 
 
 # --- Claude Code: Anthropic Messages ------------------------------------------------------------------
@@ -234,10 +238,9 @@ def run_codex(s: Served, repo: Path, prompt: str, work: Path) -> Run:
 CLAUDE_TOOLS = "Read,Edit,Write,Glob,Grep,Bash(python -m pytest:*),Bash(pytest:*)"
 
 
-def run_claude(s: Served, repo: Path, prompt: str, work: Path, bare: bool) -> Run:
-    config = work / "claude-config"
-    config.mkdir()
-    env = _env(
+def claude_env(s: Served, config: Path) -> dict[str, str]:
+    """The settings README's "Claude Code" section documents."""
+    return _env(
         ANTHROPIC_BASE_URL=s.url,
         ANTHROPIC_API_KEY=s.key,
         ANTHROPIC_AUTH_TOKEN=s.key,
@@ -246,18 +249,47 @@ def run_claude(s: Served, repo: Path, prompt: str, work: Path, bare: bool) -> Ru
         ANTHROPIC_DEFAULT_SONNET_MODEL=s.model,
         ANTHROPIC_DEFAULT_HAIKU_MODEL=s.model,
         ANTHROPIC_SMALL_FAST_MODEL=s.model,
-        # its default output budget can exceed a local context: explicit over-context requests are 400s
+        # its default output budget (32000) exceeds a small local context: over-context requests are 400s
         CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(min(32000, s.max_model_len // 4)),
         CLAUDE_CONFIG_DIR=str(config),
-        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+        CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",  # telemetry, error reports, update checks
+        DISABLE_TELEMETRY="1",
+        DISABLE_ERROR_REPORTING="1",
         DISABLE_AUTOUPDATER="1",
     )
-    args = ["claude", *(["--bare"] if bare else []), "-p", prompt, "--permission-mode", "acceptEdits",
-            "--max-turns", "30", "--output-format", "text", "--allowedTools", CLAUDE_TOOLS]
+
+
+def _stream(stdout: str) -> tuple[str, list[dict]]:
+    """stream-json lines -> (the result text, each model response's final usage, in order).
+
+    NOTE: the final usage is message_delta's (--include-partial-messages passes the raw events through):
+    message_start reports the whole prompt with zero cache reads, as the spec has it."""
+    final, usages = "", []
+    for line in stdout.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("type") == "result":
+            final = event.get("result") or ""
+        elif event.get("type") == "stream_event" and (event.get("event") or {}).get("type") == "message_delta":
+            usages.append(event["event"].get("usage") or {})
+    return final, usages
+
+
+def run_claude(s: Served, repo: Path, prompt: str, work: Path, bare: bool) -> Run:
+    config = work / "claude-config"
+    config.mkdir()
+    exe = _executable("claude")
+    args = [exe, *(["--bare"] if bare else []), "-p", prompt, "--permission-mode", "acceptEdits",
+            "--max-turns", "30", "--output-format", "stream-json", "--verbose", "--include-partial-messages",
+            "--allowedTools", CLAUDE_TOOLS]
+    env = claude_env(s, config) | {"CLAUDE_CODE_MAX_RETRIES": "1"}  # a failing server fails fast, not after minutes
     out = subprocess.run(args, cwd=repo, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                          timeout=TIMEOUT_S)
-    return Run("claude-bare" if bare else "claude", _version("claude"), out.returncode, out.stdout, out.stderr,
-               out.stdout)
+    final, turns = _stream(out.stdout)
+    return Run("claude-bare" if bare else "claude", _version(exe), out.returncode, out.stdout, out.stderr, final,
+               turns)
 
 
 RUNNERS = {
@@ -293,15 +325,29 @@ def check_fix(repo: Path, run: Run) -> None:
 CHECKS = {"inspect": check_inspect, "edit": check_edit, "fix": check_fix}
 
 
-def _client(name: str):
-    """A client parameter that skips, before the service is even asked, when its executable is missing."""
-    exe = name.split("-")[0]
-    return pytest.param(name, marks=pytest.mark.skipif(shutil.which(exe) is None, reason=f"`{exe}` is not on PATH"))
-
-
 @pytest.mark.parametrize("task", list(PROMPTS))
-@pytest.mark.parametrize("client", [_client(name) for name in RUNNERS])
+@pytest.mark.parametrize("client", list(RUNNERS))
 def test_client_task(client, task, served, project, tmp_path):
     run = RUNNERS[client](served, project, PROMPTS[task], tmp_path)
     assert run.returncode == 0, run.describe()
     CHECKS[task](project, run)
+    if not served.local:
+        return
+    from tests.fixtures.scripted_clients import SCRIPT
+
+    script = SCRIPT[client.split("-")[0]][task]  # the scripted agent took exactly its scripted path
+    assert run.final.strip() == script[-1], run.describe()
+    if client.startswith("claude"):
+        assert len(run.turns) == len(script), (run.turns, run.describe())
+        # the follow-up turn reuses the first turn's prompt (the prefix cache, page-granular)
+        assert len(run.turns) >= 2, run.describe()
+        second = run.turns[1]
+        prompt = second["input_tokens"] + second["cache_read_input_tokens"]
+        assert second["cache_read_input_tokens"] >= 0.9 * prompt, (run.turns, run.describe())
+
+
+def test_script_matches_the_tasks():
+    """The scripted agent answers these very prompts (its template renders the task text verbatim)."""
+    from tests.fixtures.scripted_clients import CODENAME as SCRIPTED_CODENAME, PROMPTS as SCRIPTED
+
+    assert SCRIPTED == PROMPTS and SCRIPTED_CODENAME == CODENAME
