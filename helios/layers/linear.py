@@ -1,7 +1,7 @@
 """Linear projections over core tensors stored in torch's [out_features, in_features] orientation.
 
 Weights start on the meta device and are bound without a copy by `helios.models.bind_tensors`.
-`linear` is the one matmul entry point: F.linear, oneDNN for wide float32 projections on the CPU, or
+`linear` is the one matmul entry point: F.linear, oneDNN for float32 projections on the CPU, or
 helios.kernels.gemv for one-row 16-bit products on a GPU (batch-1 decode) as the model's switches admit
 (helios.switches: gemv, gemv_pdl; a Linear keeps the Switches it was built with).
 """
@@ -38,23 +38,21 @@ def linear(
     bias: torch.Tensor | None = None,  # [out]
     switches: Switches = DEFAULT_SWITCHES,
 ) -> torch.Tensor:  # [..., out]
-    """y = x @ W^T (+ b). Wide float32 projections (out > in: qkv, gate/up, lm_head) on the CPU go to oneDNN;
-    one-row 16-bit GPU products to the GEMV where `switches.gemv` admits the weight's shape.
+    """y = x @ W^T (+ b). Float32 projections on the CPU go to oneDNN; one-row 16-bit GPU products to the GEMV
+    where `switches.gemv` admits the weight's shape; everything else to F.linear.
 
-    NOTE: torch's MKL path runs a small-batch float32 GEMV on one thread here (~7 GB/s of weights on the
-    2-core CI machine), while oneDNN splits the output columns over every thread (~1.7x on qkv, gate/up and
-    lm_head, at batch 1, 8 and 512 alike); for narrow outputs (o, down) it splits worse, so those stay on
-    F.linear. Both accumulate in float32: results differ by float32 rounding only.
+    NOTE: oneDNN for every float32 CPU projection, because its bits do not depend on the thread count (it splits
+    output columns over the threads, never the reduction): MKL's sgemm behind F.linear gives other bits at 1 and 2
+    threads for 5-11 rows (torch 2.13, every projection shape of SmolLM2 and Qwen2.5-0.5B), and under load Intel
+    OpenMP's dynamic teams change the thread count behind our back, so a busy machine changed logprobs (a
+    clean-clone `make test`) and seeded samples. Speed: oneDNN splits the output columns over every thread (~1.7x
+    on qkv, gate/up and lm_head, at batch 1, 8 and 512 alike, on the 2-core CI machine, where MKL ran a
+    small-batch GEMV on one thread); for narrow outputs (o, down) it splits worse than MKL at batch 1, a cost we
+    take for exact results (tests/runner/test_thread_invariance.py). Both accumulate in float32.
     """
     if bias is None and gemv_kernels.gemv_serves(x, weight, switches.gemv):
         return gemv_kernels.gemv(x, weight, allow_pdl=switches.gemv_pdl)
-    if (
-        weight.shape[0] > weight.shape[1]
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and has_onednn_linear()
-    ):
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu" and has_onednn_linear():
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

@@ -2,7 +2,8 @@
 
 Experts are stacked tensors as the core stores them: gate_up [E, 2*Fm, H] (gate rows first) and
 down [E, H, Fm]. The CPU path loops over the experts that received tokens, in HF's order, so the
-result matches transformers' own loop bit for bit in float32.
+result matches transformers' own loop to float32 rounding (the expert products go through
+`helios.layers.linear`, whose CPU bits do not depend on the thread count).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import nn
 
 from helios.core.manifest import Activation
 from helios.layers.activation import gated
-from helios.layers.linear import Linear, Stacked
+from helios.layers.linear import Linear, Stacked, linear
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -60,7 +61,8 @@ class SparseMoe(nn.Module):
         hit = (assignment.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
         for e in hit:
             slot, token = torch.where(assignment[e])
-            h = gated(F.linear(x[token], self.gate_up.weight[e]), self.act)
-            h = F.linear(h, self.down.weight[e]) * weights[token, slot, None]
+            # `linear`: on the CPU its bits do not depend on the thread count (helios.layers.linear)
+            h = gated(linear(x[token], self.gate_up.weight[e]), self.act)
+            h = linear(h, self.down.weight[e]) * weights[token, slot, None]
             out.index_add_(0, token, h.to(out.dtype))
         return out
