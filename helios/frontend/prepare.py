@@ -78,57 +78,68 @@ class Prepared:
 
 
 def render(ctx: ModelContext, req: GenerationRequest) -> ChatPrompt:
-    """The prompt alone (count_tokens): the combination rules, then the conversation rendered and tokenized."""
+    """The conversation's prompt alone, under the same rules (count_tokens: no grammar, no sampling)."""
+    _check_format(req)
+    return _render(ctx, req.conversation, req)
+
+
+def prepare(ctx: ModelContext, req: GenerationRequest, req_id: str) -> Prepared:
+    """Validate, render and tokenize, then build `n` choices per prompt (index i * n + j, req id
+    `{req_id}-{index}`)."""
+    _check_format(req)
+    # NOTE: compiled before rendering: a bad grammar is refused first on every route, and once per request
+    grammar = compile_format(ctx, req.fmt) if req.fmt is not None else None
+    conv = req.conversation
+    if conv is not None:
+        prompt = _render(ctx, conv, req)
+        prepared, prompts = Prepared(prompt.token_ids, prompt.text), [prompt.token_ids]
+    else:
+        prepared, prompts = Prepared(req.prompt[0] if req.prompt else []), req.prompt
+    for i, ids in enumerate(prompts):
+        prepared.choices += _choices(ctx, req, ids, i * req.n, f"{req_id}-", grammar)
+    return prepared
+
+
+def _check_format(req: GenerationRequest) -> None:
     conv = req.conversation
     check_combination(req.fmt, has_stops=req.fields.has_stops, ignore_eos=req.fields.ignore_eos,
-                                 continuation=conv is not None and conv.continue_final_message)
-    if conv is None:
-        return ChatPrompt("", [])
+                      continuation=conv is not None and conv.continue_final_message)
+
+
+def _render(ctx: ModelContext, conv: Conversation, req: GenerationRequest) -> ChatPrompt:
+    """Tools, required mode's instruction and the JSON-only instruction, rendered and tokenized."""
     messages = with_format_instruction(with_instruction(conv.messages, req.plan), req.fmt)
     plan = req.plan or ToolPlan()
     return ctx.chat.render(messages, tools=plan.presented, add_generation_prompt=conv.add_generation_prompt,
                            continue_final_message=conv.continue_final_message, template_kwargs=conv.template_kwargs)
 
 
-def prepare(ctx: ModelContext, req: GenerationRequest, req_id: str) -> Prepared:
-    """Validate, render and tokenize, then build `n` choices per prompt (index i * n + j, req id
-    `{req_id}-{index}`)."""
-    conv, fmt = req.conversation, req.fmt
+def _choices(ctx: ModelContext, req: GenerationRequest, ids: list[int], first: int, prefix: str,
+             grammar: str | None) -> list[Choice]:
+    """One prompt's `n` choices: output budget, per-choice sampling (seed + j), reasoning budget, constraint,
+    output processor and parser spec. A raw prompt has no reasoning or tool envelope: the grammar covers it all."""
+    limits, tok, conv = ctx.limits, ctx.tokenizer, req.conversation
+    max_tokens = resolve_max_tokens(req.max_tokens, len(ids), limits.max_model_len, limits.default_max_tokens,
+                                    allow_zero=req.allow_zero_tokens, param=req.max_tokens_param)
+    budget, spec = None, None
     if conv is not None:
-        check_combination(fmt, has_stops=req.fields.has_stops, ignore_eos=req.fields.ignore_eos,
-                                     continuation=conv.continue_final_message)
-        # NOTE: compiled before rendering: a bad grammar is refused first on every route, and once per request
-        grammar = compile_format(ctx, fmt) if fmt is not None else None
-        prompt = render(ctx, req)
-        prepared, prompts = Prepared(prompt.token_ids, prompt.text), [prompt.token_ids]
-    else:
-        check_combination(fmt, has_stops=req.fields.has_stops, ignore_eos=req.fields.ignore_eos)
-        # NOTE: raw text: the whole output follows the grammar (no reasoning or tool envelope, no instruction)
-        grammar = compile_format(ctx, fmt) if fmt is not None else None
-        prepared, prompts = Prepared(req.prompt[0] if req.prompt else []), req.prompt
-    limits, tok = ctx.limits, ctx.tokenizer
-    for i, ids in enumerate(prompts):
-        max_tokens = resolve_max_tokens(req.max_tokens, len(ids), limits.max_model_len, limits.default_max_tokens,
-                                        allow_zero=req.allow_zero_tokens, param=req.max_tokens_param)
-        budget, spec = None, None
-        if conv is not None:
-            budget = reasoning_budget(ctx, req.thinking_budget, ids, req.plan is not None and req.plan.parses_tools)
-            spec = output_spec(ctx, req.plan, ids)
-            if spec is not None and req.new_call_id is not None:
-                spec = dataclasses.replace(spec, new_call_id=req.new_call_id)
-        for j in range(req.n):
-            sampling = resolve_sampling(req.fields, ctx.manifest, max_tokens, seed_offset=j)
-            if max_tokens == 0 and not req.submit_zero_tokens:
-                continue  # tokenization and echo only: nothing to submit
-            constraint = None
-            if grammar is not None and max_tokens > 0:
-                constraint = (output_constraint(ctx, grammar, ids, req.plan) if conv is not None
-                              else output_constraint(ctx, grammar, None, None, conversational=False))
-            index = i * req.n + j
-            request = EngineRequest(req_id=f"{req_id}-{index}", prompt_token_ids=ids, sampling=sampling,
-                                    reasoning_budget=budget, constraint=constraint)
-            # NOTE: every route passes the control ids; they only hide BOS/PAD/UNK text from output parsers
-            processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, req.fields.stop,
-                                        req.skip_special_tokens, ctx.control_ids)
-            prepared.choices.append(Choice(index, request, processor, spec))
-    return prepared
+        budget = reasoning_budget(ctx, req.thinking_budget, ids, req.plan is not None and req.plan.parses_tools)
+        spec = output_spec(ctx, req.plan, ids)
+        if spec is not None and req.new_call_id is not None:
+            spec = dataclasses.replace(spec, new_call_id=req.new_call_id)
+    out = []
+    for j in range(req.n):
+        sampling = resolve_sampling(req.fields, ctx.manifest, max_tokens, seed_offset=j)
+        if max_tokens == 0 and not req.submit_zero_tokens:
+            continue  # tokenization and echo only: nothing to submit
+        constraint = None
+        if grammar is not None and max_tokens > 0:
+            constraint = (output_constraint(ctx, grammar, ids, req.plan) if conv is not None
+                          else output_constraint(ctx, grammar, None, None, conversational=False))
+        request = EngineRequest(req_id=f"{prefix}{first + j}", prompt_token_ids=ids, sampling=sampling,
+                                reasoning_budget=budget, constraint=constraint)
+        # NOTE: every route passes the control ids; they only hide BOS/PAD/UNK text from the output parsers
+        processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, req.fields.stop,
+                                    req.skip_special_tokens, ctx.control_ids)
+        out.append(Choice(first + j, request, processor, spec))
+    return out

@@ -1,9 +1,9 @@
 """The request side of tools for the conversational protocols (Chat Completions, Messages, Responses).
 
 Owns the spec's "Conversation and tool semantics" that every protocol shares once its own spelling is decoded:
-the declared function tools (in the template's HF shape), tool_choice (auto / none / required / named),
-parallel_tool_calls, strict schemas (rejected), a core without a tool parser (rejected), the tool list the
-template is given (named: only the selected tool) and required mode's prompt instruction. Responses custom
+the declared tools as typed `FunctionTool`s (the template's HF shape is made only for rendering), tool_choice
+(auto / none / required / named), parallel_tool_calls, strict schemas (rejected), a core without a tool parser
+(rejected), the tools the template is given (named: only the selected one) and required mode's instruction. Responses custom
 tools are presented as a JSON function with one string argument `input` (their grammar, compiled by
 helios.frontend.grammar, in the description); a namespaced tool is presented as namespace__name, and
 `DeclaredTool` maps a presented name back to what the client declared. `output_spec` turns a plan into the
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
+
+from msgspec import Struct
 
 from helios.frontend.chat import ChatMessage
 from helios.frontend.grammar import Grammar, compile_grammar
@@ -48,11 +50,32 @@ class DeclaredTool:
         return f"{self.namespace}{NAMESPACE_SEPARATOR}{self.name}" if self.namespace else self.name
 
 
+class FunctionTool(Struct, frozen=True, kw_only=True):
+    """One declared tool as the model is shown it: a function with a JSON Schema for its arguments."""
+
+    name: str  # the presented name (namespace__name inside a Responses namespace)
+    parameters: dict[str, Any]
+    description: str | None = None
+
+    def template_shape(self) -> dict[str, Any]:
+        """The chat template's (HF) shape: {"type": "function", "function": {name, description, parameters}}."""
+        fn: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            fn["description"] = self.description
+        fn["parameters"] = self.parameters
+        return {"type": "function", "function": fn}
+
+    @classmethod
+    def from_template(cls, tool: dict[str, Any]) -> FunctionTool:
+        fn = tool["function"]
+        return cls(name=fn["name"], parameters=fn.get("parameters") or {}, description=fn.get("description"))
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     """One request's tools after validation: what the template sees and what the output must satisfy."""
 
-    tools: list[dict] = field(default_factory=list)  # declared function tools, {"type": "function", "function": {...}}
+    tools: list[FunctionTool] = field(default_factory=list)  # every declared tool, in request order
     mode: ToolChoiceMode = "auto"
     named: str | None = None
     parallel: bool = True
@@ -65,34 +88,36 @@ class ToolPlan:
     @property
     def custom_grammars(self) -> dict[str, Grammar | None]:
         """Presented name -> grammar of every custom tool the model is shown."""
-        shown = {t["function"]["name"] for t in self.presented or ()}
+        shown = {t.name for t in self.shown}
         return {n: d.grammar for n, d in self.declared.items() if d.kind == "custom" and n in shown}
 
     def schemas(self) -> ToolSchemas:
         """The presented tools as the output parsers see them, each with its namespace."""
-        return ToolSchemas(ToolSpec(t["function"]["name"], t["function"].get("parameters") or {},
-                                    self.origin(t["function"]["name"]).namespace) for t in self.presented or ())
+        return ToolSchemas(ToolSpec(t.name, t.parameters or {}, self.origin(t.name).namespace) for t in self.shown)
 
     @property
     def names(self) -> list[str]:
-        return [t["function"]["name"] for t in self.tools]
+        return [t.name for t in self.tools]
+
+    @property
+    def shown(self) -> list[FunctionTool]:
+        """The tools the model is shown: only the selected one under a named choice."""
+        if self.mode == "named":
+            return [t for t in self.tools if t.name == self.named]
+        return self.tools
 
     @property
     def presented(self) -> list[dict] | None:
-        """The tools given to the template: only the selected one under a named choice."""
-        if not self.tools:
-            return None
-        if self.mode == "named":
-            return [t for t in self.tools if t["function"]["name"] == self.named]
-        return self.tools
+        """The shown tools in the template's shape (None without tools)."""
+        return [t.template_shape() for t in self.shown] if self.tools else None
 
     @property
     def parses_tools(self) -> bool:
         return bool(self.tools) and self.mode != "none"
 
 
-def function_tool(name: Any, description: Any, parameters: Any, strict: Any, param: str) -> dict:
-    """A declared function in the template's (HF) shape; strict: true is rejected."""
+def function_tool(name: Any, description: Any, parameters: Any, strict: Any, param: str) -> FunctionTool:
+    """A declared function, checked; strict: true is rejected."""
     if not isinstance(name, str) or not name:
         raise InvalidRequest("every tool needs a nonempty name", param)
     if strict is True:
@@ -101,17 +126,13 @@ def function_tool(name: Any, description: Any, parameters: Any, strict: Any, par
         parameters = {"type": "object", "properties": {}}
     if not isinstance(parameters, dict):
         raise InvalidRequest(f"the parameters of tool {name!r} must be a JSON Schema object", param)
-    fn: dict[str, Any] = {"name": name}
-    if description is not None:
-        if not isinstance(description, str):
-            raise InvalidRequest(f"the description of tool {name!r} must be a string", param)
-        fn["description"] = description
-    fn["parameters"] = parameters
-    return {"type": "function", "function": fn}
+    if description is not None and not isinstance(description, str):
+        raise InvalidRequest(f"the description of tool {name!r} must be a string", param)
+    return FunctionTool(name=name, parameters=parameters, description=description)
 
 
 def custom_tool(name: Any, description: Any, fmt: Any, param: str, namespace: str | None = None,
-                namespace_description: str | None = None) -> tuple[dict, DeclaredTool]:
+                namespace_description: str | None = None) -> tuple[FunctionTool, DeclaredTool]:
     """A Responses custom tool: format {"type": "text"} (or absent) or {"type": "grammar", "syntax": "lark" |
     "regex", "definition"}; the grammar is compiled here, before admission. Presented as a JSON function
     whose one string argument `input` carries the text; the description states the grammar's contract."""
@@ -130,37 +151,36 @@ def custom_tool(name: Any, description: Any, fmt: Any, param: str, namespace: st
             raise
     elif kind != "text":
         raise InvalidRequest(f"custom tool {name!r} has an unsupported format type {kind!r}; use text or grammar",
-                          param)
+                             param)
     contract = (f'Call it with one string argument, "{INPUT}", holding the whole text input. '
                 + (grammar.contract if grammar is not None else "The input is free-form text."))
     declared = DeclaredTool(name, "custom", namespace, grammar)
-    fn = {"name": declared.presented, "description": _describe(description, namespace_description, contract),
-          "parameters": {"type": "object", "properties": {INPUT: {"type": "string"}}, "required": [INPUT],
-                         "additionalProperties": False}}
-    return {"type": "function", "function": fn}, declared
+    parameters = {"type": "object", "properties": {INPUT: {"type": "string"}}, "required": [INPUT],
+                  "additionalProperties": False}
+    described = _describe(description, namespace_description, contract)
+    return FunctionTool(name=declared.presented, parameters=parameters, description=described), declared
 
 
-def namespaced(tool: dict, namespace: str, namespace_description: str | None) -> tuple[dict, DeclaredTool]:
+def namespaced(tool: FunctionTool, namespace: str, namespace_description: str | None
+               ) -> tuple[FunctionTool, DeclaredTool]:
     """A function tool declared inside a Responses namespace: presented as namespace__name."""
-    fn = dict(tool["function"])
-    declared = DeclaredTool(fn["name"], "function", namespace)
-    fn["name"] = declared.presented
-    fn["description"] = _describe(fn.get("description"), namespace_description, None)
-    return {"type": "function", "function": fn}, declared
+    declared = DeclaredTool(tool.name, "function", namespace)
+    described = _describe(tool.description, namespace_description, None)
+    return FunctionTool(name=declared.presented, parameters=tool.parameters, description=described), declared
 
 
 def _describe(description: str | None, namespace_description: str | None, contract: str | None) -> str:
     return "\n\n".join(p for p in (namespace_description, description, contract) if p)
 
 
-def plan_tools(ctx: ModelContext, tools: list[dict], mode: ToolChoiceMode = "auto", named: str | None = None,
+def plan_tools(ctx: ModelContext, tools: list[FunctionTool], mode: ToolChoiceMode = "auto", named: str | None = None,
                parallel: bool = True, param: str = "tools", choice_param: str = "tool_choice",
                declared: list[DeclaredTool] | None = None, named_kind: ToolKind | None = None) -> ToolPlan:
     """Validate the neutral tools and choice against the core; the protocol has decoded its own spelling.
 
     `declared` (Responses) runs parallel to `tools`: what each presented tool was declared as; `named_kind`
     is the type a named tool_choice asked for, which must match the selected tool's."""
-    names = [t["function"]["name"] for t in tools]
+    names = [t.name for t in tools]
     origins = declared or [DeclaredTool(n) for n in names]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
@@ -176,8 +196,8 @@ def plan_tools(ctx: ModelContext, tools: list[dict], mode: ToolChoiceMode = "aut
         raise InvalidRequest(f"tool_choice names {named!r}, which is not declared in tools", choice_param)
     by_name = {d.presented: d for d in origins}
     if mode == "named" and named_kind is not None and by_name[named].kind != named_kind:
-        raise InvalidRequest(f"tool_choice selects a {named_kind} tool, but {named!r} is a {by_name[named].kind} tool",
-                          choice_param)
+        raise InvalidRequest(f"tool_choice selects a {named_kind} tool, but {named!r} is a {by_name[named].kind} "
+                             "tool", choice_param)
     if tools and mode != "none" and not ctx.manifest.recipe.tool_parser:
         raise InvalidRequest("this core declares no tool-call parser; tools are not supported", param)
     special = {n: d for n, d in by_name.items() if d.kind != "function" or d.namespace}

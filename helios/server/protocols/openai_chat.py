@@ -186,10 +186,10 @@ def prepare(body: bytes, ctx: ModelContext) -> ChatPrepared:
     return ChatPrepared(req, [Child.of(c) for c in prep.choices], prep.prompt_ids)
 
 
-def _logprobs(runtime: Runtime, req: ChatCompletionRequest, entries: list[TokenEntry]) -> dict | None:
+def _logprobs(ctx: ModelContext, req: ChatCompletionRequest, entries: list[TokenEntry]) -> dict | None:
     if not req.logprobs:
         return None
-    return {"content": [encode_token_entry(runtime.model, e, req.return_tokens_as_token_ids) for e in entries]}
+    return {"content": [encode_token_entry(ctx, e, req.return_tokens_as_token_ids) for e in entries]}
 
 
 def _finish(child: Child, num_tool_calls: int = 0) -> str:
@@ -236,7 +236,7 @@ async def buffered(runtime: Runtime, prep: ChatPrepared, gen: Generation) -> dic
         choice = {
             "index": c.index,
             "message": message,
-            "logprobs": _logprobs(runtime, req, c.entries),
+            "logprobs": _logprobs(runtime.model, req, c.entries),
             "finish_reason": _finish(c, num_calls),
             "stop_reason": reported_stop_reason(c),
         }
@@ -313,7 +313,7 @@ async def stream_events(runtime: Runtime, prep: ChatPrepared, gen: Generation):
         if child.index not in announced:
             continue
         if (out := outputs.get(child.index)) is not None:
-            for frame in _parsed_chunks(runtime, req, child, delta, out, chunk):
+            for frame in _parsed_chunks(runtime.model, req, child, delta, out, chunk):
                 yield frame
             if (err := output_failure(out)) is not None:
                 yield sse_event(err.encode())
@@ -321,7 +321,7 @@ async def stream_events(runtime: Runtime, prep: ChatPrepared, gen: Generation):
             continue
         if delta.text or delta.entries or delta.finished:
             choice = {"index": child.index, "delta": {"content": delta.text} if delta.text else {},
-                      "logprobs": _logprobs(runtime, req, delta.entries), "finish_reason": None}
+                      "logprobs": _logprobs(runtime.model, req, delta.entries), "finish_reason": None}
             if delta.finished:
                 choice["finish_reason"] = _finish(child)
             yield chunk([choice])
@@ -331,7 +331,7 @@ async def stream_events(runtime: Runtime, prep: ChatPrepared, gen: Generation):
     yield SSE_DONE
 
 
-def _parsed_chunks(runtime: Runtime, req: ChatCompletionRequest, child: Child, delta: OutputDelta,
+def _parsed_chunks(ctx: ModelContext, req: ChatCompletionRequest, child: Child, delta: OutputDelta,
                    out: ChoiceOutput, chunk):
     """The chunks of one parsed delta: content, reasoning_content and whole tool calls (index, id, name,
     arguments) in output order; the finish chunk once the choice ended without a parse failure."""
@@ -345,7 +345,7 @@ def _parsed_chunks(runtime: Runtime, req: ChatCompletionRequest, child: Child, d
             body = {"reasoning_content": ev.text}
         else:
             body = {"content": ev.text}
-        yield chunk([{"index": child.index, "delta": body, "logprobs": _logprobs(runtime, req, ev.entries),
+        yield chunk([{"index": child.index, "delta": body, "logprobs": _logprobs(ctx, req, ev.entries),
                       "finish_reason": None}])
     if delta.finished and out.error is None:
         out.close()

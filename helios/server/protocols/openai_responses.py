@@ -292,20 +292,20 @@ class _Items:
         return self._ids[index]
 
 
-def _logprobs(runtime: Runtime, prep: Prepared, entries) -> list[dict]:
+def _logprobs(ctx: ModelContext, prep: Prepared, entries) -> list[dict]:
     if not prep.wants_logprobs:
         return []
-    return [encode_token_entry(runtime.model, e, prep.req.return_tokens_as_token_ids) for e in entries]
+    return [encode_token_entry(ctx, e, prep.req.return_tokens_as_token_ids) for e in entries]
 
 
-def _part(runtime: Runtime, prep: Prepared, block: OutputBlock, full: bool) -> dict:
+def _part(ctx: ModelContext, prep: Prepared, block: OutputBlock, full: bool) -> dict:
     if block.kind == "reasoning":
         return {"type": "reasoning_text", "text": block.text if full else ""}
     return {"type": "output_text", "text": block.text if full else "", "annotations": [],
-            "logprobs": _logprobs(runtime, prep, block.entries) if full else []}
+            "logprobs": _logprobs(ctx, prep, block.entries) if full else []}
 
 
-def _item(runtime: Runtime, prep: Prepared, items: _Items, index: int, block: OutputBlock, status: str) -> dict:
+def _item(ctx: ModelContext, prep: Prepared, items: _Items, index: int, block: OutputBlock, status: str) -> dict:
     """An output item: in progress (as output_item.added announces it) or finished with its content."""
     item_id, done = items.id(index, block), status != "in_progress"
     if block.kind == "tool_call":
@@ -319,7 +319,7 @@ def _item(runtime: Runtime, prep: Prepared, items: _Items, index: int, block: Ou
         if origin.namespace is not None:
             item["namespace"] = origin.namespace
         return item
-    content = [_part(runtime, prep, block, True)] if done else []
+    content = [_part(ctx, prep, block, True)] if done else []
     if block.kind == "reasoning":
         return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
@@ -358,7 +358,7 @@ def _status(prep: Prepared, acc: ChoiceOutput) -> str:
 async def buffered(runtime: Runtime, prep: Prepared, gen: Generation) -> dict:
     acc = await parsed_output(gen, prep.child)
     status, items = _status(prep, acc), _Items(prep.response_id, prep.plan)
-    output = [_item(runtime, prep, items, i, b, status) for i, b in enumerate(acc.blocks)]
+    output = [_item(runtime.model, prep, items, i, b, status) for i, b in enumerate(acc.blocks)]
     return _response(runtime, prep, status, output, num_reasoning=acc.num_reasoning_tokens)
 
 
@@ -376,18 +376,18 @@ class _Stream:
         return frame
 
     def _item_event(self, name: str, ev: BlockEvent, status: str) -> bytes:
-        item = _item(self.runtime, self.prep, self.items, ev.index, ev.block, status)
+        item = _item(self.runtime.model, self.prep, self.items, ev.index, ev.block, status)
         return self.event(name, {"output_index": ev.index, "item": item})
 
     def block(self, ev: BlockEvent, status: str = "completed") -> list[bytes]:
         """The events of one block event: item added/done, content part added/done, text or argument deltas."""
-        rt, prep, b = self.runtime, self.prep, ev.block
+        ctx, prep, b = self.runtime.model, self.prep, ev.block
         ref = {"item_id": self.items.id(ev.index, b), "output_index": ev.index}
         if ev.kind == "start":
             out = [self._item_event("response.output_item.added", ev, "in_progress")]
             if b.kind != "tool_call":
                 out.append(self.event("response.content_part.added",
-                                      {**ref, "content_index": 0, "part": _part(rt, prep, b, False)}))
+                                      {**ref, "content_index": 0, "part": _part(ctx, prep, b, False)}))
             return out
         if b.kind == "tool_call" and self.items.kind(b) == "custom":
             # NOTE: a call is published whole (one delta with all its arguments), so the delta decodes alone
@@ -407,13 +407,13 @@ class _Stream:
                 return []
             body = {**ref, "delta": ev.text}
             if b.kind == "text":
-                body["logprobs"] = _logprobs(rt, prep, ev.entries)
+                body["logprobs"] = _logprobs(ctx, prep, ev.entries)
             return [self.event(f"response.{name}.delta", body)]
         done = {**ref, "text": b.text}
         if b.kind == "text":
-            done["logprobs"] = _logprobs(rt, prep, b.entries)
+            done["logprobs"] = _logprobs(ctx, prep, b.entries)
         return [self.event(f"response.{name}.done", done),
-                self.event("response.content_part.done", {**ref, "part": _part(rt, prep, b, True)}),
+                self.event("response.content_part.done", {**ref, "part": _part(ctx, prep, b, True)}),
                 self._item_event("response.output_item.done", ev, status)]
 
 
@@ -439,7 +439,7 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
             for ev in acc.close():
                 for frame in s.block(ev, status):
                     yield frame
-            output = [_item(runtime, prep, s.items, i, b, status) for i, b in enumerate(acc.blocks)]
+            output = [_item(runtime.model, prep, s.items, i, b, status) for i, b in enumerate(acc.blocks)]
             yield s.event(f"response.{status}", {"response": _response(runtime, prep, status, output,
                                                                           num_reasoning=acc.num_reasoning_tokens)})
             return
@@ -447,6 +447,6 @@ async def stream_events(runtime: Runtime, prep: Prepared, gen: Generation):
 
 def failed_event(s: _Stream, runtime: Runtime, prep: Prepared, acc: ChoiceOutput,
                  err: ApiError) -> bytes:
-    output = [_item(runtime, prep, s.items, i, b, "incomplete") for i, b in enumerate(acc.blocks)]
+    output = [_item(runtime.model, prep, s.items, i, b, "incomplete") for i, b in enumerate(acc.blocks)]
     error = {"code": "server_error", "message": err.message}
     return s.event("response.failed", {"response": _response(runtime, prep, "failed", output, error)})
