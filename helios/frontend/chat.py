@@ -110,10 +110,11 @@ def template_tool_calls(calls: list[dict]) -> list[dict]:
     return out
 
 
-def lower_messages(messages: list[ChatMessage], caps: TemplateCaps,
-                   error_field: bool = False) -> list[dict[str, Any]]:
+def lower_messages(messages: list[ChatMessage], caps: TemplateCaps, error_field: bool = False,
+                   object_arguments: bool = True) -> list[dict[str, Any]]:
     """Apply the system/developer rules and produce the template's plain message dicts. error_field: the
-    template reads a message's `is_error` (else a failed tool result's text gets ERROR_PREFIX)."""
+    template reads a message's `is_error` (else a failed tool result's text gets ERROR_PREFIX);
+    object_arguments: tool-call arguments that are a JSON object travel as the object."""
     if messages and messages[0].role == "system" and messages[0].content:
         messages = [ChatMessage(role="system", content=drop_attribution(messages[0].content)), *messages[1:]]
     if any(m.role not in ROLES for m in messages):
@@ -156,7 +157,7 @@ def lower_messages(messages: list[ChatMessage], caps: TemplateCaps,
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_calls:
-            msg["tool_calls"] = template_tool_calls(m.tool_calls)
+            msg["tool_calls"] = template_tool_calls(m.tool_calls) if object_arguments else m.tool_calls
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
@@ -204,15 +205,19 @@ class ChatRenderer:
         reserved = sorted(set(kwargs) & _RESERVED_KWARGS)
         if reserved:
             raise InvalidRequest(f"chat_template_kwargs may not set {reserved[0]!r}", "chat_template_kwargs")
+        ordered = order_tool_results(messages)
+        render = dict(tools=tools or None, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, **kwargs)
         try:
-            text = self._template.render(
-                lower_messages(order_tool_results(messages), self.caps, self._error_field),
-                tools=tools or None,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **kwargs,
-            )
+            text = self._template.render(lower_messages(ordered, self.caps, self._error_field), **render)
         except TemplateError as e:
-            raise InvalidRequest(str(e), "messages") from None
+            # NOTE: a template that joins arguments as text (DeepSeek V3's `+ arguments +`) fails on an object;
+            # it gets the text the client sent instead
+            if e.raised or not any(m.tool_calls for m in ordered):
+                raise InvalidRequest(str(e), "messages") from None
+            try:
+                text = self._template.render(lower_messages(ordered, self.caps, self._error_field, False), **render)
+            except TemplateError:
+                raise InvalidRequest(str(e), "messages") from None
         # NOTE: the rendered text already carries the template's specials (BOS included), as in HF.
         return ChatPrompt(text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False))

@@ -116,3 +116,66 @@ def test_tool_error_is_visible(qwen):
     ])
     assert f"<tool_response>\nError: {FAILURE}\n</tool_response>" in _decode(core, ids)
     assert failed == len(ids) > succeeded
+
+
+# --- the lowering rules on their own (no server) -------------------------------------------------------------------
+
+
+class _Chars:
+    """A tokenizer stand-in: the renderer's tests read the text only."""
+
+    bos_token = eos_token = None
+
+    def encode(self, text, add_special_tokens=False):
+        return list(text.encode())
+
+
+def _render(source: str, messages) -> str:
+    from helios.core.manifest import TemplateCaps
+    from helios.frontend.chat import ChatRenderer
+
+    caps = TemplateCaps(present=True, tools=True, inline_system=True)
+    return ChatRenderer(source, caps, _Chars()).render(messages, add_generation_prompt=False).text
+
+
+def _replayed(arguments: str, result_error: bool = False):
+    from helios.frontend.chat import ChatMessage
+
+    return [ChatMessage(role="user", content="Weather?"),
+            ChatMessage(role="assistant", content="", tool_calls=[
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]),
+            ChatMessage(role="tool", content=FAILURE, tool_call_id="c1", is_error=result_error)]
+
+
+CALLS = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}"
+RESULTS = "{% if m.role == 'tool' %}[{{ m.content }}]{% endif %}{% endfor %}"
+
+
+def test_object_arguments_and_error_prefix():
+    text = _render(CALLS + RESULTS, _replayed(ARGS, result_error=True))
+    assert text == f'{ARGS}[Error: {FAILURE}]'
+
+
+def test_template_error_field_is_used_instead_of_the_prefix():
+    source = CALLS + "{% if m.role == 'tool' %}[{{ 'failed: ' if m.is_error }}{{ m.content }}]{% endif %}{% endfor %}"
+    assert _render(source, _replayed(ARGS, result_error=True)) == f'{ARGS}[failed: {FAILURE}]'
+    assert _render(source, _replayed(ARGS)) == f'{ARGS}[{FAILURE}]'
+
+
+def test_text_joining_template_gets_the_text():
+    """DeepSeek V3's template concatenates arguments as text: an object fails there, so it gets the string."""
+    source = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ 'args: ' + c.function.arguments }}" \
+             "{% endfor %}{% endfor %}"
+    assert _render(source, _replayed(ARGS)) == f"args: {ARGS}"
+
+
+def test_only_a_leading_attribution_line_is_dropped():
+    from helios.frontend.chat import ChatMessage
+
+    source = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    line = "x-anthropic-billing-header: cc_version=2.1.296.d1c; cc_entrypoint=cli; cch=5e1a9;"
+    lead = [ChatMessage(role="system", content=line + "\n\nYou are a coding agent."),
+            ChatMessage(role="user", content=line)]
+    assert _render(source, lead) == f"<system>You are a coding agent.<user>{line}"
+    plain = [ChatMessage(role="system", content="Rules.\n" + line), ChatMessage(role="user", content="Hi")]
+    assert _render(source, plain) == f"<system>Rules.\n{line}<user>Hi"
