@@ -41,6 +41,7 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +137,7 @@ def _card(url: str, key: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Served:
+def served(tmp_path_factory) -> Iterator[Served]:
     if URL:
         card = _card(URL, KEY)
         yield Served(URL, KEY or DUMMY_KEY, card["id"], card["max_model_len"], card["flare"]["input_modalities"],
@@ -340,7 +341,6 @@ def test_client_task(client, task, served, project, tmp_path):
     if client.startswith("claude"):
         assert len(run.turns) == len(script), (run.turns, run.describe())
         # the follow-up turn reuses the first turn's prompt (the prefix cache, page-granular)
-        assert len(run.turns) >= 2, run.describe()
         second = run.turns[1]
         prompt = second["input_tokens"] + second["cache_read_input_tokens"]
         assert second["cache_read_input_tokens"] >= 0.9 * prompt, (run.turns, run.describe())
