@@ -21,7 +21,7 @@ from helios.engine.engine_core import EngineCore, EngineMetrics
 from helios.engine.messages import AbortRequest, EngineOutput, EngineRequest
 from helios.engine.scheduler import QueueFull
 
-__all__ = ["AsyncEngine", "EngineUnavailable", "QueueFull"]
+__all__ = ["AsyncEngine", "EngineMetrics", "EngineUnavailable", "QueueFull"]
 
 logger = logging.getLogger(__name__)
 

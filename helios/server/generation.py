@@ -108,17 +108,22 @@ class Generation:
 
     async def submit(self) -> None:
         engine = self.runtime.engine
+        # NOTE: every choice is handed over at once, so the engine admits the group in one round (in order)
+        results = await asyncio.gather(*(engine.submit(c.request) for c in self.children), return_exceptions=True)
+        refusal = next((r for r in results if isinstance(r, BaseException)), None)
+        if refusal is None:
+            self._streams = list(results)
+            return
+        for child, r in zip(self.children, results):  # the group is refused whole: its admitted choices go
+            if not isinstance(r, BaseException):
+                engine.abort(child.req_id)
         try:
-            for child in self.children:
-                self._streams.append(await engine.submit(child.request))
+            raise refusal
         except QueueFull as e:
-            self.abort_all()
             raise unavailable(f"the model request queue is full: {e}") from None
         except ValueError as e:
-            self.abort_all()
             raise bad_request(str(e)) from None
         except Exception as e:  # EngineUnavailable and anything else the engine refuses with
-            self.abort_all()
             raise unavailable(f"the model runtime is unavailable: {e}") from None
 
     def abort_all(self) -> None:
