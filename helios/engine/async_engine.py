@@ -104,7 +104,10 @@ class AsyncEngine:
             self._streams[req_id] = stream
         accepted = loop.create_future()
         try:
-            self._post(_Add(request, stream, accepted))
+            # NOTE: the engine thread is woken on the loop's next turn, so the choices of a group submitted together
+            # (asyncio.gather) reach the same inbox round
+            self._post(_Add(request, stream, accepted), wake=False)
+            loop.call_soon(self._wake)
             await accepted
         except BaseException:  # refused, unavailable, or the submitter was cancelled while waiting
             self._forget(req_id, stream)
@@ -140,14 +143,20 @@ class AsyncEngine:
 
     # --- the event loop's side ------------------------------------------------------------------
 
-    def _post(self, command: _Add | _Abort, quiet: bool = False) -> None:
-        """Append to the inbox and wake the engine thread; an add to a stopped engine is refused (quiet: ignored)."""
+    def _post(self, command: _Add | _Abort, quiet: bool = False, wake: bool = True) -> None:
+        """Append to the inbox and wake the engine thread (or leave that to the caller); an add to a stopped
+        engine is refused (quiet: ignored)."""
         with self._cv:
             if self._is_stopping or self._fatal_error is not None:
                 if quiet:
                     return
                 raise EngineUnavailable(self.error or "the engine is shut down")
             self._inbox.append(command)
+            if wake:
+                self._cv.notify()
+
+    def _wake(self) -> None:
+        with self._cv:
             self._cv.notify()
 
     def _forget(self, req_id: str, stream: _Stream) -> None:

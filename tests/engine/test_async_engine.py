@@ -311,3 +311,26 @@ def test_a_crashed_engine_loop_fails_every_stream_and_refuses_new_work():
     assert "engine loop crashed: RuntimeError: a scheduler bug" in outputs[-1].error
     assert not engine.is_healthy
     engine.shutdown(5)  # returns: the broken core is left alone
+
+
+def test_a_group_submitted_together_is_admitted_in_one_round():
+    engine, core, _ = make_engine(max_concurrency=4)
+    rounds = []
+    original = core.scheduler.schedule
+
+    def schedule():
+        plan = original()
+        rounds.append(sorted(n.req_id for n in plan.new_requests))
+        return plan
+
+    core.scheduler.schedule = schedule
+
+    async def main():
+        streams = await asyncio.gather(*(engine.submit(request(f"c{i}", max_tokens=2)) for i in range(4)))
+        for stream in streams:
+            async for _ in stream:
+                pass
+
+    asyncio.run(main())
+    engine.shutdown()
+    assert rounds[0] == ["c0", "c1", "c2", "c3"]
