@@ -1,9 +1,10 @@
 """POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages protocol (buffered and named SSE).
 
-Decodes the body into typed Structs and lowers it straight into the neutral frontend types (ChatMessage,
-SamplingFields); encodes the ordered output blocks of helios.output as a message object or as
-message_start / content_block_* / message_delta / message_stop events. Errors use the Messages shape
-(errors.encode_for). Thinking blocks carry a local flare-thinking-v1: marker over their text. No torch.
+decode (the body into typed Structs, lowered into frontend's neutral GenerationRequest: ChatMessages,
+SamplingFields, ToolPlan, OutputFormat, thinking budget) -> helios.frontend.prepare -> encode (the ordered output
+blocks of helios.output as a message object, or as message_start / content_block_* / message_delta /
+message_stop events). Errors use the Messages shape (errors.encode_for). Thinking blocks carry a local
+flare-thinking-v1: marker over their text. No torch.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def thinking_signature(text: str) -> str:
     return THINKING_MARKER + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-# --- request lowering -----------------------------------------------------------------------------------
+# --- decode -------------------------------------------------------------------------------------------------
 
 
 def _system_text(system: str | list[Block] | None) -> str:
@@ -350,7 +351,7 @@ def _is_supported_version(version: str) -> bool:
     return date >= datetime.date.fromisoformat(ANTHROPIC_VERSION)
 
 
-# --- output encoding ------------------------------------------------------------------------------------
+# --- encode -------------------------------------------------------------------------------------------------
 
 
 def _message_id(prep: Prepared) -> str:

@@ -1,8 +1,8 @@
 """POST /v1/chat/completions: the OpenAI Chat Completions protocol (buffered and SSE).
 
-Decodes the body into typed Structs, lowers it into the neutral frontend types (ChatMessage, SamplingFields),
-and encodes the neutral output deltas as chat.completion objects or chat.completion.chunk events.
-Every refusal becomes an ApiError here, in `prepare`. No torch.
+decode (the body into typed Structs, lowered into frontend's neutral GenerationRequest: ChatMessages,
+SamplingFields, ToolPlan, OutputFormat) -> helios.frontend.prepare -> encode (chat.completion objects or
+chat.completion.chunk events). Every refusal becomes an ApiError here, in `prepare`. No torch.
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     thinking_token_budget: int | None = None
     reasoning_effort: Any = None
     user: str | None = None
+
+
+# --- decode -------------------------------------------------------------------------------------------------
 
 
 def _content_text(m: Message) -> str | None:
@@ -184,6 +187,9 @@ def prepare(body: bytes, ctx: ModelContext) -> ChatPrepared:
     except InvalidRequest as e:
         raise from_invalid(e) from None
     return ChatPrepared(req, [Child.of(c) for c in prep.choices], prep.prompt_ids)
+
+
+# --- encode -------------------------------------------------------------------------------------------------
 
 
 def _logprobs(ctx: ModelContext, req: ChatCompletionRequest, entries: list[TokenEntry]) -> dict | None:

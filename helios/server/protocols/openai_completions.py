@@ -2,7 +2,8 @@
 
 Choice index = prompt_index * n + choice_index; the seed advances by choice index. max_tokens 0 returns
 the (optional) echo without submission, or scores the prompt when prompt logprobs are asked for.
-Refusals become ApiError in `prepare`. No torch.
+decode (raw prompts' ids, SamplingFields, OutputFormat) -> helios.frontend.prepare -> encode (text_completion
+objects or SSE chunks). Refusals become ApiError in `prepare`. No torch.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ class CompletionRequest(SamplingRequest, kw_only=True):
 class Prompt(Struct):
     text: str  # what echo returns: the original text, or the decoded ids
     token_ids: list[int]
+
+
+# --- decode -------------------------------------------------------------------------------------------------
 
 
 def _is_ids(value) -> bool:
@@ -144,6 +148,9 @@ def prepare(body: bytes, ctx: ModelContext) -> Prepared:
     except InvalidRequest as e:
         raise from_invalid(e) from None
     return Prepared(req, prompts, [Child.of(c) for c in prep.choices], prompt_k)
+
+
+# --- encode -------------------------------------------------------------------------------------------------
 
 
 def _top_map(ctx: ModelContext, chosen, alternatives, as_ids: bool) -> dict[str, float]:

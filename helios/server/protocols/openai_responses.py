@@ -1,7 +1,8 @@
 """POST /v1/responses, stateless: the OpenAI Responses protocol (buffered response object and named SSE).
 
-Decodes input items and instructions straight into the neutral frontend types (ChatMessage, SamplingFields)
-and encodes the ordered output blocks of helios.output as output items with stable ids. Stored state is not
+decode (input items and instructions into frontend's neutral GenerationRequest: ChatMessages, SamplingFields,
+ToolPlan, OutputFormat) -> helios.frontend.prepare -> encode (the ordered output blocks of helios.output as output
+items with stable ids, buffered or as the SSE lifecycle). Stored state is not
 kept: store: true, previous_response_id, conversation, background and automatic truncation are rejected.
 No torch.
 """
@@ -108,7 +109,7 @@ class Prepared(OneChoice, kw_only=True):
         return LOGPROBS_INCLUDE in (self.req.include or [])
 
 
-# --- request lowering -----------------------------------------------------------------------------------
+# --- decode -------------------------------------------------------------------------------------------------
 
 
 def _parts_text(content: str | list[Part] | None, allowed: tuple[str, ...], where: str) -> str:
@@ -268,7 +269,7 @@ def prepare(body: bytes, ctx: ModelContext) -> Prepared:
                     response_id=f"resp_{hex_id}", created_at=int(time.time()))
 
 
-# --- output encoding ------------------------------------------------------------------------------------
+# --- encode -------------------------------------------------------------------------------------------------
 
 
 class _Items:
