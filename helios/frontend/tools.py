@@ -3,9 +3,9 @@
 Owns the spec's "Conversation and tool semantics" that every protocol shares once its own spelling is decoded:
 the declared tools as typed `FunctionTool`s (the template's HF shape is made only for rendering), tool_choice
 (auto / none / required / named), parallel_tool_calls, strict schemas (rejected), a core without a tool parser
-(rejected), the tools the template is given (named: only the selected one) and required mode's instruction. Responses custom
-tools are presented as a JSON function with one string argument `input` (their grammar, compiled by
-helios.frontend.grammar, in the description); a namespaced tool is presented as namespace__name, and
+(rejected), the tools the template is given (named: only the selected one) and required mode's instruction.
+Responses custom tools are presented as a JSON function with one string argument `input` (their grammar,
+compiled by helios.frontend.grammar, in the description); a namespaced tool is presented as namespace__name, and
 `DeclaredTool` maps a presented name back to what the client declared. `output_spec` turns a plan into the
 neutral OutputSpec helios.output parses with. Refusals are InvalidRequest. No torch; must not import the server.
 """

@@ -256,7 +256,8 @@ async def buffered(runtime: Runtime, prep: ChatPrepared, gen: Generation) -> dic
         "usage": _usage(children, num_prompt, outputs),
     }
     if req.prompt_logprobs is not None:
-        body["prompt_logprobs"] = encode_prompt_logprobs(runtime.model, children[0].prompt_logprobs, req.prompt_logprobs)
+        records = children[0].prompt_logprobs
+        body["prompt_logprobs"] = encode_prompt_logprobs(runtime.model, records, req.prompt_logprobs)
     if req.return_token_ids:
         body["prompt_token_ids"] = list(children[0].request.prompt_token_ids)
     return body
