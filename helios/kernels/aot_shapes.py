@@ -71,7 +71,7 @@ class KernelShape:
     # (out, in) of each projection batch-1 decode sends to the GEMV (helios.kernels.gemv.gemv_serves)
     projections: tuple[tuple[int, int], ...] = ()
     projections_ffn: int = 0  # the MLP's intermediate size: its down GEMV also runs gated
-    # (out, in) of the GEMVs that take their layer's add + RMSNorm (helios.models.llama: DecoderLayer.fold_attn_norm / fold_mlp_norm)
+    # (out, in) of the GEMVs that take their layer's add + RMSNorm (helios.models.llama: DecoderLayer.fold_*_norm)
     norm_projections: tuple[tuple[int, int], ...] = ()
     vocab_size: int = 0  # the sampling tail's rows (greedy argmax); 0: not launched
     # decode attention: "fused" from the qkv row (decode_qkv), "split" after rotary_cache (paged_attention); a core
