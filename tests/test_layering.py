@@ -13,13 +13,16 @@ TORCH_ALLOWED = ("helios/runner/", "helios/models/", "helios/layers/", "helios/k
 FORBIDDEN = {
     "helios/core": {"engine", "runner", "models", "layers", "kernels", "frontend", "output", "server"},
     "helios/engine": {"runner", "models", "layers", "kernels", "frontend", "output", "server"},
-    "helios/kernels": {"engine", "runner", "models", "layers", "frontend", "output", "server"},
+    "helios/kernels": {"core", "engine", "runner", "models", "layers", "frontend", "output", "server"},
     "helios/layers": {"engine", "runner", "models", "frontend", "output", "server"},
-    "helios/models": {"engine", "runner", "frontend", "output", "server"},
+    "helios/models": {"engine", "runner", "kernels", "frontend", "output", "server"},  # kernels through layers
     "helios/runner": {"frontend", "output", "server"},
     "helios/frontend": {"runner", "models", "layers", "kernels", "server"},
     "helios/output": {"runner", "models", "layers", "kernels", "server"},
+    "helios/server": {"runner", "models", "layers", "kernels"},
 }
+# the engine's public surface: what crosses the boundary (messages) and its handle; the rest is engine internals
+ENGINE_PUBLIC = ("helios.engine.messages", "helios.engine.async_engine")
 
 
 def _imports(path: Path) -> set[str]:
@@ -48,6 +51,9 @@ def test_helios_imports(path: Path):
         if rel.startswith(pkg + "/"):
             bad = {i for i in imports if i.startswith("helios.") and i.split(".")[1] in banned}
             assert not bad, f"{rel} imports {sorted(bad)}"
+    if rel.startswith(("helios/server/", "helios/frontend/", "helios/output/")):
+        internal = {i for i in imports if i.startswith("helios.engine.") and i not in ENGINE_PUBLIC}
+        assert not internal, f"{rel} imports engine internals {sorted(internal)}"
 
 
 @pytest.mark.parametrize("path", _files("ignition"), ids=lambda p: str(p.relative_to(ROOT)))
