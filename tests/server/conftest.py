@@ -156,12 +156,11 @@ ANTHROPIC_VERSION = "2023-06-01"
 
 @pytest.fixture(scope="session")
 def anthropic_client(server):
-    """The official Anthropic SDK. NOTE: the pinned SDK sends anthropic-version 2026-10-21 by default; the
-    spec requires 2023-06-01, so the client sets it explicitly."""
+    """The official Anthropic SDK as a user runs it: no extra headers (it sends its own newer anthropic-version,
+    which the server serves with 2023-06-01 semantics)."""
     import anthropic
 
-    with anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=120,
-                             default_headers={"anthropic-version": ANTHROPIC_VERSION}) as c:
+    with anthropic.Anthropic(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=120) as c:
         yield c
 
 

@@ -99,8 +99,7 @@ def test_sdk_errors_are_typed(anthropic_client, server):
     with pytest.raises(anthropic.BadRequestError) as e:
         anthropic_client.messages.create(model=ALIAS, max_tokens=2, messages=Q, extra_body={"logprobs": True})
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    bad = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0,
-                              default_headers={"anthropic-version": ANTHROPIC_VERSION})
+    bad = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad.messages.create(model=ALIAS, max_tokens=2, messages=Q)
     assert e.value.body == {"type": "error", "error": {"type": "authentication_error",

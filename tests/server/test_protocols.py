@@ -67,8 +67,7 @@ def oai(target):
 
 @pytest.fixture(scope="module")
 def ant(target):
-    with anthropic.Anthropic(base_url=target.url, api_key=target.key or "unused", max_retries=0, timeout=120,
-                             default_headers={"anthropic-version": ANTHROPIC_VERSION}) as c:
+    with anthropic.Anthropic(base_url=target.url, api_key=target.key or "unused", max_retries=0, timeout=120) as c:
         yield c
 
 

@@ -57,8 +57,7 @@ def served(request, scripted, tmp_path_factory):
     proc, url = serve_core(scripted.cores[tag], config, tmp / "serve.log", timeout_s=120, poll_s=0.2)
     try:
         with (openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as oa,
-              anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60,
-                                  default_headers={"anthropic-version": ANTHROPIC_VERSION}) as an):
+              anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60) as an):
             yield Served(tag, scripted.cores[tag], url, oa, an)
     finally:
         _stop(proc)

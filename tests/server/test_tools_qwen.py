@@ -94,8 +94,7 @@ def test_anthropic_messages(qwen_server):
     import anthropic
     from anthropic.types import ToolUseBlock
 
-    with anthropic.Anthropic(base_url=qwen_server, api_key="unused", max_retries=0, timeout=120,
-                             default_headers={"anthropic-version": ANTHROPIC_VERSION}) as c:
+    with anthropic.Anthropic(base_url=qwen_server, api_key="unused", max_retries=0, timeout=120) as c:
         # NOTE: the pinned SDK's create() has no temperature argument; the server still reads the field
         r = c.messages.create(model="qwen", system=SYSTEM, messages=[{"role": "user", "content": QUESTION}],
                               tools=[{"name": "get_weather", "description": DESCRIPTION, "input_schema": PARAMS}],
