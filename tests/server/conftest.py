@@ -7,6 +7,7 @@ three admission slots) for the admission status codes. Both are session-scoped; 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -193,3 +194,22 @@ def fake_protocol_client(tokenizer, script, headers: dict | None = None, **confi
     runtime = Runtime(manifest, tokenizer, TEMPLATE, engine, ServerConfig(**config))
     app = HeliosApp(runtime, warm=False)
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", headers=headers), engine
+
+
+@pytest.fixture(scope="session")
+def qwen25_served(qwen25_coder_gguf, tmp_path_factory):
+    """(url, core directory) of the Qwen2.5-Coder core (float32, recipe qwen25) served once for every module that
+    needs the real tool-calling model: one 2 GB export, not one per module."""
+    from ignition.export import ExportOptions, export_core
+
+    tmp = tmp_path_factory.mktemp("qwen25-served")
+    core = tmp / "core"
+    export_core(qwen25_coder_gguf, core, ExportOptions(dtype="float32", recipe="qwen25"))
+    config = tmp / "server.toml"
+    config.write_text("[server]\naliases = []\n", encoding="utf-8")
+    proc, url = serve_core(core, config, tmp / "serve.log")
+    try:
+        yield url, core
+    finally:
+        _stop(proc)
+        shutil.rmtree(core, ignore_errors=True)  # 2 GB of float32 weights: CI's disk is shared

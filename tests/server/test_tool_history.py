@@ -8,12 +8,11 @@ this template has no error field of its own), so it no longer renders like a suc
 
 from __future__ import annotations
 
-import shutil
 
 import httpx
 import pytest
 
-from tests.server.conftest import _stop, serve_core
+
 
 pytestmark = pytest.mark.slow
 
@@ -26,21 +25,9 @@ FAILURE = "city not found: Parisx"
 
 
 @pytest.fixture(scope="module")
-def qwen(qwen25_coder_gguf, tmp_path_factory):
-    """(url, core directory) of a served Qwen2.5-Coder core."""
-    from ignition.export import ExportOptions, export_core
-
-    tmp = tmp_path_factory.mktemp("qwen-history")
-    core = tmp / "core"
-    export_core(qwen25_coder_gguf, core, ExportOptions(dtype="float32", recipe="qwen25"))
-    config = tmp / "server.toml"
-    config.write_text("[server]\naliases = []\n", encoding="utf-8")
-    proc, url = serve_core(core, config, tmp / "serve.log")
-    try:
-        yield url, core
-    finally:
-        _stop(proc)
-        shutil.rmtree(core, ignore_errors=True)  # 2 GB of float32 weights: CI's disk is shared
+def qwen(qwen25_served):
+    """(url, core directory) of the served Qwen2.5-Coder core."""
+    return qwen25_served
 
 
 def _decode(core, ids: list[int]) -> str:
@@ -145,7 +132,6 @@ def _replayed(arguments: str, result_error: bool = False):
             ChatMessage(role="assistant", content="", tool_calls=[
                 {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]),
             ChatMessage(role="tool", content=FAILURE, tool_call_id="c1", is_error=result_error)]
-
 
 CALLS = "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}"
 RESULTS = "{% if m.role == 'tool' %}[{{ m.content }}]{% endif %}{% endfor %}"

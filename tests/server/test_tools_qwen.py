@@ -14,11 +14,9 @@ the hermes parser matches the tag text either way. SYSTEM below is the prompt fo
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
-from tests.server.conftest import ANTHROPIC_VERSION, _stop, serve_core
 
 pytestmark = pytest.mark.slow
 
@@ -35,22 +33,11 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def qwen_server(qwen25_coder_gguf, tmp_path_factory):
-    from ignition.export import ExportOptions, export_core
+def qwen_server(qwen25_served):
     from ignition.recipes.table import ALL_RECIPES
 
     assert next(r for r in ALL_RECIPES if r.name == "qwen25").tool_parser == "hermes"
-    tmp = tmp_path_factory.mktemp("qwen-tools")
-    core = tmp / "core"
-    export_core(qwen25_coder_gguf, core, ExportOptions(dtype="float32", recipe="qwen25"))
-    config = tmp / "server.toml"
-    config.write_text("[server]\naliases = []\n", encoding="utf-8")
-    proc, url = serve_core(core, config, tmp / "serve.log")
-    try:
-        yield url
-    finally:
-        _stop(proc)
-        shutil.rmtree(core, ignore_errors=True)  # 2 GB of float32 weights: CI's disk is shared
+    return qwen25_served[0]
 
 
 @pytest.fixture(scope="module")
