@@ -8,11 +8,8 @@ this template has no error field of its own), so it no longer renders like a suc
 
 from __future__ import annotations
 
-
 import httpx
 import pytest
-
-
 
 pytestmark = pytest.mark.slow
 
