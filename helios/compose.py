@@ -1,8 +1,9 @@
 """The composition root: `helios serve` builds core -> runner -> engine -> app here, and nowhere else.
 
 Owns the one place a ModelRunner is constructed for serving, the constraint owner handed to the engine core, the
-start-up split the ready line reports (read from the runner it built), the warm-up request, and the in-process
-HTTP server (Granian's embedded server on this process's asyncio loop: one process owns the engine). Settings
+start-up split the ready line reports (read from the runner it built), the warm-up request, and the processes:
+this one owns the engine and serves it on a Unix socket (helios/engine/remote.py); HTTP processes run Granian's
+embedded server on the one port, each with its own tokenizer, templates and an EngineClient. Settings
 travel as arguments (a ServerConfig with the CLI's overrides, the execution Switches the CLI read once), never
 through environment variables.
 Imports torch only inside functions (through helios.runner), so `helios top` and config checks stay light.
@@ -12,11 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
+import os
+import shutil
 import signal
+import socket
+import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
-from helios.server.app import HeliosApp
+import msgspec
+
+from helios.engine.remote import EngineServer
+from helios.server.app import HeliosApp, ready_line
 from helios.server.config import ServerConfig
 from helios.server.runtime import Runtime, Serving, resolve_serving
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -123,18 +134,175 @@ async def warm_up(runtime: Runtime) -> None:
     runtime.pool.submit(runtime.output_grammars.prepare)
 
 
-def build_app(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES) -> HeliosApp:
-    """The app whose lifespan start-up builds the runtime (off the event loop) and warms it up; its ready line
-    lists the switches."""
-    return HeliosApp(lambda: build_runtime(Path(core_path), config, switches), warm_up=warm_up,
-                     announce=f"http://{config.host}:{config.port}", settings=switches.describe())
+def http_workers(config: ServerConfig, device: str) -> int:
+    """How many HTTP processes share the engine: the config's, else 1 on the CPU (its cores compute) and 4 on a
+    GPU, never more than a quarter of this machine's cores (at least 1)."""
+    if config.http_workers:
+        return config.http_workers
+    return 1 if device == "cpu" else max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES,
           log_level: str = "warning") -> int:
-    """Serve until SIGINT or SIGTERM in this process; the exit status (1 when the start-up failed)."""
-    app = build_app(core_path, config, switches)
-    return asyncio.run(_serve(app, config, log_level))
+    """Serve until SIGINT or SIGTERM; the exit status (1 when the start-up failed).
+
+    This process owns the engine (core, runner, scheduler, KV pool) and serves it on a Unix socket
+    (helios/engine/remote.py); `http_workers` frontend processes each run Granian's embedded server on the one
+    port (SO_REUSEPORT: the kernel spreads connections) and prepare, submit and encode requests there. The
+    frontends start before the weights load, so their imports and tokenizer load run beside it; they accept
+    connections once the engine is warm. A frontend that dies is started again."""
+    from helios.core.load import read_manifest
+
+    try:
+        port = _claim_port(config.host, config.port)
+    except OSError as e:
+        print(f"helios: cannot listen on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr, flush=True)
+        return 1
+    config = msgspec.structs.replace(config, port=port)
+    manifest = read_manifest(core_path)
+    serving = resolve_serving(manifest, config)
+    workdir = tempfile.mkdtemp(prefix="helios-")
+    socket_path = os.path.join(workdir, "engine.sock")
+    engine_server = EngineServer(socket_path)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    frontends: list[_Frontend] = []
+    runtime = None
+    try:
+        from helios.runner.model_runner import resolve_device
+
+        count = http_workers(config, resolve_device(config.device))
+        frontends = [_Frontend(i, count, core_path, config, serving, socket_path, log_level) for i in range(count)]
+        try:
+            runtime = build_runtime(core_path, config, switches)
+            engine_server.start(runtime.engine)
+            asyncio.run(warm_up(runtime))
+        except Exception as e:  # one clear line; the frontends are told and exit
+            print(f"helios: start-up failed: {e}", file=sys.stderr, flush=True)
+            engine_server.mark_ready(error=str(e))
+            return 1
+        engine_server.mark_ready()
+        while not stop.is_set() and not engine_server.frontends_up(count, timeout=0.2):
+            if any(f.has_failed_to_start() for f in frontends):
+                print("helios: an HTTP process failed to start (see above)", file=sys.stderr, flush=True)
+                return 1
+        if stop.is_set():
+            return 0
+        print(ready_line(runtime, f"http://{config.host}:{config.port}",
+                         f"{count} HTTP process{'es' if count > 1 else ''}; {switches.describe()}"), flush=True)
+        while not stop.wait(0.5):
+            if not runtime.engine.is_healthy:
+                logger.error("helios: the engine failed: %s", runtime.engine.error)
+            for f in frontends:
+                f.restart_if_dead()
+        return 0
+    finally:
+        for f in frontends:
+            f.stop()
+        for f in frontends:
+            f.join()
+        engine_server.close()
+        if runtime is not None:
+            runtime.shutdown()
+        shutil.rmtree(workdir, ignore_errors=True)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _claim_port(host: str, port: int) -> int:
+    """Check that host:port can be listened on (no other server holds it) before the frontends share it with
+    SO_REUSEPORT; port 0 becomes a free port, the same for every frontend."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)
+        return probe.getsockname()[1]
+
+
+class _Frontend:
+    """One HTTP process (spawned: no CUDA state is inherited), started again when it dies after starting."""
+
+    def __init__(self, index: int, count: int, core_path: Path, config: ServerConfig, serving: Serving,
+                 socket_path: str, log_level: str) -> None:
+        # the admission slots are split among the processes (each admits on its own)
+        share = serving.admission_slots // count + (index < serving.admission_slots % count)
+        self.args = (str(core_path), config, msgspec.structs.replace(serving, admission_slots=max(1, share)),
+                     socket_path, log_level)
+        self.index = index
+        self.starts = 0
+        self._start()
+
+    def _start(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(target=frontend_main, args=self.args, name=f"helios-http-{self.index}",
+                                       daemon=True)
+        self.process.start()
+        self.starts += 1
+
+    def has_failed_to_start(self) -> bool:
+        return self.starts == 1 and self.process.exitcode not in (None, 0)
+
+    def restart_if_dead(self) -> None:
+        if self.process.exitcode is not None:
+            logger.error("helios: HTTP process %d exited with %s; starting it again", self.index,
+                         self.process.exitcode)
+            self._start()
+
+    def stop(self) -> None:
+        if self.process.exitcode is None:
+            os.kill(self.process.pid, signal.SIGINT)
+
+    def join(self, timeout: float = 15.0) -> None:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+
+
+def frontend_main(core_path: str, config: ServerConfig, serving: Serving, socket_path: str, log_level: str) -> None:
+    """An HTTP process: the core's tokenizer and template (no torch, no weights), request preparation and
+    encoding, and an EngineClient to the engine process; exits when the engine's connection ends."""
+    from helios.core.manifest import decode_manifest, MANIFEST_FILE
+    from helios.engine.remote import EngineClient
+    from helios.frontend.tokenizer import Tokenizer
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until Granian's handlers: a Ctrl-C reaches the parent too
+    path = Path(core_path)
+    manifest = decode_manifest((path / MANIFEST_FILE).read_bytes())
+    tokenizer = Tokenizer.from_file(path / manifest.tokenizer.file, manifest.tokenizer, manifest.arch.vocab_size)
+    template = manifest.template
+    template_source = (path / template.file).read_text(encoding="utf-8") if template.present and template.file else None
+    client = EngineClient(socket_path)
+    runtime = Runtime(manifest, tokenizer, template_source, client, config, serving)
+
+    async def connect(rt: Runtime) -> None:
+        await client.connect()
+        rt.pool.submit(rt.output_grammars.prepare)
+
+    app = HeliosApp(runtime, warm_up=connect, ready_line=False)
+
+    async def main() -> int:
+        reporter = asyncio.get_running_loop().create_task(_report(app, client))
+        try:
+            return await _serve(app, config, log_level, on_server=lambda server: setattr(client, "on_lost", server.stop))
+        finally:
+            reporter.cancel()
+
+    sys.exit(asyncio.run(main()))
+
+
+async def _report(app: HeliosApp, client) -> None:
+    """Send this process's HTTP counters to the engine process when they change (at most every 0.25 s, and
+    once at start: the engine process counts the frontends that serve), for the other processes' /metrics."""
+    last = None
+    while True:
+        await asyncio.sleep(0.05 if last is None else 0.25)
+        if app.runtime is None or not client.is_healthy:
+            continue
+        stats = app.frontend_stats()
+        if stats != last:
+            client.report(stats)
+            last = stats
 
 
 class _QuietStartupFailure(logging.Filter):
@@ -152,16 +320,18 @@ class _QuietStartupFailure(logging.Filter):
         return message != self._app.startup_error and not any(message.startswith(t) for t in self._DROPPED)
 
 
-async def _serve(app: HeliosApp, config: ServerConfig, log_level: str) -> int:
+async def _serve(app: HeliosApp, config: ServerConfig, log_level: str, on_server=None) -> int:
     from granian.constants import Interfaces
     from granian.errors import FatalError
     from granian.log import LogLevels
     from granian.server.embed import Server
 
-    # NOTE: Granian's embedded server runs the ASGI app on this loop (lifespan, then HTTP); one worker, so the
-    # engine (and its KV pool) lives in exactly this process
+    # NOTE: Granian's embedded server runs the ASGI app on this loop (lifespan, then HTTP); on Linux it listens
+    # with SO_REUSEPORT, so every HTTP process binds the same port
     server = Server(app, address=config.host, port=config.port, interface=Interfaces.ASGI, websockets=False,
                     log_level=LogLevels(log_level), log_access=False)
+    if on_server is not None:
+        on_server(server)
     logging.getLogger("_granian").addFilter(_QuietStartupFailure(app))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

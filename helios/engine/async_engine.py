@@ -1,10 +1,12 @@
-"""AsyncEngine: runs EngineCore's step loop on its own thread and streams outputs to asyncio callers.
+"""AsyncEngine: runs EngineCore's step loop on its own thread and streams outputs to its consumers.
 
 Owns the engine thread, the inbox (adds and aborts from any thread, drained by the engine thread at step
-boundaries), the per-request asyncio queues (fed through loop.call_soon_threadsafe), the published metrics and the
-idle wait (a condition variable: no busy-wait). NOTE: only the engine thread touches the EngineCore, its scheduler
-and its constraint owner, so schedule() and the token masks it asks for run under no lock another thread takes; the
-inbox's lock is held only to append or take commands. Knows nothing about HTTP or tokenization.
+boundaries), the published metrics, the idle wait (a condition variable: no busy-wait) and delivery: a round's
+verdicts and outputs go out per consumer channel in one hand-over (one loop.call_soon_threadsafe per asyncio
+loop of this process; one frame per frontend process, helios/engine/remote.py), never a wake per token.
+NOTE: only the engine thread touches the EngineCore, its scheduler and its constraint owner, so schedule() and
+the token masks it asks for run under no lock another thread takes; the inbox's lock is held only to append or
+take commands. Knows nothing about HTTP or tokenization.
 Pure Python: must not import torch or numpy.
 """
 
@@ -14,14 +16,15 @@ import asyncio
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from helios.engine.engine_core import EngineCore, EngineMetrics
 from helios.engine.messages import AbortRequest, EngineOutput, EngineRequest
 from helios.engine.scheduler import QueueFull
 
-__all__ = ["AsyncEngine", "EngineMetrics", "EngineUnavailable", "QueueFull"]
+__all__ = ["AsyncEngine", "Channel", "EngineMetrics", "EngineUnavailable", "QueueFull", "Sink"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,39 +33,95 @@ class EngineUnavailable(RuntimeError):
     """The engine is shut down or unhealthy (the server answers 503)."""
 
 
-class _Stream:
-    """One submission's consumer: its event loop and queue (identity tells a reused req_id's streams apart)."""
+class Channel(Protocol):
+    """Where a round's verdicts and outputs for some requests go; called on the engine thread only. push and
+    settle buffer; flush hands the round over at once and returns False when the consumer is gone (its live
+    requests are then aborted)."""
 
-    __slots__ = ("loop", "queue")
+    def push(self, sink: Sink, output: EngineOutput) -> None: ...
+
+    def settle(self, sink: Sink, error: BaseException | None) -> None: ...
+
+    def flush(self) -> bool: ...
+
+
+class Sink(Protocol):
+    """One submission's consumer: `channel` is how its round reaches it (identity tells a reused req_id's
+    submissions apart)."""
+
+    channel: Channel
+
+
+class _LoopChannel:
+    """An asyncio loop of this process: a round's settles and queue puts run in one call_soon_threadsafe."""
+
+    __slots__ = ("loop", "_calls")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self._calls: list[tuple[Callable, object]] = []
+
+    def push(self, sink: _Stream, output: EngineOutput) -> None:
+        self._calls.append((sink.queue.put_nowait, output))
+
+    def settle(self, sink: _Stream, error: BaseException | None) -> None:
+        self._calls.append((sink.settle, error))
+
+    def flush(self) -> bool:
+        calls, self._calls = self._calls, []
+        if not calls:
+            return True
+        try:
+            self.loop.call_soon_threadsafe(_run_calls, calls)
+            return True
+        except RuntimeError:  # the loop is closed: nobody is listening
+            return False
+
+
+def _run_calls(calls: list[tuple[Callable, object]]) -> None:
+    for fn, arg in calls:
+        fn(arg)
+
+
+class _Stream:
+    """A submission from an asyncio loop of this process: its queue and the future its admission settles."""
+
+    __slots__ = ("channel", "queue", "accepted")
+
+    def __init__(self, channel: _LoopChannel) -> None:
+        self.channel = channel
         self.queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        self.accepted: asyncio.Future = channel.loop.create_future()
+
+    def settle(self, error: BaseException | None) -> None:  # on its loop
+        if not self.accepted.done():
+            self.accepted.set_result(None) if error is None else self.accepted.set_exception(error)
 
 
 @dataclass
 class _Add:
     request: EngineRequest
-    stream: _Stream
-    accepted: asyncio.Future  # settled on the submitter's loop: None, or the refusal (QueueFull, ValueError)
+    sink: Sink
 
 
 @dataclass
 class _Abort:
     message: AbortRequest
-    stream: _Stream | None = None  # only this submission (a consumer that left; nothing is delivered); None: any
+    sink: Sink | None = None  # only this submission; None: whichever is live under the id
+    deliver: bool = True  # False: its consumer left, nothing is delivered
 
 
 class AsyncEngine:
     def __init__(self, core: EngineCore, *, name: str = "helios-engine") -> None:
         self.core = core
         self._cv = threading.Condition()  # guards the inbox and _is_stopping; the engine thread idles on it
-        self._inbox: deque[_Add | _Abort] = deque()
+        self._inbox: deque[_Add | _Abort | Callable[[], None]] = deque()
         self._is_stopping = False
         self._fatal_error: str | None = None  # the loop itself crashed (a scheduler bug)
-        self._streams: dict[str, _Stream] = {}  # submitted and not yet finished or abandoned (the duplicate check)
+        self._streams: dict[str, _Stream] = {}  # this process's submissions not yet finished or abandoned
         self._streams_lock = threading.Lock()
-        self._live: dict[str, _Stream] = {}  # engine thread only: the stream each admitted request delivers to
+        self._channels: dict[asyncio.AbstractEventLoop, _LoopChannel] = {}  # guarded by _streams_lock
+        self._live: dict[str, Sink] = {}  # engine thread only: the sink each admitted request delivers to
         self._metrics = core.metrics()  # published by the engine thread after each round, before its outputs
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -96,30 +155,54 @@ class AsyncEngine:
         if not self.is_healthy:
             raise EngineUnavailable(self.error or "the engine is shut down")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop)
         req_id = request.req_id
         with self._streams_lock:
             if req_id in self._streams:
                 raise ValueError(f"request {req_id!r} is already active")
-            self._streams[req_id] = stream
-        accepted = loop.create_future()
+            channel = self._channels.get(loop)
+            if channel is None:
+                for closed in [lp for lp in self._channels if lp.is_closed()]:
+                    del self._channels[closed]
+                channel = self._channels[loop] = _LoopChannel(loop)
+            stream = self._streams[req_id] = _Stream(channel)
         try:
             # NOTE: the engine thread is woken on the loop's next turn, so the choices of a group submitted together
             # (asyncio.gather) reach the same inbox round
-            self._post(_Add(request, stream, accepted), wake=False)
+            self.post_add(request, stream, wake=False)
             loop.call_soon(self._wake)
-            await accepted
+            await stream.accepted
         except BaseException:  # refused, unavailable, or the submitter was cancelled while waiting
             self._forget(req_id, stream)
-            if not accepted.done() or accepted.cancelled():
-                self._post(_Abort(AbortRequest(req_id=req_id), stream), quiet=True)
+            if not stream.accepted.done() or stream.accepted.cancelled():
+                self.post_abort(req_id, stream, deliver=False)
             raise
         return self._consume(req_id, stream)
 
     def abort(self, req_id: str) -> None:
         """Cancel a request from any thread: at the next step boundary its pages are freed and its stream ends
         with "abort" (tokens of a step running now are not delivered)."""
-        self._post(_Abort(AbortRequest(req_id=req_id)), quiet=True)
+        self.post_abort(req_id)
+
+    def post_add(self, request: EngineRequest, sink: Sink, wake: bool = True) -> None:
+        """Queue an admission for the next step boundary; its verdict reaches sink.channel.settle (a refusal:
+        QueueFull, ValueError or EngineUnavailable). Raises EngineUnavailable when the engine is stopped."""
+        self._post(_Add(request, sink), wake=wake)
+
+    def post_abort(self, req_id: str, sink: Sink | None = None, deliver: bool = True) -> None:
+        """Queue an abort: of `sink`'s submission only (None: whichever is live under the id); deliver=False when
+        its consumer left (nothing is sent)."""
+        self._post(_Abort(AbortRequest(req_id=req_id), sink, deliver), quiet=True)
+
+    def post_call(self, fn: Callable[[], None]) -> None:
+        """Run fn on the engine thread at the next step boundary (a frontend connection that closed)."""
+        self._post(fn, quiet=True)
+
+    def drop_channel(self, channel: Channel) -> None:
+        """Engine thread: abort every live request that delivers to `channel` (its consumer is gone)."""
+        for req_id, sink in list(self._live.items()):
+            if sink.channel is channel:
+                del self._live[req_id]
+                self.core.abort(req_id)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the loop after the current step, join the thread, and end every open stream with "abort"."""
@@ -128,22 +211,23 @@ class AsyncEngine:
             self._cv.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        if self._thread.is_alive():  # a step that never returns: end the streams, leave the core alone
+        if self._thread.is_alive():  # a step that never returns: end this process's streams, leave the core alone
             with self._streams_lock:
                 streams = list(self._streams.items())
             for req_id, stream in streams:
-                self._send(stream, EngineOutput(req_id=req_id, finished=True, finish_reason="abort"))
+                stream.channel.push(stream, EngineOutput(req_id=req_id, finished=True, finish_reason="abort"))
+                stream.channel.flush()
             return
         self._fail_inbox(EngineUnavailable("the engine is shut down"))
         outputs = []
         for req_id in list(self._live):
             outputs.append(self.core.abort(req_id) or EngineOutput(req_id=req_id, finished=True, finish_reason="abort"))
         self._metrics = self.core.metrics()
-        self._deliver(outputs)
+        self._deliver([], outputs)
 
-    # --- the event loop's side ------------------------------------------------------------------
+    # --- any thread ------------------------------------------------------------------------------
 
-    def _post(self, command: _Add | _Abort, quiet: bool = False, wake: bool = True) -> None:
+    def _post(self, command, quiet: bool = False, wake: bool = True) -> None:
         """Append to the inbox and wake the engine thread (or leave that to the caller); an add to a stopped
         engine is refused (quiet: ignored)."""
         with self._cv:
@@ -159,7 +243,7 @@ class AsyncEngine:
         with self._cv:
             self._cv.notify()
 
-    def _forget(self, req_id: str, stream: _Stream) -> None:
+    def _forget(self, req_id: str, stream: Sink) -> None:
         with self._streams_lock:
             if self._streams.get(req_id) is stream:
                 del self._streams[req_id]
@@ -177,7 +261,7 @@ class AsyncEngine:
             if not is_done:
                 # the id is free for a new submission at once; the inbox's order aborts this one first
                 self._forget(req_id, stream)
-                self._post(_Abort(AbortRequest(req_id=req_id), stream), quiet=True)
+                self.post_abort(req_id, stream, deliver=False)
 
     # --- the engine thread ----------------------------------------------------------------------
 
@@ -189,7 +273,6 @@ class AsyncEngine:
                         self._cv.wait()
                     if self._is_stopping:
                         return
-                with self._cv:
                     has_commands = bool(self._inbox)
                 if has_commands:
                     self._finish_round([])  # admissions are answered before the step, not after it
@@ -199,12 +282,16 @@ class AsyncEngine:
             logger.exception("engine loop crashed")
             self._fatal_error = f"engine loop crashed: {type(exc).__name__}: {exc}"
             self._fail_inbox(EngineUnavailable(self._fatal_error))
-            self._live.clear()  # every stream is told below; shutdown leaves the broken core alone
+            live, self._live = self._live, {}  # every consumer is told below; shutdown leaves the broken core alone
+            channels = {}
+            for req_id, sink in live.items():
+                sink.channel.push(sink, EngineOutput(req_id=req_id, finished=True, finish_reason="error",
+                                                     error=self._fatal_error))
+                channels[id(sink.channel)] = sink.channel
             with self._streams_lock:
-                streams = list(self._streams.items())
-            for req_id, stream in streams:
-                self._send(stream, EngineOutput(req_id=req_id, finished=True, finish_reason="error",
-                                                error=self._fatal_error))
+                self._streams.clear()
+            for channel in channels.values():
+                channel.flush()
 
     def _finish_round(self, stepped: list[EngineOutput]) -> None:
         """Apply the inbox, publish the metrics, then answer the submitters and deliver the outputs."""
@@ -213,77 +300,74 @@ class AsyncEngine:
         # filter also keeps them from a later submission of the same id admitted by this drain
         outputs = [o for o in stepped if o.req_id not in aborted] + aborts
         self._metrics = self.core.metrics()  # NOTE: before delivery, so a finished stream sees its counts
-        for add, error in settles:
-            self._settle(add, error)
-        self._deliver(outputs)
+        self._deliver(settles, outputs)
 
-    def _drain(self) -> tuple[list[tuple[_Add, BaseException | None]], list[EngineOutput], set[str]]:
+    def _drain(self) -> tuple[list[tuple[Sink, BaseException | None]], list[EngineOutput], set[str]]:
         """Apply the inbox in arrival order: adds go to the scheduler (or are refused), aborts free pages now.
         Returns the adds' verdicts, the terminal records of aborts to deliver, and every aborted id."""
         with self._cv:
             commands, self._inbox = list(self._inbox), deque()
-        settles: list[tuple[_Add, BaseException | None]] = []
+        settles: list[tuple[Sink, BaseException | None]] = []
         outputs: list[EngineOutput] = []
         aborted: set[str] = set()
         for command in commands:
             if isinstance(command, _Add):
+                req_id = command.request.req_id
                 try:
+                    if req_id in self._live:  # another frontend's submission under the same id
+                        raise ValueError(f"request {req_id!r} is already active")
                     self.core.add_request(command.request)
                 except (QueueFull, ValueError) as exc:
-                    settles.append((command, exc))
+                    settles.append((command.sink, exc))
                     continue
-                self._live[command.request.req_id] = command.stream
-                settles.append((command, None))
+                self._live[req_id] = command.sink
+                settles.append((command.sink, None))
+                continue
+            if not isinstance(command, _Abort):
+                command()
                 continue
             req_id = command.message.req_id
             live = self._live.get(req_id)
-            if live is None or (command.stream is not None and command.stream is not live):
+            if live is None or (command.sink is not None and command.sink is not live):
                 continue  # finished already, or a later submission of the same id
             output = self.core.abort(req_id)
             aborted.add(req_id)
-            if command.stream is not None:  # its consumer left: nobody to tell
+            if not command.deliver:  # its consumer left: nobody to tell
                 del self._live[req_id]
             elif output is not None:
                 outputs.append(output)
         return settles, outputs, aborted
 
-    def _settle(self, add: _Add, error: BaseException | None) -> None:
-        def settle() -> None:
-            if not add.accepted.done():
-                add.accepted.set_result(None) if error is None else add.accepted.set_exception(error)
-
-        try:
-            add.stream.loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the submitter's loop is closed: nobody waits; drop the request if admitted
-            if error is None and self._live.get(add.request.req_id) is add.stream:
-                del self._live[add.request.req_id]
-                self.core.abort(add.request.req_id)
-
     def _fail_inbox(self, error: BaseException) -> None:
         with self._cv:
             commands, self._inbox = list(self._inbox), deque()
+        channels = {}
         for command in commands:
             if isinstance(command, _Add):
-                self._settle(command, error)
+                command.sink.channel.settle(command.sink, error)
+                channels[id(command.sink.channel)] = command.sink.channel
+        for channel in channels.values():
+            channel.flush()
 
-    def _deliver(self, outputs: list[EngineOutput]) -> None:
+    def _deliver(self, settles: list[tuple[Sink, BaseException | None]], outputs: list[EngineOutput]) -> None:
+        """One hand-over per channel: the verdicts first, then the outputs, in order."""
+        channels: dict[int, Channel] = {}
+        for sink, error in settles:
+            sink.channel.settle(sink, error)
+            channels[id(sink.channel)] = sink.channel
         for output in outputs:
-            stream = self._live.get(output.req_id)
-            if stream is None:
+            sink = self._live.get(output.req_id)
+            if sink is None:
                 continue
             if output.finished:
                 del self._live[output.req_id]
-                self._forget(output.req_id, stream)
-            if not self._send(stream, output) and not output.finished:
-                # the caller's event loop is closed: nobody is listening
-                del self._live[output.req_id]
-                self._forget(output.req_id, stream)
-                self.core.abort(output.req_id)
-
-    @staticmethod
-    def _send(stream: _Stream, output: EngineOutput) -> bool:
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
-            return True
-        except RuntimeError:
-            return False
+                self._forget(output.req_id, sink)
+            sink.channel.push(sink, output)
+            channels[id(sink.channel)] = sink.channel
+        for channel in channels.values():
+            if not channel.flush():  # the consumer is gone (its event loop closed): nobody is listening
+                for req_id, sink in list(self._live.items()):
+                    if sink.channel is channel:
+                        del self._live[req_id]
+                        self._forget(req_id, sink)
+                        self.core.abort(req_id)

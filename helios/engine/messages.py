@@ -183,3 +183,12 @@ class RunnerStats(Struct, frozen=True, kw_only=True):
 
     graph_launches: dict[str, int] = {}  # forward passes by kind: graph (a decode graph's replay), speculative, eager
     replay_gpu_ns: int = 0  # GPU time of completed graph replays (zero on the CPU)
+
+
+class FrontendStats(Struct, frozen=True, kw_only=True):
+    """One HTTP frontend process's counters for /metrics; the engine process sums every frontend's."""
+
+    http_requests: int = 0
+    admission_slots: int = 0
+    admission_in_use: int = 0
+    first_response: list[tuple[float, float]] = []  # (seconds ago, admission -> first text seconds), in the window

@@ -20,6 +20,7 @@ from typing import Literal
 
 import msgspec
 
+from helios.engine.messages import FrontendStats
 from helios.server import encodings, errors
 from helios.server.errors import ApiError
 from helios.server.generation import Generation
@@ -35,16 +36,19 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 class HeliosApp:
     def __init__(self, runtime: Runtime | Callable[[], Runtime], warm: bool = True, announce: str | None = None,
-                 warm_up: Callable[[Runtime], Awaitable[None]] | None = None, settings: str | None = None):
+                 warm_up: Callable[[Runtime], Awaitable[None]] | None = None, settings: str | None = None,
+                 ready_line: bool = True):
         """runtime: a built Runtime, or the factory that builds one (run off the event loop at start-up);
         warm_up: one request through the engine before the ready line (when `warm`); announce: the URL it names;
-        settings: what the ready line lists after it (the execution switches, helios.switches.describe())."""
+        settings: what the ready line lists after it (the execution switches, helios.switches.describe());
+        ready_line: False in a frontend process of a multi-process server (the engine process prints it)."""
         self._factory = runtime if callable(runtime) else None
         self.runtime: Runtime | None = None if callable(runtime) else runtime
         self._warm = warm
         self._warm_up = warm_up
         self._announce = announce
         self._settings = settings
+        self._ready_line = ready_line
         self.startup_error: str | None = None  # why the lifespan start-up failed (the server then exits 1)
 
     # --- ASGI entry -----------------------------------------------------------------------------
@@ -80,16 +84,8 @@ class HeliosApp:
             self.runtime = await asyncio.get_running_loop().run_in_executor(None, self._factory)
         if self._warm and self._warm_up is not None:
             await self._warm_up(self.runtime)
-        rt = self.runtime
-        t = rt.timings
-        split = (f"open {t.get('open', 0.0):.2f}s, weights {t.get('weights', 0.0):.2f}s, "
-                 f"kernel load {t.get('kernels', 0.0):.2f}s beside the weights ({t.get('kernels_wait', 0.0):.2f}s "
-                 f"after them), KV {t.get('kv', 0.0):.2f}s, "
-                 f"capture {t.get('capture', 0.0):.2f}s ({int(t.get('graphs', 0))} graphs, "
-                 f"{int(t.get('kernels_jit', 0))} kernels compiled), digests {t.get('verify', 0.0):.2f}s more")
-        print(f"helios: {rt.serving.model_id} ready: load {t.get('load', 0.0):.2f}s ({split}), "
-              f"warm-up {t.get('warmup', 0.0):.2f}s{' on ' + self._announce if self._announce else ''}"
-              f"{'; ' + self._settings if self._settings else ''}", flush=True)
+        if self._ready_line:
+            print(ready_line(self.runtime, self._announce, self._settings), flush=True)
 
     def shutdown(self) -> None:
         """Stop the engine (a second call is harmless)."""
@@ -163,28 +159,46 @@ class HeliosApp:
             error = getattr(engine, "error", None) or "the model runtime is unhealthy"
             await request.respond_error(errors.unavailable(error))
 
-    def snapshot(self) -> Snapshot:
-        """/metrics: the server's own counters plus the engine's public metrics (the runner's counters folded
-        in by the engine), never the engine's internals."""
+    def frontend_stats(self) -> FrontendStats:
+        """This process's HTTP counters, as the engine process sums them over the frontends."""
         rt = self.runtime
+        return FrontendStats(http_requests=rt.http_metrics.num_requests, admission_slots=rt.admission.slots,
+                             admission_in_use=rt.admission.in_use, first_response=rt.http_metrics.recent())
+
+    def snapshot(self, frontends: FrontendStats | None = None) -> Snapshot:
+        """/metrics: the HTTP counters (this process's, or every frontend's summed) plus the engine's public
+        metrics (the runner's counters folded in by the engine), never the engine's internals."""
+        rt = self.runtime
+        http = frontends or self.frontend_stats()
         snap = Snapshot(
             decode_weight_bytes=rt.manifest.decode_weight_bytes,
-            first_response=rt.http_metrics.first_response(),
-            http_admission_slots=rt.admission.slots,
-            http_admission_in_use=rt.admission.in_use,
-            http_requests=rt.http_metrics.num_requests,
+            first_response=rt.http_metrics.first_response(http.first_response),
+            http_admission_slots=http.admission_slots,
+            http_admission_in_use=http.admission_in_use,
+            http_requests=http.http_requests,
             uptime_seconds=int(time.monotonic() - rt.started),
         )
         metrics = rt.engine.metrics()
         values = {f: getattr(metrics, f) for f in metrics.__struct_fields__ if f in Snapshot.__struct_fields__}
         return msgspec.structs.replace(snap, **values)
 
+    async def current_snapshot(self) -> Snapshot:
+        """snapshot() after asking an engine in another process for its metrics and the frontends' sums."""
+        refresh = getattr(self.runtime.engine, "refresh_metrics", None)
+        if refresh is None:
+            return self.snapshot()
+        try:
+            frontends = await refresh(self.frontend_stats())
+        except RuntimeError as e:  # EngineUnavailable: the engine process is gone
+            raise errors.unavailable(f"the model runtime is unavailable: {e}") from None
+        return self.snapshot(frontends)
+
     async def _metrics(self, request: Request) -> None:
         try:
             as_json = wants_json(request.query, request.headers.get("accept"))
         except ValueError as e:
             raise errors.bad_request(f"unsupported metrics format {e}; use json or prometheus", "format") from None
-        snap = self.snapshot()
+        snap = await self.current_snapshot()
         if as_json:
             await request.respond(200, render_json(snap))
         else:
@@ -259,6 +273,19 @@ class HeliosApp:
             await request.respond_json(200, result, extra)
         finally:
             rt.admission.release(1)
+
+
+def ready_line(rt: Runtime, announce: str | None, settings: str | None) -> str:
+    """The start-up split (rt.timings) in one line, the URL it serves on and the execution switches."""
+    t = rt.timings
+    split = (f"open {t.get('open', 0.0):.2f}s, weights {t.get('weights', 0.0):.2f}s, "
+             f"kernel load {t.get('kernels', 0.0):.2f}s beside the weights ({t.get('kernels_wait', 0.0):.2f}s "
+             f"after them), KV {t.get('kv', 0.0):.2f}s, "
+             f"capture {t.get('capture', 0.0):.2f}s ({int(t.get('graphs', 0))} graphs, "
+             f"{int(t.get('kernels_jit', 0))} kernels compiled), digests {t.get('verify', 0.0):.2f}s more")
+    return (f"helios: {rt.serving.model_id} ready: load {t.get('load', 0.0):.2f}s ({split}), "
+            f"warm-up {t.get('warmup', 0.0):.2f}s{' on ' + announce if announce else ''}"
+            f"{'; ' + settings if settings else ''}")
 
 
 @dataclass(frozen=True)

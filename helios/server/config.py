@@ -58,8 +58,11 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
         Literal["auto", "cpu", "cuda"], Meta(description="auto: CUDA when a GPU is visible (KV pool sized from free memory), else CPU.")
     ] = "auto"
     frontend_workers: Annotated[
-        int, Meta(ge=1, le=256, description="Threads for decompression, templates and tokenization.")
+        int, Meta(ge=1, le=256, description="Threads per HTTP process for decompression, templates and tokenization.")
     ] = 2
+    http_workers: Annotated[
+        int, Meta(ge=0, le=64, description="HTTP processes sharing the one engine process on the port (admission slots split among them); 0: 1 on the CPU, 4 on a GPU.")
+    ] = 0
 
 
 class HeliosConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -118,11 +118,19 @@ class HttpMetrics:
             self._first.popleft()
             self._truncated = True
 
-    def first_response(self) -> FirstResponse:
-        horizon = time.monotonic() - FIRST_RESPONSE_WINDOW_S
-        while self._first and self._first[0][0] < horizon:
+    def recent(self) -> list[tuple[float, float]]:
+        """(seconds ago, seconds) of the samples inside the window, oldest first."""
+        now = time.monotonic()
+        while self._first and self._first[0][0] < now - FIRST_RESPONSE_WINDOW_S:
             self._first.popleft()
-        values = sorted(s for _, s in self._first)
+        return [(now - at, s) for at, s in self._first]
+
+    def first_response(self, samples: list[tuple[float, float]] | None = None) -> FirstResponse:
+        """The window's median: of this process's samples, or of `samples` ((seconds ago, seconds), several
+        frontends' merged)."""
+        if samples is None:
+            samples = self.recent()
+        values = sorted(s for ago, s in samples if ago <= FIRST_RESPONSE_WINDOW_S)
         median = None
         if values:
             mid = len(values) // 2
