@@ -8,6 +8,7 @@ consumer goes away (a dropped connection) or a stop string ends a choice early. 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -137,6 +138,11 @@ class Generation:
             self.runtime.http_metrics.observe_first_response(time.monotonic() - self.admitted_at)
 
     async def deltas(self) -> AsyncIterator[tuple[Child, OutputDelta]]:
+        if len(self._streams) == 1:  # one choice (the common case): no merge, no task, no second queue
+            async with contextlib.aclosing(self._one_delta_stream()) as items:
+                async for item in items:
+                    yield item
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(child: Child, stream: AsyncIterator) -> None:
@@ -163,19 +169,39 @@ class Generation:
                 if delta is None:
                     remaining -= 1
                     if child.finish_reason is None:  # the stream ended without a terminal record
-                        final = child.processor.finish_by_client()
-                        child.absorb(final)
-                        yield child, final
+                        yield self._absorb(child, child.processor.finish_by_client())
                     continue
-                if delta.num_new_tokens:
-                    child.has_started = True
-                self._note_first_text(delta)
-                child.absorb(delta, round(time.monotonic() - self.admitted_at, 6))
-                yield child, delta
+                yield self._absorb(child, delta)
         finally:
             for t in tasks:
                 t.cancel()
             self.abort_all()
+
+    async def _one_delta_stream(self) -> AsyncIterator[tuple[Child, OutputDelta]]:
+        child, stream = self.children[0], self._streams[0]
+        try:
+            try:
+                async for out in stream:
+                    delta = child.processor.process(out)
+                    yield self._absorb(child, delta)
+                    if delta.finished:
+                        return  # a stop string may end the choice before the engine does
+            except Exception as e:  # output processing failed: the choice fails, the server stays up
+                delta = OutputDelta(finished=True, finish_reason="error", error=f"{type(e).__name__}: {e}")
+                yield self._absorb(child, delta)
+                return
+            if child.finish_reason is None:  # the stream ended without a terminal record
+                yield self._absorb(child, child.processor.finish_by_client())
+        finally:
+            await stream.aclose()  # NOTE: closing an unfinished engine stream aborts the request
+            self.abort_all()
+
+    def _absorb(self, child: Child, delta: OutputDelta) -> tuple[Child, OutputDelta]:
+        if delta.num_new_tokens:
+            child.has_started = True
+        self._note_first_text(delta)
+        child.absorb(delta, round(time.monotonic() - self.admitted_at, 6))
+        return child, delta
 
     async def run(self) -> list[Child]:
         """Buffered: drain every child."""
