@@ -485,7 +485,7 @@ class EngineClient:
         return self._consume(req_id, stream)
 
     def abort(self, req_id: str) -> None:
-        if req_id in self._streams:
+        if req_id in self._streams and self._lost is None:  # a lost engine already ended every stream
             self._send(Abort(req_id=req_id))
 
     def shutdown(self) -> None:
