@@ -36,10 +36,10 @@ logger = logging.getLogger("helios.server")
 
 
 def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
-                 switches: Switches = DEFAULT_SWITCHES):
-    """Runner + scheduler + engine thread for a loaded core; returns (AsyncEngine, ModelRunner).
+                 switches: Switches = DEFAULT_SWITCHES, own_thread: bool = True):
+    """Runner + scheduler + engine for a loaded core; returns (AsyncEngine, ModelRunner).
     constraints: structured output's grammar owner (helios/frontend/constraints.py); switches: the execution
-    switches, handed to the runner."""
+    switches, handed to the runner; own_thread: the step loop on a new thread (False: the caller's run())."""
     from helios.engine.async_engine import AsyncEngine
     from helios.engine.config import SchedulerConfig
     from helios.engine.engine_core import EngineCore
@@ -79,10 +79,12 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         page_bytes=page_bytes,
     )
     disk_records = runner.disk_store.list_records() if runner.disk_store is not None else []
-    return AsyncEngine(EngineCore(scheduler, runner, disk_records, constraints=constraints)), runner
+    engine = AsyncEngine(EngineCore(scheduler, runner, disk_records, constraints=constraints), own_thread=own_thread)
+    return engine, runner
 
 
-def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES) -> Runtime:
+def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES,
+                  own_thread: bool = True) -> Runtime:
     """Load and verify the core, build the engine; records the start-up split in runtime.timings. The core's
     digests are checked on background threads while the engine builds (the weights upload, kernel load and graph
     capture): a mismatch fails the start-up before anything is served."""
@@ -101,7 +103,7 @@ def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DE
     t1 = time.perf_counter()
     try:
         constraints = GrammarConstraints(runtime.output_grammars.matcher)
-        runtime.engine, runner = build_engine(core, config, serving, constraints, switches)
+        runtime.engine, runner = build_engine(core, config, serving, constraints, switches, own_thread)
         t2 = time.perf_counter()
         digests_match()
     except Exception:
@@ -168,34 +170,27 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     frontends: list[_Frontend] = []
     runtime = None
+    status = [0]
     try:
         from helios.runner.model_runner import resolve_device
 
         count = http_workers(config, resolve_device(config.device))
         frontends = [_Frontend(i, count, core_path, config, serving, socket_path, log_level) for i in range(count)]
         try:
-            runtime = build_runtime(core_path, config, switches)
+            # NOTE: this thread builds the runner and runs the step loop (engine.run below): on the CPU, torch's
+            # parallel regions from a second thread (a second OpenMP team) made every decode step ~25% slower
+            runtime = build_runtime(core_path, config, switches, own_thread=False)
             engine_server.start(runtime.engine)
-            asyncio.run(warm_up(runtime))
         except Exception as e:  # one clear line; the frontends are told and exit
             print(f"helios: start-up failed: {e}", file=sys.stderr, flush=True)
             engine_server.mark_ready(error=str(e))
             return 1
-        engine_server.mark_ready()
-        while not stop.is_set() and not engine_server.frontends_up(count, timeout=0.2):
-            if any(f.has_failed_to_start() for f in frontends):
-                print("helios: an HTTP process failed to start (see above)", file=sys.stderr, flush=True)
-                return 1
-        if stop.is_set():
-            return 0
-        print(ready_line(runtime, f"http://{config.host}:{config.port}",
-                         f"{count} HTTP process{'es' if count > 1 else ''}; {switches.describe()}"), flush=True)
-        while not stop.wait(0.5):
-            if not runtime.engine.is_healthy:
-                logger.error("helios: the engine failed: %s", runtime.engine.error)
-            for f in frontends:
-                f.restart_if_dead()
-        return 0
+        supervisor = threading.Thread(target=_supervise, name="helios-supervisor", daemon=True,
+                                      args=(runtime, engine_server, frontends, stop, status, config, switches))
+        supervisor.start()
+        runtime.engine.run()  # until the supervisor shuts the engine down
+        supervisor.join()
+        return status[0]
     finally:
         for f in frontends:
             f.stop()
@@ -207,6 +202,42 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
         shutil.rmtree(workdir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _supervise(runtime: Runtime, engine_server: EngineServer, frontends: list[_Frontend], stop: threading.Event,
+               status: list[int], config: ServerConfig, switches: Switches) -> None:
+    """Beside the step loop: warm-up, Ready to the HTTP processes, the ready line once they all serve, then
+    restarting any that dies, until SIGINT/SIGTERM (or a failed start: status[0] = 1); stops the engine last."""
+    try:
+        try:
+            asyncio.run(warm_up(runtime))
+        except Exception as e:
+            print(f"helios: start-up failed: {e}", file=sys.stderr, flush=True)
+            engine_server.mark_ready(error=str(e))
+            status[0] = 1
+            return
+        engine_server.mark_ready()
+        count = len(frontends)
+        while not stop.is_set() and not engine_server.frontends_up(count, timeout=0.2):
+            if any(f.has_failed_to_start() for f in frontends):
+                print("helios: an HTTP process failed to start (see above)", file=sys.stderr, flush=True)
+                status[0] = 1
+                return
+        if stop.is_set():
+            return
+        print(ready_line(runtime, f"http://{config.host}:{config.port}",
+                         f"{count} HTTP process{'es' if count > 1 else ''}; {switches.describe()}"), flush=True)
+        while not stop.wait(0.5):
+            if not runtime.engine.is_healthy:
+                logger.error("helios: the engine failed: %s", runtime.engine.error)
+            for f in frontends:
+                f.restart_if_dead()
+    finally:
+        for f in frontends:
+            f.stop()
+        for f in frontends:
+            f.join()
+        runtime.shutdown()  # ends engine.run() on the main thread
 
 
 def _claim_port(host: str, port: int) -> int:

@@ -112,7 +112,9 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, *, name: str = "helios-engine") -> None:
+    def __init__(self, core: EngineCore, *, name: str = "helios-engine", own_thread: bool = True) -> None:
+        """own_thread: start the step loop on a new thread; False: the caller runs it with run() (on CPU, the thread
+        that built the runner: a second thread's OpenMP team makes every parallel region's wake-up slower)."""
         self.core = core
         self._cv = threading.Condition()  # guards the inbox and _is_stopping; the engine thread idles on it
         self._inbox: deque[_Add | _Abort | Callable[[], None]] = deque()
@@ -123,8 +125,12 @@ class AsyncEngine:
         self._channels: dict[asyncio.AbstractEventLoop, _LoopChannel] = {}  # guarded by _streams_lock
         self._live: dict[str, Sink] = {}  # engine thread only: the sink each admitted request delivers to
         self._metrics = core.metrics()  # published by the engine thread after each round, before its outputs
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._is_done = threading.Event()  # the step loop has returned (or never will run: see shutdown)
+        self._is_running = threading.Event()  # the step loop has started
+        self._loop_thread: threading.Thread | None = None
+        if own_thread:
+            self._is_running.set()
+            threading.Thread(target=self.run, name=name, daemon=True).start()
 
     # --- public API (any thread / the event loop) ---------------------------------------------
 
@@ -134,7 +140,7 @@ class AsyncEngine:
             not self._is_stopping
             and self._fatal_error is None
             and self.core.is_healthy
-            and self._thread.is_alive()
+            and not self._is_done.is_set()
         )
 
     @property
@@ -205,13 +211,17 @@ class AsyncEngine:
                 self.core.abort(req_id)
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the loop after the current step, join the thread, and end every open stream with "abort"."""
+        """Stop the loop after the current step, wait for it to return, and end every open stream with "abort"."""
         with self._cv:
             self._is_stopping = True
             self._cv.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-        if self._thread.is_alive():  # a step that never returns: end this process's streams, leave the core alone
+        if self._loop_thread is threading.current_thread():
+            pass  # called from the loop itself: it returns after this
+        elif self._is_running.is_set():
+            self._is_done.wait(timeout)
+        else:  # the loop never started (run() was never called): nothing runs the core
+            self._is_done.set()
+        if not self._is_done.is_set():  # a step that never returns: end this process's streams, leave the core alone
             with self._streams_lock:
                 streams = list(self._streams.items())
             for req_id, stream in streams:
@@ -264,6 +274,15 @@ class AsyncEngine:
                 self.post_abort(req_id, stream, deliver=False)
 
     # --- the engine thread ----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """The step loop, on the calling thread, until shutdown() (started by the constructor when own_thread)."""
+        self._loop_thread = threading.current_thread()
+        self._is_running.set()
+        try:
+            self._run()
+        finally:
+            self._is_done.set()
 
     def _run(self) -> None:
         try:

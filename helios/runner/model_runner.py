@@ -344,11 +344,11 @@ class ModelRunner:
 
     # --- the step ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def stats(self) -> RunnerStats:
         """Its counters for /metrics, as data (EngineCore folds them into EngineMetrics)."""
         return RunnerStats(graph_launches=dict(self.launches), replay_gpu_ns=self.replay_gpu_ns)
 
+    @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         # NOTE: drops first: a preempted request can be dropped and re-sent as new in one plan.
         for req_id in plan.finished_req_ids:

@@ -193,7 +193,7 @@ def test_idle_loop_sleeps_without_stepping():
     num_steps = len(steps)
     time.sleep(0.1)
     assert len(steps) == num_steps, "the loop stepped while idle"
-    assert engine._thread.is_alive()
+    assert engine._loop_thread.is_alive()
     asyncio.run(main())  # and it wakes up again
     assert len(steps) > num_steps
     engine.shutdown()
@@ -210,7 +210,7 @@ def test_shutdown_joins_the_thread_and_ends_open_streams():
         return first, rest
 
     first, rest = asyncio.run(main())
-    assert not engine._thread.is_alive()
+    assert not engine._loop_thread.is_alive()
     assert rest and rest[-1].finish_reason == "abort"
     assert not engine.is_healthy
     assert_pages_free(core)
@@ -334,3 +334,27 @@ def test_a_group_submitted_together_is_admitted_in_one_round():
     asyncio.run(main())
     engine.shutdown()
     assert rounds[0] == ["c0", "c1", "c2", "c3"]
+
+
+def test_the_loop_can_run_on_the_thread_that_built_the_engine():
+    """own_thread=False: run() is the step loop on the caller (the engine process's main thread); shutdown from
+    another thread ends it and every open stream."""
+    core, fake = make_core(max_concurrency=3, max_waiting=16)
+    engine = AsyncEngine(core, own_thread=False)
+    reqs = [request(f"m{i}", prompt_len=5 + i, seed=i, max_tokens=4 + i) for i in range(4)]
+    results = {}
+
+    def client():
+        async def main():
+            return await asyncio.gather(*(consume(engine, r) for r in reqs))
+        results["done"] = asyncio.run(main())
+        engine.shutdown(5)
+
+    t = threading.Thread(target=client)
+    t.start()
+    engine.run()  # returns once the client thread shut the engine down
+    t.join(5)
+    for r, (tokens, _) in zip(reqs, results["done"]):
+        assert tokens == reference_tokens(r), r.req_id
+    assert not engine.is_healthy
+    assert_pages_free(core)
