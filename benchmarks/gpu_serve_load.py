@@ -104,6 +104,11 @@ def engine_only(core_dir: Path, server_toml: dict, levels: list[int], seconds: f
             core.add_request(msgspec.structs.replace(req, req_id=f"e{serial}"))
         for i in range(n):
             add(serial)
+        warm_until = time.perf_counter() + min(3.0, seconds / 4)
+        while time.perf_counter() < warm_until:  # the level's steady state first (not timed)
+            for out in core.step():
+                if out.finished:
+                    add(serial)
         tokens = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
@@ -119,6 +124,10 @@ def engine_only(core_dir: Path, server_toml: dict, levels: list[int], seconds: f
     runtime.engine.shutdown()
     del runtime, core
     return results
+
+
+def _engine_child(queue, *args) -> None:
+    queue.put(engine_only(*args))
 
 
 # --- the HTTP client -----------------------------------------------------------------------------
@@ -311,7 +320,14 @@ def main() -> None:
     print(f"core {core_dir.name}, {args.workload} workload, {args.api}, levels {levels}, {seconds:.0f} s each, "
           f"{max_tokens} new tokens (fixed), {args.client_procs} client processes", flush=True)
 
-    engine = {} if args.skip_engine else engine_only(core_dir, server_toml, levels, seconds, work, args.api)
+    engine = {}
+    if not args.skip_engine:  # in a child process, so its GPU memory is free again before the server starts
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_engine_child, args=(queue, core_dir, server_toml, levels, seconds, work, args.api))
+        child.start()
+        engine = queue.get()
+        child.join()
 
     config = args.work / "server.toml"
     args.work.mkdir(parents=True, exist_ok=True)

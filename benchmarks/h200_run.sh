@@ -1,6 +1,6 @@
 #!/bin/bash
 # One call on the lent H200 (device tool): carried wheels, GPU tests, serve cold start, decode benchmark.
-# PARTS picks among tests,bench,serve,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
+# PARTS picks among tests,bench,serve,load,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
 # HELIOS_* execution switches (helios/switches.py) set here reach gpu_decode.py's runners: it reads them once at start.
 # .whl/ holds what the device lacks, for cp312 manylinux (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 ...): msgspec granian llguidance gguf tomli_w zstandard brotli prometheus-client.
@@ -21,6 +21,11 @@ fi
 if [[ $PARTS == *serve* ]]; then
   timeout ${SERVE_S:-230} python3 benchmarks/gpu_serve_start.py --work /tmp/serve --out "$OUT" > "$OUT/serve.log" 2>&1
   echo "== serve rc $?"; tail -45 "$OUT/serve.log"
+fi
+if [[ $PARTS == *load* ]]; then  # after serve: it reuses the 8B core gpu_serve_start.py exported
+  timeout ${LOAD_S:-330} python3 benchmarks/gpu_serve_load.py --device cuda --core /tmp/serve/core-8b ${LOAD_ARGS:-} \
+    > "$OUT/load.log" 2>&1
+  echo "== load rc $?"; grep -v "^W1\|Warning" "$OUT/load.log" | tail -25
 fi
 if [[ $PARTS == *bench* ]]; then
   timeout ${BENCH_S:-260} python3 benchmarks/gpu_decode.py ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
