@@ -68,8 +68,26 @@ def prompt_ids(tokenizer, n: int, salt: int) -> list[int]:
     return ids[:n]
 
 
+def word_bias(tokenizer, count: int) -> dict[str, float]:
+    """logit_bias +100 on `count` whole-word ASCII tokens: a random-weight model then writes words, so every
+    token is text at once (random byte tokens are often held back as incomplete UTF-8, hiding TTFT and ITL)."""
+    bias = {}
+    for token_id in range(tokenizer.vocab_size if hasattr(tokenizer, "vocab_size") else 50000):
+        if len(bias) >= count:
+            break
+        text = tokenizer.decode([token_id])
+        if text.startswith(" ") and text[1:].isascii() and text[1:].isalpha() and 3 <= len(text) <= 9:
+            bias[str(token_id)] = 100.0
+    return bias
+
+
+BIAS: dict[str, float] = {}
+
+
 def body(api: str, ids: list[int], text: str, max_tokens: int, stream: bool = True) -> dict:
     common = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
+    if BIAS:
+        common["logit_bias"] = BIAS
     if stream:
         common["stream_options"] = {"include_usage": True}
     if api == "chat":
@@ -126,7 +144,8 @@ def engine_only(core_dir: Path, server_toml: dict, levels: list[int], seconds: f
     return results
 
 
-def _engine_child(queue, *args) -> None:
+def _engine_child(queue, bias, *args) -> None:
+    BIAS.update(bias)  # a spawned child: the parent's module state is not inherited
     queue.put(engine_only(*args))
 
 
@@ -225,9 +244,9 @@ def metrics(url: str) -> dict:
 def served_level(url: str, host: str, port: int, path: str, payloads: list[bytes], probe: bytes, streams: int,
                  seconds: float, procs: int) -> dict:
     procs = max(1, min(procs, streams))
-    before = metrics(url)
     start = time.perf_counter()
-    deadline = start + seconds
+    warm = min(3.0, seconds / 4)
+    deadline = start + warm + seconds
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     workers = []
@@ -237,6 +256,12 @@ def served_level(url: str, host: str, port: int, path: str, payloads: list[bytes
                                                                  probe if p == 0 else None, queue)))
     for w in workers:
         w.start()
+    # the level's throughput: generated tokens over its steady part, from the engine's counters (the engine
+    # alone is timed the same way: after a warm period, over `seconds`)
+    time.sleep(max(0.0, start + warm - time.perf_counter()))
+    before, t1 = metrics(url), time.perf_counter()
+    time.sleep(max(0.0, deadline - time.perf_counter()))
+    steady, t2 = metrics(url), time.perf_counter()
     results = [queue.get() for _ in workers]
     for w in workers:
         w.join()
@@ -254,18 +279,17 @@ def served_level(url: str, host: str, port: int, path: str, payloads: list[bytes
     ttft = [r[2][0] - r[1] for r in ok if r[2]]
     itl = [b - a for r in ok for a, b in zip(r[2], r[2][1:])]
     e2e = [r[3] - r[1] for r in ok]
-    tokens = sum(r[4] for r in ok)
-    steps = after["verify_steps"] - before["verify_steps"]
-    generated = after["generated_tokens"] - before["generated_tokens"]
+    steps = steady["verify_steps"] - before["verify_steps"]
+    generated = steady["generated_tokens"] - before["generated_tokens"]
     return {
-        "tok_s": tokens / wall, "requests": len(ok), "errors": len(errors), "error_sample": errors[:2],
+        "tok_s": generated / (t2 - t1), "client_tok_s": sum(r[4] for r in ok) / wall, "requests": len(ok), "errors": len(errors), "error_sample": errors[:2],
         "ttft": (pct(ttft, 0.5), pct(ttft, 0.99)), "itl": (pct(itl, 0.5), pct(itl, 0.99)),
         "e2e": (pct(e2e, 0.5), pct(e2e, 0.99)), "probe": (pct(probes, 0.5), pct(probes, 0.99)),
         "batch": generated / steps if steps else float("nan"),
-        "busy": (after["replay_gpu_ns"] - before["replay_gpu_ns"]) / 1e9 / wall,
+        "busy": (steady["replay_gpu_ns"] - before["replay_gpu_ns"]) / 1e9 / (t2 - t1),
         "pages_ok": after["free_pages"] == after["total_pages"] and after["active"] == 0 and after["pending"] == 0,
-        "launches": {k: after["graph_launches"].get(k, 0) - before["graph_launches"].get(k, 0)
-                     for k in after["graph_launches"]},
+        "launches": {k: steady["graph_launches"].get(k, 0) - before["graph_launches"].get(k, 0)
+                     for k in steady["graph_launches"]},
     }
 
 
@@ -294,6 +318,8 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--skip-engine", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--word-bias", type=int, help="logit_bias +100 on N word tokens (default: 64 on cuda, "
+                        "whose core has random weights; 0 on cpu)")
     args = parser.parse_args()
     gpu = args.device == "cuda"
     levels = [int(x) for x in (args.streams or ("1,16,64,256,512" if gpu else "1,4,8")).split(",")]
@@ -312,6 +338,7 @@ def main() -> None:
 
     manifest = read_manifest(core_dir)
     tokenizer = Tokenizer.from_file(core_dir / manifest.tokenizer.file, manifest.tokenizer, manifest.arch.vocab_size)
+    BIAS.update(word_bias(tokenizer, args.word_bias if args.word_bias is not None else (64 if gpu else 0)))
     pairs = lengths(args.workload, 4096, args.seed, args.prompt_tokens, max_tokens)
     work = []
     for i, (p, o) in enumerate(pairs[:1024]):
@@ -324,7 +351,8 @@ def main() -> None:
     if not args.skip_engine:  # in a child process, so its GPU memory is free again before the server starts
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
-        child = ctx.Process(target=_engine_child, args=(queue, core_dir, server_toml, levels, seconds, work, args.api))
+        child = ctx.Process(target=_engine_child,
+                            args=(queue, dict(BIAS), core_dir, server_toml, levels, seconds, work, args.api))
         child.start()
         engine = queue.get()
         child.join()
@@ -358,7 +386,8 @@ def main() -> None:
             r = served_level(url, "127.0.0.1", port, path, payloads, probe, n, seconds, args.client_procs)
             ratio = r["tok_s"] / engine[n] if n in engine else float("nan")
             rows.append((n, r, engine.get(n, float("nan")), ratio))
-            print(f"served {n:4d} streams: {r['tok_s']:9.1f} tok/s ({ratio:.2f} of the engine alone), "
+            print(f"served {n:4d} streams: {r['tok_s']:9.1f} tok/s ({ratio:.2f} of the engine alone; clients counted "
+                  f"{r['client_tok_s']:.1f} over the whole level), "
                   f"{r['requests']} requests, {r['errors']} errors {r['error_sample'] or ''}, TTFT p50/p99 "
                   f"{r['ttft'][0]*1e3:.0f}/{r['ttft'][1]*1e3:.0f} ms, ITL {r['itl'][0]*1e3:.1f}/{r['itl'][1]*1e3:.1f} "
                   f"ms, E2E {r['e2e'][0]:.2f}/{r['e2e'][1]:.2f} s, probe TTFT {r['probe'][0]*1e3:.0f}/"
