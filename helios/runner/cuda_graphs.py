@@ -3,8 +3,10 @@
 Everything graph-specific lives here (STYLE habit 13): which steps qualify (every request schedules one
 token, the batch fits the largest bucket, every block table fits the static width), the padded host-side
 inputs, capture (largest bucket first, one shared memory pool, the Triton decode split count pinned per
-bucket) and replay, including the replay of a speculative next step whose token ids come straight from
-the device (runner/decode_overlap.py). Prefill and mixed steps never come here: the runner runs them eagerly.
+bucket; lazily: a few buckets at start, the rest one at a time later, a pending bucket's steps running the
+same function eagerly) and replay, including the replay of a speculative next step whose token ids come
+straight from the device (runner/decode_overlap.py). Prefill and mixed steps never come here: the runner runs
+them eagerly.
 Sampling and logprob extraction stay outside the graph and read its static float32 logits rows.
 Imports torch, helios.layers.attention (metadata) and helios.kernels.aot_shapes (the pinned split rule).
 """
@@ -12,6 +14,7 @@ Imports torch, helios.layers.attention (metadata) and helios.kernels.aot_shapes 
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +44,15 @@ def pick_bucket(num_seqs: int, buckets: list[int]) -> int | None:
 
 def blocks_needed(s: ScheduledRequest, page_size: int) -> int:
     return -(-(s.num_computed_tokens + len(s.token_ids)) // page_size)
+
+
+def lazy_start_buckets(buckets: list[int]) -> list[int]:
+    """The buckets a lazy GraphRunner captures at construction: the smallest (one request decodes on a graph from
+    the first step) and the largest.
+    NOTE: the largest sizes the shared memory pool: every later, smaller capture fits in the blocks its capture left
+    free, where capturing smallest first into an empty pool adds a larger segment with each bucket (the logits rows
+    alone grow by 16 x vocab x 2 bytes a bucket)."""
+    return sorted({min(buckets), max(buckets)})
 
 
 class ReplayTimer:
@@ -188,9 +200,11 @@ class StaticBuffers:
         self.num_loads += 1
 
     def pad_all(self) -> None:
-        """Every row a padded row: what capture runs on (no KV write, no KV read)."""
+        """Every row a padded row: what capture runs on (no KV write, no KV read). It counts as a load: a capture
+        overwrites the logits rows a pending speculative step left (decode_overlap.Speculation.num_loads)."""
         self.packed.zero_()
         self.packed[SLOT_MAPPING].fill_(-1)
+        self.num_loads += 1
 
     def metadata(self, bucket: int, max_model_len: int) -> AttentionMetadata:
         # NOTE: the *_cpu lists are what capture sees; a replay never reads host values. seq_lens_cpu
@@ -245,8 +259,11 @@ def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> st
 class GraphRunner:
     """Static buffers plus one CUDA graph per decode bucket; `run` replays the bucket of a decode step.
 
-    With capture=False nothing is captured and `run` calls the very function a graph would have captured
-    (for CPU tests of the padding and buffer logic: the Triton interpreter stands in for the device).
+    lazy=True captures only `lazy_start_buckets` at construction; the others stay `pending`, smallest first, until
+    `capture_next` captures them one at a time. A pending bucket's steps run the very function its graph will
+    capture, eagerly: the same kernels and pinned splits, so the same logits before and after its capture.
+    With capture=False nothing is recorded and `run` calls that function for every bucket (for CPU tests of the
+    padding, buffer and pending logic: the Triton interpreter stands in for the device).
     """
 
     def __init__(
@@ -261,6 +278,7 @@ class GraphRunner:
         num_kv_heads: int,
         device: torch.device,
         capture: bool = True,
+        lazy: bool = False,  # capture lazy_start_buckets now, the rest later (capture_next)
         short_seq_len: int = SHORT_SEQ_LEN,  # 0: no short-sequence graphs (benchmarks compare)
         short_programs: int = SHORT_PROGRAMS,  # the short graphs' split rule (aot_shapes.short_decode_splits)
     ):
@@ -285,11 +303,15 @@ class GraphRunner:
         fused_decode = all(getattr(b, "fused_decode", True) for b in self.backends)
         self.short_splits = {b: self._short_splits(b, num_kv_heads, head_dim, short_programs, fused_decode)
                              for b in self.buckets}
-        self.capture_s = 0.0
+        self.records_graphs = capture
+        self.pool = None  # the one memory pool of every graph, made at the first capture
+        # buckets not captured yet, smallest first (capture_next's order); their steps run _forward eagerly
+        self.pending: list[int] = [b for b in self.buckets if b not in lazy_start_buckets(self.buckets)] if lazy else []
+        self.uncaptured: list[int] = []  # buckets whose capture ran out of memory: eager for good
         self.num_replays = 0  # every replay, speculative ones included
-        self.timer = ReplayTimer(self.device)  # their GPU time
-        if capture:
-            self.capture()
+        self.num_eager_runs = 0  # steps of pending buckets, run eagerly
+        self.timer = ReplayTimer(self.device)  # the replays' GPU time
+        self.capture_s = self.capture([b for b in self.buckets if b not in self.pending])  # at construction
 
     # --- capture ----------------------------------------------------------------------------------
 
@@ -322,25 +344,61 @@ class GraphRunner:
             hidden = self.model.forward(buf.packed[TOKEN_IDS, :bucket], meta, self.kv_cache.layers)
             buf.logits[:bucket].copy_(self.model.compute_logits(hidden))
 
+    @property
+    def num_graphs(self) -> int:
+        return len(self.graphs) + len(self.short_graphs)
+
+    def is_captured(self, bucket: int) -> bool:
+        """Whether a step of this bucket replays a graph (with capture=False: would replay one)."""
+        return bucket not in self.pending and bucket not in self.uncaptured
+
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Capture every bucket, largest first, into one memory pool; returns the seconds it took."""
+    def capture(self, buckets: list[int]) -> float:
+        """Capture these buckets, largest first, into the one memory pool; returns the seconds it took.
+
+        NOTE: on the thread that runs the steps, between two of them: a capture's warm-up and recording run on the
+        static buffers and the stream that replays use (a pending speculative step is dropped: pad_all counts as
+        a load)."""
         t0 = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        self.buffers.pad_all()
-        for bucket in reversed(self.buckets):
-            for splits, graphs in ((self.num_splits[bucket], self.graphs), (self.short_splits[bucket], self.short_graphs)):
-                if graphs is self.short_graphs and (splits == self.num_splits[bucket] or self.short_seq_len <= 0):
-                    continue  # the bucket's own graph has these splits already (or no short graphs wanted)
-                self._forward(bucket, splits)  # warm-up: loads/compiles this bucket's kernels, sets up cuBLAS
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._forward(bucket, splits)
-                graphs[bucket] = graph
-        torch.cuda.synchronize(self.device)
-        self.capture_s = time.perf_counter() - t0
-        return self.capture_s
+        for bucket in sorted(buckets, reverse=True):
+            self.buffers.pad_all()
+            if self.records_graphs:
+                self._capture_bucket(bucket)
+            if bucket in self.pending:
+                self.pending.remove(bucket)
+        if self.records_graphs:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+    def capture_next(self) -> float:
+        """Capture the smallest pending bucket; returns the seconds it took. A capture that runs out of device memory
+        leaves its bucket uncaptured for good (its steps keep running eagerly), with a warning."""
+        bucket = self.pending[0]
+        t0 = time.perf_counter()
+        try:
+            return self.capture([bucket])
+        except torch.cuda.OutOfMemoryError as exc:
+            self.pending.remove(bucket)
+            self.uncaptured.append(bucket)
+            self.graphs.pop(bucket, None)
+            self.short_graphs.pop(bucket, None)
+            warnings.warn(f"CUDA graph of decode bucket {bucket} not captured (its steps stay eager): {exc}",
+                          stacklevel=2)
+            return time.perf_counter() - t0
+
+    def _capture_bucket(self, bucket: int) -> None:
+        """The bucket's graph, and its short-sequence variant where that pins fewer splits."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        for splits, graphs in ((self.num_splits[bucket], self.graphs), (self.short_splits[bucket], self.short_graphs)):
+            if graphs is self.short_graphs and (splits == self.num_splits[bucket] or self.short_seq_len <= 0):
+                continue  # the bucket's own graph has these splits already (or no short graphs wanted)
+            self._forward(bucket, splits)  # warm-up: loads/compiles this bucket's kernels, sets up cuBLAS
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._forward(bucket, splits)
+            graphs[bucket] = graph
 
     # --- replay -----------------------------------------------------------------------------------
 
@@ -378,6 +436,10 @@ class GraphRunner:
         return rows[torch.tensor(layout.logits_indices, dtype=torch.int64, device=rows.device)]
 
     def _replay(self, bucket: int, max_seq_len: int) -> None:
+        if not self.is_captured(bucket):  # the function its graph will capture, eagerly (same logits)
+            self._forward(bucket, self.splits_for(bucket, max_seq_len))
+            self.num_eager_runs += 1
+            return
         with self.timer.timing():
             if bucket in self.graphs:
                 self.graph_for(bucket, max_seq_len).replay()

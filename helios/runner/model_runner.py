@@ -6,8 +6,9 @@ are used, sample, and extract logprobs. Plain data in and out (helios.engine.mes
 cross the boundary. Sampling and logprob extraction live in runner/sampler.py and runner/logprobs.py.
 On CUDA, decode-only steps that fit a bucket replay a CUDA graph (runner/cuda_graphs.py), and the next
 decode step is enqueued before this one's ids are read back (runner/decode_overlap.py); construction
-loads precompiled kernels, moves the weights, sizes the KV pool from free memory and captures, and
-records how long each took in `startup`.
+loads precompiled kernels, moves the weights, sizes the KV pool from free memory and captures (with
+lazy_capture, only the smallest and largest buckets: `capture_pending` takes the rest one at a time, between
+steps), and records how long each took in `startup`.
 """
 
 from __future__ import annotations
@@ -65,9 +66,10 @@ class StartupTimes:
     kernels_wait_s: float = 0.0  # of kernels_s, what was left after the weights were up (on the critical path)
     load_s: float = 0.0  # weights moved to the device and bound
     kv_alloc_s: float = 0.0  # KV pool sized and allocated
-    capture_s: float = 0.0  # CUDA graphs captured (includes each bucket's warm-up run)
+    capture_s: float = 0.0  # CUDA graphs captured during construction (includes each bucket's warm-up run)
     num_pages: int = 0
-    num_graphs: int = 0
+    num_graphs: int = 0  # captured during construction
+    num_pending: int = 0  # decode buckets left for ModelRunner.capture_pending (lazy_capture)
     kernels: str = ""  # what happened to the core's precompiled kernels
     kernels_jit: int = 0  # kernels compiled (or fetched from Triton's cache) during capture
     graphs: str = ""  # why graphs are off, when they are
@@ -77,6 +79,8 @@ class StartupTimes:
     def summary(self) -> str:
         total = self.kernels_wait_s + self.load_s + self.kv_alloc_s + self.capture_s
         graphs = f"{self.num_graphs} graphs" if self.num_graphs else f"no graphs: {self.graphs}"
+        if self.num_pending:
+            graphs += f", {self.num_pending} buckets pending"
         parts = [
             f"start-up {total:.2f} s: load {self.load_s:.2f} s",
             f"kernels {self.kernels_s:.2f} s beside it, {self.kernels_wait_s:.2f} s after "
@@ -200,6 +204,7 @@ class ModelRunner:
         switches: Switches | None = None,
         fold_norms: bool | None = None,
         manifest=None,
+        lazy_capture: bool = False,
     ):
         """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
         core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core).
@@ -212,7 +217,8 @@ class ModelRunner:
         by the caller and handed to the model, its layers and the kernel load. fold_norms: the norm-folding load
         step (runner/norm_folding.py); None: its GPU rule, True: wherever the family allows (tests run the
         norm-free layers in the Triton interpreter), False: never. manifest: the core's, for the kernel load (read
-        from core_path when None)."""
+        from core_path when None). lazy_capture: capture only the smallest and largest decode buckets here and
+        leave the rest to `capture_pending` (their steps run eagerly until then, with the same logits)."""
         self.switches = switches = switches if switches is not None else DEFAULT_SWITCHES
         self.arch = arch
         self.device = torch.device(device)
@@ -270,7 +276,12 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         t3 = time.perf_counter()
         self.requests: dict[str, RequestState] = {}
-        self.graphs = self._build_graphs(graph_plan, cuda_graphs)
+        self.graphs = self._build_graphs(graph_plan, cuda_graphs, lazy_capture)
+        # captures after construction (capture_pending): graphs, seconds, kernels compiled meanwhile
+        self.num_background_graphs = 0
+        self.background_capture_s = 0.0
+        self.background_kernels_jit = 0
+        self._step_thread: int | None = None  # the thread of the last execute: captures must run on it
         if not switches.decode_overlap:
             decode_overlap = False
         self.decode_overlap = is_cuda if decode_overlap is None else decode_overlap  # may be flipped between steps
@@ -312,7 +323,29 @@ class ModelRunner:
         """Speculative decode steps dropped because the next plan was another step."""
         return self._overlap.num_misses if self._overlap is not None else 0
 
-    def _build_graphs(self, graph_plan: GraphPlan | None, cuda_graphs: bool):
+    @property
+    def has_pending_captures(self) -> bool:
+        """Whether decode buckets are left for capture_pending."""
+        return self.graphs is not None and bool(self.graphs.pending)
+
+    def capture_pending(self) -> bool:
+        """Capture the smallest pending decode bucket (its graph and short-sequence variant); returns whether any
+        remain. Tens of milliseconds a bucket on an 8B model: call it between steps, on the thread that runs
+        `execute` (a capture uses the steps' stream and static buffers; a pending speculative step is dropped)."""
+        if not self.has_pending_captures:
+            return False
+        if self._step_thread is not None and self._step_thread != threading.get_ident():
+            raise RuntimeError("capture_pending must run on the thread that runs execute (the engine thread)")
+        from helios.kernels.aot import JitCounter
+
+        num_graphs = self.graphs.num_graphs
+        with JitCounter() as jit:
+            self.background_capture_s += self.graphs.capture_next()
+        self.num_background_graphs += self.graphs.num_graphs - num_graphs
+        self.background_kernels_jit += len(jit.names)
+        return self.has_pending_captures
+
+    def _build_graphs(self, graph_plan: GraphPlan | None, cuda_graphs: bool, lazy: bool):
         if self.device.type != "cuda":
             self.startup.graphs = "CPU"
             return None
@@ -337,8 +370,10 @@ class ModelRunner:
                 vocab_size=self.arch.vocab_size,
                 num_kv_heads=self.arch.num_kv_heads,
                 device=self.device,
+                lazy=lazy,
             )
-        self.startup.num_graphs = len(graphs.graphs) + len(graphs.short_graphs)
+        self.startup.num_graphs = graphs.num_graphs
+        self.startup.num_pending = len(graphs.pending)
         self.startup.kernels_jit = len(jit.names)
         return graphs
 
@@ -364,6 +399,7 @@ class ModelRunner:
         unknown = [s.req_id for s in plan.scheduled if s.req_id not in self.requests]
         if unknown:
             raise KeyError(f"scheduled request {unknown[0]} was never sent as a new request")
+        self._step_thread = threading.get_ident()
 
         layout = layout_batch(plan.scheduled, self.requests, self.page_size)
         bucket = self.graphs.bucket_for(plan.scheduled, layout) if self.graphs is not None else None
@@ -373,7 +409,7 @@ class ModelRunner:
             logits = self.graphs.logits_rows(layout, len(plan.scheduled))  # the speculative step's rows
         elif bucket is not None:
             logits = self.graphs.run(plan.scheduled, layout, bucket)  # [N, V] float32, the graph's output rows
-            self.launches["graph"] += 1
+            self.launches["graph" if self.graphs.is_captured(bucket) else "eager"] += 1  # eager: a pending bucket
         elif self.decode_threads is not None and layout.is_decode_only:
             with self.decode_threads.run(len(layout.seq_lens)):
                 logits = self._forward(plan.scheduled, layout)

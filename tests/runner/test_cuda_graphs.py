@@ -207,7 +207,9 @@ def test_replay_timer_adds_completed_pairs_oldest_first_and_reuses_events(monkey
     assert timer.poll() == 3_750_000
 
 
-def _greedy_decode(runner: ModelRunner, prompts: dict[str, list[int]], steps: int) -> dict[str, list[int]]:
+def _greedy_decode(runner: ModelRunner, prompts: dict[str, list[int]], steps: int,
+                   between=lambda: None) -> dict[str, list[int]]:
+    """One prefill of every prompt, then `steps` decode steps of them all; `between()` runs after each decode step."""
     blocks = {r: list(range(i * 8, i * 8 + 8)) for i, r in enumerate(prompts)}
     new = [NewRequestData(req_id=r, prompt_token_ids=p, sampling=GREEDY) for r, p in prompts.items()]
     first = runner.execute(plan([ScheduledRequest(req_id=r, token_ids=p, num_computed_tokens=0, block_ids=blocks[r], sample=True)
@@ -217,6 +219,7 @@ def _greedy_decode(runner: ModelRunner, prompts: dict[str, list[int]], steps: in
         step = [decode_step(r, out[r][-1], len(p) + len(out[r]) - 1, blocks[r]) for r, p in prompts.items()]
         for res in runner.execute(plan(step)).results:
             out[res.req_id].append(res.sampled_token_id)
+        between()
     return out
 
 
@@ -230,6 +233,60 @@ def test_padded_graph_function_matches_eager_on_cpu(core):
     graphed.graphs = graph_runner(graphed)  # three sequences replay the bucket of 4 (one padded row)
     assert _greedy_decode(graphed, prompts, steps=5) == expected
     assert graphed.graphs.num_replays == 5
+
+
+def test_lazy_start_buckets_are_the_smallest_and_the_largest():
+    from helios.runner.cuda_graphs import lazy_start_buckets
+
+    assert lazy_start_buckets([1, 2, 4, 8, 16, 32]) == [1, 32]
+    assert lazy_start_buckets([4]) == [4]
+
+
+@needs_interpreter
+def test_lazy_capture_runs_pending_buckets_eagerly_with_the_same_tokens(core):
+    """A lazy GraphRunner captures the smallest and largest buckets at once and leaves the rest pending; a step whose
+    bucket is pending runs the function its graph will capture, eagerly (an eager launch, not a replay), with the
+    eager runner's tokens. capture_pending takes the pending buckets smallest first and says whether any remain;
+    a speculative next step pending across a capture is dropped (the capture loads the static buffers)."""
+    prompts = {"a": prompt(7, seed=1), "b": prompt(3, seed=2), "c": prompt(11, seed=3)}  # bucket 4
+    expected = _greedy_decode(ModelRunner(core.manifest.arch, core.tensors, num_pages=32, page_size=PAGE_SIZE),
+                              prompts, steps=4)
+    lazy = ModelRunner(core.manifest.arch, core.tensors, num_pages=32, page_size=PAGE_SIZE,
+                       attention_backend="triton", decode_overlap=True)
+    assert not lazy.has_pending_captures and lazy.capture_pending() is False  # no graphs on the CPU
+    lazy.graphs = graphs = GraphRunner(lazy.model, lazy.kv_cache, buckets=[1, 2, 4, 8], max_model_len=64,
+                                       page_size=PAGE_SIZE, vocab_size=lazy.arch.vocab_size,
+                                       num_kv_heads=lazy.arch.num_kv_heads, device=lazy.device, capture=False,
+                                       lazy=True)
+    assert graphs.pending == [2, 4] and lazy.has_pending_captures
+    assert [graphs.is_captured(b) for b in (1, 2, 4, 8)] == [True, False, False, True]
+    assert _greedy_decode(lazy, prompts, steps=4) == expected
+    # step 1 ran, steps 2-4 were its speculations (step 5's was never used): all eager, none a replay
+    assert (graphs.num_eager_runs, graphs.num_replays) == (1 + 4, 0) and lazy.overlap_hits == 3
+    assert lazy.launches == {"graph": 0, "speculative": 4, "eager": 1 + 1}  # the prefill and step 1
+
+    remaining = []
+    lazy.requests.clear()
+    assert _greedy_decode(lazy, prompts, steps=4, between=lambda: remaining.append(lazy.capture_pending())) == expected
+    assert remaining == [True, False, False, False] and graphs.pending == [] and not lazy.has_pending_captures
+    # the speculation pending across each capture was dropped (steps 2 and 3 ran again; the stale one of the first
+    # decode above was dropped by the new prefill)
+    assert lazy.overlap_misses == 1 + 2 and lazy.overlap_hits == 3 + 1
+    # step 1 ran bucket 4 pending, step 2 too (bucket 2 was captured first), step 3 replayed (bucket 4 captured
+    # after step 2), step 4 was step 3's speculation; every step speculated its next
+    assert lazy.launches == {"graph": 1, "speculative": 4 + 4, "eager": 2 + 1 + 2}
+    assert lazy.num_background_graphs == 0 and lazy.background_capture_s > 0  # nothing recorded without CUDA
+
+
+def test_capture_pending_refuses_another_thread(core):
+    import threading
+
+    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=32, page_size=PAGE_SIZE)
+    runner.graphs = graph_runner(runner)
+    runner.graphs.pending = [2, 4]
+    runner._step_thread = threading.get_ident() + 1  # as if execute ran on another thread
+    with pytest.raises(RuntimeError, match="thread that runs execute"):
+        runner.capture_pending()
 
 
 @needs_interpreter
@@ -405,6 +462,75 @@ def test_greedy_outputs_identical_with_graphs(core):
     assert graphed == eager
     # every replay of the run was timed and read (each step's tokens were read before the next step)
     assert graphs.timer.num_samples == graphs.num_replays and graphed_engine.runner.replay_gpu_ns > 0
+
+
+@gpu
+def test_lazy_capture_gives_the_logits_and_tokens_of_full_capture(core):
+    """A lazily capturing runner (helios serve's start-up) captures the smallest and largest buckets; a step of a
+    pending bucket runs the function its graph captures, eagerly: bit for bit the fully captured runner's replay,
+    before capture_pending has captured the bucket and after. Captures between engine steps (each drops the
+    speculative step pending across it) keep the fully captured engine's greedy tokens, in bf16."""
+    from helios.engine.config import SchedulerConfig
+    from helios.engine.engine_core import EngineCore
+    from tests.models.engine_harness import run, tokens
+
+    arch = core.manifest.arch
+    kw = dict(num_pages=256, page_size=16, device="cuda", dtype=torch.bfloat16, max_model_len=256)
+    full = ModelRunner(arch, core.tensors, **kw)
+    lazy = ModelRunner(arch, core.tensors, lazy_capture=True, **kw)
+    buckets = full.graphs.buckets
+    assert full.graphs.pending == [] and lazy.graphs.pending == buckets[1:-1]
+    assert lazy.startup.num_pending == len(buckets) - 2 and "pending" in lazy.startup.summary()
+    assert 0 < lazy.startup.num_graphs < full.startup.num_graphs
+    scheduled, decodes = [], []
+    for i in range(3):  # bucket 4: pending
+        ids = prompt(5 + 3 * i, seed=i)
+        blocks = [i * 2, i * 2 + 1]
+        scheduled.append(ScheduledRequest(req_id=f"r{i}", token_ids=ids, num_computed_tokens=0, block_ids=blocks,
+                                          sample=False))
+        decodes.append(decode_step(f"r{i}", 7 + i, len(ids), blocks))
+    for runner in (full, lazy):
+        runner.execute(plan(scheduled, new=[NewRequestData(req_id=s.req_id, prompt_token_ids=s.token_ids,
+                                                           sampling=GREEDY) for s in scheduled]))
+    layout = layout_batch(decodes, {}, 16)
+    bucket = full.graphs.bucket_for(decodes, layout)
+    assert bucket == 4 and not lazy.graphs.is_captured(bucket)
+    with torch.inference_mode():
+        reference = full.graphs.run(decodes, layout, bucket).clone()
+        pending = lazy.graphs.run(decodes, layout, bucket).clone()  # rewrites the same KV slots with the same values
+        assert lazy.graphs.num_eager_runs == 1 and lazy.graphs.num_replays == 0
+        remaining = [lazy.capture_pending() for _ in buckets[1:-1]]
+        captured = lazy.graphs.run(decodes, layout, bucket).clone()
+    assert remaining == [True] * (len(buckets) - 3) + [False] and not lazy.has_pending_captures
+    assert lazy.graphs.num_replays == 1 and lazy.capture_pending() is False
+    assert torch.equal(pending, reference) and torch.equal(captured, reference)
+    assert lazy.startup.num_graphs + lazy.num_background_graphs == full.startup.num_graphs
+    assert lazy.background_capture_s > 0
+    del full, lazy
+
+    def engine(lazy_capture: bool) -> EngineCore:
+        runner = ModelRunner(arch, core.tensors, 128, 16, device="cuda", dtype=torch.bfloat16, max_model_len=512,
+                             lazy_capture=lazy_capture)
+        config = SchedulerConfig(max_concurrency=16, max_num_batched_tokens=512, prefill_chunk_size=512,
+                                 page_size=16, num_pages=128, max_model_len=512)
+        return EngineCore(config, runner)
+
+    # finishing one by one, the batch walks down through buckets 8, 4, 2 and 1 while they are being captured
+    requests = [EngineRequest(req_id=f"r{i}", prompt_token_ids=prompt(4 + 5 * i, seed=i),
+                              sampling=SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True))
+                for i in range(6)]
+    expected = {k: tokens(v) for k, v in run(engine(False), requests).items()}
+    lazy_engine = engine(True)
+    outs = {r.req_id: [] for r in requests}
+    for r in requests:
+        lazy_engine.add_request(r)
+    while lazy_engine.has_unfinished_requests():
+        for o in lazy_engine.step():
+            outs[o.req_id].append(o)
+        lazy_engine.runner.capture_pending()  # at most one bucket between two steps, as the engine loop does
+    assert {k: tokens(v) for k, v in outs.items()} == expected
+    runner = lazy_engine.runner
+    assert runner.graphs.num_eager_runs > 0 and runner.graphs.num_replays > 0 and runner.overlap_misses > 0
 
 
 @gpu
