@@ -57,9 +57,10 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     host_disk_dir = record_dir(config.host_disk_dir, core.manifest, dtype, page_size) if host_disk_pages else None
     if resolve_device(config.device) == "cuda":
         # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
+        # lazy capture: the smallest and largest buckets now, the rest by the engine loop between steps
         runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,
                                        dtype=dtype, host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir,
-                                       switches=switches)
+                                       switches=switches, lazy_capture=True)
         num_pages = runner.num_pages
     else:
         num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
@@ -114,7 +115,7 @@ def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DE
     # the runner's own split (weights to the device, kernel load, KV allocation, graph capture)
     st = runner.startup
     runtime.timings.update(open=t1 - t0, weights=st.load_s, kernels=st.kernels_s, kernels_wait=st.kernels_wait_s,
-                           kv=st.kv_alloc_s, capture=st.capture_s, graphs=st.num_graphs, kernels_jit=st.kernels_jit,
+                           kv=st.kv_alloc_s, capture=st.capture_s, graphs=st.num_graphs, pending=st.num_pending, kernels_jit=st.kernels_jit,
                            verify=t3 - t2)
     return runtime
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from helios.engine.scheduler import QueueFull
 __all__ = ["AsyncEngine", "Channel", "EngineMetrics", "EngineUnavailable", "QueueFull", "Sink"]
 
 logger = logging.getLogger(__name__)
+BACKGROUND_INTERVAL_S = 0.5  # under load: seconds between units of the runner's deferred work
 
 
 class EngineUnavailable(RuntimeError):
@@ -285,18 +287,27 @@ class AsyncEngine:
             self._is_done.set()
 
     def _run(self) -> None:
+        core = self.core
+        next_background = 0.0  # under load, deferred runner work waits this long between units
         try:
             while True:
                 with self._cv:
-                    while not self._is_stopping and not self._inbox and not self.core.has_unfinished_requests():
+                    while (not self._is_stopping and not self._inbox and not core.has_unfinished_requests()
+                           and not core.has_background_work):
                         self._cv.wait()
                     if self._is_stopping:
                         return
                     has_commands = bool(self._inbox)
                 if has_commands:
                     self._finish_round([])  # admissions are answered before the step, not after it
-                if self.core.has_unfinished_requests():
-                    self._finish_round(self.core.step())
+                if core.has_unfinished_requests():
+                    self._finish_round(core.step())
+                # NOTE: deferred start-up work (a decode graph to capture, tens of ms) runs whenever the loop is
+                # idle, and under load at most once per BACKGROUND_INTERVAL_S: each unit stalls the running streams
+                if core.has_background_work and (not core.has_unfinished_requests()
+                                                 or time.monotonic() >= next_background):
+                    core.background_step()
+                    next_background = time.monotonic() + BACKGROUND_INTERVAL_S
         except Exception as exc:  # a bug in the engine itself: fail every stream, stay unhealthy
             logger.exception("engine loop crashed")
             self._fatal_error = f"engine loop crashed: {type(exc).__name__}: {exc}"

@@ -97,6 +97,19 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def has_background_work(self) -> bool:
+        """The runner has deferred start-up work (decode graphs left to capture: runner.capture_pending)."""
+        return self.error is None and bool(getattr(self.runner, "has_pending_captures", False))
+
+    def background_step(self) -> None:
+        """One unit of the runner's deferred work, between steps on the engine thread; a failure is a runner
+        failure (the engine turns unhealthy)."""
+        try:
+            self.runner.capture_pending()
+        except Exception as exc:
+            self.error = f"{type(exc).__name__} in a deferred graph capture: {exc}"
+
     def step(self) -> list[EngineOutput]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:

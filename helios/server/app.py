@@ -278,10 +278,11 @@ class HeliosApp:
 def ready_line(rt: Runtime, announce: str | None, settings: str | None) -> str:
     """The start-up split (rt.timings) in one line, the URL it serves on and the execution switches."""
     t = rt.timings
+    later = f", {int(t['pending'])} buckets later between steps" if t.get("pending") else ""
     split = (f"open {t.get('open', 0.0):.2f}s, weights {t.get('weights', 0.0):.2f}s, "
              f"kernel load {t.get('kernels', 0.0):.2f}s beside the weights ({t.get('kernels_wait', 0.0):.2f}s "
              f"after them), KV {t.get('kv', 0.0):.2f}s, "
-             f"capture {t.get('capture', 0.0):.2f}s ({int(t.get('graphs', 0))} graphs, "
+             f"capture {t.get('capture', 0.0):.2f}s ({int(t.get('graphs', 0))} graphs{later}, "
              f"{int(t.get('kernels_jit', 0))} kernels compiled), digests {t.get('verify', 0.0):.2f}s more")
     return (f"helios: {rt.serving.model_id} ready: load {t.get('load', 0.0):.2f}s ({split}), "
             f"warm-up {t.get('warmup', 0.0):.2f}s{' on ' + announce if announce else ''}"

@@ -358,3 +358,70 @@ def test_the_loop_can_run_on_the_thread_that_built_the_engine():
         assert tokens == reference_tokens(r), r.req_id
     assert not engine.is_healthy
     assert_pages_free(core)
+
+
+class DeferredWorkRunner:
+    """A runner with deferred start-up work (graphs left to capture): records the thread and the time of each
+    unit, and whether a step was running meanwhile."""
+
+    def __init__(self, inner, units: int) -> None:
+        self.inner = inner
+        self.pending = units
+        self.calls: list[tuple[float, int]] = []  # (monotonic time, thread id)
+        self.in_step = False
+
+    @property
+    def has_pending_captures(self) -> bool:
+        return self.pending > 0
+
+    def capture_pending(self) -> bool:
+        assert not self.in_step, "deferred work ran inside a step"
+        self.calls.append((time.monotonic(), threading.get_ident()))
+        self.pending -= 1
+        return self.pending > 0
+
+    def execute(self, plan):
+        self.in_step = True
+        try:
+            time.sleep(0.002)
+            return self.inner.execute(plan)
+        finally:
+            self.in_step = False
+
+
+def test_deferred_runner_work_runs_when_idle_and_sparsely_under_load():
+    import helios.engine.async_engine as async_engine
+
+    core, fake = make_core(num_pages=1024, max_model_len=4096)
+    runner = core.runner = DeferredWorkRunner(fake, units=3)
+    engine = AsyncEngine(core)
+    deadline = time.monotonic() + 5
+    while runner.pending and time.monotonic() < deadline:  # idle: every unit at once
+        time.sleep(0.01)
+    assert runner.pending == 0 and len({t for _, t in runner.calls}) == 1
+    engine.shutdown()
+
+    core, fake = make_core(num_pages=1024, max_model_len=4096)
+    runner = core.runner = DeferredWorkRunner(fake, units=50)
+    engine = AsyncEngine(core, own_thread=False)
+
+    def client():
+        async def main():
+            return await consume(engine, request("busy", max_tokens=400))
+        results["tokens"] = asyncio.run(main())[0]
+        engine.shutdown(5)
+
+    results = {}
+    runner.pending = 0  # nothing deferred until the request runs
+    t = threading.Thread(target=client)
+    t.start()
+    time.sleep(0.05)
+    runner.pending = 50
+    engine._wake()
+    engine.run()
+    t.join(5)
+    assert results["tokens"] == reference_tokens(request("busy", max_tokens=400))
+    busy = [at for at, _ in runner.calls]
+    gaps = [b - a for a, b in zip(busy, busy[1:])]
+    # under load at most one unit per interval (the loop may go idle at the end and take the rest at once)
+    assert busy and all(g >= async_engine.BACKGROUND_INTERVAL_S * 0.9 for g in gaps[:1])
