@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--target", default="cuda-sm90")
     parser.add_argument("--limit", type=float, default=150.0, help="seconds to wait for each server")
     parser.add_argument("--out", type=Path, default=None, help="folder for the server logs")
+    parser.add_argument("--skip-bare", action="store_true", help="skip the start that compiles every kernel")
     args = parser.parse_args()
     work, logs = args.work, args.out or args.work
     logs.mkdir(parents=True, exist_ok=True)
@@ -150,7 +151,7 @@ def main() -> None:
     kernel_cache = tempfile.mkdtemp(prefix="helios-kc-")
     runs = (("with_kernels", core, 8231, kernel_cache), ("with_kernels_restart", core, 8233, kernel_cache),
             ("without_kernels", bare, 8232, tempfile.mkdtemp(prefix="helios-kc-")))
-    for name, path, port, cache in runs:
+    for name, path, port, cache in runs[:2] if args.skip_bare else runs:
         run_env = dict(env, HELIOS_KERNEL_CACHE=cache, TRITON_CACHE_DIR=tempfile.mkdtemp(prefix="triton-empty-"))
         report[name] = serve_to_first_token(path, port, run_env, args.limit, logs / f"serve_{name}.log")
         print(name, json.dumps(report[name], indent=1), flush=True)

@@ -19,7 +19,7 @@ if [[ $PARTS == *tests* ]]; then
   echo "== tests"; tail -15 "$OUT/tests.log"
 fi
 if [[ $PARTS == *serve* ]]; then
-  timeout ${SERVE_S:-230} python3 benchmarks/gpu_serve_start.py --work /tmp/serve --out "$OUT" > "$OUT/serve.log" 2>&1
+  timeout ${SERVE_S:-230} python3 benchmarks/gpu_serve_start.py --work /tmp/serve --out "$OUT" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1
   echo "== serve rc $?"; tail -45 "$OUT/serve.log"
 fi
 if [[ $PARTS == *load* ]]; then  # after serve: it reuses the 8B core gpu_serve_start.py exported
