@@ -1,44 +1,50 @@
 """Served load: `helios serve` under 1 to 512 concurrent streams against the engine alone, in the same run.
 
-Workloads (seeded): `fixed`, a 121-token prompt and exactly 128 new tokens (ignore_eos); `sharegpt`, prompt and
-output lengths drawn from log-normal distributions shaped like ShareGPT conversations (prompt median ~200 tokens,
-output median ~180, clipped), no dataset needed. Every stream is a closed loop: a streaming request (/v1/completions,
-or /v1/chat/completions with --api chat), read to [DONE], then the next at once, for --seconds per level; a probe
-request with max_tokens=1 every 0.5 s beside the load gives the TTFT a newcomer sees.
-
-1. The engine alone (the served core, its runner and scheduler on this process's main thread, as `helios serve`
-   runs them): the same requests, prepared by the same frontend code, the same closed loop at each stream count.
-2. `helios serve` (a subprocess on 127.0.0.1, the given [server] settings): the load from several client processes
-   (a raw HTTP/1.1 keep-alive client per stream: no SDK in the way at 30k events/s). Per level: output tok/s,
-   TTFT/ITL/end-to-end p50 and p99, the probe's TTFT, errors, the average decode batch and GPU-busy fraction from
-   /metrics deltas, and whether every KV page and slot came back after the level drained.
-Usage: python benchmarks/gpu_serve_load.py --device cuda --core /tmp/serve/core-8b [--streams 1,16,64,256,512]
-       (the core benchmarks/gpu_serve_start.py --work /tmp/serve exports: random bf16 8B weights, kernels)
+Workloads (seeded, no dataset): `fixed`, a 121-token prompt and exactly --max-tokens new tokens (ignore_eos);
+`sharegpt`, prompt and output lengths drawn log-normal like ShareGPT conversations (prompt median ~200 tokens,
+output median ~180, clipped). Prompts are ordinary words; completions send token ids, so prompt lengths are exact;
+the first three ids of each request are unique (no prefix-cache hit from the benchmark cycling its prompts).
+1. The engine alone (spawned child, so its GPU memory is free before the server starts): the core built by
+   helios' own composition root (helios.compose.build_runtime, the [server] settings below) and stepped on the
+   child's main thread; the same requests, a closed loop per stream, the streams' starts spread over --warm.
+2. `helios serve CORE --config X` (subprocess on 127.0.0.1): the same closed loop over streaming /v1/completions
+   and/or /v1/chat/completions (--api), from --client-procs processes (benchmarks/loadgen.py: a raw HTTP/1.1
+   client parsing SSE in data_received). Statistics cover the --seconds window after --warm: output tok/s (token
+   events in the window, each worth usage tokens / token events), TTFT/ITL/end-to-end p50 and p99, a max_tokens=1
+   probe every 0.5 s beside the load, errors (non-200, broken streams, error events, no [DONE]); from /metrics
+   deltas over the window the average decode batch (decode rounds / decode steps) and the graph-busy fraction
+   (replay_gpu_ns / window); after the level drains, every KV page, model slot and HTTP admission slot back.
+--device cuda: the random-weight 8B llama core of benchmarks/gpu_serve_start.py (built in --work if absent), and a
+copy whose lm_head rows of tokens without printable text are zero (same shapes and work; its 300-token tokenizer
+covers 0.2% of the 128k vocabulary, and a token without text sends no SSE event to time).
+Usage: python benchmarks/gpu_serve_load.py --device cuda [--core /tmp/serve/core-8b] [--streams 1,16,64,256,512]
        python benchmarks/gpu_serve_load.py --device cpu   (the default SmolLM2 core, levels 1,4,8)
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import hashlib
 import json
 import math
 import multiprocessing
 import os
 import random
+import re
+import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-PROBE_INTERVAL_S = 0.5
+
+from benchmarks.loadgen import SALT, LoadPool, Target, get_from, pct  # noqa: E402
+
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact river mountain garden window music story letter").split()
 
@@ -47,47 +53,31 @@ WORDS = ("time person year way day thing man world life hand part child eye woma
 
 
 def lengths(workload: str, count: int, seed: int, prompt_tokens: int, max_tokens: int) -> list[tuple[int, int]]:
-    """(prompt tokens, output tokens) per request, seeded."""
+    """(prompt tokens, output tokens) per request, seeded; sharegpt outputs clipped at 8 x max_tokens."""
     if workload == "fixed":
         return [(prompt_tokens, max_tokens)] * count
     rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        p = int(min(max(rng.lognormvariate(math.log(200), 0.9), 8), 1500))
-        o = int(min(max(rng.lognormvariate(math.log(180), 0.8), 4), 1024))
-        out.append((p, o))
-    return out
+    return [(int(min(max(rng.lognormvariate(math.log(200), 0.9), 8), 1500)),
+             int(min(max(rng.lognormvariate(math.log(180), 0.8), 4), 8 * max_tokens))) for _ in range(count)]
 
 
 def prompt_ids(tokenizer, n: int, salt: int) -> list[int]:
-    """n ordinary-word token ids, different per salt (no shared prefix beyond chance)."""
+    """n ordinary-word token ids, different per salt."""
     rng = random.Random(salt)
     ids: list[int] = []
     while len(ids) < n:
-        ids += tokenizer.encode(" " + " ".join(rng.choice(WORDS) for _ in range(64)))
+        ids += tokenizer.encode(" " + " ".join(rng.choice(WORDS) for _ in range(64)), add_special_tokens=False)
     return ids[:n]
 
 
-def word_bias(tokenizer, count: int) -> dict[str, float]:
-    """logit_bias +100 on `count` whole-word ASCII tokens: a random-weight model then writes words, so every
-    token is text at once (random byte tokens are often held back as incomplete UTF-8, hiding TTFT and ITL)."""
-    bias = {}
-    for token_id in range(tokenizer.vocab_size if hasattr(tokenizer, "vocab_size") else 50000):
-        if len(bias) >= count:
-            break
-        text = tokenizer.decode([token_id])
-        if text.startswith(" ") and text[1:].isascii() and text[1:].isalpha() and 3 <= len(text) <= 9:
-            bias[str(token_id)] = 100.0
-    return bias
-
-
-BIAS: dict[str, float] = {}
+def word_ids(tokenizer, limit: int = 64) -> list[int]:
+    """Ids of plain-word tokens (letters, maybe a leading space): the per-request salt of completion prompts."""
+    return [i for i, b in enumerate(tokenizer.token_bytes)
+            if re.fullmatch(rb" ?[A-Za-z]+", b) and i not in tokenizer.special_ids][:limit]
 
 
 def body(api: str, ids: list[int], text: str, max_tokens: int, stream: bool = True) -> dict:
     common = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
-    if BIAS:
-        common["logit_bias"] = BIAS
     if stream:
         common["stream_options"] = {"include_usage": True}
     if api == "chat":
@@ -95,145 +85,152 @@ def body(api: str, ids: list[int], text: str, max_tokens: int, stream: bool = Tr
     return {**common, "prompt": ids}
 
 
+def payload(api: str, ids: list[int], text: str, max_tokens: int) -> bytes:
+    """The streaming body with SALT where loadgen puts the request's unique first three ids (or words)."""
+    if api == "chat":
+        return json.dumps(body(api, [], SALT.decode() + " " + text, max_tokens)).encode()
+    raw = json.dumps(body(api, ["@@IDS@@"], "", max_tokens)).encode()
+    return raw.replace(b'["@@IDS@@"]', b"[" + SALT + b"," + ",".join(map(str, ids[3:])).encode() + b"]")
+
+
+# --- the 8B core (cuda) ----------------------------------------------------------------------------
+
+
+def build_8b(work: Path, target: str) -> Path:
+    """The core benchmarks/gpu_serve_start.py exports (the same checkpoint writer and export command)."""
+    from benchmarks.gpu_serve_start import write_checkpoint
+
+    hf, core = work / "hf-8b", work / "core-8b"
+    if (core / "core.toml").is_file():
+        return core
+    t0 = time.perf_counter()
+    if not (hf / "config.json").is_file():
+        write_checkpoint(hf)
+    cmd = [sys.executable, "-m", "ignition.cli", "export", str(hf), "-o", str(core), "--target", target,
+           "--context-length", "4096", "--force"]
+    subprocess.run(cmd, check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}"
+                                                                           f"{os.environ.get('PYTHONPATH', '')}"))
+    print(f"8B checkpoint and export: {time.perf_counter() - t0:.0f} s", flush=True)
+    return core
+
+
+def text_core(core: Path, out: Path, tokenizer, manifest) -> Path:
+    """`core` (files hard-linked) with the lm_head rows of tokens lacking printable text zeroed, so greedy picks
+    text tokens; the shard holding lm_head is copied, patched and its digest rewritten. `core` itself when most
+    tokens have text."""
+    import msgspec
+
+    from helios.core.manifest import MANIFEST_FILE, encode_manifest
+
+    vocab, hidden = manifest.arch.vocab_size, manifest.arch.hidden_size
+    keep = {i for i, b in enumerate(tokenizer.token_bytes[:vocab])
+            if b and i not in tokenizer.special_ids and all(32 <= c < 127 for c in b)}
+    if len(keep) > vocab // 2 or manifest.arch.tie_word_embeddings:
+        return core
+    source = hashlib.sha256((core / MANIFEST_FILE).read_bytes()).hexdigest()
+    marker = out.with_name(out.name + ".source")  # the core it was made from: a re-exported core makes a new one
+    if (out / MANIFEST_FILE).is_file() and marker.is_file() and marker.read_text() == source:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    for entry in manifest.files:  # the shard holding lm_head.weight, and where
+        if entry.path.endswith(".safetensors"):
+            with open(core / entry.path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            if "lm_head.weight" in header:
+                info, shard = header["lm_head.weight"], entry
+                break
+    else:
+        raise SystemExit(f"{core}: no lm_head.weight in its safetensors files")
+    itemsize = {"BF16": 2, "F16": 2, "F32": 4}[info["dtype"]]
+    assert info["shape"] == [vocab, hidden], info
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for entry in manifest.files:
+        (tmp / entry.path).parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copyfile if entry is shard else os.link)(core / entry.path, tmp / entry.path)
+    row = hidden * itemsize
+    base = 8 + size + info["data_offsets"][0]
+    with open(tmp / shard.path, "r+b") as f:  # zero bytes are 0.0 in every float format
+        start = 0
+        for stop in [*sorted(keep), vocab]:
+            if stop > start:
+                f.seek(base + start * row)
+                for lo in range(start, stop, 8192):
+                    f.write(bytes((min(stop, lo + 8192) - lo) * row))
+            start = stop + 1
+    digest = hashlib.sha256()
+    with open(tmp / shard.path, "rb") as f:
+        while block := f.read(16 << 20):
+            digest.update(block)
+    files = [msgspec.structs.replace(e, sha256=digest.hexdigest()) if e is shard else e for e in manifest.files]
+    (tmp / MANIFEST_FILE).write_bytes(encode_manifest(msgspec.structs.replace(manifest, files=files)))
+    tmp.rename(out)
+    marker.write_text(source)
+    print(f"text core {out}: lm_head rows of {vocab - len(keep)} of {vocab} tokens zeroed ({shard.path}), "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
 # --- the engine alone ----------------------------------------------------------------------------
 
 
-def engine_only(core_dir: Path, server_toml: dict, levels: list[int], seconds: float, work: list, api: str) -> dict:
-    """Closed-loop tok/s of the engine at each stream count, on this thread (as helios serve steps it)."""
+def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: float, seconds: float,
+                 work: list, salt_ids: list[int]) -> dict[int, float]:
+    """Closed-loop output tok/s of the engine at each stream count (on this thread, as the engine process runs)."""
     import msgspec
 
     from helios.compose import build_runtime
     from helios.server.config import ServerConfig
-    from helios.server.protocols import openai_chat, openai_completions
+    from helios.server.protocols import openai_completions
 
-    config = ServerConfig(**server_toml)
-    runtime = build_runtime(core_dir, config, own_thread=False)
+    runtime = build_runtime(core_dir, ServerConfig(**server_toml), own_thread=False)
     core = runtime.engine.core
-    protocol = openai_chat if api == "chat" else openai_completions
-    prepared = [protocol.prepare(msgspec.json.encode(body(api, ids, text, o, stream=False)), runtime.model)
-                for ids, text, o in work]
-    results = {}
-    serial = 0
+    requests = [openai_completions.prepare(msgspec.json.encode(body("completions", ids, "", o, stream=False)),
+                                           runtime.model).children[0].request for ids, _, o in work]
+    serial, n_salt, results = 0, len(salt_ids), {}
+
+    def add(stream: int) -> None:
+        nonlocal serial
+        req = requests[(stream + serial * 7919) % len(requests)]
+        salt = [salt_ids[(serial // n_salt**i) % n_salt] for i in range(3)]
+        core.add_request(msgspec.structs.replace(req, req_id=f"e{serial}",
+                                                 prompt_token_ids=salt + req.prompt_token_ids[3:]))
+        serial += 1
+
     for n in levels:
-        def add(i: int) -> None:
-            nonlocal serial
-            serial += 1
-            req = prepared[i % len(prepared)].children[0].request
-            core.add_request(msgspec.structs.replace(req, req_id=f"e{serial}"))
-        for i in range(n):
-            add(serial)
-        warm_until = time.perf_counter() + min(3.0, seconds / 4)
-        while time.perf_counter() < warm_until:  # the level's steady state first (not timed)
-            for out in core.step():
-                if out.finished:
-                    add(serial)
+        t0 = time.monotonic()
+        starts = [t0 + g / n * warm for g in range(n)]  # spread like the served streams' starts
+        owner: dict[str, int] = {}
         tokens = 0
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
+        while (now := time.monotonic()) < t0 + warm + seconds:
+            while starts and starts[0] <= now:
+                owner[f"e{serial}"] = n - len(starts)
+                add(n - len(starts))
+                starts.pop(0)
             for out in core.step():
-                tokens += len(out.new_token_ids)
+                if now >= t0 + warm:
+                    tokens += len(out.new_token_ids)
                 if out.finished:
-                    add(serial)
-        elapsed = time.perf_counter() - t0
-        while core.has_unfinished_requests():  # drain what is left (not timed, nothing added)
+                    stream = owner.pop(out.req_id)
+                    owner[f"e{serial}"] = stream
+                    add(stream)
+        for req_id in list(owner):  # what is left is aborted (long sharegpt outputs would hold the next level)
+            core.abort(req_id)
+        while core.has_unfinished_requests():
             core.step()
-        results[n] = tokens / elapsed
+        results[n] = tokens / seconds
         print(f"engine alone, {n:4d} streams: {results[n]:9.1f} tok/s", flush=True)
     runtime.engine.shutdown()
-    del runtime, core
     return results
 
 
-def _engine_child(queue, bias, *args) -> None:
-    BIAS.update(bias)  # a spawned child: the parent's module state is not inherited
-    queue.put(engine_only(*args))
+def _engine_child(queue, *args) -> None:
+    queue.put(engine_alone(*args))
 
 
-# --- the HTTP client -----------------------------------------------------------------------------
-
-
-async def _request(reader, writer, path: str, payload: bytes):
-    """One POST on a keep-alive connection; yields (time, event bytes) per SSE data event, then the status."""
-    writer.write(b"POST %s HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                 % (path.encode(), len(payload)) + payload)
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    headers = head.lower()
-    events = []
-    if b"transfer-encoding: chunked" in headers:
-        buf = b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-            if size == 0:
-                await reader.readuntil(b"\r\n")
-                break
-            chunk = await reader.readexactly(size + 2)
-            now = time.perf_counter()
-            buf += chunk[:-2]
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                events.append((now, event))
-    else:
-        length = int(headers.split(b"content-length:")[1].split(b"\r\n")[0])
-        events.append((time.perf_counter(), await reader.readexactly(length)))
-    return status, events
-
-
-async def _stream_loop(host: str, port: int, path: str, payloads: list[bytes], deadline: float, out: list) -> None:
-    reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
-    k = 0
-    try:
-        while time.perf_counter() < deadline:
-            payload = payloads[k % len(payloads)]
-            k += 1
-            sent = time.perf_counter()
-            try:
-                status, events = await _request(reader, writer, path, payload)
-            except (OSError, asyncio.IncompleteReadError, ValueError) as e:
-                out.append(("error", repr(e)))
-                writer.close()
-                reader, writer = await asyncio.open_connection(host, port, limit=1 << 22)
-                continue
-            if status != 200 or not events or events[-1][1] != b"data: [DONE]":
-                out.append(("error", f"status {status}, {len(events)} events"))
-                continue
-            # token events carry choices; the usage event (include_usage) has none
-            times = [t for t, e in events if e.startswith(b"data: {") and b'"choices":[]' not in e]
-            last = next((json.loads(e[6:]) for _, e in reversed(events) if b'"choices":[]' in e), None)
-            num = (last or {}).get("usage") or {}
-            out.append(("ok", sent, times, events[-1][0], num.get("completion_tokens", len(times))))
-    finally:
-        writer.close()
-
-
-async def _probe_loop(host: str, port: int, path: str, payload: bytes, deadline: float, out: list) -> None:
-    reader, writer = await asyncio.open_connection(host, port)
-    while time.perf_counter() < deadline:
-        t0 = time.perf_counter()
-        status, events = await _request(reader, writer, path, payload)
-        if status == 200 and len(events) > 1:
-            out.append(events[0][0] - t0)
-        await asyncio.sleep(max(0.0, PROBE_INTERVAL_S - (time.perf_counter() - t0)))
-    writer.close()
-
-
-def _client_process(host, port, path, payloads, streams, deadline, probe, queue) -> None:
-    async def main():
-        out, probes = [], []
-        tasks = [_stream_loop(host, port, path, payloads[i::max(1, streams)] or payloads, deadline, out)
-                 for i in range(streams)]
-        if probe is not None:
-            tasks.append(_probe_loop(host, port, path, probe, deadline, probes))
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return out, probes
-    queue.put(asyncio.run(main()))
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+# --- the server ----------------------------------------------------------------------------------
 
 
 def metrics(url: str) -> dict:
@@ -241,171 +238,220 @@ def metrics(url: str) -> dict:
         return json.loads(r.read())
 
 
-def served_level(url: str, host: str, port: int, path: str, payloads: list[bytes], probe: bytes, streams: int,
-                 seconds: float, procs: int) -> dict:
-    procs = max(1, min(procs, streams))
-    start = time.perf_counter()
-    warm = min(3.0, seconds / 4)
-    deadline = start + warm + seconds
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    workers = []
-    for p in range(procs):
-        n = streams // procs + (p < streams % procs)
-        workers.append(ctx.Process(target=_client_process, args=(host, port, path, payloads[p::procs], n, deadline,
-                                                                 probe if p == 0 else None, queue)))
-    for w in workers:
-        w.start()
-    # the level's throughput: generated tokens over its steady part, from the engine's counters (the engine
-    # alone is timed the same way: after a warm period, over `seconds`)
-    time.sleep(max(0.0, start + warm - time.perf_counter()))
-    before, t1 = metrics(url), time.perf_counter()
-    time.sleep(max(0.0, deadline - time.perf_counter()))
-    steady, t2 = metrics(url), time.perf_counter()
-    results = [queue.get() for _ in workers]
-    for w in workers:
-        w.join()
-    wall = time.perf_counter() - start
-    after = metrics(url)
-    for _ in range(100):  # drained: every page and slot back
-        if after["active"] == 0 and after["pending"] == 0:
-            break
-        time.sleep(0.1)
-        after = metrics(url)
-    records = [r for out, _ in results for r in out]
-    probes = [p for _, ps in results for p in ps]
-    ok = [r for r in records if r[0] == "ok"]
-    errors = [r for r in records if r[0] == "error"]
-    ttft = [r[2][0] - r[1] for r in ok if r[2]]
-    itl = [b - a for r in ok for a, b in zip(r[2], r[2][1:])]
-    e2e = [r[3] - r[1] for r in ok]
-    steps = steady["verify_steps"] - before["verify_steps"]
-    generated = steady["generated_tokens"] - before["generated_tokens"]
-    return {
-        "tok_s": generated / (t2 - t1), "client_tok_s": sum(r[4] for r in ok) / wall, "requests": len(ok), "errors": len(errors), "error_sample": errors[:2],
-        "ttft": (pct(ttft, 0.5), pct(ttft, 0.99)), "itl": (pct(itl, 0.5), pct(itl, 0.99)),
-        "e2e": (pct(e2e, 0.5), pct(e2e, 0.99)), "probe": (pct(probes, 0.5), pct(probes, 0.99)),
-        "batch": generated / steps if steps else float("nan"),
-        "busy": (steady["replay_gpu_ns"] - before["replay_gpu_ns"]) / 1e9 / (t2 - t1),
-        "pages_ok": after["free_pages"] == after["total_pages"] and after["active"] == 0 and after["pending"] == 0,
-        "launches": {k: steady["graph_launches"].get(k, 0) - before["graph_launches"].get(k, 0)
-                     for k in steady["graph_launches"]},
-    }
-
-
-# --- main ----------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
+def start_server(core_dir: Path, config: Path, log: Path) -> tuple[subprocess.Popen, str, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--core", type=Path, help="a core (cuda default: build the random 8B one)")
-    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "serve-load")
-    parser.add_argument("--streams", help="comma-separated stream counts")
-    parser.add_argument("--seconds", type=float, help="seconds per level")
-    parser.add_argument("--workload", choices=["fixed", "sharegpt"], default="fixed")
-    parser.add_argument("--api", choices=["completions", "chat"], default="completions")
-    parser.add_argument("--prompt-tokens", type=int, default=121)
-    parser.add_argument("--max-tokens", type=int)
-    parser.add_argument("--max-concurrency", type=int, default=256, help="[server] max_concurrency (model slots)")
-    parser.add_argument("--http-workers", type=int, default=0, help="[server] http_workers (0: the default)")
-    parser.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
-    parser.add_argument("--skip-engine", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--word-bias", type=int, help="logit_bias +100 on N word tokens (default: 64 on cuda, "
-                        "whose core has random weights; 0 on cpu)")
-    args = parser.parse_args()
-    gpu = args.device == "cuda"
-    levels = [int(x) for x in (args.streams or ("1,16,64,256,512" if gpu else "1,4,8")).split(",")]
-    seconds = args.seconds or (20.0 if gpu else 30.0)
-    max_tokens = args.max_tokens or (128 if gpu else 64)
-    if gpu and args.core is None:
-        raise SystemExit("--device cuda needs --core: the 8B core benchmarks/gpu_serve_start.py exports "
-                         "(--work W leaves it in W/core-8b)")
-    core_dir = args.core or ROOT / "cores/build/smollm2-135m-instruct"
-    server_toml = {"max_concurrency": args.max_concurrency, "max_waiting": 4096,
-                   "max_num_batched_tokens": 8192 if gpu else 2048, "http_workers": args.http_workers,
-                   "kv_cache_tokens": 65536}
-
-    from helios.core.load import read_manifest
-    from helios.frontend.tokenizer import Tokenizer
-
-    manifest = read_manifest(core_dir)
-    tokenizer = Tokenizer.from_file(core_dir / manifest.tokenizer.file, manifest.tokenizer, manifest.arch.vocab_size)
-    BIAS.update(word_bias(tokenizer, args.word_bias if args.word_bias is not None else (64 if gpu else 0)))
-    pairs = lengths(args.workload, 4096, args.seed, args.prompt_tokens, max_tokens)
-    work = []
-    for i, (p, o) in enumerate(pairs[:1024]):
-        ids = prompt_ids(tokenizer, p, args.seed * 100003 + i)
-        work.append((ids, tokenizer.decode(ids), o))
-    print(f"core {core_dir.name}, {args.workload} workload, {args.api}, levels {levels}, {seconds:.0f} s each, "
-          f"{max_tokens} new tokens (fixed), {args.client_procs} client processes", flush=True)
-
-    engine = {}
-    if not args.skip_engine:  # in a child process, so its GPU memory is free again before the server starts
-        ctx = multiprocessing.get_context("spawn")
-        queue = ctx.Queue()
-        child = ctx.Process(target=_engine_child,
-                            args=(queue, dict(BIAS), core_dir, server_toml, levels, seconds, work, args.api))
-        child.start()
-        engine = queue.get()
-        child.join()
-
-    config = args.work / "server.toml"
-    args.work.mkdir(parents=True, exist_ok=True)
-    config.write_text("[server]\n" + "".join(f"{k} = {v}\n" for k, v in server_toml.items()
-                                               if not (k == "http_workers" and v == 0)))
-    port = free_port()
-    log = args.work / "serve.log"
-    helios = [sys.executable, "-c", "from helios.cli import app; app()"]
-    proc = subprocess.Popen([*helios, "serve", str(core_dir), "--config", str(config), "--port", str(port)],
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "helios.cli", "serve", str(core_dir), "--config", str(config), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"helios serve did not start:\n{log.read_text()[-3000:]}")
-            try:
-                if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.3)
-        print(next((l for l in log.read_text().splitlines() if "ready" in l), "")[:400], flush=True)
-        path = "/v1/chat/completions" if args.api == "chat" else "/v1/completions"
-        payloads = [json.dumps(body(args.api, ids, text, o)).encode() for ids, text, o in work]
-        probe = json.dumps(body(args.api, work[0][0], work[0][1], 1)).encode()
-        rows = []
-        for n in levels:
-            r = served_level(url, "127.0.0.1", port, path, payloads, probe, n, seconds, args.client_procs)
-            ratio = r["tok_s"] / engine[n] if n in engine else float("nan")
-            rows.append((n, r, engine.get(n, float("nan")), ratio))
-            print(f"served {n:4d} streams: {r['tok_s']:9.1f} tok/s ({ratio:.2f} of the engine alone; clients counted "
-                  f"{r['client_tok_s']:.1f} over the whole level), "
-                  f"{r['requests']} requests, {r['errors']} errors {r['error_sample'] or ''}, TTFT p50/p99 "
-                  f"{r['ttft'][0]*1e3:.0f}/{r['ttft'][1]*1e3:.0f} ms, ITL {r['itl'][0]*1e3:.1f}/{r['itl'][1]*1e3:.1f} "
-                  f"ms, E2E {r['e2e'][0]:.2f}/{r['e2e'][1]:.2f} s, probe TTFT {r['probe'][0]*1e3:.0f}/"
-                  f"{r['probe'][1]*1e3:.0f} ms, decode batch {r['batch']:.1f}, GPU busy {r['busy']:.0%}, "
-                  f"launches {r['launches']}, pages {'OK' if r['pages_ok'] else 'LEAK'}", flush=True)
-        print("\n| streams | served tok/s | engine tok/s | served/engine | TTFT p50/p99 ms | ITL p50/p99 ms | "
-              "E2E p50/p99 s | probe TTFT p99 ms | errors | pages |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-        for n, r, e, ratio in rows:
-            print(f"| {n} | {r['tok_s']:.0f} | {e:.0f} | {ratio:.2f} | {r['ttft'][0]*1e3:.0f}/{r['ttft'][1]*1e3:.0f} | "
-                  f"{r['itl'][0]*1e3:.1f}/{r['itl'][1]*1e3:.1f} | {r['e2e'][0]:.2f}/{r['e2e'][1]:.2f} | "
-                  f"{r['probe'][1]*1e3:.0f} | {r['errors']} | {'OK' if r['pages_ok'] else 'LEAK'} |")
-    finally:
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise SystemExit(f"helios serve did not start:\n{log.read_text()[-3000:]}")
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=1).status == 200:
+                return proc, url, port
+        except OSError:
+            time.sleep(0.3)
+
+
+def warm_server(url: str, target: Target) -> None:
+    """Two requests read to their end before the first level (its first requests would pay lazy set-up)."""
+    for i, (body, _) in enumerate(target.payloads[:2]):
+        req = urllib.request.Request(url, data=target.salted(body, (1 << 40) + i),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
+
+
+def cpu_ticks(pid: int) -> dict[int, tuple[int, int]]:
+    """{pid: (CPU ticks, its busiest thread's)} of `pid` and its children but multiprocessing's resource tracker
+    (Linux /proc; {} elsewhere)."""
+    def ticks(stat: str) -> int:
+        fields = stat.rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+    out = {}
+    try:
+        children = [c for t in Path(f"/proc/{pid}/task").glob("*/children") for c in t.read_text().split()]
+        for p in [pid, *map(int, children)]:
+            if b"resource_tracker" in Path(f"/proc/{p}/cmdline").read_bytes():
+                continue
+            threads = [ticks(t.read_text()) for t in Path(f"/proc/{p}/task").glob("*/stat")]
+            out[p] = (ticks(Path(f"/proc/{p}/stat").read_text()), max(threads, default=0))
+    except OSError:
+        pass
+    return out
+
+
+def cpu_split(before: dict, after: dict, root: int, seconds: float) -> str:
+    """The server's CPU over the window, in cores: the engine process (its busiest thread), each HTTP process."""
+    hz = os.sysconf("SC_CLK_TCK") * seconds
+    use = {p: ((after[p][0] - before[p][0]) / hz, (after[p][1] - before[p][1]) / hz) for p in after if p in before}
+    if root not in use:
+        return "n/a"
+    http = [f"{use[p][0]:.2f}" for p in use if p != root]
+    return f"engine process {use[root][0]:.2f} (busiest thread {use[root][1]:.2f}), HTTP {'/'.join(http)}"
+
+
+def served_level(url: str, server_pid: int, pool: LoadPool, streams: int, warm: float, seconds: float,
+                 grace: float) -> dict:
+    """One level: the load, /metrics and the server's CPU at the window's edges, then the drained state."""
+    lo, hi = pool.start(streams, warm, seconds, grace)
+    time.sleep(max(0.0, lo - time.monotonic()))
+    m0, c0, t0 = metrics(url), cpu_ticks(server_pid), time.monotonic()
+    time.sleep(max(0.0, hi - time.monotonic()))
+    m1, c1, t1 = metrics(url), cpu_ticks(server_pid), time.monotonic()
+    r = pool.collect()
+    after = metrics(url)
+    for _ in range(100):  # in-flight requests finished with the clients; the engine releases at its next step
+        if after["active"] == after["pending"] == after["http_admission_in_use"] == 0 \
+                and after["free_pages"] == after["total_pages"]:
+            break
+        time.sleep(0.1)
+        after = metrics(url)
+    d = {k: m1[k] - m0[k] for k in ("generated_tokens", "verify_steps", "verification_rounds", "replay_gpu_ns",
+                                    "reused_tokens")}
+    return {
+        "tok_s": r.window_tokens / seconds, "server_tok_s": d["generated_tokens"] / (t1 - t0),
+        "requests": r.num_requests, "cut": r.num_cut, "errors": len(r.errors), "error_sample": r.errors[:2],
+        "ttft": (pct(r.ttft, 0.5), pct(r.ttft, 0.99)), "itl": (pct(r.itl, 0.5), pct(r.itl, 0.99)),
+        "e2e": (pct(r.e2e, 0.5), pct(r.e2e, 0.99)), "probe": (pct(r.probe_ttft, 0.5), pct(r.probe_ttft, 0.99)),
+        "batch": d["verification_rounds"] / d["verify_steps"] if d["verify_steps"] else float("nan"),
+        "busy": d["replay_gpu_ns"] / 1e9 / (t1 - t0), "reused": d["reused_tokens"],
+        "client_cpu": r.cpu_s / r.wall_s / len(pool.procs) if r.wall_s else float("nan"),
+        "server_cpu": cpu_split(c0, c1, server_pid, t1 - t0),
+        "pages_ok": after["active"] == after["pending"] == after["http_admission_in_use"] == 0
+        and after["free_pages"] == after["total_pages"],
+        "pages": f"free {after['free_pages']}/{after['total_pages']}, active {after['active']}, pending "
+                 f"{after['pending']}, admission in use {after['http_admission_in_use']}",
+    }
+
+
+def level_line(api: str, n: int, r: dict, engine: float) -> str:
+    return (f"served {api} {n:4d} streams: {r['tok_s']:9.1f} tok/s ({r['tok_s'] / engine:.2f} of the engine alone; "
+            f"server-side {r['server_tok_s']:.0f}), {r['requests']} requests ({r['cut']} cut), {r['errors']} errors "
+            f"{r['error_sample'] or ''}, TTFT p50/p99 {r['ttft'][0] * 1e3:.0f}/{r['ttft'][1] * 1e3:.0f} ms, ITL "
+            f"{r['itl'][0] * 1e3:.1f}/{r['itl'][1] * 1e3:.1f} ms, E2E {r['e2e'][0]:.2f}/{r['e2e'][1]:.2f} s, probe "
+            f"TTFT {r['probe'][0] * 1e3:.0f}/{r['probe'][1] * 1e3:.0f} ms, decode batch {r['batch']:.1f}, graph busy "
+            f"{r['busy']:.0%}, prefix-reused tokens {r['reused']}, server CPU in cores: {r['server_cpu']}, client "
+            f"processes' CPU {r['client_cpu']:.0%} each, "
+            f"{'OK' if r['pages_ok'] else 'LEAK'} ({r['pages']})")
+
+
+def table_row(api: str, n: int, r: dict, engine: float) -> str:
+    ms = lambda pair, f=".0f": f"{pair[0] * 1e3:{f}}/{pair[1] * 1e3:{f}}"  # noqa: E731
+    return (f"| {api} | {n} | {r['tok_s']:.0f} | {engine:.0f} | {r['tok_s'] / engine:.2f} | {ms(r['ttft'])} | "
+            f"{ms(r['itl'], '.1f')} | {r['e2e'][0]:.2f}/{r['e2e'][1]:.2f} | {r['probe'][1] * 1e3:.0f} | "
+            f"{r['batch']:.1f} | {r['busy']:.0%} | {r['requests']} | {r['errors']} | "
+            f"{'OK' if r['pages_ok'] else 'LEAK'} |")
+
+
+# --- main ----------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--core", type=Path, help="the core to serve (cuda: default the 8B one in --work)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/serve"), help="8B checkpoint, cores, server log")
+    parser.add_argument("--target", default="cuda-sm90", help="kernel target of the 8B export")
+    parser.add_argument("--streams", help="comma-separated stream counts (cuda 1,16,64,256,512; cpu 1,4,8)")
+    parser.add_argument("--seconds", type=float, help="measured seconds per level (cuda 12, cpu 20)")
+    parser.add_argument("--warm", type=float, default=3.0, help="seconds per level before the window (starts spread)")
+    parser.add_argument("--grace", type=float, default=15.0,
+                        help="seconds after the window before requests still running are cut (aborted)")
+    parser.add_argument("--workload", choices=["fixed", "sharegpt"], default="fixed")
+    parser.add_argument("--api", choices=["completions", "chat", "both"], default="completions")
+    parser.add_argument("--prompt-tokens", type=int, default=121)
+    parser.add_argument("--max-tokens", type=int, help="new tokens per request (cuda 128, cpu 64)")
+    parser.add_argument("--max-concurrency", type=int, default=256, help="[server] max_concurrency (model slots)")
+    parser.add_argument("--max-waiting", type=int, default=4096, help="[server] max_waiting")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="[server] (cuda 8192, cpu 2048)")
+    parser.add_argument("--http-workers", type=int, default=0, help="[server] http_workers (0: the server's default)")
+    parser.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
+    parser.add_argument("--skip-engine", action="store_true", help="no engine-alone figures")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    gpu = args.device == "cuda"
+    levels = [int(x) for x in (args.streams or ("1,16,64,256,512" if gpu else "1,4,8")).split(",")]
+    seconds = args.seconds or (12.0 if gpu else 20.0)
+    max_tokens = args.max_tokens or (128 if gpu else 64)
+    apis = ["completions", "chat"] if args.api == "both" else [args.api]
+    args.work.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+
+    from helios.core.load import read_manifest
+    from helios.frontend.tokenizer import Tokenizer
+
+    core_dir = args.core or (build_8b(args.work, args.target) if gpu else ROOT / "cores/build/smollm2-135m-instruct")
+    manifest = read_manifest(core_dir)
+    tokenizer = Tokenizer.from_file(core_dir / manifest.tokenizer.file, manifest.tokenizer, manifest.arch.vocab_size)
+    core_dir = text_core(core_dir, args.work / f"{core_dir.name}-text", tokenizer, manifest)
+    server_toml = {"max_concurrency": args.max_concurrency, "max_waiting": args.max_waiting,
+                   "max_num_batched_tokens": args.max_num_batched_tokens or (8192 if gpu else 2048),
+                   "device": args.device, **({"http_workers": args.http_workers} if args.http_workers else {})}
+    work = []
+    for i, (p, o) in enumerate(lengths(args.workload, 1024, args.seed, args.prompt_tokens, max_tokens)):
+        ids = prompt_ids(tokenizer, p, args.seed * 100003 + i)
+        work.append((ids, tokenizer.decode(ids[3:]), o))
+    salt_ids = word_ids(tokenizer)
+    print(f"core {core_dir}, {args.workload} workload, {'+'.join(apis)}, levels {levels}, {args.warm:.0f}+"
+          f"{seconds:.0f} s each, {max_tokens} new tokens{' (fixed)' if args.workload == 'fixed' else ' x8 max'}, "
+          f"{args.client_procs} client processes, [server] {server_toml}", flush=True)
+
+    engine: dict[int, float] = {}
+    if not args.skip_engine:  # a spawned child: its GPU memory is free again before the server starts
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_engine_child,
+                            args=(queue, core_dir, server_toml, levels, args.warm, seconds, work, salt_ids))
+        child.start()
+        engine = get_from(queue, [child])
+        child.join()
+        print(f"[engine alone done at {time.perf_counter() - t_start:.0f} s]", flush=True)
+
+    config = args.work / "server.toml"
+    config.write_text("[server]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in server_toml.items()))
+    log = args.work / "serve.log"
+    proc, url, port = start_server(core_dir, config, log)
+    rows = []
+    try:
+        print(next((ln for ln in log.read_text().splitlines() if " ready: " in ln), "")[:600], flush=True)
+        for api in apis:
+            path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+            salts, sep = ([w.encode() for w in WORDS], b" ") if api == "chat" else \
+                ([str(i).encode() for i in salt_ids], b",")
+            target = Target("127.0.0.1", port, path, [(payload(api, ids, text, o), o) for ids, text, o in work],
+                            payload(api, *work[0][:2], 1), salts, sep, lead=1 if api == "chat" else 0)
+            warm_server(url + path, target)
+            pool = LoadPool(target, args.client_procs)
+            try:
+                for n in levels:
+                    r = served_level(url, proc.pid, pool, n, args.warm, seconds, args.grace)
+                    e = engine.get(n, float("nan"))
+                    rows.append((api, n, r, e))
+                    print(level_line(api, n, r, e), flush=True)
+            finally:
+                pool.close()
+    finally:
+        stop_server(proc)
+    print(f"\n[total {time.perf_counter() - t_start:.0f} s]\n| api | streams | served tok/s | engine tok/s | "
+          "served/engine | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 s | probe TTFT p99 ms | decode batch | "
+          "graph busy | requests | errors | pages |\n" + "| --- " * 14 + "|")
+    for api, n, r, e in rows:
+        print(table_row(api, n, r, e))
 
 
 if __name__ == "__main__":
