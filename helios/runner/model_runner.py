@@ -56,6 +56,7 @@ from helios.switches import DEFAULT_SWITCHES, Switches
 
 DEFAULT_DECODE_BUCKETS = [1, 2, 4, 8] + list(range(16, 257, 16))  # when no graph plan is given
 GRAPH_RESERVE_BYTES = 1 << 30  # graph pool, cuBLAS workspaces, allocator slack
+SPLIT_MIN_DECODE_ROWS = 8  # a mixed step with fewer decode rows runs as one eager forward (see _split_mixed)
 
 
 @dataclass
@@ -401,20 +402,26 @@ class ModelRunner:
             raise KeyError(f"scheduled request {unknown[0]} was never sent as a new request")
         self._step_thread = threading.get_ident()
 
-        layout = layout_batch(plan.scheduled, self.requests, self.page_size)
-        bucket = self.graphs.bucket_for(plan.scheduled, layout) if self.graphs is not None else None
+        scheduled = plan.scheduled
+        layout = layout_batch(scheduled, self.requests, self.page_size)
+        bucket = self.graphs.bucket_for(scheduled, layout) if self.graphs is not None else None
+        split = self._split_mixed(scheduled) if bucket is None and self.graphs is not None else None
         overlap = self._decode_overlap()
         speculate = None
-        if overlap is not None and overlap.take(plan, bucket):
+        if split is not None:
+            if overlap is not None:
+                overlap.take(plan, None)  # a mixed step ends a pending speculation
+            scheduled, layout, logits = self._run_split(*split)
+        elif overlap is not None and overlap.take(plan, bucket):
             logits = self.graphs.logits_rows(layout, len(plan.scheduled))  # the speculative step's rows
         elif bucket is not None:
             logits = self.graphs.run(plan.scheduled, layout, bucket)  # [N, V] float32, the graph's output rows
             self.launches["graph" if self.graphs.is_captured(bucket) else "eager"] += 1  # eager: a pending bucket
         elif self.decode_threads is not None and layout.is_decode_only:
             with self.decode_threads.run(len(layout.seq_lens)):
-                logits = self._forward(plan.scheduled, layout)
+                logits = self._forward(scheduled, layout)
         else:
-            logits = self._forward(plan.scheduled, layout)
+            logits = self._forward(scheduled, layout)
         if (
             bucket is not None
             and overlap is not None
@@ -423,10 +430,36 @@ class ModelRunner:
             def speculate(token_ids: torch.Tensor) -> list[int]:
                 self.launches["speculative"] += 1
                 return overlap.launch(plan.scheduled, bucket, token_ids)
-        results = self._postprocess(plan.scheduled, layout.rows, logits, speculate)
+        results = self._postprocess(scheduled, layout.rows, logits, speculate)
         if self.graphs is not None:
             self.replay_gpu_ns = self.graphs.timer.poll()  # this step's replays have completed (its tokens are read)
         return ModelRunnerOutput(results=results)
+
+    def _split_mixed(self, scheduled: list[ScheduledRequest]):
+        """A mixed step's decode rows when a captured graph holds them: (decode rows, their layout, bucket, the
+        other rows); None to run the step eagerly as one forward.
+
+        NOTE: with requests arriving all the time nearly every step at high batch carries some prefill, and one
+        eager forward over hundreds of decode rows cost more than the graph replay of those rows plus an eager
+        forward of the prefill chunks alone (a second pass over the weights)."""
+        decode = [s for s in scheduled if len(s.token_ids) == 1 and s.sample and not s.want_prompt_logprobs]
+        if len(decode) < SPLIT_MIN_DECODE_ROWS or len(decode) == len(scheduled):
+            return None
+        decode_layout = layout_batch(decode, self.requests, self.page_size)
+        bucket = self.graphs.bucket_for(decode, decode_layout)
+        if bucket is None or not self.graphs.is_captured(bucket):
+            return None
+        chosen = {id(s) for s in decode}
+        return decode, decode_layout, bucket, [s for s in scheduled if id(s) not in chosen]
+
+    def _run_split(self, decode, decode_layout, bucket, rest):
+        """The eager forward of the prefill rows, then the decode rows' graph; (rows in logits order, their
+        layout, logits [N, V] float32: the decode rows' first)."""
+        rest_logits = self._forward(rest, layout_batch(rest, self.requests, self.page_size))
+        decode_logits = self.graphs.run(decode, decode_layout, bucket)  # a view of the graph's static rows
+        self.launches["graph"] += 1
+        scheduled = decode + rest
+        return scheduled, layout_batch(scheduled, self.requests, self.page_size), torch.cat([decode_logits, rest_logits])
 
     def _copy_host_pages(self, plan: SchedulerOutput) -> None:
         """The host tier's copies, before any forward of the plan: out first (the forward and the copy-ins write

@@ -235,6 +235,43 @@ def test_padded_graph_function_matches_eager_on_cpu(core):
     assert graphed.graphs.num_replays == 5
 
 
+@needs_interpreter
+def test_mixed_steps_replay_their_decode_rows_beside_an_eager_prefill(core, monkeypatch):
+    """Requests arriving while others decode: each mixed step replays the decode rows' bucket and runs only the
+    prefill chunks eagerly (runner._split_mixed); every request's greedy tokens are the all-eager runner's."""
+    from helios.engine.config import SchedulerConfig
+    from helios.engine.engine_core import EngineCore
+    from helios.runner import model_runner
+
+    monkeypatch.setattr(model_runner, "SPLIT_MIN_DECODE_ROWS", 2)
+    config = SchedulerConfig(max_concurrency=8, max_num_batched_tokens=64, prefill_chunk_size=16,
+                             page_size=PAGE_SIZE, num_pages=64, max_model_len=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [prompt(5 + 3 * i, seed=i) for i in range(5)]
+
+    def run(runner):
+        engine = EngineCore(config, runner)
+        tokens: dict[str, list[int]] = {}
+        for step in range(40):
+            if step < len(prompts):  # one arrival per step: from the third step on, every step is mixed
+                engine.add_request(EngineRequest(req_id=f"r{step}", prompt_token_ids=prompts[step], sampling=greedy))
+            for out in engine.step():
+                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if step >= len(prompts) and not engine.has_unfinished_requests():
+                break
+        return tokens
+
+    expected = run(ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE))
+    split = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE,
+                        attention_backend="triton")
+    split.graphs = graph_runner(split)
+    splits = []
+    run_split = split._run_split
+    monkeypatch.setattr(split, "_run_split", lambda *a: splits.append(len(a[0])) or run_split(*a))
+    assert run(split) == expected
+    assert len(splits) >= 3 and max(splits) >= 2  # mixed steps replayed their decode rows
+
+
 def test_lazy_start_buckets_are_the_smallest_and_the_largest():
     from helios.runner.cuda_graphs import lazy_start_buckets
 
