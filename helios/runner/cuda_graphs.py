@@ -370,10 +370,10 @@ class GraphRunner:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def capture_next(self) -> float:
-        """Capture the smallest pending bucket; returns the seconds it took. A capture that runs out of device memory
+    def capture_next(self, bucket: int | None = None) -> float:
+        """Capture a pending bucket (None: the smallest); returns the seconds it took. A capture that runs out of device memory
         leaves its bucket uncaptured for good (its steps keep running eagerly), with a warning."""
-        bucket = self.pending[0]
+        bucket = self.pending[0] if bucket is None else bucket
         t0 = time.perf_counter()
         try:
             return self.capture([bucket])

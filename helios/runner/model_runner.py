@@ -8,7 +8,7 @@ On CUDA, decode-only steps that fit a bucket replay a CUDA graph (runner/cuda_gr
 decode step is enqueued before this one's ids are read back (runner/decode_overlap.py); construction
 loads precompiled kernels, moves the weights, sizes the KV pool from free memory and captures (with
 lazy_capture, only the smallest and largest buckets: `capture_pending` takes the rest one at a time, between
-steps), and records how long each took in `startup`.
+steps, and a step whose bucket is pending captures it first), and records how long each took in `startup`.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ class ModelRunner:
         step (runner/norm_folding.py); None: its GPU rule, True: wherever the family allows (tests run the
         norm-free layers in the Triton interpreter), False: never. manifest: the core's, for the kernel load (read
         from core_path when None). lazy_capture: capture only the smallest and largest decode buckets here and
-        leave the rest to `capture_pending` (their steps run eagerly until then, with the same logits)."""
+        leave the rest to `capture_pending` between steps; a step whose bucket is still pending captures it first."""
         self.switches = switches = switches if switches is not None else DEFAULT_SWITCHES
         self.arch = arch
         self.device = torch.device(device)
@@ -329,10 +329,11 @@ class ModelRunner:
         """Whether decode buckets are left for capture_pending."""
         return self.graphs is not None and bool(self.graphs.pending)
 
-    def capture_pending(self) -> bool:
-        """Capture the smallest pending decode bucket (its graph and short-sequence variant); returns whether any
-        remain. Tens of milliseconds a bucket on an 8B model: call it between steps, on the thread that runs
-        `execute` (a capture uses the steps' stream and static buffers; a pending speculative step is dropped)."""
+    def capture_pending(self, bucket: int | None = None) -> bool:
+        """Capture a pending decode bucket (None: the smallest; its graph and short-sequence variant); returns
+        whether any remain. Tens of milliseconds a bucket on an 8B model: call it between steps, on the thread that
+        runs `execute` (a capture uses the steps' stream and static buffers; a pending speculative step is dropped).
+        execute itself captures a pending bucket its step needs, before running it."""
         if not self.has_pending_captures:
             return False
         if self._step_thread is not None and self._step_thread != threading.get_ident():
@@ -341,7 +342,7 @@ class ModelRunner:
 
         num_graphs = self.graphs.num_graphs
         with JitCounter() as jit:
-            self.background_capture_s += self.graphs.capture_next()
+            self.background_capture_s += self.graphs.capture_next(bucket)
         self.num_background_graphs += self.graphs.num_graphs - num_graphs
         self.background_kernels_jit += len(jit.names)
         return self.has_pending_captures
@@ -405,6 +406,8 @@ class ModelRunner:
         scheduled = plan.scheduled
         layout = layout_batch(scheduled, self.requests, self.page_size)
         bucket = self.graphs.bucket_for(scheduled, layout) if self.graphs is not None else None
+        if bucket is not None and bucket in self.graphs.pending:
+            self.capture_pending(bucket)  # its first step: capture now (one stall) rather than run eagerly until later
         split = self._split_mixed(scheduled) if bucket is None and self.graphs is not None else None
         overlap = self._decode_overlap()
         speculate = None
@@ -447,6 +450,8 @@ class ModelRunner:
             return None
         decode_layout = layout_batch(decode, self.requests, self.page_size)
         bucket = self.graphs.bucket_for(decode, decode_layout)
+        if bucket is not None and bucket in self.graphs.pending:
+            self.capture_pending(bucket)
         if bucket is None or not self.graphs.is_captured(bucket):
             return None
         chosen = {id(s) for s in decode}
