@@ -10,10 +10,12 @@ the first three ids of each request are unique (no prefix-cache hit from the ben
 2. `helios serve CORE --config X` (subprocess on 127.0.0.1): the same closed loop over streaming /v1/completions
    and/or /v1/chat/completions (--api), from --client-procs processes (benchmarks/loadgen.py: a raw HTTP/1.1
    client parsing SSE in data_received). Statistics cover the --seconds window after --warm: output tok/s (token
-   events in the window, each worth usage tokens / token events), TTFT/ITL/end-to-end p50 and p99, a max_tokens=1
-   probe every 0.5 s beside the load, errors (non-200, broken streams, error events, no [DONE]); from /metrics
-   deltas over the window the average decode batch (decode rounds / decode steps) and the graph-busy fraction
-   (replay_gpu_ns / window); after the level drains, every KV page, model slot and HTTP admission slot back.
+   events in the window, each worth usage tokens / token events), TTFT/ITL/end-to-end p50 and p99, the TTFT of a
+   max_tokens=1 probe every --probe-every s beside the load (the engine alone gets the same probes), errors
+   (non-200, broken streams, error events, no [DONE], not exactly max_tokens); from /metrics deltas over the
+   window the average decode batch (decode rounds / decode steps) and the graph-busy fraction (replay_gpu_ns /
+   window); the server's CPU by process; after the level drains, every KV page, model slot and HTTP admission
+   slot back. Requests still running --grace s after the window are cut (the connection closed: an abort).
 --device cuda: the random-weight 8B llama core of benchmarks/gpu_serve_start.py (built in --work if absent), and a
 copy whose lm_head rows of tokens without printable text are zero (same shapes and work; its 300-token tokenizer
 covers 0.2% of the 128k vocabulary, and a token without text sends no SSE event to time).
@@ -177,8 +179,9 @@ def text_core(core: Path, out: Path, tokenizer, manifest) -> Path:
 
 
 def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: float, seconds: float,
-                 work: list, salt_ids: list[int]) -> dict[int, float]:
-    """Closed-loop output tok/s of the engine at each stream count (on this thread, as the engine process runs)."""
+                 probe_every: float, work: list, salt_ids: list[int]) -> dict[int, float]:
+    """Closed-loop output tok/s of the engine at each stream count (on this thread, as the engine process runs),
+    with the served run's probes (their tokens not counted)."""
     import msgspec
 
     from helios.compose import build_runtime
@@ -187,21 +190,25 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
 
     runtime = build_runtime(core_dir, ServerConfig(**server_toml), own_thread=False)
     core = runtime.engine.core
+    while core.has_background_work:  # the decode graphs a lazy start left (helios serve captures them when idle)
+        core.background_step()
     requests = [openai_completions.prepare(msgspec.json.encode(body("completions", ids, "", o, stream=False)),
                                            runtime.model).children[0].request for ids, _, o in work]
     serial, n_salt, results = 0, len(salt_ids), {}
 
-    def add(stream: int) -> None:
+    def add(stream: int, probe: bool = False) -> None:
         nonlocal serial
-        req = requests[(stream + serial * 7919) % len(requests)]
+        req = requests[0 if probe else (stream + serial * 7919) % len(requests)]
         salt = [salt_ids[(serial // n_salt**i) % n_salt] for i in range(3)]
-        core.add_request(msgspec.structs.replace(req, req_id=f"e{serial}",
+        sampling = msgspec.structs.replace(req.sampling, max_tokens=1) if probe else req.sampling
+        core.add_request(msgspec.structs.replace(req, req_id=f"{'p' if probe else 'e'}{serial}", sampling=sampling,
                                                  prompt_token_ids=salt + req.prompt_token_ids[3:]))
         serial += 1
 
     for n in levels:
         t0 = time.monotonic()
         starts = [t0 + g / n * warm for g in range(n)]  # spread like the served streams' starts
+        probes = [t0 + warm + k * probe_every for k in range(int(seconds / probe_every))] if probe_every else []
         owner: dict[str, int] = {}
         tokens = 0
         while (now := time.monotonic()) < t0 + warm + seconds:
@@ -209,7 +216,12 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
                 owner[f"e{serial}"] = n - len(starts)
                 add(n - len(starts))
                 starts.pop(0)
+            while probes and probes[0] <= now:
+                add(0, probe=True)
+                probes.pop(0)
             for out in core.step():
+                if out.req_id[0] == "p":
+                    continue
                 if now >= t0 + warm:
                     tokens += len(out.new_token_ids)
                 if out.finished:
@@ -306,9 +318,9 @@ def cpu_split(before: dict, after: dict, root: int, seconds: float) -> str:
 
 
 def served_level(url: str, server_pid: int, pool: LoadPool, streams: int, warm: float, seconds: float,
-                 grace: float) -> dict:
+                 grace: float, probe_every: float) -> dict:
     """One level: the load, /metrics and the server's CPU at the window's edges, then the drained state."""
-    lo, hi = pool.start(streams, warm, seconds, grace)
+    lo, hi = pool.start(streams, warm, seconds, grace, probe_every)
     time.sleep(max(0.0, lo - time.monotonic()))
     m0, c0, t0 = metrics(url), cpu_ticks(server_pid), time.monotonic()
     time.sleep(max(0.0, hi - time.monotonic()))
@@ -332,6 +344,7 @@ def served_level(url: str, server_pid: int, pool: LoadPool, streams: int, warm: 
         "busy": d["replay_gpu_ns"] / 1e9 / (t1 - t0), "reused": d["reused_tokens"],
         "client_cpu": r.cpu_s / r.wall_s / len(pool.procs) if r.wall_s else float("nan"),
         "server_cpu": cpu_split(c0, c1, server_pid, t1 - t0),
+        "launches": {k: v - m0["graph_launches"].get(k, 0) for k, v in m1["graph_launches"].items()},
         "pages_ok": after["active"] == after["pending"] == after["http_admission_in_use"] == 0
         and after["free_pages"] == after["total_pages"],
         "pages": f"free {after['free_pages']}/{after['total_pages']}, active {after['active']}, pending "
@@ -345,8 +358,8 @@ def level_line(api: str, n: int, r: dict, engine: float) -> str:
             f"{r['error_sample'] or ''}, TTFT p50/p99 {r['ttft'][0] * 1e3:.0f}/{r['ttft'][1] * 1e3:.0f} ms, ITL "
             f"{r['itl'][0] * 1e3:.1f}/{r['itl'][1] * 1e3:.1f} ms, E2E {r['e2e'][0]:.2f}/{r['e2e'][1]:.2f} s, probe "
             f"TTFT {r['probe'][0] * 1e3:.0f}/{r['probe'][1] * 1e3:.0f} ms, decode batch {r['batch']:.1f}, graph busy "
-            f"{r['busy']:.0%}, prefix-reused tokens {r['reused']}, server CPU in cores: {r['server_cpu']}, client "
-            f"processes' CPU {r['client_cpu']:.0%} each, "
+            f"{r['busy']:.0%}, forward passes {r['launches']}, prefix-reused tokens {r['reused']}, server CPU in "
+            f"cores: {r['server_cpu']}, client processes' CPU {r['client_cpu']:.0%} each, "
             f"{'OK' if r['pages_ok'] else 'LEAK'} ({r['pages']})")
 
 
@@ -372,6 +385,8 @@ def main() -> None:
     parser.add_argument("--warm", type=float, default=3.0, help="seconds per level before the window (starts spread)")
     parser.add_argument("--grace", type=float, default=15.0,
                         help="seconds after the window before requests still running are cut (aborted)")
+    parser.add_argument("--probe-every", type=float, help="seconds between max_tokens=1 probes, served and alone "
+                        "(cuda 0.5; cpu 2: a 121-token prefill is ~0.3 s of a 2-core CPU's time; 0: none)")
     parser.add_argument("--workload", choices=["fixed", "sharegpt"], default="fixed")
     parser.add_argument("--api", choices=["completions", "chat", "both"], default="completions")
     parser.add_argument("--prompt-tokens", type=int, default=121)
@@ -388,6 +403,7 @@ def main() -> None:
     levels = [int(x) for x in (args.streams or ("1,16,64,256,512" if gpu else "1,4,8")).split(",")]
     seconds = args.seconds or (12.0 if gpu else 20.0)
     max_tokens = args.max_tokens or (128 if gpu else 64)
+    probe_every = args.probe_every if args.probe_every is not None else (0.5 if gpu else 2.0)
     apis = ["completions", "chat"] if args.api == "both" else [args.api]
     args.work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -416,7 +432,8 @@ def main() -> None:
         ctx = multiprocessing.get_context("spawn")
         queue = ctx.Queue()
         child = ctx.Process(target=_engine_child,
-                            args=(queue, core_dir, server_toml, levels, args.warm, seconds, work, salt_ids))
+                            args=(queue, core_dir, server_toml, levels, args.warm, seconds, probe_every, work,
+                                  salt_ids))
         child.start()
         engine = get_from(queue, [child])
         child.join()
@@ -428,7 +445,11 @@ def main() -> None:
     proc, url, port = start_server(core_dir, config, log)
     rows = []
     try:
-        print(next((ln for ln in log.read_text().splitlines() if " ready: " in ln), "")[:600], flush=True)
+        ready = next((ln for ln in log.read_text().splitlines() if " ready: " in ln), "")
+        print(ready[:600], flush=True)
+        # the decode graphs a lazy start left are captured while the server idles (each unit stalls a loaded one)
+        if pending := re.search(r"(\d+) buckets later", ready):
+            time.sleep(min(30.0, 0.3 * int(pending[1])))
         for api in apis:
             path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
             salts, sep = ([w.encode() for w in WORDS], b" ") if api == "chat" else \
@@ -439,7 +460,7 @@ def main() -> None:
             pool = LoadPool(target, args.client_procs)
             try:
                 for n in levels:
-                    r = served_level(url, proc.pid, pool, n, args.warm, seconds, args.grace)
+                    r = served_level(url, proc.pid, pool, n, args.warm, seconds, args.grace, probe_every)
                     e = engine.get(n, float("nan"))
                     rows.append((api, n, r, e))
                     print(level_line(api, n, r, e), flush=True)

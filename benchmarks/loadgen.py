@@ -1,10 +1,10 @@
 """Closed-loop streaming load on an OpenAI-style server, from several client processes (for gpu_serve_load.py).
 
-Each stream owns one HTTP/1.1 keep-alive connection (asyncio.open_connection) and loops: POST, read the chunked
-SSE reply to its end, POST the next at once. Per HTTP chunk the work is a size line, a count of event ends and one
-clock read; JSON is parsed only for the usage event at the end. Clocks are time.monotonic (one system-wide clock on
-Linux, so the parent can give every process the same start and window). Standard library only: the client
-processes are spawned and import nothing else.
+Each stream owns one HTTP/1.1 keep-alive connection and loops: POST, read the chunked SSE reply to its end, POST
+the next at once. The reply is parsed in the protocol's data_received (no task wake-up per event): per HTTP chunk a
+size line, a count of event ends and one clock read; JSON is parsed only for the usage event at the end. Clocks are
+time.monotonic (one system-wide clock on Linux, so the parent can give every process the same start and window).
+Standard library only: the client processes are spawned and import nothing else.
 Self-check: `python benchmarks/loadgen.py [--procs 1] [--streams 64]` serves a fake SSE endpoint in this process
 and prints the events/s the client sustains (the client must not be what a served benchmark measures).
 """
@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 from queue import Empty
 
-PROBE_INTERVAL_S = 0.5
 SALT = b"@@SALT@@"  # replaced per request by three salt items (unique prefixes: no prefix-cache hits)
 
 
@@ -33,7 +32,7 @@ class Job:
     stagger: float
     window: tuple[float, float]  # statistics over requests sent, and token events, inside it
     cut: float  # a request still running then is cut (its connection closed: the server aborts it)
-    probe: bool  # this process also sends the max_tokens=1 probe
+    probe_every: float  # seconds between max_tokens=1 probes in the window (0: this process sends none)
 
 
 @dataclass
@@ -223,19 +222,19 @@ async def _stream(target: Target, job: Job, g: int, keys, out: Result) -> None:
 
 
 async def _probe(target: Target, job: Job, keys, out: Result) -> None:
-    """A max_tokens=1 request every PROBE_INTERVAL_S inside the window: the TTFT a newcomer sees under load."""
+    """A max_tokens=1 request every job.probe_every seconds of the window: the TTFT a newcomer sees under load."""
     lo, hi = job.window
-    await asyncio.sleep(max(0.0, lo - time.monotonic()))
     conn = await connect(target.host, target.port)
     try:
-        while (t0 := time.monotonic()) < hi:
+        for k in range(int((hi - lo) / job.probe_every)):
+            await asyncio.sleep(max(0.0, lo + k * job.probe_every - time.monotonic()))
+            t0 = time.monotonic()
             times: list[float] = []
             status, tail = await conn.request(target.head(target.salted(target.probe, next(keys))), times)
             if status == 200 and times and tail.endswith(b"data: [DONE]\n\n"):
                 out.probe_ttft.append(times[0] - t0)
             else:
                 out.errors.append(f"probe status {status}: {tail[-200:]!r}")
-            await asyncio.sleep(max(0.0, PROBE_INTERVAL_S - (time.monotonic() - t0)))
     finally:
         conn.transport.close()
 
@@ -246,7 +245,7 @@ def _worker(rank: int, num_procs: int, target: Target, jobs, results) -> None:
     async def level(job: Job) -> Result:
         out = Result()
         tasks = [_stream(target, job, g, keys, out) for g in job.streams]
-        if job.probe:
+        if job.probe_every:
             tasks.append(_probe(target, job, keys, out))
         for r in await asyncio.gather(*tasks, return_exceptions=True):
             if isinstance(r, BaseException):
@@ -272,15 +271,16 @@ class LoadPool:
         for p in self.procs:
             p.start()
 
-    def start(self, num_streams: int, warm: float, seconds: float, grace: float) -> tuple[float, float]:
-        """Start a level: the streams' starts spread over `warm`, then the measured window (returned); requests
-        still running `grace` seconds after it are cut."""
+    def start(self, num_streams: int, warm: float, seconds: float, grace: float,
+              probe_every: float) -> tuple[float, float]:
+        """Start a level: the streams' starts spread over `warm`, then the measured window (returned) with a probe
+        every `probe_every` seconds; requests still running `grace` seconds after it are cut."""
         start = time.monotonic() + 1.0  # every process has read its job by then
         window = (start + warm, start + warm + seconds)
         n = len(self.procs)
         for r, q in enumerate(self.jobs):
             q.put(Job(list(range(r, num_streams, n)), num_streams, start, warm, window, window[1] + grace,
-                      probe=r == 0))
+                      probe_every=probe_every if r == 0 else 0.0))
         return window
 
     def collect(self) -> Result:
@@ -382,7 +382,7 @@ def main() -> None:
     pool = LoadPool(Target("127.0.0.1", port, "/v1/completions", [(b'{"prompt":[@@SALT@@]}', args.events)], b"{}",
                            [b"1"], b",", 0), args.procs)
     try:
-        pool.start(args.streams, 0.5, args.seconds, 10.0)
+        pool.start(args.streams, 0.5, args.seconds, 10.0, 0.0)
         r = pool.collect()
     finally:
         pool.close()
