@@ -115,8 +115,8 @@ def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DE
     # the runner's own split (weights to the device, kernel load, KV allocation, graph capture)
     st = runner.startup
     runtime.timings.update(open=t1 - t0, weights=st.load_s, kernels=st.kernels_s, kernels_wait=st.kernels_wait_s,
-                           kv=st.kv_alloc_s, capture=st.capture_s, graphs=st.num_graphs, pending=st.num_pending, kernels_jit=st.kernels_jit,
-                           verify=t3 - t2)
+                           kv=st.kv_alloc_s, capture=st.capture_s, graphs=st.num_graphs, pending=st.num_pending,
+                           kernels_jit=st.kernels_jit, verify=t3 - t2)
     return runtime
 
 

@@ -80,6 +80,22 @@ class _LoopChannel:
             return False
 
 
+async def read_stream(queue: asyncio.Queue[EngineOutput], abandon: Callable[[], None]) -> AsyncIterator[EngineOutput]:
+    """A submission's outputs from its queue through the terminal one; abandon() runs when the consumer leaves
+    before it (aclose, or the generator collected)."""
+    is_done = False
+    try:
+        while True:
+            output = await queue.get()
+            is_done = output.finished
+            yield output
+            if is_done:
+                return
+    finally:
+        if not is_done:
+            abandon()
+
+
 def _run_calls(calls: list[tuple[Callable, object]]) -> None:
     for fn, arg in calls:
         fn(arg)
@@ -210,6 +226,7 @@ class AsyncEngine:
         for req_id, sink in list(self._live.items()):
             if sink.channel is channel:
                 del self._live[req_id]
+                self._forget(req_id, sink)
                 self.core.abort(req_id)
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -260,20 +277,13 @@ class AsyncEngine:
             if self._streams.get(req_id) is stream:
                 del self._streams[req_id]
 
-    async def _consume(self, req_id: str, stream: _Stream) -> AsyncIterator[EngineOutput]:
-        is_done = False
-        try:
-            while True:
-                output = await stream.queue.get()
-                is_done = output.finished
-                yield output
-                if is_done:
-                    return
-        finally:
-            if not is_done:
-                # the id is free for a new submission at once; the inbox's order aborts this one first
-                self._forget(req_id, stream)
-                self.post_abort(req_id, stream, deliver=False)
+    def _consume(self, req_id: str, stream: _Stream) -> AsyncIterator[EngineOutput]:
+        def abandon() -> None:
+            # the id is free for a new submission at once; the inbox's order aborts this one first
+            self._forget(req_id, stream)
+            self.post_abort(req_id, stream, deliver=False)
+
+        return read_stream(stream.queue, abandon)
 
     # --- the engine thread ----------------------------------------------------------------------
 
@@ -396,8 +406,4 @@ class AsyncEngine:
             channels[id(sink.channel)] = sink.channel
         for channel in channels.values():
             if not channel.flush():  # the consumer is gone (its event loop closed): nobody is listening
-                for req_id, sink in list(self._live.items()):
-                    if sink.channel is channel:
-                        del self._live[req_id]
-                        self._forget(req_id, sink)
-                        self.core.abort(req_id)
+                self.drop_channel(channel)

@@ -24,7 +24,7 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
-from helios.engine.async_engine import AsyncEngine, EngineUnavailable
+from helios.engine.async_engine import AsyncEngine, EngineUnavailable, read_stream
 from helios.engine.engine_core import EngineMetrics
 from helios.engine.messages import EngineOutput, EngineRequest, FrontendStats
 from helios.engine.scheduler import QueueFull
@@ -503,20 +503,14 @@ class EngineClient:
             raise EngineUnavailable(self._lost or "not connected to the engine")
         self._writer.write(_frame(self._encoder, message))
 
-    async def _consume(self, req_id: str, stream: _Stream) -> AsyncIterator[EngineOutput]:
-        is_done = False
-        try:
-            while True:
-                output = await stream.queue.get()
-                is_done = output.finished
-                yield output
-                if is_done:
-                    return
-        finally:
-            if not is_done and self._streams.get(req_id) is stream:
+    def _consume(self, req_id: str, stream: _Stream) -> AsyncIterator[EngineOutput]:
+        def abandon() -> None:
+            if self._streams.get(req_id) is stream:
                 del self._streams[req_id]
                 if self._lost is None:
                     self._send(Abort(req_id=req_id, deliver=False))
+
+        return read_stream(stream.queue, abandon)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         decoder = msgspec.msgpack.Decoder(ToFrontend)
