@@ -114,12 +114,16 @@ def test_abort_and_a_closed_stream_free_the_pages(served):
 
     async def main():
         client = await connected(path)
+        gated.delay = 0.002  # 1500 tokens take seconds, not the few milliseconds of the bare fake
         stream = await client.submit(request("a", max_tokens=1500))
         seen = []
         async for out in stream:
             seen.append(out)
-            if len(seen) == 3:
+            if len(seen) == 3:  # hold the engine in a step while the abort crosses the socket
+                gated.gate.clear()
                 client.abort("a")
+                await asyncio.sleep(0.05)
+                gated.gate.set()
         assert seen[-1].finish_reason == "abort"
         other = await client.submit(request("b", max_tokens=1500))
         async for out in other:
