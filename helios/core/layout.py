@@ -20,8 +20,21 @@ Names (L = layer index), shapes with H=hidden, D=head_dim, Nq/Nkv heads, F=inter
   layers.L.moe.router.weight        [E, H]             MoE layers instead of mlp.*
   layers.L.moe.gate_up.weight       [E, 2*Fm, H]
   layers.L.moe.down.weight          [E, H, Fm]
+  layers.L.moe.shared.gate_up.weight [2*Fs, H]         a shared expert beside the routed ones (qwen3_5_moe)
+  layers.L.moe.shared.down.weight   [H, Fs]
+  layers.L.moe.shared_gate.weight   [1, H]             its sigmoid gate
   norm.weight                       [H]
   lm_head.weight                    [vocab, H]         absent with tie_word_embeddings
+
+Hybrid models (arch.recurrent; R = arch.recurrent, K = conv_kernel, C = R.conv_dim, Hv = R.num_heads):
+  layers.L.attn.qkv.weight          [(2*Nq + 2*Nkv)*D, H] with arch.attn_output_gate: rows q, k, v, then the gate
+  layers.L.linear.in_proj.weight    [C + Hv*dv + 2*Hv, H]  gated_delta rows: q, k, v (the conv's channels, in
+                                                        that order, head-major), z (the output gate), b, a
+  layers.L.linear.conv.weight       [C, K]             depthwise causal conv, taps oldest first
+  layers.L.linear.dt_bias           [Hv]
+  layers.L.linear.A_log             [Hv]
+  layers.L.linear.norm.weight       [dv]               the gated RMSNorm over each head's output (not shifted)
+  layers.L.linear.out.weight        [H, Hv*dv]
 
 Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+w already added).
 """

@@ -16,10 +16,12 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "core.toml"
 MAX_TOP_LOGPROBS_LIMIT = 20
 
-Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3"]
+Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 DType = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu_tanh"]
-LayerType = Literal["full", "sliding"]
+# linear: a recurrent layer (arch.recurrent says which kind) that keeps per-request state instead of KV pages
+LayerType = Literal["full", "sliding", "linear"]
+RecurrentKind = Literal["gated_delta", "mamba2", "kimi_delta"]
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -55,6 +57,30 @@ class MoeConfig(_S):
     norm_topk_prob: bool = True
     # layer indices that keep a dense MLP instead of experts
     dense_layers: list[int] = []
+    # a shared expert every token takes beside its routed ones, scaled by sigmoid(shared_gate x) (qwen3_5_moe)
+    shared_expert_intermediate_size: NonNegInt = 0
+
+
+class RecurrentConfig(_S):
+    """The recurrent layers of a hybrid model (the `linear` entries of arch.layer_types).
+
+    Per request and layer they keep a conv state [conv_kernel - 1, conv_dim] in the model dtype (the last inputs
+    of the depthwise causal conv) and a recurrent state [num_heads, key_head_dim, value_head_dim] in float32.
+    gated_delta (qwen3_5 / qwen3_next GDN): q/k have num_key_heads heads of key_head_dim, v and the state
+    num_heads heads (a multiple of num_key_heads) of value_head_dim."""
+
+    kind: RecurrentKind
+    num_heads: PosInt  # value / state heads
+    num_key_heads: PosInt  # q/k heads
+    key_head_dim: PosInt
+    value_head_dim: PosInt
+    conv_kernel: PosInt
+    chunk_size: PosInt = 64  # the chunked prefill form's chunk: state checkpoints and prefill chunks align to it
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv: q, k and v of every head."""
+        return 2 * self.num_key_heads * self.key_head_dim + self.num_heads * self.value_head_dim
 
 
 class Architecture(_S):
@@ -86,6 +112,19 @@ class Architecture(_S):
     final_logit_softcapping: float | None = None
     attn_logit_softcapping: float | None = None
     moe: MoeConfig | None = None
+    # hybrid models (qwen3_5): recurrent layers beside the attention layers, and their attention's extras
+    recurrent: RecurrentConfig | None = None
+    attn_output_gate: bool = False  # o *= sigmoid(gate) per head before the o projection (qkv emits the gate)
+    rotary_dim: int | None = None  # rotated leading dims of a head (partial rotary); None: the whole head
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """Layers that keep paged KV (every layer of a model without recurrent ones)."""
+        return [i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] != "linear"]
+
+    @property
+    def recurrent_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.layer_types and self.layer_types[i] == "linear"]
 
 
 class TokenizerInfo(_S):
