@@ -54,6 +54,14 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     host_disk_pages: Annotated[
         int, Meta(ge=0, le=1 << 32, description="Disk records (one KV page each) behind the host DRAM tier; 0: off.")
     ] = 0
+    num_state_slots: Annotated[
+        int, Meta(ge=0, le=1 << 20, description="Recurrent-state slots of a hybrid model's linear layers (a running "
+                  "request holds one); 0: the model keeps no per-request state.")
+    ] = 0
+    state_chunk: Annotated[
+        int, Meta(ge=0, le=1 << 16, description="A hybrid model's recurrent chunk: a split prefill chunk ends on a "
+                  "multiple of it, so the recurrent layers' arithmetic does not depend on the split; 0: none.")
+    ] = 0
     page_bytes: Annotated[
         int, Meta(ge=0, le=1 << 40, description="Bytes one KV page holds across all layers (host tier byte counts).")
     ] = 0
@@ -66,6 +74,16 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_concurrency ({self.max_concurrency})"
             )
+        # NOTE: and this lets the first running request's prefill chunk reach the next multiple of the recurrent
+        # chunk whatever the others take (Scheduler._chunk_size), so a hybrid model's prefill always progresses
+        if self.state_chunk and self.max_num_batched_tokens < self.max_concurrency + self.state_chunk - 1:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_concurrency + state_chunk - 1 "
+                f"({self.max_concurrency + self.state_chunk - 1}) for a model with recurrent layers"
+            )
+        if self.state_chunk and self.prefill_chunk_size < self.state_chunk:
+            raise ValueError(f"prefill_chunk_size ({self.prefill_chunk_size}) must be >= state_chunk "
+                             f"({self.state_chunk}) for a model with recurrent layers")
 
     @property
     def page_capacity_tokens(self) -> int:

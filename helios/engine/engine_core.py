@@ -45,6 +45,8 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     free_pages: int
     total_pages: int
     page_tokens: int
+    state_slots_in_use: int = 0  # recurrent-state slots held (hybrid models; 0 and 0 otherwise)
+    state_slots_total: int = 0
     reused_tokens: int = 0  # tokens covered by prefix-cache hits (every admission, re-admissions too)
     cached_pages: int = 0  # pages holding a prefix-cache hash, in use or free (evictable)
     preemptions: int = 0
@@ -137,6 +139,7 @@ class EngineCore:
         scheduler = self.scheduler
         pool = scheduler.block_pool
         host = scheduler.host_cache
+        states = scheduler.state_pool
         stats = self.runner.stats() if hasattr(self.runner, "stats") else RunnerStats()
         return EngineMetrics(
             prefill_tokens=scheduler.num_prefill_tokens,
@@ -148,6 +151,8 @@ class EngineCore:
             free_pages=pool.num_free_blocks,  # cached free pages included: allocation evicts them
             total_pages=pool.num_blocks,
             page_tokens=pool.block_size,
+            state_slots_in_use=states.num_slots - states.num_free_slots if states else 0,
+            state_slots_total=states.num_slots if states else 0,
             reused_tokens=scheduler.num_reused_tokens,
             cached_pages=pool.num_cached_blocks,
             preemptions=scheduler.num_preemptions,

@@ -142,6 +142,9 @@ class ScheduledRequest(Struct, frozen=True, kw_only=True):
     # int32 words (bit i of word w allows token 32w+i); the runner masks the rest before sampling, never the
     # logprobs, which describe the raw distribution
     token_mask: bytes | None = None
+    # the row of the recurrent layers' state the request reads and updates (hybrid models); -1: none. The state
+    # is read only when num_computed_tokens > 0 (a fresh request starts from zeros)
+    state_slot: int = -1
 
 
 class SchedulerOutput(Struct, frozen=True, kw_only=True):

@@ -46,6 +46,7 @@ class Request:
         "all_token_ids",
         "num_computed_tokens",
         "block_ids",
+        "state_slot",
         "status",
         "stop_token",
         "error",
@@ -71,6 +72,7 @@ class Request:
         self.all_token_ids: list[int] = list(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        self.state_slot = -1  # its row of the recurrent layers' state while running (hybrid models); -1: none
         self.status = RequestStatus.WAITING
         self.stop_token: int | list[int] | None = None
         self.error: str | None = None

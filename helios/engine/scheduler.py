@@ -30,6 +30,7 @@ from helios.engine.messages import (
 )
 from helios.engine.prefix_cache import PrefixCache
 from helios.engine.request import Request, RequestStatus
+from helios.engine.state_pool import StatePool
 
 
 class QueueFull(Exception):
@@ -46,6 +47,12 @@ class Scheduler:
         self.host_cache = (HostCache(config.host_cache_pages, config.page_bytes, config.host_disk_pages)
                            if is_host_cache else None)
         self.prefix_cache = PrefixCache(self.block_pool, self.host_cache) if config.enable_prefix_caching else None
+        # a hybrid model's recurrent layers: a running request holds a state slot beside its pages.
+        # NOTE: pages alone cannot resume such a request (its state at the page boundary is gone), so the prefix
+        # cache is off for these models until state checkpoints exist
+        self.state_pool = StatePool(config.num_state_slots) if config.num_state_slots else None
+        if self.state_pool is not None:
+            self.prefix_cache = self.host_cache = None
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
@@ -142,8 +149,11 @@ class Scheduler:
                 self._finish_now(req, RequestStatus.FINISHED_LENGTH)
                 continue
             reserve = len(self.running) - i - 1
-            num_new = min(req.num_tokens - req.num_computed_tokens, config.prefill_chunk_size, budget - reserve)
-            assert num_new >= 1, (req, budget, reserve)
+            num_new = self._chunk_size(req, min(req.num_tokens - req.num_computed_tokens, config.prefill_chunk_size,
+                                                budget - reserve))
+            if num_new == 0:  # a prefill chunk that cannot end on the recurrent grid this step: the next one
+                i += 1
+                continue
             num_needed = pool.num_blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
             while not pool.can_allocate(num_needed):
                 # recompute preemption of the most recently admitted request, possibly this one; the
@@ -174,12 +184,19 @@ class Scheduler:
                 hits = self.prefix_cache.match(req)
                 host_slots = self.prefix_cache.match_host(req, len(hits))
             num_reused = (len(hits) + len(host_slots)) * pool.block_size
-            num_new = min(req.num_tokens - num_reused, config.prefill_chunk_size, budget)
+            num_new = self._chunk_size(req, min(req.num_tokens - num_reused, config.prefill_chunk_size, budget),
+                                       num_reused)
+            if num_new == 0:
+                break
             # host pages are fresh pages too (num_needed counts them); hits still on the free list leave it when
             # taken, so they count against it too
             num_needed = pool.num_blocks_for(num_reused + num_new) - len(hits)
             if not pool.can_allocate(num_needed + pool.num_free_among(hits)):
                 break
+            if self.state_pool is not None:
+                if not self.state_pool.can_allocate():
+                    break
+                req.state_slot = self.state_pool.allocate()
             self.waiting.popleft()
             pool.incref(hits)  # NOTE: before allocate(), which would otherwise evict free hits
             req.block_ids = hits + pool.allocate(num_needed)
@@ -322,6 +339,19 @@ class Scheduler:
         """True when feeding all of the request's tokens needs more pages than the whole pool holds."""
         return self.block_pool.num_blocks_for(req.num_tokens) > self.block_pool.num_blocks
 
+    def _chunk_size(self, req: Request, num_new: int, start: int | None = None) -> int:
+        """num_new, or less so that a split prefill chunk of a hybrid model ends on a multiple of the recurrent
+        chunk (config.state_chunk): the recurrent layers then run the same arithmetic however the scheduler split
+        the prompt (the reference and kernels chunk on absolute positions). 0 when the step's budget cannot reach
+        the next multiple: the request waits for a step with more (the first running request always has enough,
+        see SchedulerConfig)."""
+        grid = self.config.state_chunk
+        start = req.num_computed_tokens if start is None else start
+        end = start + num_new
+        if not grid or end == req.num_tokens:
+            return num_new
+        return max(0, end - end % grid - start)
+
     def _look_ahead(self, scheduled: list[ScheduledRequest]) -> None:
         """A decode step's request also takes the page its next position falls in, after every allocation of
         this step and only while the pool keeps a free page for each running request: the runner may then run
@@ -353,6 +383,7 @@ class Scheduler:
             block_ids=list(req.block_ids),
             sample=sample,
             want_prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens,
+            state_slot=req.state_slot,
             # NOTE: a running request is never finished here, so the forced token fits the output limit
             forced_token_id=forced_token_id,
             token_mask=(self.constraints.token_mask(req.req_id)
@@ -363,6 +394,7 @@ class Scheduler:
         """Free the (already unlinked) running request's pages and requeue it at the front for recompute."""
         self.block_pool.free(reversed(req.block_ids))
         req.block_ids = []
+        self._free_state_slot(req)
         req.num_computed_tokens = req.num_published_pages = 0
         req.status = RequestStatus.PREEMPTED
         req.is_decoding = False
@@ -383,10 +415,16 @@ class Scheduler:
         """Free a finished request's pages and forget it; it must already be off the queues."""
         self.block_pool.free(reversed(req.block_ids))  # tail first: the prefix cache keeps heads longer
         req.block_ids = []
+        self._free_state_slot(req)
         self._forget_in_runner(req)
         if req.has_constraint:
             self.constraints.close(req.req_id)
         del self.requests[req.req_id]
+
+    def _free_state_slot(self, req: Request) -> None:
+        if req.state_slot >= 0:
+            self.state_pool.free(req.state_slot)
+            req.state_slot = -1
 
     def _forget_in_runner(self, req: Request) -> None:
         if req.is_known_to_runner:

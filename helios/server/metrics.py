@@ -53,6 +53,8 @@ class Snapshot(Struct, kw_only=True):
     free_pages: int = 0
     total_pages: int = 0
     page_tokens: int = 0
+    state_slots_in_use: int = 0
+    state_slots_total: int = 0
     host_hits: int = 0
     host_reused_tokens: int = 0
     host_memory_records: int = 0
@@ -91,6 +93,8 @@ PROMETHEUS = {
     "free_pages": ("flare_free_kv_pages", "gauge", "Reusable KV pages"),
     "total_pages": ("flare_total_kv_pages", "gauge", "Pages in the KV pool"),
     "page_tokens": ("flare_kv_page_tokens", "gauge", "Tokens per KV page"),
+    "state_slots_in_use": ("flare_state_slots_in_use", "gauge", "Recurrent-state slots held by running requests"),
+    "state_slots_total": ("flare_state_slots_total", "gauge", "Recurrent-state slots of a hybrid model"),
     "host_hits": ("flare_host_cache_hits_total", "counter", "Host prefix-store lookups that fetched"),
     "host_reused_tokens": ("flare_host_cache_reused_tokens_total", "counter", "Tokens reused from the host store"),
     "host_memory_records": ("flare_host_cache_memory_records", "gauge", "Host store records in memory"),
