@@ -39,6 +39,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0 past each table's end
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # hybrid models: each sequence's row of the recurrent layers' state (helios.layers.linear_attention); the
+    # state is read only for a sequence with earlier tokens (its first position > 0)
+    state_slots: torch.Tensor | None = None  # [B] int32
+    state_slots_cpu: list[int] = field(default_factory=list)
     # NOTE: per-step values a backend derives from the fields above once and reuses in every layer (the CPU
     # decode gather and mask); the metadata lives for one step, so nothing here outlives its inputs.
     derived: dict = field(default_factory=dict, compare=False, repr=False)
@@ -241,9 +245,12 @@ def select_attention_backend(
 
 
 class Attention(nn.Module):
-    """Fused-qkv attention with optional qkv bias, per-head q/k RMSNorm, rotary and sliding window.
+    """Fused-qkv attention with optional qkv bias, per-head q/k RMSNorm, rotary and sliding window; optionally an
+    output gate (qwen3_5: o *= sigmoid(gate) per head before the o projection) and partial rotary (the leading
+    rotary_dim dims of each head rotate, the rest pass).
 
-    Tensors bound: qkv.weight [(Nq + 2*Nkv)*D, H] (+ qkv.bias), q_norm/k_norm.weight [D], o.weight [H, Nq*D].
+    Tensors bound: qkv.weight [(Nq + 2*Nkv)*D, H] (+ qkv.bias; with output_gate [(2*Nq + 2*Nkv)*D, H], the gate
+    rows last), q_norm/k_norm.weight [D], o.weight [H, Nq*D].
     """
 
     def __init__(
@@ -261,9 +268,13 @@ class Attention(nn.Module):
         scale: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        output_gate: bool = False,
+        rotary_dim: int | None = None,
         switches: Switches = DEFAULT_SWITCHES,
     ):
         super().__init__()
+        self.output_gate = output_gate
+        self.rotary_dim = rotary_dim if rotary_dim is not None and rotary_dim < head_dim else None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -272,7 +283,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.l2_prefetch = switches.l2_prefetch  # batch-1 GPU decode: the o weight into L2 beside attention
-        self.qkv = Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias=bias, switches=switches)
+        rows = (num_heads * (2 if output_gate else 1) + 2 * num_kv_heads) * head_dim
+        self.qkv = Linear(hidden_size, rows, bias=bias, switches=switches)
+        # the fused backend's qkv launch knows neither the gate nor partial rotary: such a layer takes its q, k, v
+        self.fuses_qkv = getattr(backend, "fuses_layers", False) and not output_gate and self.rotary_dim is None
         self.q_norm = RMSNorm(head_dim, norm_eps, norm_multiply_in_float32) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps, norm_multiply_in_float32) if qk_norm else None
         self.o = Linear(num_heads * head_dim, hidden_size, switches=switches)
@@ -280,7 +294,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, D]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, D] (partial rotary: [T, rotary_dim])
         kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
         meta: AttentionMetadata,
         qkv: torch.Tensor | None = None,  # [T, (Nq + 2*Nkv)*D]: the qkv projection of x, already computed
@@ -288,10 +302,13 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv(x) if qkv is None else qkv
-        if getattr(self.backend, "fuses_layers", False):  # GPU: norms + rotary + cache write in one launch
+        if self.fuses_qkv:  # GPU: norms + rotary + cache write in one launch
             return self.o(self.attend_qkv(qkv, cos_sin, kv_cache, meta))
         cos, sin = cos_sin
-        v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.rotary_dim is not None or self.output_gate:
+            o = self._attend_gated(qkv, v, cos, sin, kv_cache, meta)
+            return self.o(o)
         if self.q_norm is None:
             # q and k are adjacent columns of the fused output: one rotary over both heads' sets
             qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -303,6 +320,24 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
         return self.o(o.reshape(num_tokens, q_size))
+
+    def _attend_gated(self, qkv, v, cos, sin, kv_cache, meta) -> torch.Tensor:  # [T, Nq*D]
+        """q/k norms, partial rotary, attention and the output gate (qwen3_5's full-attention layers)."""
+        num_tokens = qkv.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, self.head_dim)
+        k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rd = self.rotary_dim or self.head_dim
+        q = torch.cat([apply_rotary(q[..., :rd], cos, sin), q[..., rd:]], dim=-1)
+        k = torch.cat([apply_rotary(k[..., :rd], cos, sin), k[..., rd:]], dim=-1)
+        o = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window, self.softcap)
+        o = o.reshape(num_tokens, q_size)
+        if self.output_gate:
+            gate = qkv[:, q_size + 2 * kv_size :]
+            o = o * torch.sigmoid(gate)
+        return o
 
     def attend_qkv(
         self,

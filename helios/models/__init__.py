@@ -24,6 +24,9 @@ _FAMILIES = {
     "qwen3": "helios.models.llama:LlamaForCausalLM",
     "qwen3_moe": "helios.models.qwen3_moe:Qwen3MoeForCausalLM",
     "gemma3": "helios.models.gemma3:Gemma3ForCausalLM",
+    "qwen3_5": "helios.models.qwen3_5:Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "helios.models.qwen3_5:Qwen3_5ForCausalLM",
+    "qwen3_next": "helios.models.qwen3_5:Qwen3_5ForCausalLM",
 }
 
 

@@ -250,6 +250,8 @@ def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> st
         return "not a CUDA device"
     if arch.moe is not None:
         return "MoE routing syncs with the host (expert loop)"
+    if arch.recurrent is not None:
+        return "recurrent layers: their decode step is not graph-safe yet (host-side slot lists)"
     names = {b.name for b in attention_backends(model)}
     if names != {"triton"}:
         return f"attention backend {sorted(names)} reads host-side lengths; graphs need the triton backend"

@@ -129,7 +129,10 @@ def prepare_batch(
     page_size: int,
     device: torch.device | str = "cpu",
     layout: BatchLayout | None = None,
+    scratch_slot: int | None = None,
 ) -> PreparedBatch:
+    """scratch_slot: a hybrid model's state row for sequences the engine gave none (forward_logits); None when
+    the model keeps no state."""
     layout = layout or layout_batch(scheduled, requests, page_size)
     token_ids, query_start_loc, seq_lens = layout.token_ids, layout.query_start_loc, layout.seq_lens
 
@@ -154,6 +157,7 @@ def prepare_batch(
         block_tables=block_tables.to(device),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
+        **_state_slots(scheduled, device, scratch_slot),
     )
     return PreparedBatch(
         token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
@@ -161,3 +165,11 @@ def prepare_batch(
         logits_indices=torch.tensor(layout.logits_indices, dtype=torch.int64, device=device),
         rows=layout.rows,
     )
+
+
+def _state_slots(scheduled: list[ScheduledRequest], device, scratch_slot: int | None) -> dict:
+    """AttentionMetadata's state slot fields (empty for a model without recurrent layers)."""
+    if scratch_slot is None:
+        return {}
+    slots = [s.state_slot if s.state_slot >= 0 else scratch_slot for s in scheduled]
+    return {"state_slots": torch.tensor(slots, dtype=torch.int32, device=device), "state_slots_cpu": slots}

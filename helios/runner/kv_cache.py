@@ -1,6 +1,7 @@
 """The paged KV cache: one preallocated tensor per layer, addressed by slot = block_id * page_size + offset.
 
-Layout per layer: [2 (k, v), num_pages, page_size, num_kv_heads, head_dim]. Which pages a request owns
+Layout per layer: [2 (k, v), num_pages, page_size, num_kv_heads, head_dim]; attention layers only (a hybrid
+model's linear layers keep their state in helios.runner.state_cache). Which pages a request owns
 is the engine's business (block ids arrive in the plan); this module only owns the memory.
 """
 
@@ -35,12 +36,12 @@ class KVCache:
     def from_arch(
         cls, arch: Architecture, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> KVCache:
-        return cls(arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+        return cls(len(arch.attention_layers), num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
 
     @staticmethod
     def bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes one page costs across all layers (for sizing the pool from free memory)."""
-        return arch.num_layers * 2 * page_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+        """Bytes one page costs across all attention layers (for sizing the pool from free memory)."""
+        return len(arch.attention_layers) * 2 * page_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
 
     def slot(self, block_ids: list[int], position: int) -> int:
         """The flat slot of token `position` of a sequence whose block table is `block_ids`."""

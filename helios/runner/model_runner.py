@@ -48,6 +48,7 @@ from helios.runner.input_batch import (
 from helios.runner.disk_cache import DiskKVStore
 from helios.runner.host_cache import HostKVStore
 from helios.runner.kv_cache import KVCache
+from helios.runner.state_cache import StateCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
 from helios.runner.norm_folding import fold_norm_weights, foldable, should_fold
 from helios.runner.sampler import SamplerState, draw_logits, sample, sample_device
@@ -206,6 +207,7 @@ class ModelRunner:
         fold_norms: bool | None = None,
         manifest=None,
         lazy_capture: bool = False,
+        num_state_slots: int = 0,
     ):
         """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
         core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core).
@@ -219,7 +221,9 @@ class ModelRunner:
         step (runner/norm_folding.py); None: its GPU rule, True: wherever the family allows (tests run the
         norm-free layers in the Triton interpreter), False: never. manifest: the core's, for the kernel load (read
         from core_path when None). lazy_capture: capture only the smallest and largest decode buckets here and
-        leave the rest to `capture_pending` between steps; a step whose bucket is still pending captures it first."""
+        leave the rest to `capture_pending` between steps; a step whose bucket is still pending captures it first.
+        num_state_slots: a hybrid model's recurrent-state rows (the engine's SchedulerConfig.num_state_slots; at
+        least 1, for forward_logits, whatever is asked), allocated before the KV pool is sized from free memory."""
         self.switches = switches = switches if switches is not None else DEFAULT_SWITCHES
         self.arch = arch
         self.device = torch.device(device)
@@ -263,6 +267,8 @@ class ModelRunner:
             # next step stays inside a request's pages)
             tabulate_rope(self.model, max_table_blocks(self.max_model_len, page_size) * page_size, self.dtype)
         t2 = time.perf_counter()
+        self.state_cache = (StateCache(arch, max(1, num_state_slots), self.dtype, self.device)
+                            if arch.recurrent is not None else None)
         if num_pages is None:
             if not is_cuda:
                 raise ValueError("num_pages is required off CUDA (the pool is sized from free GPU memory)")
@@ -271,6 +277,7 @@ class ModelRunner:
             reserve = activation_reserve_bytes(arch, tokens, self.dtype, max(buckets))
             num_pages = pages_from_free_memory(arch, page_size, self.dtype, self.device, gpu_memory_fraction, reserve)
         self.kv_cache = KVCache.from_arch(arch, num_pages, page_size, self.dtype, self.device)
+        self.layer_caches = self._layer_caches()  # what the model's forward takes, one entry per layer
         self.host_store = HostKVStore(self.kv_cache, host_cache_pages) if host_cache_pages > 0 else None
         self.disk_store = DiskKVStore(host_disk_dir, self.host_store) if self.host_store and host_disk_dir else None
         if is_cuda:
@@ -499,10 +506,22 @@ class ModelRunner:
             self._overlap = DecodeOverlap(self.graphs, self.page_size, self.device)
         return self._overlap
 
+    def _layer_caches(self) -> list:
+        """Per layer: the KV tensor of an attention layer, the (conv, recurrent) state of a linear one."""
+        if self.state_cache is None:
+            return self.kv_cache.layers
+        kv = iter(self.kv_cache.layers)
+        return [self.state_cache.layers[i] if i in self.state_cache.layers else next(kv)
+                for i in range(self.arch.num_layers)]
+
+    @property
+    def scratch_slot(self) -> int | None:
+        return self.state_cache.scratch_slot if self.state_cache is not None else None
+
     def _forward(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> torch.Tensor:  # [N, V] float32
         self.launches["eager"] += 1
-        batch = prepare_batch(scheduled, self.requests, self.page_size, self.device, layout)
-        hidden = self.model.forward(batch.token_ids, batch.meta, self.kv_cache.layers)  # [T, H]
+        batch = prepare_batch(scheduled, self.requests, self.page_size, self.device, layout, self.scratch_slot)
+        hidden = self.model.forward(batch.token_ids, batch.meta, self.layer_caches)  # [T, H]
         # float32 logits for the used rows only: sampling and logprobs both read the raw distribution
         rows = hidden if len(layout.logits_indices) == hidden.shape[0] else hidden[batch.logits_indices]
         return self.model.compute_logits(rows).float()
@@ -608,8 +627,8 @@ class ModelRunner:
                 block_ids=block_ids,
                 sample=False,
             )
-            batch = prepare_batch([chunk], {}, self.page_size, self.device)
-            hidden = self.model.forward(batch.token_ids, batch.meta, self.kv_cache.layers)
+            batch = prepare_batch([chunk], {}, self.page_size, self.device, scratch_slot=self.scratch_slot)
+            hidden = self.model.forward(batch.token_ids, batch.meta, self.layer_caches)
             out.append(self.model.compute_logits(hidden).float())
         return torch.cat(out)
 

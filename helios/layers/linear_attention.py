@@ -1,0 +1,90 @@
+"""Recurrent token mixers of hybrid models, as modules: the gated delta rule layer (qwen3_5 / qwen3_next GDN).
+
+A layer reads and updates its per-request state in place: `state` is (conv [S, K-1, C], recurrent [S, Hv, dk, dv]
+float32), rows addressed by meta.state_slots (helios.engine.state_pool). The ops are helios.layers.recurrent's
+torch references on every device, or the Triton kernels of helios.kernels.gated_delta on the fused (GPU) path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helios.core.manifest import RecurrentConfig
+from helios.layers.attention import AttentionMetadata
+from helios.layers.linear import Linear
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+def _meta_param(*shape: int) -> nn.Parameter:
+    # NOTE: meta until the model binds the core's tensor; never allocated here.
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class _Weight(nn.Module):
+    """A bare `weight` (the conv taps [C, K], the gated norm's multiplier [dv])."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = _meta_param(*shape)
+
+
+def sequence_starts(meta: AttentionMetadata) -> list[int]:
+    """Each sequence's first position in this step (its computed tokens before it)."""
+    qsl = meta.query_start_loc_cpu
+    return [seq_len - (qsl[i + 1] - qsl[i]) for i, seq_len in enumerate(meta.seq_lens_cpu)]
+
+
+class GatedDeltaNet(nn.Module):
+    """Tensors bound (helios/core/layout.py): in_proj.weight [C + Hv*dv + 2*Hv, H] (rows q, k, v, z, b, a),
+    conv.weight [C, K], dt_bias [Hv], A_log [Hv], norm.weight [dv], out.weight [H, Hv*dv]."""
+
+    def __init__(self, hidden_size: int, config: RecurrentConfig, eps: float, fused: bool = False,
+                 switches: Switches = DEFAULT_SWITCHES) -> None:
+        super().__init__()
+        self.config = config
+        self.eps = eps
+        self.fused = fused  # the Triton kernels (GPU path)
+        c = config
+        self.key_dim = c.num_key_heads * c.key_head_dim
+        self.value_dim = c.num_heads * c.value_head_dim
+        self.in_proj = Linear(hidden_size, c.conv_dim + self.value_dim + 2 * c.num_heads, switches=switches)
+        self.conv = _Weight(c.conv_dim, c.conv_kernel)
+        self.dt_bias = _meta_param(c.num_heads)
+        self.A_log = _meta_param(c.num_heads)
+        self.norm = _Weight(c.value_head_dim)
+        self.out = Linear(self.value_dim, hidden_size, switches=switches)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        state: tuple[torch.Tensor, torch.Tensor],  # conv [S, K-1, C], recurrent [S, Hv, dk, dv] float32
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        c = self.config
+        num_tokens = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split([c.conv_dim, self.value_dim, c.num_heads, c.num_heads], dim=-1)
+        ops = self._ops()
+        slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
+        conv_state, recurrent_state = state
+        mixed = ops.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(num_tokens, c.num_key_heads, c.key_head_dim)
+        k = k.reshape(num_tokens, c.num_key_heads, c.key_head_dim)
+        v = v.reshape(num_tokens, c.num_heads, c.value_head_dim)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] float32, as HF
+        o = ops.gated_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts, chunk_size=c.chunk_size)
+        o = ops.rms_norm_gated(o.reshape(-1, c.value_head_dim), z.reshape(-1, c.value_head_dim),
+                               self.norm.weight, self.eps)
+        return self.out(o.reshape(num_tokens, self.value_dim))
+
+    def _ops(self):
+        if self.fused:
+            from helios.kernels import gated_delta
+
+            return gated_delta
+        from helios.layers import recurrent
+
+        return recurrent

@@ -1,0 +1,42 @@
+"""The recurrent state of a hybrid model's linear layers: per layer a conv state and a recurrent state, one row
+per state slot (the engine hands slots out, helios.engine.state_pool), plus one scratch row past them (the target
+of padded rows in a CUDA graph bucket, and of forward_logits).
+
+Layout per linear layer: conv [num_slots + 1, K - 1, C] in the model dtype, recurrent [num_slots + 1, Hv, dk, dv]
+float32 (HF keeps the recurrent state in float32 for every dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helios.core.manifest import Architecture
+
+
+class StateCache:
+    def __init__(self, arch: Architecture, num_slots: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        r = arch.recurrent
+        if r is None:
+            raise ValueError("the architecture has no recurrent layers")
+        self.num_slots = num_slots
+        self.scratch_slot = num_slots
+        rows = num_slots + 1
+        # NOTE: zeros, not empty: a slot is read only after its request wrote it, but a padded graph row reads
+        # the scratch row, which must never carry NaNs into the arithmetic
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
+            i: (
+                torch.zeros(rows, r.conv_kernel - 1, r.conv_dim, dtype=dtype, device=device),
+                torch.zeros(rows, r.num_heads, r.key_head_dim, r.value_head_dim, dtype=torch.float32, device=device),
+            )
+            for i in arch.recurrent_layers
+        }
+
+    @staticmethod
+    def bytes_per_slot(arch: Architecture, dtype: torch.dtype) -> int:
+        """Bytes one slot costs across all linear layers."""
+        r = arch.recurrent
+        if r is None:
+            return 0
+        conv = (r.conv_kernel - 1) * r.conv_dim * dtype.itemsize
+        recurrent = r.num_heads * r.key_head_dim * r.value_head_dim * 4
+        return len(arch.recurrent_layers) * (conv + recurrent)
