@@ -19,8 +19,9 @@ MAX_TOP_LOGPROBS_LIMIT = 20
 Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 DType = Literal["float32", "bfloat16", "float16"]
 Activation = Literal["silu", "gelu_tanh"]
-# linear: a recurrent layer (arch.recurrent says which kind) that keeps per-request state instead of KV pages
-LayerType = Literal["full", "sliding", "linear"]
+# linear: a recurrent layer (arch.recurrent says which kind) that keeps per-request state instead of KV pages;
+# ffn: a block with a feed-forward and no token mixer (nemotron_h's MLP and MoE layers), no KV, no state
+LayerType = Literal["full", "sliding", "linear", "ffn"]
 RecurrentKind = Literal["gated_delta", "mamba2", "kimi_delta"]
 
 PosInt = Annotated[int, Meta(ge=1)]
@@ -120,7 +121,7 @@ class Architecture(_S):
     @property
     def attention_layers(self) -> list[int]:
         """Layers that keep paged KV (every layer of a model without recurrent ones)."""
-        return [i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] != "linear"]
+        return [i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] in ("full", "sliding")]
 
     @property
     def recurrent_layers(self) -> list[int]:
