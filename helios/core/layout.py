@@ -36,6 +36,33 @@ Hybrid models (arch.recurrent; R = arch.recurrent, K = conv_kernel, C = R.conv_d
   layers.L.linear.norm.weight       [dv]               the gated RMSNorm over each head's output (not shifted)
   layers.L.linear.out.weight        [H, Hv*dv]
 
+Mamba-2 layers (R.kind "mamba2", nemotron_h; Hm = R.num_heads, P = R.value_head_dim, G = R.num_key_heads,
+N = R.key_head_dim, I = Hm*P, C = R.conv_dim = I + 2*G*N):
+  layers.L.mamba.in_proj.weight     [I + C + Hm, H]    rows: z (the gate, I), then the conv's channels x (I, head-
+                                                        major), B (G*N), C (G*N), then dt (Hm)
+  layers.L.mamba.conv.weight        [C, K]             depthwise causal conv over x, B, C; taps oldest first
+  layers.L.mamba.conv.bias          [C]                only with R.conv_bias
+  layers.L.mamba.dt_bias            [Hm]
+  layers.L.mamba.A_log              [Hm]               A = -exp(A_log)
+  layers.L.mamba.D                  [Hm]               the skip: y += D * x per head
+  layers.L.mamba.norm.weight        [I]                the gated RMSNorm of y * silu(z), groups of R.norm_group_size
+  layers.L.mamba.out.weight         [H, I]
+
+Blocks of one sublayer (arch.ffn_after_mixer false, nemotron_h): a mixer layer has attn_norm and its mixer
+(mamba.* or attn.*, the attention without rotary under arch.position_embedding "none"), an "ffn" layer has
+mlp_norm and mlp.* or moe.*. Non-gated MLPs (arch.hidden_act "relu2"; Fm, Fs and L = latent_size of arch.moe):
+  layers.L.mlp.up.weight            [F, H]             the dense MLP: down(act(up x))
+  layers.L.mlp.down.weight          [H, F]
+  layers.L.moe.router.weight        [E, H]
+  layers.L.moe.router.bias          [E]                with moe.score_bias: added to the sigmoid scores for the
+                                                        choice only (HF's e_score_correction_bias)
+  layers.L.moe.latent_in.weight     [L, H]             with moe.latent_size: the experts' input projection
+  layers.L.moe.latent_out.weight    [H, L]             and their output's, back to H
+  layers.L.moe.up.weight            [E, Fm, L or H]    non-gated experts (gated ones keep moe.gate_up)
+  layers.L.moe.down.weight          [E, L or H, Fm]
+  layers.L.moe.shared.up.weight     [Fs, H]            a non-gated shared expert (moe.shared_expert_gate false:
+  layers.L.moe.shared.down.weight   [H, Fs]            no shared_gate, added as is)
+
 Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+w already added).
 """
 

@@ -16,9 +16,12 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "core.toml"
 MAX_TOP_LOGPROBS_LIMIT = 20
 
-Family = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
+Family = Literal[
+    "llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h"
+]
 DType = Literal["float32", "bfloat16", "float16"]
-Activation = Literal["silu", "gelu_tanh"]
+# silu / gelu_tanh: gated MLPs (act(gate) * up); relu2: relu(x)^2 in a non-gated up/down MLP (nemotron_h)
+Activation = Literal["silu", "gelu_tanh", "relu2"]
 # linear: a recurrent layer (arch.recurrent says which kind) that keeps per-request state instead of KV pages;
 # ffn: a block with a feed-forward and no token mixer (nemotron_h's MLP and MoE layers), no KV, no state
 LayerType = Literal["full", "sliding", "linear", "ffn"]
@@ -60,6 +63,20 @@ class MoeConfig(_S):
     dense_layers: list[int] = []
     # a shared expert every token takes beside its routed ones, scaled by sigmoid(shared_gate x) (qwen3_5_moe)
     shared_expert_intermediate_size: NonNegInt = 0
+    shared_expert_gate: bool = True  # False: the shared expert's output is added as is (nemotron_h, deepseek_v3)
+    # The router. softmax (qwen3_moe): softmax over all experts, top-k, renormalised with norm_topk_prob.
+    # sigmoid (deepseek_v3, kimi, nemotron_h): scores = sigmoid(router x) in float32; experts are chosen by
+    # scores + router.bias (with score_bias; HF's e_score_correction_bias) among the num_topk_groups best of
+    # num_groups equal groups (a group ranks by the sum of its two best biased scores); the weights are the chosen
+    # unbiased scores, renormalised with norm_topk_prob (sum + 1e-20), times routed_scaling_factor.
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    score_bias: bool = False
+    num_groups: PosInt = 1  # n_group
+    num_topk_groups: PosInt = 1  # topk_group
+    routed_scaling_factor: float = 1.0
+    # the routed experts read and write a latent of this width: moe.latent_in [L, H] before them and
+    # moe.latent_out [H, L] after (nemotron_h's LatentMoE, moe_latent_size); 0: the hidden size, no projections
+    latent_size: NonNegInt = 0
 
 
 class RecurrentConfig(_S):
@@ -68,7 +85,10 @@ class RecurrentConfig(_S):
     Per request and layer they keep a conv state [conv_kernel - 1, conv_dim] in the model dtype (the last inputs
     of the depthwise causal conv) and a recurrent state [num_heads, key_head_dim, value_head_dim] in float32.
     gated_delta (qwen3_5 / qwen3_next GDN): q/k have num_key_heads heads of key_head_dim, v and the state
-    num_heads heads (a multiple of num_key_heads) of value_head_dim."""
+    num_heads heads (a multiple of num_key_heads) of value_head_dim.
+    mamba2 (nemotron_h): x has num_heads heads of value_head_dim (mamba_head_dim), B and C num_key_heads groups
+    (n_groups) of key_head_dim (ssm_state_size); the state [num_heads, value_head_dim, key_head_dim] (HF's
+    [H, P, N]; the same element count as above, which the runtime's state row holds)."""
 
     kind: RecurrentKind
     num_heads: PosInt  # value / state heads
@@ -77,6 +97,13 @@ class RecurrentConfig(_S):
     value_head_dim: PosInt
     conv_kernel: PosInt
     chunk_size: PosInt = 64  # the chunked prefill form's chunk: state checkpoints and prefill chunks align to it
+    conv_bias: bool = False  # the conv adds conv.bias [conv_dim] before its activation (mamba2)
+    # mamba2: dt clamped to [min, max] after its softplus in the chunked form, as HF (time_step_limit); None:
+    # (0, inf), no clamp
+    time_step_limit: tuple[float, float] | None = None
+    # channels per group of the gated output RMSNorm; None: one head (value_head_dim). mamba2: num_heads *
+    # value_head_dim / num_key_heads (HF's NemotronHRMSNormGated group_size)
+    norm_group_size: PosInt | None = None
 
     @property
     def conv_dim(self) -> int:
@@ -117,6 +144,11 @@ class Architecture(_S):
     recurrent: RecurrentConfig | None = None
     attn_output_gate: bool = False  # o *= sigmoid(gate) per head before the o projection (qkv emits the gate)
     rotary_dim: int | None = None  # rotated leading dims of a head (partial rotary); None: the whole head
+    # none: attention without position embeddings (nemotron_h; rope_theta and rope_scaling are then unused)
+    position_embedding: Literal["rope", "none"] = "rope"
+    # False: a block holds one pre-norm sublayer, its mixer (full / sliding / linear) or, in an "ffn" layer, its
+    # feed-forward (nemotron_h); True: a mixer block also runs the MLP / MoE after it (mlp_norm, then mlp or moe)
+    ffn_after_mixer: bool = True
 
     @property
     def attention_layers(self) -> list[int]:
