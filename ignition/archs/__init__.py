@@ -28,6 +28,11 @@ _REGISTRY = {
     "qwen3_moe": "ignition.archs.qwen3_moe",
     "gemma3_text": "ignition.archs.gemma3",
     "gemma3": "ignition.archs.gemma3",  # multimodal wrapper: its text_config, vision weights ignored
+    "qwen3_5_text": "ignition.archs.qwen3_5",
+    "qwen3_5": "ignition.archs.qwen3_5",  # multimodal wrapper: its text_config, vision and MTP weights ignored
+    "qwen3_5_moe_text": "ignition.archs.qwen3_5",
+    "qwen3_5_moe": "ignition.archs.qwen3_5",  # multimodal wrapper, as qwen3_5
+    "qwen3_next": "ignition.archs.qwen3_5",
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_REGISTRY))
@@ -103,14 +108,32 @@ class Weights:
 
 
 def _attn_params(arch: Architecture) -> int:
-    """Parameters of one layer outside its MLP: norms, qkv (+bias), qk norms, o."""
+    """Parameters of an attention layer outside its MLP: norms, qkv (+bias, + gate rows), qk norms, o."""
     h, d = arch.hidden_size, arch.head_dim
-    qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * d
+    q_rows = arch.num_heads * d * (2 if arch.attn_output_gate else 1)
+    qkv_rows = q_rows + 2 * arch.num_kv_heads * d
     n = 2 * h + qkv_rows * h + h * arch.num_heads * d  # two norms, qkv, o
     n += qkv_rows if arch.attention_bias else 0
     n += 2 * d if arch.qk_norm else 0
     n += 2 * h if arch.sandwich_norms else 0
     return n
+
+
+def _recurrent_params(arch: Architecture) -> int:
+    """Parameters of a recurrent (gated-delta) layer outside its MLP: norms, in_proj, conv, dt_bias, A_log,
+    gated norm, out."""
+    h, r = arch.hidden_size, arch.recurrent
+    if r.kind != "gated_delta":  # NOTE: each recurrent kind lays out its own weights; count each when it lands
+        raise NotImplementedError(f"parameter count of recurrent kind {r.kind!r}")
+    value = r.num_heads * r.value_head_dim
+    in_rows = r.conv_dim + value + 2 * r.num_heads  # q, k, v, z, b, a
+    return 2 * h + in_rows * h + r.conv_dim * r.conv_kernel + 2 * r.num_heads + r.value_head_dim + h * value
+
+
+def _mixer_params(arch: Architecture, layer_index: int) -> int:
+    if arch.layer_types and arch.layer_types[layer_index] == "linear":
+        return _recurrent_params(arch)
+    return _attn_params(arch)
 
 
 def _mlp_params(arch: Architecture, layer_index: int, experts_read: int | None) -> int:
@@ -120,7 +143,10 @@ def _mlp_params(arch: Architecture, layer_index: int, experts_read: int | None) 
     if moe is None or layer_index in moe.dense_layers:
         return 3 * h * arch.intermediate_size
     experts = moe.num_experts if experts_read is None else experts_read
-    return moe.num_experts * h + experts * 3 * h * moe.moe_intermediate_size  # router + experts
+    n = moe.num_experts * h + experts * 3 * h * moe.moe_intermediate_size  # router + experts
+    if moe.shared_expert_intermediate_size:  # every token reads the shared expert and its gate
+        n += 3 * h * moe.shared_expert_intermediate_size + h
+    return n
 
 
 def num_params(arch: Architecture) -> int:
@@ -128,7 +154,7 @@ def num_params(arch: Architecture) -> int:
     h, v = arch.hidden_size, arch.vocab_size
     n = v * h + h + (0 if arch.tie_word_embeddings else v * h)
     for i in range(arch.num_layers):
-        n += _attn_params(arch) + _mlp_params(arch, i, None)
+        n += _mixer_params(arch, i) + _mlp_params(arch, i, None)
     return n
 
 
@@ -136,13 +162,14 @@ def decode_weight_bytes(arch: Architecture, dtype: torch.dtype | str) -> int:
     """Weight bytes one decode step reads for one request: the physical floor of batch-1 decode.
 
     The embedding gather reads one row; the lm_head matmul reads vocab x hidden once (tied or not);
-    an MoE layer reads its router and num_experts_per_tok experts.
+    an MoE layer reads its router, num_experts_per_tok experts and its shared expert; a recurrent layer reads all
+    its weights (its per-request state is not a weight).
     """
     h, v = arch.hidden_size, arch.vocab_size
     top_k = arch.moe.num_experts_per_tok if arch.moe is not None else None
     n = h + v * h + h  # embedding row, lm_head, final norm
     for i in range(arch.num_layers):
-        n += _attn_params(arch) + _mlp_params(arch, i, top_k)
+        n += _mixer_params(arch, i) + _mlp_params(arch, i, top_k)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return n * torch.empty((), dtype=dtype).element_size()

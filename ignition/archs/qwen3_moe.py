@@ -65,12 +65,12 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         if i in dense:
             add_dense_mlp(w, plan, i, arch.hidden_size, arch.intermediate_size, dtype)
         else:
-            _add_experts(w, plan, arch, i, dtype)
+            add_experts(w, plan, arch, i, dtype)
     w.check_all_used()
     return arch, plan
 
 
-def _add_experts(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
+def add_experts(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
     """moe.router [E, H], moe.gate_up [E, 2*Fm, H] (per expert: gate rows, then up rows), moe.down [E, H, Fm]."""
     e, h, fm = arch.moe.num_experts, arch.hidden_size, arch.moe.moe_intermediate_size
     src = f"layers.{i}.mlp."
