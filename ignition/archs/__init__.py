@@ -33,6 +33,7 @@ _REGISTRY = {
     "qwen3_5_moe_text": "ignition.archs.qwen3_5",
     "qwen3_5_moe": "ignition.archs.qwen3_5",  # multimodal wrapper, as qwen3_5
     "qwen3_next": "ignition.archs.qwen3_5",
+    "nemotron_h": "ignition.archs.nemotron_h",
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_REGISTRY))
@@ -149,12 +150,20 @@ def _mlp_params(arch: Architecture, layer_index: int, experts_read: int | None) 
     return n
 
 
+def _layer_params(arch: Architecture, layer_index: int, experts_read: int | None) -> int:
+    """One layer's parameters: its family module's own count (`layer_params`, these arguments) where it has one."""
+    own = getattr(importlib.import_module(_REGISTRY.get(arch.family, __name__)), "layer_params", None)
+    if own is not None:
+        return own(arch, layer_index, experts_read)
+    return _mixer_params(arch, layer_index) + _mlp_params(arch, layer_index, experts_read)
+
+
 def num_params(arch: Architecture) -> int:
     """Parameters of the runtime tensors (a tied lm_head counted once, all experts)."""
     h, v = arch.hidden_size, arch.vocab_size
     n = v * h + h + (0 if arch.tie_word_embeddings else v * h)
     for i in range(arch.num_layers):
-        n += _mixer_params(arch, i) + _mlp_params(arch, i, None)
+        n += _layer_params(arch, i, None)
     return n
 
 
@@ -169,7 +178,7 @@ def decode_weight_bytes(arch: Architecture, dtype: torch.dtype | str) -> int:
     top_k = arch.moe.num_experts_per_tok if arch.moe is not None else None
     n = h + v * h + h  # embedding row, lm_head, final norm
     for i in range(arch.num_layers):
-        n += _mixer_params(arch, i) + _mlp_params(arch, i, top_k)
+        n += _layer_params(arch, i, top_k)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     return n * torch.empty((), dtype=dtype).element_size()
