@@ -1,4 +1,5 @@
-"""Sparse mixture of experts with softmax top-k routing (qwen3-moe style), forward-only.
+"""Sparse mixture of experts, forward-only: softmax top-k routing (qwen3-moe style, SparseMoe) and DeepSeek-V3's
+sigmoid group-limited routing with an ungated shared expert (SigmoidMoe; nemotron_h's relu2 experts too).
 
 Experts are stacked tensors as the core stores them: gate_up [E, 2*Fm, H] (gate rows first) and
 down [E, H, Fm]. The CPU path loops over the experts that received tokens, in HF's order, so the
@@ -12,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helios.core.manifest import Activation
-from helios.layers.activation import gated
+from helios.core.manifest import Activation, MoeConfig
+from helios.layers.activation import GatedMLP, gated
 from helios.layers.linear import Linear, Stacked, linear
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -63,6 +64,123 @@ class SparseMoe(nn.Module):
             slot, token = torch.where(assignment[e])
             # `linear`: on the CPU its bits do not depend on the thread count (helios.layers.linear)
             h = gated(linear(x[token], self.gate_up.weight[e]), self.act)
+            h = linear(h, self.down.weight[e]) * weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2, HF's ReLUSquaredActivation (exact elementwise ops: the same bits at every offset)."""
+    return torch.square(F.relu(x))
+
+
+class Relu2MLP(nn.Module):
+    """down(relu(up x)^2), non-gated (nemotron_h's MLP and shared expert): up.weight [F, H], down.weight [H, F]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, switches: Switches = DEFAULT_SWITCHES):
+        super().__init__()
+        self.up = Linear(hidden_size, intermediate_size, switches=switches)
+        self.down = Linear(intermediate_size, hidden_size, switches=switches)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down(relu2(self.up(x)))
+
+
+def route_sigmoid(
+    router_logits: torch.Tensor,  # [T, E] float32
+    top_k: int,
+    score_bias: torch.Tensor | None,  # [E], added to the scores for the choice only
+    num_groups: int,
+    num_topk_groups: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, expert ids [T, k] int64
+    """DeepSeek-V3's router (noaux_tc; nemotron_h, kimi): sigmoid scores; the choice ranks scores + bias within the
+    num_topk_groups best groups (a group ranks by the sum of its two best biased scores); the weights are the chosen
+    unbiased scores, renormalised (sum + 1e-20) with norm_topk_prob, times routed_scaling_factor. As
+    DeepseekV3TopkRouter / NemotronHTopkRouter compute it, in float32."""
+    # NOTE: 1 / (1 + exp(-x)), not torch.sigmoid, whose CPU SIMD body and scalar tail may differ in the last bit:
+    # a token's scores would then depend on its row's offset in the batch (helios.layers.recurrent says more)
+    scores = 1.0 / (1.0 + torch.exp(-router_logits.float()))
+    choice = scores if score_bias is None else scores + score_bias.float()
+    if num_groups > 1:
+        num_tokens, num_experts = choice.shape
+        grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        best = torch.topk(group_scores, k=num_topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view(num_tokens, num_experts)
+    experts = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, experts)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, experts
+
+
+class _Router(nn.Module):
+    """weight [E, H] and, with a score bias, bias [E]: the choice's bias, never added to the logits."""
+
+    def __init__(self, hidden_size: int, num_experts: int, score_bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device="meta"), requires_grad=False)
+        self.bias = (nn.Parameter(torch.empty(num_experts, device="meta"), requires_grad=False) if score_bias
+                     else None)
+
+
+class SigmoidMoe(nn.Module):
+    """Routed experts behind the sigmoid router (route_sigmoid) plus an ungated shared expert every token takes
+    (deepseek_v3 style; nemotron_h with non-gated relu2 experts and optional latent projections).
+
+    Tensors bound: router.weight [E, H] (+ router.bias [E] with score_bias); latent_in.weight [L, H] and
+    latent_out.weight [H, L] with latent_size; experts gate_up.weight [E, 2*Fm, W] (gated act) or up.weight
+    [E, Fm, W] (relu2), down.weight [E, W, Fm] (W = L or H); the shared expert shared.* (a GatedMLP's or a
+    Relu2MLP's tensors, width Fs).
+    """
+
+    def __init__(self, hidden_size: int, moe: MoeConfig, act: Activation, switches: Switches = DEFAULT_SWITCHES):
+        super().__init__()
+        if moe.scoring != "sigmoid" or moe.shared_expert_gate:
+            raise ValueError("SigmoidMoe takes a sigmoid router and an ungated shared expert")
+        self.moe = moe
+        self.act = act
+        width = moe.latent_size or hidden_size
+        self.router = _Router(hidden_size, moe.num_experts, moe.score_bias)
+        if moe.latent_size:
+            self.latent_in = Linear(hidden_size, width, switches=switches)
+            self.latent_out = Linear(width, hidden_size, switches=switches)
+        if act == "relu2":
+            self.up = Stacked(moe.num_experts, moe.moe_intermediate_size, width)
+        else:
+            self.gate_up = Stacked(moe.num_experts, 2 * moe.moe_intermediate_size, width)
+        self.down = Stacked(moe.num_experts, width, moe.moe_intermediate_size)
+        fs = moe.shared_expert_intermediate_size
+        self.shared = (Relu2MLP(hidden_size, fs, switches) if act == "relu2"
+                       else GatedMLP(hidden_size, fs, act, switches=switches))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        m = self.moe
+        # float32 logits, as HF keeps its gate in float32 (a 16-bit core's router weight is rounded, HF's is not)
+        logits = linear(x.float(), self.router.weight.float())
+        weights, experts = route_sigmoid(logits, m.num_experts_per_tok, self.router.bias, m.num_groups,
+                                         m.num_topk_groups, m.norm_topk_prob, m.routed_scaling_factor)
+        h = self.latent_in(x) if m.latent_size else x
+        routed = self._experts(h, weights, experts)
+        if m.latent_size:
+            routed = self.latent_out(routed)
+        return routed + self.shared(x)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:  # [T, W]
+        """Each expert that received tokens, in expert order (HF's loop), its product scaled by the float32
+        weight and added in x's dtype."""
+        out = torch.zeros_like(x)
+        assignment = F.one_hot(experts, num_classes=self.moe.num_experts).permute(2, 1, 0)  # [E, k, T]
+        hit = (assignment.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+        for e in hit:
+            slot, token = torch.where(assignment[e])
+            if self.act == "relu2":
+                h = relu2(linear(x[token], self.up.weight[e]))
+            else:
+                h = gated(linear(x[token], self.gate_up.weight[e]), self.act)
             h = linear(h, self.down.weight[e]) * weights[token, slot, None]
             out.index_add_(0, token, h.to(out.dtype))
         return out

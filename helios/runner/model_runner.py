@@ -507,11 +507,14 @@ class ModelRunner:
         return self._overlap
 
     def _layer_caches(self) -> list:
-        """Per layer: the KV tensor of an attention layer, the (conv, recurrent) state of a linear one."""
-        if self.state_cache is None:
+        """Per layer: the KV tensor of an attention layer, the (conv, recurrent) state of a linear one, None for an
+        ffn layer (a feed-forward block: nothing kept)."""
+        if self.state_cache is None and "ffn" not in self.arch.layer_types:
             return self.kv_cache.layers
         kv = iter(self.kv_cache.layers)
-        return [self.state_cache.layers[i] if i in self.state_cache.layers else next(kv)
+        states = self.state_cache.layers if self.state_cache is not None else {}
+        attention = set(self.arch.attention_layers)
+        return [states[i] if i in states else next(kv) if i in attention else None
                 for i in range(self.arch.num_layers)]
 
     @property

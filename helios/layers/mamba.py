@@ -1,0 +1,111 @@
+"""The Mamba-2 token mixer (nemotron_h's NemotronHMamba2Mixer), as a module over helios' flattened batch.
+
+in_proj -> [z, xBC, dt]; a depthwise causal conv (silu) over xBC; the selective scan (SSD) over x with B, C and
+dt per head, its state per request in a state slot; y * silu(z) through a grouped RMSNorm; out. The ops are
+helios.layers.recurrent's torch references on every device (no Mamba-2 GPU kernel yet). Imports torch only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from helios.core.manifest import RecurrentConfig
+from helios.layers.attention import AttentionMetadata
+from helios.layers.linear import Linear
+from helios.layers.linear_attention import sequence_starts
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+def _meta_param(*shape: int) -> nn.Parameter:
+    # NOTE: meta until the model binds the core's tensor; never allocated here.
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class _Weight(nn.Module):
+    """A bare `weight` (the gated norm's multiplier [I])."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = _meta_param(*shape)
+
+
+class _Conv(nn.Module):
+    """The conv's taps `weight` [C, K] and, with a conv bias, `bias` [C]."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = _meta_param(channels, kernel)
+        self.bias = _meta_param(channels) if bias else None
+
+
+def gated_group_rms_norm(
+    y: torch.Tensor,  # [T, I], the scan's output
+    z: torch.Tensor,  # [T, I], the gate
+    weight: torch.Tensor,  # [I]
+    group_size: int,
+    eps: float,
+    silu,  # the batch-invariant silu (helios.layers.recurrent.silu)
+) -> torch.Tensor:  # [T, I] float32
+    """NemotronHRMSNormGated: h = y * silu(z) in float32, normalised over groups of group_size channels, times the
+    weight in float32 (HF's chunked path, where y arrives in float32)."""
+    num_tokens, inner = y.shape
+    h = y.to(torch.float32) * silu(z.to(torch.float32))
+    groups = h.view(num_tokens, inner // group_size, group_size)
+    groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(torch.float32) * groups.view(num_tokens, inner)
+
+
+class Mamba2Mixer(nn.Module):
+    """Tensors bound (helios/core/layout.py, layers.L.mamba.*): in_proj.weight [I + C + Hm, H] (rows z, x, B, C,
+    dt), conv.weight [C, K] (+ conv.bias [C]), dt_bias, A_log, D [Hm], norm.weight [I], out.weight [H, I]."""
+
+    def __init__(self, hidden_size: int, config: RecurrentConfig, eps: float,
+                 switches: Switches = DEFAULT_SWITCHES) -> None:
+        super().__init__()
+        if config.kind != "mamba2":
+            raise ValueError(f"Mamba2Mixer needs mamba2 recurrent layers, not {config.kind}")
+        c = config
+        self.config = c
+        self.eps = eps
+        self.inner = c.num_heads * c.value_head_dim
+        self.group_size = c.norm_group_size or c.value_head_dim
+        self.dt_limit = tuple(c.time_step_limit) if c.time_step_limit is not None else (0.0, math.inf)
+        self.in_proj = Linear(hidden_size, self.inner + c.conv_dim + c.num_heads, switches=switches)
+        self.conv = _Conv(c.conv_dim, c.conv_kernel, c.conv_bias)
+        self.dt_bias = _meta_param(c.num_heads)
+        self.A_log = _meta_param(c.num_heads)
+        self.D = _meta_param(c.num_heads)
+        self.norm = _Weight(self.inner)
+        self.out = Linear(self.inner, hidden_size, switches=switches)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        state: tuple[torch.Tensor, torch.Tensor],  # conv [S, K-1, C], ssm [S, Hm, N, P] float32 (StateCache's rows)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        from helios.layers import recurrent as ops
+
+        c = self.config
+        num_tokens = x.shape[0]
+        groups = c.num_key_heads * c.key_head_dim
+        z, xbc, dt = self.in_proj(x).split([self.inner, c.conv_dim, c.num_heads], dim=-1)
+        slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
+        conv_state, ssm_state = state
+        xbc = ops.causal_conv(xbc, self.conv.weight, conv_state, slots, qsl, starts, bias=self.conv.bias,
+                              activation="silu")
+        xs, b, cm = xbc.split([self.inner, groups, groups], dim=-1)
+        # NOTE: the StateCache row is [Hm, N, P] (RecurrentConfig's [num_heads, key_head_dim, value_head_dim]);
+        # Mamba-2's state is HF's [Hm, P, N]: the same elements, only ever read by this layer, so a view serves
+        ssm_state = ssm_state.view(ssm_state.shape[0], c.num_heads, c.value_head_dim, c.key_head_dim)
+        y = ops.mamba2_scan(
+            xs.reshape(num_tokens, c.num_heads, c.value_head_dim), dt, self.A_log,
+            b.reshape(num_tokens, c.num_key_heads, c.key_head_dim), cm.reshape(num_tokens, c.num_key_heads, c.key_head_dim),
+            self.D, self.dt_bias, ssm_state, slots, qsl, starts, c.chunk_size, dt_limit=self.dt_limit,
+        )
+        y = gated_group_rms_norm(y.reshape(num_tokens, self.inner), z, self.norm.weight, self.group_size, self.eps,
+                                 ops.silu)
+        return self.out(y.to(x.dtype))
