@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from helios.core.manifest import RecurrentConfig
+from helios.layers import recurrent as ops
 from helios.layers.attention import AttentionMetadata
 from helios.layers.linear import Linear
 from helios.layers.linear_attention import sequence_starts
@@ -47,12 +48,12 @@ def gated_group_rms_norm(
     weight: torch.Tensor,  # [I]
     group_size: int,
     eps: float,
-    silu,  # the batch-invariant silu (helios.layers.recurrent.silu)
 ) -> torch.Tensor:  # [T, I] float32
     """NemotronHRMSNormGated: h = y * silu(z) in float32, normalised over groups of group_size channels, times the
-    weight in float32 (HF's chunked path, where y arrives in float32)."""
+    weight in float32 (HF's chunked path, where y arrives in float32). silu is helios.layers.recurrent's, whose
+    bits do not depend on an element's offset in the batch."""
     num_tokens, inner = y.shape
-    h = y.to(torch.float32) * silu(z.to(torch.float32))
+    h = y.to(torch.float32) * ops.silu(z.to(torch.float32))
     groups = h.view(num_tokens, inner // group_size, group_size)
     groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)
     return weight.to(torch.float32) * groups.view(num_tokens, inner)
@@ -87,8 +88,6 @@ class Mamba2Mixer(nn.Module):
         state: tuple[torch.Tensor, torch.Tensor],  # conv [S, K-1, C], ssm [S, Hm, N, P] float32 (StateCache's rows)
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        from helios.layers import recurrent as ops
-
         c = self.config
         num_tokens = x.shape[0]
         groups = c.num_key_heads * c.key_head_dim
@@ -101,11 +100,9 @@ class Mamba2Mixer(nn.Module):
         # NOTE: the StateCache row is [Hm, N, P] (RecurrentConfig's [num_heads, key_head_dim, value_head_dim]);
         # Mamba-2's state is HF's [Hm, P, N]: the same elements, only ever read by this layer, so a view serves
         ssm_state = ssm_state.view(ssm_state.shape[0], c.num_heads, c.value_head_dim, c.key_head_dim)
-        y = ops.mamba2_scan(
-            xs.reshape(num_tokens, c.num_heads, c.value_head_dim), dt, self.A_log,
-            b.reshape(num_tokens, c.num_key_heads, c.key_head_dim), cm.reshape(num_tokens, c.num_key_heads, c.key_head_dim),
-            self.D, self.dt_bias, ssm_state, slots, qsl, starts, c.chunk_size, dt_limit=self.dt_limit,
-        )
-        y = gated_group_rms_norm(y.reshape(num_tokens, self.inner), z, self.norm.weight, self.group_size, self.eps,
-                                 ops.silu)
+        b = b.reshape(num_tokens, c.num_key_heads, c.key_head_dim)
+        cm = cm.reshape(num_tokens, c.num_key_heads, c.key_head_dim)
+        y = ops.mamba2_scan(xs.reshape(num_tokens, c.num_heads, c.value_head_dim), dt, self.A_log, b, cm, self.D,
+                            self.dt_bias, ssm_state, slots, qsl, starts, c.chunk_size, dt_limit=self.dt_limit)
+        y = gated_group_rms_norm(y.reshape(num_tokens, self.inner), z, self.norm.weight, self.group_size, self.eps)
         return self.out(y.to(x.dtype))

@@ -70,7 +70,8 @@ def _convert(path: Path, dtype=torch.float32):
 def _expected(model) -> dict[str, torch.Tensor]:
     """The runtime layout computed from the HF modules."""
     tm = model.model
-    out = {"embed.weight": tm.embeddings.weight, "norm.weight": tm.norm_f.weight, "lm_head.weight": model.lm_head.weight}
+    out = {"embed.weight": tm.embeddings.weight, "norm.weight": tm.norm_f.weight,
+           "lm_head.weight": model.lm_head.weight}
     for i, block in enumerate(tm.layers):
         L, m = f"layers.{i}.", block.mixer
         kind = block.block_type
@@ -174,7 +175,8 @@ def test_projections_match_hf_forward(tiny, variant):
             # as NemotronHMamba2Mixer.forward splits its projection: gate, xBC (then x, B, C), dt
             gate, xbc, dt = m.in_proj(x).split([inner, r.conv_dim, r.num_heads], -1)
             hf = (gate, *xbc.split([inner, groups, groups], -1), dt)
-            ours = (x @ got[f"layers.{i}.mamba.in_proj.weight"].T).split([inner, inner, groups, groups, r.num_heads], -1)
+            rows = [inner, inner, groups, groups, r.num_heads]
+            ours = (x @ got[f"layers.{i}.mamba.in_proj.weight"].T).split(rows, -1)
             for o, t in zip(ours, hf, strict=True):
                 close(o, t)
             # the conv: taps oldest first, the last tap on the current token, plus the bias
