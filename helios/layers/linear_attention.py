@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helios.core.manifest import RecurrentConfig
+from helios.layers import recurrent
 from helios.layers.attention import AttentionMetadata
 from helios.layers.linear import Linear
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -65,26 +66,44 @@ class GatedDeltaNet(nn.Module):
         c = self.config
         num_tokens = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([c.conv_dim, self.value_dim, c.num_heads, c.num_heads], dim=-1)
-        ops = self._ops()
-        slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
         conv_state, recurrent_state = state
-        mixed = ops.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(num_tokens, c.num_key_heads, c.key_head_dim)
-        k = k.reshape(num_tokens, c.num_key_heads, c.key_head_dim)
-        v = v.reshape(num_tokens, c.num_heads, c.value_head_dim)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] float32, as HF
-        o = ops.gated_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts, chunk_size=c.chunk_size)
-        o = ops.rms_norm_gated(o.reshape(-1, c.value_head_dim), z.reshape(-1, c.value_head_dim),
-                               self.norm.weight, self.eps)
+        if self.fused:
+            o = self._mix_fused(mixed, a, b, conv_state, recurrent_state, meta)
+        else:
+            slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
+            mixed = recurrent.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts)
+            q, k, v = self._heads(mixed)
+            g, beta = self._gates(a, b)
+            o = recurrent.gated_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts,
+                                           chunk_size=c.chunk_size)
+        o = recurrent.rms_norm_gated(o.reshape(-1, c.value_head_dim), z.reshape(-1, c.value_head_dim),
+                                     self.norm.weight, self.eps)
         return self.out(o.reshape(num_tokens, self.value_dim))
 
-    def _ops(self):
-        if self.fused:
-            from helios.kernels import gated_delta
+    def _heads(self, mixed: torch.Tensor):  # [T, C] -> q, k [T, Hk, dk], v [T, Hv, dv]
+        c = self.config
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        num_tokens = mixed.shape[0]
+        return (q.reshape(num_tokens, c.num_key_heads, c.key_head_dim),
+                k.reshape(num_tokens, c.num_key_heads, c.key_head_dim),
+                v.reshape(num_tokens, c.num_heads, c.value_head_dim))
 
-            return gated_delta
-        from helios.layers import recurrent
+    def _gates(self, a: torch.Tensor, b: torch.Tensor):  # -> g [T, Hv] float32 log-decay, beta [T, Hv]
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()  # as HF
 
-        return recurrent
+    def _mix_fused(self, mixed, a, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:
+        """The Triton path (helios.kernels.gated_delta): a decode step (one token per sequence) in one launch
+        from device-side slots and starts (graph-safe); otherwise the varlen conv kernel and fla's chunked rule."""
+        from helios.kernels import gated_delta
+
+        qsl = meta.query_start_loc
+        starts = (meta.seq_lens - (qsl[1:] - qsl[:-1])).to(torch.int32)
+        if mixed.shape[0] == meta.num_seqs:
+            return gated_delta.gated_delta_decode(mixed, self.conv.weight, conv_state, a, b, self.A_log,
+                                                  self.dt_bias, recurrent_state, meta.state_slots, starts,
+                                                  self.config.num_key_heads)
+        mixed = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts)
+        q, k, v = self._heads(mixed)
+        g, beta = self._gates(a, b)
+        return gated_delta.gated_delta_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
+                                            chunk_size=self.config.chunk_size)
