@@ -1,5 +1,7 @@
 """Recurrent (linear-attention) layer ops over helios' flattened batch: the CPU/torch reference of each kernel.
 
+causal_conv (all hybrids), gated_delta_rule (qwen3_5 / qwen3_next GDN), kimi_delta_rule (kimi_linear / glm5_next
+KDA), mamba2_scan (nemotron_h), rms_norm_gated (the three families' gated norms) and the layers' gate formulas.
 Sequence i owns rows query_start_loc[i]:query_start_loc[i+1]; its first row sits at absolute position starts[i]
 (0: a fresh request, whose state is zero whatever its slot holds: the slot is then never read) and it reads and
 updates row slots[i] of the state tensors in place. One-token sequences take the recurrent form, all together in
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 # count changes with the split); the one-token step uses elementwise ops and batched matmuls of >= 2 matrices,
 # which torch splits over the matrices, never inside one. And no op whose CPU SIMD body and scalar tail disagree
 # (F.silu, F.softplus, torch.sigmoid: an element's bits would depend on its offset in the batch): those are
-# written with exp and log1p, whose two paths agree (checked by the batch and thread tests).
+# written with exp, log and log1p, whose two paths agree (checked by the batch and thread tests).
 
 
 def _lengths(query_start_loc: list[int]) -> list[int]:
@@ -148,30 +150,85 @@ def gated_delta_rule(
     head serves Hv // Hk consecutive v heads. One-token sequences: HF's torch_recurrent_gated_delta_rule, batched;
     longer ones: torch_chunk_gated_delta_rule's arithmetic on a chunk grid aligned to absolute positions.
     """
-    num_tokens, num_v_heads, v_dim = v.shape
-    group = num_v_heads // k.shape[1]
-    q = l2norm(q.to(torch.float32))
-    k = l2norm(k.to(torch.float32))
+    group = v.shape[1] // k.shape[1]
+    q, k = l2norm(q.to(torch.float32)), l2norm(k.to(torch.float32))
     if group > 1:
         q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)  # [T, Hv, dk]
+    return _delta_rule(q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size)
+
+
+def kimi_delta_gates(
+    f: torch.Tensor,  # [T, H*dk], the forget gate's projection f_b(f_a(x))
+    b: torch.Tensor,  # [T, H], the b projection
+    A_log: torch.Tensor,  # [H] (any shape of H elements)
+    dt_bias: torch.Tensor,  # [H*dk]
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # g [T, H, dk] float32, beta [T, H] in b's dtype
+    """KDA's per-channel log-decay and write strength, in float32: kimi_linear's KimiLinearForgetGate,
+    -exp(A_log) * softplus(f + dt_bias) (its softplus: log(1 + exp(x)), x above 20), or with `lower_bound` glm5_next's
+    safe gate, lower_bound * sigmoid(exp(A_log) * (f + dt_bias)); beta = sigmoid(b)."""
+    num_heads = A_log.numel()
+    x = (f.to(torch.float32) + dt_bias.to(torch.float32)).view(f.shape[0], num_heads, -1)
+    rate = A_log.to(torch.float32).reshape(num_heads, 1).exp()
+    if lower_bound is not None:
+        return lower_bound * sigmoid(rate * x), sigmoid(b)
+    return -rate * torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x))), sigmoid(b)
+
+
+def kimi_delta_rule(
+    q: torch.Tensor,  # [T, H, dk]
+    k: torch.Tensor,  # [T, H, dk]
+    v: torch.Tensor,  # [T, H, dv]
+    g: torch.Tensor,  # [T, H, dk] float32 log-decay of each key channel
+    beta: torch.Tensor,  # [T, H]
+    state: torch.Tensor,  # [S, H, dk, dv] float32, read and written in place at slots
+    slots: list[int],
+    query_start_loc: list[int],
+    starts: list[int],
+    chunk_size: int = 64,
+) -> torch.Tensor:  # [T, H, dv] in v's dtype
+    """Kimi delta attention (kimi_linear, glm5_next): the gated delta rule with a decay per key channel,
+    S <- diag(exp(g)) S, q and k l2-normalised as kimi's l2norm (x / sqrt(sum(x^2) + 1e-6)). One-token sequences:
+    recurrent_kimi_delta_attention, batched; longer ones: chunk_kimi_delta_attention on the absolute chunk grid."""
+    q, k = q.to(torch.float32), k.to(torch.float32)
+    q = q / torch.sqrt((q * q).sum(dim=-1, keepdim=True) + 1e-6)
+    k = k / torch.sqrt((k * k).sum(dim=-1, keepdim=True) + 1e-6)
+    return _delta_rule(q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size)
+
+
+def _delta_rule(q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size) -> torch.Tensor:
+    """Both delta rules from normalised float32 q, k [T, H, dk] (one per v head); g [T, H] (a decay per head) or
+    [T, H, dk] (per key channel)."""
+    scale = q.shape[-1] ** -0.5
     g, beta = g.to(torch.float32), beta.to(torch.float32)
-    out = torch.empty(num_tokens, num_v_heads, v_dim, dtype=v.dtype, device=v.device)
+
+    def one_token(rows, s):
+        return _delta_step(q[rows] * scale, k[rows], v[rows].to(torch.float32), g[rows], beta[rows], s)
+
+    def sequence(rows, s, start):
+        return _delta_chunked(q[rows] * scale, k[rows], v[rows], g[rows], beta[rows], s, start, chunk_size)
+
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    return _scan(out, state, slots, query_start_loc, starts, one_token, sequence)
+
+
+def _scan(out, state, slots, query_start_loc, starts, one_token, sequence) -> torch.Tensor:
+    """The batch split every recurrent op shares: the one-token sequences in one `one_token(rows, s)` call on their
+    slots' states (s [B, ...] updated in place), then each longer one alone: `sequence(rows, s or None, start)`
+    returns (its output rows, its final state)."""
     lengths = _lengths(query_start_loc)
-    one_token = sorted((i for i, n in enumerate(lengths) if n == 1), key=lambda i: slots[i])
-    if one_token:
-        rows = torch.tensor([query_start_loc[i] for i in one_token], device=v.device)
-        s, write_back = _slot_rows(state, [slots[i] for i in one_token], [starts[i] == 0 for i in one_token])
-        o = _recurrent_step(q[rows], k[rows], v[rows].to(torch.float32), g[rows], beta[rows], s)
+    singles = sorted((i for i, n in enumerate(lengths) if n == 1), key=lambda i: slots[i])
+    if singles:
+        rows = torch.tensor([query_start_loc[i] for i in singles], device=out.device)
+        s, write_back = _slot_rows(state, [slots[i] for i in singles], [starts[i] == 0 for i in singles])
+        out[rows] = one_token(rows, s).to(out.dtype)
         write_back()
-        out[rows] = o.to(v.dtype)
     for i, n in enumerate(lengths):
-        if n < 2:
-            continue
-        rows = slice(query_start_loc[i], query_start_loc[i + 1])
-        s = state[slots[i]] if starts[i] > 0 else None
-        o, s = _chunked(q[rows], k[rows], v[rows], g[rows], beta[rows], s, starts[i], chunk_size)
-        state[slots[i]] = s
-        out[rows] = o
+        if n > 1:
+            rows = slice(query_start_loc[i], query_start_loc[i + 1])
+            o, s = sequence(rows, state[slots[i]] if starts[i] > 0 else None, starts[i])
+            state[slots[i]] = s
+            out[rows] = o.to(out.dtype)
     return out
 
 
@@ -195,18 +252,17 @@ def _slot_rows(
     return rows, lambda: state.index_copy_(0, index, rows)
 
 
-def _recurrent_step(
-    q: torch.Tensor,  # [B, H, dk] float32, normalised
+def _delta_step(
+    q: torch.Tensor,  # [B, H, dk] float32, normalised and scaled
     k: torch.Tensor,  # [B, H, dk] float32, normalised
     v: torch.Tensor,  # [B, H, dv] float32
-    g: torch.Tensor,  # [B, H]
+    g: torch.Tensor,  # [B, H] or [B, H, dk]
     beta: torch.Tensor,  # [B, H]
     s: torch.Tensor,  # [B, H, dk, dv] float32, updated in place
 ) -> torch.Tensor:  # [B, H, dv] float32
     """One token of B sequences at once, in HF's recurrent order (decay, read, delta, write, read)."""
     num_seqs, num_heads, key_dim, value_dim = s.shape
-    q = q / key_dim**0.5
-    s.mul_(g.exp()[..., None, None])
+    s.mul_(g.exp()[..., None] if g.dim() == 3 else g.exp()[..., None, None])
     kv_mem = torch.matmul(k[:, :, None, :], s)[:, :, 0]  # [B, H, dv]
     delta = (v - kv_mem) * beta[..., None]
     # the rank-1 write as a batched product: one pass over the state instead of a materialised outer product
@@ -226,46 +282,184 @@ def _chunk_bounds(start: int, length: int, chunk_size: int) -> list[tuple[int, i
     return bounds
 
 
-def _chunked(
-    q: torch.Tensor,  # [L, H, dk] float32, normalised
+def _head_major(x: torch.Tensor) -> torch.Tensor:  # [n, H, ...] -> [H, n, ...] float32, contiguous
+    return x.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
+
+
+def _delta_chunked(
+    q: torch.Tensor,  # [L, H, dk] float32, normalised and scaled
     k: torch.Tensor,  # [L, H, dk] float32, normalised
     v: torch.Tensor,  # [L, H, dv]
-    g: torch.Tensor,  # [L, H] float32
+    g: torch.Tensor,  # [L, H] or [L, H, dk] float32
     beta: torch.Tensor,  # [L, H] float32
     s: torch.Tensor | None,  # [H, dk, dv] float32, None: zero
     start: int,
     chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # o [L, H, dv] in v's dtype, the final state [H, dk, dv]
-    """torch_chunk_gated_delta_rule for one sequence, chunk by chunk (UT transform inside a chunk, the state
-    carried between chunks); HF's zero padding of the last chunk is dropped, which changes no real row."""
-    scale = q.shape[-1] ** -0.5
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [L, H, dv] float32, the final state [H, dk, dv]
+    """torch_chunk_gated_delta_rule / chunk_kimi_delta_attention for one sequence, chunk by chunk (UT transform
+    inside a chunk, the state carried between chunks); HF's zero padding of the last chunk is dropped, which
+    changes no real row."""
+    per_channel = g.dim() == 3
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for a, b in _chunk_bounds(start, q.shape[0], chunk_size):
-        # head-major copies of the chunk: [H, n, d] and [H, n]
-        qc, kc = q[a:b].transpose(0, 1).contiguous() * scale, k[a:b].transpose(0, 1).contiguous()
-        vc = v[a:b].transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
-        gc, bc = g[a:b].t().contiguous(), beta[a:b].t().contiguous()
-        n = b - a
-        cum = gc.cumsum(dim=-1)  # [H, n] log of the decay from the chunk's start through each row
-        upper = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        pair = (cum[:, :, None] - cum[:, None, :]).masked_fill(upper, float("-inf")).exp()  # [H, n, n]
+        qc, kc, vc, gc, bc = (_head_major(t[a:b]) for t in (q, k, v, g, beta))  # [H, n, ...]
+        cum = gc.cumsum(dim=1)  # [H, n(, dk)] log of the decay from the chunk's start through each row
         k_beta, v_beta = kc * bc[..., None], vc * bc[..., None]
-        # HF solves (I + strictly_lower(system)) x = rhs for two right-hand sides (solve_triangular, unitriangular)
-        inverse = _unit_lower_inverse((k_beta @ kc.transpose(-1, -2)) * pair)
-        attn = (qc @ kc.transpose(-1, -2)) * pair
-        new_values = inverse @ v_beta
-        cum_exp = cum.exp()[..., None]
-        if s is None:  # a fresh sequence's first chunk: HF's zero state adds exact zeros
-            o = attn @ new_values
-            v_new = new_values
+        if per_channel:
+            system, attn = _channel_decayed_scores((k_beta, qc), kc, cum)
+            decay = cum.exp()  # [H, n, dk]
+            last = cum[:, -1:]  # [H, 1, dk]
+            k_tail = kc * (last - cum).exp()  # each key decayed to the chunk's end
+            state_decay = last.exp().transpose(1, 2)  # [H, dk, 1]
         else:
-            v_new = new_values - (inverse @ (k_beta * cum_exp)) @ s
-            o = (qc * cum_exp) @ s + attn @ v_new
-        last = cum[:, -1:]  # [H, 1]
-        k_tail = kc * (last - cum).exp()[..., None]  # each key decayed to the chunk's end
-        write = k_tail.transpose(-1, -2) @ v_new
-        s = write if s is None else s * last.exp()[..., None] + write
-        out[a:b] = o.transpose(0, 1).to(v.dtype)
+            n = b - a
+            upper = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+            pair = (cum[:, :, None] - cum[:, None, :]).masked_fill(upper, float("-inf")).exp()  # [H, n, n]
+            system, attn = (k_beta @ kc.transpose(1, 2)) * pair, (qc @ kc.transpose(1, 2)) * pair
+            decay = cum.exp()[..., None]  # [H, n, 1]
+            last = cum[:, -1:]  # [H, 1]
+            k_tail = kc * (last - cum).exp()[..., None]
+            state_decay = last.exp()[..., None]  # [H, 1, 1]
+        # HF solves (I + strictly_lower(system)) x = rhs for two right-hand sides (solve_triangular, unitriangular)
+        inverse = _unit_lower_inverse(system)
+        new_values = inverse @ v_beta
+        if s is None:  # a fresh sequence's first chunk: HF's zero state adds exact zeros
+            o, v_new = attn @ new_values, new_values
+        else:
+            v_new = new_values - (inverse @ (k_beta * decay)) @ s
+            o = (qc * decay) @ s + attn @ v_new
+        write = k_tail.transpose(1, 2) @ v_new
+        s = write if s is None else s * state_decay + write
+        out[a:b] = o.transpose(0, 1)
+    return out, s
+
+
+def _channel_decayed_scores(
+    xs: tuple[torch.Tensor, ...],  # each [H, n, dk]
+    y: torch.Tensor,  # [H, n, dk]
+    cum: torch.Tensor,  # [H, n, dk] cumulative log-decay per channel (non-increasing along n)
+) -> list[torch.Tensor]:  # per x, [H, n, n]
+    """out[i, j] = sum_d x[i, d] y[j, d] exp(cum[i, d] - cum[j, d]) for j <= i, 0 above the diagonal.
+
+    HF forms the [n, n, dk] product outright. Here rows go in blocks of 16: the columns before a block are one
+    matmul through the block's first row r, exp(cum_i - cum_r) * exp(cum_r - cum_j), both factors <= 1 (no
+    overflow, and an underflow only where the exact value is smaller still); the block's own 16 x 16 corner is
+    formed outright, since there exp(cum_r - cum_j) may exceed any float.
+    """
+    heads, n, _ = y.shape
+    outs = [torch.zeros(heads, n, n, dtype=y.dtype, device=y.device) for _ in xs]
+    for r in range(0, n, SUBSTITUTION_BLOCK):
+        e = min(n, r + SUBSTITUTION_BLOCK)
+        upper = torch.ones(e - r, e - r, dtype=torch.bool, device=y.device).triu(1)
+        diff = (cum[:, r:e, None, :] - cum[:, None, r:e, :]).masked_fill(upper[..., None], float("-inf"))
+        decayed = y[:, None, r:e, :] * diff.exp()  # [H, m, m, dk]: y_j decayed to row i
+        ref = cum[:, r : r + 1]  # [H, 1, dk]
+        right = (y[:, :r] * (ref - cum[:, :r]).exp()).transpose(1, 2) if r else None  # [H, dk, r]
+        for x, out in zip(xs, outs):
+            rows = x[:, r:e]  # [H, m, dk]
+            out[:, r:e, r:e] = torch.matmul(decayed, rows[..., None])[..., 0]
+            if r:
+                out[:, r:e, :r] = (rows * (cum[:, r:e] - ref).exp()) @ right
+    return outs
+
+
+def mamba2_scan(
+    x: torch.Tensor,  # [T, H, P]
+    dt: torch.Tensor,  # [T, H], the dt projection (before dt_bias and softplus)
+    A_log: torch.Tensor,  # [H]
+    B: torch.Tensor,  # [T, G, N]
+    C: torch.Tensor,  # [T, G, N]
+    D: torch.Tensor,  # [H]
+    dt_bias: torch.Tensor,  # [H]
+    state: torch.Tensor,  # [S, H, P, N] float32, read and written in place at slots
+    slots: list[int],
+    query_start_loc: list[int],
+    starts: list[int],
+    chunk_size: int,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:  # [T, H, P] in x's dtype
+    """Mamba-2's selective scan (nemotron_h's NemotronHMamba2Mixer), D skip included: per head h of group
+    g = h // (H / G), dt = clamp(softplus(dt + dt_bias)), S <- exp(dt A) S + dt x B_g^T, y = S C_g + D x, with
+    A = -exp(A_log). One-token sequences: mamba2_selective_state_update, batched; longer ones: mamba2_chunk_scan's
+    arithmetic on the absolute chunk grid, each chunk's state carried sequentially.
+
+    As HF, dt + dt_bias and the softplus round to dt's dtype; the rest is float32. HF's one-token path leaves dt
+    unclamped (its chunked path clamps): both clamp here, which differs only for a dt_limit other than (0, inf).
+    """
+    num_heads, num_groups = x.shape[1], B.shape[1]
+    assert num_heads % num_groups == 0, (num_heads, num_groups)
+    dt = softplus((dt + dt_bias.to(dt.dtype)).to(torch.float32)).to(dt.dtype).to(torch.float32)
+    dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])  # [T, H]
+    A = -A_log.to(torch.float32).exp()  # [H]
+    skip = D.to(torch.float32)[:, None]  # [H, 1]
+
+    def one_token(rows, s):
+        return _mamba2_step(x[rows].to(torch.float32), dt[rows], A, B[rows].to(torch.float32),
+                            C[rows].to(torch.float32), skip, s)
+
+    def sequence(rows, s, start):
+        return _mamba2_chunked(x[rows], dt[rows], A, B[rows], C[rows], skip, s, start, chunk_size)
+
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _scan(out, state, slots, query_start_loc, starts, one_token, sequence)
+
+
+def _mamba2_step(
+    x: torch.Tensor,  # [B, H, P] float32
+    dt: torch.Tensor,  # [B, H] float32
+    A: torch.Tensor,  # [H]
+    B: torch.Tensor,  # [B, G, N] float32
+    C: torch.Tensor,  # [B, G, N] float32
+    skip: torch.Tensor,  # [H, 1], D
+    s: torch.Tensor,  # [B, H, P, N] float32, updated in place
+) -> torch.Tensor:  # [B, H, P] float32
+    """One token of B sequences at once: decay, rank-1 write, read (mamba2_selective_state_update's order)."""
+    num_seqs, num_heads, head_dim, state_dim = s.shape
+    group = num_heads // B.shape[1]
+    s.mul_((dt * A).exp()[..., None, None])
+    flat = s.view(num_seqs * num_heads, head_dim, state_dim)
+    b_heads = B.repeat_interleave(group, dim=1).reshape(-1, 1, state_dim)  # [B*H, 1, N]
+    flat.baddbmm_((x * dt[..., None]).reshape(-1, head_dim, 1), b_heads)
+    c_heads = C.repeat_interleave(group, dim=1).reshape(-1, state_dim, 1)  # [B*H, N, 1]
+    return torch.bmm(flat, c_heads).view(num_seqs, num_heads, head_dim) + x * skip
+
+
+def _mamba2_chunked(
+    x: torch.Tensor,  # [L, H, P]
+    dt: torch.Tensor,  # [L, H] float32, after softplus and clamp
+    A: torch.Tensor,  # [H]
+    B: torch.Tensor,  # [L, G, N]
+    C: torch.Tensor,  # [L, G, N]
+    skip: torch.Tensor,  # [H, 1]
+    s: torch.Tensor | None,  # [H, P, N] float32, None: zero
+    start: int,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # y [L, H, P] float32, the final state [H, P, N]
+    """mamba2_chunk_scan for one sequence, chunk by chunk: within a chunk y = (C B^T * L) (dt x) with L the
+    segment-summed decays; between chunks the state, read through C and decayed, then written."""
+    num_heads = x.shape[1]
+    group = num_heads // B.shape[1]
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for a, b in _chunk_bounds(start, x.shape[0], chunk_size):
+        n = b - a
+        xc, dtc = _head_major(x[a:b]), _head_major(dt[a:b])  # [H, n, P], [H, n]
+        bc, cc = _head_major(B[a:b]), _head_major(C[a:b])  # [G, n, N]
+        adt = A[:, None] * dtc  # [H, n]
+        cum = adt.cumsum(dim=1)
+        # segment sums as HF's segment_sum: sum of adt over (j, i] for j <= i (a cumsum of masked copies, which
+        # keeps small differences exact where a difference of two long cumsums would not), -inf above
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        seg = adt[:, :, None].expand(num_heads, n, n).masked_fill(~causal.tril(-1), 0).cumsum(dim=1)
+        seg = seg.masked_fill(~causal, float("-inf"))
+        scores = (cc @ bc.transpose(1, 2)).repeat_interleave(group, dim=0) * seg.exp()  # [H, n, n]
+        xdt = xc * dtc[..., None]  # [H, n, P]
+        y = scores @ xdt
+        b_heads = bc.repeat_interleave(group, dim=0)  # [H, n, N]
+        if s is not None:
+            y = y + (cc.repeat_interleave(group, dim=0) @ s.transpose(1, 2)) * cum.exp()[..., None]
+        write = (xdt * (cum[:, -1:] - cum).exp()[..., None]).transpose(1, 2) @ b_heads  # [H, P, N]
+        s = write if s is None else s * cum[:, -1].exp()[:, None, None] + write
+        out[a:b] = (y + xc * skip[:, None]).transpose(0, 1)
     return out, s
 
 
@@ -308,11 +502,25 @@ def rms_norm_gated(
     z: torch.Tensor,  # [N, d], the gate
     weight: torch.Tensor,  # [d]
     eps: float,
+    *,
+    activation: str = "silu",  # the gate's: "silu" or "sigmoid"
+    norm_before_gate: bool = True,
+    group_size: int | None = None,  # normalise groups of this many channels (None: all d)
+    multiply_in_float32: bool = False,
 ) -> torch.Tensor:  # [N, d] in x's dtype
-    """Qwen3_5RMSNormGated: norm in float32, weight multiplied in x's dtype, then * silu(z) in float32 (our silu,
-    which may differ from F.silu by an ulp)."""
+    """RMSNorm with an output gate, statistics in float32, in the three orders upstream uses:
+    Qwen3_5RMSNormGated (the defaults): norm, weight multiplied in x's dtype, then * silu(z) in float32;
+    NemotronHRMSNormGated (norm_before_gate=False, group_size=d / n_groups): x * silu(z), grouped norm, weight;
+    KimiLinearRMSNormGated (activation="sigmoid", multiply_in_float32=True): norm, float32 weight, * sigmoid(z).
+    (Our silu / sigmoid, which may differ from torch's by an ulp.)"""
     dtype = x.dtype
     h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = weight * h.to(dtype)
-    return (h * silu(z.to(torch.float32))).to(dtype)
+    gate = {"silu": silu, "sigmoid": sigmoid}[activation](z.to(torch.float32))
+    if not norm_before_gate:
+        h = h * gate
+    grouped = h.unflatten(-1, (-1, group_size)) if group_size else h
+    h = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)).view(h.shape)
+    h = weight.to(torch.float32) * h if multiply_in_float32 else weight * h.to(dtype)
+    if norm_before_gate:
+        h = h * gate
+    return h.to(dtype)

@@ -1,7 +1,8 @@
 """The recurrent layers' torch ops (helios.layers.recurrent) against transformers' torch paths, run one sequence at
-a time: mixed batches (fresh prefill, continued prefill, decode, one-token prompts) on scattered slots, float32 and
-bf16; the chunk grid's exactness (a prompt split on multiples of the chunk, a sequence alone or in any batch, one
-or two threads: the same bits); and whole layers composed from the ops against the HF layer's forward."""
+a time: the causal conv, and the three scans (gated delta rule, Kimi delta rule, Mamba-2) over mixed batches (fresh
+prefill, continued prefill, decode, one-token prompts) on scattered slots, float32 and bf16; the chunk grid's
+exactness (a prompt split on multiples of the chunk, a sequence alone or in any batch, one or two threads: the same
+bits); the gated norms and gates. Whole layers composed from the ops: test_recurrent_layers.py."""
 
 from __future__ import annotations
 
@@ -13,18 +14,31 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helios.layers.recurrent import causal_conv, gated_delta_gates, gated_delta_rule, rms_norm_gated
+from helios.layers.recurrent import (
+    causal_conv,
+    gated_delta_gates,
+    gated_delta_rule,
+    kimi_delta_gates,
+    kimi_delta_rule,
+    mamba2_scan,
+    rms_norm_gated,
+)
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # fla, when installed, warns that Triton has no CPU driver
-    from transformers import Qwen3_5TextConfig
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+    from transformers.models.nemotron_h import modeling_nemotron_h as nemotron
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
-# the torch functions themselves, under the hub-kernel / fla dispatch decorators
+# the torch functions themselves, under the hub-kernel / fla / mamba_ssm dispatch decorators
 hf_conv_fn = inspect.unwrap(qwen3_5.causal_conv1d_fn)
 hf_conv_update = inspect.unwrap(qwen3_5.causal_conv1d_update)
 hf_chunk_gdr = inspect.unwrap(qwen3_5.torch_chunk_gated_delta_rule)
 hf_recurrent_gdr = inspect.unwrap(qwen3_5.torch_recurrent_gated_delta_rule)
+hf_chunk_kda = inspect.unwrap(kimi.chunk_kimi_delta_attention)
+hf_recurrent_kda = inspect.unwrap(kimi.recurrent_kimi_delta_attention)
+hf_chunk_mamba2 = inspect.unwrap(nemotron.mamba2_chunk_scan)
+hf_mamba2_update = inspect.unwrap(nemotron.mamba2_selective_state_update)
 
 NUM_SLOTS = 12
 
@@ -120,37 +134,111 @@ def test_causal_conv_keeps_zeros_before_a_short_fresh_sequence():
     assert torch.equal(state[6], torch.cat([torch.zeros(2, 8), x[2:3]]))
 
 
-# ---- gated delta rule
+# ---- the scans: one case per op, each with its inputs, its call and HF's per-sequence reference
 
 
-def gdr_inputs(batch: Batch, num_k_heads: int, num_v_heads: int, dk: int, dv: int, dtype, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    t = batch.num_tokens
-    q = torch.randn(t, num_k_heads, dk, generator=g).to(dtype)
-    k = torch.randn(t, num_k_heads, dk, generator=g).to(dtype)
-    v = torch.randn(t, num_v_heads, dv, generator=g).to(dtype)
-    # as the layer makes them: g = -exp(A_log) * softplus(a + dt_bias) in float32, beta = sigmoid(b)
-    a_log = torch.rand(num_v_heads, generator=g) * 2 - 1
-    g_ = -a_log.exp() * F.softplus(torch.randn(t, num_v_heads, generator=g))
-    beta = torch.sigmoid(torch.randn(t, num_v_heads, generator=g)).to(dtype)
-    state = batch.states(num_v_heads, dk, dv, gen=g) * 0.5
-    return q, k, v, g_, beta, state
+class Scan:
+    """One recurrent op under test: `make` builds per-token tensors (sliced by rows), fixed params and the state;
+    `run` calls the op; `reference` runs HF's torch functions one sequence at a time."""
+
+    name = ""
+    chunk_size = 64
+
+    def run(self, tensors, params, state, slots, qsl, starts, chunk_size=None):
+        raise NotImplementedError
 
 
-def gdr_reference(q, k, v, g, beta, state, batch: Batch, chunk_size=64):
-    """HF per sequence: the recurrent form for one token with a state (as the layer), else the chunked form."""
+class GatedDelta(Scan):
+    name = "gated_delta"
+
+    def make(self, batch, dtype, seed=0, heads=(2, 4), dims=(16, 24), decay=1.0):
+        g = torch.Generator().manual_seed(seed)
+        (hk, hv), (dk, dv), t = heads, dims, batch.num_tokens
+        q, k = (torch.randn(t, hk, dk, generator=g).to(dtype) for _ in range(2))
+        v = torch.randn(t, hv, dv, generator=g).to(dtype)
+        # as the layer makes them: g = -exp(A_log) * softplus(a + dt_bias) in float32, beta = sigmoid(b)
+        a_log = torch.rand(hv, generator=g) * 2 - 1
+        log_decay = -a_log.exp() * F.softplus(torch.randn(t, hv, generator=g)) * decay
+        beta = torch.sigmoid(torch.randn(t, hv, generator=g)).to(dtype)
+        return (q, k, v, log_decay, beta), (), batch.states(hv, dk, dv, gen=g) * 0.5
+
+    def run(self, tensors, params, state, slots, qsl, starts, chunk_size=None):
+        return gated_delta_rule(*tensors, state, slots, qsl, starts, chunk_size=chunk_size or self.chunk_size)
+
+    def reference_one(self, tensors, params, initial, one_token):
+        kw = dict(initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        if one_token:
+            return hf_recurrent_gdr(*tensors, **kw)
+        return hf_chunk_gdr(*tensors, chunk_size=self.chunk_size, **kw)
+
+
+class KimiDelta(GatedDelta):
+    name = "kimi_delta"
+
+    def make(self, batch, dtype, seed=0, heads=4, dims=(16, 24), decay=1.0):
+        g = torch.Generator().manual_seed(seed)
+        (dk, dv), t = dims, batch.num_tokens
+        q, k = (torch.randn(t, heads, dk, generator=g).to(dtype) for _ in range(2))
+        v = torch.randn(t, heads, dv, generator=g).to(dtype)
+        # per key channel, as KimiLinearForgetGate: -exp(A_log) * softplus(f + dt_bias)
+        a_log = torch.rand(heads, 1, generator=g) * 2 - 1
+        log_decay = -a_log.exp() * F.softplus(torch.randn(t, heads, dk, generator=g) * 2) * decay
+        beta = torch.sigmoid(torch.randn(t, heads, generator=g)).to(dtype)
+        return (q, k, v, log_decay, beta), (), batch.states(heads, dk, dv, gen=g) * 0.5
+
+    def run(self, tensors, params, state, slots, qsl, starts, chunk_size=None):
+        return kimi_delta_rule(*tensors, state, slots, qsl, starts, chunk_size=chunk_size or self.chunk_size)
+
+    def reference_one(self, tensors, params, initial, one_token):
+        kw = dict(initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        if one_token:
+            return hf_recurrent_kda(*tensors, **kw)
+        return hf_chunk_kda(*tensors, chunk_size=self.chunk_size, **kw)
+
+
+class Mamba2(Scan):
+    name = "mamba2"
+    chunk_size = 16
+
+    def make(self, batch, dtype, seed=0, heads=(8, 2), dims=(16, 16), decay=1.0):
+        g = torch.Generator().manual_seed(seed)
+        (h, groups), (p, n), t = heads, dims, batch.num_tokens
+        x = torch.randn(t, h, p, generator=g).to(dtype)
+        dt = torch.randn(t, h, generator=g).to(dtype)
+        b, c = (torch.randn(t, groups, n, generator=g).to(dtype) for _ in range(2))
+        a_log = torch.log(torch.arange(1, h + 1, dtype=torch.float32) * decay)  # HF's initialisation
+        d, dt_bias = torch.randn(h, generator=g), torch.randn(h, generator=g) * 0.5
+        return (x, dt, b, c), (a_log, d, dt_bias), batch.states(h, p, n, gen=g) * 0.5
+
+    def run(self, tensors, params, state, slots, qsl, starts, chunk_size=None):
+        (x, dt, b, c), (a_log, d, dt_bias) = tensors, params
+        return mamba2_scan(x, dt, a_log, b, c, d, dt_bias, state, slots, qsl, starts, chunk_size or self.chunk_size)
+
+    def reference_one(self, tensors, params, initial, one_token):
+        (x, dt, b, c), (a_log, d, dt_bias) = tensors, params
+        p, n = x.shape[3], b.shape[-1]
+        a = -a_log.exp()
+        if one_token:  # as mamba2_scan_forward calls it
+            state = initial.clone()
+            y = hf_mamba2_update(state, x[:, 0], dt.transpose(1, 2).expand(-1, -1, p),
+                                 a[:, None, None].expand(-1, p, n), b[:, 0], c[:, 0], d[:, None].expand(-1, p),
+                                 dt_bias=dt_bias[:, None].expand(-1, p), dt_softplus=True)
+            return y[:, None], state
+        return hf_chunk_mamba2(x, dt, a, b, c, self.chunk_size, D=d, dt_bias=dt_bias, initial_states=initial,
+                               dt_softplus=True, return_final_states=True)
+
+
+SCANS = {case.name: case for case in (GatedDelta(), KimiDelta(), Mamba2())}
+
+
+def reference(case: Scan, tensors, params, state, batch: Batch):
+    """HF per sequence: the recurrent form for one token with a state (as the layers call it), else the chunked form."""
     outs, new_states = [], {}
     for i, (start, slot) in enumerate(zip(batch.starts, batch.slots)):
         r = batch.rows(i)
         initial = state[slot][None].clone() if start > 0 else None
-        args = (q[r][None], k[r][None], v[r][None], g[r][None], beta[r][None])
-        if batch.lengths[i] == 1:
-            o, s = hf_recurrent_gdr(*args, initial_state=initial, output_final_state=True,
-                                    use_qk_l2norm_in_kernel=True)
-        else:
-            o, s = hf_chunk_gdr(*args, chunk_size=chunk_size, initial_state=initial, output_final_state=True,
-                                use_qk_l2norm_in_kernel=True)
-        outs.append(o[0])
+        o, s = case.reference_one([t[r][None] for t in tensors], params, initial, batch.lengths[i] == 1 and start > 0)
+        outs.append(o[0].to(tensors[0].dtype))
         new_states[slot] = s[0]
     return torch.cat(outs), new_states
 
@@ -164,32 +252,48 @@ BATCHES = {
 }
 
 
-@pytest.mark.parametrize("name", list(BATCHES))
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 4e-3)])  # bf16: 2 ulps at 0.4
-def test_gated_delta_rule_matches_hf(name, dtype, tol):
-    batch = BATCHES[name]
-    q, k, v, g, beta, state = gdr_inputs(batch, 2, 4, 16, 24, dtype)
-    expected, expected_states = gdr_reference(q, k, v, g, beta, state, batch)
-    out = gated_delta_rule(q, k, v, g, beta, state, *batch.args())
+def close(actual, expected, tol):
+    """Within tol of the largest magnitude (at least 1): Mamba-2's outputs run to ~100, the delta rules' to ~1."""
+    torch.testing.assert_close(actual, expected, atol=tol * max(1.0, expected.abs().max().item()), rtol=tol)
+
+
+def check_against_hf(case: Scan, batch: Batch, dtype, tol, **make):
+    tensors, params, state = case.make(batch, dtype, **make)
+    expected, expected_states = reference(case, tensors, params, state, batch)
+    out = case.run(tensors, params, state, *batch.args())
     assert out.dtype == dtype and state.dtype == torch.float32
-    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    close(out, expected, tol)
     for slot, s in expected_states.items():
-        torch.testing.assert_close(state[slot], s, atol=1e-5 if dtype == torch.float32 else 1e-4, rtol=1e-5)
+        close(state[slot], s, tol)  # bf16: HF's Mamba-2 step writes dt * B * x rounded to bf16
 
 
-def test_gated_delta_rule_matches_hf_at_real_head_sizes():
-    """128-wide heads, 16 q/k heads for 32 v heads (qwen3_5's shape), chunk 64: float32 within 1e-5."""
-    batch = Batch([(0, 70), (3, 1), (64, 3)], [1, 0, 2])
-    q, k, v, g, beta, state = gdr_inputs(batch, 16, 32, 128, 128, torch.float32)
-    expected, expected_states = gdr_reference(q, k, v, g, beta, state, batch)
-    out = gated_delta_rule(q, k, v, g, beta, state, *batch.args())
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    for slot, s in expected_states.items():
-        torch.testing.assert_close(state[slot], s, atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("name", list(BATCHES))
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("op", list(SCANS))
+def test_scan_matches_hf(op, name, dtype, tol):
+    """float32 within 1e-5; bf16 (inputs rounded, state float32) within 2 bf16 ulps of the largest output. (HF's
+    bf16 Mamba-2 step rounds the state to bf16 before reading it; ours reads it in float32.)"""
+    check_against_hf(SCANS[op], BATCHES[name], dtype, tol)
+
+
+@pytest.mark.parametrize("op,make", [
+    ("gated_delta", dict(heads=(16, 32), dims=(128, 128))),  # qwen3_5
+    ("kimi_delta", dict(heads=8, dims=(128, 128))),  # kimi_linear's head size
+    ("mamba2", dict(heads=(32, 4), dims=(64, 128))),  # nemotron_h's head and state sizes
+])
+def test_scan_matches_hf_at_real_head_sizes(op, make):
+    check_against_hf(SCANS[op], Batch([(0, 70), (3, 1), (64, 3)], [1, 0, 2]), torch.float32, 1e-5, **make)
+
+
+@pytest.mark.parametrize("op", ["kimi_delta", "mamba2"])
+def test_scan_matches_hf_under_strong_decay(op):
+    """Decays of tens of nats a token: a chunk's decays span far more than a float's range (kimi's per-channel
+    scores must never form exp(+cum)), and the state forgets within a few tokens."""
+    check_against_hf(SCANS[op], BATCHES["mixed"], torch.float32, 1e-5, decay=30.0)
 
 
 def sequential_float64(q, k, v, g, beta, s0):
-    """The delta rule token by token in float64: one sequence, q/k [L, Hk, dk], s0 [Hv, dk, dv]."""
+    """The gated delta rule token by token in float64: one sequence, q/k [L, Hk, dk], s0 [Hv, dk, dv]."""
     def norm(x):
         return x.double() * torch.rsqrt((x.double() ** 2).sum(-1, keepdim=True) + 1e-6)
     group = v.shape[1] // k.shape[1]
@@ -207,15 +311,15 @@ def sequential_float64(q, k, v, g, beta, s0):
 def test_gated_delta_rule_with_repeated_keys():
     """The chunk's triangular system at its worst (one key, or its negation, for every token; no decay, beta ~1):
     the blocked inverse stays as close to a float64 token-by-token run as HF's triangular solve."""
-    batch = Batch([(0, 64), (64, 64), (0, 40)], [0, 1, 2])
-    q, k, v, g, beta, state = gdr_inputs(batch, 2, 4, 16, 16, torch.float32)
+    case, batch = SCANS["gated_delta"], Batch([(0, 64), (64, 64), (0, 40)], [0, 1, 2])
+    (q, k, v, g, beta), params, state = case.make(batch, torch.float32, dims=(16, 16))
     k[:] = k[0]
     k[::3] = -k[0]
     g.zero_()
     beta.fill_(0.999)
     initial = state.clone()
-    expected, expected_states = gdr_reference(q, k, v, g, beta, state, batch)
-    out = gated_delta_rule(q, k, v, g, beta, state, *batch.args())
+    expected, expected_states = reference(case, (q, k, v, g, beta), params, state, batch)
+    out = case.run((q, k, v, g, beta), params, state, *batch.args())
     for i, (start, slot) in enumerate(zip(batch.starts, batch.slots)):
         r = batch.rows(i)
         exact, exact_state = sequential_float64(q[r], k[r], v[r], g[r], beta[r],
@@ -227,90 +331,127 @@ def test_gated_delta_rule_with_repeated_keys():
         torch.testing.assert_close(state[slot], expected_states[slot], atol=1e-5, rtol=1e-5)
 
 
-def run_pieces(op, tensors, state, start: int, cuts: list[int], slot: int = 3, **kw):
+def run_pieces(case: Scan, tensors, params, state, start: int, cuts: list[int], chunk_size: int, slot: int = 3):
     """One sequence from position `start`, run as the pieces between `cuts` (row offsets); outputs concatenated."""
     outs, bounds = [], [0, *cuts, tensors[0].shape[0]]
     for a, b in zip(bounds, bounds[1:]):
-        outs.append(op(*(t[a:b] for t in tensors), state, [slot], [0, b - a], [start + a], **kw))
+        piece = [t[a:b] for t in tensors]
+        outs.append(case.run(piece, params, state, [slot], [0, b - a], [start + a], chunk_size=chunk_size))
     return torch.cat(outs)
 
 
 @pytest.mark.parametrize("chunk_size", [16, 64])
-def test_gated_delta_rule_split_on_the_chunk_grid_is_exact(chunk_size):
+@pytest.mark.parametrize("op", list(SCANS))
+def test_scan_split_on_the_chunk_grid_is_exact(op, chunk_size):
     """A prompt run whole, or in pieces that start on multiples of the chunk: the same output bits and the same
     final state (fresh slot memory NaN, never read)."""
-    batch = Batch([(0, 3 * chunk_size + 9)], [3])
-    q, k, v, g, beta, _ = gdr_inputs(batch, 2, 4, 16, 16, torch.float32)
-    tensors = (q, k, v, g, beta)
-    whole_state = torch.zeros(NUM_SLOTS, 4, 16, 16)
-    whole = run_pieces(gated_delta_rule, tensors, whole_state, 0, [], chunk_size=chunk_size)
+    case, batch = SCANS[op], Batch([(0, 3 * chunk_size + 9)], [3])
+    tensors, params, state = case.make(batch, torch.float32)
+    whole_state = torch.zeros_like(state)
+    whole = run_pieces(case, tensors, params, whole_state, 0, [], chunk_size)
     for cuts in ([chunk_size], [chunk_size, 3 * chunk_size], [2 * chunk_size]):
-        state = torch.full((NUM_SLOTS, 4, 16, 16), float("nan"))
-        pieces = run_pieces(gated_delta_rule, tensors, state, 0, cuts, chunk_size=chunk_size)
+        state = torch.full_like(whole_state, float("nan"))
+        pieces = run_pieces(case, tensors, params, state, 0, cuts, chunk_size)
         assert torch.equal(pieces, whole), cuts
         assert torch.equal(state[3], whole_state[3]), cuts
     # a prefill continuing from the middle of a chunk agrees with the whole run to rounding
-    state = torch.zeros(NUM_SLOTS, 4, 16, 16)
-    pieces = run_pieces(gated_delta_rule, tensors, state, 0, [chunk_size + 5], chunk_size=chunk_size)
+    state = torch.zeros_like(whole_state)
+    pieces = run_pieces(case, tensors, params, state, 0, [chunk_size + 5], chunk_size)
     torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state[3], whole_state[3], atol=1e-5, rtol=1e-5)
 
 
-def test_ops_are_batch_invariant():
-    """Each sequence of a mixed batch, alone on its slot: bit-identical rows and states for every op."""
+@pytest.mark.parametrize("op", list(SCANS))
+def test_scan_is_batch_invariant(op):
+    """Each sequence of a mixed batch, alone on its slot: bit-identical rows and state."""
+    case, batch = SCANS[op], MIXED
+    tensors, params, state = case.make(batch, torch.float32)
+    state_all = state.clone()
+    out = case.run(tensors, params, state_all, *batch.args(), chunk_size=16)
+    for i, (start, slot) in enumerate(zip(batch.starts, batch.slots)):
+        r, alone, s = batch.rows(i), Batch([(start, batch.lengths[i])], [slot]), state.clone()
+        o = case.run([t[r] for t in tensors], params, s, *alone.args(), chunk_size=16)
+        assert torch.equal(o, out[r]) and torch.equal(s[slot], state_all[slot]), i
+
+
+def test_conv_norms_and_gates_are_batch_invariant():
+    """The conv, and the elementwise ops a layer applies around the scans: one row alone, or at any batch offset."""
     batch = MIXED
-    q, k, v, g, beta, state = gdr_inputs(batch, 2, 4, 16, 16, torch.float32)
-    x, weight, bias, conv_state = conv_inputs(batch, 24, 4, torch.float32)
-    state_all, conv_all = state.clone(), conv_state.clone()
-    out = gated_delta_rule(q, k, v, g, beta, state_all, *batch.args(), chunk_size=16)
+    x, weight, bias, conv_state = conv_inputs(batch, 40, 4, torch.float32)
+    conv_all = conv_state.clone()
     conv_out = causal_conv(x, weight, conv_all, *batch.args(), bias=bias)
     for i, (start, slot) in enumerate(zip(batch.starts, batch.slots)):
-        r, alone = batch.rows(i), Batch([(start, batch.lengths[i])], [slot])
-        s, c = state.clone(), conv_state.clone()
-        o = gated_delta_rule(q[r], k[r], v[r], g[r], beta[r], s, *alone.args(), chunk_size=16)
-        assert torch.equal(o, out[r]) and torch.equal(s[slot], state_all[slot]), i
+        r, alone, c = batch.rows(i), Batch([(start, batch.lengths[i])], [slot]), conv_state.clone()
         o = causal_conv(x[r], weight, c, *alone.args(), bias=bias)
         assert torch.equal(o, conv_out[r]) and torch.equal(c[slot], conv_all[slot]), i
-    # the elementwise ops a layer applies around them: one row alone, or at any offset of a batch
-    z = torch.randn(batch.num_tokens, 4, 16)
-    norm = rms_norm_gated(out.reshape(-1, 16), z.reshape(-1, 16), torch.ones(16), 1e-6).view(out.shape)
-    gates = gated_delta_gates(x[:, :4] * 10, x[:, 4:8], torch.zeros(4), torch.ones(4))
-    for t in range(batch.num_tokens):
-        assert torch.equal(rms_norm_gated(out[t], z[t], torch.ones(16), 1e-6), norm[t]), t
-        assert all(torch.equal(a, b[t]) for a, b in zip(gated_delta_gates(x[t, :4] * 10, x[t, 4:8], torch.zeros(4),
-                                                                          torch.ones(4)), gates)), t
+    ops = [
+        lambda t: rms_norm_gated(t[:, :16], t[:, 16:32], torch.ones(16), 1e-6),
+        lambda t: rms_norm_gated(t[:, :16], t[:, 16:32], torch.ones(16), 1e-6, norm_before_gate=False, group_size=8),
+        lambda t: rms_norm_gated(t[:, :16], t[:, 16:32], torch.ones(16), 1e-6, activation="sigmoid",
+                                 multiply_in_float32=True),
+        lambda t: gated_delta_gates(t[:, :4] * 10, t[:, 4:8], torch.zeros(4), torch.ones(4)),
+        lambda t: kimi_delta_gates(t[:, :16] * 10, t[:, 16:20], torch.zeros(4), torch.ones(16)),
+        lambda t: kimi_delta_gates(t[:, :16] * 10, t[:, 16:20], torch.zeros(4), torch.ones(16), lower_bound=-5.0),
+    ]
+    for op in ops:
+        whole = op(conv_out)
+        for t in range(batch.num_tokens):
+            one = op(conv_out[t : t + 1])
+            assert all(torch.equal(a, b[t : t + 1]) for a, b in zip(one, whole)) if isinstance(one, tuple) \
+                else torch.equal(one, whole[t : t + 1]), t
 
 
 def test_ops_give_the_same_bits_at_one_and_two_threads():
-    """At qwen3_5's head sizes, where the products are large enough for torch to thread them, and with odd
-    widths, so that the threads' shares of an elementwise op end mid-row."""
+    """At real head sizes, where the products are large enough for torch to thread them, and with odd widths, so
+    that the threads' shares of an elementwise op end mid-row."""
     batch = Batch([(0, 70), (5, 1), (9, 1), (64, 41)], [1, 0, 2, 4])
-    q, k, v, g, beta, state = gdr_inputs(batch, 4, 8, 128, 128, torch.float32)
+    cases = [(SCANS["gated_delta"], dict(heads=(4, 8), dims=(128, 128))),
+             (SCANS["kimi_delta"], dict(heads=8, dims=(128, 128))),
+             (SCANS["mamba2"], dict(heads=(32, 4), dims=(64, 128)))]
+    inputs = [case.make(batch, torch.float32, **make) for case, make in cases]
     x, weight, bias, conv_state = conv_inputs(batch, 1001, 4, torch.float32)
     z = torch.randn(batch.num_tokens * 8, 128)
     results = []
     for n in (1, 2):
-        s, c = state.clone(), conv_state.clone()
+        got = []
         with num_threads(n):
-            o = gated_delta_rule(q, k, v, g, beta, s, *batch.args())
-            co = causal_conv(x, weight, c, *batch.args(), bias=bias)
-            norm = rms_norm_gated(o.reshape(-1, 128), z, torch.ones(128), 1e-6)
-            gates = gated_delta_gates(x[:, :999], x[:, 1:1000], torch.zeros(999), torch.zeros(999))
-        results.append((o, s[batch.slots], co, c[batch.slots], norm, *gates))
-    for one, two in zip(*results):
-        assert torch.equal(one, two)
+            for (case, _), (tensors, params, state) in zip(cases, inputs):
+                s = state.clone()
+                got += [case.run(tensors, params, s, *batch.args()), s[batch.slots]]
+            c = conv_state.clone()
+            got += [causal_conv(x, weight, c, *batch.args(), bias=bias), c[batch.slots]]
+            got.append(rms_norm_gated(got[0].reshape(-1, 128), z, torch.ones(128), 1e-6))
+            got.append(rms_norm_gated(got[0].reshape(-1, 128), z, torch.ones(128), 1e-6, norm_before_gate=False,
+                                      group_size=64))
+            got += gated_delta_gates(x[:, :999], x[:, 1:1000], torch.zeros(999), torch.zeros(999))
+            got += kimi_delta_gates(x[:, :992], x[:, 1:32], torch.zeros(31), torch.zeros(992))
+        results.append(got)
+    for i, (one, two) in enumerate(zip(*results)):
+        assert torch.equal(one, two), i
+
+
+# ---- norms and gates
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_gated_matches_hf(dtype):
-    """To an ulp of float32 before the final cast: our silu is F.silu's formula without its SIMD exp."""
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "kimi_linear"])
+def test_rms_norm_gated_matches_hf(family, dtype):
+    """Each family's gated norm, to an ulp of float32 before the final cast (our silu and sigmoid are torch's
+    formulas without its SIMD exp)."""
     g = torch.Generator().manual_seed(1)
-    x, z = torch.randn(100, 16, generator=g).to(dtype), torch.randn(100, 16, generator=g).to(dtype)
-    norm = qwen3_5.Qwen3_5RMSNormGated(16, eps=1e-6).to(dtype)
+    x, z = torch.randn(100, 32, generator=g).to(dtype), torch.randn(100, 32, generator=g).to(dtype)
+    if family == "qwen3_5":
+        norm, kw = qwen3_5.Qwen3_5RMSNormGated(32, eps=1e-6), {}
+    elif family == "nemotron_h":
+        norm, kw = nemotron.NemotronHRMSNormGated(32, group_size=8, eps=1e-6), dict(norm_before_gate=False,
+                                                                                      group_size=8)
+    else:
+        norm, kw = kimi.KimiLinearRMSNormGated(32, eps=1e-6), dict(activation="sigmoid", multiply_in_float32=True)
+    norm = norm.to(dtype)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(16, generator=g))
+        norm.weight.copy_(torch.randn(32, generator=g))
         expected = norm(x, z)
-    out = rms_norm_gated(x, z, norm.weight.detach(), 1e-6)
+    out = rms_norm_gated(x, z, norm.weight.detach(), 1e-6, **kw)
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected, **({"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {}))
 
@@ -325,62 +466,17 @@ def test_gated_delta_gates_match_the_hf_layer():
     torch.testing.assert_close(beta, b.sigmoid())
 
 
-# ---- the whole GDN layer
-
-
-def tiny_gdn(dtype) -> qwen3_5.Qwen3_5GatedDeltaNet:
-    config = Qwen3_5TextConfig(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                               head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-                               intermediate_size=128, num_hidden_layers=4)
-    torch.manual_seed(0)
-    layer = qwen3_5.Qwen3_5GatedDeltaNet(config, layer_idx=0)
-    with torch.no_grad():
-        layer.dt_bias.normal_(0, 1)
-        layer.norm.weight.normal_(1, 0.2)
-    return layer.to(dtype).eval()
-
-
-def gdn_layer(layer, x, conv_state, state, slots, query_start_loc, starts):
-    """The GDN layer from helios' ops and plain matmuls of its weights: x [T, hidden] -> [T, hidden]."""
-    num_tokens = x.shape[0]
-    key_dim, value_dim, dv = layer.key_dim, layer.value_dim, layer.head_v_dim
-    batch = (slots, query_start_loc, starts)
-    qkv = causal_conv(x @ layer.in_proj_qkv.weight.t(), layer.conv1d.weight.squeeze(1), conv_state, *batch,
-                      bias=layer.conv1d.bias, activation=layer.activation)
-    q, k, v = qkv.split([key_dim, key_dim, value_dim], dim=-1)
-    z = x @ layer.in_proj_z.weight.t()
-    g, beta = gated_delta_gates(x @ layer.in_proj_a.weight.t(), x @ layer.in_proj_b.weight.t(), layer.A_log,
-                                layer.dt_bias)
-    o = gated_delta_rule(q.view(num_tokens, -1, layer.head_k_dim), k.view(num_tokens, -1, layer.head_k_dim),
-                         v.view(num_tokens, -1, dv), g, beta, state, *batch)
-    o = rms_norm_gated(o.reshape(-1, dv), z.reshape(-1, dv), layer.norm.weight, layer.norm.variance_epsilon)
-    return o.reshape(num_tokens, value_dim) @ layer.out_proj.weight.t()
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 8e-3)])  # bf16: 2 ulps at 0.8
-@torch.no_grad()
-def test_gdn_layer_from_the_ops_matches_hf(dtype, tol):
-    """Two prompts (100 and 30 tokens) through HF's forward (no cache) against the composition: whole in one step,
-    then in steps: A[0:64] + B[0:30], A[64:100] + B's decode, A's decode + B's decode, states in slots."""
-    layer = tiny_gdn(dtype)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randn(101, 64, generator=g).to(dtype), torch.randn(32, 64, generator=g).to(dtype)]
-    expected = [layer(p[None])[0] for p in prompts]
-    conv_state = torch.full((NUM_SLOTS, 3, layer.conv_dim), float("nan"), dtype=dtype)
-    state = torch.full((NUM_SLOTS, 4, 16, 16), float("nan"))
-    slots = [7, 2]
-
-    whole = gdn_layer(layer, torch.cat(prompts), conv_state, state, slots, [0, 101, 133], [0, 0])
-    torch.testing.assert_close(whole, torch.cat(expected), atol=tol, rtol=tol)
-
-    steps = [((0, 64), (0, 30)), ((64, 100), (30, 31)), ((100, 101), (31, 32))]
-    got = [[], []]
-    for step in steps:
-        x = torch.cat([p[a:b] for p, (a, b) in zip(prompts, step)])
-        n = [b - a for a, b in step]
-        out = gdn_layer(layer, x, conv_state, state, slots, [0, n[0], n[0] + n[1]], [a for a, _ in step])
-        got[0].append(out[: n[0]])
-        got[1].append(out[n[0]:])
-    for rows, exp in zip(got, expected):
-        torch.testing.assert_close(torch.cat(rows), exp, atol=tol, rtol=tol)
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_kimi_delta_gates_match_the_hf_forget_gates(lower_bound):
+    """KimiLinearForgetGate's formula; with a lower bound, glm5_next's safe gate (Glm5NextTextForgetGate)."""
+    g = torch.Generator().manual_seed(1)
+    f, b = torch.randn(50, 4 * 16, generator=g) * 10, torch.randn(50, 4, generator=g).to(torch.bfloat16)
+    a_log, dt_bias = torch.randn(4, generator=g), torch.randn(4 * 16, generator=g)
+    decay, beta = kimi_delta_gates(f, b, a_log, dt_bias, lower_bound=lower_bound)
+    x = (f + dt_bias).view(50, 4, 16)
+    if lower_bound is None:
+        expected = -a_log.exp()[:, None] * torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
+    else:
+        expected = lower_bound * torch.sigmoid(a_log.exp()[:, None] * x)
+    torch.testing.assert_close(decay, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(beta, b.sigmoid())
