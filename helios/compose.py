@@ -46,6 +46,7 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     from helios.runner.disk_cache import record_dir
     from helios.runner.kv_cache import KVCache
     from helios.runner.model_runner import ModelRunner, resolve_device
+    from helios.runner.state_cache import StateCache
 
     page_size = core.manifest.graph_plan.page_size
     dtype = core.tensors["embed.weight"].dtype  # the runner's default: the KV pages take the weights' dtype
@@ -53,15 +54,19 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     page_bytes = KVCache.bytes_per_page(arch, page_size, dtype)
     # a hybrid model: a state slot per model slot, prefill chunks on the recurrent chunk grid (SchedulerConfig);
     # no prefix cache (nor its host tiers) until state checkpoints exist
+    # its prefix reuse: state checkpoints (helios/engine/state_checkpoints.py), in slots beyond the running ones
     recurrent = arch.recurrent
     num_state_slots = serving.max_concurrency if recurrent else 0
+    checkpoint_slots = 0
+    if recurrent and config.prefix_caching:
+        checkpoint_slots = serving.max_concurrency if config.state_checkpoints < 0 else config.state_checkpoints
     state_chunk = recurrent.chunk_size if recurrent else 0
     prefill_chunk_size = serving.prefill_chunk_size
     if state_chunk:
         prefill_chunk_size = max(state_chunk, prefill_chunk_size - prefill_chunk_size % state_chunk)
-    prefix_caching = config.prefix_caching and not recurrent
+    prefix_caching = config.prefix_caching and (not recurrent or checkpoint_slots > 0)
     # the prefix cache's host DRAM tier: whole pages only; nothing without the prefix cache it stands behind
-    host_cache_pages = config.host_cache_bytes // page_bytes if prefix_caching else 0
+    host_cache_pages = config.host_cache_bytes // page_bytes if prefix_caching and not recurrent else 0
     # its disk tier: only behind the DRAM tier; one subdirectory per KV identity (runner/disk_cache.py)
     host_disk_pages = config.host_disk_bytes // page_bytes if host_cache_pages and config.host_disk_dir else 0
     host_disk_dir = record_dir(config.host_disk_dir, core.manifest, dtype, page_size) if host_disk_pages else None
@@ -70,13 +75,14 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         # lazy capture: the smallest and largest buckets now, the rest by the engine loop between steps
         runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,
                                        dtype=dtype, host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir,
-                                       switches=switches, lazy_capture=True, num_state_slots=num_state_slots)
+                                       switches=switches, lazy_capture=True,
+                                       num_state_slots=num_state_slots + checkpoint_slots)
         num_pages = runner.num_pages
     else:
         num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
         runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, dtype=dtype,
                              host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir, switches=switches,
-                             num_state_slots=num_state_slots)
+                             num_state_slots=num_state_slots + checkpoint_slots)
     scheduler = SchedulerConfig(
         max_concurrency=serving.max_concurrency,
         max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency + max(state_chunk - 1, 0)),
@@ -88,6 +94,8 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         enable_prefix_caching=prefix_caching,
         num_state_slots=num_state_slots,
         state_chunk=state_chunk,
+        state_checkpoint_slots=checkpoint_slots,
+        state_slot_bytes=StateCache.bytes_per_slot(arch, dtype),
         host_cache_pages=host_cache_pages,
         host_disk_pages=host_disk_pages,
         page_bytes=page_bytes,

@@ -62,6 +62,16 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         int, Meta(ge=0, le=1 << 16, description="A hybrid model's recurrent chunk: a split prefill chunk ends on a "
                   "multiple of it, so the recurrent layers' arithmetic does not depend on the split; 0: none.")
     ] = 0
+    state_checkpoint_slots: Annotated[
+        int, Meta(ge=0, le=1 << 20, description="State slots (beyond num_state_slots' running share) that hold "
+                  "checkpoints of a hybrid model's recurrent state for prefix reuse; 0: no reuse for such models.")
+    ] = 0
+    state_slot_bytes: Annotated[
+        int, Meta(ge=0, le=1 << 40, description="Bytes one state slot holds across all recurrent layers.")
+    ] = 0
+    state_copy_bytes_per_s: Annotated[
+        float, Meta(ge=0, le=1e15, description="The device's slot-copy bandwidth, for the checkpoint cost rule.")
+    ] = 1e10
     page_bytes: Annotated[
         int, Meta(ge=0, le=1 << 40, description="Bytes one KV page holds across all layers (host tier byte counts).")
     ] = 0

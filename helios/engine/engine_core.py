@@ -7,6 +7,7 @@ Pure Python: must not import torch or numpy (the runner is any object with `exec
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -47,6 +48,11 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     page_tokens: int
     state_slots_in_use: int = 0  # recurrent-state slots held (hybrid models; 0 and 0 otherwise)
     state_slots_total: int = 0
+    # state checkpoints of a hybrid model (helios/engine/state_checkpoints.py): captures by role, skips by reason
+    checkpoint_captures: dict[str, int] = {}
+    checkpoint_skips: dict[str, int] = {}
+    checkpoint_extra_work_ns: int = 0
+    checkpoints_held: int = 0
     reused_tokens: int = 0  # tokens covered by prefix-cache hits (every admission, re-admissions too)
     cached_pages: int = 0  # pages holding a prefix-cache hash, in use or free (evictable)
     preemptions: int = 0
@@ -118,7 +124,11 @@ class EngineCore:
             runner_output = ModelRunnerOutput(results=[])
         else:
             try:
+                started = time.perf_counter()
                 runner_output = self.runner.execute(plan)
+                checkpoints = self.scheduler.checkpoints
+                if checkpoints is not None and plan.num_scheduled_tokens > len(plan.scheduled):  # prefill in it
+                    checkpoints.observe_prefill(plan.num_scheduled_tokens, time.perf_counter() - started)
             except RequestExecutionError as exc:
                 return self._count(self.scheduler.fail_step(plan, str(exc), exc.req_ids))
             except Exception as exc:
@@ -140,6 +150,7 @@ class EngineCore:
         pool = scheduler.block_pool
         host = scheduler.host_cache
         states = scheduler.state_pool
+        ckpt = scheduler.checkpoints
         stats = self.runner.stats() if hasattr(self.runner, "stats") else RunnerStats()
         return EngineMetrics(
             prefill_tokens=scheduler.num_prefill_tokens,
@@ -153,6 +164,10 @@ class EngineCore:
             page_tokens=pool.block_size,
             state_slots_in_use=states.num_slots - states.num_free_slots if states else 0,
             state_slots_total=states.num_slots if states else 0,
+            checkpoint_captures=dict(ckpt.captures) if ckpt else {},
+            checkpoint_skips=dict(ckpt.skips) if ckpt else {},
+            checkpoint_extra_work_ns=int(ckpt.extra_work_ns) if ckpt else 0,
+            checkpoints_held=ckpt.num_held if ckpt else 0,
             reused_tokens=scheduler.num_reused_tokens,
             cached_pages=pool.num_cached_blocks,
             preemptions=scheduler.num_preemptions,

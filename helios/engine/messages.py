@@ -166,6 +166,9 @@ class SchedulerOutput(Struct, frozen=True, kw_only=True):
     spill: list[tuple[int, bytes]] = []
     disk_drop: list[bytes] = []
     load: list[tuple[bytes, int]] = []
+    # hybrid models' state slot copies (src, dst), in order, before any forward of the plan: checkpoint captures
+    # (a running slot as a step left it -> a checkpoint slot), then restores (a checkpoint -> a running slot)
+    state_copies: list[tuple[int, int]] = []
 
 
 class RequestResult(Struct, frozen=True, kw_only=True):

@@ -47,6 +47,7 @@ class Request:
         "num_computed_tokens",
         "block_ids",
         "state_slot",
+        "checkpoint_hash",
         "status",
         "stop_token",
         "error",
@@ -73,6 +74,7 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.state_slot = -1  # its row of the recurrent layers' state while running (hybrid models); -1: none
+        self.checkpoint_hash: bytes | None = None  # its latest decode endpoint (helios/engine/state_checkpoints)
         self.status = RequestStatus.WAITING
         self.stop_token: int | list[int] | None = None
         self.error: str | None = None

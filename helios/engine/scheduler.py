@@ -11,6 +11,7 @@ Pure Python: must not import torch or numpy.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from msgspec.structs import replace
@@ -30,6 +31,7 @@ from helios.engine.messages import (
 )
 from helios.engine.prefix_cache import PrefixCache
 from helios.engine.request import Request, RequestStatus
+from helios.engine.state_checkpoints import StateCheckpoints
 from helios.engine.state_pool import StatePool
 
 
@@ -48,11 +50,23 @@ class Scheduler:
                            if is_host_cache else None)
         self.prefix_cache = PrefixCache(self.block_pool, self.host_cache) if config.enable_prefix_caching else None
         # a hybrid model's recurrent layers: a running request holds a state slot beside its pages.
-        # NOTE: pages alone cannot resume such a request (its state at the page boundary is gone), so the prefix
-        # cache is off for these models until state checkpoints exist
-        self.state_pool = StatePool(config.num_state_slots) if config.num_state_slots else None
-        if self.state_pool is not None:
-            self.prefix_cache = self.host_cache = None
+        # NOTE: pages alone cannot resume such a request (its state at the page boundary is gone): its prefix
+        # reuse goes through state checkpoints at grid positions (helios/engine/state_checkpoints.py), or there is
+        # none; the host tiers hold no state records yet, so they are off for these models
+        self.state_pool = None
+        self.checkpoints: StateCheckpoints | None = None
+        self.checkpoint_grid = 0  # tokens: checkpoints sit on multiples of lcm(page size, recurrent chunk)
+        self._state_copies: list[tuple[int, int]] = []  # captures decided by update(), for the next plan
+        if config.num_state_slots:
+            self.state_pool = StatePool(config.num_state_slots + config.state_checkpoint_slots)
+            self.host_cache = None
+            if self.prefix_cache is not None and config.state_checkpoint_slots:
+                self.prefix_cache.host = None
+                self.checkpoints = StateCheckpoints(self.state_pool, config.state_checkpoint_slots,
+                                                    config.state_slot_bytes, config.state_copy_bytes_per_s)
+                self.checkpoint_grid = math.lcm(config.page_size, config.state_chunk or 1)
+            else:
+                self.prefix_cache = None
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
@@ -179,10 +193,13 @@ class Scheduler:
                 self._finish_now(req, RequestStatus.FINISHED_LENGTH)
                 continue
             assert not req.block_ids and req.num_computed_tokens == 0, req
-            hits, host_slots = [], []
+            hits, host_slots, restore = [], [], None
             if self.prefix_cache is not None:
                 hits = self.prefix_cache.match(req)
                 host_slots = self.prefix_cache.match_host(req, len(hits))
+                if self.checkpoints is not None:  # pages only up to a checkpoint of the recurrent state
+                    restore = self.checkpoints.find(req.page_hashes, len(hits), self.checkpoint_grid // pool.block_size)
+                    hits = hits[: restore[0]] if restore is not None else []
             num_reused = (len(hits) + len(host_slots)) * pool.block_size
             num_new = self._chunk_size(req, min(req.num_tokens - num_reused, config.prefill_chunk_size, budget),
                                        num_reused)
@@ -197,6 +214,8 @@ class Scheduler:
                 if not self.state_pool.can_allocate():
                     break
                 req.state_slot = self.state_pool.allocate()
+                if restore is not None:
+                    self._state_copies.append((restore[1], req.state_slot))
             self.waiting.popleft()
             pool.incref(hits)  # NOTE: before allocate(), which would otherwise evict free hits
             req.block_ids = hits + pool.allocate(num_needed)
@@ -229,8 +248,12 @@ class Scheduler:
         spill, disk_drop, load = self.prefix_cache.take_disk_ops() if scheduled and self.prefix_cache else ([], [], [])
         # NOTE: finished ids wait for a plan with work, so the runner is never handed an empty batch.
         finished_req_ids: list[str] = []
+        state_copies: list[tuple[int, int]] = []
         if scheduled:
             finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
+            state_copies, self._state_copies = self._state_copies, []
+            if self.checkpoints is not None:
+                self.checkpoints.end_step()  # the plan carries its copies: every checkpoint is whole after it
         return SchedulerOutput(
             new_requests=new_requests,
             scheduled=scheduled,
@@ -241,6 +264,7 @@ class Scheduler:
             spill=spill,
             disk_drop=disk_drop,
             load=load,
+            state_copies=state_copies,
         )
 
     def update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineOutput]:
@@ -258,6 +282,8 @@ class Scheduler:
             req.num_computed_tokens += len(chunk.token_ids)
             if self.prefix_cache is not None and result is not None:  # only KV the runner reported computing
                 self.prefix_cache.publish(req)
+                if self.checkpoints is not None:
+                    self._capture(req)
             if chunk.want_prompt_logprobs and result is not None and result.prompt_logprobs:
                 req.prompt_logprobs.extend(result.prompt_logprobs)
             prompt_logprobs = None
@@ -315,6 +341,8 @@ class Scheduler:
         self._finished_req_ids.extend(plan.finished_req_ids)
         if self.prefix_cache is not None:
             self.prefix_cache.forget_copies(plan.copy_out, plan.copy_in, plan.spill, plan.disk_drop, plan.load)
+        if self.checkpoints is not None and plan.state_copies:  # captures that may never have run
+            self.checkpoints.forget_slots({dst for _, dst in plan.state_copies})
         affected = [self._scheduled[c.req_id] for c in plan.scheduled if c.req_id in self._scheduled]
         for req in reversed(affected):  # reversed: preempted ones reach the queue front in admission order
             if req.status is not RequestStatus.RUNNING:
@@ -339,6 +367,24 @@ class Scheduler:
         """True when feeding all of the request's tokens needs more pages than the whole pool holds."""
         return self.block_pool.num_blocks_for(req.num_tokens) > self.block_pool.num_blocks
 
+    def _capture(self, req: Request) -> None:
+        """An endpoint checkpoint when a step left the request on the checkpoint grid (its prompt's last grid
+        position, or one its decode passed): the copy of its running slot rides in the next plan, before
+        anything can write that slot. One its decode passed replaces the request's previous decode endpoint
+        (a conversation's next turn wants the latest); the prompt's stays (its tokens are the client's own, the
+        decode's may tokenize otherwise when sent back as text)."""
+        p = req.num_computed_tokens
+        if p == 0 or p % self.checkpoint_grid:
+            return
+        block_hash = req.page_hashes[p // self.block_pool.block_size - 1]
+        is_decode = p > req.num_prompt_tokens  # the prompt's own stays: for every request sharing the prompt
+        slot = self.checkpoints.capture(block_hash, p, "endpoint", req.checkpoint_hash if is_decode else None)
+        if slot is None:
+            return
+        self._state_copies.append((req.state_slot, slot))
+        if is_decode:
+            req.checkpoint_hash = block_hash
+
     def _chunk_size(self, req: Request, num_new: int, start: int | None = None) -> int:
         """num_new, or less so that a split prefill chunk of a hybrid model ends on a multiple of the recurrent
         chunk (config.state_chunk): the recurrent layers then run the same arithmetic however the scheduler split
@@ -348,6 +394,11 @@ class Scheduler:
         grid = self.config.state_chunk
         start = req.num_computed_tokens if start is None else start
         end = start + num_new
+        if grid and self.checkpoint_grid and end == req.num_tokens and num_new > 1:
+            # the prompt's last checkpoint position ends a chunk of its own: the state there is captured
+            last = (end - 1) // self.checkpoint_grid * self.checkpoint_grid
+            if last > start:
+                return last - start
         if not grid or end == req.num_tokens:
             return num_new
         return max(0, end - end % grid - start)

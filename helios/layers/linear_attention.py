@@ -8,7 +8,6 @@ torch references on every device, or the Triton kernels of helios.kernels.gated_
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from helios.core.manifest import RecurrentConfig
@@ -89,7 +88,9 @@ class GatedDeltaNet(nn.Module):
                 v.reshape(num_tokens, c.num_heads, c.value_head_dim))
 
     def _gates(self, a: torch.Tensor, b: torch.Tensor):  # -> g [T, Hv] float32 log-decay, beta [T, Hv]
-        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias), b.sigmoid()  # as HF
+        # NOTE: recurrent's own softplus and sigmoid: torch's CPU kernels give bits that depend on an element's
+        # place in the tensor, so a row would not compute the same alone and in a batch
+        return recurrent.gated_delta_gates(a, b, self.A_log, self.dt_bias)
 
     def _mix_fused(self, mixed, a, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:
         """The Triton path (helios.kernels.gated_delta): a decode step (one token per sequence) in one launch

@@ -401,6 +401,8 @@ class ModelRunner:
             self.requests[new.req_id] = self._new_state(new)
         if plan.copy_out or plan.copy_in or plan.spill or plan.disk_drop or plan.load:
             self._copy_host_pages(plan)
+        if plan.state_copies:
+            self.state_cache.copy(plan.state_copies)
         if not plan.scheduled:
             if self._overlap is not None:
                 self._overlap.take(plan, None)  # every plan ends a pending speculation

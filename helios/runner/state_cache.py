@@ -31,6 +31,14 @@ class StateCache:
             for i in arch.recurrent_layers
         }
 
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Slot copies (src, dst) in order (checkpoint captures, then restores; helios.engine.state_checkpoints),
+        every linear layer's tensors, on the device's stream (ordered with the forwards)."""
+        for src, dst in pairs:
+            for tensors in self.layers.values():
+                for t in tensors:
+                    t[dst].copy_(t[src])
+
     @staticmethod
     def bytes_per_slot(arch: Architecture, dtype: torch.dtype) -> int:
         """Bytes one slot costs across all linear layers."""

@@ -48,6 +48,10 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     host_cache_bytes: Annotated[
         int, Meta(ge=0, le=1 << 44, description="Host DRAM behind the prefix cache for evicted KV pages; 0: off.")
     ] = 0
+    state_checkpoints: Annotated[
+        int, Meta(ge=-1, le=1 << 16, description="Hybrid models: state slots holding checkpoints of the recurrent "
+                  "state for prefix reuse (with prefix_caching); -1: as many as max_concurrency; 0: no reuse.")
+    ] = -1
     host_disk_dir: Annotated[
         str, Meta(max_length=4096, description="Directory of the disk records behind the host DRAM tier (a subdirectory per core KV identity); empty: off.")
     ] = ""

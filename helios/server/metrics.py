@@ -55,6 +55,10 @@ class Snapshot(Struct, kw_only=True):
     page_tokens: int = 0
     state_slots_in_use: int = 0
     state_slots_total: int = 0
+    checkpoint_captures: dict[str, int] = {}
+    checkpoint_skips: dict[str, int] = {}
+    checkpoint_extra_work_ns: int = 0
+    checkpoints_held: int = 0
     host_hits: int = 0
     host_reused_tokens: int = 0
     host_memory_records: int = 0
@@ -95,6 +99,9 @@ PROMETHEUS = {
     "page_tokens": ("flare_kv_page_tokens", "gauge", "Tokens per KV page"),
     "state_slots_in_use": ("flare_state_slots_in_use", "gauge", "Recurrent-state slots held by running requests"),
     "state_slots_total": ("flare_state_slots_total", "gauge", "Recurrent-state slots of a hybrid model"),
+    "checkpoint_extra_work_ns": ("flare_checkpoint_extra_work_nanoseconds_total", "counter",
+                                 "Predicted extra work charged for state checkpoint captures (not a GPU timing)"),
+    "checkpoints_held": ("flare_checkpoints_held", "gauge", "State checkpoints held in GPU state slots"),
     "host_hits": ("flare_host_cache_hits_total", "counter", "Host prefix-store lookups that fetched"),
     "host_reused_tokens": ("flare_host_cache_reused_tokens_total", "counter", "Tokens reused from the host store"),
     "host_memory_records": ("flare_host_cache_memory_records", "gauge", "Host store records in memory"),
@@ -156,6 +163,16 @@ class _SnapshotCollector:
                 yield CounterMetricFamily(name.removesuffix("_total"), help_text, value=value)
             else:
                 yield GaugeMetricFamily(name, help_text, value=value)
+        captures = CounterMetricFamily("flare_checkpoint_captures", "State checkpoints captured, by role",
+                                       labels=["role"])
+        for role in ("anchor", "message", "endpoint"):
+            captures.add_metric([role], snap.checkpoint_captures.get(role, 0))
+        yield captures
+        skips = CounterMetricFamily("flare_checkpoint_skips", "State checkpoint candidates not captured, by reason",
+                                    labels=["reason"])
+        for reason in ("unknown_cost", "work_budget", "storage"):
+            skips.add_metric([reason], snap.checkpoint_skips.get(reason, 0))
+        yield skips
         launches = CounterMetricFamily("flare_graph_launches", "Model forward passes by kind", labels=["kind"])
         for kind, count in sorted(snap.graph_launches.items()):
             launches.add_metric([kind], count)

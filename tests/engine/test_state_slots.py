@@ -22,9 +22,14 @@ class StateRunner(FakeRunner):
         self.grid = grid
         self.states: dict[int, list[int]] = {}
         self.num_fresh = 0
+        self.num_copies = 0
         self.unaligned: list[tuple[str, int, int]] = []
 
     def execute(self, plan: SchedulerOutput):
+        for src, dst in plan.state_copies:  # captures, then restores: before anything of the plan reads a slot
+            assert src in self.states, f"copy from state slot {src}, never written"
+            self.states[dst] = list(self.states[src])
+            self.num_copies += 1
         slots = [s.state_slot for s in plan.scheduled]
         assert all(0 <= slot < self.num_slots for slot in slots), slots
         assert len(set(slots)) == len(slots), f"two requests of one step share a state slot: {slots}"
@@ -46,16 +51,17 @@ class StateRunner(FakeRunner):
 
 def make_hybrid(num_state_slots=4, state_chunk=8, **config):
     core, fake = make_core(num_state_slots=num_state_slots, state_chunk=state_chunk, **config)
-    runner = StateRunner(fake, num_state_slots, state_chunk)
+    runner = StateRunner(fake, core.scheduler.state_pool.num_slots, state_chunk)
     core.runner = runner
     return core, runner
 
 
 def assert_slots_free(core) -> None:
     pool = core.scheduler.state_pool
-    assert pool.num_free_slots == pool.num_slots
+    held = core.scheduler.checkpoints.num_held if core.scheduler.checkpoints else 0
+    assert pool.num_free_slots == pool.num_slots - held
     metrics = core.metrics()
-    assert metrics.state_slots_in_use == 0 and metrics.state_slots_total == pool.num_slots
+    assert metrics.state_slots_in_use == held and metrics.state_slots_total == pool.num_slots
 
 
 def test_every_request_continues_its_own_state_through_chunks_and_preemption():
@@ -105,8 +111,8 @@ def test_admission_waits_for_a_free_slot():
     assert_slots_free(core)
 
 
-def test_the_prefix_cache_is_off_for_a_model_with_state():
-    # pages alone cannot resume a recurrent layer: until state checkpoints, identical prompts recompute
+def test_without_checkpoint_slots_the_prefix_cache_is_off_for_a_model_with_state():
+    # pages alone cannot resume a recurrent layer: without state checkpoints identical prompts recompute
     core, _ = make_hybrid(enable_prefix_caching=True, host_cache_pages=8)
     assert core.scheduler.prefix_cache is None and core.scheduler.host_cache is None
     for rid in ("a", "b"):
@@ -150,18 +156,24 @@ _op = st.one_of(
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(_op, max_size=50), num_pages=st.integers(3, 24), concurrency=st.integers(1, 5),
-       slots=st.integers(1, 5), chunk=st.integers(1, 12), grid=st.sampled_from([0, 4, 8]))
-def test_random_add_abort_step_keep_slots_consistent(ops, num_pages, concurrency, slots, chunk, grid):
+       slots=st.integers(1, 5), chunk=st.integers(1, 12), grid=st.sampled_from([0, 4, 8]),
+       checkpoints=st.integers(0, 2))
+def test_random_add_abort_step_keep_slots_consistent(ops, num_pages, concurrency, slots, chunk, grid, checkpoints):
     core, runner = make_hybrid(num_state_slots=slots, state_chunk=grid, num_pages=num_pages,
                                max_concurrency=concurrency, prefill_chunk_size=max(chunk, grid),
-                               max_num_batched_tokens=max(concurrency + grid, 10), max_waiting=8, max_model_len=48)
+                               max_num_batched_tokens=max(concurrency + grid, 10), max_waiting=8, max_model_len=48,
+                               state_checkpoint_slots=checkpoints, enable_prefix_caching=bool(checkpoints),
+                               state_slot_bytes=100, state_copy_bytes_per_s=1e12)
     runner.grid = grid or 1
     sched = core.scheduler
+    if sched.checkpoints is not None:
+        sched.checkpoints.observe_prefill(10, 0.01)
     collected = Collected()
     added: list[str] = []
 
     def check():
         held = [r.state_slot for r in sched.requests.values() if r.state_slot >= 0]
+        held += list(sched.checkpoints.slots.values()) if sched.checkpoints else []
         assert len(held) == len(set(held)) == sched.state_pool.num_slots - sched.state_pool.num_free_slots
         assert all(r.state_slot >= 0 for r in sched.running)
         assert len(sched.running) <= min(concurrency, slots)
@@ -183,3 +195,74 @@ def test_random_add_abort_step_keep_slots_consistent(ops, num_pages, concurrency
     run_until_idle(core, collected)
     check()
     assert_slots_free(core)
+
+
+# --- state checkpoints (helios/engine/state_checkpoints.py) -----------------------------------------------------
+
+
+def make_checkpointed(**config):
+    defaults = dict(num_state_slots=2, state_checkpoint_slots=2, state_chunk=8, page_size=4, max_concurrency=2,
+                    prefill_chunk_size=16, max_num_batched_tokens=32, enable_prefix_caching=True,
+                    state_slot_bytes=1000, state_copy_bytes_per_s=1e12)
+    core, runner = make_hybrid(**{**defaults, **config})
+    core.scheduler.checkpoints.observe_prefill(100, 0.01)  # a measured prefill rate: the cost rule can decide
+    return core, runner
+
+
+def test_a_second_turn_restores_the_first_turns_state():
+    core, runner = make_checkpointed()
+    first = request("t1", prompt_len=21, max_tokens=12)
+    collected = Collected()
+    core.add_request(first)
+    run_until_idle(core, collected)
+    # its prompt ends at 21: chunks 0-16 (the grid of 8 and page 4: lcm 8) then 16-21; its decode passes 24, 32
+    ckpt = core.scheduler.checkpoints
+    # the prompt's (16) stays; the decode's (24, then 32) replaced each other
+    assert ckpt.captures["endpoint"] == 3 and ckpt.num_held == 2
+    history = first.prompt_token_ids + collected.tokens["t1"]  # 33 tokens: 32 computed, the last sampled
+    second = request("t2", prompt_len=0, max_tokens=6)
+    second = type(second)(req_id="t2", prompt_token_ids=history + [11, 12, 13, 14, 15], sampling=second.sampling)
+    core.add_request(second)
+    out = run_until_idle(core, Collected())
+    assert out.final["t2"].num_cached_tokens == 32  # the checkpoint at 32 and its 8 pages
+    assert out.tokens["t2"] == reference_tokens(second)
+    assert runner.num_copies >= 3  # captures, and the restore
+    assert_slots_free(core)
+
+
+def test_checkpoints_never_take_a_running_request_s_slot():
+    core, runner = make_checkpointed(num_state_slots=2, state_checkpoint_slots=1)
+    reqs = [request(f"r{i}", prompt_len=20 + 3 * i, seed=i, max_tokens=20) for i in range(6)]
+    for r in reqs:
+        core.add_request(r)
+    collected = run_until_idle(core)
+    for r in reqs:
+        assert collected.tokens[r.req_id] == reference_tokens(r), r.req_id
+    assert core.scheduler.checkpoints.num_held <= 1
+    assert_slots_free(core)
+
+
+def test_unknown_cost_and_a_copy_dearer_than_the_prefill_skip_the_capture():
+    core, runner = make_checkpointed()
+    sched = core.scheduler
+    sched.checkpoints.prefill_ns_per_token = None
+    sched.add_request(request("a", prompt_len=21, max_tokens=2))
+    while sched.has_unfinished_requests():  # the scheduler alone: nothing measures a prefill rate
+        plan = sched.schedule()
+        sched.update(plan, runner.execute(plan))
+    assert sched.checkpoints.skips["unknown_cost"] >= 1 and core.metrics().checkpoints_held == 0
+    core, _ = make_checkpointed(state_slot_bytes=10**12, state_copy_bytes_per_s=1.0)
+    core.add_request(request("b", prompt_len=21, max_tokens=2))
+    run_until_idle(core)
+    metrics = core.metrics()
+    assert metrics.checkpoint_skips["work_budget"] >= 1 and metrics.checkpoint_captures["endpoint"] == 0
+
+
+def test_a_failed_plan_drops_the_checkpoints_it_was_capturing():
+    core, runner = make_checkpointed()
+    core.add_request(request("a", prompt_len=21, max_tokens=12))
+    while core.scheduler.checkpoints.num_held == 0:
+        core.step()
+    runner.fail = lambda plan: RuntimeError("device lost") if plan.state_copies else None
+    core.step()
+    assert core.scheduler.checkpoints.num_held == 0

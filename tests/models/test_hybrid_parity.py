@@ -39,13 +39,18 @@ def hybrid(request, tmp_path_factory):
 
 
 def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64,
-                budget: int = 128) -> EngineCore:
+                budget: int = 128, checkpoints: int = 0) -> EngineCore:
+    """checkpoints: state checkpoint slots (prefix reuse through them); 0: no prefix cache."""
+    from helios.runner.state_cache import StateCache
+
     arch = core.manifest.arch
     config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
                              prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=num_pages,
                              max_model_len=num_pages * PAGE_SIZE, num_state_slots=max_concurrency,
-                             state_chunk=arch.recurrent.chunk_size)
-    runner = ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, num_state_slots=max_concurrency)
+                             state_chunk=arch.recurrent.chunk_size, enable_prefix_caching=checkpoints > 0,
+                             state_checkpoint_slots=checkpoints,
+                             state_slot_bytes=StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype))
+    runner = ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, num_state_slots=max_concurrency + checkpoints)
     return EngineCore(config, runner)
 
 
@@ -112,3 +117,20 @@ def test_sixteen_requests_together_give_what_each_gives_alone(hybrid):
     for r in reqs:
         alone = generate(make_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
         assert together[r.req_id] == alone, r.req_id
+
+
+def test_a_second_turn_reuses_the_first_turns_state(hybrid):
+    _, _, core = hybrid
+    engine = make_engine(core, max_concurrency=4, checkpoints=2)
+    first = greedy_request("t1", prompt(100, seed=21), 60)  # its decode passes 128: the endpoint checkpoint
+    history = first.prompt_token_ids + generate(engine, [first])["t1"]
+    second = greedy_request("t2", history + prompt(30, seed=22), 16)
+    outputs = []
+    engine.add_request(second)
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert outputs[-1].num_cached_tokens == 128
+    reused = [t for o in outputs for t in o.new_token_ids]
+    assert reused == generate(make_engine(core, max_concurrency=4), [second])["t2"]  # exactly the run without reuse
+    metrics = engine.metrics()
+    assert metrics.checkpoint_captures["endpoint"] >= 2 and metrics.reused_tokens == 128

@@ -55,8 +55,25 @@ def test_completions_are_deterministic_and_independent_of_concurrency(hybrid_ser
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 8
 
 
+def test_a_second_turn_reuses_the_first_turns_state(hybrid_server):
+    import openai
+
+    client = openai.OpenAI(base_url=hybrid_server + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 10}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and then?"}]
+    second = client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached % 64 == 0  # a checkpoint on the grid lcm(page 16, chunk 64)
+    text = httpx.get(hybrid_server + "/metrics").text
+    assert 'flare_checkpoint_captures_total{role="endpoint"}' in text
+
+
 def test_metrics_report_the_state_slots_all_free_after(hybrid_server):
     metrics = httpx.get(hybrid_server + "/metrics", params={"format": "json"}).json()
-    assert metrics["state_slots_total"] == 4 and metrics["state_slots_in_use"] == 0
+    # 4 running slots and 4 checkpoint slots (state_checkpoints: as many as max_concurrency); only checkpoints held
+    assert metrics["state_slots_total"] == 8 and metrics["state_slots_in_use"] == metrics["checkpoints_held"]
     text = httpx.get(hybrid_server + "/metrics").text
-    assert "flare_state_slots_total 4" in text and "flare_state_slots_in_use 0" in text
+    assert "flare_state_slots_total 8" in text
