@@ -63,6 +63,29 @@ mlp_norm and mlp.* or moe.*. Non-gated MLPs (arch.hidden_act "relu2"; Fm, Fs and
   layers.L.moe.shared.up.weight     [Fs, H]            a non-gated shared expert (moe.shared_expert_gate false:
   layers.L.moe.shared.down.weight   [H, Fs]            no shared_gate, added as is)
 
+Multi-head latent attention (arch.mla, M: Nq = arch.num_heads, dn/dr/dv = qk_nope/qk_rope/v_head_dim,
+R = kv_lora_rank, Rq = q_lora_rank, Q = Rq with a q latent, else Nq*(dn + dr)):
+  layers.L.mla.in_proj.weight       [Q + R + dr, H]    rows: q (per head [dn nope, dr rope]) or the q latent (Rq),
+                                                        then the kv latent (R), then the shared rope key (dr)
+  layers.L.mla.q_a_norm.weight      [Rq]               only with q_lora_rank: the q latent's RMSNorm
+  layers.L.mla.q_b.weight           [Nq*(dn + dr), Rq] only with q_lora_rank: the q latent up (per head nope, rope)
+  layers.L.mla.kv_a_norm.weight     [R]                the kv latent's RMSNorm (what the KV pages keep, with the
+                                                        rope key)
+  layers.L.mla.kv_b.weight          [Nq*(dn + dv), R]  the latent up: per head dn k_nope rows, then dv v rows
+  layers.L.mla.o.weight             [H, Nq*dv]
+
+Kimi delta attention layers (R.kind "kimi_delta", kimi_linear; Hk = R.num_heads, d = R.key_head_dim =
+R.value_head_dim, C = R.conv_dim = 3*Hk*d):
+  layers.L.kda.in_proj.weight       [C + 2*d + Hk, H]  rows: q, k, v (the conv's channels, head-major), f_a (the
+                                                        forget gate's low rank, d), g_a (the output gate's, d), b
+  layers.L.kda.conv.weight          [C, K]             the q, k and v short convs side by side; taps oldest first
+  layers.L.kda.f_b.weight           [Hk*d, d]          the forget gate up: g = -exp(A_log) softplus(f_b f_a x + dt_bias)
+  layers.L.kda.dt_bias              [Hk*d]
+  layers.L.kda.A_log                [Hk]
+  layers.L.kda.g_b.weight           [Hk*d, d]          the output gate up: o = norm(o) * sigmoid(g_b g_a x)
+  layers.L.kda.norm.weight          [d]                the gated RMSNorm over each head's output (float32 multiply)
+  layers.L.kda.out.weight           [H, Hk*d]
+
 Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+w already added).
 """
 

@@ -17,7 +17,8 @@ MANIFEST_FILE = "core.toml"
 MAX_TOP_LOGPROBS_LIMIT = 20
 
 Family = Literal[
-    "llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h"
+    "llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h",
+    "kimi_linear",
 ]
 DType = Literal["float32", "bfloat16", "float16"]
 # silu / gelu_tanh: gated MLPs (act(gate) * up); relu2: relu(x)^2 in a non-gated up/down MLP (nemotron_h)
@@ -88,7 +89,10 @@ class RecurrentConfig(_S):
     num_heads heads (a multiple of num_key_heads) of value_head_dim.
     mamba2 (nemotron_h): x has num_heads heads of value_head_dim (mamba_head_dim), B and C num_key_heads groups
     (n_groups) of key_head_dim (ssm_state_size); the state [num_heads, value_head_dim, key_head_dim] (HF's
-    [H, P, N]; the same element count as above, which the runtime's state row holds)."""
+    [H, P, N]; the same element count as above, which the runtime's state row holds).
+    kimi_delta (kimi_linear KDA): q, k, v and the state have num_heads (= num_key_heads) heads of key_head_dim
+    (= value_head_dim); the conv's channels are q, k, v side by side (kimi's three short convs), the decay is per
+    key channel."""
 
     kind: RecurrentKind
     num_heads: PosInt  # value / state heads
@@ -109,6 +113,32 @@ class RecurrentConfig(_S):
     def conv_dim(self) -> int:
         """Channels of the causal conv: q, k and v of every head."""
         return 2 * self.num_key_heads * self.key_head_dim + self.num_heads * self.value_head_dim
+
+
+class MlaConfig(_S):
+    """Multi-head latent attention (deepseek_v3, kimi_linear): every attention layer of arch.layer_types is MLA.
+
+    Per head, q is [qk_nope_head_dim, qk_rope_head_dim] wide; k is the head's up-projected latent (qk_nope_head_dim)
+    and one rope key shared by every head (qk_rope_head_dim); v is the head's up-projected latent (v_head_dim).
+    The KV pages hold, per token and layer, kv_lora_rank + qk_rope_head_dim values: the latent after its RMSNorm
+    and the shared rope key, never per-head K/V. The rope dims rotate under arch.position_embedding "rope" (with
+    arch.rope_theta / rope_scaling over qk_rope_head_dim; ignition de-interleaves deepseek's interleaved pairs) and
+    pass as they are under "none" (kimi_linear: NoPE, its "rope" key is a plain shared key)."""
+
+    kv_lora_rank: PosInt
+    qk_nope_head_dim: PosInt
+    qk_rope_head_dim: NonNegInt  # 0: no shared key part (glm5_next)
+    v_head_dim: PosInt
+    # the softmax scale as the model computes it: (qk_nope + qk_rope) ** -0.5, times yarn's mscale(factor,
+    # mscale_all_dim) ** 2 where the rope scaling asks for it (deepseek_v3's yarn_apply_mscale); ignition computes it
+    softmax_scale: float
+    q_lora_rank: PosInt | None = None  # q through a low-rank latent (q_a, its RMSNorm, q_b); None: straight from x
+    norm_eps: float = 1e-6  # the latent norms' epsilon (HF builds them with their class default, not rms_norm_eps)
+
+    @property
+    def cache_dim(self) -> int:
+        """Values one token keeps per layer: the latent and the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 class Architecture(_S):
@@ -149,6 +179,9 @@ class Architecture(_S):
     # False: a block holds one pre-norm sublayer, its mixer (full / sliding / linear) or, in an "ffn" layer, its
     # feed-forward (nemotron_h); True: a mixer block also runs the MLP / MoE after it (mlp_norm, then mlp or moe)
     ffn_after_mixer: bool = True
+    # multi-head latent attention in every attention layer (kimi_linear); head_dim is then qk_nope + qk_rope (the
+    # expanded form's q/k width) and num_kv_heads equals num_heads, while the KV pages hold latents (MlaConfig)
+    mla: MlaConfig | None = None
 
     @property
     def attention_layers(self) -> list[int]:

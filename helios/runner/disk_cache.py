@@ -1,9 +1,9 @@
 """The host tier's disk records: one file per KV page, named by its page hash, in a directory of one core's KV.
 
-A record is the page of every layer of a HostKVStore slot, [num_layers][2, page_size, num_kv_heads, head_dim], raw
-bytes. Which records exist and which the plan moves is the engine's business (helios/engine/host_cache.py); this
-module only writes, reads, deletes and lists files. record_dir() names the directory by the KV's identity, so
-records of another model, dtype, page size or layout are never read.
+A record is the page of every layer of a HostKVStore slot, [num_layers][2, page_size, num_kv_heads, head_dim] (an MLA
+layer's [1, page_size, latent]), raw bytes. Which records exist and which the plan moves is the engine's business
+(helios/engine/host_cache.py); this module only writes, reads, deletes and lists files. record_dir() names the
+directory by the KV's identity, so records of another model, dtype, page size or layout are never read.
 """
 
 from __future__ import annotations

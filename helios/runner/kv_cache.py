@@ -1,8 +1,11 @@
 """The paged KV cache: one preallocated tensor per layer, addressed by slot = block_id * page_size + offset.
 
-Layout per layer: [2 (k, v), num_pages, page_size, num_kv_heads, head_dim]; attention layers only (a hybrid
-model's linear layers keep their state in helios.runner.state_cache). Which pages a request owns
-is the engine's business (block ids arrive in the plan); this module only owns the memory.
+Layout per layer: [2 (k, v), num_pages, page_size, num_kv_heads, head_dim]; a multi-head latent attention layer
+(arch.mla) keeps [1, num_pages, page_size, kv_lora_rank + qk_rope_head_dim] instead: per token its latent and
+shared rope key (helios.layers.mla), never per-head K/V. Dim 1 is the page in both, which is all the host and disk
+tiers' page copies index. Attention layers only (a hybrid model's linear layers keep their state in
+helios.runner.state_cache). Which pages a request owns is the engine's business (block ids arrive in the plan);
+this module only owns the memory.
 """
 
 from __future__ import annotations
@@ -22,26 +25,34 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        latent_dim: int | None = None,
     ):
+        """latent_dim: the layers are latent layers of that many values per token (MLA); None: k/v heads."""
         self.num_pages = num_pages
         self.page_size = page_size
+        shape = ((1, num_pages, page_size, latent_dim) if latent_dim is not None
+                 else (2, num_pages, page_size, num_kv_heads, head_dim))
         # NOTE: zeros, not empty: a page is only read up to a sequence's length, but never-written
         # memory must not be able to carry NaNs into a masked-out lane of a future kernel.
-        self.layers = [
-            torch.zeros(2, num_pages, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-            for _ in range(num_layers)
-        ]
+        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @classmethod
     def from_arch(
         cls, arch: Architecture, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> KVCache:
-        return cls(len(arch.attention_layers), num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+        latent_dim = arch.mla.cache_dim if arch.mla is not None else None
+        return cls(len(arch.attention_layers), num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device,
+                   latent_dim)
+
+    @staticmethod
+    def values_per_token(arch: Architecture) -> int:
+        """Values one token keeps in one attention layer: its latent and rope key (MLA), else its k and v heads."""
+        return arch.mla.cache_dim if arch.mla is not None else 2 * arch.num_kv_heads * arch.head_dim
 
     @staticmethod
     def bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype) -> int:
         """Bytes one page costs across all attention layers (for sizing the pool from free memory)."""
-        return len(arch.attention_layers) * 2 * page_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+        return len(arch.attention_layers) * page_size * KVCache.values_per_token(arch) * dtype.itemsize
 
     def slot(self, block_ids: list[int], position: int) -> int:
         """The flat slot of token `position` of a sequence whose block table is `block_ids`."""
