@@ -86,6 +86,25 @@ R.value_head_dim, C = R.conv_dim = 3*Hk*d):
   layers.L.kda.norm.weight          [d]                the gated RMSNorm over each head's output (float32 multiply)
   layers.L.kda.out.weight           [H, Hk*d]
 
+qwen4_exp (GDN layers linear.*, gated attention attn.qkv / q_norm / k_norm / o and MoE with a shared expert moe.*,
+as above; W = S*H with S = arch.hyper_connections.num_streams and R its rank; Ni, Di = arch.indexer's heads and head
+dim; E, K = arch.ple.embed_dim and conv_kernel, Dh = E / ((ngram_size - 1) * heads_per_ngram)). No attn_norm,
+mlp_norm or norm.weight: the hyper-connections norm the streams, per stream (1+w stored), and hc_head ends the model.
+  hc_head.norm.weight               [W]                the final mix of the streams (no inject)
+  hc_head.down.weight               [R, W]
+  hc_head.up.weight                 [W, R]
+  layers.L.attn_hc.norm.weight      [W]                the mix before the mixer (layers.L.mlp_hc.*: before the MoE)
+  layers.L.attn_hc.down.weight      [R, W]
+  layers.L.attn_hc.up.weight        [W, R]
+  layers.L.attn_hc.inject.weight    [S, W]             the mixer output's weight per stream
+  layers.L.attn.indexer.qk.weight   [(Ni + 1)*Di, H]   QSA: rows the index query heads, then the index key
+  layers.L.attn.indexer.q_norm.weight [Di]             (k_norm alike; 1+w stored)
+  layers.L.ple.embed.weight         [rows, Dh]         PLE layers (arch.ple.layers): the n-gram table, table_rows
+  layers.L.ple.key.weight           [W, E]             rows: a key per stream
+  layers.L.ple.value.weight         [H, E]
+  layers.L.ple.key_norm.weight      [W]                per-stream RMSNorms (query_norm, conv_norm alike; 1+w stored)
+  layers.L.ple.conv.weight          [W, K]             the depthwise conv, taps ngram_size apart, oldest first
+
 Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+w already added).
 """
 

@@ -19,6 +19,7 @@ MAX_TOP_LOGPROBS_LIMIT = 20
 Family = Literal[
     "llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h",
     "kimi_linear",
+    "qwen4_exp",
 ]
 DType = Literal["float32", "bfloat16", "float16"]
 # silu / gelu_tanh: gated MLPs (act(gate) * up); relu2: relu(x)^2 in a non-gated up/down MLP (nemotron_h)
@@ -108,6 +109,8 @@ class RecurrentConfig(_S):
     # channels per group of the gated output RMSNorm; None: one head (value_head_dim). mamba2: num_heads *
     # value_head_dim / num_key_heads (HF's NemotronHRMSNormGated group_size)
     norm_group_size: PosInt | None = None
+    # the gated output RMSNorm's gate: silu (qwen3_5, nemotron_h) or sigmoid (qwen4_exp's output_gate_type)
+    output_gate: Literal["silu", "sigmoid"] = "silu"
 
     @property
     def conv_dim(self) -> int:
@@ -139,6 +142,66 @@ class MlaConfig(_S):
     def cache_dim(self) -> int:
         """Values one token keeps per layer: the latent and the shared rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+class IndexerConfig(_S):
+    """QSA, qwen4_exp's query-selected sparse attention, in every full-attention layer: each query attends only to
+    the tokens of its num_blocks best blocks (block_size consecutive tokens, from position 0) and to every token
+    past the last complete block it sees (itself among them); a query that sees num_blocks blocks or fewer attends
+    as full attention.
+
+    A block's score for a query: sum over the num_heads index heads h of relu(q_h . k_b) / sqrt(head_dim) in
+    float32, q_h the token's index query (the indexer's q_norm, then rotary at its position), k_b the block key:
+    the mean of its tokens' raw index keys (the key rows of attn.indexer.qk, before any norm), then the indexer's
+    k_norm and rotary at the block's first position; the rotary turns the leading arch.rotary_dim dims. The raw key
+    of every token lives in a paged tensor beside the layer's KV (helios.runner.kv_cache), so it is kept and freed
+    with the pages."""
+
+    num_heads: PosInt  # index query heads (indexer_n_heads); one index key head
+    head_dim: PosInt  # indexer_head_dim, >= arch.rotary_dim
+    block_size: PosInt  # tokens averaged into one block key (indexer_compress_ratio)
+    num_blocks: PosInt  # blocks a query selects (indexer_budget // indexer_compress_ratio)
+
+
+class HyperConnectionConfig(_S):
+    """qwen4_exp's gated-residual hyper-connections: the residual stream is num_streams streams of the hidden size
+    side by side ([T, num_streams * hidden], the embedding repeated). Before each sublayer the streams are
+    RMS-normed one by one (n), its input is the mean over streams of sigmoid(up(silu(down(n) / num_streams))) * n,
+    and its output y is added to stream s times 2 * sigmoid(inject(n)_s / num_streams). After the last layer the
+    same mix without injection (hc_head.*) gives the final hidden state; there is no final norm."""
+
+    num_streams: Annotated[int, Meta(ge=2)]  # hc_count
+    rank: PosInt  # hc_lowrank: down [rank, S*H], up [S*H, rank]
+
+
+class PleConfig(_S):
+    """qwen4_exp's per-layer n-gram embeddings (PLE), added to the residual streams of `layers` before their block.
+
+    For each token and n = 2 .. ngram_size, with t_j the token j places back (t_0 the token itself; the reset token
+    stands for every t_j before the sequence's start or at or before a reset token among t_1 .. t_j): heads_per_ngram
+    hashed ids XOR_{j<n}(t_j * multipliers[p][j]) mod head_vocab_sizes[p][head] + the head's offset (the sizes
+    before it), p the layer's place in `layers`, heads n-major. Their rows of layers.L.ple.embed [rows, embed_dim /
+    ((ngram_size - 1) * heads_per_ngram)], concatenated (e, embed_dim wide), give a value v = ple.value e [H] and
+    per stream a key k_s (ple.key e, normed per stream); with q_s = query_norm(stream_s) and g_s = k_s . q_s /
+    sqrt(H), g = sigmoid(sign(g_s) sqrt(max(|g_s|, 1e-6))) * v per stream (u, [S*H]); the layer adds u + silu(a
+    depthwise causal conv, conv_kernel taps ngram_size apart, over conv_norm(u)). Per request the layer keeps the
+    conv's last state_width inputs (a state tensor beside the GDN's, helios.runner.state_cache); the n-gram context
+    is the request's own tokens, passed with the batch (AttentionMetadata.context_token_ids)."""
+
+    layers: list[NonNegInt]  # zero-based indices of the PLE layers (linear layers)
+    ngram_size: Annotated[int, Meta(ge=2)]
+    heads_per_ngram: PosInt
+    embed_dim: PosInt  # ple_embed_dim: every head's embedding, concatenated
+    conv_kernel: PosInt  # taps of the dilated conv (ple_conv_kernel_size); its dilation is ngram_size
+    reset_token_id: NonNegInt  # the n-gram context restarts after it (HF: the first eos_token_id)
+    multipliers: list[list[int]]  # per PLE layer: ngram_size odd int64 hash multipliers
+    head_vocab_sizes: list[list[PosInt]]  # per PLE layer: (ngram_size - 1) * heads_per_ngram moduli (primes)
+    table_rows: list[PosInt]  # per PLE layer: rows of its table (the moduli summed, padded as the checkpoint's)
+
+    @property
+    def state_width(self) -> int:
+        """Conv inputs a request keeps per PLE layer: (conv_kernel - 1) * ngram_size."""
+        return (self.conv_kernel - 1) * self.ngram_size
 
 
 class Architecture(_S):
@@ -182,6 +245,11 @@ class Architecture(_S):
     # multi-head latent attention in every attention layer (kimi_linear); head_dim is then qk_nope + qk_rope (the
     # expanded form's q/k width) and num_kv_heads equals num_heads, while the KV pages hold latents (MlaConfig)
     mla: MlaConfig | None = None
+
+    # qwen4_exp: QSA in every full-attention layer, hyper-connections, per-layer n-gram embeddings (each struct says)
+    indexer: IndexerConfig | None = None
+    hyper_connections: HyperConnectionConfig | None = None
+    ple: PleConfig | None = None
 
     @property
     def attention_layers(self) -> list[int]:
