@@ -34,6 +34,7 @@ _REGISTRY = {
     "qwen3_5_moe": "ignition.archs.qwen3_5",  # multimodal wrapper, as qwen3_5
     "qwen3_next": "ignition.archs.qwen3_5",
     "nemotron_h": "ignition.archs.nemotron_h",
+    "kimi_linear": "ignition.archs.kimi_linear",
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_REGISTRY))

@@ -119,7 +119,7 @@ def test_layer_matches_hf_through_prefill_chunks_and_decodes(family):
                 cos_sin = DeepseekV3RotaryEmbedding(hf.config)(x[None], torch.arange(n)[None])
                 refs.append(hf(x[None], cos_sin, causal_mask(n))[0][0])
         rope = family == "deepseek_v3"
-        rotary = RotaryEmbedding(MLA_DIMS["qk_rope_head_dim"], hf.config.rope_parameters["rope_theta"]) if rope else None
+        rotary = RotaryEmbedding(MLA_DIMS["qk_rope_head_dim"], hf.config.rope_parameters["rope_theta"] if rope else 1.0)
         cache = torch.zeros(1, NUM_PAGES, PAGE, MLA_DIMS["kv_lora_rank"] + MLA_DIMS["qk_rope_head_dim"])
         for chunks in STEPS:
             meta = step_meta(tables, chunks)

@@ -1,0 +1,76 @@
+"""Kimi delta attention (KDA, kimi_linear's linear-attention layers) as a module over helios' flattened batch.
+
+in_proj -> [q, k, v (the short convs' channels), f_a, g_a, b]; a depthwise causal conv (silu) over q, k, v; the
+per-channel forget gate g = -exp(A_log) softplus(f_b f_a x + dt_bias) and beta = sigmoid(b); the Kimi delta rule
+with its state per request in a state slot; the output's per-head RMSNorm times sigmoid(g_b g_a x); out. The ops are
+helios.layers.recurrent's torch references on every device (no KDA GPU kernel yet). Imports torch only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helios.core.manifest import RecurrentConfig
+from helios.layers import recurrent as ops
+from helios.layers.attention import AttentionMetadata
+from helios.layers.linear import Linear
+from helios.layers.linear_attention import sequence_starts
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+def _meta_param(*shape: int) -> nn.Parameter:
+    # NOTE: meta until the model binds the core's tensor; never allocated here.
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
+class _Weight(nn.Module):
+    """A bare `weight` (the conv taps [C, K], the gated norm's multiplier [d])."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = _meta_param(*shape)
+
+
+class KimiDeltaAttention(nn.Module):
+    """Tensors bound (helios/core/layout.py, layers.L.kda.*): in_proj.weight [C + 2*d + Hk, H] (rows q, k, v, f_a,
+    g_a, b), conv.weight [C, K], f_b.weight and g_b.weight [Hk*d, d], dt_bias [Hk*d], A_log [Hk], norm.weight [d],
+    out.weight [H, Hk*d]."""
+
+    def __init__(self, hidden_size: int, config: RecurrentConfig, eps: float,
+                 switches: Switches = DEFAULT_SWITCHES) -> None:
+        super().__init__()
+        c = config
+        if c.kind != "kimi_delta" or c.num_key_heads != c.num_heads or c.key_head_dim != c.value_head_dim:
+            raise ValueError("KimiDeltaAttention needs kimi_delta layers with one head count and one head size")
+        self.config = c
+        self.eps = eps
+        self.head_dim = c.key_head_dim
+        self.inner = c.num_heads * c.key_head_dim  # the width of each of q, k, v
+        self.in_proj = Linear(hidden_size, c.conv_dim + 2 * self.head_dim + c.num_heads, switches=switches)
+        self.conv = _Weight(c.conv_dim, c.conv_kernel)
+        self.f_b = Linear(self.head_dim, self.inner, switches=switches)
+        self.g_b = Linear(self.head_dim, self.inner, switches=switches)
+        self.dt_bias = _meta_param(self.inner)
+        self.A_log = _meta_param(c.num_heads)
+        self.norm = _Weight(self.head_dim)
+        self.out = Linear(self.inner, hidden_size, switches=switches)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        state: tuple[torch.Tensor, torch.Tensor],  # conv [S, K-1, C], recurrent [S, Hk, d, d] float32
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        c, d = self.config, self.head_dim
+        num_tokens = x.shape[0]
+        mixed, f_a, g_a, b = self.in_proj(x).split([c.conv_dim, d, d, c.num_heads], dim=-1)
+        slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
+        conv_state, recurrent_state = state
+        mixed = ops.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts, activation="silu")
+        q, k, v = (t.reshape(num_tokens, c.num_heads, d) for t in mixed.split([self.inner] * 3, dim=-1))
+        g, beta = ops.kimi_delta_gates(self.f_b(f_a), b, self.A_log, self.dt_bias)
+        o = ops.kimi_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts, chunk_size=c.chunk_size)
+        o = ops.rms_norm_gated(o.reshape(-1, d), self.g_b(g_a).reshape(-1, d), self.norm.weight, self.eps,
+                               activation="sigmoid", multiply_in_float32=True)
+        return self.out(o.reshape(num_tokens, self.inner))

@@ -1,0 +1,85 @@
+"""kimi_linear: a hybrid decoder of Kimi delta attention layers (`linear`: per-request recurrent state, no KV) and
+multi-head latent attention layers without position embeddings (`full`: paged latent KV), each followed by a dense
+SwiGLU MLP (arch.moe.dense_layers) or DeepSeek-style sigmoid-routed experts with an ungated shared expert.
+
+Pre-norm blocks: x += mixer(attn_norm(x)); x += ffn(mlp_norm(x)). Forward-only, no weights of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helios.core.manifest import Architecture
+from helios.layers.activation import GatedMLP
+from helios.layers.attention import AttentionBackend, AttentionMetadata
+from helios.layers.kda import KimiDeltaAttention
+from helios.layers.linear import Embedding, Linear, linear
+from helios.layers.mla import MlaAttention
+from helios.layers.moe import SigmoidMoe
+from helios.layers.norm import RMSNorm
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+class KimiLinearLayer(nn.Module):
+    """One pre-norm block: attn_norm + kda (a linear layer) or mla (a full one), then mlp_norm + mlp or moe."""
+
+    def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES) -> None:
+        super().__init__()
+        h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
+        self.is_linear = arch.layer_types[layer_idx] == "linear"
+        self.attn_norm = RMSNorm(h, eps)
+        if self.is_linear:
+            self.kda = KimiDeltaAttention(h, arch.recurrent, eps, switches)
+        else:
+            self.mla = MlaAttention(h, arch.num_heads, arch.mla, switches)
+        self.mlp_norm = RMSNorm(h, eps)
+        if moe is None or layer_idx in moe.dense_layers:
+            self.ffn_name = "mlp"
+            ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
+        else:
+            self.ffn_name = "moe"
+            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches)
+        self.add_module(self.ffn_name, ffn)
+
+    def forward(self, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
+        h = self.attn_norm(x)
+        x = x + (self.kda(h, cache, meta) if self.is_linear else self.mla(h, cache, meta))
+        return x + getattr(self, self.ffn_name)(self.mlp_norm(x))
+
+
+class KimiLinearForCausalLM(nn.Module):
+    """forward's `caches` holds one entry per layer: the latent page tensor of an MLA layer (helios.runner.kv_cache),
+    the (conv, recurrent) state pair of a KDA one (helios.runner.state_cache)."""
+
+    def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+        super().__init__()
+        if arch.recurrent is not None and arch.recurrent.kind != "kimi_delta":
+            raise ValueError(f"a kimi_linear architecture has kimi_delta recurrent layers, not {arch.recurrent.kind}")
+        if arch.attention_layers and arch.mla is None:
+            raise ValueError("a kimi_linear architecture's attention layers are MLA (arch.mla)")
+        if arch.position_embedding != "none":
+            raise ValueError("a kimi_linear architecture's attention has no position embeddings")
+        self.arch = arch
+        self.switches = switches
+        self.path = "eager"
+        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(KimiLinearLayer(arch, i, switches) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
+                                                                    switches=switches)
+
+    @staticmethod
+    def folds_norm_weights(arch: Architecture) -> bool:
+        return False
+
+    def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
+        x = self.embed(token_ids)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight, None, self.switches)
