@@ -53,7 +53,6 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     arch = core.manifest.arch
     page_bytes = KVCache.bytes_per_page(arch, page_size, dtype)
     # a hybrid model: a state slot per model slot, prefill chunks on the recurrent chunk grid (SchedulerConfig);
-    # no prefix cache (nor its host tiers) until state checkpoints exist
     # its prefix reuse: state checkpoints (helios/engine/state_checkpoints.py), in slots beyond the running ones
     recurrent = arch.recurrent
     num_state_slots = serving.max_concurrency if recurrent else 0
@@ -61,28 +60,41 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     if recurrent and config.prefix_caching:
         checkpoint_slots = serving.max_concurrency if config.state_checkpoints < 0 else config.state_checkpoints
     state_chunk = recurrent.chunk_size if recurrent else 0
+    slot_bytes = StateCache.bytes_per_slot(arch, dtype)
     prefill_chunk_size = serving.prefill_chunk_size
     if state_chunk:
         prefill_chunk_size = max(state_chunk, prefill_chunk_size - prefill_chunk_size % state_chunk)
     prefix_caching = config.prefix_caching and (not recurrent or checkpoint_slots > 0)
-    # the prefix cache's host DRAM tier: whole pages only; nothing without the prefix cache it stands behind
-    host_cache_pages = config.host_cache_bytes // page_bytes if prefix_caching and not recurrent else 0
+    # the prefix cache's host DRAM tier: whole pages only; nothing without the prefix cache it stands behind. A
+    # hybrid model's tiers hold its checkpoints' state records beside the pages: half the bytes each
+    host_bytes, disk_bytes = config.host_cache_bytes, config.host_disk_bytes
+    host_state_records = host_state_disk = 0
+    if recurrent and prefix_caching:
+        host_bytes, disk_bytes = host_bytes // 2, disk_bytes // 2
+        host_state_records = host_bytes // slot_bytes
+        host_state_disk = disk_bytes // slot_bytes if host_state_records and config.host_disk_dir else 0
+    host_cache_pages = host_bytes // page_bytes if prefix_caching else 0
     # its disk tier: only behind the DRAM tier; one subdirectory per KV identity (runner/disk_cache.py)
-    host_disk_pages = config.host_disk_bytes // page_bytes if host_cache_pages and config.host_disk_dir else 0
+    host_disk_pages = disk_bytes // page_bytes if host_cache_pages and config.host_disk_dir else 0
     host_disk_dir = record_dir(config.host_disk_dir, core.manifest, dtype, page_size) if host_disk_pages else None
+    state_disk_dir = None
+    if host_state_disk:
+        base = record_dir(config.host_disk_dir, core.manifest, dtype, page_size)
+        state_disk_dir = base.with_name(base.name + "-states")
+    state_args = dict(num_state_slots=num_state_slots + checkpoint_slots, host_state_records=host_state_records,
+                      host_state_disk_dir=state_disk_dir)
     if resolve_device(config.device) == "cuda":
         # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
         # lazy capture: the smallest and largest buckets now, the rest by the engine loop between steps
         runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,
                                        dtype=dtype, host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir,
-                                       switches=switches, lazy_capture=True,
-                                       num_state_slots=num_state_slots + checkpoint_slots)
+                                       switches=switches, lazy_capture=True, **state_args)
         num_pages = runner.num_pages
     else:
         num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
         runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, dtype=dtype,
                              host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir, switches=switches,
-                             num_state_slots=num_state_slots + checkpoint_slots)
+                             **state_args)
     scheduler = SchedulerConfig(
         max_concurrency=serving.max_concurrency,
         max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency + max(state_chunk - 1, 0)),
@@ -95,13 +107,17 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         num_state_slots=num_state_slots,
         state_chunk=state_chunk,
         state_checkpoint_slots=checkpoint_slots,
-        state_slot_bytes=StateCache.bytes_per_slot(arch, dtype),
+        state_slot_bytes=slot_bytes,
+        host_state_records=host_state_records,
+        host_state_disk_records=host_state_disk,
         host_cache_pages=host_cache_pages,
         host_disk_pages=host_disk_pages,
         page_bytes=page_bytes,
     )
     disk_records = runner.disk_store.list_records() if runner.disk_store is not None else []
-    engine = AsyncEngine(EngineCore(scheduler, runner, disk_records, constraints=constraints), own_thread=own_thread)
+    state_records = runner.state_disk.list_records() if runner.state_disk is not None else []
+    engine = AsyncEngine(EngineCore(scheduler, runner, disk_records, state_disk_records=state_records,
+                                    constraints=constraints), own_thread=own_thread)
     return engine, runner
 
 

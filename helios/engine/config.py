@@ -66,6 +66,14 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         int, Meta(ge=0, le=1 << 20, description="State slots (beyond num_state_slots' running share) that hold "
                   "checkpoints of a hybrid model's recurrent state for prefix reuse; 0: no reuse for such models.")
     ] = 0
+    host_state_records: Annotated[
+        int, Meta(ge=0, le=1 << 24, description="Host DRAM records (one state slot each) behind the GPU checkpoints "
+                  "of a hybrid model; 0: off.")
+    ] = 0
+    host_state_disk_records: Annotated[
+        int, Meta(ge=0, le=1 << 32, description="Disk records (one state slot each) behind the host DRAM state "
+                  "records; 0: off.")
+    ] = 0
     state_slot_bytes: Annotated[
         int, Meta(ge=0, le=1 << 40, description="Bytes one state slot holds across all recurrent layers.")
     ] = 0

@@ -73,14 +73,18 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
 
 class EngineCore:
     def __init__(self, config: SchedulerConfig, runner: Runner, disk_records: Sequence[bytes] = (), *,
+                 state_disk_records: Sequence[bytes] = (),
                  constraints: ConstraintOwner | None = None) -> None:
         """disk_records: the hashes of the host tier's record files found at start-up, least recently used first;
-        constraints: structured output's grammar owner (helios/engine/constraint.py)."""
+        state_disk_records: likewise, the state records' (hybrid models' checkpoints); constraints: structured
+        output's grammar owner (helios/engine/constraint.py)."""
         self.config = config
         self.runner = runner
         self.scheduler = Scheduler(config, constraints)
         if self.scheduler.host_cache is not None:
             self.scheduler.host_cache.seed_disk(disk_records)
+        if self.scheduler.state_host is not None:
+            self.scheduler.state_host.seed_disk(state_disk_records)
         self.error: str | None = None  # set by a runner failure that is not request-specific
         self._num_generated_tokens = 0
         self._num_completed = 0

@@ -169,6 +169,14 @@ class SchedulerOutput(Struct, frozen=True, kw_only=True):
     # hybrid models' state slot copies (src, dst), in order, before any forward of the plan: checkpoint captures
     # (a running slot as a step left it -> a checkpoint slot), then restores (a checkpoint -> a running slot)
     state_copies: list[tuple[int, int]] = []
+    # their host tiers, in the runner's order: (record, hash) spills to files and hashes whose files go, then
+    # (state slot, record) copy-outs of evicted checkpoints (before state_copies reuse their slots), then
+    # state_copies, then (hash, record) loads and (record, state slot) copy-ins into running slots
+    state_spill: list[tuple[int, bytes]] = []
+    state_disk_drop: list[bytes] = []
+    state_copy_out: list[tuple[int, int]] = []
+    state_load: list[tuple[bytes, int]] = []
+    state_copy_in: list[tuple[int, int]] = []
 
 
 class RequestResult(Struct, frozen=True, kw_only=True):

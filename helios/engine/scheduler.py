@@ -57,16 +57,20 @@ class Scheduler:
         self.checkpoints: StateCheckpoints | None = None
         self.checkpoint_grid = 0  # tokens: checkpoints sit on multiples of lcm(page size, recurrent chunk)
         self._state_copies: list[tuple[int, int]] = []  # captures decided by update(), for the next plan
+        self._state_copy_out: list[tuple[int, int]] = []  # evicted checkpoints into host records, likewise
+        self._state_copy_in: list[tuple[int, int]] = []  # host records into running slots (admissions)
+        self.state_host: HostCache | None = None  # the host tiers of state records, named by checkpoint hash
         if config.num_state_slots:
             self.state_pool = StatePool(config.num_state_slots + config.state_checkpoint_slots)
-            self.host_cache = None
             if self.prefix_cache is not None and config.state_checkpoint_slots:
-                self.prefix_cache.host = None
                 self.checkpoints = StateCheckpoints(self.state_pool, config.state_checkpoint_slots,
                                                     config.state_slot_bytes, config.state_copy_bytes_per_s)
                 self.checkpoint_grid = math.lcm(config.page_size, config.state_chunk or 1)
+                if config.host_state_records:
+                    self.state_host = HostCache(config.host_state_records, config.state_slot_bytes,
+                                                config.host_state_disk_records)
             else:
-                self.prefix_cache = None
+                self.prefix_cache = self.host_cache = None
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
@@ -198,8 +202,9 @@ class Scheduler:
                 hits = self.prefix_cache.match(req)
                 host_slots = self.prefix_cache.match_host(req, len(hits))
                 if self.checkpoints is not None:  # pages only up to a checkpoint of the recurrent state
-                    restore = self.checkpoints.find(req.page_hashes, len(hits), self.checkpoint_grid // pool.block_size)
-                    hits = hits[: restore[0]] if restore is not None else []
+                    restore = self._find_checkpoint(req, len(hits) + len(host_slots))
+                    num_pages = restore[0] if restore is not None else 0
+                    hits, host_slots = hits[:num_pages], host_slots[: max(0, num_pages - len(hits))]
             num_reused = (len(hits) + len(host_slots)) * pool.block_size
             num_new = self._chunk_size(req, min(req.num_tokens - num_reused, config.prefill_chunk_size, budget),
                                        num_reused)
@@ -215,7 +220,7 @@ class Scheduler:
                     break
                 req.state_slot = self.state_pool.allocate()
                 if restore is not None:
-                    self._state_copies.append((restore[1], req.state_slot))
+                    self._restore(req, *restore)
             self.waiting.popleft()
             pool.incref(hits)  # NOTE: before allocate(), which would otherwise evict free hits
             req.block_ids = hits + pool.allocate(num_needed)
@@ -248,12 +253,10 @@ class Scheduler:
         spill, disk_drop, load = self.prefix_cache.take_disk_ops() if scheduled and self.prefix_cache else ([], [], [])
         # NOTE: finished ids wait for a plan with work, so the runner is never handed an empty batch.
         finished_req_ids: list[str] = []
-        state_copies: list[tuple[int, int]] = []
+        state_ops: dict = {}
         if scheduled:
             finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
-            state_copies, self._state_copies = self._state_copies, []
-            if self.checkpoints is not None:
-                self.checkpoints.end_step()  # the plan carries its copies: every checkpoint is whole after it
+            state_ops = self._take_state_ops()
         return SchedulerOutput(
             new_requests=new_requests,
             scheduled=scheduled,
@@ -264,7 +267,7 @@ class Scheduler:
             spill=spill,
             disk_drop=disk_drop,
             load=load,
-            state_copies=state_copies,
+            **state_ops,
         )
 
     def update(self, plan: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineOutput]:
@@ -343,6 +346,10 @@ class Scheduler:
             self.prefix_cache.forget_copies(plan.copy_out, plan.copy_in, plan.spill, plan.disk_drop, plan.load)
         if self.checkpoints is not None and plan.state_copies:  # captures that may never have run
             self.checkpoints.forget_slots({dst for _, dst in plan.state_copies})
+        if self.state_host is not None:  # its records and files as the page tier forgets its own
+            self.state_host.forget_disk_ops(plan.state_spill, plan.state_disk_drop, plan.state_load)
+            for _, record in plan.state_copy_out:
+                self.state_host.discard_slot(record)
         affected = [self._scheduled[c.req_id] for c in plan.scheduled if c.req_id in self._scheduled]
         for req in reversed(affected):  # reversed: preempted ones reach the queue front in admission order
             if req.status is not RequestStatus.RUNNING:
@@ -367,6 +374,54 @@ class Scheduler:
         """True when feeding all of the request's tokens needs more pages than the whole pool holds."""
         return self.block_pool.num_blocks_for(req.num_tokens) > self.block_pool.num_blocks
 
+    def _find_checkpoint(self, req: Request, num_pages: int) -> tuple[int, str, int | None] | None:
+        """The longest grid position within the request's first num_pages reusable pages that has a checkpoint:
+        (pages, "gpu", its slot) or (pages, "host", its DRAM record or None for a disk record); None if none."""
+        grid_pages = self.checkpoint_grid // self.block_pool.block_size
+        for n in range(num_pages - num_pages % grid_pages, 0, -grid_pages):
+            block_hash = req.page_hashes[n - 1]
+            slot = self.checkpoints.lookup(block_hash)
+            if slot is not None:
+                return n, "gpu", slot
+            if self.state_host is not None:
+                entries = self.state_host.find_tiered_prefix([block_hash])
+                if entries:
+                    return n, "host", entries[0]
+        return None
+
+    def _restore(self, req: Request, num_pages: int, tier: str, entry: int | None) -> None:
+        """Start the admitted request's running slot from the checkpoint _find_checkpoint chose."""
+        if tier == "gpu":
+            self._state_copies.append((entry, req.state_slot))
+            return
+        block_hash = req.page_hashes[num_pages - 1]
+        (record,) = self.state_host.take([block_hash], num_pages * self.block_pool.block_size, [entry])
+        self._state_copy_in.append((record, req.state_slot))
+
+    def _take_state_ops(self) -> dict:
+        """The plan's state slot copies and their host tiers' operations (a plan with work carries them all: every
+        checkpoint it captures or restores is whole once it ran)."""
+        if self.checkpoints is None:
+            return {}
+        ops = {"state_copies": self._state_copies, "state_copy_out": self._state_copy_out,
+               "state_copy_in": self._state_copy_in}
+        self._state_copies, self._state_copy_out, self._state_copy_in = [], [], []
+        self.checkpoints.end_step()
+        if self.state_host is not None:
+            ops["state_spill"], ops["state_disk_drop"], ops["state_load"] = self.state_host.take_disk_ops()
+            self.state_host.end_step()
+        return ops
+
+    def _keep_evicted(self) -> None:
+        """Checkpoints the GPU share let go move to host records (a copy-out before their slot is reused)."""
+        evicted, self.checkpoints.evicted = self.checkpoints.evicted, []
+        if self.state_host is None:
+            return
+        for block_hash, slot in evicted:
+            record = self.state_host.store(block_hash)
+            if record is not None:
+                self._state_copy_out.append((slot, record))
+
     def _capture(self, req: Request) -> None:
         """An endpoint checkpoint when a step left the request on the checkpoint grid (its prompt's last grid
         position, or one its decode passed): the copy of its running slot rides in the next plan, before
@@ -379,6 +434,7 @@ class Scheduler:
         block_hash = req.page_hashes[p // self.block_pool.block_size - 1]
         is_decode = p > req.num_prompt_tokens  # the prompt's own stays: for every request sharing the prompt
         slot = self.checkpoints.capture(block_hash, p, "endpoint", req.checkpoint_hash if is_decode else None)
+        self._keep_evicted()
         if slot is None:
             return
         self._state_copies.append((req.state_slot, slot))

@@ -44,6 +44,7 @@ class StateCheckpoints:
         self.extra_work_ns = 0.0
         self.prefill_ns_per_token: float | None = None  # measured by the engine (observe_prefill)
         self._pinned: set[bytes] = set()  # captured or restored in the plan being built: not evictable
+        self.evicted: list[tuple[bytes, int]] = []  # (hash, slot) the LRU rule let go, for the scheduler to take
 
     @property
     def num_held(self) -> int:
@@ -57,16 +58,13 @@ class StateCheckpoints:
         prev = self.prefill_ns_per_token
         self.prefill_ns_per_token = ns if prev is None else 0.8 * prev + 0.2 * ns
 
-    def find(self, page_hashes: list[bytes], num_pages: int, grid_pages: int) -> tuple[int, int] | None:
-        """The longest (pages, slot) with pages <= num_pages a multiple of grid_pages and a checkpoint at the
-        hash of page pages - 1; None when there is none. Touches the one found."""
-        for n in range(num_pages - num_pages % grid_pages, 0, -grid_pages):
-            slot = self.slots.get(page_hashes[n - 1])
-            if slot is not None:
-                self.slots.move_to_end(page_hashes[n - 1])
-                self._pinned.add(page_hashes[n - 1])
-                return n, slot
-        return None
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The slot of the checkpoint at `block_hash` (touched and pinned for the plan being built), or None."""
+        slot = self.slots.get(block_hash)
+        if slot is not None:
+            self.slots.move_to_end(block_hash)
+            self._pinned.add(block_hash)
+        return slot
 
     def capture(self, block_hash: bytes, num_tokens: int, role: str, replaces: bytes | None = None) -> int | None:
         """A slot to copy the request's running state into for a checkpoint at num_tokens (its hash), or None
@@ -89,7 +87,9 @@ class StateCheckpoints:
             if victim is None:
                 self.skips["storage"] += 1
                 return None
-            self.pool.free(self.slots.pop(victim))
+            victim_slot = self.slots.pop(victim)
+            self.evicted.append((victim, victim_slot))  # the scheduler may keep it in a host tier
+            self.pool.free(victim_slot)
         slot = self.pool.allocate()
         self.slots[block_hash] = slot
         self._pinned.add(block_hash)

@@ -208,6 +208,8 @@ class ModelRunner:
         manifest=None,
         lazy_capture: bool = False,
         num_state_slots: int = 0,
+        host_state_records: int = 0,
+        host_state_disk_dir: Path | str | None = None,
     ):
         """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
         core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core).
@@ -223,7 +225,9 @@ class ModelRunner:
         from core_path when None). lazy_capture: capture only the smallest and largest decode buckets here and
         leave the rest to `capture_pending` between steps; a step whose bucket is still pending captures it first.
         num_state_slots: a hybrid model's recurrent-state rows (the engine's SchedulerConfig.num_state_slots; at
-        least 1, for forward_logits, whatever is asked), allocated before the KV pool is sized from free memory."""
+        least 1, for forward_logits, whatever is asked), allocated before the KV pool is sized from free memory.
+        host_state_records: host DRAM records of checkpoint states (the engine's SchedulerConfig.host_state_records),
+        0 for none; host_state_disk_dir: their disk records' directory, None for none."""
         self.switches = switches = switches if switches is not None else DEFAULT_SWITCHES
         self.arch = arch
         self.device = torch.device(device)
@@ -278,6 +282,11 @@ class ModelRunner:
             num_pages = pages_from_free_memory(arch, page_size, self.dtype, self.device, gpu_memory_fraction, reserve)
         self.kv_cache = KVCache.from_arch(arch, num_pages, page_size, self.dtype, self.device)
         self.layer_caches = self._layer_caches()  # what the model's forward takes, one entry per layer
+        self.state_host = self.state_disk = None
+        if self.state_cache is not None and host_state_records > 0:
+            self.state_host = HostKVStore(self.state_cache.record_view, host_state_records)
+            if host_state_disk_dir is not None:
+                self.state_disk = DiskKVStore(host_state_disk_dir, self.state_host)
         self.host_store = HostKVStore(self.kv_cache, host_cache_pages) if host_cache_pages > 0 else None
         self.disk_store = DiskKVStore(host_disk_dir, self.host_store) if self.host_store and host_disk_dir else None
         if is_cuda:
@@ -401,8 +410,8 @@ class ModelRunner:
             self.requests[new.req_id] = self._new_state(new)
         if plan.copy_out or plan.copy_in or plan.spill or plan.disk_drop or plan.load:
             self._copy_host_pages(plan)
-        if plan.state_copies:
-            self.state_cache.copy(plan.state_copies)
+        if plan.state_copies or plan.state_copy_out or plan.state_copy_in or plan.state_spill or plan.state_load:
+            self._copy_states(plan)
         if not plan.scheduled:
             if self._overlap is not None:
                 self._overlap.take(plan, None)  # every plan ends a pending speculation
@@ -498,6 +507,28 @@ class ModelRunner:
                 # runs its requests again from scratch (they recompute what the unreadable records held)
                 raise RequestExecutionError(set(), f"host disk tier: {exc}") from exc
         self.host_store.copy_in(self.kv_cache, plan.copy_in)
+
+    def _copy_states(self, plan: SchedulerOutput) -> None:
+        """The state slots' copies and their host tiers', before any forward of the plan, in the plan's order:
+        spill, disk drop, copy-out (evicted checkpoints), slot copies (captures, restores), load, copy-in."""
+        host, disk, view = self.state_host, self.state_disk, self.state_cache.record_view
+        if plan.state_spill or plan.state_disk_drop or plan.state_load:
+            if disk is None:
+                raise RuntimeError("the plan moves state disk records, but the runner has no state disk store")
+            if host.is_cuda:
+                torch.cuda.current_stream(self.device).synchronize()
+            disk.spill(plan.state_spill)
+            disk.drop(plan.state_disk_drop)
+        if plan.state_copy_out:
+            host.copy_out(view, plan.state_copy_out)
+        self.state_cache.copy(plan.state_copies)
+        if plan.state_load:
+            try:
+                disk.load(plan.state_load)
+            except OSError as exc:
+                raise RequestExecutionError(set(), f"state disk tier: {exc}") from exc
+        if plan.state_copy_in:
+            host.copy_in(view, plan.state_copy_in)
 
     def _decode_overlap(self) -> DecodeOverlap | None:
         if not self.decode_overlap or self.graphs is None:

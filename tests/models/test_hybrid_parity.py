@@ -134,3 +134,68 @@ def test_a_second_turn_reuses_the_first_turns_state(hybrid):
     assert reused == generate(make_engine(core, max_concurrency=4), [second])["t2"]  # exactly the run without reuse
     metrics = engine.metrics()
     assert metrics.checkpoint_captures["endpoint"] >= 2 and metrics.reused_tokens == 128
+
+
+def tiered_engine(core, disk: Path, num_pages: int = 48) -> EngineCore:
+    """One GPU checkpoint slot, 2 host DRAM state records and 8 host pages, disk records behind both: a few
+    unrelated requests push a conversation's checkpoint and pages out of the GPU, out of DRAM, onto disk."""
+    from helios.runner.kv_cache import KVCache
+    from helios.runner.state_cache import StateCache
+
+    arch = core.manifest.arch
+    dtype = core.tensors["embed.weight"].dtype
+    config = SchedulerConfig(max_concurrency=2, max_num_batched_tokens=128, prefill_chunk_size=64,
+                             page_size=PAGE_SIZE, num_pages=num_pages, max_model_len=num_pages * PAGE_SIZE,
+                             num_state_slots=2, state_chunk=arch.recurrent.chunk_size, enable_prefix_caching=True,
+                             state_checkpoint_slots=1, state_slot_bytes=StateCache.bytes_per_slot(arch, dtype),
+                             host_state_records=2, host_state_disk_records=16, host_cache_pages=8,
+                             host_disk_pages=256, page_bytes=KVCache.bytes_per_page(arch, PAGE_SIZE, dtype))
+    runner = ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, num_state_slots=3, host_cache_pages=8,
+                         host_disk_dir=disk / "pages", host_state_records=2, host_state_disk_dir=disk / "states")
+    return EngineCore(config, runner, runner.disk_store.list_records(),
+                      state_disk_records=runner.state_disk.list_records())
+
+
+def run_collecting(engine: EngineCore, req: EngineRequest):
+    outputs = []
+    engine.add_request(req)
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return [t for o in outputs for t in o.new_token_ids], outputs[-1].num_cached_tokens
+
+
+def test_a_checkpoint_comes_back_from_host_dram_and_disk_and_after_a_restart(hybrid, tmp_path):
+    family, _, core = hybrid
+    if family != "qwen3_5":
+        pytest.skip("the tiers are the engine's and runner's, not a family's: one family covers them")
+    first = greedy_request("t1", prompt(100, seed=31), 60)
+    history = first.prompt_token_ids + generate(make_engine(core, max_concurrency=2), [first])["t1"]
+    second = greedy_request("t2", history + prompt(30, seed=32), 16)
+    want = generate(make_engine(core, max_concurrency=2), [second])["t2"]  # no reuse at all
+
+    def conversation(num_fillers: int, disk: Path) -> EngineCore:
+        """t1, then unrelated requests: their checkpoints evict t1's from the GPU slot into DRAM, then onto disk;
+        their pages push t1's out of the 48-page pool, through the 8 host pages, onto disk."""
+        engine = tiered_engine(core, disk)
+        run_collecting(engine, first)
+        for i in range(num_fillers):
+            run_collecting(engine, greedy_request(f"f{i}", prompt(150, seed=40 + i), 40))
+        return engine
+
+    from helios.engine.prefix_cache import extend_page_hashes
+
+    hashes: list[bytes] = []
+    extend_page_hashes(hashes, history, PAGE_SIZE, 128 // PAGE_SIZE)
+    at_128 = hashes[-1]  # the name of t1's checkpoint at 128
+    engine = conversation(1, tmp_path / "dram")
+    state_host = engine.scheduler.state_host
+    assert at_128 not in engine.scheduler.checkpoints.slots and state_host.find_prefix([at_128])  # in DRAM
+    assert run_collecting(engine, second) == (want, 128)
+    engine = conversation(6, tmp_path / "disk")
+    sched = engine.scheduler
+    assert not sched.state_host.find_prefix([at_128]) and sched.state_host.find_tiered_prefix([at_128]) == [None]
+    assert sched.host_cache.num_disk_records >= 8  # on disk, and pages too
+    assert run_collecting(engine, second) == (want, 128)
+    del engine, sched
+    restarted = tiered_engine(core, tmp_path / "disk")  # a new process: nothing on the GPU or in DRAM
+    assert run_collecting(restarted, greedy_request("t2", second.prompt_token_ids, 16)) == (want, 128)
