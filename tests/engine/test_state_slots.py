@@ -23,13 +23,32 @@ class StateRunner(FakeRunner):
         self.states: dict[int, list[int]] = {}
         self.num_fresh = 0
         self.num_copies = 0
+        self.num_host_restores = 0
+        self.state_records: dict[int, list[int]] = {}  # host DRAM state record -> the tokens its state absorbed
+        self.state_disk: dict[bytes, list[int]] = {}  # disk state records by hash
         self.unaligned: list[tuple[str, int, int]] = []
 
     def execute(self, plan: SchedulerOutput):
+        # the state tiers in the runner's order: spill, disk drop, copy-out, slot copies, load, copy-in
+        for record, block_hash in plan.state_spill:
+            assert record in self.state_records, f"spill of state record {record}, never written"
+            self.state_disk[block_hash] = list(self.state_records[record])
+        for block_hash in plan.state_disk_drop:
+            self.state_disk.pop(block_hash, None)
+        for slot, record in plan.state_copy_out:
+            assert slot in self.states, f"copy-out of state slot {slot}, never written"
+            self.state_records[record] = list(self.states[slot])
         for src, dst in plan.state_copies:  # captures, then restores: before anything of the plan reads a slot
             assert src in self.states, f"copy from state slot {src}, never written"
             self.states[dst] = list(self.states[src])
             self.num_copies += 1
+        for block_hash, record in plan.state_load:
+            assert block_hash in self.state_disk, "load of a state record never spilled"
+            self.state_records[record] = list(self.state_disk[block_hash])
+        for record, slot in plan.state_copy_in:
+            assert record in self.state_records, f"copy-in of state record {record}, never written"
+            self.states[slot] = list(self.state_records[record])
+            self.num_host_restores += 1
         slots = [s.state_slot for s in plan.scheduled]
         assert all(0 <= slot < self.num_slots for slot in slots), slots
         assert len(set(slots)) == len(slots), f"two requests of one step share a state slot: {slots}"
@@ -157,13 +176,17 @@ _op = st.one_of(
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(_op, max_size=50), num_pages=st.integers(3, 24), concurrency=st.integers(1, 5),
        slots=st.integers(1, 5), chunk=st.integers(1, 12), grid=st.sampled_from([0, 4, 8]),
-       checkpoints=st.integers(0, 2))
-def test_random_add_abort_step_keep_slots_consistent(ops, num_pages, concurrency, slots, chunk, grid, checkpoints):
+       checkpoints=st.integers(0, 2), host=st.sampled_from([(0, 0, 0, 0), (1, 0, 2, 0), (1, 3, 2, 8)]))
+def test_random_add_abort_step_keep_slots_consistent(ops, num_pages, concurrency, slots, chunk, grid, checkpoints,
+                                                     host):
+    host_states, state_disk, host_pages, page_disk = host
     core, runner = make_hybrid(num_state_slots=slots, state_chunk=grid, num_pages=num_pages,
                                max_concurrency=concurrency, prefill_chunk_size=max(chunk, grid),
                                max_num_batched_tokens=max(concurrency + grid, 10), max_waiting=8, max_model_len=48,
                                state_checkpoint_slots=checkpoints, enable_prefix_caching=bool(checkpoints),
-                               state_slot_bytes=100, state_copy_bytes_per_s=1e12)
+                               state_slot_bytes=100, state_copy_bytes_per_s=1e12, host_state_records=host_states,
+                               host_state_disk_records=state_disk, host_cache_pages=host_pages,
+                               host_disk_pages=page_disk, page_bytes=10)
     runner.grid = grid or 1
     sched = core.scheduler
     if sched.checkpoints is not None:
@@ -266,3 +289,23 @@ def test_a_failed_plan_drops_the_checkpoints_it_was_capturing():
     runner.fail = lambda plan: RuntimeError("device lost") if plan.state_copies else None
     core.step()
     assert core.scheduler.checkpoints.num_held == 0
+
+
+def test_a_checkpoint_the_gpu_share_evicts_comes_back_from_dram_and_disk():
+    core, runner = make_checkpointed(state_checkpoint_slots=1, host_state_records=1, host_state_disk_records=16,
+                                     num_pages=64)
+    first = request("t1", prompt_len=21, max_tokens=12)
+    collected = Collected()
+    core.add_request(first)
+    run_until_idle(core, collected)
+    history = first.prompt_token_ids + collected.tokens["t1"]
+    for i in range(3):  # each capture evicts the GPU checkpoint before it: DRAM, then disk
+        core.add_request(request(f"f{i}", prompt_len=20, max_tokens=6, seed=10 + i))
+        run_until_idle(core)
+    assert core.scheduler.state_host.num_disk_records >= 1
+    second = request("t2", prompt_len=0, max_tokens=6)
+    second = type(second)(req_id="t2", prompt_token_ids=history + [11, 12, 13], sampling=second.sampling)
+    core.add_request(second)
+    out = run_until_idle(core, Collected())
+    assert out.final["t2"].num_cached_tokens == 32 and out.tokens["t2"] == reference_tokens(second)
+    assert runner.num_host_restores == 1
