@@ -74,6 +74,10 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         int, Meta(ge=0, le=1 << 32, description="Disk records (one state slot each) behind the host DRAM state "
                   "records; 0: off.")
     ] = 0
+    host_copy_bytes_per_s: Annotated[
+        float, Meta(ge=0, le=1e15, description="Host <-> device copy bandwidth, for the host lookups' predicted "
+                    "transfer time (/metrics' flare_host_cache_estimated_transfer_ns).")
+    ] = 1e10
     state_slot_bytes: Annotated[
         int, Meta(ge=0, le=1 << 40, description="Bytes one state slot holds across all recurrent layers.")
     ] = 0

@@ -15,7 +15,14 @@ from msgspec import Struct
 
 from helios.engine.config import SchedulerConfig
 from helios.engine.constraint import ConstraintOwner
-from helios.engine.messages import EngineOutput, EngineRequest, ModelRunnerOutput, RunnerStats, SchedulerOutput
+from helios.engine.messages import (
+    EngineOutput,
+    EngineRequest,
+    Histogram,
+    ModelRunnerOutput,
+    RunnerStats,
+    SchedulerOutput,
+)
 from helios.engine.scheduler import QueueFull, Scheduler
 
 
@@ -53,6 +60,10 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     checkpoint_skips: dict[str, int] = {}
     checkpoint_extra_work_ns: int = 0
     checkpoints_held: int = 0
+    # host prefix-store lookups (spec /metrics histograms): missing tokens, predicted transfer and prefill ns
+    host_missing_tokens: Histogram | None = None
+    host_estimated_transfer_ns: Histogram | None = None
+    host_estimated_prefill_ns: Histogram | None = None
     reused_tokens: int = 0  # tokens covered by prefix-cache hits (every admission, re-admissions too)
     cached_pages: int = 0  # pages holding a prefix-cache hash, in use or free (evictable)
     preemptions: int = 0
@@ -130,9 +141,8 @@ class EngineCore:
             try:
                 started = time.perf_counter()
                 runner_output = self.runner.execute(plan)
-                checkpoints = self.scheduler.checkpoints
-                if checkpoints is not None and plan.num_scheduled_tokens > len(plan.scheduled):  # prefill in it
-                    checkpoints.observe_prefill(plan.num_scheduled_tokens, time.perf_counter() - started)
+                if plan.num_scheduled_tokens > len(plan.scheduled):  # prefill in it: the prefill rate
+                    self.scheduler.observe_prefill(plan.num_scheduled_tokens, time.perf_counter() - started)
             except RequestExecutionError as exc:
                 return self._count(self.scheduler.fail_step(plan, str(exc), exc.req_ids))
             except Exception as exc:
@@ -172,6 +182,9 @@ class EngineCore:
             checkpoint_skips=dict(ckpt.skips) if ckpt else {},
             checkpoint_extra_work_ns=int(ckpt.extra_work_ns) if ckpt else 0,
             checkpoints_held=ckpt.num_held if ckpt else 0,
+            host_missing_tokens=_histogram(scheduler.host_lookups.missing_tokens),
+            host_estimated_transfer_ns=_histogram(scheduler.host_lookups.transfer_ns),
+            host_estimated_prefill_ns=_histogram(scheduler.host_lookups.prefill_ns),
             reused_tokens=scheduler.num_reused_tokens,
             cached_pages=pool.num_cached_blocks,
             preemptions=scheduler.num_preemptions,
@@ -187,3 +200,8 @@ class EngineCore:
             graph_launches=stats.graph_launches,
             replay_gpu_ns=stats.replay_gpu_ns,
         )
+
+
+def _histogram(h: dict) -> Histogram:
+    """A snapshot of one of the scheduler's histograms (its lists copied: they keep counting)."""
+    return Histogram(bounds=list(h["bounds"]), counts=list(h["counts"]), sum=h["sum"], count=h["count"])

@@ -17,6 +17,37 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
+class LookupHistograms:
+    """The three histograms of host prefix-store lookups (spec /metrics): per admission that looked past the GPU,
+    the tokens still to compute, the predicted copy-in time of what the host tiers held, and the predicted
+    prefill time of the missing tokens (the measured prefill rate; unobserved until one exists)."""
+
+    TOKEN_BOUNDS = [16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0]
+    NS_BOUNDS = [1e5, 1e6, 1e7, 1e8, 1e9, 1e10]
+
+    def __init__(self) -> None:
+        self.missing_tokens = self._empty(self.TOKEN_BOUNDS)
+        self.transfer_ns = self._empty(self.NS_BOUNDS)
+        self.prefill_ns = self._empty(self.NS_BOUNDS)
+
+    @staticmethod
+    def _empty(bounds: list[float]) -> dict:
+        return {"bounds": bounds, "counts": [0] * (len(bounds) + 1), "sum": 0.0, "count": 0}
+
+    @staticmethod
+    def _observe(h: dict, value: float) -> None:
+        i = next((i for i, b in enumerate(h["bounds"]) if value <= b), len(h["bounds"]))
+        h["counts"][i] += 1
+        h["sum"] += value
+        h["count"] += 1
+
+    def observe(self, missing_tokens: int, transfer_ns: float, prefill_ns: float | None) -> None:
+        self._observe(self.missing_tokens, missing_tokens)
+        self._observe(self.transfer_ns, transfer_ns)
+        if prefill_ns is not None:
+            self._observe(self.prefill_ns, prefill_ns)
+
+
 class HostCache:
     """`num_slots` records of one KV page each, named by their chained page hash; least recently used first."""
 

@@ -192,6 +192,16 @@ class ModelRunnerOutput(Struct, frozen=True, kw_only=True):
     results: list[RequestResult]
 
 
+class Histogram(Struct, frozen=True, kw_only=True):
+    """A Prometheus histogram's data: per-bucket counts (not cumulative) for `bounds` (upper, inclusive) plus one
+    beyond the last, the sum and the count of the observations."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float = 0.0
+    count: int = 0
+
+
 class RunnerStats(Struct, frozen=True, kw_only=True):
     """The runner's counters (runner.stats()), folded into EngineMetrics; totals since start."""
 

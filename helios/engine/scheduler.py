@@ -19,7 +19,7 @@ from msgspec.structs import replace
 from helios.engine.block_pool import BlockPool
 from helios.engine.config import SchedulerConfig
 from helios.engine.constraint import ConstraintOwner
-from helios.engine.host_cache import HostCache
+from helios.engine.host_cache import HostCache, LookupHistograms
 from helios.engine.messages import (
     EngineOutput,
     EngineRequest,
@@ -60,6 +60,8 @@ class Scheduler:
         self._state_copy_out: list[tuple[int, int]] = []  # evicted checkpoints into host records, likewise
         self._state_copy_in: list[tuple[int, int]] = []  # host records into running slots (admissions)
         self.state_host: HostCache | None = None  # the host tiers of state records, named by checkpoint hash
+        self.prefill_ns_per_token: float | None = None  # measured by the engine (observe_prefill)
+        self.host_lookups = LookupHistograms()
         if config.num_state_slots:
             self.state_pool = StatePool(config.num_state_slots + config.state_checkpoint_slots)
             if self.prefix_cache is not None and config.state_checkpoint_slots:
@@ -230,6 +232,8 @@ class Scheduler:
             req.num_computed_tokens = req.num_reused_tokens = num_reused
             if req.status is RequestStatus.WAITING:  # the first admission: usage reports this reuse
                 req.num_cached_tokens = num_reused
+            if self.host_cache is not None or self.state_host is not None:
+                self._observe_lookup(req, num_reused, len(host_slots), restore)
             self.num_reused_tokens += num_reused
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -373,6 +377,29 @@ class Scheduler:
     def _exceeds_page_capacity(self, req: Request) -> bool:
         """True when feeding all of the request's tokens needs more pages than the whole pool holds."""
         return self.block_pool.num_blocks_for(req.num_tokens) > self.block_pool.num_blocks
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step with prefill in it took `seconds` for `num_tokens`: the prefill rate the checkpoint cost rule and
+        the host lookups' predicted prefill time read (a moving average)."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        ns = 1e9 * seconds / num_tokens
+        prev = self.prefill_ns_per_token
+        self.prefill_ns_per_token = ns if prev is None else 0.8 * prev + 0.2 * ns
+        if self.checkpoints is not None:
+            self.checkpoints.prefill_ns_per_token = self.prefill_ns_per_token
+
+    def _observe_lookup(self, req: Request, num_reused: int, num_host_pages: int, restore) -> None:
+        """An admission that looked past the GPU: its missing tokens, the predicted copy-in time of the host
+        records it takes (pages, a state record) and the predicted prefill of what is left."""
+        config = self.config
+        nbytes = num_host_pages * config.page_bytes
+        if restore is not None and restore[1] == "host":
+            nbytes += config.state_slot_bytes
+        transfer_ns = 1e9 * nbytes / config.host_copy_bytes_per_s if config.host_copy_bytes_per_s else 0.0
+        missing = req.num_tokens - num_reused
+        rate = self.prefill_ns_per_token
+        self.host_lookups.observe(missing, transfer_ns, missing * rate if rate is not None else None)
 
     def _find_checkpoint(self, req: Request, num_pages: int) -> tuple[int, str, int | None] | None:
         """The longest grid position within the request's first num_pages reusable pages that has a checkpoint:

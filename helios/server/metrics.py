@@ -13,7 +13,9 @@ from collections import deque
 import msgspec
 from msgspec import Struct
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from helios.engine.messages import Histogram
 
 FIRST_RESPONSE_WINDOW_S = 60.0
 FIRST_RESPONSE_CAPACITY = 4096
@@ -59,6 +61,9 @@ class Snapshot(Struct, kw_only=True):
     checkpoint_skips: dict[str, int] = {}
     checkpoint_extra_work_ns: int = 0
     checkpoints_held: int = 0
+    host_missing_tokens: Histogram | None = None
+    host_estimated_transfer_ns: Histogram | None = None
+    host_estimated_prefill_ns: Histogram | None = None
     host_hits: int = 0
     host_reused_tokens: int = 0
     host_memory_records: int = 0
@@ -173,6 +178,10 @@ class _SnapshotCollector:
         for reason in ("unknown_cost", "work_budget", "storage"):
             skips.add_metric([reason], snap.checkpoint_skips.get(reason, 0))
         yield skips
+        for field, name, help_text in _HISTOGRAMS:
+            h = getattr(snap, field)
+            if h is not None:
+                yield _histogram_family(name, help_text, h)
         launches = CounterMetricFamily("flare_graph_launches", "Model forward passes by kind", labels=["kind"])
         for kind, count in sorted(snap.graph_launches.items()):
             launches.add_metric([kind], count)
@@ -183,6 +192,23 @@ class _SnapshotCollector:
                                 value=fr.median_seconds if fr.median_seconds is not None else math.nan)
         yield GaugeMetricFamily("flare_history_drafts_enabled", "Shared decoded history augments learned proposals",
                                 value=0)
+
+
+_HISTOGRAMS = (
+    ("host_missing_tokens", "flare_host_cache_missing_tokens", "Tokens a host prefix-store lookup left to compute"),
+    ("host_estimated_transfer_ns", "flare_host_cache_estimated_transfer_ns",
+     "Predicted copy-in time of the host records a lookup took"),
+    ("host_estimated_prefill_ns", "flare_host_cache_estimated_prefill_ns",
+     "Predicted prefill time of the tokens a lookup left (measured prefill rate)"),
+)
+
+
+def _histogram_family(name: str, help_text: str, h: Histogram) -> HistogramMetricFamily:
+    buckets, total = [], 0
+    for bound, count in zip([*h.bounds, math.inf], h.counts):
+        total += count
+        buckets.append(("+Inf" if bound == math.inf else repr(float(bound)), total))
+    return HistogramMetricFamily(name, help_text, buckets=buckets, sum_value=h.sum)
 
 
 def render_prometheus(snap: Snapshot) -> bytes:

@@ -16,6 +16,7 @@ from helios.engine.messages import (
     EngineOutput,
     EngineRequest,
     FrontendStats,
+    Histogram,
     ModelRunnerOutput,
     NewRequestData,
     PositionLogprobs,
@@ -59,6 +60,7 @@ SAMPLES = [
     RequestResult(req_id="r", sampled_token_id=11, logprobs=LOGPROBS, prompt_logprobs=[LOGPROBS]),
     ModelRunnerOutput(results=[RequestResult(req_id="r", sampled_token_id=None)]),
     RunnerStats(graph_launches={"graph": 3, "eager": 1}, replay_gpu_ns=12345),
+    Histogram(bounds=[16.0, 64.0], counts=[1, 0, 2], sum=300.0, count=3),
     FrontendStats(http_requests=3, admission_slots=8, admission_in_use=2, first_response=[(1.5, 0.25), (0.5, 0.125)]),
 ]
 

@@ -191,6 +191,8 @@ def test_a_checkpoint_comes_back_from_host_dram_and_disk_and_after_a_restart(hyb
     state_host = engine.scheduler.state_host
     assert at_128 not in engine.scheduler.checkpoints.slots and state_host.find_prefix([at_128])  # in DRAM
     assert run_collecting(engine, second) == (want, 128)
+    lookups = engine.metrics().host_missing_tokens
+    assert lookups.count >= 1 and lookups.sum > 0  # every admission past the GPU is observed
     engine = conversation(6, tmp_path / "disk")
     sched = engine.scheduler
     assert not sched.state_host.find_prefix([at_128]) and sched.state_host.find_tiered_prefix([at_128]) == [None]

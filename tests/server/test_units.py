@@ -62,6 +62,30 @@ def test_metrics_bad_format_and_text():
     assert m.first_response().median_seconds == pytest.approx(0.2) and m.first_response().samples == 3
 
 
+def test_metrics_render_the_host_lookup_histograms_and_checkpoint_counters():
+    from helios.engine.host_cache import LookupHistograms
+    from helios.engine.messages import Histogram
+
+    lookups = LookupHistograms()
+    for missing, transfer, prefill in ((10, 2e5, None), (300, 5e6, 9e8), (70000, 0.0, 2e10)):
+        lookups.observe(missing, transfer, prefill)
+    h = lookups.missing_tokens
+    snap = Snapshot(host_missing_tokens=Histogram(**h), checkpoint_captures={"endpoint": 4},
+                    checkpoint_skips={"storage": 1},
+                    host_estimated_prefill_ns=Histogram(**lookups.prefill_ns))
+    families = {f.name: f for f in text_string_to_metric_families(render_prometheus(snap).decode())}
+    buckets = {s.labels["le"]: s.value for s in families["flare_host_cache_missing_tokens"].samples
+               if s.name.endswith("_bucket")}
+    assert buckets["16.0"] == 1 and buckets["1024.0"] == 2 and buckets["65536.0"] == 2 and buckets["+Inf"] == 3
+    count = [s.value for s in families["flare_host_cache_estimated_prefill_ns"].samples if s.name.endswith("_count")]
+    assert count == [2]  # the lookup before any measured prefill rate is not observed
+    assert "flare_host_cache_estimated_transfer_ns" not in families  # absent: no host tier
+    captures = {s.labels["role"]: s.value for s in families["flare_checkpoint_captures"].samples}
+    assert captures == {"anchor": 0, "message": 0, "endpoint": 4}
+    skips = {s.labels["reason"]: s.value for s in families["flare_checkpoint_skips"].samples}
+    assert skips == {"unknown_cost": 0, "work_budget": 0, "storage": 1}
+
+
 def test_encodings_round_trip_and_bounds():
     data = b'{"x": "' + b"y" * 5000 + b'"}'
     for coding, enc in (("gzip", gzip.compress(data)), ("deflate", zlib.compress(data)),
