@@ -35,6 +35,7 @@ _REGISTRY = {
     "qwen3_next": "ignition.archs.qwen3_5",
     "nemotron_h": "ignition.archs.nemotron_h",
     "kimi_linear": "ignition.archs.kimi_linear",
+    "qwen4_exp_text": "ignition.archs.qwen4_exp", "qwen4_exp": "ignition.archs.qwen4_exp",  # wrapper: its text_config
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_REGISTRY))

@@ -101,18 +101,18 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
     add_embedding_and_head(w, plan, arch, dtype, gemma_norm=True)
     for i, kind in enumerate(types):
         if kind == "full":
-            _add_gated_attention(w, plan, arch, i, dtype)
+            add_gated_attention(w, plan, arch, i, dtype)
         elif family == "qwen3_next":
             _add_gdn_packed(w, plan, arch, i, dtype)
         else:
-            _add_gdn(w, plan, arch, i, dtype)
+            add_gdn(w, plan, arch, i, dtype)
         for src, dst in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")):
             add_norm(w, plan, f"layers.{i}.{src}.weight", layer(i, f"{dst}.weight"), arch, dtype, gemma_norm=True)
         if moe is None or i in moe.dense_layers:
             add_dense_mlp(w, plan, i, arch.hidden_size, arch.intermediate_size, dtype)
         else:
             add_experts(w, plan, arch, i, dtype)
-            _add_shared_expert(w, plan, arch, i, dtype)
+            add_shared_expert(w, plan, arch, i, dtype)
     w.check_all_used()
     return arch, plan
 
@@ -209,7 +209,7 @@ def _moe(cfg: dict, family: str, num_layers: int, where: str) -> MoeConfig | Non
 # ---- tensor plans ---------------------------------------------------------------------------------------------
 
 
-def _add_gated_attention(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
+def add_gated_attention(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
     """attn.qkv rows [q heads, k heads, v heads, gate heads], zero-centred q/k norms (shifted), attn.o."""
     h, d, nq, nkv = arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads
     src = f"layers.{i}.self_attn."
@@ -241,7 +241,7 @@ def _gdn_dims(arch: Architecture) -> tuple[int, int, int]:
     return r.num_key_heads * r.key_head_dim, r.num_heads * r.value_head_dim, r.num_heads
 
 
-def _add_gdn(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
+def add_gdn(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
     """qwen3_5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a are already the layout's row blocks."""
     h, (key, value, hv) = arch.hidden_size, _gdn_dims(arch)
     src = f"layers.{i}.linear_attn."
@@ -289,7 +289,7 @@ def _add_gdn_rest(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> 
     plan[layer(i, "linear.out.weight")] = load(w.take(f"{src}out_proj.weight", (h, value)), dtype)
 
 
-def _add_shared_expert(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
+def add_shared_expert(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
     """moe.shared.gate_up [2*Fs, H] (gate rows, then up), moe.shared.down [H, Fs], moe.shared_gate [1, H]."""
     h, fs = arch.hidden_size, arch.moe.shared_expert_intermediate_size
     src = f"layers.{i}.mlp.shared_expert"
