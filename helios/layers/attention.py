@@ -43,6 +43,9 @@ class AttentionMetadata:
     # state is read only for a sequence with earlier tokens (its first position > 0)
     state_slots: torch.Tensor | None = None  # [B] int32
     state_slots_cpu: list[int] = field(default_factory=list)
+    # n-gram models (qwen4_exp's PLE): each sequence's n tokens before its first scheduled one, oldest first, the
+    # model's reset token standing for those before position 0 (the runner holds every request's tokens)
+    context_token_ids: torch.Tensor | None = None  # [B, n] int64
     # NOTE: per-step values a backend derives from the fields above once and reuses in every layer (the CPU
     # decode gather and mask); the metadata lives for one step, so nothing here outlives its inputs.
     derived: dict = field(default_factory=dict, compare=False, repr=False)

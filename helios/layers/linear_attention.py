@@ -76,7 +76,7 @@ class GatedDeltaNet(nn.Module):
             o = recurrent.gated_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts,
                                            chunk_size=c.chunk_size)
         o = recurrent.rms_norm_gated(o.reshape(-1, c.value_head_dim), z.reshape(-1, c.value_head_dim),
-                                     self.norm.weight, self.eps)
+                                     self.norm.weight, self.eps, activation=c.output_gate)
         return self.out(o.reshape(num_tokens, self.value_dim))
 
     def _heads(self, mixed: torch.Tensor):  # [T, C] -> q, k [T, Hk, dk], v [T, Hv, dv]

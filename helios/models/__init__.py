@@ -28,6 +28,7 @@ _FAMILIES = {
     "qwen3_5_moe": "helios.models.qwen3_5:Qwen3_5ForCausalLM",
     "qwen3_next": "helios.models.qwen3_5:Qwen3_5ForCausalLM",
     "nemotron_h": "helios.models.nemotron_h:NemotronHForCausalLM",
+    "qwen4_exp": "helios.models.qwen4_exp:Qwen4ExpForCausalLM",
     "kimi_linear": "helios.models.kimi_linear:KimiLinearForCausalLM",
 }
 

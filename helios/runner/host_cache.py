@@ -21,15 +21,15 @@ class HostKVStore:
         # current stream, ordered with the forward passes around it; pageable memory would stage through a
         # bounce buffer and block the host.
         self.layers = [torch.zeros((layer.shape[0], num_slots, *layer.shape[2:]), dtype=layer.dtype,
-                                   pin_memory=self.is_cuda) for layer in kv_cache.layers]
+                                   pin_memory=self.is_cuda) for layer in kv_cache.paged_tensors]
 
     def copy_out(self, kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
         """(page, slot) pairs: the pages' KV into the host records. Slots are distinct (the engine's rule)."""
-        _copy(kv_cache.layers, self.layers, copies, self.is_cuda)
+        _copy(kv_cache.paged_tensors, self.layers, copies, self.is_cuda)
 
     def copy_in(self, kv_cache: KVCache, copies: list[tuple[int, int]]) -> None:
         """(slot, page) pairs: the host records into the pages. Pages are distinct (each is a fresh one)."""
-        _copy(self.layers, kv_cache.layers, copies, self.is_cuda)
+        _copy(self.layers, kv_cache.paged_tensors, copies, self.is_cuda)
 
 
 def _copy(sources: list[torch.Tensor], targets: list[torch.Tensor], copies: list[tuple[int, int]],

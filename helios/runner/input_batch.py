@@ -33,6 +33,15 @@ class RequestState:
     def wants_logprobs(self) -> bool:
         return self.sampling.logprobs is not None or self.sampling.logprob_token_ids is not None
 
+    def tokens_before(self, position: int, count: int, pad_id: int) -> list[int]:
+        """The `count` tokens before `position` (prompt, then outputs), oldest first, pad_id before position 0."""
+        prompt, start = self.prompt_token_ids, max(0, position - count)
+        window = prompt[start:position]
+        if position > len(prompt):  # slices only: no copy of a long prompt per step
+            outputs = self.sampler_state.output_token_ids
+            window = window + outputs[max(0, start - len(prompt)) : position - len(prompt)]
+        return [pad_id] * (count - len(window)) + window
+
 
 @dataclass(frozen=True)
 class RequestRows:
@@ -130,9 +139,11 @@ def prepare_batch(
     device: torch.device | str = "cpu",
     layout: BatchLayout | None = None,
     scratch_slot: int | None = None,
+    context: tuple[int, int] | None = None,
 ) -> PreparedBatch:
     """scratch_slot: a hybrid model's state row for sequences the engine gave none (forward_logits); None when
-    the model keeps no state."""
+    the model keeps no state. context: an n-gram model's (count, pad id) of context tokens per sequence
+    (qwen4_exp's PLE), None for any other model."""
     layout = layout or layout_batch(scheduled, requests, page_size)
     token_ids, query_start_loc, seq_lens = layout.token_ids, layout.query_start_loc, layout.seq_lens
 
@@ -158,6 +169,7 @@ def prepare_batch(
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
         **_state_slots(scheduled, device, scratch_slot),
+        **_context_tokens(scheduled, requests, device, context),
     )
     return PreparedBatch(
         token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
@@ -173,3 +185,13 @@ def _state_slots(scheduled: list[ScheduledRequest], device, scratch_slot: int | 
         return {}
     slots = [s.state_slot if s.state_slot >= 0 else scratch_slot for s in scheduled]
     return {"state_slots": torch.tensor(slots, dtype=torch.int32, device=device), "state_slots_cpu": slots}
+
+
+def _context_tokens(scheduled: list[ScheduledRequest], requests: dict[str, RequestState], device,
+                    context: tuple[int, int] | None) -> dict:
+    """AttentionMetadata's n-gram context (empty unless the model asks for `context` = (count, pad id))."""
+    if context is None:
+        return {}
+    count, pad_id = context
+    rows = [requests[s.req_id].tokens_before(s.num_computed_tokens, count, pad_id) for s in scheduled]
+    return {"context_token_ids": torch.tensor(rows, dtype=torch.int64, device=device).view(len(rows), count)}

@@ -3,7 +3,10 @@
 Layout per layer: [2 (k, v), num_pages, page_size, num_kv_heads, head_dim]; a multi-head latent attention layer
 (arch.mla) keeps [1, num_pages, page_size, kv_lora_rank + qk_rope_head_dim] instead: per token its latent and
 shared rope key (helios.layers.mla), never per-head K/V. Dim 1 is the page in both, which is all the host and disk
-tiers' page copies index. Attention layers only (a hybrid model's linear layers keep their state in
+tiers' page copies index. A QSA layer (arch.indexer, qwen4_exp) adds a second paged tensor, [1, num_pages,
+page_size, index head_dim]: each token's raw index key in the same page and slot as its K/V, so it is kept, shared
+and freed with them (the host tiers copy it beside the layer's KV: paged_tensors).
+Attention layers only (a hybrid model's linear layers keep their state in
 helios.runner.state_cache). Which pages a request owns is the engine's business (block ids arrive in the plan);
 this module only owns the memory.
 """
@@ -26,8 +29,10 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         latent_dim: int | None = None,
+        index_dim: int | None = None,
     ):
-        """latent_dim: the layers are latent layers of that many values per token (MLA); None: k/v heads."""
+        """latent_dim: the layers are latent layers of that many values per token (MLA); None: k/v heads.
+        index_dim: each layer also keeps an index key of that many values per token (QSA); None: none."""
         self.num_pages = num_pages
         self.page_size = page_size
         shape = ((1, num_pages, page_size, latent_dim) if latent_dim is not None
@@ -35,19 +40,34 @@ class KVCache:
         # NOTE: zeros, not empty: a page is only read up to a sequence's length, but never-written
         # memory must not be able to carry NaNs into a masked-out lane of a future kernel.
         self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.index_layers = [torch.zeros(1, num_pages, page_size, index_dim, dtype=dtype, device=device)
+                             for _ in range(num_layers if index_dim else 0)]
+
+    @property
+    def layer_caches(self) -> list:
+        """Per attention layer what its forward takes: the KV tensor, or (KV, index keys) for a QSA layer."""
+        return list(zip(self.layers, self.index_layers)) if self.index_layers else self.layers
+
+    @property
+    def paged_tensors(self) -> list[torch.Tensor]:
+        """Every tensor whose dim 1 is the page (what a page copy moves): the layers, then the index keys."""
+        return self.layers + self.index_layers
 
     @classmethod
     def from_arch(
         cls, arch: Architecture, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> KVCache:
         latent_dim = arch.mla.cache_dim if arch.mla is not None else None
+        index_dim = arch.indexer.head_dim if arch.indexer is not None else None
         return cls(len(arch.attention_layers), num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device,
-                   latent_dim)
+                   latent_dim, index_dim)
 
     @staticmethod
     def values_per_token(arch: Architecture) -> int:
-        """Values one token keeps in one attention layer: its latent and rope key (MLA), else its k and v heads."""
-        return arch.mla.cache_dim if arch.mla is not None else 2 * arch.num_kv_heads * arch.head_dim
+        """Values one token keeps in one attention layer: its latent and rope key (MLA), else its k and v heads;
+        plus its index key in a QSA layer."""
+        kv = arch.mla.cache_dim if arch.mla is not None else 2 * arch.num_kv_heads * arch.head_dim
+        return kv + (arch.indexer.head_dim if arch.indexer is not None else 0)
 
     @staticmethod
     def bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype) -> int:

@@ -29,6 +29,7 @@ from helios.engine.messages import (
     PositionLogprobs,
     RequestResult,
     RunnerStats,
+    SamplingParams,
     SchedulerOutput,
     ScheduledRequest,
 )
@@ -544,7 +545,7 @@ class ModelRunner:
         ffn layer (a feed-forward block: nothing kept)."""
         if self.state_cache is None and "ffn" not in self.arch.layer_types:
             return self.kv_cache.layers
-        kv = iter(self.kv_cache.layers)
+        kv = iter(self.kv_cache.layer_caches)
         states = self.state_cache.layers if self.state_cache is not None else {}
         attention = set(self.arch.attention_layers)
         return [states[i] if i in states else next(kv) if i in attention else None
@@ -554,9 +555,16 @@ class ModelRunner:
     def scratch_slot(self) -> int | None:
         return self.state_cache.scratch_slot if self.state_cache is not None else None
 
+    @property
+    def context_tokens(self) -> tuple[int, int] | None:
+        """(count, pad id) of the tokens before each sequence an n-gram model reads (qwen4_exp's PLE), else None."""
+        ple = self.arch.ple
+        return (ple.ngram_size - 1, ple.reset_token_id) if ple is not None else None
+
     def _forward(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> torch.Tensor:  # [N, V] float32
         self.launches["eager"] += 1
-        batch = prepare_batch(scheduled, self.requests, self.page_size, self.device, layout, self.scratch_slot)
+        batch = prepare_batch(scheduled, self.requests, self.page_size, self.device, layout, self.scratch_slot,
+                              self.context_tokens)
         hidden = self.model.forward(batch.token_ids, batch.meta, self.layer_caches)  # [T, H]
         # float32 logits for the used rows only: sampling and logprobs both read the raw distribution
         rows = hidden if len(layout.logits_indices) == hidden.shape[0] else hidden[batch.logits_indices]
@@ -654,6 +662,7 @@ class ModelRunner:
             )
         block_ids = list(range(self.kv_cache.num_pages - 1, self.kv_cache.num_pages - 1 - num_blocks, -1))
         chunk_size = chunk_size or len(token_ids)
+        requests = {"forward_logits": RequestState("forward_logits", list(token_ids), SamplingParams())}
         out = []
         for start in range(0, len(token_ids), chunk_size):
             chunk = ScheduledRequest(
@@ -663,7 +672,8 @@ class ModelRunner:
                 block_ids=block_ids,
                 sample=False,
             )
-            batch = prepare_batch([chunk], {}, self.page_size, self.device, scratch_slot=self.scratch_slot)
+            batch = prepare_batch([chunk], requests, self.page_size, self.device, scratch_slot=self.scratch_slot,
+                                  context=self.context_tokens)
             hidden = self.model.forward(batch.token_ids, batch.meta, self.layer_caches)
             out.append(self.model.compute_logits(hidden).float())
         return torch.cat(out)

@@ -1,0 +1,157 @@
+"""QSA (qwen4_exp): gated attention whose queries attend only to the tokens an indexer selects: the tokens of the
+top blocks of block_size keys by sum_h relu(q_h . k_block), and the incomplete tail (helios.core.manifest.
+IndexerConfig). The torch reference on every device: it gathers each sequence's pages and index keys, selects, and
+attends through SDPA with the selection as the mask. Imports torch and helios.layers only.
+
+Cache per layer: (kv [2, P, page, Nkv, D], index [1, P, page, Di]) from helios.runner.kv_cache: the raw index key
+of every token sits in the same page and slot as its K/V, so it is written, kept and freed with them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helios.core.manifest import IndexerConfig
+from helios.layers.attention import AttentionMetadata, write_kv
+from helios.layers.linear import Linear
+from helios.layers.norm import RMSNorm
+from helios.layers.recurrent import sigmoid
+from helios.layers.rotary import RotaryEmbedding, apply_rotary
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+def rotate_leading(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary over the leading cos.shape[-1] dims of each head, the rest passed: [T, heads, d], cos/sin [T, r]."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary(x, cos, sin)
+    return torch.cat([apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]], dim=-1)
+
+
+class Indexer(nn.Module):
+    """Tensors bound (as attn.indexer.*): qk.weight [(Ni + 1)*Di, H] (rows: the query heads, then the key), q_norm
+    and k_norm.weight [Di] (stored 1+w, multiplied in float32)."""
+
+    def __init__(self, hidden_size: int, config: IndexerConfig, eps: float, rotary: RotaryEmbedding,
+                 switches: Switches = DEFAULT_SWITCHES) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = rotary  # the attention's: block keys turn at their first position
+        self.qk = Linear(hidden_size, (config.num_heads + 1) * config.head_dim, switches=switches)
+        self.q_norm = RMSNorm(config.head_dim, eps, multiply_in_float32=True)
+        self.k_norm = RMSNorm(config.head_dim, eps, multiply_in_float32=True)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # [T, H] ->
+        """(queries [T, Ni, Di] normed and turned, raw keys [T, Di]: what the cache keeps)."""
+        c = self.config
+        q, k = self.qk(x).split([c.num_heads * c.head_dim, c.head_dim], dim=-1)
+        q = self.q_norm(q.view(x.shape[0], c.num_heads, c.head_dim))
+        return rotate_leading(q, cos, sin), k
+
+    def select(
+        self,
+        q: torch.Tensor,  # [L, Ni, Di] the sequence's queries of this step
+        keys: torch.Tensor,  # [S, Di] raw index keys of its positions 0 .. S-1 (S = its length after the step)
+        first_pos: int,  # position of q's first row
+    ) -> torch.Tensor:  # [L, S] bool: which keys each query attends to (causal included)
+        """As Qwen4ExpTextQSAIndexer._select_tokens for a causal sequence: a query at position p sees nb = (p+1) //
+        block_size complete blocks; it keeps the best num_blocks of them (all when nb <= num_blocks) and the tail
+        nb * block_size .. p. NOTE: each query's top-k runs on exactly the scores of its nb visible blocks, in a
+        batch of the queries with the same nb, so ties (relu makes exact zeros common) break as in HF's loop."""
+        c = self.config
+        num_queries, seq_len = q.shape[0], keys.shape[0]
+        device = q.device
+        positions = torch.arange(first_pos, first_pos + num_queries, device=device)
+        key_pos = torch.arange(seq_len, device=device)
+        causal = key_pos[None, :] <= positions[:, None]
+        visible = [(p + 1) // c.block_size for p in range(first_pos, first_pos + num_queries)]
+        if visible[-1] <= c.num_blocks:
+            return causal
+        num_blocks = visible[-1]
+        pooled = keys[: num_blocks * c.block_size].view(num_blocks, c.block_size, -1).float().mean(dim=1)
+        block_keys = self.k_norm(pooled.to(keys.dtype))
+        starts = torch.arange(num_blocks, device=device) * c.block_size
+        cos, sin = self.rotary.cos_sin(starts, keys.dtype)
+        block_keys = rotate_leading(block_keys[:, None, :], cos, sin)[:, 0]  # [nb, Di]
+        scores = torch.matmul(q.float(), block_keys.float().t())  # [L, Ni, nb]
+        scores = torch.relu(scores).sum(dim=1) / math.sqrt(c.head_dim)  # [L, nb]
+        chosen = torch.zeros(num_queries, num_blocks, dtype=torch.bool, device=device)
+        first = 0
+        while first < num_queries:  # runs of queries that see the same blocks
+            nb = visible[first]
+            last = first
+            while last + 1 < num_queries and visible[last + 1] == nb:
+                last += 1
+            rows = slice(first, last + 1)
+            if nb <= c.num_blocks:
+                chosen[rows, :nb] = True
+            else:
+                best = scores[rows, :nb].topk(c.num_blocks, dim=-1).indices
+                chosen[rows] = chosen[rows].scatter(1, best, True)
+            first = last + 1
+        in_block = chosen.repeat_interleave(c.block_size, dim=1)  # [L, nb * block_size]
+        mask = torch.zeros(num_queries, seq_len, dtype=torch.bool, device=device)
+        mask[:, : in_block.shape[1]] = in_block
+        tail_start = torch.tensor(visible, device=device) * c.block_size
+        return mask | (causal & (key_pos[None, :] >= tail_start[:, None]))
+
+
+class IndexedAttention(nn.Module):
+    """qwen3_5's gated attention (per-head q/k norms, partial rotary, sigmoid output gate) over the keys the
+    Indexer selects. Tensors bound: qkv.weight [(2*Nq + 2*Nkv)*D, H] (rows q, k, v, gate), q_norm / k_norm.weight
+    [D], o.weight [H, Nq*D], and the Indexer's."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, config: IndexerConfig,
+                 eps: float, rotary: RotaryEmbedding, switches: Switches = DEFAULT_SWITCHES) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.qkv = Linear(hidden_size, (2 * num_heads + 2 * num_kv_heads) * head_dim, switches=switches)
+        self.q_norm = RMSNorm(head_dim, eps, multiply_in_float32=True)
+        self.k_norm = RMSNorm(head_dim, eps, multiply_in_float32=True)
+        self.o = Linear(num_heads * head_dim, hidden_size, switches=switches)
+        self.indexer = Indexer(hidden_size, config, eps, rotary, switches)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, rotary_dim] at the step's positions
+        cache: tuple[torch.Tensor, torch.Tensor],  # kv [2, P, page, Nkv, D], index keys [1, P, page, Di]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        num_tokens, d = x.shape[0], self.head_dim
+        kv_cache, index_cache = cache
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q, k, v, gate = self.qkv(x).split([q_size, kv_size, kv_size, q_size], dim=-1)
+        cos, sin = cos_sin
+        q = rotate_leading(self.q_norm(q.reshape(num_tokens, self.num_heads, d)), cos, sin)
+        k = rotate_leading(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, d)), cos, sin)
+        write_kv(kv_cache, k, v.reshape(num_tokens, self.num_kv_heads, d), meta.slot_mapping)
+        index_q, index_k = self.indexer.project(x, cos, sin)
+        index_cache.view(-1, index_cache.shape[-1]).index_copy_(0, meta.slot_mapping, index_k.to(index_cache.dtype))
+        o = torch.empty(num_tokens, self.num_heads, d, dtype=q.dtype, device=q.device)
+        page_size = kv_cache.shape[2]
+        qsl = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = qsl[i], qsl[i + 1]
+            if end == start:
+                continue
+            blocks = meta.block_tables[i, : -(-seq_len // page_size)].long()
+            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # [S, Nkv, D]
+            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+            index_keys = index_cache[0, blocks].flatten(0, 1)[:seq_len]  # [S, Di]
+            mask = self.indexer.select(index_q[start:end], index_keys, seq_len - (end - start))
+            o[start:end] = self._attend(q[start:end], keys, values, mask)
+        o = o.reshape(num_tokens, q_size) * sigmoid(gate)  # exp-based: the same bits at every row offset
+        return self.o(o)
+
+    def _attend(self, q, keys, values, mask) -> torch.Tensor:  # q [L, Nq, D], keys/values [S, Nkv, D] -> [L, Nq, D]
+        # 4-d operands: CPU SDPA's flash kernel (helios.layers.attention._attend says why)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.to(q.dtype).transpose(0, 1)[None],
+                                           values.to(q.dtype).transpose(0, 1)[None], attn_mask=mask,
+                                           scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[0].transpose(0, 1)

@@ -1,0 +1,102 @@
+"""qwen4_exp (Qwen3.8-Flash-Next): qwen3_5_moe's gated-delta layers (per-request state) and gated attention, the
+latter through the QSA indexer (helios.layers.qsa), between gated-residual hyper-connections: the residual stream
+is num_streams streams of the hidden size, [T, S*H], from the embedding repeated to the final mix (hc_head, no final
+norm). Every layer's feed-forward is the softmax top-k MoE with a sigmoid-gated shared expert; PLE layers first add
+their hashed n-gram embeddings to the streams (helios.layers.ple).
+
+Block: x += ple(x); h, w = attn_hc(x); x += w * mixer(h) per stream; h, w = mlp_hc(x); x += w * moe(h) per stream.
+Forward-only, no weights of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helios.core.manifest import Architecture
+from helios.layers.attention import AttentionBackend, AttentionMetadata
+from helios.layers.hyper_connections import HyperConnection, add_to_streams
+from helios.layers.linear import Embedding, Linear, linear
+from helios.layers.linear_attention import GatedDeltaNet
+from helios.layers.ple import PleLayer
+from helios.layers.qsa import IndexedAttention
+from helios.layers.rotary import RotaryEmbedding
+from helios.models.qwen3_5 import SharedExpertMoe
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+class Qwen4ExpLayer(nn.Module):
+    """One block: an optional PLE, then a GatedDeltaNet (`linear`) or an IndexedAttention (`attn`), then the MoE,
+    each sublayer behind its hyper-connection."""
+
+    def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend, rotary: RotaryEmbedding,
+                 device: torch.device | str, switches: Switches = DEFAULT_SWITCHES) -> None:
+        super().__init__()
+        h, hc, eps = arch.hidden_size, arch.hyper_connections, arch.rms_norm_eps
+        ple = arch.ple
+        self.ple = None
+        if ple is not None and layer_idx in ple.layers:
+            self.ple = PleLayer(h, hc.num_streams, ple, ple.layers.index(layer_idx), eps, device, switches)
+        self.attn_hc = HyperConnection(h, hc, eps, switches=switches)
+        self.is_linear = arch.layer_types[layer_idx] == "linear"
+        if self.is_linear:
+            self.linear = GatedDeltaNet(h, arch.recurrent, eps, fused=getattr(backend, "fuses_layers", False),
+                                        switches=switches)
+        else:
+            self.attn = IndexedAttention(h, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.indexer, eps,
+                                         rotary, switches)
+        self.mlp_hc = HyperConnection(h, hc, eps, switches=switches)
+        self.moe = SharedExpertMoe(arch, switches)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, cos_sin, cache, meta: AttentionMetadata):
+        """x [T, S*H] -> [T, S*H]. cache: (conv, recurrent[, ple conv]) states of a linear layer, (kv, index keys)
+        of an attention one."""
+        if self.ple is not None:
+            x = x + self.ple(x, token_ids, cache[2], meta)
+        h, weights = self.attn_hc(x)
+        y = self.linear(h, cache[:2], meta) if self.is_linear else self.attn(h, cos_sin, cache, meta)
+        x = add_to_streams(x, y, weights)
+        h, weights = self.mlp_hc(x)
+        return add_to_streams(x, self.moe(h), weights)
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    """forward's `caches` holds one entry per layer (helios.runner.model_runner._layer_caches): a linear layer's
+    state tuple (helios.runner.state_cache; a PLE layer's third tensor is its conv state), an attention layer's
+    (KV, index keys) pages (helios.runner.kv_cache). meta.context_token_ids carries the n-gram context of PLE."""
+
+    def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+        super().__init__()
+        if arch.recurrent is None or arch.recurrent.kind != "gated_delta" or arch.indexer is None \
+                or arch.hyper_connections is None or arch.moe is None:
+            raise ValueError("a qwen4_exp architecture needs gated_delta layers, an indexer, hyper-connections, MoE")
+        self.arch = arch
+        self.switches = switches
+        self.path = "eager"
+        self.num_streams = arch.hyper_connections.num_streams
+        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.rotary = RotaryEmbedding(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling,
+                                      arch.max_position_embeddings, device)
+        self.layers = nn.ModuleList(
+            Qwen4ExpLayer(arch, i, backend, self.rotary, device, switches) for i in range(arch.num_layers)
+        )
+        self.hc_head = HyperConnection(arch.hidden_size, arch.hyper_connections, arch.rms_norm_eps, inject=False,
+                                       switches=switches)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
+                                                                    switches=switches)
+
+    @staticmethod
+    def folds_norm_weights(arch: Architecture) -> bool:
+        return False
+
+    def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
+        x = self.embed(token_ids).repeat(1, self.num_streams)  # [T, S*H]
+        cos_sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, token_ids, cos_sin, cache, meta)
+        return self.hc_head(x)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight, None, self.switches)
