@@ -68,9 +68,10 @@ class Qwen4ExpForCausalLM(nn.Module):
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
                  dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
         super().__init__()
-        if arch.recurrent is None or arch.recurrent.kind != "gated_delta" or arch.indexer is None \
-                or arch.hyper_connections is None or arch.moe is None:
-            raise ValueError("a qwen4_exp architecture needs gated_delta layers, an indexer, hyper-connections, MoE")
+        if arch.recurrent is None or arch.recurrent.kind != "gated_delta" or arch.hyper_connections is None \
+                or arch.moe is None or (arch.indexer is None and arch.attention_layers):
+            raise ValueError("a qwen4_exp architecture needs gated_delta layers, hyper-connections, MoE and, with "
+                             "attention layers, an indexer")
         self.arch = arch
         self.switches = switches
         self.path = "eager"

@@ -60,7 +60,7 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         raise ExportError(f"{where}: hidden_act '{cfg['hidden_act']}' is not supported for qwen4_exp (only silu)")
     types = _layer_types(cfg, dims["num_layers"], where)
     theta, scaling, rotary_dim = _rope(cfg, dims["head_dim"], where)
-    indexer = _indexer(cfg, rotary_dim or dims["head_dim"], where)
+    indexer = _indexer(cfg, rotary_dim or dims["head_dim"], "full" in types, where)
     hc = _hyper_connections(cfg, where)
     w = Weights(ckpt, prefixes, ("mtp.", "model.visual."))
     arch = Architecture(
@@ -148,12 +148,15 @@ def _rope(cfg: dict, head_dim: int, where: str):
     return float(theta), scaling, (None if rotary_dim == head_dim else rotary_dim)
 
 
-def _indexer(cfg: dict, rotary_dim: int, where: str) -> IndexerConfig:
+def _indexer(cfg: dict, rotary_dim: int, has_attention: bool, where: str) -> IndexerConfig | None:
     values = {k: cfg.get(k) for k in _QSA}
     missing = [k for k, v in values.items() if v is None]
+    if not has_attention and len(missing) == len(_QSA):
+        return None  # only linear layers: no indexer anywhere
     if missing:
         # NOTE: transformers builds the indexer in every attention layer, so a config without it has no model
-        raise ExportError(f"{where}: the QSA indexer fields are required for qwen4_exp, missing {', '.join(missing)}")
+        raise ExportError(f"{where}: the QSA indexer fields are required for qwen4_exp's attention layers, missing "
+                          f"{', '.join(missing)}")
     n_heads, kv_heads, head_dim, budget, ratio = (int(values[k]) for k in _QSA)
     if min(n_heads, kv_heads, head_dim, budget, ratio) <= 0:
         raise ExportError(f"{where}: QSA indexer fields must be positive: {values}")

@@ -261,6 +261,18 @@ def test_text_type_reads_the_multimodal_prefix(tiny, tmp_path):
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
+def test_only_linear_layers_need_no_indexer(tmp_path):
+    """transformers builds no indexer without attention layers, so a config without the QSA fields is valid then."""
+    import transformers as T
+
+    text = {**{k: v for k, v in _COMMON.items() if not k.startswith("indexer_")}, "layer_types": [LIN] * 4}
+    model = T.Qwen4ExpForCausalLM(T.Qwen4ExpTextConfig(**text))
+    model.save_pretrained(tmp_path)
+    write_tokenizer(tmp_path)
+    arch, got = _convert(tmp_path)
+    assert arch.indexer is None and arch.attention_layers == [] and num_params(arch) == model.num_parameters()
+
+
 def test_legacy_rope_keys(tiny, tmp_path):
     path = shutil.copytree(tiny("plain")[0], tmp_path / "x")
     _edit_config(path, lambda c: {**{k: v for k, v in c.items() if k != "rope_parameters"}, "rope_theta": 1e6,
