@@ -135,6 +135,10 @@ class BlockPool:
             block_ids.append(block_id)
         return block_ids
 
+    def cached_block(self, block_hash: bytes) -> int | None:
+        """The page `block_hash` names, if cached (nothing is taken)."""
+        return self._block_by_hash.get(block_hash)
+
     def num_free_among(self, block_ids: Iterable[int]) -> int:
         """How many of these (cached) pages are on the free list: taking them leaves that many fewer free."""
         return sum(1 for block_id in block_ids if self._ref_counts[block_id] == 0)

@@ -11,6 +11,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta, Struct
 
+from helios.engine.kv_groups import window_pages_per_request
+
 
 def _check_bounds(obj: Struct) -> None:
     """Enforce the Meta bounds on direct construction too (msgspec checks them only when decoding); ints only."""
@@ -87,6 +89,14 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     page_bytes: Annotated[
         int, Meta(ge=0, le=1 << 40, description="Bytes one KV page holds across all layers (host tier byte counts).")
     ] = 0
+    sliding_window: Annotated[
+        int, Meta(ge=0, le=1 << 24, description="Tokens a query of the sliding-window layers sees, when they keep a "
+                  "page group of their own (window_pages); 0: every layer shares num_pages' tables.")
+    ] = 0
+    window_pages: Annotated[
+        int, Meta(ge=0, le=1 << 24, description="Pages of the sliding-window layers' own pool (helios/engine/"
+                  "kv_groups.py: their pages before the window go back to it); 0: no window group.")
+    ] = 0
 
     def __post_init__(self) -> None:
         _check_bounds(self)
@@ -103,6 +113,17 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_concurrency + state_chunk - 1 "
                 f"({self.max_concurrency + self.state_chunk - 1}) for a model with recurrent layers"
             )
+        if bool(self.sliding_window) != bool(self.window_pages):
+            raise ValueError(f"sliding_window ({self.sliding_window}) and window_pages ({self.window_pages}) are set "
+                             "together or not at all")
+        if self.window_pages:
+            # NOTE: the oldest running request alone always fits every pool (its progress guarantee)
+            needed = window_pages_per_request(self.sliding_window, self.page_size, self.prefill_chunk_size)
+            if self.window_pages < needed:
+                raise ValueError(f"window_pages ({self.window_pages}) must be >= {needed} (one request's window of "
+                                 f"{self.sliding_window} tokens and its prefill chunk)")
+            if self.num_state_slots or self.host_cache_pages:
+                raise ValueError("a window group goes without recurrent state slots and host tiers (not built yet)")
         if self.state_chunk and self.prefill_chunk_size < self.state_chunk:
             raise ValueError(f"prefill_chunk_size ({self.prefill_chunk_size}) must be >= state_chunk "
                              f"({self.state_chunk}) for a model with recurrent layers")

@@ -161,7 +161,7 @@ class EngineCore:
 
     def metrics(self) -> EngineMetrics:
         scheduler = self.scheduler
-        pool = scheduler.block_pool
+        pools = scheduler.pools  # a model with window groups: the pages of every group's pool summed
         host = scheduler.host_cache
         states = scheduler.state_pool
         ckpt = scheduler.checkpoints
@@ -173,9 +173,9 @@ class EngineCore:
             failed=self._num_failed,
             active=scheduler.num_running,
             pending=scheduler.num_waiting,
-            free_pages=pool.num_free_blocks,  # cached free pages included: allocation evicts them
-            total_pages=pool.num_blocks,
-            page_tokens=pool.block_size,
+            free_pages=sum(p.num_free_blocks for p in pools),  # cached free pages included: allocation evicts them
+            total_pages=sum(p.num_blocks for p in pools),
+            page_tokens=scheduler.block_pool.block_size,
             state_slots_in_use=states.num_slots - states.num_free_slots if states else 0,
             state_slots_total=states.num_slots if states else 0,
             checkpoint_captures=dict(ckpt.captures) if ckpt else {},
@@ -186,7 +186,7 @@ class EngineCore:
             host_estimated_transfer_ns=_histogram(scheduler.host_lookups.transfer_ns),
             host_estimated_prefill_ns=_histogram(scheduler.host_lookups.prefill_ns),
             reused_tokens=scheduler.num_reused_tokens,
-            cached_pages=pool.num_cached_blocks,
+            cached_pages=sum(p.num_cached_blocks for p in pools),
             preemptions=scheduler.num_preemptions,
             reasoning_budget_cuts=scheduler.num_reasoning_budget_cuts,
             verify_steps=scheduler.num_decode_steps,

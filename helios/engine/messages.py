@@ -133,6 +133,10 @@ class ScheduledRequest(Struct, frozen=True, kw_only=True):
     num_computed_tokens: int  # tokens already in the KV cache
     block_ids: list[int]  # the request's whole block table after this step's allocation
     sample: bool  # the last scheduled position produces a new token
+    # the tables of its window groups (helios/engine/kv_groups.py; one today, SchedulerConfig.sliding_window's), each
+    # as long as block_ids: the sliding layers' own pages, -1 (kv_groups.NULL_PAGE) where a page before the window
+    # went back to the pool (no query reads it); empty for a model of one group
+    group_block_ids: list[list[int]] = []
     # prompt positions covered by this chunk get prompt logprobs (prefill with prompt_logprobs)
     want_prompt_logprobs: bool = False
     # set only with sample: the runner returns this id instead of sampling (no draw, no logprob record) and

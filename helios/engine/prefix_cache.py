@@ -3,7 +3,9 @@
 A full page of token ids is named by a chained hash of its tokens and its parent page's hash, so equal
 hashes mean equal whole prefixes. The hash <-> page map and eviction live in the BlockPool; this module
 computes the hashes, looks a request's prefix up at admission (the GPU pages, then the host tier's records in
-DRAM or on disk, helios/engine/host_cache.py) and publishes its pages once computed.
+DRAM or on disk, helios/engine/host_cache.py) and publishes its pages once computed. A model with window groups
+(helios/engine/kv_groups.py) publishes each group's pages under the same hashes, in the group's own pool; a hit
+must find group 0's pages and, in each window group, the pages inside the window of the hit's end.
 Pure Python: must not import torch or numpy.
 """
 
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 
 from helios.engine.block_pool import BlockPool
 from helios.engine.host_cache import HostCache
+from helios.engine.kv_groups import NULL_PAGE, WindowGroup
 from helios.engine.request import Request
 
 ROOT_HASH = b""  # the parent of a request's first page
@@ -43,10 +46,11 @@ def extend_page_hashes(page_hashes: list[bytes], token_ids: Sequence[int], page_
 class PrefixCache:
     """The scheduler's side of the prefix cache over one BlockPool (the pool keeps the hash <-> page map)."""
 
-    def __init__(self, pool: BlockPool, host: HostCache | None = None) -> None:
+    def __init__(self, pool: BlockPool, host: HostCache | None = None, groups: Sequence[WindowGroup] = ()) -> None:
         self.pool = pool
         self.page_size = pool.block_size
         self.host = host
+        self.groups = list(groups)  # window groups: their own pools, the same hashes
 
     def match(self, req: Request) -> list[int]:
         """Cached pages a waiting request can start from (nothing is taken: the caller increfs them).
@@ -60,6 +64,29 @@ class PrefixCache:
         num_pages = (req.num_tokens - 1) // self.page_size
         extend_page_hashes(req.page_hashes, req.all_token_ids, self.page_size, num_pages)
         return self.pool.find_cached_prefix(req.page_hashes[:num_pages])
+
+    def match_windows(self, req: Request, num_pages: int) -> tuple[int, list[list[int]]]:
+        """Cut match()'s `num_pages` hit back to the longest one every window group can serve: its cached pages
+        from the first one the hit's end may read (WindowGroup.first_live_page) to the end. Returns the hit's pages
+        and, per window group, its table of them (NULL_PAGE before the window); nothing is taken."""
+        if not self.groups:
+            return num_pages, []
+        hashes = req.page_hashes[:num_pages]
+        found = [[group.pool.cached_block(h) for h in hashes] for group in self.groups]
+        # last_missing[g][k]: the last page before k the group lacks (-1: none), so a hit of k pages is served
+        # when it lies before the group's first live page
+        last_missing = []
+        for pages in found:
+            last, marks = -1, [-1]
+            for j, block_id in enumerate(pages):
+                last = j if block_id is None else last
+                marks.append(last)
+            last_missing.append(marks)
+        for k in range(num_pages, 0, -1):
+            firsts = [group.first_live_page(k * self.page_size) for group in self.groups]
+            if all(marks[k] < first for marks, first in zip(last_missing, firsts)):
+                return k, [[NULL_PAGE] * first + pages[first:k] for pages, first in zip(found, firsts)]
+        return 0, [[] for _ in self.groups]
 
     def match_host(self, req: Request, num_gpu_pages: int) -> list[int | None]:
         """Host records that continue a waiting request's `num_gpu_pages` matched GPU pages (after match();
@@ -120,4 +147,8 @@ class PrefixCache:
         extend_page_hashes(req.page_hashes, req.all_token_ids, self.page_size, num_full)
         for i in range(req.num_published_pages, num_full):
             self.pool.cache_block(req.block_ids[i], req.page_hashes[i])
+        for group, table in zip(self.groups, req.group_block_ids):
+            for i in range(req.num_published_pages, num_full):
+                if table[i] != NULL_PAGE:  # released before it was published (a step the runner did not report)
+                    group.pool.cache_block(table[i], req.page_hashes[i])
         req.num_published_pages = num_full

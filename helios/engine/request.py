@@ -46,6 +46,7 @@ class Request:
         "all_token_ids",
         "num_computed_tokens",
         "block_ids",
+        "group_block_ids",
         "state_slot",
         "checkpoint_hash",
         "status",
@@ -73,6 +74,8 @@ class Request:
         self.all_token_ids: list[int] = list(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
+        # the window groups' tables (helios/engine/kv_groups.py), each as long as block_ids; [] for one group
+        self.group_block_ids: list[list[int]] = []
         self.state_slot = -1  # its row of the recurrent layers' state while running (hybrid models); -1: none
         self.checkpoint_hash: bytes | None = None  # its latest decode endpoint (helios/engine/state_checkpoints)
         self.status = RequestStatus.WAITING

@@ -5,7 +5,8 @@ Owns the waiting queue, the running set and every request's pages. One step is
 running request gets its next prefill chunk or one decode token, then waiting requests are admitted
 first-come-first-served while slots, token budget and pages allow, each starting after the longest run of
 cached pages of its tokens (GPU pages, then host records copied in); update() publishes the pages a step
-filled. Not thread-safe: only the engine thread calls it (adds and aborts reach it through AsyncEngine's inbox).
+filled. A model with sliding-window layers keeps their pages in window groups (helios/engine/kv_groups.py): every
+allocation is made in each group's pool, and update() returns each request's pages before its window. Not thread-safe: only the engine thread calls it (adds and aborts reach it through AsyncEngine's inbox).
 Pure Python: must not import torch or numpy.
 """
 
@@ -20,6 +21,7 @@ from helios.engine.block_pool import BlockPool
 from helios.engine.config import SchedulerConfig
 from helios.engine.constraint import ConstraintOwner
 from helios.engine.host_cache import HostCache, LookupHistograms
+from helios.engine.kv_groups import NULL_PAGE, WindowGroup
 from helios.engine.messages import (
     EngineOutput,
     EngineRequest,
@@ -48,7 +50,11 @@ class Scheduler:
         self.block_pool = BlockPool(config.num_pages, config.page_size, track_evictions=is_host_cache)
         self.host_cache = (HostCache(config.host_cache_pages, config.page_bytes, config.host_disk_pages)
                            if is_host_cache else None)
-        self.prefix_cache = PrefixCache(self.block_pool, self.host_cache) if config.enable_prefix_caching else None
+        # the sliding-window layers' page groups, each with its own pool (config forbids host tiers beside them)
+        self.window_groups = ([WindowGroup(config.sliding_window, config.window_pages, config.page_size)]
+                              if config.window_pages else [])
+        self.prefix_cache = (PrefixCache(self.block_pool, self.host_cache, self.window_groups)
+                             if config.enable_prefix_caching else None)
         # a hybrid model's recurrent layers: a running request holds a state slot beside its pages.
         # NOTE: pages alone cannot resume such a request (its state at the page boundary is gone): its prefix
         # reuse goes through state checkpoints at grid positions (helios/engine/state_checkpoints.py), or there is
@@ -175,7 +181,7 @@ class Scheduler:
                 i += 1
                 continue
             num_needed = pool.num_blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
-            while not pool.can_allocate(num_needed):
+            while not self._can_allocate(num_needed):
                 # recompute preemption of the most recently admitted request, possibly this one; the
                 # oldest request always fits alone, so it always progresses (no livelock)
                 victim = self.running.pop()
@@ -185,7 +191,7 @@ class Scheduler:
                     break
             if req.status is not RequestStatus.RUNNING:
                 break  # it preempted itself, and it was the last running request
-            req.block_ids.extend(pool.allocate(num_needed))
+            self._allocate(req, num_needed)
             scheduled.append(self._schedule_chunk(req, num_new))
             budget -= num_new
             i += 1
@@ -200,8 +206,12 @@ class Scheduler:
                 continue
             assert not req.block_ids and req.num_computed_tokens == 0, req
             hits, host_slots, restore = [], [], None
+            group_hits: list[list[int]] = [[] for _ in self.window_groups]
             if self.prefix_cache is not None:
                 hits = self.prefix_cache.match(req)
+                if self.window_groups:  # pages only as far as each window group has its window's pages
+                    num_hits, group_hits = self.prefix_cache.match_windows(req, len(hits))
+                    hits = hits[:num_hits]
                 host_slots = self.prefix_cache.match_host(req, len(hits))
                 if self.checkpoints is not None:  # pages only up to a checkpoint of the recurrent state
                     restore = self._find_checkpoint(req, len(hits) + len(host_slots))
@@ -215,7 +225,7 @@ class Scheduler:
             # host pages are fresh pages too (num_needed counts them); hits still on the free list leave it when
             # taken, so they count against it too
             num_needed = pool.num_blocks_for(num_reused + num_new) - len(hits)
-            if not pool.can_allocate(num_needed + pool.num_free_among(hits)):
+            if not self._can_allocate(num_needed, hits, group_hits):
                 break
             if self.state_pool is not None:
                 if not self.state_pool.can_allocate():
@@ -225,7 +235,11 @@ class Scheduler:
                     self._restore(req, *restore)
             self.waiting.popleft()
             pool.incref(hits)  # NOTE: before allocate(), which would otherwise evict free hits
-            req.block_ids = hits + pool.allocate(num_needed)
+            req.block_ids = list(hits)  # a copy: hits is read again below
+            req.group_block_ids = group_hits
+            for group, table in zip(self.window_groups, group_hits):
+                group.pool.incref(b for b in table if b != NULL_PAGE)
+            self._allocate(req, num_needed)
             if host_slots:
                 copy_in.extend(self.prefix_cache.restore(req, len(hits), host_slots))
             req.num_published_pages = len(hits) + len(host_slots)
@@ -291,6 +305,8 @@ class Scheduler:
                 self.prefix_cache.publish(req)
                 if self.checkpoints is not None:
                     self._capture(req)
+            for group, table in zip(self.window_groups, req.group_block_ids):
+                group.release_before_window(table, req.num_computed_tokens)
             if chunk.want_prompt_logprobs and result is not None and result.prompt_logprobs:
                 req.prompt_logprobs.extend(result.prompt_logprobs)
             prompt_logprobs = None
@@ -499,10 +515,11 @@ class Scheduler:
                 len(s.token_ids) == 1
                 and s.sample
                 and pool.num_blocks_for(s.num_computed_tokens + 2) > len(req.block_ids)
-                and pool.num_free_blocks > len(self.running)
+                and all(p.num_free_blocks > len(self.running) for p in self.pools)
             ):
-                req.block_ids.extend(pool.allocate(1))
-                scheduled[j] = replace(s, block_ids=list(req.block_ids))
+                self._allocate(req, 1)
+                scheduled[j] = replace(s, block_ids=list(req.block_ids),
+                                       group_block_ids=[list(t) for t in req.group_block_ids])
 
     def _schedule_chunk(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -515,6 +532,7 @@ class Scheduler:
             token_ids=req.all_token_ids[start:end],
             num_computed_tokens=start,
             block_ids=list(req.block_ids),
+            group_block_ids=[list(t) for t in req.group_block_ids],
             sample=sample,
             want_prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens,
             state_slot=req.state_slot,
@@ -526,8 +544,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         """Free the (already unlinked) running request's pages and requeue it at the front for recompute."""
-        self.block_pool.free(reversed(req.block_ids))
-        req.block_ids = []
+        self._free_pages(req)
         self._free_state_slot(req)
         req.num_computed_tokens = req.num_published_pages = 0
         req.status = RequestStatus.PREEMPTED
@@ -547,13 +564,42 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Free a finished request's pages and forget it; it must already be off the queues."""
-        self.block_pool.free(reversed(req.block_ids))  # tail first: the prefix cache keeps heads longer
-        req.block_ids = []
+        self._free_pages(req)
         self._free_state_slot(req)
         self._forget_in_runner(req)
         if req.has_constraint:
             self.constraints.close(req.req_id)
         del self.requests[req.req_id]
+
+    @property
+    def pools(self) -> list[BlockPool]:
+        """Every page pool: group 0's (block_pool), then each window group's."""
+        return [self.block_pool] + [group.pool for group in self.window_groups]
+
+    def _can_allocate(self, num_needed: int, hits: list[int] = (), group_hits: list[list[int]] = ()) -> bool:
+        """Whether every group's pool has num_needed fresh pages beside the free cached hits the request takes
+        (they leave the free list when taken): the tables of a request grow together."""
+        pool = self.block_pool
+        if not pool.can_allocate(num_needed + pool.num_free_among(hits)):
+            return False
+        for i, group in enumerate(self.window_groups):
+            taken = [b for b in group_hits[i] if b != NULL_PAGE] if group_hits else []
+            if not group.pool.can_allocate(num_needed + group.pool.num_free_among(taken)):
+                return False
+        return True
+
+    def _allocate(self, req: Request, num_needed: int) -> None:
+        """Extend each of the request's tables by num_needed fresh pages (after _can_allocate)."""
+        req.block_ids.extend(self.block_pool.allocate(num_needed))
+        for group, table in zip(self.window_groups, req.group_block_ids):
+            table.extend(group.pool.allocate(num_needed))
+
+    def _free_pages(self, req: Request) -> None:
+        self.block_pool.free(reversed(req.block_ids))  # tail first: the prefix cache keeps heads longer
+        req.block_ids = []
+        for group, table in zip(self.window_groups, req.group_block_ids):
+            group.release(table)
+        req.group_block_ids = []
 
     def _free_state_slot(self, req: Request) -> None:
         if req.state_slot >= 0:

@@ -38,12 +38,20 @@ class FakeRunner:
     copy-in. `disk` (hash -> token ids) stands for the disk tier's record directory; a load of a missing record
     raises what the real runner raises (RequestExecutionError naming no request), after the earlier copies.
 
+    With a window group (`window`: SchedulerConfig.sliding_window) it also keeps the group's pages apart: every chunk
+    finds its request's tokens of its queries' windows in its group table's pages (and writes its own there, never
+    into a page another live table holds), and its table names no page before that window (-1 there: the scheduler
+    returned them), so a page the group's pool got back is never read.
+
     `script[req_id]` overrides the sampled tokens by output index; `fail(plan)` may return an exception.
     """
 
     def __init__(self, page_size: int, script: dict[str, list[int]] | None = None, fail=None,
-                 disk: dict[bytes, list[int | None]] | None = None) -> None:
+                 disk: dict[bytes, list[int | None]] | None = None, window: int | None = None) -> None:
         self.page_size = page_size
+        self.window = window
+        self.window_slots: dict[int, list[int | None]] = defaultdict(lambda: [None] * page_size)  # its pages
+        self.window_tables: dict[str, list[int]] = {}
         self.script = script or {}
         self.fail = fail
         self.kv: dict[str, list[int] | None] = {}  # tokens in KV per request; None until its first chunk
@@ -65,7 +73,7 @@ class FakeRunner:
         assert plan.scheduled, "the runner is never handed an empty batch"
         assert plan.num_scheduled_tokens == sum(len(s.token_ids) for s in plan.scheduled)
         for req_id in plan.finished_req_ids:
-            for table in (self.kv, self.known, self.num_prompt, self.sampling, self.block_tables):
+            for table in (self.kv, self.known, self.num_prompt, self.sampling, self.block_tables, self.window_tables):
                 table.pop(req_id, None)
         for new in plan.new_requests:
             assert new.req_id not in self.kv, f"{new.req_id} sent as new twice without a drop"
@@ -79,10 +87,17 @@ class FakeRunner:
         self._copy(plan)
         for s in plan.scheduled:
             self.block_tables[s.req_id] = list(s.block_ids)
+            assert len(s.group_block_ids) == (self.window is not None), s.req_id
+            if self.window is not None:
+                self.window_tables[s.req_id] = list(s.group_block_ids[0])
         owners: dict[int, int] = defaultdict(int)
         for table in self.block_tables.values():
             for block_id in table:
                 owners[block_id] += 1
+        window_owners: dict[int, int] = defaultdict(int)
+        for table in self.window_tables.values():
+            for block_id in table:
+                window_owners[block_id] += block_id >= 0
         results = []
         for s in plan.scheduled:
             kv, known = self.kv[s.req_id], self.known[s.req_id]
@@ -104,6 +119,8 @@ class FakeRunner:
                 block_id = s.block_ids[position // self.page_size]
                 assert owners[block_id] == 1, f"{s.req_id} writes page {block_id}, shared by {owners[block_id]}"
                 self.slots[block_id][position % self.page_size] = kv[position]
+            if self.window is not None:
+                self._run_window(s, kv, start, window_owners)
             num_prompt = self.num_prompt[s.req_id]
             prompt_logprobs = None
             if s.want_prompt_logprobs:
@@ -167,6 +184,21 @@ class FakeRunner:
         self.num_spilled += len(plan.spill)
         self.num_loaded += len(plan.load)
 
+    def _run_window(self, s, kv: list[int], start: int, owners: dict[int, int]) -> None:
+        """The window group's side of a chunk of positions start .. len(kv) - 1 (kv already holds them)."""
+        table, page = s.group_block_ids[0], self.page_size
+        assert len(table) == len(s.block_ids), (s.req_id, len(table), len(s.block_ids))
+        lo = max(0, start - self.window + 1)  # the first key the chunk's first query sees
+        assert all(b == -1 for b in table[: lo // page]), f"{s.req_id} holds a page before its window: {table}"
+        for position in range(lo, len(kv)):
+            block_id = table[position // page]
+            assert block_id >= 0, f"{s.req_id} reads or writes position {position} in a returned page"
+            if position < start:
+                assert self.window_slots[block_id][position % page] == kv[position], f"{s.req_id} window KV"
+            else:
+                assert owners[block_id] == 1, f"{s.req_id} writes window page {block_id}, shared"
+                self.window_slots[block_id][position % page] = kv[position]
+
     def _read(self, block_ids: list[int], num_tokens: int) -> list[int]:
         return [self.slots[block_ids[p // self.page_size]][p % self.page_size] for p in range(num_tokens)]
 
@@ -185,7 +217,7 @@ def make_core(script=None, fail=None, disk=None, constraints=None, **config) -> 
     constraints: structured output's grammar owner (helios.engine.constraint.ConstraintOwner)."""
     defaults = dict(max_concurrency=4, max_num_batched_tokens=64, prefill_chunk_size=16, page_size=4, num_pages=64)
     cfg = SchedulerConfig(**{**defaults, **config})
-    runner = FakeRunner(cfg.page_size, script=script, fail=fail, disk=disk)
+    runner = FakeRunner(cfg.page_size, script=script, fail=fail, disk=disk, window=cfg.sliding_window or None)
     return EngineCore(cfg, runner, list(runner.disk), constraints=constraints), runner
 
 
@@ -243,4 +275,26 @@ def page_owners(sched: Scheduler) -> dict[int, int]:
         for b in req.block_ids:
             owners[b] = owners.get(b, 0) + 1
     assert len(owners) == pool.num_used_blocks
+    window_page_owners(sched)
     return owners
+
+
+def window_page_owners(sched: Scheduler) -> list[dict[int, int]]:
+    """Per window group {page: tables naming it}, after checking its pool's invariants and that every page a live
+    table names is held by exactly the tables naming it (so no returned page is still in a table to be read)."""
+    result = []
+    for i, group in enumerate(sched.window_groups):
+        group.pool.check_invariants()
+        owners: dict[int, int] = {}
+        for req in sched.requests.values():
+            if req.status is not RequestStatus.RUNNING:
+                assert not req.group_block_ids, req
+                continue
+            assert len(req.group_block_ids[i]) == len(req.block_ids), req
+            for b in req.group_block_ids[i]:
+                if b >= 0:
+                    owners[b] = owners.get(b, 0) + 1
+        assert len(owners) == group.pool.num_used_blocks
+        assert all(group.pool.ref_count(b) == n for b, n in owners.items())
+        result.append(owners)
+    return result
