@@ -43,6 +43,7 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     from helios.engine.async_engine import AsyncEngine
     from helios.engine.config import SchedulerConfig
     from helios.engine.engine_core import EngineCore
+    from helios.engine.kv_groups import window_pages_per_request
     from helios.runner.disk_cache import record_dir
     from helios.runner.kv_cache import KVCache
     from helios.runner.model_runner import ModelRunner, resolve_device
@@ -68,6 +69,13 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     # the prefix cache's host DRAM tier: whole pages only; nothing without the prefix cache it stands behind. A
     # hybrid model's tiers hold its checkpoints' state records beside the pages: half the bytes each
     host_bytes, disk_bytes = config.host_cache_bytes, config.host_disk_bytes
+    # full and sliding-window layers: the window layers' pages in a group of their own (helios/engine/kv_groups.py),
+    # enough for every model slot's window and chunk (so it never preempts); no host tiers beside it yet
+    window_pages = 0
+    if KVCache.window_layers(arch):
+        window_pages = serving.max_concurrency * window_pages_per_request(arch.sliding_window, page_size,
+                                                                          prefill_chunk_size)
+        host_bytes = disk_bytes = 0
     host_state_records = host_state_disk = 0
     if recurrent and prefix_caching:
         host_bytes, disk_bytes = host_bytes // 2, disk_bytes // 2
@@ -82,7 +90,7 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         base = record_dir(config.host_disk_dir, core.manifest, dtype, page_size)
         state_disk_dir = base.with_name(base.name + "-states")
     state_args = dict(num_state_slots=num_state_slots + checkpoint_slots, host_state_records=host_state_records,
-                      host_state_disk_dir=state_disk_dir)
+                      host_state_disk_dir=state_disk_dir, window_pages=window_pages)
     if resolve_device(config.device) == "cuda":
         # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
         # lazy capture: the smallest and largest buckets now, the rest by the engine loop between steps
@@ -92,6 +100,10 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         num_pages = runner.num_pages
     else:
         num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
+        if window_pages:  # a sizing: at most group 0's pages (each window page stands beside a group 0 one)
+            window_pages = state_args["window_pages"] = max(
+                window_pages_per_request(arch.sliding_window, page_size, prefill_chunk_size),
+                min(window_pages, num_pages))
         runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, dtype=dtype,
                              host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir, switches=switches,
                              **state_args)
@@ -113,6 +125,8 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         host_cache_pages=host_cache_pages,
         host_disk_pages=host_disk_pages,
         page_bytes=page_bytes,
+        sliding_window=arch.sliding_window if window_pages else 0,
+        window_pages=window_pages,
     )
     disk_records = runner.disk_store.list_records() if runner.disk_store is not None else []
     state_records = runner.state_disk.list_records() if runner.state_disk is not None else []

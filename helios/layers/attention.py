@@ -9,7 +9,7 @@ Imports torch and helios.core only; a Triton backend lives in helios.kernels and
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -29,7 +29,8 @@ class AttentionMetadata:
     Sequence i owns tokens query_start_loc[i]:query_start_loc[i+1]; they are its last query tokens, so
     its first query position is seq_lens[i] - num_query_tokens (chunked prefill and decode alike).
     The *_cpu lists mirror the tensors for host-side loops (no device sync). The sliding window is
-    per layer, so each Attention layer passes its own (from arch.layer_types) to the backend call.
+    per layer, so each Attention layer passes its own (from arch.layer_types) to the backend call; with a window
+    page group (helios/engine/kv_groups.py) a layer of that window also reads its group's tables (for_window).
     """
 
     positions: torch.Tensor  # [T] int64, absolute position of each token
@@ -46,6 +47,10 @@ class AttentionMetadata:
     # n-gram models (qwen4_exp's PLE): each sequence's n tokens before its first scheduled one, oldest first, the
     # model's reset token standing for those before position 0 (the runner holds every request's tokens)
     context_token_ids: torch.Tensor | None = None  # [B, n] int64
+    # window page groups: window -> (block_tables [B, max_blocks] int32, slot_mapping [T] int64) of the pages the
+    # layers of that window keep apart (entries before a sequence's window are page 0, never read); empty: every
+    # layer uses block_tables and slot_mapping above
+    window_groups: dict = field(default_factory=dict)
     # NOTE: per-step values a backend derives from the fields above once and reuses in every layer (the CPU
     # decode gather and mask); the metadata lives for one step, so nothing here outlives its inputs.
     derived: dict = field(default_factory=dict, compare=False, repr=False)
@@ -53,6 +58,19 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    def for_window(self, sliding_window: int | None) -> AttentionMetadata:
+        """The metadata a layer of this window reads: its page group's block tables and slot mapping, when it keeps
+        its pages apart; else this one. One view per step and group (derived), so per-step values derived from it
+        are derived once."""
+        group = self.window_groups.get(sliding_window) if sliding_window is not None else None
+        if group is None:
+            return self
+        key = ("window", sliding_window)
+        if key not in self.derived:
+            self.derived[key] = replace(self, block_tables=group[0], slot_mapping=group[1], window_groups={},
+                                        derived={})
+        return self.derived[key]
 
 
 class AttentionBackend(Protocol):
@@ -305,6 +323,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv(x) if qkv is None else qkv
+        meta = meta.for_window(self.sliding_window)
         if self.fuses_qkv:  # GPU: norms + rotary + cache write in one launch
             return self.o(self.attend_qkv(qkv, cos_sin, kv_cache, meta))
         cos, sin = cos_sin
@@ -352,6 +371,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, Nq*D], before the o projection
         """The fused backend's attention from the qkv projection: q/k norms, rotary, cache write, attention."""
         norms = None
+        meta = meta.for_window(self.sliding_window)  # llama's norm-free layers call this directly
         if self.q_norm is not None:
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.multiply_in_float32)
         from helios.kernels.prefetch import l2_prefetch

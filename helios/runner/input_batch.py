@@ -140,10 +140,12 @@ def prepare_batch(
     layout: BatchLayout | None = None,
     scratch_slot: int | None = None,
     context: tuple[int, int] | None = None,
+    window: int | None = None,
 ) -> PreparedBatch:
     """scratch_slot: a hybrid model's state row for sequences the engine gave none (forward_logits); None when
     the model keeps no state. context: an n-gram model's (count, pad id) of context tokens per sequence
-    (qwen4_exp's PLE), None for any other model."""
+    (qwen4_exp's PLE), None for any other model. window: the window of the page group whose tables arrive in
+    group_block_ids (ModelRunner.window), None for a model of one group."""
     layout = layout or layout_batch(scheduled, requests, page_size)
     token_ids, query_start_loc, seq_lens = layout.token_ids, layout.query_start_loc, layout.seq_lens
 
@@ -170,6 +172,7 @@ def prepare_batch(
         seq_lens_cpu=seq_lens,
         **_state_slots(scheduled, device, scratch_slot),
         **_context_tokens(scheduled, requests, device, context),
+        **_window_groups(scheduled, seq_index, positions, page_size, max_blocks, device, window),
     )
     return PreparedBatch(
         token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
@@ -195,3 +198,19 @@ def _context_tokens(scheduled: list[ScheduledRequest], requests: dict[str, Reque
     count, pad_id = context
     rows = [requests[s.req_id].tokens_before(s.num_computed_tokens, count, pad_id) for s in scheduled]
     return {"context_token_ids": torch.tensor(rows, dtype=torch.int64, device=device).view(len(rows), count)}
+
+
+def _window_groups(scheduled: list[ScheduledRequest], seq_index: torch.Tensor, positions: torch.Tensor, page_size: int,
+                   max_blocks: int, device, window: int | None) -> dict:
+    """AttentionMetadata's window group tables and KV slots (empty for a model of one group). A page the engine took
+    back before the window (-1) becomes page 0: no query reads it (every backend starts at the window)."""
+    if window is None:
+        return {}
+    tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.int32)
+    for i, s in enumerate(scheduled):
+        table = s.group_block_ids[0]
+        if len(table) != len(s.block_ids) or table[s.num_computed_tokens // page_size] < 0:
+            raise ValueError(f"request {s.req_id}: window table {table} does not hold its chunk")
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32).clamp_(min=0)
+    slots = tables[seq_index, positions // page_size].long() * page_size + positions % page_size  # [T]
+    return {"window_groups": {window: (tables.to(device), slots.to(device))}}

@@ -6,6 +6,8 @@ shared rope key (helios.layers.mla), never per-head K/V. Dim 1 is the page in bo
 tiers' page copies index. A QSA layer (arch.indexer, qwen4_exp) adds a second paged tensor, [1, num_pages,
 page_size, index head_dim]: each token's raw index key in the same page and slot as its K/V, so it is kept, shared
 and freed with them (the host tiers copy it beside the layer's KV: paged_tensors).
+A model with full and sliding-window layers keeps the window layers' pages apart (window_layers; the engine's window
+group, helios/engine/kv_groups.py): their tensors hold window_pages pages, indexed by the group's own tables.
 Attention layers only (a hybrid model's linear layers keep their state in
 helios.runner.state_cache). Which pages a request owns is the engine's business (block ids arrive in the plan);
 this module only owns the memory.
@@ -30,18 +32,19 @@ class KVCache:
         device: torch.device | str = "cpu",
         latent_dim: int | None = None,
         index_dim: int | None = None,
+        layer_pages: list[int] | None = None,
     ):
         """latent_dim: the layers are latent layers of that many values per token (MLA); None: k/v heads.
         index_dim: each layer also keeps an index key of that many values per token (QSA); None: none."""
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = ((1, num_pages, page_size, latent_dim) if latent_dim is not None
-                 else (2, num_pages, page_size, num_kv_heads, head_dim))
+        layer_pages = layer_pages or [num_pages] * num_layers  # a window group's layers: their own count
+        shape = ((1, page_size, latent_dim) if latent_dim is not None else (2, page_size, num_kv_heads, head_dim))
         # NOTE: zeros, not empty: a page is only read up to a sequence's length, but never-written
         # memory must not be able to carry NaNs into a masked-out lane of a future kernel.
-        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.index_layers = [torch.zeros(1, num_pages, page_size, index_dim, dtype=dtype, device=device)
-                             for _ in range(num_layers if index_dim else 0)]
+        self.layers = [torch.zeros(shape[0], n, *shape[1:], dtype=dtype, device=device) for n in layer_pages]
+        self.index_layers = [torch.zeros(1, n, page_size, index_dim, dtype=dtype, device=device)
+                             for n in (layer_pages if index_dim else ())]
 
     @property
     def layer_caches(self) -> list:
@@ -55,12 +58,25 @@ class KVCache:
 
     @classmethod
     def from_arch(
-        cls, arch: Architecture, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str
+        cls, arch: Architecture, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str,
+        window_pages: int = 0,
     ) -> KVCache:
+        """window_pages: the window group's pages (window_layers' tensors); 0: every layer holds num_pages."""
         latent_dim = arch.mla.cache_dim if arch.mla is not None else None
         index_dim = arch.indexer.head_dim if arch.indexer is not None else None
+        window = set(cls.window_layers(arch)) if window_pages else set()
+        layer_pages = [window_pages if i in window else num_pages for i in arch.attention_layers]
         return cls(len(arch.attention_layers), num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device,
-                   latent_dim, index_dim)
+                   latent_dim, index_dim, layer_pages)
+
+    @staticmethod
+    def window_layers(arch: Architecture) -> list[int]:
+        """The layers of a window group: the sliding ones of a model that also has full ones; [] when every layer
+        shares one group (no sliding layers, or only sliding ones: those keep every page)."""
+        if arch.sliding_window is None or not arch.layer_types:
+            return []
+        sliding = [i for i in arch.attention_layers if arch.layer_types[i] == "sliding"]
+        return sliding if len(sliding) < len(arch.attention_layers) else []
 
     @staticmethod
     def values_per_token(arch: Architecture) -> int:
@@ -70,9 +86,11 @@ class KVCache:
         return kv + (arch.indexer.head_dim if arch.indexer is not None else 0)
 
     @staticmethod
-    def bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes one page costs across all attention layers (for sizing the pool from free memory)."""
-        return len(arch.attention_layers) * page_size * KVCache.values_per_token(arch) * dtype.itemsize
+    def bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
+        """Bytes one page costs across num_layers attention layers (None: all of them; for sizing the pool from
+        free memory)."""
+        num_layers = len(arch.attention_layers) if num_layers is None else num_layers
+        return num_layers * page_size * KVCache.values_per_token(arch) * dtype.itemsize
 
     def slot(self, block_ids: list[int], position: int) -> int:
         """The flat slot of token `position` of a sequence whose block table is `block_ids`."""

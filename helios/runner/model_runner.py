@@ -23,6 +23,7 @@ import torch
 
 from helios.core.manifest import Architecture, GraphPlan, KernelTarget
 from helios.engine.engine_core import RequestExecutionError
+from helios.engine.kv_groups import window_pages_per_request
 from helios.engine.messages import (
     ModelRunnerOutput,
     NewRequestData,
@@ -106,14 +107,17 @@ def activation_reserve_bytes(arch: Architecture, num_tokens: int, dtype: torch.d
 
 
 def pages_from_free_memory(
-    arch: Architecture, page_size: int, dtype: torch.dtype, device: torch.device, fraction: float, reserve: int
+    arch: Architecture, page_size: int, dtype: torch.dtype, device: torch.device, fraction: float, reserve: int,
+    window_pages: int = 0,
 ) -> int:
     """KV pages that fit in `fraction` of the device's free memory (measured now, after the weights) less
-    `reserve` bytes for activations and graphs."""
+    `reserve` bytes for activations and graphs; with a window group, its window_pages pages of the window layers
+    first and group 0's pages (the other layers) from the rest."""
     torch.cuda.empty_cache()  # cached-but-free blocks (e.g. from dtype casts) count as free
     free, _ = torch.cuda.mem_get_info(device)
-    budget = int(free * fraction) - reserve
-    num_pages = budget // KVCache.bytes_per_page(arch, page_size, dtype)
+    num_window = len(KVCache.window_layers(arch)) if window_pages else 0
+    budget = int(free * fraction) - reserve - window_pages * KVCache.bytes_per_page(arch, page_size, dtype, num_window)
+    num_pages = budget // KVCache.bytes_per_page(arch, page_size, dtype, len(arch.attention_layers) - num_window)
     if num_pages < 1:
         raise RuntimeError(
             f"no room for a KV cache: {free / 2**30:.1f} GiB free after the weights, reserve {reserve / 2**30:.1f} GiB"
@@ -211,6 +215,7 @@ class ModelRunner:
         num_state_slots: int = 0,
         host_state_records: int = 0,
         host_state_disk_dir: Path | str | None = None,
+        window_pages: int = 0,
     ):
         """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
         core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core).
@@ -228,7 +233,10 @@ class ModelRunner:
         num_state_slots: a hybrid model's recurrent-state rows (the engine's SchedulerConfig.num_state_slots; at
         least 1, for forward_logits, whatever is asked), allocated before the KV pool is sized from free memory.
         host_state_records: host DRAM records of checkpoint states (the engine's SchedulerConfig.host_state_records),
-        0 for none; host_state_disk_dir: their disk records' directory, None for none."""
+        0 for none; host_state_disk_dir: their disk records' directory, None for none. window_pages: the sliding-window
+        layers' own page group (the engine's SchedulerConfig.window_pages, helios/engine/kv_groups.py): their KV
+        tensors hold that many pages and their tables arrive as ScheduledRequest.group_block_ids (no host tiers, no
+        CUDA graphs yet); 0: every layer holds num_pages, one table per request."""
         self.switches = switches = switches if switches is not None else DEFAULT_SWITCHES
         self.arch = arch
         self.device = torch.device(device)
@@ -280,8 +288,14 @@ class ModelRunner:
             tokens = max_num_batched_tokens or (graph_plan.prefill_chunk_size if graph_plan else 2048)
             buckets = graph_plan.decode_buckets if graph_plan else DEFAULT_DECODE_BUCKETS
             reserve = activation_reserve_bytes(arch, tokens, self.dtype, max(buckets))
-            num_pages = pages_from_free_memory(arch, page_size, self.dtype, self.device, gpu_memory_fraction, reserve)
-        self.kv_cache = KVCache.from_arch(arch, num_pages, page_size, self.dtype, self.device)
+            num_pages = pages_from_free_memory(arch, page_size, self.dtype, self.device, gpu_memory_fraction, reserve,
+                                               window_pages)
+        # the window group's layers (helios/engine/kv_groups.py): their window keys their tables in the metadata
+        self.window = arch.sliding_window if window_pages else None
+        self.window_pages = window_pages
+        if window_pages and (not KVCache.window_layers(arch) or host_cache_pages):
+            raise ValueError("window_pages needs full and sliding-window layers, and no host tiers")
+        self.kv_cache = KVCache.from_arch(arch, num_pages, page_size, self.dtype, self.device, window_pages)
         self.layer_caches = self._layer_caches()  # what the model's forward takes, one entry per layer
         self.state_host = self.state_disk = None
         if self.state_cache is not None and host_state_records > 0:
@@ -370,6 +384,10 @@ class ModelRunner:
             return None
         if not cuda_graphs:
             self.startup.graphs = "disabled"
+            return None
+        if self.window is not None:  # the static buffers hold one block table and slot mapping per row
+            self.startup.graphs = "window page groups (not captured yet)"
+            warnings.warn(f"CUDA graphs off: {self.startup.graphs}", stacklevel=3)
             return None
         from helios.kernels.aot import JitCounter
         from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
@@ -564,7 +582,7 @@ class ModelRunner:
     def _forward(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> torch.Tensor:  # [N, V] float32
         self.launches["eager"] += 1
         batch = prepare_batch(scheduled, self.requests, self.page_size, self.device, layout, self.scratch_slot,
-                              self.context_tokens)
+                              self.context_tokens, self.window)
         hidden = self.model.forward(batch.token_ids, batch.meta, self.layer_caches)  # [T, H]
         # float32 logits for the used rows only: sampling and logprobs both read the raw distribution
         rows = hidden if len(layout.logits_indices) == hidden.shape[0] else hidden[batch.logits_indices]
@@ -662,6 +680,7 @@ class ModelRunner:
             )
         block_ids = list(range(self.kv_cache.num_pages - 1, self.kv_cache.num_pages - 1 - num_blocks, -1))
         chunk_size = chunk_size or len(token_ids)
+        group_block_ids = self._window_table(num_blocks, chunk_size) if self.window else []
         requests = {"forward_logits": RequestState("forward_logits", list(token_ids), SamplingParams())}
         out = []
         for start in range(0, len(token_ids), chunk_size):
@@ -670,13 +689,24 @@ class ModelRunner:
                 token_ids=list(token_ids[start : start + chunk_size]),
                 num_computed_tokens=start,
                 block_ids=block_ids,
+                group_block_ids=group_block_ids,
                 sample=False,
             )
             batch = prepare_batch([chunk], requests, self.page_size, self.device, scratch_slot=self.scratch_slot,
-                                  context=self.context_tokens)
+                                  context=self.context_tokens, window=self.window)
             hidden = self.model.forward(batch.token_ids, batch.meta, self.layer_caches)
             out.append(self.model.compute_logits(hidden).float())
         return torch.cat(out)
+
+    def _window_table(self, num_blocks: int, chunk_size: int) -> list[list[int]]:
+        """forward_logits' window group table: its last pages in reverse order, cyclically. NOTE: a chunk reads and
+        writes at most kv_groups.window_pages_per_request consecutive entries, which name distinct pages while that
+        many fit the group; an entry reused is one whose keys are all before the window."""
+        window_pages = self.window_pages
+        needed = window_pages_per_request(self.window, self.page_size, chunk_size)
+        if num_blocks > window_pages and needed > window_pages:
+            raise ValueError(f"chunks of {chunk_size} tokens need {needed} window pages; the group has {window_pages}")
+        return [[window_pages - 1 - j % window_pages for j in range(num_blocks)]]
 
 
 def decode_threads_are_exact(model: torch.nn.Module, arch, max_threads: int) -> bool:

@@ -103,3 +103,47 @@ def test_model_steps_match_torch_backend(name):
             batch = prepare_batch(scheduled, {}, page_size)
             hidden = {k: m.forward(batch.token_ids, batch.meta, caches[k]) for k, m in models.items()}
             torch.testing.assert_close(hidden["triton"], hidden["torch"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_window_group_tables_are_read_only_inside_the_window(backend):
+    """gemma3's sliding layer over a window group (helios/engine/kv_groups.py): its own smaller cache and tables
+    whose entries before each sequence's window are -1 (page 0 in the metadata), as the engine leaves them. Page 0
+    of that cache holds NaN for the Triton kernels (a masked lane loads nothing; any unmasked read shows) and huge
+    values for the torch backend (whose decode gather pads with masked page-0 columns); the hidden states equal a
+    one-group torch model's, step by step: prefill, decode beside a chunk, pure decode (decode_qkv on Triton)."""
+    from helios.runner.input_batch import prepare_batch
+
+    arch, page_size = ARCHS["gemma3_sliding"], 4
+    window = arch.sliding_window
+    ref_model = _model(arch, TorchAttentionBackend())
+    model = _model(arch, TritonAttentionBackend() if backend == "triton" else TorchAttentionBackend())
+    shape = (2, 16, page_size, arch.num_kv_heads, arch.head_dim)
+    ref_caches = [torch.zeros(shape) for _ in range(arch.num_layers)]
+    window_cache = torch.zeros(2, 8, page_size, arch.num_kv_heads, arch.head_dim)
+    window_cache[:, 0] = float("nan") if backend == "triton" else 1e4
+    caches = [window_cache, torch.zeros(shape)]  # layer 0 slides, layer 1 is full
+    a, b = list(range(3, 12)), list(range(20, 31))
+    blocks_a, blocks_b = [7, 2, 9], [4, 11, 0, 13]
+
+    def req(req_id, token_ids, num_computed, blocks, window_blocks=None, sample=True):
+        groups = [window_blocks] if window_blocks is not None else []
+        return ScheduledRequest(req_id=req_id, token_ids=token_ids, num_computed_tokens=num_computed, block_ids=blocks,
+                                group_block_ids=groups, sample=sample)
+
+    steps = [  # (one group, window group): the window tables as the engine leaves them before each step
+        ([req("a", a, 0, blocks_a), req("b", b[:5], 0, blocks_b, sample=False)],
+         [req("a", a, 0, blocks_a, [3, 5, 1]), req("b", b[:5], 0, blocks_b, [6, 2, 4, 7], sample=False)]),
+        ([req("a", [40], 9, blocks_a), req("b", b[5:], 5, blocks_b)],  # a's query at 9 sees 6..9: page 0 is out
+         [req("a", [40], 9, blocks_a, [-1, 5, 1]), req("b", b[5:], 5, blocks_b, [6, 2, 4, 7])]),
+        ([req("a", [41], 10, blocks_a), req("b", [42], 11, blocks_b)],  # b's query at 11 sees 8..11
+         [req("a", [41], 10, blocks_a, [-1, 5, 1]), req("b", [42], 11, blocks_b, [-1, -1, 4, 7])]),
+    ]
+    with torch.inference_mode():
+        for single, grouped in steps:
+            ref_batch = prepare_batch(single, {}, page_size)
+            batch = prepare_batch(grouped, {}, page_size, window=window)
+            assert batch.meta.window_groups[window][0][0, 0] == (0 if grouped[0].num_computed_tokens else 3)
+            want = ref_model.forward(ref_batch.token_ids, ref_batch.meta, ref_caches)
+            got = model.forward(batch.token_ids, batch.meta, caches)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
