@@ -105,6 +105,18 @@ mlp_norm or norm.weight: the hyper-connections norm the streams, per stream (1+w
   layers.L.ple.key_norm.weight      [W]                per-stream RMSNorms (query_norm, conv_norm alike; 1+w stored)
   layers.L.ple.conv.weight          [W, K]             the depthwise conv, taps ngram_size apart, oldest first
 
+glm5_next (KDA layers kda.* with RecurrentConfig.gate_lower_bound, MLA layers mla.* with a q latent and no rope key,
+attn_norm / mlp_norm, mlp.* / moe.* as above with arch.swiglu_limit; S = arch.mhc.num_streams; Ni, Di, P =
+arch.dsa's num_heads, head_dim, pool_size; Rq = q_lora_rank). The indexer is absent in arch.dsa.shared_layers:
+  layers.L.attn_hc.proj.weight      [(2 + S)*S, S*H]   mHC before the mixer (layers.L.mlp_hc.*: before the feed-
+                                                        forward): rows pre (S), post (S), comb (S*S, row-major)
+  layers.L.attn_hc.bias             [(2 + S)*S]        added to the scaled logits, rows as proj
+  layers.L.attn_hc.scale            [3]                the logits' scales: pre, post, comb
+  layers.L.mla.indexer.q.weight     [Ni*Di, Rq]        DSA: the index queries, from the normed q latent
+  layers.L.mla.indexer.in_proj.weight [2*Di + Ni, H]   rows: the index key, the pool-gate logits, the head weights
+  layers.L.mla.indexer.k_norm.weight [Di]              the index key's LayerNorm (k_norm.bias [Di] beside it)
+  layers.L.mla.indexer.pool_bias    [P, Di]            the pool-gate logits' offset per position within a pool
+
 Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+w already added).
 """
 

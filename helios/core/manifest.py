@@ -19,7 +19,7 @@ MAX_TOP_LOGPROBS_LIMIT = 20
 Family = Literal[
     "llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h",
     "kimi_linear",
-    "qwen4_exp",
+    "qwen4_exp", "glm5_next",
 ]
 DType = Literal["float32", "bfloat16", "float16"]
 # silu / gelu_tanh: gated MLPs (act(gate) * up); relu2: relu(x)^2 in a non-gated up/down MLP (nemotron_h)
@@ -111,6 +111,9 @@ class RecurrentConfig(_S):
     norm_group_size: PosInt | None = None
     # the gated output RMSNorm's gate: silu (qwen3_5, nemotron_h) or sigmoid (qwen4_exp's output_gate_type)
     output_gate: Literal["silu", "sigmoid"] = "silu"
+    # kimi_delta: glm5_next's safe forget gate, g = gate_lower_bound * sigmoid(exp(A_log) * (f_b f_a x + dt_bias))
+    # (linear_lower_bound, < 0); None: kimi_linear's g = -exp(A_log) * softplus(f_b f_a x + dt_bias)
+    gate_lower_bound: float | None = None
 
     @property
     def conv_dim(self) -> int:
@@ -119,7 +122,7 @@ class RecurrentConfig(_S):
 
 
 class MlaConfig(_S):
-    """Multi-head latent attention (deepseek_v3, kimi_linear): every attention layer of arch.layer_types is MLA.
+    """Multi-head latent attention (deepseek_v3, kimi_linear, glm5_next): every attention layer is MLA.
 
     Per head, q is [qk_nope_head_dim, qk_rope_head_dim] wide; k is the head's up-projected latent (qk_nope_head_dim)
     and one rope key shared by every head (qk_rope_head_dim); v is the head's up-projected latent (v_head_dim).
@@ -204,6 +207,46 @@ class PleConfig(_S):
         return (self.conv_kernel - 1) * self.ngram_size
 
 
+class DsaConfig(_S):
+    """glm5_next's DSA indexer beside MLA in every attention layer: each query attends only to the tokens of its
+    num_pools best pools (pool_size consecutive tokens from position 0, complete ones only) and to the incomplete
+    tail past the last complete pool it sees (itself among it); a query that sees num_pools pools or fewer attends
+    to every earlier token. A pool's score for a query: sum over the num_heads index heads h of w_h * relu(q_h .
+    k_pool) / sqrt(head_dim), in float32, with q_h = mla.indexer.q (the MLA's normed q latent), w = the indexer
+    in_proj's head-weight rows / sqrt(num_heads) and k_pool = sum_j softmax_j(gate_j + pool_bias_j) * k_j over the
+    pool's tokens j (softmax per channel; k_j = LayerNorm(key row), gate_j = the gate rows, both from the layer's
+    normed input). Ties go to the earlier pool. Per token the layer keeps [k_j, gate_j] (cache_dim values) in a
+    paged tensor beside its latent pages (helios.runner.kv_cache), kept and freed with them. A shared layer
+    (indexer_types "shared") has no indexer: it reuses the selection of the attention layer just before it."""
+
+    num_heads: PosInt  # index_n_heads
+    head_dim: PosInt  # index_head_dim
+    pool_size: PosInt  # index_kpool
+    num_pools: PosInt  # pools a query selects: index_topk // index_kpool
+    shared_layers: list[NonNegInt] = []  # attention layers whose selection is the previous layer's
+    key_norm_eps: float = 1e-6  # the index key's LayerNorm
+
+    @property
+    def cache_dim(self) -> int:
+        """Values one token keeps per layer: its normed index key and its pool-gate logits."""
+        return 2 * self.head_dim
+
+
+class MhcConfig(_S):
+    """glm5_next's manifold-constrained hyper-connections (mHC): the residual stream is num_streams streams of the
+    hidden size ([T, S, H], the embedding repeated). Before each sublayer, from the streams flattened to [T, S*H]
+    and RMS-normed without a weight (arch.rms_norm_eps) in float32, one projection gives per token pre [S], post [S]
+    and comb [S, S] logits: pre = sigmoid(scale_0 pre + bias) + eps, post = 2 sigmoid(scale_1 post + bias),
+    comb = softmax_rows(scale_2 comb + bias) + eps, then made doubly stochastic by sinkhorn_iterations of
+    normalisation (columns first, then rows and columns, each sum + eps). The sublayer reads sum_s pre_s x_s; its
+    output y gives the new streams x'_n = post_n y + sum_m comb_mn x_m. After the last layer the streams' mean,
+    then the final norm."""
+
+    num_streams: PosInt  # hc_mult
+    sinkhorn_iterations: PosInt  # hc_sinkhorn_iters
+    eps: float  # hc_eps
+
+
 class Architecture(_S):
     """The family helios executes and its dimensions. Weight transforms are already applied."""
 
@@ -250,6 +293,11 @@ class Architecture(_S):
     indexer: IndexerConfig | None = None
     hyper_connections: HyperConnectionConfig | None = None
     ple: PleConfig | None = None
+    # glm5_next: DSA beside MLA in every attention layer, mHC residual streams, and its gated MLPs' clamp: every
+    # SwiGLU (dense, routed and shared experts) clamps gate to <= swiglu_limit and up to [-limit, limit] first
+    dsa: DsaConfig | None = None
+    mhc: MhcConfig | None = None
+    swiglu_limit: float | None = None
 
     @property
     def attention_layers(self) -> list[int]:
@@ -259,6 +307,14 @@ class Architecture(_S):
     @property
     def recurrent_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.layer_types and self.layer_types[i] == "linear"]
+
+    @property
+    def index_dim(self) -> int:
+        """Values one token keeps per attention layer for an indexer, in a paged tensor beside its KV: QSA's raw
+        index key (head_dim), DSA's index key and pool-gate logits (cache_dim); 0 without an indexer."""
+        if self.indexer is not None:
+            return self.indexer.head_dim
+        return self.dsa.cache_dim if self.dsa is not None else 0
 
 
 class TokenizerInfo(_S):

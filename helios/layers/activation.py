@@ -19,9 +19,12 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
 
 
-def gated(gate_up: torch.Tensor, act: Activation) -> torch.Tensor:  # [..., 2*F] -> [..., F]
-    """act(gate) * up, with gate the first half of the last dimension."""
+def gated(gate_up: torch.Tensor, act: Activation, limit: float | None = None) -> torch.Tensor:  # [..., 2*F] -> [..., F]
+    """act(gate) * up, with gate the first half of the last dimension; with `limit` (arch.swiglu_limit, glm5_next)
+    gate is clamped to <= limit and up to [-limit, limit] first."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return ACTIVATIONS[act](gate) * up
 
 
@@ -29,10 +32,12 @@ class GatedMLP(nn.Module):
     """down(act(gate) * up) over a fused projection: gate_up.weight [2*F, H], down.weight [H, F]."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: Activation = "silu", fused: bool = False,
-                 switches: Switches = DEFAULT_SWITCHES):
+                 switches: Switches = DEFAULT_SWITCHES, limit: float | None = None):
         super().__init__()
         self.act = act
-        self.fused = fused  # GPU path: act(gate) * up in one Triton kernel (helios.kernels.activation)
+        self.limit = limit  # the clamp of `gated` (arch.swiglu_limit)
+        # GPU path: act(gate) * up in one Triton kernel (helios.kernels.activation), which has no clamp
+        self.fused = fused and limit is None
         self.gate_up = Linear(hidden_size, 2 * intermediate_size, switches=switches)
         self.down = Linear(intermediate_size, hidden_size, switches=switches)
 
@@ -48,4 +53,4 @@ class GatedMLP(nn.Module):
                 # batch-1 decode: the activation rides in the down GEMV as it reads its input (same values)
                 return gemv(gate_up, self.down.weight, gated=self.act, allow_pdl=self.down.switches.gemv_pdl)
             return self.down(getattr(activation, f"{self.act}_and_mul")(gate_up))
-        return self.down(gated(gate_up, self.act))
+        return self.down(gated(gate_up, self.act, self.limit))

@@ -1,9 +1,11 @@
 """Kimi delta attention (KDA, kimi_linear's linear-attention layers) as a module over helios' flattened batch.
 
 in_proj -> [q, k, v (the short convs' channels), f_a, g_a, b]; a depthwise causal conv (silu) over q, k, v; the
-per-channel forget gate g = -exp(A_log) softplus(f_b f_a x + dt_bias) and beta = sigmoid(b); the Kimi delta rule
-with its state per request in a state slot; the output's per-head RMSNorm times sigmoid(g_b g_a x); out. The ops are
-helios.layers.recurrent's torch references on every device (no KDA GPU kernel yet). Imports torch only.
+per-channel forget gate g = -exp(A_log) softplus(f_b f_a x + dt_bias) (glm5_next's safe gate with
+RecurrentConfig.gate_lower_bound: lower_bound * sigmoid(exp(A_log) (f_b f_a x + dt_bias))) and beta = sigmoid(b); the
+Kimi delta rule with its state per request in a state slot; the output's per-head RMSNorm times sigmoid(g_b g_a x);
+out. The ops are helios.layers.recurrent's torch references on every device (no KDA GPU kernel yet). Imports torch
+only.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ class KimiDeltaAttention(nn.Module):
         conv_state, recurrent_state = state
         mixed = ops.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts, activation="silu")
         q, k, v = (t.reshape(num_tokens, c.num_heads, d) for t in mixed.split([self.inner] * 3, dim=-1))
-        g, beta = ops.kimi_delta_gates(self.f_b(f_a), b, self.A_log, self.dt_bias)
+        g, beta = ops.kimi_delta_gates(self.f_b(f_a), b, self.A_log, self.dt_bias, c.gate_lower_bound)
         o = ops.kimi_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts, chunk_size=c.chunk_size)
         o = ops.rms_norm_gated(o.reshape(-1, d), self.g_b(g_a).reshape(-1, d), self.norm.weight, self.eps,
                                activation="sigmoid", multiply_in_float32=True)

@@ -40,9 +40,10 @@ def mla_expanded(
     cached: torch.Tensor,  # [S, R + dr], the sequence's latents and rope keys, positions 0 .. S-1
     kv_b: torch.Tensor,  # [Nq*(dn + dv), R], per head dn k_nope rows then dv v rows
     config: MlaConfig,
+    mask: torch.Tensor | None = None,  # [L, S] bool: the keys each query attends to (DSA's selection); None: causal
 ) -> torch.Tensor:  # [L, Nq, dv]
     """Up-project every cached latent to per-head keys and values, then causal attention (query i sits at position
-    S - L + i)."""
+    S - L + i), or attention under `mask`."""
     c = config
     num_queries, num_heads, _ = q.shape
     num_keys = cached.shape[0]
@@ -50,8 +51,7 @@ def mla_expanded(
     k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
     rope = cached[:, None, c.kv_lora_rank :].to(q.dtype).expand(num_keys, num_heads, c.qk_rope_head_dim)
     k = torch.cat([k_nope, rope], dim=-1)  # [S, Nq, dn + dr]
-    mask = None
-    if num_queries > 1:
+    if mask is None and num_queries > 1:
         q_pos = torch.arange(num_keys - num_queries, num_keys, device=q.device)[:, None]
         mask = torch.arange(num_keys, device=q.device)[None, :] <= q_pos  # [L, S]
     # NOTE: 4-d operands: CPU SDPA's flash kernel (3-d ones take the math path, helios.layers.attention says more)

@@ -30,6 +30,7 @@ _FAMILIES = {
     "nemotron_h": "helios.models.nemotron_h:NemotronHForCausalLM",
     "qwen4_exp": "helios.models.qwen4_exp:Qwen4ExpForCausalLM",
     "kimi_linear": "helios.models.kimi_linear:KimiLinearForCausalLM",
+    "glm5_next": "helios.models.glm5_next:Glm5NextForCausalLM",
 }
 
 

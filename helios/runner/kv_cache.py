@@ -3,9 +3,10 @@
 Layout per layer: [2 (k, v), num_pages, page_size, num_kv_heads, head_dim]; a multi-head latent attention layer
 (arch.mla) keeps [1, num_pages, page_size, kv_lora_rank + qk_rope_head_dim] instead: per token its latent and
 shared rope key (helios.layers.mla), never per-head K/V. Dim 1 is the page in both, which is all the host and disk
-tiers' page copies index. A QSA layer (arch.indexer, qwen4_exp) adds a second paged tensor, [1, num_pages,
-page_size, index head_dim]: each token's raw index key in the same page and slot as its K/V, so it is kept, shared
-and freed with them (the host tiers copy it beside the layer's KV: paged_tensors).
+tiers' page copies index. An indexed layer (QSA, arch.indexer, qwen4_exp; DSA, arch.dsa, glm5_next) adds a second
+paged tensor, [1, num_pages, page_size, arch.index_dim]: each token's index key (DSA: and pool-gate logits) in the
+same page and slot as its K/V, so it is kept, shared and freed with them (the host tiers copy it beside the layer's
+KV: paged_tensors).
 A model with full and sliding-window layers keeps the window layers' pages apart (window_layers; the engine's window
 group, helios/engine/kv_groups.py): their tensors hold window_pages pages, indexed by the group's own tables.
 Attention layers only (a hybrid model's linear layers keep their state in
@@ -35,7 +36,7 @@ class KVCache:
         layer_pages: list[int] | None = None,
     ):
         """latent_dim: the layers are latent layers of that many values per token (MLA); None: k/v heads.
-        index_dim: each layer also keeps an index key of that many values per token (QSA); None: none."""
+        index_dim: each layer also keeps that many index values per token (QSA, DSA); None: none."""
         self.num_pages = num_pages
         self.page_size = page_size
         layer_pages = layer_pages or [num_pages] * num_layers  # a window group's layers: their own count
@@ -63,7 +64,7 @@ class KVCache:
     ) -> KVCache:
         """window_pages: the window group's pages (window_layers' tensors); 0: every layer holds num_pages."""
         latent_dim = arch.mla.cache_dim if arch.mla is not None else None
-        index_dim = arch.indexer.head_dim if arch.indexer is not None else None
+        index_dim = arch.index_dim or None
         window = set(cls.window_layers(arch)) if window_pages else set()
         layer_pages = [window_pages if i in window else num_pages for i in arch.attention_layers]
         return cls(len(arch.attention_layers), num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device,
@@ -81,9 +82,9 @@ class KVCache:
     @staticmethod
     def values_per_token(arch: Architecture) -> int:
         """Values one token keeps in one attention layer: its latent and rope key (MLA), else its k and v heads;
-        plus its index key in a QSA layer."""
+        plus its index values in an indexed layer (arch.index_dim)."""
         kv = arch.mla.cache_dim if arch.mla is not None else 2 * arch.num_kv_heads * arch.head_dim
-        return kv + (arch.indexer.head_dim if arch.indexer is not None else 0)
+        return kv + arch.index_dim
 
     @staticmethod
     def bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:

@@ -36,6 +36,7 @@ _REGISTRY = {
     "nemotron_h": "ignition.archs.nemotron_h",
     "kimi_linear": "ignition.archs.kimi_linear",
     "qwen4_exp_text": "ignition.archs.qwen4_exp", "qwen4_exp": "ignition.archs.qwen4_exp",  # wrapper: its text_config
+    "glm5_next": "ignition.archs.glm5_next", "glm5_next_text": "ignition.archs.glm5_next",  # wrapper: text_config
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_REGISTRY))
