@@ -4,7 +4,8 @@ Everything graph-specific lives here (STYLE habit 13): which steps qualify (ever
 token, the batch fits the largest bucket, every block table fits the static width), the padded host-side
 inputs, capture (largest bucket first, one shared memory pool, the Triton decode split count pinned per
 bucket; lazily: a few buckets at start, the rest one at a time later, a pending bucket's steps running the
-same function eagerly) and replay, including the replay of a speculative next step whose token ids come
+same function eagerly) and replay (a window page group's own tables and slots beside the shared ones,
+helios/engine/kv_groups.py), including the replay of a speculative next step whose token ids come
 straight from the device (runner/decode_overlap.py). Prefill and mixed steps never come here: the runner runs
 them eagerly.
 Sampling and logprob extraction stay outside the graph and read its static float32 logits rows.
@@ -27,8 +28,9 @@ from helios.kernels.aot_shapes import SHORT_PROGRAMS, graph_decode_splits, short
 from helios.layers.attention import Attention, AttentionMetadata
 from helios.runner.input_batch import BatchLayout, max_table_blocks, round_up
 
-# rows of the packed int64 input buffer (one host->device copy per step instead of four)
-TOKEN_IDS, POSITIONS, SLOT_MAPPING, SEQ_LENS = range(4)
+# rows of the packed int64 input buffer (one host->device copy per step instead of four); a model with a window
+# page group has a fifth: the group's KV slots
+TOKEN_IDS, POSITIONS, SLOT_MAPPING, SEQ_LENS, WINDOW_SLOTS = range(5)
 # NOTE: a bucket whose pinned split count is > 1 also gets a graph with fewer splits, replayed while every sequence
 # of the step has at most this many keys: choose_num_splits' own rule (no split shorter than 256 keys). With one
 # split it skips the merge kernel that an empty-but-for-one-split step would still pay for; with decode_qkv's
@@ -104,9 +106,10 @@ class DecodeInputs:
 
     bucket: int
     num_seqs: int
-    packed: torch.Tensor  # [4, bucket] int64: token ids, positions, slot mapping, seq lens
+    packed: torch.Tensor  # [4 or 5, bucket] int64: token ids, positions, slot mapping, seq lens (, window slots)
     block_tables: torch.Tensor  # [num_seqs, width] int32, width = the batch's largest needed block count
     max_seq_len: int  # keys of the longest sequence (picks the one-split graph when short)
+    window_tables: torch.Tensor | None = None  # [num_seqs, width] int32: the window group's (-1 entries as 0)
 
 
 def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, bucket: int) -> DecodeInputs:
@@ -118,20 +121,26 @@ def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, buc
     positions = [s.num_computed_tokens for s in scheduled]
     needed = [blocks_needed(s, page_size) for s in scheduled]
     slots = [s.block_ids[p // page_size] * page_size + p % page_size for s, p in zip(scheduled, positions)]
-    packed = torch.tensor(
-        [
-            [s.token_ids[0] for s in scheduled] + [0] * pad,
-            positions + [0] * pad,
-            slots + [-1] * pad,
-            [p + 1 for p in positions] + [0] * pad,
-        ],
-        dtype=torch.int64,
-    )
+    rows = [
+        [s.token_ids[0] for s in scheduled] + [0] * pad,
+        positions + [0] * pad,
+        slots + [-1] * pad,
+        [p + 1 for p in positions] + [0] * pad,
+    ]
+    is_window = bool(scheduled[0].group_block_ids)
+    if is_window:  # the decode writes into the group's newest page, never one it took back
+        rows.append([s.group_block_ids[0][p // page_size] * page_size + p % page_size
+                     for s, p in zip(scheduled, positions)] + [-1] * pad)
+    packed = torch.tensor(rows, dtype=torch.int64)
     width = max(needed)
     # NOTE: one tensor from padded Python rows: at batch 1 the host side of a step is on the critical path
     rows = [list(s.block_ids[:n]) + [0] * (width - n) for s, n in zip(scheduled, needed)]
     block_tables = torch.tensor(rows, dtype=torch.int32)
-    return DecodeInputs(bucket, num_seqs, packed, block_tables, max(positions) + 1)
+    window_tables = None
+    if is_window:  # entries before the window (-1) become page 0: decode attention starts at the window
+        rows = [[max(b, 0) for b in s.group_block_ids[0][:n]] + [0] * (width - n) for s, n in zip(scheduled, needed)]
+        window_tables = torch.tensor(rows, dtype=torch.int32)
+    return DecodeInputs(bucket, num_seqs, packed, block_tables, max(positions) + 1, window_tables)
 
 
 class StagingRing:
@@ -140,12 +149,14 @@ class StagingRing:
     stall the host behind a speculative step). A slot is reused only after the event of its last copy.
     """
 
-    def __init__(self, cols: int, max_num_seqs: int, max_blocks: int, device: torch.device, size: int = 4):
+    def __init__(self, cols: int, max_num_seqs: int, max_blocks: int, device: torch.device, size: int = 4,
+                 num_rows: int = 4, num_tables: int = 1):
         self.is_cuda = device.type == "cuda"
         self.slots = [
             (
-                torch.zeros(4, cols, dtype=torch.int64, pin_memory=self.is_cuda),
-                torch.zeros(max_num_seqs * max_blocks, dtype=torch.int32, pin_memory=self.is_cuda),  # [n * width]
+                torch.zeros(num_rows, cols, dtype=torch.int64, pin_memory=self.is_cuda),
+                # [num_tables * n * width]: the shared table, then the window group's
+                torch.zeros(num_tables * max_num_seqs * max_blocks, dtype=torch.int32, pin_memory=self.is_cuda),
             )
             for _ in range(size)
         ]
@@ -153,24 +164,31 @@ class StagingRing:
         self.next = 0
 
     def copy_to(
-        self, inputs: DecodeInputs, packed: torch.Tensor, block_tables: torch.Tensor, table_scratch: torch.Tensor
+        self, inputs: DecodeInputs, packed: torch.Tensor, block_tables: torch.Tensor, table_scratch: torch.Tensor,
+        window_tables: torch.Tensor | None = None,
     ) -> None:
-        """Copy inputs into packed[:, :bucket] and block_tables[:num_seqs, :width] through the next slot (the
-        table via table_scratch, a flat device buffer)."""
+        """Copy inputs into packed[:, :bucket] and block_tables[:num_seqs, :width] (and window_tables likewise)
+        through the next slot (the tables via table_scratch, a flat device buffer)."""
         i = self.next
         self.next = (i + 1) % len(self.slots)
         if self.events[i] is not None:
             self.events[i].synchronize()  # its previous copy has run (long ago, in steady state)
         host_packed, host_tables = self.slots[i]
         b, n, w = inputs.bucket, inputs.num_seqs, inputs.block_tables.shape[1]
+        tables = [(inputs.block_tables, block_tables)]
+        if window_tables is not None:
+            tables.append((inputs.window_tables, window_tables))
         host_packed[:, :b].copy_(inputs.packed)
-        host_tables[: n * w].view(n, w).copy_(inputs.block_tables)
+        for i, (table, _) in enumerate(tables):
+            host_tables[i * n * w : (i + 1) * n * w].view(n, w).copy_(table)
         # NOTE: host->device copies of contiguous memory only (a strided one goes through a pageable temporary):
-        # all of `packed` (columns past the bucket are stale and never read), the [n, width] table packed flat,
-        # then a device-side strided copy into the static table.
+        # all of `packed` (columns past the bucket are stale and never read), the [n, width] tables packed flat,
+        # then device-side strided copies into the static tables.
         packed.copy_(host_packed, non_blocking=True)
-        table_scratch[: n * w].copy_(host_tables[: n * w], non_blocking=True)
-        block_tables[:n, :w].copy_(table_scratch[: n * w].view(n, w))
+        size = len(tables) * n * w
+        table_scratch[:size].copy_(host_tables[:size], non_blocking=True)
+        for i, (_, static) in enumerate(tables):
+            static[:n, :w].copy_(table_scratch[i * n * w : (i + 1) * n * w].view(n, w))
         if self.is_cuda:
             event = torch.cuda.Event()
             event.record()
@@ -180,23 +198,32 @@ class StagingRing:
 class StaticBuffers:
     """Persistent device buffers the graphs read and write; sized for the largest bucket."""
 
-    def __init__(self, max_num_seqs: int, max_blocks: int, vocab_size: int, device: torch.device):
+    def __init__(self, max_num_seqs: int, max_blocks: int, vocab_size: int, device: torch.device,
+                 window: int | None = None):
+        """window: the window of the model's window page group (its tables and slots get buffers too); None: none."""
         self.max_num_seqs = max_num_seqs
+        self.window = window
+        num_tables = 2 if window is not None else 1
         # NOTE: rows padded to 16 so every row of `packed` starts 16-byte aligned (Triton specializes on it).
         cols = round_up(max_num_seqs, 16)
-        self.staging = StagingRing(cols, max_num_seqs, max_blocks, torch.device(device))
+        self.staging = StagingRing(cols, max_num_seqs, max_blocks, torch.device(device), num_rows=3 + num_tables,
+                                   num_tables=num_tables)
         self.num_loads = 0  # bumped by every load: a speculation is valid only while no other load came
-        self.packed = torch.zeros(4, cols, dtype=torch.int64, device=device)
+        self.packed = torch.zeros(3 + num_tables, cols, dtype=torch.int64, device=device)
         self.packed[SLOT_MAPPING].fill_(-1)
+        if window is not None:
+            self.packed[WINDOW_SLOTS].fill_(-1)
         self.seq_lens = torch.zeros(cols, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
-        self.table_scratch = torch.zeros(max_num_seqs * max_blocks, dtype=torch.int32, device=device)
+        self.window_tables = (torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
+                              if window is not None else None)
+        self.table_scratch = torch.zeros(num_tables * max_num_seqs * max_blocks, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(cols + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(max_num_seqs, vocab_size, dtype=torch.float32, device=device)
 
     def load(self, inputs: DecodeInputs) -> None:
         """Two host->device copies per step, through the pinned staging ring."""
-        self.staging.copy_to(inputs, self.packed, self.block_tables, self.table_scratch)
+        self.staging.copy_to(inputs, self.packed, self.block_tables, self.table_scratch, self.window_tables)
         self.num_loads += 1
 
     def pad_all(self) -> None:
@@ -204,6 +231,8 @@ class StaticBuffers:
         overwrites the logits rows a pending speculative step left (decode_overlap.Speculation.num_loads)."""
         self.packed.zero_()
         self.packed[SLOT_MAPPING].fill_(-1)
+        if self.window is not None:
+            self.packed[WINDOW_SLOTS].fill_(-1)
         self.num_loads += 1
 
     def metadata(self, bucket: int, max_model_len: int) -> AttentionMetadata:
@@ -217,6 +246,8 @@ class StaticBuffers:
             block_tables=self.block_tables[:bucket],
             query_start_loc_cpu=list(range(bucket + 1)),
             seq_lens_cpu=[max_model_len] * bucket,
+            window_groups=({self.window: (self.window_tables[:bucket], self.packed[WINDOW_SLOTS, :bucket])}
+                           if self.window is not None else {}),
         )
 
 
@@ -283,6 +314,7 @@ class GraphRunner:
         lazy: bool = False,  # capture lazy_start_buckets now, the rest later (capture_next)
         short_seq_len: int = SHORT_SEQ_LEN,  # 0: no short-sequence graphs (benchmarks compare)
         short_programs: int = SHORT_PROGRAMS,  # the short graphs' split rule (aot_shapes.short_decode_splits)
+        window: int | None = None,  # the model's window page group (ModelRunner.window): its tables are inputs too
     ):
         assert buckets, "no decode buckets"
         self.model = model
@@ -292,7 +324,7 @@ class GraphRunner:
         self.page_size = page_size
         self.device = torch.device(device)
         self.max_blocks = max_table_blocks(max_model_len, page_size)
-        self.buffers = StaticBuffers(self.buckets[-1], self.max_blocks, vocab_size, self.device)
+        self.buffers = StaticBuffers(self.buckets[-1], self.max_blocks, vocab_size, self.device, window)
         self.backends = attention_backends(model)
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if capture else 132
         self.num_splits = {b: graph_decode_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.buckets}

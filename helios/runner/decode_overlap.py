@@ -9,7 +9,7 @@ Owns which steps may be speculated and which plans match; imports torch and the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,9 @@ from helios.runner.input_batch import RequestState
 # buffers and logits, which every later step reloads or overwrites. Blocks are handed out again only by a
 # later schedule(), whose steps are enqueued after the speculative one on the same stream; attention reads
 # only positions < seq_len, so nobody reads that slot before a real step for position p+1 rewrites it (a
-# block holding p+1 is never a full, reusable prefix block of this request's computed tokens).
+# block holding p+1 is never a full, reusable prefix block of this request's computed tokens). With a window page
+# group (helios/engine/kv_groups.py) step n+1 reads the group's pages from the window of p+1 on, all held at step n;
+# the pages update(n) gives back lie before that window, and whoever gets them writes them in a later plan.
 
 
 def speculable(
@@ -59,14 +61,18 @@ class Speculation:
     blocks: list[list[int]]  # the block ids step n+1 read, per request
     token_ids: list[int]  # the ids sampled at step n: step n+1's inputs
     num_loads: int  # StaticBuffers.num_loads right after its load: no other load may come in between
+    # per request the window group's table as the plan of step n+1 holds it: step n+1's pages from its window on,
+    # -1 before (what update(n) leaves); empty lists without a window group
+    window_blocks: list[list[int]] = field(default_factory=list)
 
     def matches(self, plan: SchedulerOutput, bucket: int | None, num_loads: int) -> bool:
         if bucket != self.bucket or num_loads != self.num_loads or len(plan.scheduled) != len(self.req_ids):
             return False
         if any(new.req_id in self.req_ids for new in plan.new_requests):  # re-sent: fresh state
             return False
-        for s, req_id, position, blocks, token_id in zip(
-            plan.scheduled, self.req_ids, self.positions, self.blocks, self.token_ids
+        window_blocks = self.window_blocks or [[]] * len(self.req_ids)
+        for s, req_id, position, blocks, token_id, window in zip(
+            plan.scheduled, self.req_ids, self.positions, self.blocks, self.token_ids, window_blocks
         ):
             if (
                 s.req_id != req_id
@@ -76,6 +82,7 @@ class Speculation:
                 or s.forced_token_id is not None
                 or s.want_prompt_logprobs
                 or s.block_ids[: len(blocks)] != blocks
+                or (window and s.group_block_ids[0][: len(window)] != window)
             ):
                 return False
         return True
@@ -85,7 +92,7 @@ def next_step(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
     """Step n+1 as the scheduler would plan it, but with token 0 (the real ids are filled on the device)."""
     return [
         ScheduledRequest(req_id=s.req_id, token_ids=[0], num_computed_tokens=s.num_computed_tokens + 1,
-                         block_ids=s.block_ids, sample=True)
+                         block_ids=s.block_ids, group_block_ids=s.group_block_ids, sample=True)
         for s in scheduled
     ]
 
@@ -93,9 +100,10 @@ def next_step(scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
 class DecodeOverlap:
     """Launches speculative steps and keeps the one pending; counts how many were used and dropped."""
 
-    def __init__(self, graphs, page_size: int, device: torch.device):
+    def __init__(self, graphs, page_size: int, device: torch.device, window: int | None = None):
         self.graphs = graphs  # helios.runner.cuda_graphs.GraphRunner
         self.page_size = page_size
+        self.window = window  # the model's window page group, None without one
         self.is_cuda = device.type == "cuda"
         # step n's ids land here (pinned: the copy is truly asynchronous); on the CPU they are read directly
         self.host_ids = torch.zeros(graphs.buckets[-1], dtype=torch.int64, pin_memory=self.is_cuda)
@@ -141,5 +149,12 @@ class DecodeOverlap:
             blocks=[list(s.block_ids[: blocks_needed(s, self.page_size)]) for s in after],
             token_ids=ids,
             num_loads=self.graphs.buffers.num_loads,
+            window_blocks=[self._window_blocks(s) for s in after] if self.window is not None else [],
         )
         return ids
+
+    def _window_blocks(self, s: ScheduledRequest) -> list[int]:
+        """Step n+1's window table as its plan will hold it: -1 before the window of its query (position p)."""
+        first = max(0, s.num_computed_tokens - self.window + 1) // self.page_size
+        table = s.group_block_ids[0][: blocks_needed(s, self.page_size)]
+        return [-1] * min(first, len(table)) + table[first:]

@@ -235,8 +235,8 @@ class ModelRunner:
         host_state_records: host DRAM records of checkpoint states (the engine's SchedulerConfig.host_state_records),
         0 for none; host_state_disk_dir: their disk records' directory, None for none. window_pages: the sliding-window
         layers' own page group (the engine's SchedulerConfig.window_pages, helios/engine/kv_groups.py): their KV
-        tensors hold that many pages and their tables arrive as ScheduledRequest.group_block_ids (no host tiers, no
-        CUDA graphs yet); 0: every layer holds num_pages, one table per request."""
+        tensors hold that many pages and their tables arrive as ScheduledRequest.group_block_ids (no host tiers yet);
+        0: every layer holds num_pages, one table per request."""
         self.switches = switches = switches if switches is not None else DEFAULT_SWITCHES
         self.arch = arch
         self.device = torch.device(device)
@@ -385,10 +385,6 @@ class ModelRunner:
         if not cuda_graphs:
             self.startup.graphs = "disabled"
             return None
-        if self.window is not None:  # the static buffers hold one block table and slot mapping per row
-            self.startup.graphs = "window page groups (not captured yet)"
-            warnings.warn(f"CUDA graphs off: {self.startup.graphs}", stacklevel=3)
-            return None
         from helios.kernels.aot import JitCounter
         from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
 
@@ -408,6 +404,7 @@ class ModelRunner:
                 num_kv_heads=self.arch.num_kv_heads,
                 device=self.device,
                 lazy=lazy,
+                window=self.window,
             )
         self.startup.num_graphs = graphs.num_graphs
         self.startup.num_pending = len(graphs.pending)
@@ -555,7 +552,7 @@ class ModelRunner:
                 self._overlap.pending = None  # switched off: a pending step is never used
             return None
         if self._overlap is None or self._overlap.graphs is not self.graphs:
-            self._overlap = DecodeOverlap(self.graphs, self.page_size, self.device)
+            self._overlap = DecodeOverlap(self.graphs, self.page_size, self.device, self.window)
         return self._overlap
 
     def _layer_caches(self) -> list:
