@@ -70,9 +70,10 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     # hybrid model's tiers hold its checkpoints' state records beside the pages: half the bytes each
     host_bytes, disk_bytes = config.host_cache_bytes, config.host_disk_bytes
     # full and sliding-window layers: the window layers' pages in a group of their own (helios/engine/kv_groups.py),
-    # enough for every model slot's window and chunk (so it never preempts); no host tiers beside it yet
+    # enough for every model slot's window and chunk (so it never preempts); no host tiers or state slots beside it
+    # yet (a hybrid model with sliding layers keeps one group)
     window_pages = 0
-    if KVCache.window_layers(arch):
+    if KVCache.window_layers(arch) and not recurrent:
         window_pages = serving.max_concurrency * window_pages_per_request(arch.sliding_window, page_size,
                                                                           prefill_chunk_size)
         host_bytes = disk_bytes = 0
