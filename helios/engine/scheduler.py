@@ -228,7 +228,9 @@ class Scheduler:
             if not self._can_allocate(num_needed, hits, group_hits):
                 break
             if self.state_pool is not None:
-                if not self.state_pool.can_allocate():
+                # the running share: num_state_slots (the rest of the pool is the checkpoints', which never take
+                # a running request's slot, so one is free while fewer run)
+                if len(self.running) >= config.num_state_slots or not self.state_pool.can_allocate():
                     break
                 req.state_slot = self.state_pool.allocate()
                 if restore is not None:
