@@ -17,16 +17,11 @@ from torch import nn
 
 from helios.core.manifest import DsaConfig, MlaConfig
 from helios.layers.attention import AttentionMetadata
-from helios.layers.linear import Linear
+from helios.layers.linear import Linear, meta_parameter
 from helios.layers.mla import MlaAttention, decode_latent_layout, mla_absorbed, mla_expanded, write_latent
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 Selection = list  # per sequence of the step: [L, S] bool, the keys each of its L queries attends to (None: empty)
-
-
-def _meta_param(*shape: int) -> nn.Parameter:
-    # NOTE: meta until the model binds the core's tensor; never allocated here.
-    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
 
 
 class DsaIndexer(nn.Module):
@@ -42,9 +37,9 @@ class DsaIndexer(nn.Module):
         self.q = Linear(q_lora_rank, c.num_heads * c.head_dim, switches=switches)
         self.in_proj = Linear(hidden_size, 2 * c.head_dim + c.num_heads, switches=switches)
         self.k_norm = nn.Module()
-        self.k_norm.weight = _meta_param(c.head_dim)
-        self.k_norm.bias = _meta_param(c.head_dim)
-        self.pool_bias = _meta_param(c.pool_size, c.head_dim)
+        self.k_norm.weight = meta_parameter(c.head_dim)
+        self.k_norm.bias = meta_parameter(c.head_dim)
+        self.pool_bias = meta_parameter(c.pool_size, c.head_dim)
 
     def project(self, x: torch.Tensor, q_latent: torch.Tensor):  # x [T, H], q_latent [T, Rq] ->
         """(queries [T, Ni, Di], head weights [T, Ni] float32 with the 1/sqrt(Ni) folded in, the rows the cache keeps

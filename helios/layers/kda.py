@@ -16,22 +16,9 @@ from torch import nn
 from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent as ops
 from helios.layers.attention import AttentionMetadata
-from helios.layers.linear import Linear
+from helios.layers.linear import Linear, Stacked, meta_parameter
 from helios.layers.linear_attention import sequence_starts
 from helios.switches import DEFAULT_SWITCHES, Switches
-
-
-def _meta_param(*shape: int) -> nn.Parameter:
-    # NOTE: meta until the model binds the core's tensor; never allocated here.
-    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
-
-
-class _Weight(nn.Module):
-    """A bare `weight` (the conv taps [C, K], the gated norm's multiplier [d])."""
-
-    def __init__(self, *shape: int) -> None:
-        super().__init__()
-        self.weight = _meta_param(*shape)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -50,12 +37,12 @@ class KimiDeltaAttention(nn.Module):
         self.head_dim = c.key_head_dim
         self.inner = c.num_heads * c.key_head_dim  # the width of each of q, k, v
         self.in_proj = Linear(hidden_size, c.conv_dim + 2 * self.head_dim + c.num_heads, switches=switches)
-        self.conv = _Weight(c.conv_dim, c.conv_kernel)
+        self.conv = Stacked(c.conv_dim, c.conv_kernel)
         self.f_b = Linear(self.head_dim, self.inner, switches=switches)
         self.g_b = Linear(self.head_dim, self.inner, switches=switches)
-        self.dt_bias = _meta_param(self.inner)
-        self.A_log = _meta_param(c.num_heads)
-        self.norm = _Weight(self.head_dim)
+        self.dt_bias = meta_parameter(self.inner)
+        self.A_log = meta_parameter(c.num_heads)
+        self.norm = Stacked(self.head_dim)
         self.out = Linear(self.inner, hidden_size, switches=switches)
 
     def forward(

@@ -99,9 +99,15 @@ class Embedding(nn.Module):
         return F.embedding(token_ids, self.weight)
 
 
+def meta_parameter(*shape: int) -> nn.Parameter:
+    """A parameter on the meta device, bound later from the core (never allocated here)."""
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+
+
 class Stacked(nn.Module):
-    """A bare stacked weight (e.g. MoE experts [E, out, in]) under the name `weight`."""
+    """A bare weight of any shape under the name `weight`: stacked MoE experts [E, out, in], a conv's taps [C, K],
+    a gated norm's multiplier [d]."""
 
     def __init__(self, *shape: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
+        self.weight = meta_parameter(*shape)

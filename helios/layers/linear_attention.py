@@ -13,21 +13,8 @@ from torch import nn
 from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent
 from helios.layers.attention import AttentionMetadata
-from helios.layers.linear import Linear
+from helios.layers.linear import Linear, Stacked, meta_parameter
 from helios.switches import DEFAULT_SWITCHES, Switches
-
-
-def _meta_param(*shape: int) -> nn.Parameter:
-    # NOTE: meta until the model binds the core's tensor; never allocated here.
-    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
-
-
-class _Weight(nn.Module):
-    """A bare `weight` (the conv taps [C, K], the gated norm's multiplier [dv])."""
-
-    def __init__(self, *shape: int) -> None:
-        super().__init__()
-        self.weight = _meta_param(*shape)
 
 
 def sequence_starts(meta: AttentionMetadata) -> list[int]:
@@ -50,10 +37,10 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = c.num_key_heads * c.key_head_dim
         self.value_dim = c.num_heads * c.value_head_dim
         self.in_proj = Linear(hidden_size, c.conv_dim + self.value_dim + 2 * c.num_heads, switches=switches)
-        self.conv = _Weight(c.conv_dim, c.conv_kernel)
-        self.dt_bias = _meta_param(c.num_heads)
-        self.A_log = _meta_param(c.num_heads)
-        self.norm = _Weight(c.value_head_dim)
+        self.conv = Stacked(c.conv_dim, c.conv_kernel)
+        self.dt_bias = meta_parameter(c.num_heads)
+        self.A_log = meta_parameter(c.num_heads)
+        self.norm = Stacked(c.value_head_dim)
         self.out = Linear(self.value_dim, hidden_size, switches=switches)
 
     def forward(

@@ -15,22 +15,9 @@ from torch import nn
 from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent as ops
 from helios.layers.attention import AttentionMetadata
-from helios.layers.linear import Linear
+from helios.layers.linear import Linear, Stacked, meta_parameter
 from helios.layers.linear_attention import sequence_starts
 from helios.switches import DEFAULT_SWITCHES, Switches
-
-
-def _meta_param(*shape: int) -> nn.Parameter:
-    # NOTE: meta until the model binds the core's tensor; never allocated here.
-    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
-
-
-class _Weight(nn.Module):
-    """A bare `weight` (the gated norm's multiplier [I])."""
-
-    def __init__(self, *shape: int) -> None:
-        super().__init__()
-        self.weight = _meta_param(*shape)
 
 
 class _Conv(nn.Module):
@@ -38,8 +25,8 @@ class _Conv(nn.Module):
 
     def __init__(self, channels: int, kernel: int, bias: bool) -> None:
         super().__init__()
-        self.weight = _meta_param(channels, kernel)
-        self.bias = _meta_param(channels) if bias else None
+        self.weight = meta_parameter(channels, kernel)
+        self.bias = meta_parameter(channels) if bias else None
 
 
 def gated_group_rms_norm(
@@ -76,10 +63,10 @@ class Mamba2Mixer(nn.Module):
         self.dt_limit = tuple(c.time_step_limit) if c.time_step_limit is not None else (0.0, math.inf)
         self.in_proj = Linear(hidden_size, self.inner + c.conv_dim + c.num_heads, switches=switches)
         self.conv = _Conv(c.conv_dim, c.conv_kernel, c.conv_bias)
-        self.dt_bias = _meta_param(c.num_heads)
-        self.A_log = _meta_param(c.num_heads)
-        self.D = _meta_param(c.num_heads)
-        self.norm = _Weight(self.inner)
+        self.dt_bias = meta_parameter(c.num_heads)
+        self.A_log = meta_parameter(c.num_heads)
+        self.D = meta_parameter(c.num_heads)
+        self.norm = Stacked(self.inner)
         self.out = Linear(self.inner, hidden_size, switches=switches)
 
     def forward(

@@ -11,13 +11,8 @@ import torch
 from torch import nn
 
 from helios.core.manifest import MhcConfig
-from helios.layers.linear import linear
+from helios.layers.linear import linear, meta_parameter
 from helios.layers.recurrent import sigmoid
-
-
-def _meta_param(*shape: int) -> nn.Parameter:
-    # NOTE: meta until the model binds the core's tensor; never allocated here.
-    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
 
 
 def weighted_sum(
@@ -42,9 +37,9 @@ class ManifoldHyperConnection(nn.Module):
         self.eps = eps  # the streams' unweighted RMSNorm (arch.rms_norm_eps)
         s = config.num_streams
         self.proj = nn.Module()
-        self.proj.weight = _meta_param((2 + s) * s, s * hidden_size)
-        self.bias = _meta_param((2 + s) * s)
-        self.scale = _meta_param(3)
+        self.proj.weight = meta_parameter((2 + s) * s, s * hidden_size)
+        self.bias = meta_parameter((2 + s) * s)
+        self.scale = meta_parameter(3)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, S, H] -> (post [T, S], comb [T, S, S] float32, the sublayer's input [T, H] in x's dtype), as

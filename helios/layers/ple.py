@@ -18,8 +18,8 @@ from helios.core.manifest import PleConfig
 from helios.layers import recurrent
 from helios.layers.attention import AttentionMetadata
 from helios.layers.hyper_connections import grouped_rms_norm
-from helios.layers.linear import Embedding, Linear
-from helios.layers.linear_attention import _Weight, sequence_starts
+from helios.layers.linear import Embedding, Linear, Stacked
+from helios.layers.linear_attention import sequence_starts
 from helios.layers.norm import RMSNorm
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -70,7 +70,7 @@ class PleLayer(nn.Module):
         self.key_norm = RMSNorm(width, eps, multiply_in_float32=True)
         self.query_norm = RMSNorm(width, eps, multiply_in_float32=True)
         self.conv_norm = RMSNorm(width, eps, multiply_in_float32=True)
-        self.conv = _Weight(width, config.conv_kernel)
+        self.conv = Stacked(width, config.conv_kernel)
         # the hash constants (int64; not weights): multipliers [n], each head's modulus and table offset [heads]
         sizes = config.head_vocab_sizes[index]
         self.multipliers = torch.tensor(config.multipliers[index], dtype=torch.int64, device=device)
