@@ -14,7 +14,7 @@ from helios.engine.engine_core import EngineCore
 from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner.model_runner import ModelRunner
 from tests.models.hybrid_tiny import build_hybrid
-from tests.models.test_hybrid_parity import PAGE_SIZE, generate, greedy_request, prompt
+from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, prompt
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,15 +14,15 @@ import torch
 from helios.core.load import load_core
 from helios.runner.model_runner import ModelRunner
 from tests.models.glm5_next_tiny import VARIANTS, build_glm5_next
-from tests.models.test_hybrid_parity import (
+from tests.models.hybrid_harness import (
     PAGE_SIZE,
-    generate,
-    greedy_request,
+    check_batched_equals_alone,
+    check_greedy_matches_generate,
+    check_logits_and_prompt_logprobs,
+    check_second_turn,
+    check_tiers,
     hf_logits,
-    make_engine,
     prompt,
-    run_collecting,
-    tiered_engine,
 )
 
 
@@ -90,15 +90,7 @@ def test_the_runner_keeps_latents_and_index_rows_in_pages(glm):
 
 def test_logits_and_prompt_logprobs_match(glm):
     _, hf, core = glm
-    runner = ModelRunner(core.manifest.arch, core.tensors, 64, PAGE_SIZE, num_state_slots=1)
-    ids = prompt(150)
-    ref = hf_logits(hf, ids)
-    whole = runner.forward_logits(ids)
-    torch.testing.assert_close(whole[-1], ref[-1], atol=1e-4, rtol=0)
-    # chunks on the KDA grid (64) carry the state and read the earlier chunks' latents and index rows
-    chunked = runner.forward_logits(ids, chunk_size=64)
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.log_softmax(chunked, -1), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
+    check_logits_and_prompt_logprobs(hf, core, prompt(150))
 
 
 def test_the_selection_is_hf_and_drops_pools(glm, monkeypatch):
@@ -131,39 +123,19 @@ def test_the_selection_is_hf_and_drops_pools(glm, monkeypatch):
 
 def test_greedy_matches_generate(glm):
     _, hf, core = glm
-    ids, num_new = prompt(90, seed=5), 32
-    got = generate(make_engine(core, chunk=64), [greedy_request("a", ids, num_new)])["a"]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0].tolist()
-    assert got == ref[len(ids):]
+    check_greedy_matches_generate(hf, core, prompt(90, seed=5))
 
 
 def test_sixteen_requests_together_give_what_each_gives_alone(glm):
     _, _, core = glm
-    reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
-    # a budget of 128 tokens: prompts up to 352 tokens split into grid chunks beside the others' decodes
-    together = generate(make_engine(core, budget=128), reqs)
-    for r in reqs:
-        alone = generate(make_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
-        assert together[r.req_id] == alone, r.req_id
+    check_batched_equals_alone(core, [prompt(7 + 23 * i, seed=10 + i) for i in range(16)])
 
 
 def test_a_second_turn_reuses_pages_and_state(glm):
     """Prefix reuse: the first turn's latent pages and index rows and a KDA state checkpoint at 128 tokens serve
     the second turn, which gives exactly the tokens of a run without reuse."""
     _, _, core = glm
-    engine = make_engine(core, max_concurrency=4, checkpoints=2)
-    first = greedy_request("t1", prompt(100, seed=21), 60)  # its decode passes 128: the endpoint checkpoint
-    history = first.prompt_token_ids + generate(engine, [first])["t1"]
-    second = greedy_request("t2", history + prompt(30, seed=22), 16)
-    outputs = []
-    engine.add_request(second)
-    while engine.has_unfinished_requests():
-        outputs.extend(engine.step())
-    assert outputs[-1].num_cached_tokens == 128
-    reused = [t for o in outputs for t in o.new_token_ids]
-    assert reused == generate(make_engine(core, max_concurrency=4), [second])["t2"]
+    check_second_turn(core, prompt(100, seed=21), prompt(30, seed=22))
 
 
 def test_index_rows_travel_with_their_pages_through_host_dram_and_disk(glm, tmp_path):
@@ -173,23 +145,4 @@ def test_index_rows_travel_with_their_pages_through_host_dram_and_disk(glm, tmp_
     variant, _, core = glm
     if variant != "base":
         pytest.skip("one variant covers the tiers")
-    first = greedy_request("t1", prompt(100, seed=31), 60)
-    history = first.prompt_token_ids + generate(make_engine(core, max_concurrency=2), [first])["t1"]
-    second = greedy_request("t2", history + prompt(30, seed=32), 16)
-    want = generate(make_engine(core, max_concurrency=2), [second])["t2"]
-
-    def conversation(num_fillers: int, disk: Path):
-        engine = tiered_engine(core, disk)
-        run_collecting(engine, first)
-        for i in range(num_fillers):
-            run_collecting(engine, greedy_request(f"f{i}", prompt(150, seed=40 + i), 40))
-        return engine
-
-    engine = conversation(1, tmp_path / "dram")  # the checkpoint in DRAM, the pages still on the GPU
-    assert run_collecting(engine, second) == (want, 128)
-    engine = conversation(6, tmp_path / "disk")
-    assert engine.scheduler.host_cache.num_disk_records >= 8  # the pages (latents and index rows) on disk too
-    assert run_collecting(engine, second) == (want, 128)
-    del engine
-    restarted = tiered_engine(core, tmp_path / "disk")
-    assert run_collecting(restarted, greedy_request("t2", second.prompt_token_ids, 16)) == (want, 128)
+    check_tiers(core, tmp_path)

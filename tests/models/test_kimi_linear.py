@@ -14,7 +14,14 @@ from helios.core.load import load_core
 from helios.layers.moe import route_sigmoid
 from helios.runner.model_runner import ModelRunner
 from tests.models.kimi_linear_tiny import VARIANTS, build_kimi_linear
-from tests.models.test_hybrid_parity import PAGE_SIZE, generate, greedy_request, hf_logits, make_engine, prompt
+from tests.models.hybrid_harness import (
+    PAGE_SIZE,
+    check_batched_equals_alone,
+    check_greedy_matches_generate,
+    check_logits_and_prompt_logprobs,
+    check_second_turn,
+    prompt,
+)
 
 
 def export_kimi_linear(variant: str, root: Path):
@@ -56,52 +63,24 @@ def test_the_runner_keeps_latents_not_heads(kimi):
 
 def test_logits_and_prompt_logprobs_match(kimi):
     _, hf, core = kimi
-    runner = ModelRunner(core.manifest.arch, core.tensors, 64, PAGE_SIZE, num_state_slots=1)
-    ids = prompt(150)
-    ref = hf_logits(hf, ids)
-    whole = runner.forward_logits(ids)
-    torch.testing.assert_close(whole[-1], ref[-1], atol=1e-4, rtol=0)
-    # chunks on the KDA grid (64) carry the state and read the earlier chunks' latents: the same rows as whole
-    chunked = runner.forward_logits(ids, chunk_size=64)
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.log_softmax(chunked, -1), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
+    check_logits_and_prompt_logprobs(hf, core, prompt(150))
 
 
 def test_greedy_matches_generate(kimi):
     _, hf, core = kimi
-    ids, num_new = prompt(90, seed=5), 32
-    got = generate(make_engine(core, chunk=64), [greedy_request("a", ids, num_new)])["a"]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0].tolist()
-    assert got == ref[len(ids):]
+    check_greedy_matches_generate(hf, core, prompt(90, seed=5))
 
 
 def test_sixteen_requests_together_give_what_each_gives_alone(kimi):
     _, _, core = kimi
-    reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
-    # a budget of 128 tokens: prompts up to 352 tokens split into grid chunks beside the others' decodes
-    together = generate(make_engine(core, budget=128), reqs)
-    for r in reqs:
-        alone = generate(make_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
-        assert together[r.req_id] == alone, r.req_id
+    check_batched_equals_alone(core, [prompt(7 + 23 * i, seed=10 + i) for i in range(16)])
 
 
 def test_a_second_turn_reuses_latent_pages_and_state(kimi):
     """Prefix reuse: the first turn's latent pages and a KDA state checkpoint at 128 tokens serve the second turn,
     which gives exactly the tokens of a run without reuse."""
     _, _, core = kimi
-    engine = make_engine(core, max_concurrency=4, checkpoints=2)
-    first = greedy_request("t1", prompt(100, seed=21), 60)  # its decode passes 128: the endpoint checkpoint
-    history = first.prompt_token_ids + generate(engine, [first])["t1"]
-    second = greedy_request("t2", history + prompt(30, seed=22), 16)
-    outputs = []
-    engine.add_request(second)
-    while engine.has_unfinished_requests():
-        outputs.extend(engine.step())
-    assert outputs[-1].num_cached_tokens == 128
-    reused = [t for o in outputs for t in o.new_token_ids]
-    assert reused == generate(make_engine(core, max_concurrency=4), [second])["t2"]
+    check_second_turn(core, prompt(100, seed=21), prompt(30, seed=22))
 
 
 @pytest.mark.parametrize(("num_groups", "num_topk_groups", "norm_topk_prob"), [(1, 1, True), (4, 2, True),

@@ -12,9 +12,13 @@ import torch
 
 from helios.core.load import load_core
 from helios.layers.moe import route_sigmoid
-from helios.runner.model_runner import ModelRunner
 from tests.models.nemotron_h_tiny import VARIANTS, build_nemotron_h
-from tests.models.test_hybrid_parity import PAGE_SIZE, generate, greedy_request, hf_logits, make_engine, prompt
+from tests.models.hybrid_harness import (
+    check_batched_equals_alone,
+    check_greedy_matches_generate,
+    check_logits_and_prompt_logprobs,
+    prompt,
+)
 
 
 def export_nemotron_h(variant: str, root: Path):
@@ -45,35 +49,17 @@ def test_the_export_is_nemotron_h(nemotron):
 
 def test_logits_and_prompt_logprobs_match(nemotron):
     _, hf, core = nemotron
-    runner = ModelRunner(core.manifest.arch, core.tensors, 64, PAGE_SIZE, num_state_slots=1)
-    ids = prompt(150)
-    ref = hf_logits(hf, ids)
-    whole = runner.forward_logits(ids)
-    torch.testing.assert_close(whole[-1], ref[-1], atol=1e-4, rtol=0)
-    # chunks on the recurrent grid (the SSD chunk is 8 or 16) carry the state: the same rows as the whole prompt
-    chunked = runner.forward_logits(ids, chunk_size=32)
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.log_softmax(chunked, -1), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
+    check_logits_and_prompt_logprobs(hf, core, prompt(150), chunk_size=32)
 
 
 def test_greedy_matches_generate(nemotron):
     _, hf, core = nemotron
-    ids, num_new = prompt(90, seed=5), 32
-    got = generate(make_engine(core, chunk=64), [greedy_request("a", ids, num_new)])["a"]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0].tolist()
-    assert got == ref[len(ids):]
+    check_greedy_matches_generate(hf, core, prompt(90, seed=5))
 
 
 def test_sixteen_requests_together_give_what_each_gives_alone(nemotron):
     _, _, core = nemotron
-    reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
-    # a budget of 128 tokens: prompts up to 352 tokens split into grid chunks beside the others' decodes
-    together = generate(make_engine(core, budget=128), reqs)
-    for r in reqs:
-        alone = generate(make_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
-        assert together[r.req_id] == alone, r.req_id
+    check_batched_equals_alone(core, [prompt(7 + 23 * i, seed=10 + i) for i in range(16)])
 
 
 @pytest.mark.parametrize(("num_groups", "num_topk_groups", "norm_topk_prob"), [(1, 1, True), (4, 2, True),

@@ -14,10 +14,18 @@ import torch
 from helios.core.load import load_core
 from helios.layers.attention import AttentionMetadata
 from helios.layers.ple import ngram_token_ids
-from helios.runner.model_runner import ModelRunner
 from tests.ignition.tiny_models import EOS_ID
 from tests.models.qwen4_exp_tiny import VARIANTS, build_qwen4_exp
-from tests.models.test_hybrid_parity import PAGE_SIZE, generate, greedy_request, hf_logits, make_engine, prompt
+from tests.models.hybrid_harness import (
+    check_batched_equals_alone,
+    check_greedy_matches_generate,
+    check_logits_and_prompt_logprobs,
+    check_second_turn,
+    generate,
+    greedy_request,
+    make_engine,
+    prompt,
+)
 
 
 def export_qwen4_exp(variant: str, root: Path):
@@ -63,52 +71,24 @@ def test_the_export_is_qwen4_exp(qwen4):
 
 def test_logits_and_prompt_logprobs_match(qwen4):
     _, hf, core = qwen4
-    runner = ModelRunner(core.manifest.arch, core.tensors, 64, PAGE_SIZE, num_state_slots=1)
-    ids = with_eos(prompt(150))
-    ref = hf_logits(hf, ids)
-    whole = runner.forward_logits(ids)
-    torch.testing.assert_close(whole[-1], ref[-1], atol=1e-4, rtol=0)
-    # chunks on the recurrent grid (64) carry the GDN and PLE states and read the cached index keys
-    chunked = runner.forward_logits(ids, chunk_size=64)
-    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.log_softmax(chunked, -1), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
+    check_logits_and_prompt_logprobs(hf, core, with_eos(prompt(150)))
 
 
 def test_greedy_matches_generate(qwen4):
     _, hf, core = qwen4
-    ids, num_new = with_eos(prompt(90, seed=5)), 32
-    got = generate(make_engine(core, chunk=64), [greedy_request("a", ids, num_new)])["a"]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0].tolist()
-    assert got == ref[len(ids):]
+    check_greedy_matches_generate(hf, core, with_eos(prompt(90, seed=5)))
 
 
 def test_sixteen_requests_together_give_what_each_gives_alone(qwen4):
     _, _, core = qwen4
-    reqs = [greedy_request(f"r{i}", with_eos(prompt(7 + 23 * i, seed=10 + i), every=29 + i), 12) for i in range(16)]
-    # a budget of 128 tokens: prompts up to 352 tokens split into grid chunks beside the others' decodes
-    together = generate(make_engine(core, budget=128), reqs)
-    for r in reqs:
-        alone = generate(make_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
-        assert together[r.req_id] == alone, r.req_id
+    check_batched_equals_alone(core, [with_eos(prompt(7 + 23 * i, seed=10 + i), every=29 + i) for i in range(16)])
 
 
 def test_a_second_turn_reuses_the_first_turns_state(qwen4):
     """A state checkpoint restores the GDN and PLE states; the index keys come back with the cached pages and the
     n-gram context from the tokens: the second turn gives exactly what it gives without reuse."""
     _, _, core = qwen4
-    engine = make_engine(core, max_concurrency=4, checkpoints=2)
-    first = greedy_request("t1", with_eos(prompt(100, seed=21)), 60)  # its decode passes 128: a checkpoint
-    history = first.prompt_token_ids + generate(engine, [first])["t1"]
-    second = greedy_request("t2", history + prompt(30, seed=22), 16)
-    outputs = []
-    engine.add_request(second)
-    while engine.has_unfinished_requests():
-        outputs.extend(engine.step())
-    assert outputs[-1].num_cached_tokens == 128
-    reused = [t for o in outputs for t in o.new_token_ids]
-    assert reused == generate(make_engine(core, max_concurrency=4), [second])["t2"]
+    check_second_turn(core, with_eos(prompt(100, seed=21)), prompt(30, seed=22))
 
 
 # ---- the parts against HF's modules ---------------------------------------------------------------------------

@@ -1,0 +1,165 @@
+"""The hybrid families' parity harness: engines with state slots (and checkpoints, and host tiers) over a tiny core,
+greedy requests, and the checks every hybrid family's test runs against transformers (tests/models/test_*.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from helios.engine.config import SchedulerConfig
+from helios.engine.engine_core import EngineCore
+from helios.engine.messages import EngineRequest, SamplingParams
+from helios.runner.model_runner import ModelRunner
+
+PAGE_SIZE = 16
+
+def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64,
+                budget: int = 128, checkpoints: int = 0) -> EngineCore:
+    """checkpoints: state checkpoint slots (prefix reuse through them); 0: no prefix cache."""
+    from helios.runner.state_cache import StateCache
+
+    arch = core.manifest.arch
+    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
+                             prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=num_pages,
+                             max_model_len=num_pages * PAGE_SIZE, num_state_slots=max_concurrency,
+                             state_chunk=arch.recurrent.chunk_size, enable_prefix_caching=checkpoints > 0,
+                             state_checkpoint_slots=checkpoints,
+                             state_slot_bytes=StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype))
+    runner = ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, num_state_slots=max_concurrency + checkpoints)
+    return EngineCore(config, runner)
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:  # [T, V]
+    return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+def generate(engine: EngineCore, reqs: list[EngineRequest]) -> dict[str, list[int]]:
+    out = {r.req_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.req_id].extend(o.new_token_ids)
+            assert o.finish_reason in (None, "length"), o
+    return out
+
+
+def greedy_request(req_id: str, ids: list[int], max_tokens: int) -> EngineRequest:
+    return EngineRequest(req_id=req_id, prompt_token_ids=ids,
+                         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def tiered_engine(core, disk: Path, num_pages: int = 48) -> EngineCore:
+    """One GPU checkpoint slot, 2 host DRAM state records and 8 host pages, disk records behind both: a few
+    unrelated requests push a conversation's checkpoint and pages out of the GPU, out of DRAM, onto disk."""
+    from helios.runner.kv_cache import KVCache
+    from helios.runner.state_cache import StateCache
+
+    arch = core.manifest.arch
+    dtype = core.tensors["embed.weight"].dtype
+    config = SchedulerConfig(max_concurrency=2, max_num_batched_tokens=128, prefill_chunk_size=64,
+                             page_size=PAGE_SIZE, num_pages=num_pages, max_model_len=num_pages * PAGE_SIZE,
+                             num_state_slots=2, state_chunk=arch.recurrent.chunk_size, enable_prefix_caching=True,
+                             state_checkpoint_slots=1, state_slot_bytes=StateCache.bytes_per_slot(arch, dtype),
+                             host_state_records=2, host_state_disk_records=16, host_cache_pages=8,
+                             host_disk_pages=256, page_bytes=KVCache.bytes_per_page(arch, PAGE_SIZE, dtype))
+    runner = ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, num_state_slots=3, host_cache_pages=8,
+                         host_disk_dir=disk / "pages", host_state_records=2, host_state_disk_dir=disk / "states")
+    return EngineCore(config, runner, runner.disk_store.list_records(),
+                      state_disk_records=runner.state_disk.list_records())
+
+
+def run_collecting(engine: EngineCore, req: EngineRequest):
+    outputs = []
+    engine.add_request(req)
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    return [t for o in outputs for t in o.new_token_ids], outputs[-1].num_cached_tokens
+
+
+def check_logits_and_prompt_logprobs(hf, core, ids: list[int], chunk_size: int = 64) -> None:
+    """Last-position logits within 1e-4 of transformers; chunks on the recurrent grid carry the state (the same rows
+    as the whole prompt within 1e-5); prompt log-softmax within 1e-4."""
+    runner = ModelRunner(core.manifest.arch, core.tensors, 64, PAGE_SIZE, num_state_slots=1)
+    ref = hf_logits(hf, ids)
+    whole = runner.forward_logits(ids)
+    torch.testing.assert_close(whole[-1], ref[-1], atol=1e-4, rtol=0)
+    chunked = runner.forward_logits(ids, chunk_size=chunk_size)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.log_softmax(chunked, -1), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
+
+
+def check_greedy_matches_generate(hf, core, ids: list[int], num_new: int = 32) -> None:
+    """The engine's greedy tokens (grid-chunked prefill, then decode steps) = transformers' generate."""
+    got = generate(make_engine(core, chunk=64), [greedy_request("a", ids, num_new)])["a"]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0].tolist()
+    assert got == ref[len(ids):]
+
+
+def check_batched_equals_alone(core, prompts: list[list[int]]) -> None:
+    """Requests run together (a 128-token budget: long prompts split into grid chunks beside the others' decodes)
+    give the tokens each gives alone."""
+    reqs = [greedy_request(f"r{i}", ids, 12) for i, ids in enumerate(prompts)]
+    together = generate(make_engine(core, budget=128), reqs)
+    for r in reqs:
+        alone = generate(make_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
+        assert together[r.req_id] == alone, r.req_id
+
+
+def check_second_turn(core, first_ids: list[int], next_ids: list[int]) -> EngineCore:
+    """A second turn (the first turn's prompt, its 60 tokens, more) reuses the first turn's state through the
+    endpoint checkpoint its decode passed at 128 tokens, and gives exactly the tokens of a run without reuse.
+    Returns the engine (its metrics)."""
+    engine = make_engine(core, max_concurrency=4, checkpoints=2)
+    first = greedy_request("t1", first_ids, 60)
+    history = first.prompt_token_ids + generate(engine, [first])["t1"]
+    second = greedy_request("t2", history + next_ids, 16)
+    assert run_collecting(engine, second) == (generate(make_engine(core, max_concurrency=4), [second])["t2"], 128)
+    return engine
+
+
+def check_tiers(core, tmp_path: Path) -> EngineCore:
+    """A conversation's checkpoint back from host DRAM, from disk (its pages too) and after a restart on the disk
+    tier: the second turn's tokens are those of a run without reuse, 128 tokens cached. Returns the engine whose
+    tiers went to disk (before the restart)."""
+    first = greedy_request("t1", prompt(100, seed=31), 60)
+    history = first.prompt_token_ids + generate(make_engine(core, max_concurrency=2), [first])["t1"]
+    second = greedy_request("t2", history + prompt(30, seed=32), 16)
+    want = generate(make_engine(core, max_concurrency=2), [second])["t2"]  # no reuse at all
+
+    def conversation(num_fillers: int, disk: Path) -> EngineCore:
+        """t1, then unrelated requests: their checkpoints evict t1's from the GPU slot into DRAM, then onto disk;
+        their pages push t1's out of the 48-page pool, through the 8 host pages, onto disk."""
+        engine = tiered_engine(core, disk)
+        run_collecting(engine, first)
+        for i in range(num_fillers):
+            run_collecting(engine, greedy_request(f"f{i}", prompt(150, seed=40 + i), 40))
+        return engine
+
+    from helios.engine.prefix_cache import extend_page_hashes
+
+    hashes: list[bytes] = []
+    extend_page_hashes(hashes, history, PAGE_SIZE, 128 // PAGE_SIZE)
+    at_128 = hashes[-1]  # the name of t1's checkpoint at 128
+    engine = conversation(1, tmp_path / "dram")
+    state_host = engine.scheduler.state_host
+    assert at_128 not in engine.scheduler.checkpoints.slots and state_host.find_prefix([at_128])  # in DRAM
+    assert run_collecting(engine, second) == (want, 128)
+    lookups = engine.metrics().host_missing_tokens
+    assert lookups.count >= 1 and lookups.sum > 0  # every admission past the GPU is observed
+    engine = conversation(6, tmp_path / "disk")
+    sched = engine.scheduler
+    assert not sched.state_host.find_prefix([at_128]) and sched.state_host.find_tiered_prefix([at_128]) == [None]
+    assert sched.host_cache.num_disk_records >= 8  # on disk, and pages too
+    assert run_collecting(engine, second) == (want, 128)
+    restarted = tiered_engine(core, tmp_path / "disk")  # a new process: nothing on the GPU or in DRAM
+    assert run_collecting(restarted, greedy_request("t2", second.prompt_token_ids, 16)) == (want, 128)
+    return engine
