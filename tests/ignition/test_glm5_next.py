@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from helios.core.load import load_core
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
 from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
+from tests.ignition.checkpoint_tools import convert_all, core_files, raw_tensors, write_tensors
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE
 from tests.models.glm5_next_tiny import VARIANTS, build_glm5_next, glm5_next_model
 
@@ -40,29 +40,10 @@ def tiny(tmp_path_factory):
     return get
 
 
-def _raw(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _rewrite(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    for f in path.glob("model*.safetensors*"):
-        f.unlink()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
-
-
 def _edit_text_config(path: Path, edit) -> None:
     cfg = json.loads((path / "config.json").read_text())
     cfg["text_config"] = edit(cfg["text_config"])
     (path / "config.json").write_text(json.dumps(cfg))
-
-
-def _convert(path: Path, dtype=torch.float32):
-    arch, tensors = convert(open_hf_dir(path), dtype)
-    return arch, {name: produce() for name, produce in tensors}
 
 
 def _expected(model) -> dict[str, torch.Tensor]:
@@ -124,7 +105,7 @@ def _expected(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_runtime_tensors_equal_hf_modules(tiny, variant):
     path, model = tiny(variant)
-    _, got = _convert(path)
+    _, got = convert_all(path)
     want = _expected(model)
     assert sorted(got) == sorted(want)
     for name, t in want.items():
@@ -136,7 +117,7 @@ def test_runtime_tensors_equal_hf_modules(tiny, variant):
 def test_architecture_matches_config(tiny, variant):
     path, model = tiny(variant)
     cfg = model.config.text_config
-    arch, got = _convert(path)
+    arch, got = convert_all(path)
     types = {"linear_attention": "linear", "indexed_attention": "full"}
     assert arch.family == "glm5_next" and arch.layer_types == [types[t] for t in cfg.layer_types]
     assert (arch.vocab_size, arch.hidden_size, arch.intermediate_size) == (VOCAB_SIZE, 64, 128)
@@ -177,7 +158,7 @@ def test_architecture_matches_config(tiny, variant):
 def test_projections_match_hf_forward(tiny, variant):
     """x @ W.T of the fused projections split per the layout equals what HF's modules compute."""
     path, model = tiny(variant)
-    arch, got = _convert(path)
+    arch, got = convert_all(path)
     x = torch.randn(1, 5, arch.hidden_size, generator=torch.Generator().manual_seed(1))
 
     def close(ours, theirs):
@@ -200,16 +181,12 @@ def test_projections_match_hf_forward(tiny, variant):
                 close(o, t)
 
 
-def _files(path: Path) -> dict[str, bytes]:
-    return {f.relative_to(path).as_posix(): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_export_is_reproducible(tiny, variant, tmp_path):
     path, _ = tiny(variant)
     arch, _ = convert(open_hf_dir(path), torch.float32)
     a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert _files(a) == _files(b)
+    assert core_files(a) == core_files(b)
     core = load_core(a)
     assert core.manifest.arch == arch
     assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
@@ -222,32 +199,32 @@ def test_export_is_reproducible(tiny, variant, tmp_path):
 def test_transformers_in_memory_names(tiny, tmp_path):
     """What transformers holds in memory: one conv1d, self_attn.forget_gate.*, attn_hc / ffn_hc, stacked experts."""
     src, model = tiny("shared")
-    _, want = _convert(src)
+    _, want = convert_all(src)
     path = shutil.copytree(src, tmp_path / "memory")
     state = dict(model.state_dict())
     assert any(".mlp.experts.gate_up_proj" in k for k in state) and any(".attn_hc.fn" in k for k in state)
-    _rewrite(path, state)
-    _, got = _convert(path)
+    write_tensors(path, state)
+    _, got = convert_all(path)
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_flat_and_text_configs(tiny, tmp_path):
     """The text fields at the top level (Glm5NextConfig reads them as its text_config), and glm5_next_text."""
     src, _ = tiny("base")
-    arch, _ = _convert(src)
+    arch, _ = convert_all(src)
     top = json.loads((src / "config.json").read_text())
     for model_type in ("glm5_next", "glm5_next_text"):
         path = shutil.copytree(src, tmp_path / model_type)
         flat = {**top["text_config"], "model_type": model_type, "architectures": top["architectures"]}
         (path / "config.json").write_text(json.dumps(flat))
-        assert _convert(path)[0] == arch
+        assert convert_all(path)[0] == arch
 
 
 def test_config_spellings(tiny, tmp_path):
     """linear_attn_config's keys, num_local_experts, index_topk_pattern, and the defaults of layer_types /
     mlp_layer_types / indexer_types when absent."""
     src, _ = tiny("shared")
-    arch, _ = _convert(src)
+    arch, _ = convert_all(src)
     path = shutil.copytree(src, tmp_path / "spellings")
 
     def respell(c):
@@ -257,13 +234,13 @@ def test_config_spellings(tiny, tmp_path):
                 "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}}
 
     _edit_text_config(path, respell)
-    assert _convert(path)[0] == arch
+    assert convert_all(path)[0] == arch
     base, _ = tiny("base")
-    want, _ = _convert(base)
+    want, _ = convert_all(base)
     path = shutil.copytree(base, tmp_path / "defaults")
     _edit_text_config(path, lambda c: {k: v for k, v in c.items()
                                        if k not in ("layer_types", "mlp_layer_types", "indexer_types")})
-    assert _convert(path)[0] == want
+    assert convert_all(path)[0] == want
 
 
 def test_an_unbounded_gate(tiny, tmp_path):
@@ -271,26 +248,26 @@ def test_an_unbounded_gate(tiny, tmp_path):
     restores -5 (as Glm5NextTextConfig does)."""
     path = shutil.copytree(tiny("base")[0], tmp_path / "x")
     _edit_text_config(path, lambda c: {**c, "linear_lower_bound": None})
-    assert _convert(path)[0].recurrent.gate_lower_bound is None
+    assert convert_all(path)[0].recurrent.gate_lower_bound is None
     _edit_text_config(path, lambda c: {**c, "linear_attn_config": {"safe_gate": True}})
-    assert _convert(path)[0].recurrent.gate_lower_bound == -5.0
+    assert convert_all(path)[0].recurrent.gate_lower_bound == -5.0
 
 
 def test_vision_and_mtp_are_ignored(tiny, tmp_path):
     """model.visual.* (images are a later issue) and the MTP block stored as the layer past num_hidden_layers."""
     path = shutil.copytree(tiny("base")[0], tmp_path / "mtp")
-    raw = _raw(path)
+    raw = raw_tensors(path)
     assert any(k.startswith("model.visual.") for k in raw)
     mtp = {f"{PREFIX}layers.4.eh_proj.weight": torch.zeros(64, 128),
            f"{PREFIX}layers.4.shared_head.norm.weight": torch.zeros(64)}
-    _rewrite(path, {**raw, **mtp})
-    _, want = _convert(tiny("base")[0])
-    _, got = _convert(path)
+    write_tensors(path, {**raw, **mtp})
+    _, want = convert_all(tiny("base")[0])
+    _, got = convert_all(path)
     assert sorted(got) == sorted(want)
 
 
 def test_decode_weight_bytes(tiny):
-    arch, _ = _convert(tiny("base")[0])  # kda + dense MLP (x3), mla + dsa + moe
+    arch, _ = convert_all(tiny("base")[0])  # kda + dense MLP (x3), mla + dsa + moe
     h, v, d, heads, inner, s = 64, VOCAB_SIZE, 16, 4, 64, 2
     kda = (3 * inner + 2 * d + heads) * h + 3 * inner * 4 + 2 * inner * d + inner + heads + d + h * inner
     mla = (32 + 16) * h + 16 + 32 + heads * 16 * 32 + heads * 32 * 16 + h * heads * 16
@@ -303,8 +280,8 @@ def test_decode_weight_bytes(tiny):
 
 def test_cast_to_bfloat16(tiny):
     path, _ = tiny("base")
-    raw = _raw(path)
-    _, got = _convert(path, torch.bfloat16)
+    raw = raw_tensors(path)
+    _, got = convert_all(path, torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for t in got.values())
     assert torch.equal(got["layers.0.attn_hc.bias"], raw[f"{PREFIX}layers.0.hc_attn_base"].to(torch.bfloat16))
 
@@ -349,6 +326,6 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
 )
 def test_unexpected_tensor(tiny, tmp_path, name, shape):
     path = shutil.copytree(tiny("base")[0], tmp_path / "x")
-    _rewrite(path, {**_raw(path), name: torch.zeros(shape)})
+    write_tensors(path, {**raw_tensors(path), name: torch.zeros(shape)})
     with pytest.raises(ExportError, match=f"no place for: {name}"):
         convert(open_hf_dir(path), torch.float32)

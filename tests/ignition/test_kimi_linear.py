@@ -8,19 +8,17 @@ released checkpoints' (what transformers saves) and the one transformers holds i
 
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from helios.core.load import load_core
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
 from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
+from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, raw_tensors, write_tensors
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE
 from tests.models.kimi_linear_tiny import VARIANTS, build_kimi_linear, kimi_linear_model
 
@@ -36,29 +34,6 @@ def tiny(tmp_path_factory):
         return cache[variant]
 
     return get
-
-
-def _raw(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _rewrite(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    for f in path.glob("model*.safetensors*"):
-        f.unlink()
-    tensors = {k: v.contiguous() for k, v in tensors.items()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _edit_config(path: Path, edit) -> None:
-    (path / "config.json").write_text(json.dumps(edit(json.loads((path / "config.json").read_text()))))
-
-
-def _convert(path: Path, dtype=torch.float32):
-    arch, tensors = convert(open_hf_dir(path), dtype)
-    return arch, {name: produce() for name, produce in tensors}
 
 
 def _expected(model) -> dict[str, torch.Tensor]:
@@ -110,7 +85,7 @@ def _expected(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_runtime_tensors_equal_hf_modules(tiny, variant):
     path, model = tiny(variant)
-    _, got = _convert(path)
+    _, got = convert_all(path)
     want = _expected(model)
     assert sorted(got) == sorted(want)
     for name, t in want.items():
@@ -122,7 +97,7 @@ def test_runtime_tensors_equal_hf_modules(tiny, variant):
 def test_architecture_matches_config(tiny, variant):
     path, model = tiny(variant)
     cfg = model.config
-    arch, got = _convert(path)
+    arch, got = convert_all(path)
     types = {"linear_attention": "linear", "full_attention": "full"}
     assert arch.family == "kimi_linear" and arch.layer_types == [types[t] for t in cfg.layer_types]
     assert arch.attention_layers == [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"]
@@ -155,7 +130,7 @@ def test_architecture_matches_config(tiny, variant):
 def test_projections_match_hf_forward(tiny, variant):
     """x @ W.T of the fused projections split per the layout, and the conv, equal what HF's modules compute."""
     path, model = tiny(variant)
-    arch, got = _convert(path)
+    arch, got = convert_all(path)
     x = torch.randn(1, 5, arch.hidden_size, generator=torch.Generator().manual_seed(1))
 
     def close(ours, theirs):
@@ -183,16 +158,12 @@ def test_projections_match_hf_forward(tiny, variant):
             torch.testing.assert_close(ours_conv, m.conv1d(u)[..., :7], rtol=1e-5, atol=1e-5)
 
 
-def _files(path: Path) -> dict[str, bytes]:
-    return {f.relative_to(path).as_posix(): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_export_is_reproducible(tiny, variant, tmp_path):
     path, _ = tiny(variant)
     arch, _ = convert(open_hf_dir(path), torch.float32)
     a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert _files(a) == _files(b)
+    assert core_files(a) == core_files(b)
     core = load_core(a)
     assert core.manifest.arch == arch
     assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
@@ -206,13 +177,13 @@ def test_transformers_in_memory_names(tiny, tmp_path):
     """What transformers holds in memory: one conv1d, self_attn.forget_gate.*, mlp.* with experts stacked, A_log
     flat."""
     src, model = tiny("grouped")
-    _, want = _convert(src)
+    _, want = convert_all(src)
     path = shutil.copytree(src, tmp_path / "memory")
     state = {k: v for k, v in model.state_dict().items()}
     state["model.layers.0.self_attn.forget_gate.A_log"] = state["model.layers.0.self_attn.forget_gate.A_log"].flatten()
-    _rewrite(path, state)
+    write_tensors(path, state)
     assert any(".mlp.experts.gate_up_proj" in k for k in state) and any("forget_gate" in k for k in state)
-    _, got = _convert(path)
+    _, got = convert_all(path)
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
@@ -220,7 +191,7 @@ def test_config_spellings(tiny, tmp_path):
     """linear_attn_config's 1-indexed layer lists for layer_types, first_k_dense_replace for mlp_layer_types, and
     KimiLinearConfig's alias names for the checkpoint's."""
     src, _ = tiny("base")
-    arch, _ = _convert(src)
+    arch, _ = convert_all(src)
     path = shutil.copytree(src, tmp_path / "spellings")
     renames = {"num_experts": "num_local_experts", "num_experts_per_token": "num_experts_per_tok",
                "moe_renormalize": "norm_topk_prob", "num_expert_group": "n_group",
@@ -230,12 +201,12 @@ def test_config_spellings(tiny, tmp_path):
         c = {renames.get(k, k): v for k, v in c.items() if k not in ("layer_types", "mlp_layer_types")}
         return {**c, "first_k_dense_replace": 1}
 
-    _edit_config(path, respell)
-    assert _convert(path)[0] == arch
+    edit_config(path, respell)
+    assert convert_all(path)[0] == arch
 
 
 def test_decode_weight_bytes(tiny):
-    arch, _ = _convert(tiny("base")[0])  # kda + dense MLP, kda + moe, kda + moe, mla + moe
+    arch, _ = convert_all(tiny("base")[0])  # kda + dense MLP, kda + moe, kda + moe, mla + moe
     h, v, d, heads, inner = 64, VOCAB_SIZE, 16, 4, 64
     kda = (3 * inner + 2 * d + heads) * h + 3 * inner * 4 + 2 * inner * d + inner + heads + d + h * inner
     mla = (heads * 24 + 16 + 8) * h + 16 + heads * 32 * 16 + h * heads * 16
@@ -246,8 +217,8 @@ def test_decode_weight_bytes(tiny):
 
 def test_cast_to_bfloat16(tiny):
     path, _ = tiny("base")
-    raw = _raw(path)
-    _, got = _convert(path, torch.bfloat16)
+    raw = raw_tensors(path)
+    _, got = convert_all(path, torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for t in got.values())
     assert torch.equal(got["layers.0.kda.dt_bias"], raw["model.layers.0.self_attn.dt_bias"].to(torch.bfloat16))
 
@@ -277,7 +248,7 @@ def test_cast_to_bfloat16(tiny):
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
     path = shutil.copytree(tiny("base")[0], tmp_path / "x")
-    _edit_config(path, edit)
+    edit_config(path, edit)
     with pytest.raises(ExportError, match=message):
         convert(open_hf_dir(path), torch.float32)
 
@@ -288,6 +259,6 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
 )
 def test_unexpected_tensor(tiny, tmp_path, name, shape):
     path = shutil.copytree(tiny("base")[0], tmp_path / "x")
-    _rewrite(path, {**_raw(path), name: torch.zeros(shape)})
+    write_tensors(path, {**raw_tensors(path), name: torch.zeros(shape)})
     with pytest.raises(ExportError, match=f"no place for: {name}"):
         convert(open_hf_dir(path), torch.float32)

@@ -7,20 +7,18 @@ the in_proj split, the conv and the attention projections by feeding inputs thro
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from helios.core.load import load_core
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
 from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
+from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, raw_tensors, rewrite_tensors
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE
 from tests.models.nemotron_h_tiny import VARIANTS, build_nemotron_h, nemotron_h_model
 
@@ -37,34 +35,11 @@ def tiny(tmp_path_factory):
         if variant not in cache:
             path = build_nemotron_h(root / variant, variant)
             gen = torch.Generator().manual_seed(5)
-            _rewrite(path, lambda raw: {**raw, **{n: torch.randn(s, generator=gen) for n, s in _MTP.items()}})
+            rewrite_tensors(path, lambda raw: {**raw, **{n: torch.randn(s, generator=gen) for n, s in _MTP.items()}})
             cache[variant] = path, nemotron_h_model(variant)
         return cache[variant]
 
     return get
-
-
-def _raw(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _rewrite(path: Path, edit) -> None:
-    raw = _raw(path)
-    for f in path.glob("model*.safetensors*"):
-        f.unlink()
-    save_file(edit(raw), str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _edit_config(path: Path, edit) -> None:
-    (path / "config.json").write_text(json.dumps(edit(json.loads((path / "config.json").read_text()))))
-
-
-def _convert(path: Path, dtype=torch.float32):
-    arch, tensors = convert(open_hf_dir(path), dtype)
-    return arch, {name: produce() for name, produce in tensors}
 
 
 def _expected(model) -> dict[str, torch.Tensor]:
@@ -109,7 +84,7 @@ def _expected(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_runtime_tensors_equal_hf_modules(tiny, variant):
     path, model = tiny(variant)
-    _, got = _convert(path)
+    _, got = convert_all(path)
     want = _expected(model)
     assert sorted(got) == sorted(want)
     for name, t in want.items():
@@ -121,7 +96,7 @@ def test_runtime_tensors_equal_hf_modules(tiny, variant):
 def test_architecture_matches_config(tiny, variant):
     path, model = tiny(variant)
     cfg = model.config
-    arch, got = _convert(path)
+    arch, got = convert_all(path)
     types = {"linear_attention": "linear", "full_attention": "full", "mlp": "ffn", "moe": "ffn"}
     assert arch.family == "nemotron_h" and arch.layer_types == [types[t] for t in cfg.layers_block_type]
     assert arch.attention_layers == [i for i, t in enumerate(cfg.layers_block_type) if t == "full_attention"]
@@ -154,7 +129,7 @@ def test_architecture_matches_config(tiny, variant):
 def test_projections_match_hf_forward(tiny, variant):
     """x @ W.T of the runtime in_proj split per the layout, the conv and qkv equal what HF's modules compute."""
     path, model = tiny(variant)
-    arch, got = _convert(path)
+    arch, got = convert_all(path)
     r = arch.recurrent
     inner, groups = r.num_heads * r.value_head_dim, r.num_key_heads * r.key_head_dim
     x = torch.randn(1, 5, arch.hidden_size, generator=torch.Generator().manual_seed(1))
@@ -188,16 +163,12 @@ def test_projections_match_hf_forward(tiny, variant):
             torch.testing.assert_close(ours_conv, m.conv1d(u)[..., :7], rtol=1e-5, atol=1e-5)
 
 
-def _files(path: Path) -> dict[str, bytes]:
-    return {f.relative_to(path).as_posix(): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_export_is_reproducible(tiny, variant, tmp_path):
     path, _ = tiny(variant)
     arch, _ = convert(open_hf_dir(path), torch.float32)
     a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert _files(a) == _files(b)
+    assert core_files(a) == core_files(b)
     core = load_core(a)
     assert core.manifest.arch == arch
     assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
@@ -209,7 +180,7 @@ def test_export_is_reproducible(tiny, variant, tmp_path):
 
 
 def test_decode_weight_bytes(tiny):
-    arch, _ = _convert(tiny("grouped")[0])  # mamba, moe, attention, mlp, mamba, moe
+    arch, _ = convert_all(tiny("grouped")[0])  # mamba, moe, attention, mlp, mamba, moe
     h, v, d, nq, nkv = 64, VOCAB_SIZE, 16, 4, 2
     inner, conv_dim, heads = 8 * 16, 8 * 16 + 2 * 2 * 16, 8
     mamba = h + (inner + conv_dim + heads) * h + conv_dim * 5 + 3 * heads + inner + h * inner  # norm .. out
@@ -223,8 +194,8 @@ def test_decode_weight_bytes(tiny):
 
 def test_cast_to_bfloat16(tiny):
     path, _ = tiny("grouped")
-    raw = _raw(path)
-    _, got = _convert(path, torch.bfloat16)
+    raw = raw_tensors(path)
+    _, got = convert_all(path, torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for t in got.values())
     assert torch.equal(got["layers.0.mamba.A_log"], raw["backbone.layers.0.mixer.A_log"].to(torch.bfloat16))
 
@@ -232,7 +203,7 @@ def test_cast_to_bfloat16(tiny):
 def test_stacked_experts_under_the_model_prefix(tiny, tmp_path):
     """What transformers holds in memory: model.* names, each MoE layer's experts stacked [E, out, in]."""
     src, _ = tiny("latent")
-    _, want = _convert(src)
+    _, want = convert_all(src)
     path = shutil.copytree(src, tmp_path / "stacked")
 
     def restack(raw):
@@ -242,15 +213,15 @@ def test_stacked_experts_under_the_model_prefix(tiny, tmp_path):
             raw[f"{p}{proj}_proj"] = torch.stack([raw.pop(f"{p}{e}.{proj}_proj.weight") for e in range(4)])
         return raw
 
-    _rewrite(path, restack)
-    _, got = _convert(path)
+    rewrite_tensors(path, restack)
+    _, got = convert_all(path)
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_legacy_config_names(tiny, tmp_path):
     """Older configs: hybrid_override_pattern, mamba_* names, legacy block type names, Python's Infinity."""
     src, _ = tiny("grouped")
-    _, want = _convert(src)
+    _, want = convert_all(src)
     path = shutil.copytree(src, tmp_path / "legacy")
 
     def legacy(c):
@@ -258,17 +229,17 @@ def test_legacy_config_names(tiny, tmp_path):
         return {**c, "hybrid_override_pattern": "ME*-ME", "num_hidden_layers": 6, "mamba_n_groups": 2,
                 "mamba_chunk_size": 8, "mamba_dt_limit": [0.0, "Infinity"]}
 
-    _edit_config(path, legacy)
-    arch, got = _convert(path)
-    assert arch == _convert(src)[0] and all(torch.equal(got[n], want[n]) for n in want)
-    _edit_config(path, lambda c: {k: v for k, v in c.items() if k != "hybrid_override_pattern"}
+    edit_config(path, legacy)
+    arch, got = convert_all(path)
+    assert arch == convert_all(src)[0] and all(torch.equal(got[n], want[n]) for n in want)
+    edit_config(path, lambda c: {k: v for k, v in c.items() if k != "hybrid_override_pattern"}
                  | {"layer_types": ["mamba", "moe", "attention", "mlp", "mamba", "moe"]})
-    assert _convert(path)[0] == arch
+    assert convert_all(path)[0] == arch
 
 
 def test_time_step_limit_is_kept(tiny, tmp_path):
     path = shutil.copytree(tiny("grouped")[0], tmp_path / "limit")
-    _edit_config(path, lambda c: {**c, "time_step_limit": [0.001, {"__float__": "Infinity"}]})
+    edit_config(path, lambda c: {**c, "time_step_limit": [0.001, {"__float__": "Infinity"}]})
     assert convert(open_hf_dir(path), torch.float32)[0].recurrent.time_step_limit == (0.001, math.inf)
 
 
@@ -298,7 +269,7 @@ def test_time_step_limit_is_kept(tiny, tmp_path):
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
     path = shutil.copytree(tiny("grouped")[0], tmp_path / "x")
-    _edit_config(path, edit)
+    edit_config(path, edit)
     with pytest.raises(ExportError, match=message):
         convert(open_hf_dir(path), torch.float32)
 
@@ -309,6 +280,6 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
 )
 def test_unexpected_tensor(tiny, tmp_path, name, shape):
     path = shutil.copytree(tiny("grouped")[0], tmp_path / "x")
-    _rewrite(path, lambda raw: {**raw, name: torch.zeros(shape)})
+    rewrite_tensors(path, lambda raw: {**raw, name: torch.zeros(shape)})
     with pytest.raises(ExportError, match=f"no place for: {name}"):
         convert(open_hf_dir(path), torch.float32)

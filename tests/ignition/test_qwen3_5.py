@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from helios.core.load import load_core
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
 from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
+from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, raw_tensors, rewrite_tensors
 from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
@@ -93,7 +93,7 @@ def build_tiny_hybrid(model_type: str, out_dir: Path, seed: int = 0):
     model = tiny_hf_model(model_type, seed)
     model.save_pretrained(out_dir)
     gen = torch.Generator().manual_seed(seed + 1)
-    _rewrite(out_dir, lambda raw: {**raw, **{n: torch.randn(s, generator=gen) for n, s in _MTP.items()}})
+    rewrite_tensors(out_dir, lambda raw: {**raw, **{n: torch.randn(s, generator=gen) for n, s in _MTP.items()}})
     write_tokenizer(out_dir)
     return out_dir, model
 
@@ -109,35 +109,6 @@ def tiny(tmp_path_factory):
         return cache[model_type]
 
     return get
-
-
-def _raw(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _rewrite(path: Path, edit) -> None:
-    raw = _raw(path)
-    for f in path.glob("model*.safetensors*"):
-        f.unlink()
-    save_file(edit(raw), str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _edit_config(path: Path, edit) -> None:
-    """Apply `edit` to the text config (a wrapper's text_config)."""
-    cfg = json.loads((path / "config.json").read_text())
-    if "text_config" in cfg:
-        cfg["text_config"] = edit(cfg["text_config"])
-    else:
-        cfg = edit(cfg)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-def _convert(path: Path, dtype=torch.float32):
-    arch, tensors = convert(open_hf_dir(path), dtype)
-    return arch, {name: produce() for name, produce in tensors}
 
 
 def _text_model(model):
@@ -214,7 +185,7 @@ def _expected(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_runtime_tensors_equal_hf_modules(tiny, model_type):
     path, model = tiny(model_type)
-    _, got = _convert(path)
+    _, got = convert_all(path)
     with torch.no_grad():
         want = _expected(model)
     assert sorted(got) == sorted(want)
@@ -227,7 +198,7 @@ def test_runtime_tensors_equal_hf_modules(tiny, model_type):
 def test_architecture_matches_config(tiny, model_type):
     path, model = tiny(model_type)
     cfg = _text_config(model)
-    arch, got = _convert(path)
+    arch, got = convert_all(path)
     assert arch.family == FAMILY[model_type]
     assert (arch.vocab_size, arch.hidden_size, arch.num_layers) == (VOCAB_SIZE, 64, 4)
     assert (arch.num_heads, arch.num_kv_heads, arch.head_dim) == (4, 2, cfg.head_dim)
@@ -264,7 +235,7 @@ def test_projections_match_hf_forward(tiny, model_type):
     """x @ W.T of the runtime qkv and in_proj, split per the layout, equals what HF's forward computes."""
     path, model = tiny(model_type)
     cfg = _text_config(model)
-    arch, got = _convert(path)
+    arch, got = convert_all(path)
     r = arch.recurrent
     key, value, hv = r.num_key_heads * r.key_head_dim, r.num_heads * r.value_head_dim, r.num_heads
     nq, nkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -302,7 +273,7 @@ def test_projections_match_hf_forward(tiny, model_type):
 def test_norms_match_hf_modules(tiny, model_type):
     """Every RMSNorm of the text model, run by HF, equals x / rms(x) * stored weight (times silu(z) when gated)."""
     path, model = tiny(model_type)
-    _, got = _convert(path)
+    _, got = convert_all(path)
     eps = _text_config(model).rms_norm_eps
     gen = torch.Generator().manual_seed(3)
     checked = 0
@@ -328,16 +299,12 @@ def test_norms_match_hf_modules(tiny, model_type):
     assert checked == sum(1 for n in got if n.endswith("norm.weight"))
 
 
-def _files(path: Path) -> dict[str, bytes]:
-    return {f.relative_to(path).as_posix(): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
-
-
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_export_is_reproducible(tiny, model_type, tmp_path):
     path, _ = tiny(model_type)
     arch, _ = convert(open_hf_dir(path), torch.float32)
     a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert _files(a) == _files(b)
+    assert core_files(a) == core_files(b)
     core = load_core(a)
     assert core.manifest.arch == arch
     assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
@@ -349,7 +316,7 @@ def test_export_is_reproducible(tiny, model_type, tmp_path):
 
 
 def test_decode_weight_bytes(tiny):
-    arch, _ = _convert(tiny("qwen3_next")[0])  # layers: lin (MoE), lin (dense), full (MoE), lin (MoE)
+    arch, _ = convert_all(tiny("qwen3_next")[0])  # layers: lin (MoE), lin (dense), full (MoE), lin (MoE)
     h, v, d, nq, nkv = 64, VOCAB_SIZE, 16, 4, 2
     conv_dim, value, hv = 2 * 2 * 16 + 4 * 8, 4 * 8, 4
     recurrent = 2 * h + (conv_dim + value + 2 * hv) * h + conv_dim * 4 + 2 * hv + 8 + h * value
@@ -363,8 +330,8 @@ def test_decode_weight_bytes(tiny):
 
 def test_cast_to_bfloat16_shifts_in_float32(tiny):
     path, _ = tiny("qwen3_5_text")
-    raw = _raw(path)
-    _, got = _convert(path, torch.bfloat16)
+    raw = raw_tensors(path)
+    _, got = convert_all(path, torch.bfloat16)
     assert all(t.dtype == torch.bfloat16 for t in got.values())
     w = raw["model.layers.3.self_attn.q_norm.weight"]
     assert torch.equal(got["layers.3.attn.q_norm.weight"], (w.float() + 1).to(torch.bfloat16))
@@ -374,7 +341,7 @@ def test_cast_to_bfloat16_shifts_in_float32(tiny):
 
 def test_fused_experts_layout(tiny, tmp_path):
     src, _ = tiny("qwen3_5_moe")
-    _, want = _convert(src)
+    _, want = convert_all(src)
     path = shutil.copytree(src, tmp_path / "fused")
 
     def fuse(raw):
@@ -386,23 +353,23 @@ def test_fused_experts_layout(tiny, tmp_path):
             raw[p + "down_proj"] = torch.stack([raw.pop(f"{p}{e}.down_proj.weight") for e in range(4)])
         return raw
 
-    _rewrite(path, fuse)
-    _, got = _convert(path)
+    rewrite_tensors(path, fuse)
+    _, got = convert_all(path)
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_text_type_reads_the_multimodal_prefix(tiny, tmp_path):
     # transformers loads qwen3_5_text from model.language_model.* too (its PrefixChange conversion)
     src, _ = tiny("qwen3_5_text")
-    _, want = _convert(src)
+    _, want = convert_all(src)
     path = shutil.copytree(src, tmp_path / "prefixed")
 
     def prefix(raw):
         out = {("model.language_model." + k[6:] if k.startswith("model.") else k): v for k, v in raw.items()}
         return {**out, "model.visual.patch_embed.proj.weight": torch.zeros(2)}
 
-    _rewrite(path, prefix)
-    _, got = _convert(path)
+    rewrite_tensors(path, prefix)
+    _, got = convert_all(path)
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
@@ -418,7 +385,7 @@ def test_transformers_4_config(tmp_path):
     model.save_pretrained(tmp_path)
     write_tokenizer(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(legacy))
-    arch, _ = _convert(tmp_path)
+    arch, _ = convert_all(tmp_path)
     assert arch.layer_types == ["linear", "full", "linear", "full"]
     assert arch.rope_theta == 1e6 and arch.rotary_dim == 8 and arch.rope_scaling is None
     assert num_params(arch) == model.num_parameters()
@@ -428,8 +395,8 @@ def test_rope_scaling_and_defaults(tiny, tmp_path):
     path = shutil.copytree(tiny("qwen3_5")[0], tmp_path / "yarn")
     yarn = {"rope_type": "yarn", "rope_theta": 1e7, "factor": 4.0, "original_max_position_embeddings": 64,
             "mrope_section": [2, 1, 1]}  # no partial_rotary_factor: the config classes' 0.25
-    _edit_config(path, lambda c: {**c, "rope_parameters": yarn})
-    arch, _ = _convert(path)
+    edit_config(path, lambda c: {**c, "rope_parameters": yarn})
+    arch, _ = convert_all(path)
     assert arch.rotary_dim == 8 and arch.rope_theta == 1e7
     s = arch.rope_scaling
     assert (s.type, s.factor, s.original_max_position_embeddings) == ("yarn", 4.0, 64)
@@ -459,7 +426,7 @@ def test_rope_scaling_and_defaults(tiny, tmp_path):
 )
 def test_unsupported_config(tiny, tmp_path, model_type, edit, message):
     path = shutil.copytree(tiny(model_type)[0], tmp_path / "x")
-    _edit_config(path, edit)
+    edit_config(path, edit)
     with pytest.raises(ExportError, match=message):
         convert(open_hf_dir(path), torch.float32)
 
@@ -483,6 +450,6 @@ def test_wrapper_without_text_config(tiny, tmp_path):
 )
 def test_unexpected_tensor(tiny, tmp_path, model_type, name, shape):
     path = shutil.copytree(tiny(model_type)[0], tmp_path / "x")
-    _rewrite(path, lambda raw: {**raw, name: torch.zeros(shape)})
+    rewrite_tensors(path, lambda raw: {**raw, name: torch.zeros(shape)})
     with pytest.raises(ExportError, match=f"no place for: {name}"):
         convert(open_hf_dir(path), torch.float32)

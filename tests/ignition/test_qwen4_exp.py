@@ -7,13 +7,10 @@ constants against HF's buffers; then the configs transformers accepts that we re
 
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from helios.core.load import load_core
 from ignition.archs import convert, decode_weight_bytes, num_params
@@ -21,6 +18,7 @@ from ignition.archs.qwen4_exp import ple_head_vocab_sizes, ple_multipliers
 from ignition.errors import ExportError
 from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
+from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, rewrite_tensors
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE, write_tokenizer
 from tests.models.qwen4_exp_tiny import _COMMON, IDX, LIN, VARIANTS
 
@@ -66,40 +64,12 @@ def tiny(tmp_path_factory):
             path = root / kind
             model.save_pretrained(path)
             gen = torch.Generator().manual_seed(1)
-            _rewrite(path, lambda raw: {**raw, **{n: torch.randn(s, generator=gen) for n, s in _MTP.items()}})
+            rewrite_tensors(path, lambda raw: {**raw, **{n: torch.randn(s, generator=gen) for n, s in _MTP.items()}})
             write_tokenizer(path)
             cache[kind] = (path, model)
         return cache[kind]
 
     return get
-
-
-def _raw(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _rewrite(path: Path, edit) -> None:
-    raw = _raw(path)
-    for f in path.glob("model*.safetensors*"):
-        f.unlink()
-    save_file(edit(raw), str(path / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _edit_config(path: Path, edit) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    if "text_config" in cfg:
-        cfg["text_config"] = edit(cfg["text_config"])
-    else:
-        cfg = edit(cfg)
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
-def _convert(path: Path, dtype=torch.float32):
-    arch, tensors = convert(open_hf_dir(path), dtype)
-    return arch, {name: produce() for name, produce in tensors}
 
 
 def _text_model(model):
@@ -178,7 +148,7 @@ def _expected(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_runtime_tensors_equal_hf_modules(tiny, kind):
     path, model = tiny(kind)
-    _, got = _convert(path)
+    _, got = convert_all(path)
     with torch.no_grad():
         want = _expected(model)
     assert sorted(got) == sorted(want)
@@ -191,7 +161,7 @@ def test_runtime_tensors_equal_hf_modules(tiny, kind):
 def test_architecture_matches_config(tiny, kind):
     path, model = tiny(kind)
     cfg = _text_model(model).config
-    arch, got = _convert(path)
+    arch, got = convert_all(path)
     assert arch.family == "qwen4_exp" and (arch.vocab_size, arch.hidden_size, arch.num_layers) == (VOCAB_SIZE, 64, 4)
     assert arch.layer_types == [{LIN: "linear", IDX: "full"}[t] for t in cfg.layer_types]
     r, ix, hc = arch.recurrent, arch.indexer, arch.hyper_connections
@@ -209,7 +179,7 @@ def test_architecture_matches_config(tiny, kind):
 @pytest.mark.parametrize("kind", ("ple", "wrapper"))
 def test_ple_constants_equal_hf_buffers(tiny, kind):
     path, model = tiny(kind)
-    arch, _ = _convert(path)
+    arch, _ = convert_all(path)
     ple = arch.ple
     assert ple.layers == [0, 2] and ple.ngram_size == 3 and ple.heads_per_ngram == 4 and ple.embed_dim == 64
     assert ple.conv_kernel == 4 and ple.state_width == 9 and ple.reset_token_id == EOS_ID
@@ -224,11 +194,11 @@ def test_ple_constants_equal_hf_buffers(tiny, kind):
 def test_ple_constants_derived_without_buffers(tiny, tmp_path):
     """A checkpoint without the hash buffers (transformers then derives them): the same constants."""
     src, _ = tiny("ple")
-    want, want_tensors = _convert(src)
+    want, want_tensors = convert_all(src)
     path = shutil.copytree(src, tmp_path / "x")
     buffers = ("layer_multipliers", "ngram_heads_vocab_sizes", "ngram_heads_offsets")
-    _rewrite(path, lambda raw: {k: v for k, v in raw.items() if not k.endswith(buffers)})
-    arch, got = _convert(path)
+    rewrite_tensors(path, lambda raw: {k: v for k, v in raw.items() if not k.endswith(buffers)})
+    arch, got = convert_all(path)
     assert arch == want and all(torch.equal(got[n], want_tensors[n]) for n in want_tensors)
     assert ple_multipliers(VOCAB_SIZE, 3, 1, 1234) == arch.ple.multipliers[1]
     assert ple_head_vocab_sizes(1000, 8, 1) == arch.ple.head_vocab_sizes[1]
@@ -237,7 +207,7 @@ def test_ple_constants_derived_without_buffers(tiny, tmp_path):
 def test_one_tensor_table(tiny, tmp_path):
     """The n-gram table as one ngram_embedding.weight instead of shards: the same core tensors."""
     src, _ = tiny("ple")
-    _, want = _convert(src)
+    _, want = convert_all(src)
     path = shutil.copytree(src, tmp_path / "x")
 
     def join(raw):
@@ -246,18 +216,18 @@ def test_one_tensor_table(tiny, tmp_path):
             raw[p + "weight"] = torch.cat([raw.pop(p + "shard_0.weight"), raw.pop(p + "shard_1.weight")])
         return raw
 
-    _rewrite(path, join)
-    _, got = _convert(path)
+    rewrite_tensors(path, join)
+    _, got = convert_all(path)
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
 def test_text_type_reads_the_multimodal_prefix(tiny, tmp_path):
     src, _ = tiny("plain")
-    _, want = _convert(src)
+    _, want = convert_all(src)
     path = shutil.copytree(src, tmp_path / "x")
-    _rewrite(path, lambda raw: {("model.language_model." + k[6:] if k.startswith("model.") else k): v
+    rewrite_tensors(path, lambda raw: {("model.language_model." + k[6:] if k.startswith("model.") else k): v
                                 for k, v in raw.items()})
-    _, got = _convert(path)
+    _, got = convert_all(path)
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
@@ -269,20 +239,16 @@ def test_only_linear_layers_need_no_indexer(tmp_path):
     model = T.Qwen4ExpForCausalLM(T.Qwen4ExpTextConfig(**text))
     model.save_pretrained(tmp_path)
     write_tokenizer(tmp_path)
-    arch, got = _convert(tmp_path)
+    arch, got = convert_all(tmp_path)
     assert arch.indexer is None and arch.attention_layers == [] and num_params(arch) == model.num_parameters()
 
 
 def test_legacy_rope_keys(tiny, tmp_path):
     path = shutil.copytree(tiny("plain")[0], tmp_path / "x")
-    _edit_config(path, lambda c: {**{k: v for k, v in c.items() if k != "rope_parameters"}, "rope_theta": 1e6,
+    edit_config(path, lambda c: {**{k: v for k, v in c.items() if k != "rope_parameters"}, "rope_theta": 1e6,
                                   "partial_rotary_factor": 0.25})
-    arch, _ = _convert(path)
+    arch, _ = convert_all(path)
     assert arch.rope_theta == 1e6 and arch.rotary_dim == 4 and arch.rope_scaling is None
-
-
-def _files(path: Path) -> dict[str, bytes]:
-    return {f.relative_to(path).as_posix(): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -290,7 +256,7 @@ def test_export_is_reproducible(tiny, kind, tmp_path):
     path, _ = tiny(kind)
     arch, _ = convert(open_hf_dir(path), torch.float32)
     a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert _files(a) == _files(b)
+    assert core_files(a) == core_files(b)
     core = load_core(a)
     assert core.manifest.arch == arch
     assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
@@ -298,7 +264,7 @@ def test_export_is_reproducible(tiny, kind, tmp_path):
 
 
 def test_decode_weight_bytes(tiny):
-    arch, _ = _convert(tiny("ple")[0])  # lin+PLE, lin, lin+PLE, indexed; 3 streams
+    arch, _ = convert_all(tiny("ple")[0])  # lin+PLE, lin, lin+PLE, indexed; 3 streams
     h, v, w, r = 64, VOCAB_SIZE, 3 * 64, 8
     mix = w + 2 * r * w
     hc = 2 * (mix + 3 * w)
@@ -338,7 +304,7 @@ def test_decode_weight_bytes(tiny):
 )
 def test_unsupported_config(tiny, tmp_path, kind, edit, message):
     path = shutil.copytree(tiny(kind)[0], tmp_path / "x")
-    _edit_config(path, edit)
+    edit_config(path, edit)
     with pytest.raises(ExportError, match=message):
         convert(open_hf_dir(path), torch.float32)
 
@@ -356,7 +322,7 @@ def test_unsupported_config(tiny, tmp_path, kind, edit, message):
 def test_invalid_config(tiny, tmp_path, edit, message):
     """Configs transformers' own validation refuses are refused here too, with one clear line."""
     path = shutil.copytree(tiny("plain")[0], tmp_path / "x")
-    _edit_config(path, edit)
+    edit_config(path, edit)
     with pytest.raises(ExportError, match=message):
         convert(open_hf_dir(path), torch.float32)
 
@@ -364,7 +330,7 @@ def test_invalid_config(tiny, tmp_path, edit, message):
 def test_ple_table_shards_must_be_numbered(tiny, tmp_path):
     path = shutil.copytree(tiny("ple")[0], tmp_path / "x")
     p = "model.layers.0.ple.ple_embedding.ngram_embedding."
-    _rewrite(path, lambda raw: {**{k: v for k, v in raw.items() if k != p + "shard_1.weight"},
+    rewrite_tensors(path, lambda raw: {**{k: v for k, v in raw.items() if k != p + "shard_1.weight"},
                                 p + "shard_2.weight": raw[p + "shard_1.weight"]})
     with pytest.raises(ExportError, match="are not numbered 0..1"):
         convert(open_hf_dir(path), torch.float32)
@@ -373,7 +339,7 @@ def test_ple_table_shards_must_be_numbered(tiny, tmp_path):
 def test_ple_table_rows_must_match(tiny, tmp_path):
     path = shutil.copytree(tiny("ple")[0], tmp_path / "x")
     name = "model.layers.0.ple.ple_embedding.ngram_embedding.shard_1.weight"
-    _rewrite(path, lambda raw: {**raw, name: raw[name][:-128]})
+    rewrite_tensors(path, lambda raw: {**raw, name: raw[name][:-128]})
     with pytest.raises(ExportError, match="hold 8192 rows, the config implies 8320"):
         convert(open_hf_dir(path), torch.float32)
 
@@ -381,7 +347,7 @@ def test_ple_table_rows_must_match(tiny, tmp_path):
 def test_ple_offsets_must_be_running_sums(tiny, tmp_path):
     path = shutil.copytree(tiny("ple")[0], tmp_path / "x")
     name = "model.layers.2.ple.ple_embedding.ngram_heads_offsets"
-    _rewrite(path, lambda raw: {**raw, name: raw[name].flip(0)})
+    rewrite_tensors(path, lambda raw: {**raw, name: raw[name].flip(0)})
     with pytest.raises(ExportError, match="not the running sums"):
         convert(open_hf_dir(path), torch.float32)
 
@@ -396,6 +362,6 @@ def test_ple_offsets_must_be_running_sums(tiny, tmp_path):
 )
 def test_unexpected_tensor(tiny, tmp_path, kind, name, shape):
     path = shutil.copytree(tiny(kind)[0], tmp_path / "x")
-    _rewrite(path, lambda raw: {**raw, name: torch.zeros(shape)})
+    rewrite_tensors(path, lambda raw: {**raw, name: torch.zeros(shape)})
     with pytest.raises(ExportError, match=f"no place for: {name}"):
         convert(open_hf_dir(path), torch.float32)
