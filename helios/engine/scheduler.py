@@ -6,7 +6,8 @@ running request gets its next prefill chunk or one decode token, then waiting re
 first-come-first-served while slots, token budget and pages allow, each starting after the longest run of
 cached pages of its tokens (GPU pages, then host records copied in); update() publishes the pages a step
 filled. A model with sliding-window layers keeps their pages in window groups (helios/engine/kv_groups.py): every
-allocation is made in each group's pool, and update() returns each request's pages before its window. Not thread-safe: only the engine thread calls it (adds and aborts reach it through AsyncEngine's inbox).
+allocation is made in each group's pool, and update() returns each request's pages before its window. Not
+thread-safe: only the engine thread calls it (adds and aborts reach it through AsyncEngine's inbox).
 Pure Python: must not import torch or numpy.
 """
 
@@ -57,8 +58,8 @@ class Scheduler:
                              if config.enable_prefix_caching else None)
         # a hybrid model's recurrent layers: a running request holds a state slot beside its pages.
         # NOTE: pages alone cannot resume such a request (its state at the page boundary is gone): its prefix
-        # reuse goes through state checkpoints at grid positions (helios/engine/state_checkpoints.py), or there is
-        # none; the host tiers hold no state records yet, so they are off for these models
+        # reuse goes through state checkpoints at grid positions (helios/engine/state_checkpoints.py), with their
+        # own host tiers of state records (state_host) beside the page tiers, or there is none
         self.state_pool = None
         self.checkpoints: StateCheckpoints | None = None
         self.checkpoint_grid = 0  # tokens: checkpoints sit on multiples of lcm(page size, recurrent chunk)
@@ -404,8 +405,6 @@ class Scheduler:
         ns = 1e9 * seconds / num_tokens
         prev = self.prefill_ns_per_token
         self.prefill_ns_per_token = ns if prev is None else 0.8 * prev + 0.2 * ns
-        if self.checkpoints is not None:
-            self.checkpoints.prefill_ns_per_token = self.prefill_ns_per_token
 
     def _observe_lookup(self, req: Request, num_reused: int, num_host_pages: int, restore) -> None:
         """An admission that looked past the GPU: its missing tokens, the predicted copy-in time of the host
@@ -478,7 +477,8 @@ class Scheduler:
             return
         block_hash = req.page_hashes[p // self.block_pool.block_size - 1]
         is_decode = p > req.num_prompt_tokens  # the prompt's own stays: for every request sharing the prompt
-        slot = self.checkpoints.capture(block_hash, p, "endpoint", req.checkpoint_hash if is_decode else None)
+        slot = self.checkpoints.capture(block_hash, p, "endpoint", self.prefill_ns_per_token,
+                                        req.checkpoint_hash if is_decode else None)
         self._keep_evicted()
         if slot is None:
             return

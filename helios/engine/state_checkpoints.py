@@ -42,21 +42,12 @@ class StateCheckpoints:
         self.captures = dict.fromkeys(ROLES, 0)
         self.skips = dict.fromkeys(SKIP_REASONS, 0)
         self.extra_work_ns = 0.0
-        self.prefill_ns_per_token: float | None = None  # measured by the engine (observe_prefill)
         self._pinned: set[bytes] = set()  # captured or restored in the plan being built: not evictable
         self.evicted: list[tuple[bytes, int]] = []  # (hash, slot) the LRU rule let go, for the scheduler to take
 
     @property
     def num_held(self) -> int:
         return len(self.slots)
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A step's time over its tokens (the engine times each step with prefill in it): a moving average."""
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        ns = 1e9 * seconds / num_tokens
-        prev = self.prefill_ns_per_token
-        self.prefill_ns_per_token = ns if prev is None else 0.8 * prev + 0.2 * ns
 
     def lookup(self, block_hash: bytes) -> int | None:
         """The slot of the checkpoint at `block_hash` (touched and pinned for the plan being built), or None."""
@@ -66,18 +57,20 @@ class StateCheckpoints:
             self._pinned.add(block_hash)
         return slot
 
-    def capture(self, block_hash: bytes, num_tokens: int, role: str, replaces: bytes | None = None) -> int | None:
+    def capture(self, block_hash: bytes, num_tokens: int, role: str, prefill_ns_per_token: float | None,
+                replaces: bytes | None = None) -> int | None:
         """A slot to copy the request's running state into for a checkpoint at num_tokens (its hash), or None
         when the cost rule or storage says no (counted). An existing checkpoint of the same prefix is kept.
+        prefill_ns_per_token: the measured prefill rate (Scheduler.observe_prefill), None while unmeasured.
         replaces: the request's earlier checkpoint this one supersedes, dropped once the capture is decided (its
         slot is the first taken)."""
         if block_hash in self.slots:
             self.slots.move_to_end(block_hash)
             return None
-        if self.prefill_ns_per_token is None:
+        if prefill_ns_per_token is None:
             self.skips["unknown_cost"] += 1
             return None
-        if num_tokens * self.prefill_ns_per_token * P_REUSE[role] <= self.copy_ns:
+        if num_tokens * prefill_ns_per_token * P_REUSE[role] <= self.copy_ns:
             self.skips["work_budget"] += 1
             return None
         if replaces is not None and replaces not in self._pinned:

@@ -190,7 +190,7 @@ def test_random_add_abort_step_keep_slots_consistent(ops, num_pages, concurrency
     runner.grid = grid or 1
     sched = core.scheduler
     if sched.checkpoints is not None:
-        sched.checkpoints.observe_prefill(10, 0.01)
+        sched.observe_prefill(10, 0.01)
     collected = Collected()
     added: list[str] = []
 
@@ -228,7 +228,7 @@ def make_checkpointed(**config):
                     prefill_chunk_size=16, max_num_batched_tokens=32, enable_prefix_caching=True,
                     state_slot_bytes=1000, state_copy_bytes_per_s=1e12)
     core, runner = make_hybrid(**{**defaults, **config})
-    core.scheduler.checkpoints.observe_prefill(100, 0.01)  # a measured prefill rate: the cost rule can decide
+    core.scheduler.observe_prefill(100, 0.01)  # a measured prefill rate: the cost rule can decide
     return core, runner
 
 
@@ -268,7 +268,7 @@ def test_checkpoints_never_take_a_running_request_s_slot():
 def test_unknown_cost_and_a_copy_dearer_than_the_prefill_skip_the_capture():
     core, runner = make_checkpointed()
     sched = core.scheduler
-    sched.checkpoints.prefill_ns_per_token = None
+    sched.prefill_ns_per_token = None
     sched.add_request(request("a", prompt_len=21, max_tokens=2))
     while sched.has_unfinished_requests():  # the scheduler alone: nothing measures a prefill rate
         plan = sched.schedule()
