@@ -503,48 +503,45 @@ class ModelRunner:
     def _copy_host_pages(self, plan: SchedulerOutput) -> None:
         """The host tier's copies, before any forward of the plan: out first (the forward and the copy-ins write
         into the evicted pages), then in. On the device's stream, so they are ordered with the forwards."""
-        if self.host_store is None:
-            raise RuntimeError("the plan copies host pages, but the runner has no host store (host_cache_pages=0)")
-        if plan.spill or plan.disk_drop or plan.load:
-            # the disk tier's I/O, in the plan's order: spill, drop, copy-out, load, copy-in (see messages.py)
-            if self.disk_store is None:
-                raise RuntimeError("the plan moves disk records, but the runner has no disk store (host_disk_dir)")
-            if self.host_store.is_cuda and (plan.spill or plan.load):
-                # NOTE: the host reads and writes pinned slots that earlier asynchronous copies may still use
-                torch.cuda.current_stream(self.device).synchronize()
-            self.disk_store.spill(plan.spill)
-            self.disk_store.drop(plan.disk_drop)
-        self.host_store.copy_out(self.kv_cache, plan.copy_out)
-        if plan.load:
-            try:
-                self.disk_store.load(plan.load)
-            except OSError as exc:
-                # NOTE: no request is at fault: the engine forgets the plan's copies and the records it loaded and
-                # runs its requests again from scratch (they recompute what the unreadable records held)
-                raise RequestExecutionError(set(), f"host disk tier: {exc}") from exc
-        self.host_store.copy_in(self.kv_cache, plan.copy_in)
+        self._host_tier_io("host", self.host_store, self.disk_store, self.kv_cache, plan.spill, plan.disk_drop,
+                           plan.copy_out, plan.load, plan.copy_in)
 
     def _copy_states(self, plan: SchedulerOutput) -> None:
         """The state slots' copies and their host tiers', before any forward of the plan, in the plan's order:
         spill, disk drop, copy-out (evicted checkpoints), slot copies (captures, restores), load, copy-in."""
-        host, disk, view = self.state_host, self.state_disk, self.state_cache.record_view
-        if plan.state_spill or plan.state_disk_drop or plan.state_load:
+        if not (plan.state_spill or plan.state_disk_drop or plan.state_copy_out or plan.state_load
+                or plan.state_copy_in):
+            self.state_cache.copy(plan.state_copies)
+            return
+        self._host_tier_io("state", self.state_host, self.state_disk, self.state_cache.record_view,
+                           plan.state_spill, plan.state_disk_drop, plan.state_copy_out, plan.state_load,
+                           plan.state_copy_in, between=lambda: self.state_cache.copy(plan.state_copies))
+
+    def _host_tier_io(self, kind: str, host, disk, records, spill, disk_drop, copy_out, load, copy_in,
+                      between=None) -> None:
+        """One host tier's plan operations over `records` (the KV cache, or the state slots' record view), in the
+        plan's order (see messages.py): spill, drop, copy-out, `between` (the state slot copies), load, copy-in."""
+        if host is None:
+            raise RuntimeError(f"the plan copies {kind} records, but the runner has no host store for them")
+        if spill or disk_drop or load:
             if disk is None:
-                raise RuntimeError("the plan moves state disk records, but the runner has no state disk store")
-            if host.is_cuda:
+                raise RuntimeError(f"the plan moves {kind} disk records, but the runner has no disk store for them")
+            if host.is_cuda and (spill or load):
+                # NOTE: the host reads and writes pinned slots that earlier asynchronous copies may still use
                 torch.cuda.current_stream(self.device).synchronize()
-            disk.spill(plan.state_spill)
-            disk.drop(plan.state_disk_drop)
-        if plan.state_copy_out:
-            host.copy_out(view, plan.state_copy_out)
-        self.state_cache.copy(plan.state_copies)
-        if plan.state_load:
+            disk.spill(spill)
+            disk.drop(disk_drop)
+        host.copy_out(records, copy_out)
+        if between is not None:
+            between()
+        if load:
             try:
-                disk.load(plan.state_load)
+                disk.load(load)
             except OSError as exc:
-                raise RequestExecutionError(set(), f"state disk tier: {exc}") from exc
-        if plan.state_copy_in:
-            host.copy_in(view, plan.state_copy_in)
+                # NOTE: no request is at fault: the engine forgets the plan's copies and the records it loaded and
+                # runs its requests again from scratch (they recompute what the unreadable records held)
+                raise RequestExecutionError(set(), f"{kind} disk tier: {exc}") from exc
+        host.copy_in(records, copy_in)
 
     def _decode_overlap(self) -> DecodeOverlap | None:
         if not self.decode_overlap or self.graphs is None:
