@@ -328,38 +328,28 @@ class Attention(nn.Module):
             return self.o(self.attend_qkv(qkv, cos_sin, kv_cache, meta))
         cos, sin = cos_sin
         v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.rotary_dim is not None or self.output_gate:
-            o = self._attend_gated(qkv, v, cos, sin, kv_cache, meta)
-            return self.o(o)
-        if self.q_norm is None:
+        if self.q_norm is None and self.rotary_dim is None:
             # q and k are adjacent columns of the fused output: one rotary over both heads' sets
             qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
             q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
-            q, k = qkv[:, :q_size], qkv[:, q_size : q_size + kv_size]
-            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
-        return self.o(o.reshape(num_tokens, q_size))
-
-    def _attend_gated(self, qkv, v, cos, sin, kv_cache, meta) -> torch.Tensor:  # [T, Nq*D]
-        """q/k norms, partial rotary, attention and the output gate (qwen3_5's full-attention layers)."""
-        num_tokens = qkv.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, self.head_dim)
-        k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        rd = self.rotary_dim or self.head_dim
-        q = torch.cat([apply_rotary(q[..., :rd], cos, sin), q[..., rd:]], dim=-1)
-        k = torch.cat([apply_rotary(k[..., :rd], cos, sin), k[..., rd:]], dim=-1)
-        o = self.backend.forward(q, k, v.contiguous(), kv_cache, meta, self.scale, self.sliding_window, self.softcap)
         o = o.reshape(num_tokens, q_size)
-        if self.output_gate:
-            gate = qkv[:, q_size + 2 * kv_size :]
-            o = o * torch.sigmoid(gate)
-        return o
+        if self.output_gate:  # qwen3_5: the gate rows follow v's
+            o = o * torch.sigmoid(qkv[:, q_size + 2 * kv_size :])
+        return self.o(o)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [T, N, D]
+        """Rotary over each head's leading rotary_dim dims (all of them without partial rotary)."""
+        if self.rotary_dim is None:
+            return apply_rotary(x, cos, sin)
+        rd = self.rotary_dim
+        return torch.cat([apply_rotary(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
 
     def attend_qkv(
         self,
