@@ -85,11 +85,10 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     host_cache_pages = host_bytes // page_bytes if prefix_caching else 0
     # its disk tier: only behind the DRAM tier; one subdirectory per KV identity (runner/disk_cache.py)
     host_disk_pages = disk_bytes // page_bytes if host_cache_pages and config.host_disk_dir else 0
-    host_disk_dir = record_dir(config.host_disk_dir, core.manifest, dtype, page_size) if host_disk_pages else None
-    state_disk_dir = None
-    if host_state_disk:
-        base = record_dir(config.host_disk_dir, core.manifest, dtype, page_size)
-        state_disk_dir = base.with_name(base.name + "-states")
+    disk_base = (record_dir(config.host_disk_dir, core.manifest, dtype, page_size)
+                 if host_disk_pages or host_state_disk else None)
+    host_disk_dir = disk_base if host_disk_pages else None
+    state_disk_dir = disk_base.with_name(disk_base.name + "-states") if host_state_disk else None
     state_args = dict(num_state_slots=num_state_slots + checkpoint_slots, host_state_records=host_state_records,
                       host_state_disk_dir=state_disk_dir, window_pages=window_pages)
     if resolve_device(config.device) == "cuda":
