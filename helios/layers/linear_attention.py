@@ -18,9 +18,23 @@ from helios.switches import DEFAULT_SWITCHES, Switches
 
 
 def sequence_starts(meta: AttentionMetadata) -> list[int]:
-    """Each sequence's first position in this step (its computed tokens before it)."""
-    qsl = meta.query_start_loc_cpu
-    return [seq_len - (qsl[i + 1] - qsl[i]) for i, seq_len in enumerate(meta.seq_lens_cpu)]
+    """Each sequence's first position in this step (its computed tokens before it); derived once per step, every
+    recurrent layer reads it."""
+    starts = meta.derived.get("sequence_starts")
+    if starts is None:
+        qsl = meta.query_start_loc_cpu
+        starts = meta.derived["sequence_starts"] = [seq_len - (qsl[i + 1] - qsl[i])
+                                                    for i, seq_len in enumerate(meta.seq_lens_cpu)]
+    return starts
+
+
+def sequence_starts_device(meta: AttentionMetadata) -> torch.Tensor:  # [B] int32, on the metadata's device
+    """sequence_starts from the device tensors (no host sync: graph-safe), derived once per step."""
+    starts = meta.derived.get("sequence_starts_device")
+    if starts is None:
+        qsl = meta.query_start_loc
+        starts = meta.derived["sequence_starts_device"] = (meta.seq_lens - (qsl[1:] - qsl[:-1])).to(torch.int32)
+    return starts
 
 
 class GatedDeltaNet(nn.Module):
@@ -84,8 +98,7 @@ class GatedDeltaNet(nn.Module):
         from device-side slots and starts (graph-safe); otherwise the varlen conv kernel and fla's chunked rule."""
         from helios.kernels import gated_delta
 
-        qsl = meta.query_start_loc
-        starts = (meta.seq_lens - (qsl[1:] - qsl[:-1])).to(torch.int32)
+        qsl, starts = meta.query_start_loc, sequence_starts_device(meta)
         if mixed.shape[0] == meta.num_seqs:
             return gated_delta.gated_delta_decode(mixed, self.conv.weight, conv_state, a, b, self.A_log,
                                                   self.dt_bias, recurrent_state, meta.state_slots, starts,
