@@ -8,6 +8,7 @@ Imports helios.core.manifest and ignition.errors only.
 from __future__ import annotations
 
 import math
+import re
 from functools import cache
 from typing import Any
 
@@ -51,6 +52,19 @@ def get_recipe(name: str) -> RecipeSpec:
         raise ExportError(f"unknown recipe {name!r}; known: {', '.join(list_recipes())}") from None
 
 
+# Families only the spec's recipe rows use: the row's recipe binds by default (docs/families.md maps them).
+_FAMILY_RECIPES = {
+    "qwen4_exp": "qwen38",
+    "glm5_next": "glm53",
+    "nemotron_h": "nemotron_h",
+    "mimo_v2_flash": "mimo_v2",
+    "minimax_m3": "minimax_m3",
+    "muse_spark": "muse_spark",
+    "gemma4": "gemma4",
+    "step3p7": "step5",
+}
+
+
 def auto_recipe(family: str, identifier: str) -> str:
     """The recipe used when --recipe is omitted, from the checkpoint's family and identifier (id or file name)."""
     ident = identifier.lower()
@@ -62,7 +76,11 @@ def auto_recipe(family: str, identifier: str) -> str:
         return "qwen3"
     if family == "gemma3":
         return "gemma3"
-    return "default"
+    if family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # the table's Qwen3.8-27B; Qwen3.5 is not a row
+        return "qwen38_dense" if re.search(r"qwen3[._-]?8", ident) else "default"
+    if family == "deepseek_v4":  # V4.1 ships in the same family (its config says so)
+        return "deepseek41" if re.search(r"v4[._-]1", ident) else "deepseek4"
+    return _FAMILY_RECIPES.get(family, "default")
 
 
 def resolve(name: str, generation_config: dict, sampling_ranges: bool = True) -> tuple[Recipe, Sampling]:

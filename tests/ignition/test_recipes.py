@@ -204,6 +204,15 @@ def test_sampling_round_trips_through_msgspec():
         ("qwen3", "Qwen/Qwen3-0.6B", "qwen3"),
         ("qwen3_moe", "Qwen/Qwen3-30B-A3B", "qwen3"),
         ("gemma3", "google/gemma-3-1b-it", "gemma3"),
+        ("qwen3_5", "Qwen/Qwen3.8-27B", "qwen38_dense"),
+        ("qwen3_5", "Qwen/Qwen3.5-27B", "default"),
+        ("qwen4_exp", "Qwen/Qwen3.8-Flash-Next", "qwen38"),
+        ("glm5_next", "zai-org/GLM-5.3-Flash", "glm53"),
+        ("nemotron_h", "nvidia/Nemotron-3.5-Bolt", "nemotron_h"),
+        ("deepseek_v4", "deepseek-ai/DeepSeek-V4-Flash-Vision-Exp", "deepseek4"),
+        ("deepseek_v4", "deepseek-ai/DeepSeek-V4.1-Flash-1017", "deepseek41"),
+        ("gemma4", "google/gemma-4-e2b-it", "gemma4"),
+        ("kimi_linear", "moonshotai/Kimi-Linear-48B-A3B-Instruct", "default"),
     ],
 )
 def test_auto_recipe(family, identifier, expected):
