@@ -20,6 +20,7 @@ Family = Literal[
     "llama", "qwen2", "qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3_5_moe", "qwen3_next", "nemotron_h",
     "kimi_linear",
     "qwen4_exp", "glm5_next",
+    "gemma4", "mimo_v2_flash", "minimax_m3", "muse_spark", "step3p7", "deepseek_v4",
 ]
 DType = Literal["float32", "bfloat16", "float16"]
 # silu / gelu_tanh: gated MLPs (act(gate) * up); relu2: relu(x)^2 in a non-gated up/down MLP (nemotron_h)
