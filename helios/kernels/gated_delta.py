@@ -51,6 +51,12 @@ def _softplus(x):
 
 
 @jit
+def _softplus_kimi(x):
+    """kimi's softplus: log(1 + exp(x)), x itself above 20 (helios.layers.recurrent.kimi_delta_gates)."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@jit
 def _conv_step(x_row, w_ptr, bias_ptr, cs_row, cols, mask, live, C, K: tl.constexpr, KP: tl.constexpr,
                HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
     """One token's depthwise causal conv over channels `cols` ([N]): returns its output in float32 and the channels'
@@ -84,10 +90,10 @@ def _gated_delta_step_kernel(
     conv_w_ptr,  # [C, K] (FUSED)
     conv_bias_ptr,  # [C] (FUSED and HAS_BIAS)
     conv_state_ptr,  # [S, K-1, C], in place (FUSED)
-    gate_ptr,  # FUSED: a [B, Hv] (raw); else g [B, Hv] float32 log-decay
+    gate_ptr,  # FUSED: a [B, Hv] (raw; PER_CHANNEL: f [B, Hv*DK]); else g [B, Hv] (PER_CHANNEL: [B, Hv, DK] rows)
     beta_ptr,  # FUSED: b [B, Hv] (raw, beta = sigmoid(b)); else beta [B, Hv]
     A_log_ptr,  # [Hv] (FUSED)
-    dt_bias_ptr,  # [Hv] (FUSED)
+    dt_bias_ptr,  # [Hv] (FUSED; PER_CHANNEL: [Hv*DK])
     state_ptr,  # [S, Hv, DK, DV] float32, in place
     out_ptr,  # [B, Hv, DV] contiguous
     slots_ptr,  # [B]
@@ -99,10 +105,14 @@ def _gated_delta_step_kernel(
     stride_gate, stride_beta,
     C,  # conv channels (FUSED)
     scale,
+    lower_bound,  # FUSED and SAFE_GATE: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
     HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, SPLIT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, FUSED: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, STATE_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
 ):
+    # PER_CHANNEL: KDA's decay per key channel (kimi_linear's softplus gate, or glm5_next's SAFE_GATE), GROUP == 1;
+    # else the GDN decay per value head.
     # program (split, key head, row): its key head's q and k, then TILES [DK, BV] state tiles of the key head's
     # GROUP value heads (tile t: value head t // NV, columns (t % NV) * BV)
     NV: tl.constexpr = (DV + BV - 1) // BV
@@ -157,20 +167,35 @@ def _gated_delta_step_kernel(
         if STATE_FIRST:  # in flight beside the conv's loads (twice the registers: benchmarks/gpu_gated_delta.py)
             s = tl.load(tile, mask=tile_mask & live_k, other=0.0)  # [BK, BV]
         if FUSED:
-            a = tl.load(gate_ptr + row * stride_gate + h).to(tl.float32)
-            g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * _softplus(a + tl.load(dt_bias_ptr + h).to(tl.float32))
+            rate = tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+            if PER_CHANNEL:  # [BK]: KDA's gate of each key channel
+                f = tl.load(gate_ptr + row * stride_gate + h * DK + ok, mask=mk, other=0.0).to(tl.float32)
+                f += tl.load(dt_bias_ptr + h * DK + ok, mask=mk, other=0.0).to(tl.float32)
+                if SAFE_GATE:
+                    g = lower_bound * tl.sigmoid(rate * f)
+                else:
+                    g = -rate * _softplus_kimi(f)
+            else:
+                a = tl.load(gate_ptr + row * stride_gate + h).to(tl.float32)
+                g = -rate * _softplus(a + tl.load(dt_bias_ptr + h).to(tl.float32))
             beta = tl.sigmoid(tl.load(beta_ptr + row * stride_beta + h).to(tl.float32))
             v, v_next = _conv_step(x_row, conv_w_ptr, conv_bias_ptr, cs_row, 2 * HK * DK + h * DV + cols, mv, live_c,
                                    C, K, KP, HAS_BIAS, SILU)
             tl.debug_barrier()  # this tile's channels are this program's alone; its rows shift as above
             tl.store(cs_row + r * C + (2 * HK * DK + h * DV + cols)[None, :], v_next, mask=(r < K - 1) & mv[None, :])
         else:
-            g = tl.load(gate_ptr + row * stride_gate + h).to(tl.float32)
+            if PER_CHANNEL:
+                g = tl.load(gate_ptr + row * stride_gate + h * DK + ok, mask=mk, other=0.0).to(tl.float32)
+            else:
+                g = tl.load(gate_ptr + row * stride_gate + h).to(tl.float32)
             beta = tl.load(beta_ptr + row * stride_beta + h).to(tl.float32)
             v = tl.load(v_ptr + row * stride_v + h * stride_vh + cols, mask=mv, other=0.0).to(tl.float32)
         if not STATE_FIRST:
             s = tl.load(tile, mask=tile_mask & live_k, other=0.0)
-        s = s * tl.exp(g)
+        if PER_CHANNEL:
+            s = s * tl.exp(g)[:, None]
+        else:
+            s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s += k[:, None] * delta[None, :]
         tl.store(tile, s, mask=tile_mask)
@@ -251,48 +276,73 @@ def gated_delta_decode(
     for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b)):
         check_last_dim_contiguous(name, t)
     assert conv_bias is None or (conv_bias.shape == (channels,) and conv_bias.is_contiguous())
+    return fused_delta_step(mixed_qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slots, starts,
+                            num_k_heads, conv_bias, activation, num_splits)
+
+
+def fused_delta_step(mixed_qkv, conv_weight, conv_state, gate, b, A_log, dt_bias, state, slots, starts,
+                     num_k_heads, conv_bias=None, activation="silu", num_splits=None, per_channel=False,
+                     lower_bound=None) -> torch.Tensor:  # [B, Hv, dv]
+    """The fused decode launch shared by the GDN and KDA layers (helios.kernels.kda): shapes already checked.
+    per_channel: `gate` is KDA's f [B, Hv*dk] with dt_bias [Hv*dk] (softplus gate, or the safe gate with
+    lower_bound); else GDN's a [B, Hv]. Program (split, key head, row); its state tiles as gated_delta_decode says."""
+    num_rows, channels = mixed_qkv.shape
+    _, num_v_heads, dk, dv = state.shape
     out = torch.empty(num_rows, num_v_heads, dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if num_rows == 0:
         return out
-    group = num_v_heads // num_k_heads
-    block_v = min(BLOCK_V, next_power_of_2(dv))
-    tiles = group * -(-dv // block_v)
-    splits = num_splits or decode_splits(num_rows, num_k_heads, tiles, _num_sms(state))
-    assert tiles % splits == 0, f"num_splits {splits} must divide the key head's {tiles} state tiles"
+    splits = _splits(num_rows, num_k_heads, state, num_splits)
     counters = None
     if splits > 1:
         assert num_rows * num_k_heads <= _COUNTER_SLOTS, "more (row, key head) groups than arrival counters"
         counters = _arrival_counters(mixed_qkv.device)
+    width = conv_weight.shape[1]
     pdl = use_pdl(mixed_qkv, num_rows)
     _gated_delta_step_kernel[(splits, num_k_heads, num_rows)](
         mixed_qkv, mixed_qkv, mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight,
-        conv_state, a, b, A_log, dt_bias, state, out, slots, starts, counters,
-        mixed_qkv.stride(0), 0, 0, 0, 0, 0, a.stride(0), b.stride(0), channels, dk**-0.5,
-        HK=num_k_heads, GROUP=group, DK=dk, DV=dv, BK=next_power_of_2(dk), BV=block_v, SPLIT=splits, K=width,
-        KP=next_power_of_2(width - 1), FUSED=True, HAS_BIAS=conv_bias is not None, SILU=activation is not None,
-        STATE_FIRST=STATE_FIRST, USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
+        conv_state, gate, b, A_log, dt_bias, state, out, slots, starts, counters,
+        mixed_qkv.stride(0), 0, 0, 0, 0, 0, gate.stride(0), b.stride(0), channels, dk**-0.5,
+        0.0 if lower_bound is None else float(lower_bound),
+        **_tile_args(num_k_heads, state, splits), K=width, KP=next_power_of_2(width - 1), FUSED=True,
+        HAS_BIAS=conv_bias is not None, SILU=activation is not None, STATE_FIRST=STATE_FIRST, USE_PDL=pdl,
+        PER_CHANNEL=per_channel, SAFE_GATE=lower_bound is not None,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
     )
     return out
 
 
-def _recurrent_step(q, k, v, g, beta, state, slots, starts, num_splits=None) -> torch.Tensor:
-    """gated_delta_rule for one token per sequence (q/k/v already convolved): the decode kernel without the conv."""
+def _splits(num_rows, num_k_heads, state, num_splits) -> int:
+    """The split count (given, or decode_splits'), checked against the key head's state tiles."""
+    _, num_v_heads, _, dv = state.shape
+    tiles = num_v_heads // num_k_heads * -(-dv // min(BLOCK_V, next_power_of_2(dv)))
+    splits = num_splits or decode_splits(num_rows, num_k_heads, tiles, _num_sms(state))
+    assert tiles % splits == 0, f"num_splits {splits} must divide the key head's {tiles} state tiles"
+    return splits
+
+
+def _tile_args(num_k_heads, state, splits) -> dict:
+    _, num_v_heads, dk, dv = state.shape
+    return dict(HK=num_k_heads, GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv, BK=next_power_of_2(dk),
+                BV=min(BLOCK_V, next_power_of_2(dv)), SPLIT=splits)
+
+
+def recurrent_step(q, k, v, g, beta, state, slots, starts, num_splits=None) -> torch.Tensor:
+    """The rule for one token per sequence (q/k/v already convolved): the decode kernel without the conv. g [B, Hv]
+    (GDN) or [B, Hv, dk] contiguous (KDA's decay per key channel, Hv == Hk)."""
     num_rows, num_k_heads, dk = q.shape
     _, num_v_heads, dv = v.shape
+    per_channel = g.dim() == 3
+    assert not per_channel or (g.is_contiguous() and g.shape == (num_rows, num_v_heads, dk))
     out = torch.empty(num_rows, num_v_heads, dv, dtype=q.dtype, device=q.device)
     if num_rows == 0:
         return out
-    block_v = min(BLOCK_V, next_power_of_2(dv))
-    tiles = num_v_heads // num_k_heads * -(-dv // block_v)
-    splits = num_splits or decode_splits(num_rows, num_k_heads, tiles, _num_sms(state))
-    assert tiles % splits == 0
+    splits = _splits(num_rows, num_k_heads, state, num_splits)
     pdl = use_pdl(q, num_rows)
     _gated_delta_step_kernel[(splits, num_k_heads, num_rows)](
         q, k, v, q, q, q, g, beta, g, g, state, out, slots, starts, None,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        0, dk**-0.5,
-        HK=num_k_heads, GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv, BK=next_power_of_2(dk), BV=block_v,
-        SPLIT=splits, K=2, KP=1, FUSED=False, HAS_BIAS=False, SILU=False, STATE_FIRST=False, USE_PDL=pdl,
+        0, dk**-0.5, 0.0, **_tile_args(num_k_heads, state, splits), K=2, KP=1, FUSED=False, HAS_BIAS=False,
+        SILU=False, STATE_FIRST=False, USE_PDL=pdl, PER_CHANNEL=per_channel, SAFE_GATE=False,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
     )
     return out
@@ -447,14 +497,15 @@ def gated_delta_rule(
         check_last_dim_contiguous(name, t)
     if num_tokens == num_seqs:
         require_triton()
-        return _recurrent_step(q, k, v, g, beta, state, slots, starts)
+        return recurrent_step(q, k, v, g, beta, state, slots, starts)
     assert q.is_cuda, "the chunked prefill runs fla's kernels: CUDA only (the CPU path is the torch reference)"
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    return _chunked(chunk_gated_delta_rule, q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size)
+    return chunked_by_slot(chunk_gated_delta_rule, q, k, v, g, beta, state, slots, query_start_loc, starts,
+                           chunk_size)
 
 
-def _chunked(chunk_fn, q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size):
+def chunked_by_slot(chunk_fn, q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size):
     """fla's varlen chunk_fn on the states gathered by slot (zeros where fresh), the final states scattered back."""
     num_seqs, dk = slots.shape[0], q.shape[2]
     index = slots.to(torch.int64)
@@ -498,7 +549,8 @@ def causal_conv_ref(x, weight, conv_state, slots, query_start_loc, starts, bias=
 
 
 def gated_delta_rule_ref(q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size=64):
-    """Token by token in float32 (transformers' torch_recurrent_gated_delta_rule per sequence, from state[slot])."""
+    """Token by token in float32 (transformers' torch_recurrent_gated_delta_rule per sequence, from state[slot]);
+    g [T, Hv] a decay per head, or [T, Hv, dk] one per key channel (KDA's recurrent_kimi_delta_attention)."""
     num_v_heads, group = v.shape[1], v.shape[1] // q.shape[1]
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     qf = _l2norm_ref(q.float()).repeat_interleave(group, 1) * q.shape[-1] ** -0.5
@@ -508,7 +560,7 @@ def gated_delta_rule_ref(q, k, v, g, beta, state, slots, query_start_loc, starts
     for i, slot in enumerate(slot_list):
         s = state[slot].clone() if start_list[i] > 0 else state.new_zeros(state.shape[1:])
         for t in range(qsl[i], qsl[i + 1]):
-            s = s * gf[t].exp()[:, None, None]
+            s = s * (gf[t].exp()[..., None] if gf.dim() == 3 else gf[t].exp()[:, None, None])
             delta = (vf[t] - torch.einsum("hkv,hk->hv", s, kf[t])) * bf[t][:, None]
             s = s + kf[t][:, :, None] * delta[:, None, :]
             out[t] = torch.einsum("hkv,hk->hv", s, qf[t]).to(out.dtype)

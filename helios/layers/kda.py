@@ -4,8 +4,8 @@ in_proj -> [q, k, v (the short convs' channels), f_a, g_a, b]; a depthwise causa
 per-channel forget gate g = -exp(A_log) softplus(f_b f_a x + dt_bias) (glm5_next's safe gate with
 RecurrentConfig.gate_lower_bound: lower_bound * sigmoid(exp(A_log) (f_b f_a x + dt_bias))) and beta = sigmoid(b); the
 Kimi delta rule with its state per request in a state slot; the output's per-head RMSNorm times sigmoid(g_b g_a x);
-out. The ops are helios.layers.recurrent's torch references on every device (no KDA GPU kernel yet). Imports torch
-only.
+out. The ops are helios.layers.recurrent's torch references on every device, or on the fused (GPU) path the Triton
+kernels of helios.kernels.kda (imported there only). Imports torch only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent as ops
 from helios.layers.attention import AttentionMetadata
 from helios.layers.linear import Linear, Stacked, meta_parameter
-from helios.layers.linear_attention import sequence_starts
+from helios.layers.linear_attention import sequence_starts, sequence_starts_device
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -27,9 +27,10 @@ class KimiDeltaAttention(nn.Module):
     out.weight [H, Hk*d]."""
 
     def __init__(self, hidden_size: int, config: RecurrentConfig, eps: float,
-                 switches: Switches = DEFAULT_SWITCHES) -> None:
+                 switches: Switches = DEFAULT_SWITCHES, fused: bool = False) -> None:
         super().__init__()
         c = config
+        self.fused = fused  # the Triton kernels (GPU path)
         if c.kind != "kimi_delta" or c.num_key_heads != c.num_heads or c.key_head_dim != c.value_head_dim:
             raise ValueError("KimiDeltaAttention needs kimi_delta layers with one head count and one head size")
         self.config = c
@@ -54,12 +55,35 @@ class KimiDeltaAttention(nn.Module):
         c, d = self.config, self.head_dim
         num_tokens = x.shape[0]
         mixed, f_a, g_a, b = self.in_proj(x).split([c.conv_dim, d, d, c.num_heads], dim=-1)
-        slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
         conv_state, recurrent_state = state
-        mixed = ops.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts, activation="silu")
-        q, k, v = (t.reshape(num_tokens, c.num_heads, d) for t in mixed.split([self.inner] * 3, dim=-1))
-        g, beta = ops.kimi_delta_gates(self.f_b(f_a), b, self.A_log, self.dt_bias, c.gate_lower_bound)
-        o = ops.kimi_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts, chunk_size=c.chunk_size)
+        if self.fused:
+            o = self._mix_fused(mixed, self.f_b(f_a), b, conv_state, recurrent_state, meta)
+        else:
+            slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
+            mixed = ops.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts, activation="silu")
+            q, k, v = self._heads(mixed)
+            g, beta = ops.kimi_delta_gates(self.f_b(f_a), b, self.A_log, self.dt_bias, c.gate_lower_bound)
+            o = ops.kimi_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts, chunk_size=c.chunk_size)
         o = ops.rms_norm_gated(o.reshape(-1, d), self.g_b(g_a).reshape(-1, d), self.norm.weight, self.eps,
                                activation="sigmoid", multiply_in_float32=True)
         return self.out(o.reshape(num_tokens, self.inner))
+
+    def _heads(self, mixed: torch.Tensor):  # [T, C] -> q, k, v [T, H, d]
+        return (t.reshape(mixed.shape[0], self.config.num_heads, self.head_dim)
+                for t in mixed.split([self.inner] * 3, dim=-1))
+
+    def _mix_fused(self, mixed, f, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:
+        """The Triton path (helios.kernels.kda): a decode step (one token per sequence) in one launch from
+        device-side slots and starts (graph-safe); otherwise the varlen conv kernel and fla's chunk_kda."""
+        from helios.kernels import gated_delta, kda
+
+        c = self.config
+        qsl, starts = meta.query_start_loc, sequence_starts_device(meta)
+        if mixed.shape[0] == meta.num_seqs:
+            return kda.kda_decode(mixed, self.conv.weight, conv_state, f, b, self.A_log, self.dt_bias,
+                                  recurrent_state, meta.state_slots, starts, c.gate_lower_bound)
+        mixed = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts)
+        q, k, v = self._heads(mixed)
+        g, beta = ops.kimi_delta_gates(f, b, self.A_log, self.dt_bias, c.gate_lower_bound)
+        return kda.kda_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
+                            chunk_size=c.chunk_size)

@@ -2,7 +2,8 @@
 
 in_proj -> [z, xBC, dt]; a depthwise causal conv (silu) over xBC; the selective scan (SSD) over x with B, C and
 dt per head, its state per request in a state slot; y * silu(z) through a grouped RMSNorm; out. The ops are
-helios.layers.recurrent's torch references on every device (no Mamba-2 GPU kernel yet). Imports torch only.
+helios.layers.recurrent's torch references on every device, or on the fused (GPU) path the Triton kernels of
+helios.kernels.gated_delta (the conv) and helios.kernels.mamba (the scan), imported there only. Imports torch only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent as ops
 from helios.layers.attention import AttentionMetadata
 from helios.layers.linear import Linear, Stacked, meta_parameter
-from helios.layers.linear_attention import sequence_starts
+from helios.layers.linear_attention import sequence_starts, sequence_starts_device
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -51,8 +52,9 @@ class Mamba2Mixer(nn.Module):
     dt), conv.weight [C, K] (+ conv.bias [C]), dt_bias, A_log, D [Hm], norm.weight [I], out.weight [H, I]."""
 
     def __init__(self, hidden_size: int, config: RecurrentConfig, eps: float,
-                 switches: Switches = DEFAULT_SWITCHES) -> None:
+                 switches: Switches = DEFAULT_SWITCHES, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused  # the Triton kernels (GPU path)
         if config.kind != "mamba2":
             raise ValueError(f"Mamba2Mixer needs mamba2 recurrent layers, not {config.kind}")
         c = config
@@ -77,19 +79,40 @@ class Mamba2Mixer(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         c = self.config
         num_tokens = x.shape[0]
-        groups = c.num_key_heads * c.key_head_dim
         z, xbc, dt = self.in_proj(x).split([self.inner, c.conv_dim, c.num_heads], dim=-1)
-        slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
         conv_state, ssm_state = state
-        xbc = ops.causal_conv(xbc, self.conv.weight, conv_state, slots, qsl, starts, bias=self.conv.bias,
-                              activation="silu")
-        xs, b, cm = xbc.split([self.inner, groups, groups], dim=-1)
         # NOTE: the StateCache row is [Hm, N, P] (RecurrentConfig's [num_heads, key_head_dim, value_head_dim]);
         # Mamba-2's state is HF's [Hm, P, N]: the same elements, only ever read by this layer, so a view serves
         ssm_state = ssm_state.view(ssm_state.shape[0], c.num_heads, c.value_head_dim, c.key_head_dim)
-        b = b.reshape(num_tokens, c.num_key_heads, c.key_head_dim)
-        cm = cm.reshape(num_tokens, c.num_key_heads, c.key_head_dim)
-        y = ops.mamba2_scan(xs.reshape(num_tokens, c.num_heads, c.value_head_dim), dt, self.A_log, b, cm, self.D,
-                            self.dt_bias, ssm_state, slots, qsl, starts, c.chunk_size, dt_limit=self.dt_limit)
+        if self.fused:
+            y = self._mix_fused(xbc, dt, conv_state, ssm_state, meta)
+        else:
+            slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
+            xbc = ops.causal_conv(xbc, self.conv.weight, conv_state, slots, qsl, starts, bias=self.conv.bias,
+                                  activation="silu")
+            xs, b, cm = self._heads(xbc)
+            y = ops.mamba2_scan(xs, dt, self.A_log, b, cm, self.D, self.dt_bias, ssm_state, slots, qsl, starts,
+                                c.chunk_size, dt_limit=self.dt_limit)
         y = gated_group_rms_norm(y.reshape(num_tokens, self.inner), z, self.norm.weight, self.group_size, self.eps)
         return self.out(y.to(x.dtype))
+
+    def _heads(self, xbc: torch.Tensor):  # [T, C] -> x [T, Hm, P], B and C [T, G, N] (views)
+        c = self.config
+        num_tokens, groups = xbc.shape[0], c.num_key_heads * c.key_head_dim
+        xs, b, cm = xbc.split([self.inner, groups, groups], dim=-1)
+        return (xs.reshape(num_tokens, c.num_heads, c.value_head_dim),
+                b.reshape(num_tokens, c.num_key_heads, c.key_head_dim),
+                cm.reshape(num_tokens, c.num_key_heads, c.key_head_dim))
+
+    def _mix_fused(self, xbc, dt, conv_state, ssm_state, meta: AttentionMetadata) -> torch.Tensor:
+        """The Triton path: the varlen conv kernel, then helios.kernels.mamba's scan, decode and prefill alike, from
+        device-side slots, bounds and starts (no host sync: graph-safe)."""
+        from helios.kernels.gated_delta import causal_conv
+        from helios.kernels.mamba import mamba2_scan
+
+        slots, qsl, starts = meta.state_slots, meta.query_start_loc, sequence_starts_device(meta)
+        xbc = causal_conv(xbc, self.conv.weight, conv_state, slots, qsl, starts, bias=self.conv.bias,
+                          activation="silu")
+        xs, b, cm = self._heads(xbc)
+        return mamba2_scan(xs, dt, self.A_log, b, cm, self.D, self.dt_bias, ssm_state, slots, qsl, starts,
+                           dt_limit=self.dt_limit)

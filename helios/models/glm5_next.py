@@ -29,14 +29,15 @@ from helios.switches import DEFAULT_SWITCHES, Switches
 class Glm5NextLayer(nn.Module):
     """attn_hc, attn_norm and kda (a linear layer) or mla (MLA + DSA, a full one); mlp_hc, mlp_norm and mlp or moe."""
 
-    def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES) -> None:
+    def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES,
+                 fused: bool = False) -> None:
         super().__init__()
         h, eps, moe, limit = arch.hidden_size, arch.rms_norm_eps, arch.moe, arch.swiglu_limit
         self.is_linear = arch.layer_types[layer_idx] == "linear"
         self.attn_hc = ManifoldHyperConnection(h, arch.mhc, eps)
         self.attn_norm = RMSNorm(h, eps)
         if self.is_linear:
-            self.kda = KimiDeltaAttention(h, arch.recurrent, eps, switches)
+            self.kda = KimiDeltaAttention(h, arch.recurrent, eps, switches, fused=fused)
         else:
             shared = layer_idx in arch.dsa.shared_layers
             self.mla = DsaAttention(h, arch.num_heads, arch.mla, arch.dsa, shared, switches)
@@ -83,7 +84,8 @@ class Glm5NextForCausalLM(nn.Module):
         self.path = "eager"
         self.num_streams = arch.mhc.num_streams
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(Glm5NextLayer(arch, i, switches) for i in range(arch.num_layers))
+        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's kernels too
+        self.layers = nn.ModuleList(Glm5NextLayer(arch, i, switches, fused) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
                                                                     switches=switches)

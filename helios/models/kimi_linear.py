@@ -24,13 +24,14 @@ from helios.switches import DEFAULT_SWITCHES, Switches
 class KimiLinearLayer(nn.Module):
     """One pre-norm block: attn_norm + kda (a linear layer) or mla (a full one), then mlp_norm + mlp or moe."""
 
-    def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES) -> None:
+    def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES,
+                 fused: bool = False) -> None:
         super().__init__()
         h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
         self.is_linear = arch.layer_types[layer_idx] == "linear"
         self.attn_norm = RMSNorm(h, eps)
         if self.is_linear:
-            self.kda = KimiDeltaAttention(h, arch.recurrent, eps, switches)
+            self.kda = KimiDeltaAttention(h, arch.recurrent, eps, switches, fused=fused)
         else:
             self.mla = MlaAttention(h, arch.num_heads, arch.mla, switches)
         self.mlp_norm = RMSNorm(h, eps)
@@ -65,7 +66,8 @@ class KimiLinearForCausalLM(nn.Module):
         self.switches = switches
         self.path = "eager"
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(KimiLinearLayer(arch, i, switches) for i in range(arch.num_layers))
+        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's kernels too
+        self.layers = nn.ModuleList(KimiLinearLayer(arch, i, switches, fused) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
                                                                     switches=switches)

@@ -48,7 +48,8 @@ class NemotronHBlock(nn.Module):
         h, eps = arch.hidden_size, arch.rms_norm_eps
         if kind == "linear":
             self.sublayer_name = "mamba"
-            sublayer = Mamba2Mixer(h, arch.recurrent, eps, switches=switches)
+            sublayer = Mamba2Mixer(h, arch.recurrent, eps, switches=switches,
+                                   fused=getattr(backend, "fuses_layers", False))
         elif kind == "full":
             self.sublayer_name = "attn"
             sublayer = PositionlessAttention(h, arch.num_heads, arch.num_kv_heads, arch.head_dim, backend,

@@ -336,7 +336,7 @@ def test_decode_ref_matches_transformers_gate():
 def test_chunked_prefill_glue_gathers_and_scatters_by_slot():
     """The fla call's glue (gather by slot, zeros for fresh sequences, cu_seqlens, scatter back) on the CPU, with
     transformers' torch chunked rule standing in for fla's chunk_gated_delta_rule (same varlen interface)."""
-    from helios.kernels.gated_delta import _chunked, gated_delta_rule_ref
+    from helios.kernels.gated_delta import chunked_by_slot, gated_delta_rule_ref
 
     hf = _hf()
 
@@ -362,7 +362,7 @@ def test_chunked_prefill_glue_gathers_and_scatters_by_slot():
     beta = torch.rand(T, hv, generator=torch.Generator().manual_seed(5))
     state = _garbage_fresh(_randn(batch.num_slots, hv, dk, dv, device="cpu", seed=6), batch)
     ours, ref = state.clone(), state.clone()
-    o = _chunked(fake_fla, q, k, v, g, beta, ours, batch.slots, batch.query_start_loc, batch.starts, 64)
+    o = chunked_by_slot(fake_fla, q, k, v, g, beta, ours, batch.slots, batch.query_start_loc, batch.starts, 64)
     o_ref = gated_delta_rule_ref(q, k, v, g, beta, ref, batch.slots, batch.query_start_loc, batch.starts)
     torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
     _state_close(ours, ref, batch, torch.float32, "cpu", "state")
