@@ -230,6 +230,14 @@ def _arrival_counters(device: torch.device) -> torch.Tensor:
     return _counters[device]
 
 
+def check_conv(conv_weight, conv_state, num_slots, channels):
+    """The decode step's conv: taps [C, K] and the conv state [S, K-1, C], both contiguous."""
+    width = conv_weight.shape[1]
+    assert conv_weight.shape == (channels, width) and conv_weight.is_contiguous() and width >= 2
+    assert conv_state.shape == (num_slots, width - 1, channels) and conv_state.is_contiguous(), \
+        f"conv_state {tuple(conv_state.shape)} must be [S={num_slots}, K-1={width - 1}, C={channels}]"
+
+
 def _check_state(state, slots, starts, num_rows, num_v_heads):
     assert state.dtype == torch.float32 and state.dim() == 4 and state.is_contiguous(), \
         f"state must be contiguous float32 [S, Hv, dk, dv], got {tuple(state.shape)} {state.dtype}"
@@ -264,10 +272,7 @@ def gated_delta_decode(
     require_triton()
     num_rows, channels = mixed_qkv.shape
     num_slots, num_v_heads, dk, dv = state.shape
-    width = conv_weight.shape[1]
-    assert conv_weight.shape == (channels, width) and conv_weight.is_contiguous() and width >= 2
-    assert conv_state.shape == (num_slots, width - 1, channels) and conv_state.is_contiguous(), \
-        f"conv_state {tuple(conv_state.shape)} must be [S={num_slots}, K-1={width - 1}, C={channels}]"
+    check_conv(conv_weight, conv_state, num_slots, channels)
     assert num_v_heads % num_k_heads == 0 and channels == 2 * num_k_heads * dk + num_v_heads * dv, \
         f"C={channels} vs Hk={num_k_heads}, Hv={num_v_heads}, dk={dk}, dv={dv}"
     assert a.shape == b.shape == (num_rows, num_v_heads) and A_log.shape == dt_bias.shape == (num_v_heads,)

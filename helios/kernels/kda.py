@@ -18,6 +18,7 @@ from helios.kernels._triton import check_last_dim_contiguous, require_triton
 from helios.kernels.gated_delta import (
     _check_state,
     causal_conv_ref,
+    check_conv,
     chunked_by_slot,
     fused_delta_step,
     gated_delta_rule_ref,
@@ -47,10 +48,7 @@ def kda_decode(
     require_triton()
     num_rows, channels = mixed_qkv.shape
     num_slots, num_heads, dk, dv = state.shape
-    width = conv_weight.shape[1]
-    assert conv_weight.shape == (channels, width) and conv_weight.is_contiguous() and width >= 2
-    assert conv_state.shape == (num_slots, width - 1, channels) and conv_state.is_contiguous(), \
-        f"conv_state {tuple(conv_state.shape)} must be [S={num_slots}, K-1={width - 1}, C={channels}]"
+    check_conv(conv_weight, conv_state, num_slots, channels)
     assert channels == num_heads * (2 * dk + dv), f"C={channels} vs H={num_heads}, dk={dk}, dv={dv}"
     assert f.shape == (num_rows, num_heads * dk) and b.shape == (num_rows, num_heads)
     assert A_log.numel() == num_heads and dt_bias.numel() == num_heads * dk

@@ -47,26 +47,34 @@ def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int =
     return EngineCore(config, runner)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_greedy_matches_transformers_on_the_gpu(exported, dtype):
-    from transformers import AutoModelForCausalLM
-
-    _, src, cores = exported
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=DTYPES[dtype]).to("cuda").eval()
+def check_greedy_on_the_gpu(hf, core) -> None:
+    """32 greedy tokens of a 150-token prompt through the CUDA engine = the HF model's generate (on the device)."""
     ids, num_new = prompt(150, seed=5), 32
-    got = generate(cuda_engine(cores[dtype]), [greedy_request("a", ids, num_new)])["a"]
+    got = generate(cuda_engine(core), [greedy_request("a", ids, num_new)])["a"]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=num_new, min_new_tokens=num_new,
                           do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
     assert got == ref[len(ids):]
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_sixteen_requests_together_give_what_each_gives_alone(exported, dtype):
-    _, _, cores = exported
-    core = cores[dtype]
+def check_batched_equals_alone_on_the_gpu(core) -> None:
+    """16 requests together (prompts split into 64-token chunks beside decodes) = each alone."""
     reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
     together = generate(cuda_engine(core, budget=128, chunk=64), reqs)
     for r in reqs:
         alone = generate(cuda_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
         assert together[r.req_id] == alone, r.req_id
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_greedy_matches_transformers_on_the_gpu(exported, dtype):
+    from transformers import AutoModelForCausalLM
+
+    _, src, cores = exported
+    check_greedy_on_the_gpu(AutoModelForCausalLM.from_pretrained(src, dtype=DTYPES[dtype]).to("cuda").eval(),
+                            cores[dtype])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_sixteen_requests_together_give_what_each_gives_alone(exported, dtype):
+    check_batched_equals_alone_on_the_gpu(exported[2][dtype])

@@ -192,13 +192,19 @@ def check_prefill(device, dtype, query_lens=(70, 1, 130, 5), starts=(0, 9, 64, 0
     ours, ref = state.clone(), state.clone()
     o = gated_delta_rule(q, k, v, g, beta, ours, batch.slots, batch.query_start_loc, batch.starts)
     o_ref = gated_delta_rule_ref(q, k, v, g, beta, ref, batch.slots, batch.query_start_loc, batch.starts)
-    loose = dict(atol=2e-2, rtol=2e-2) if dtype == torch.float32 else dict(atol=6e-2, rtol=6e-2)  # fla: tf32 dots
+    check_prefill_result(o, o_ref, ours, ref, state, batch, dtype)
+
+
+def check_prefill_result(o, o_ref, ours, ref, state_before, batch, dtype):
+    """fla's chunked outputs and final states against the token-by-token reference (loose: fla's tf32 / bf16
+    dots); every slot outside the batch unchanged, NaN included."""
+    loose = dict(atol=2e-2, rtol=2e-2) if dtype == torch.float32 else dict(atol=6e-2, rtol=6e-2)
     torch.testing.assert_close(o.float(), o_ref.float(), **loose)
     used = batch.slots.long()
     torch.testing.assert_close(ours[used], ref[used], **loose)
-    others = torch.ones(batch.num_slots, dtype=torch.bool, device=device)
+    others = torch.ones(batch.num_slots, dtype=torch.bool, device=ours.device)
     others[used] = False
-    assert torch.equal(ours[others].nan_to_num(7.0), state[others].nan_to_num(7.0))
+    assert torch.equal(ours[others].nan_to_num(7.0), state_before[others].nan_to_num(7.0))
 
 
 # --- CPU: kernels in the interpreter --------------------------------------------------------------------------
@@ -383,6 +389,11 @@ def test_fla_signature_has_what_the_prefill_passes():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "Triton is not supported on current platform" on a CPU-only machine
         chunk = pytest.importorskip("fla.ops.gated_delta_rule").chunk_gated_delta_rule
+        chunk_kda = pytest.importorskip("fla.ops.kda").chunk_kda  # helios.kernels.kda's prefill
     params = inspect.signature(chunk).parameters
     for name in ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "cu_seqlens"):
+        assert name in params, name
+    params = inspect.signature(chunk_kda).parameters
+    for name in ("scale", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel", "cu_seqlens",
+                 "safe_gate", "lower_bound"):
         assert name in params, name
