@@ -72,7 +72,8 @@ class MoeConfig(_S):
     # scores + router.bias (with score_bias; HF's e_score_correction_bias) among the num_topk_groups best of
     # num_groups equal groups (a group ranks by the sum of its two best biased scores); the weights are the chosen
     # unbiased scores, renormalised with norm_topk_prob (sum + 1e-20), times routed_scaling_factor.
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    # sqrtsoftplus (deepseek_v4): sigmoid's rule with scores = sqrt(softplus(router x)), one group, always renormalised
+    scoring: Literal["softmax", "sigmoid", "sqrtsoftplus"] = "softmax"
     score_bias: bool = False
     num_groups: PosInt = 1  # n_group
     num_topk_groups: PosInt = 1  # topk_group
@@ -80,6 +81,9 @@ class MoeConfig(_S):
     # the routed experts read and write a latent of this width: moe.latent_in [L, H] before them and
     # moe.latent_out [H, L] after (nemotron_h's LatentMoE, moe_latent_size); 0: the hidden size, no projections
     latent_size: NonNegInt = 0
+    # deepseek_v4's hash-routed layers: their experts are moe.tid2eid [vocab, k] rows of the token ids (no score
+    # bias); their weights are the router's scores of those experts, as in the other layers
+    hash_layers: list[NonNegInt] = []
 
 
 class RecurrentConfig(_S):
@@ -248,6 +252,49 @@ class MhcConfig(_S):
     eps: float  # hc_eps
 
 
+class CompressedAttentionConfig(_S):
+    """deepseek_v4's attention: shared-KV MQA (one K=V head of arch.head_dim d after its RMSNorm, per-head sinks
+    arch.num_heads in the softmax's denominator) over a sliding window of `window` tokens (itself among them) in
+    every layer, plus, per layer_kinds entry, compressed entries: "hca" one per hca_rate tokens (a softmax-gated mix
+    of the window's kv rows with position_bias on the gate logits, RMSNormed, rotated at the window's first
+    position); "csa" one per csa_rate tokens from 2 * csa_rate rows (the previous window's first half and this
+    one's second half of 2d-wide rows), of which each query keeps the index_topk best by its lightning indexer
+    (index_num_heads heads of index_head_dim over entries the indexer compresses alike); "sliding" none. A query at
+    p sees the entries of windows that end at or before p. q through a low-rank latent (q_lora_rank, RMSNorm, then
+    an unweighted per-head RMSNorm); rope on each head's trailing rope_dim dims, interleaved pairs, rope_theta
+    (sliding) or compress_rope_theta + compress_rope_scaling (others); the output turns back by the query's
+    rotation; o_groups groups of heads each to o_lora_rank values, then one projection. Per token and layer the KV
+    pages keep the normed rotated kv row and the raw compressor rows (helios.layers.compressed_attention)."""
+
+    layer_kinds: list[Literal["sliding", "csa", "hca"]]
+    window: PosInt  # sliding_window
+    q_lora_rank: PosInt
+    rope_dim: PosInt  # qk_rope_head_dim: the trailing rotated dims of a head (even)
+    o_groups: PosInt
+    o_lora_rank: PosInt
+    csa_rate: PosInt  # compress_rates["compressed_sparse_attention"]
+    hca_rate: PosInt  # compress_rates["heavily_compressed_attention"]
+    index_num_heads: PosInt
+    index_head_dim: PosInt
+    index_topk: PosInt
+    compress_rope_theta: float
+    compress_rope_scaling: RopeScaling | None = None  # yarn without its attention factor (deepseek_v4 forces 1)
+
+    def row_dim(self, kind: str, head_dim: int) -> int:
+        """Values one token keeps in a layer of this kind: its kv row, then the raw compressor kv and gate rows
+        (2d wide each in csa, overlapping windows; d in hca), then csa's indexer kv and gate rows (2 index_head_dim
+        each)."""
+        if kind == "sliding":
+            return head_dim
+        if kind == "hca":
+            return 3 * head_dim
+        return 5 * head_dim + 4 * self.index_head_dim
+
+    def cache_dim(self, head_dim: int) -> int:
+        """The KV pages' row: the widest layer's (every layer keeps rows of one width; the narrower use a prefix)."""
+        return max(self.row_dim(kind, head_dim) for kind in self.layer_kinds)
+
+
 class Architecture(_S):
     """The family helios executes and its dimensions. Weight transforms are already applied."""
 
@@ -299,6 +346,8 @@ class Architecture(_S):
     dsa: DsaConfig | None = None
     mhc: MhcConfig | None = None
     swiglu_limit: float | None = None
+    # deepseek_v4: sliding-window MQA with compressed entries in every layer (CompressedAttentionConfig)
+    compressed: CompressedAttentionConfig | None = None
 
     @property
     def attention_layers(self) -> list[int]:

@@ -86,6 +86,15 @@ class Relu2MLP(nn.Module):
         return self.down(relu2(self.up(x)))
 
 
+def router_scores(router_logits: torch.Tensor, scoring: str) -> torch.Tensor:  # [T, E] -> [T, E] float32
+    """sigmoid, or sqrt(softplus) (deepseek_v4's sqrtsoftplus: softplus returns x past 20, as F.softplus), of the
+    float32 logits, written as plain elementwise ops (see route_sigmoid's NOTE)."""
+    x = router_logits.float()
+    if scoring == "sqrtsoftplus":
+        return torch.where(x > 20.0, x, torch.log1p(torch.exp(x))).sqrt()
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
 def route_sigmoid(
     router_logits: torch.Tensor,  # [T, E] float32
     top_k: int,
@@ -94,6 +103,7 @@ def route_sigmoid(
     num_topk_groups: int,
     norm_topk_prob: bool,
     routed_scaling_factor: float,
+    scoring: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, expert ids [T, k] int64
     """DeepSeek-V3's router (noaux_tc; nemotron_h, kimi): sigmoid scores; the choice ranks scores + bias within the
     num_topk_groups best groups (a group ranks by the sum of its two best biased scores); the weights are the chosen
@@ -101,7 +111,7 @@ def route_sigmoid(
     DeepseekV3TopkRouter / NemotronHTopkRouter compute it, in float32."""
     # NOTE: 1 / (1 + exp(-x)), not torch.sigmoid, whose CPU SIMD body and scalar tail may differ in the last bit:
     # a token's scores would then depend on its row's offset in the batch (helios.layers.recurrent says more)
-    scores = 1.0 / (1.0 + torch.exp(-router_logits.float()))
+    scores = router_scores(router_logits, scoring)
     choice = scores if score_bias is None else scores + score_bias.float()
     if num_groups > 1:
         num_tokens, num_experts = choice.shape
@@ -141,8 +151,8 @@ class SigmoidMoe(nn.Module):
                  limit: float | None = None):
         """limit: the gated experts' (and the shared expert's) SwiGLU clamp (arch.swiglu_limit), None for none."""
         super().__init__()
-        if moe.scoring != "sigmoid" or moe.shared_expert_gate:
-            raise ValueError("SigmoidMoe takes a sigmoid router and an ungated shared expert")
+        if moe.scoring not in ("sigmoid", "sqrtsoftplus") or moe.shared_expert_gate:
+            raise ValueError("SigmoidMoe takes a sigmoid (or sqrtsoftplus) router and an ungated shared expert")
         self.moe = moe
         self.act = act
         self.limit = limit
@@ -165,7 +175,7 @@ class SigmoidMoe(nn.Module):
         # float32 logits, as HF keeps its gate in float32 (a 16-bit core's router weight is rounded, HF's is not)
         logits = linear(x.float(), self.router.weight.float())
         weights, experts = route_sigmoid(logits, m.num_experts_per_tok, self.router.bias, m.num_groups,
-                                         m.num_topk_groups, m.norm_topk_prob, m.routed_scaling_factor)
+                                         m.num_topk_groups, m.norm_topk_prob, m.routed_scaling_factor, m.scoring)
         h = self.latent_in(x) if m.latent_size else x
         routed = self._experts(h, weights, experts)
         if m.latent_size:

@@ -64,6 +64,8 @@ class KVCache:
     ) -> KVCache:
         """window_pages: the window group's pages (window_layers' tensors); 0: every layer holds num_pages."""
         latent_dim = arch.mla.cache_dim if arch.mla is not None else None
+        if arch.compressed is not None:  # deepseek_v4: one row per token (helios.layers.compressed_attention)
+            latent_dim = arch.compressed.cache_dim(arch.head_dim)
         index_dim = arch.index_dim or None
         window = set(cls.window_layers(arch)) if window_pages else set()
         layer_pages = [window_pages if i in window else num_pages for i in arch.attention_layers]
@@ -84,6 +86,8 @@ class KVCache:
         """Values one token keeps in one attention layer: its latent and rope key (MLA), else its k and v heads;
         plus its index values in an indexed layer (arch.index_dim)."""
         kv = arch.mla.cache_dim if arch.mla is not None else 2 * arch.num_kv_heads * arch.head_dim
+        if arch.compressed is not None:
+            kv = arch.compressed.cache_dim(arch.head_dim)
         return kv + arch.index_dim
 
     @staticmethod

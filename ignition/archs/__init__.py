@@ -37,6 +37,7 @@ _REGISTRY = {
     "kimi_linear": "ignition.archs.kimi_linear",
     "qwen4_exp_text": "ignition.archs.qwen4_exp", "qwen4_exp": "ignition.archs.qwen4_exp",  # wrapper: its text_config
     "glm5_next": "ignition.archs.glm5_next", "glm5_next_text": "ignition.archs.glm5_next",  # wrapper: text_config
+    "deepseek_v4": "ignition.archs.deepseek_v4",
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_REGISTRY))

@@ -1,0 +1,246 @@
+"""deepseek_v4's attention (helios.core.manifest.CompressedAttentionConfig): shared-KV MQA with per-head sinks over a
+sliding window, plus compressed entries (HCA: one per hca_rate tokens; CSA: one per csa_rate tokens from overlapping
+windows, each query keeping the index_topk best by a lightning indexer). The torch reference on every device.
+
+Cache per layer: [1, num_pages, page_size, cache_dim] from helios.runner.kv_cache. Per token its row holds the normed,
+rotated kv (d values; keys and values alike), then the raw compressor rows (kv and gate logits; then CSA's indexer
+kv and gate). Compressed entries are not stored: each step recomputes a sequence's entries from the rows of its
+complete windows, the same arithmetic whatever the chunking, and no per-request state is needed (the partial
+window's rows are simply the last < rate rows). NOTE: simple and exact, not cheap: a later version keeps the
+entries in pages (the rows are then needed for the last 2 * rate tokens only).
+Imports torch and helios.core only (and helios.layers' linear, norm and rotary).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helios.core.manifest import CompressedAttentionConfig
+from helios.layers.attention import AttentionMetadata
+from helios.layers.linear import Linear, meta_parameter
+from helios.layers.norm import RMSNorm, rms_norm
+from helios.layers.rotary import RotaryEmbedding
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+class InterleavedRope:
+    """deepseek_v4's rope: one frequency per (2i, 2i+1) pair of a head's trailing rope_dim dims (HF's
+    DeepseekV4RotaryEmbedding + apply_rotary_pos_emb); the frequencies are helios.layers.rotary's (default or
+    yarn), with no attention factor (deepseek_v4 forces it to 1)."""
+
+    def __init__(self, rope_dim: int, theta: float, scaling=None, max_positions: int = 0,
+                 device: torch.device | str = "cpu"):
+        self.inv_freq = RotaryEmbedding(rope_dim, theta, scaling, max_positions, device).inv_freq  # [r/2] float32
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> (cos, sin) each [N, r/2] in dtype (HF casts them to the activations' dtype)."""
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def rotate_tail(
+    x: torch.Tensor,  # [N, D] or [N, heads, D]
+    cos: torch.Tensor,  # [N, r/2]
+    sin: torch.Tensor,  # [N, r/2]
+) -> torch.Tensor:  # x with its trailing r dims turned, pairs interleaved, in float32 then x's dtype
+    cos, sin = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    if x.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    r = cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    pairs = rope.unflatten(-1, (-1, 2))
+    rotated_half = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    rotated = (rope.float() * cos + rotated_half.float() * sin).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., D]
+    """HF's DeepseekV4UnweightedRMSNorm: x times its float32 inverse RMS rounded to x's dtype."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class Compressor(nn.Module):
+    """One compressed series: entries from windows of `rate` rows. Tensors bound: position_bias [rate, w] (the gate
+    logits' offset per place in the window), norm.weight [out_dim]; w = out_dim, or 2 * out_dim with `overlap`
+    (CSA: a row's first half joins the next window's entry, its second half this window's)."""
+
+    def __init__(self, rate: int, out_dim: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        self.rate, self.out_dim, self.overlap, self.eps = rate, out_dim, overlap, eps
+        self.width = 2 * out_dim if overlap else out_dim
+        self.position_bias = meta_parameter(rate, self.width)
+        self.norm = nn.Module()
+        self.norm.weight = meta_parameter(out_dim)
+
+    def forward(
+        self,
+        kv: torch.Tensor,  # [n * rate, w] raw kv rows of n complete windows, from position 0
+        gate: torch.Tensor,  # [n * rate, w] their gate logits
+        rope: InterleavedRope,
+    ) -> torch.Tensor:  # [n, out_dim]: entry j mixes window j (and j - 1's first halves), rotated at j * rate
+        """As DeepseekV4HCACompressor / CSACompressor / the indexer's compressor (softmax over the window's places
+        per channel in float32, the mix in the rows' dtype, the RMSNorm, rope)."""
+        m, d = self.rate, self.out_dim
+        n = kv.shape[0] // m
+        kv = kv.view(n, m, self.width)
+        gate = gate.view(n, m, self.width) + self.position_bias
+        if self.overlap:
+            kv2 = kv.new_zeros(n, 2 * m, d)
+            gate2 = gate.new_full((n, 2 * m, d), float("-inf"))  # window 0 has no previous half: weight 0
+            kv2[:, m:], gate2[:, m:] = kv[..., d:], gate[..., d:]
+            kv2[1:, :m], gate2[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
+            kv, gate = kv2, gate2
+        mixed = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+        entries = rms_norm(mixed, self.norm.weight, self.eps, multiply_in_float32=True)
+        positions = torch.arange(n, device=kv.device) * m
+        return rotate_tail(entries, *rope.cos_sin(positions, entries.dtype))
+
+
+class LightningIndexer(nn.Module):
+    """CSA's selection. Tensors bound: q_b.weight [Ni*Di, Rq] (from the attention's normed q latent) and its own
+    compressor (Compressor with overlap, out Di); its kv, gate and head-weight rows come from the attention's
+    in_proj."""
+
+    def __init__(self, config: CompressedAttentionConfig, eps: float, switches: Switches = DEFAULT_SWITCHES):
+        super().__init__()
+        c = config
+        self.config = c
+        self.q_b = Linear(c.q_lora_rank, c.index_num_heads * c.index_head_dim, switches=switches)
+        self.compressor = Compressor(c.csa_rate, c.index_head_dim, True, eps)
+
+    def select(
+        self,
+        q: torch.Tensor,  # [L, Ni, Di] the sequence's rotated index queries of this step
+        weights: torch.Tensor,  # [L, Ni] float32, the 1/sqrt(Ni) folded in
+        keys: torch.Tensor,  # [n, Di] its compressed index keys
+        thresholds: torch.Tensor,  # [L] int64: entries each query may see ((p + 1) // rate)
+    ) -> torch.Tensor:  # [L, n] bool: the entries each query attends to
+        """As DeepseekV4Indexer: scores sum_h w_h relu(q_h . k) / sqrt(Di) in float32, the index_topk best of the
+        visible entries. NOTE: ties go to the earlier entry (a stable sort), so a choice depends on the query's
+        scores only; HF's torch.topk breaks them by its own rule (relu makes exact zeros possible: the tiny test
+        configs use enough index heads that no tie reaches the cut)."""
+        c = self.config
+        n = keys.shape[0]
+        scores = torch.relu(torch.matmul(q.float(), keys.float().t())) * c.index_head_dim**-0.5  # [L, Ni, n]
+        scores = (scores * weights[..., None]).sum(dim=1)  # [L, n]
+        visible = torch.arange(n, device=q.device)[None, :] < thresholds[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(c.index_topk, n)]
+        return torch.zeros_like(visible).scatter_(1, best, True) & visible
+
+
+class CompressedAttention(nn.Module):
+    """One deepseek_v4 attention layer of kind "sliding", "hca" or "csa". Tensors bound (layers.L.attn.*):
+    in_proj.weight [Rq + d (+ 2w + (4Di + Ni) in csa), H] (rows: the q latent, the kv row, the compressor's kv and
+    gate rows (w = d in hca, 2d in csa), csa's indexer kv and gate rows (2Di each) and head weights (Ni)),
+    q_a_norm.weight [Rq], q_b.weight [Nh*d, Rq], kv_norm.weight [d], o_a.weight [G*Ro, Nh*d/G], o_b.weight [H, G*Ro],
+    sinks [Nh]; compressor.* (hca, csa) and indexer.* (csa)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, kind: str, config: CompressedAttentionConfig,
+                 eps: float, switches: Switches = DEFAULT_SWITCHES) -> None:
+        super().__init__()
+        c = config
+        self.config, self.kind, self.eps = c, kind, eps
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.rate = {"sliding": 0, "hca": c.hca_rate, "csa": c.csa_rate}[kind]
+        self.row_dim = c.row_dim(kind, head_dim)
+        width = 0 if kind == "sliding" else (head_dim if kind == "hca" else 2 * head_dim)
+        index = 4 * c.index_head_dim + c.index_num_heads if kind == "csa" else 0
+        di, ni = (c.index_head_dim, c.index_num_heads) if kind == "csa" else (0, 0)
+        self.splits = [c.q_lora_rank, head_dim, width, width, 2 * di, 2 * di, ni]
+        self.in_proj = Linear(hidden_size, c.q_lora_rank + head_dim + 2 * width + index, switches=switches)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, eps, multiply_in_float32=True)
+        self.q_b = Linear(c.q_lora_rank, num_heads * head_dim, switches=switches)
+        self.kv_norm = RMSNorm(head_dim, eps, multiply_in_float32=True)
+        self.o_a = Linear(num_heads * head_dim // c.o_groups, c.o_groups * c.o_lora_rank, switches=switches)
+        self.o_b = Linear(c.o_groups * c.o_lora_rank, hidden_size, switches=switches)
+        self.sinks = meta_parameter(num_heads)
+        if kind != "sliding":
+            self.compressor = Compressor(self.rate, head_dim, kind == "csa", eps)
+        if kind == "csa":
+            self.indexer = LightningIndexer(c, eps, switches)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cache: torch.Tensor,  # [1, num_pages, page_size, cache_dim]
+        meta: AttentionMetadata,
+        rope: InterleavedRope,  # this layer's: main (sliding) or compress
+        compress_rope: InterleavedRope,
+    ) -> torch.Tensor:  # [T, H]
+        num_tokens, d = x.shape[0], self.head_dim
+        q_lat, kv, c_kv, c_gate, i_kv, i_gate, i_w = self.in_proj(x).split(self.splits, dim=-1)
+        q_lat = self.q_a_norm(q_lat)
+        cos, sin = rope.cos_sin(meta.positions, x.dtype)
+        q = unit_rms(self.q_b(q_lat).view(num_tokens, self.num_heads, d), self.eps)
+        q = rotate_tail(q, cos, sin)
+        kv = rotate_tail(self.kv_norm(kv), cos, sin)
+        flat = cache.view(-1, cache.shape[-1])
+        flat[meta.slot_mapping, : self.row_dim] = torch.cat([kv, c_kv, c_gate, i_kv, i_gate], dim=-1).to(cache.dtype)
+        index = None
+        if self.kind == "csa":
+            index_q = self.indexer.q_b(q_lat).view(num_tokens, self.config.index_num_heads, -1)
+            index = (rotate_tail(index_q, *compress_rope.cos_sin(meta.positions, x.dtype)),
+                     i_w.float() * self.config.index_num_heads**-0.5)
+        out = torch.empty_like(q)
+        qsl = meta.query_start_loc_cpu
+        for i, seq_len in enumerate(meta.seq_lens_cpu):
+            start, end = qsl[i], qsl[i + 1]
+            if end > start:
+                seq_index = None if index is None else (index[0][start:end], index[1][start:end])
+                out[start:end] = self._attend(q[start:end], cache, meta, i, seq_len, compress_rope, seq_index)
+        out = rotate_tail(out, cos, -sin)  # K = V carried the keys' rotation: turn it back at the query
+        return self.o_b(self._grouped_o_a(out.reshape(num_tokens, -1)))
+
+    def _attend(self, q, cache, meta: AttentionMetadata, i: int, seq_len: int, compress_rope: InterleavedRope,
+                index) -> torch.Tensor:  # q [L, Nh, d] -> [L, Nh, d]
+        """One sequence: its window keys and its compressed entries under the causal / window / selection mask,
+        with the sinks, as HF's eager_attention_forward (the sink's logit joins the max and the softmax, then is
+        dropped)."""
+        c, d, num_queries = self.config, self.head_dim, q.shape[0]
+        page_size = cache.shape[2]
+        pages = meta.block_tables[i, : -(-seq_len // page_size)].long()
+        rows = cache[0, pages].flatten(0, 1)[:seq_len, : self.row_dim]  # [S, row]
+        positions = torch.arange(seq_len - num_queries, seq_len, device=q.device)  # [L]
+        lo = max(0, seq_len - num_queries - c.window + 1)  # the first key any query's window holds
+        key_pos = torch.arange(lo, seq_len, device=q.device)
+        keys = [rows[lo:, :d]]
+        masks = [(key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - c.window)]
+        n = seq_len // self.rate if self.rate else 0
+        if n:
+            keys.append(self._entries(rows, n, compress_rope).to(rows.dtype))
+            thresholds = (positions + 1) // self.rate
+            visible = torch.arange(n, device=q.device)[None, :] < thresholds[:, None]
+            if index is not None:
+                keys_i = self._index_keys(rows, n, compress_rope)
+                visible = self.indexer.select(index[0], index[1], keys_i, thresholds)
+            masks.append(visible)
+        keys, mask = torch.cat(keys).to(q.dtype), torch.cat(masks, dim=1)  # [K, d], [L, K]
+        logits = torch.matmul(q.transpose(0, 1), keys.t()) * d**-0.5  # [Nh, L, K]
+        logits = logits.masked_fill(~mask, float("-inf"))
+        # HF's sinks stay float32, so its concatenation (and the softmax) is float32 whatever the model dtype
+        sinks = self.sinks.float()[:, None, None].expand(-1, num_queries, 1)
+        combined = torch.cat([logits.float(), sinks], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
+        return torch.matmul(probs, keys).transpose(0, 1)  # [L, Nh, d]
+
+    def _entries(self, rows: torch.Tensor, n: int, rope: InterleavedRope) -> torch.Tensor:  # [n, d]
+        """The attention's compressed entries of the sequence's n complete windows."""
+        d, w = self.head_dim, self.compressor.width
+        size = n * self.rate
+        return self.compressor(rows[:size, d : d + w], rows[:size, d + w : d + 2 * w], rope)
+
+    def _index_keys(self, rows: torch.Tensor, n: int, rope: InterleavedRope) -> torch.Tensor:  # [n, Di]
+        """The indexer's compressed keys of the same windows (its rows after the compressor's)."""
+        start, w = 5 * self.head_dim, 2 * self.config.index_head_dim
+        size = n * self.rate
+        return self.indexer.compressor(rows[:size, start : start + w], rows[:size, start + w : start + 2 * w], rope)
+
+    def _grouped_o_a(self, o: torch.Tensor) -> torch.Tensor:  # [T, Nh*d] -> [T, G*Ro]
+        """HF's DeepseekV4GroupedLinear: group g of heads through its own [Ro, Nh*d/G] block of o_a."""
+        groups = self.config.o_groups
+        w = self.o_a.weight.view(groups, -1, o.shape[-1] // groups)  # [G, Ro, in]
+        y = torch.bmm(o.view(o.shape[0], groups, -1).transpose(0, 1), w.transpose(1, 2))  # [G, T, Ro]
+        return y.transpose(0, 1).reshape(o.shape[0], -1)
