@@ -19,12 +19,21 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": _gelu_tanh}
 
 
-def gated(gate_up: torch.Tensor, act: Activation, limit: float | None = None) -> torch.Tensor:  # [..., 2*F] -> [..., F]
+def gated(gate_up: torch.Tensor, act: Activation, limit: float | None = None,
+          clamp_after_act: bool = False, *, alpha: float | None = None) -> torch.Tensor:  # [..., 2*F] -> [..., F]
     """act(gate) * up, with gate the first half of the last dimension; with `limit` (arch.swiglu_limit, glm5_next)
-    gate is clamped to <= limit and up to [-limit, limit] first."""
+    gate is clamped to <= limit and up to [-limit, limit] first; with clamp_after_act too (arch.swiglu_limits,
+    step3p7) act(gate) is clamped instead of gate. With `alpha` (arch.swiglu_alpha, minimax_m3): SwiGLU-OAI, (up + 1)
+    * gate * sigmoid(alpha * gate) after the clamp, in HF's order."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if limit is not None and clamp_after_act:
+        return ACTIVATIONS[act](gate).clamp(max=limit) * up.clamp(-limit, limit)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    if alpha is not None:
+        # NOTE: exp-based sigmoid, not torch.sigmoid, whose CPU SIMD body and scalar tail may differ in the last bit
+        # (a row's value would depend on its offset in the batch; helios.layers.recurrent.sigmoid says more)
+        return (up + 1.0) * (gate * (1.0 / (1.0 + torch.exp(-(gate * alpha).float()))).to(gate.dtype))
     return ACTIVATIONS[act](gate) * up
 
 
@@ -32,12 +41,15 @@ class GatedMLP(nn.Module):
     """down(act(gate) * up) over a fused projection: gate_up.weight [2*F, H], down.weight [H, F]."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: Activation = "silu", fused: bool = False,
-                 switches: Switches = DEFAULT_SWITCHES, limit: float | None = None):
+                 switches: Switches = DEFAULT_SWITCHES, limit: float | None = None, clamp_after_act: bool = False,
+                 alpha: float | None = None):
         super().__init__()
         self.act = act
-        self.limit = limit  # the clamp of `gated` (arch.swiglu_limit)
+        self.limit = limit  # the clamp of `gated` (arch.swiglu_limit, or a layer's arch.swiglu_limits_shared entry)
+        self.clamp_after_act = clamp_after_act
+        self.alpha = alpha  # SwiGLU-OAI's gain (arch.swiglu_alpha); None: act(gate) * up
         # GPU path: act(gate) * up in one Triton kernel (helios.kernels.activation), which has no clamp
-        self.fused = fused and limit is None
+        self.fused = fused and limit is None and alpha is None
         self.gate_up = Linear(hidden_size, 2 * intermediate_size, switches=switches)
         self.down = Linear(intermediate_size, hidden_size, switches=switches)
 
@@ -53,4 +65,4 @@ class GatedMLP(nn.Module):
                 # batch-1 decode: the activation rides in the down GEMV as it reads its input (same values)
                 return gemv(gate_up, self.down.weight, gated=self.act, allow_pdl=self.down.switches.gemv_pdl)
             return self.down(getattr(activation, f"{self.act}_and_mul")(gate_up))
-        return self.down(gated(gate_up, self.act, self.limit))
+        return self.down(gated(gate_up, self.act, self.limit, self.clamp_after_act, alpha=self.alpha))

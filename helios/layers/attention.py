@@ -268,7 +268,8 @@ def select_attention_backend(
 class Attention(nn.Module):
     """Fused-qkv attention with optional qkv bias, per-head q/k RMSNorm, rotary and sliding window; optionally an
     output gate (qwen3_5: o *= sigmoid(gate) per head before the o projection) and partial rotary (the leading
-    rotary_dim dims of each head rotate, the rest pass).
+    rotary_dim dims of each head rotate, the rest pass). With gate_per_head (step3p7) the gate has one row per head
+    (qkv's last Nq rows), its sigmoid scaling every channel of the head.
 
     Tensors bound: qkv.weight [(Nq + 2*Nkv)*D, H] (+ qkv.bias; with output_gate [(2*Nq + 2*Nkv)*D, H], the gate
     rows last), q_norm/k_norm.weight [D], o.weight [H, Nq*D].
@@ -290,11 +291,13 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         softcap: float | None = None,
         output_gate: bool = False,
+        gate_per_head: bool = False,
         rotary_dim: int | None = None,
         switches: Switches = DEFAULT_SWITCHES,
     ):
         super().__init__()
         self.output_gate = output_gate
+        self.gate_per_head = output_gate and gate_per_head
         self.rotary_dim = rotary_dim if rotary_dim is not None and rotary_dim < head_dim else None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -305,6 +308,8 @@ class Attention(nn.Module):
         self.softcap = softcap
         self.l2_prefetch = switches.l2_prefetch  # batch-1 GPU decode: the o weight into L2 beside attention
         rows = (num_heads * (2 if output_gate else 1) + 2 * num_kv_heads) * head_dim
+        if self.gate_per_head:  # one gate row per head, not one per channel
+            rows -= num_heads * (head_dim - 1)
         self.qkv = Linear(hidden_size, rows, bias=bias, switches=switches)
         # the fused backend's qkv launch knows neither the gate nor partial rotary: such a layer takes its q, k, v
         self.fuses_qkv = getattr(backend, "fuses_layers", False) and not output_gate and self.rotary_dim is None
@@ -340,7 +345,10 @@ class Attention(nn.Module):
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
         o = o.reshape(num_tokens, q_size)
-        if self.output_gate:  # qwen3_5: the gate rows follow v's
+        if self.gate_per_head:  # step3p7: the last num_heads rows, one gate per head
+            gate = torch.sigmoid(qkv[:, -self.num_heads :])
+            o = (o.view(num_tokens, self.num_heads, -1) * gate[:, :, None]).view(num_tokens, -1)
+        elif self.output_gate:  # qwen3_5: the gate rows follow v's
             o = o * torch.sigmoid(qkv[:, q_size + 2 * kv_size :])
         return self.o(o)
 

@@ -1,0 +1,124 @@
+"""step3p7 (Step-3.5 / Step-3.7 Flash, text): full and sliding-window attention layers (the sliding ones with their
+own query head count, rope base and rotary width; both over the same KV heads), q/k norms, a sigmoid output gate per
+head, query_pre_attn_scalar; dense SwiGLU MLPs in the first layers, then sigmoid-routed experts (score bias, top-k,
+scaled) beside an always-on shared expert; per-layer SwiGLU clamps after the activation.
+
+Pre-norm blocks: x += attn(attn_norm(x)); x += ffn(mlp_norm(x)). The zero-centred norms of the checkpoint are stored
+shifted (1 + w) and multiply in float32, as HF computes them. Forward-only, no weights of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helios.core.manifest import Architecture
+from helios.layers.activation import GatedMLP
+from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from helios.layers.linear import Embedding, Linear, linear
+from helios.layers.moe import SigmoidMoe
+from helios.layers.norm import RMSNorm
+from helios.layers.rotary import RotaryEmbedding
+from helios.models.llama import is_sliding
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+def _limit(limits: list[float], layer_idx: int) -> float | None:
+    """A layer's SwiGLU clamp from arch.swiglu_limits(_shared): None where the entry is 0 or there is no list."""
+    return (limits[layer_idx] or None) if limits else None
+
+
+class Step3p7Moe(SigmoidMoe):
+    """SigmoidMoe whose routed experts and shared expert clamp with the layer's own limits (after the activation).
+    Tensors bound: SigmoidMoe's (router.weight, router.bias, gate_up, down, shared.gate_up / shared.down)."""
+
+    def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES) -> None:
+        h, moe = arch.hidden_size, arch.moe
+        super().__init__(h, moe, arch.hidden_act, switches, limit=_limit(arch.swiglu_limits, layer_idx),
+                         clamp_after_act=True)
+        self.shared = GatedMLP(h, moe.shared_expert_intermediate_size, arch.hidden_act, switches=switches,
+                               limit=_limit(arch.swiglu_limits_shared, layer_idx), clamp_after_act=True)
+
+
+class Step3p7Layer(nn.Module):
+    """attn_norm, attn (gated per head), mlp_norm, then mlp (a dense layer) or moe."""
+
+    def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
+                 switches: Switches = DEFAULT_SWITCHES) -> None:
+        super().__init__()
+        h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
+        sliding = is_sliding(arch, layer_idx)
+        heads = arch.sliding_num_heads if sliding and arch.sliding_num_heads else arch.num_heads
+        rotary_dim = arch.sliding_rotary_dim if sliding else arch.rotary_dim
+        self.attn_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        self.attn = Attention(h, heads, arch.num_kv_heads, arch.head_dim, backend, qk_norm=True, norm_eps=eps,
+                              norm_multiply_in_float32=True, scale=arch.query_scale,
+                              sliding_window=arch.sliding_window if sliding else None, output_gate=True,
+                              gate_per_head=True, rotary_dim=rotary_dim, switches=switches)
+        self.mlp_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        if moe is None or layer_idx in moe.dense_layers:
+            self.ffn_name = "mlp"
+            ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches,
+                           limit=_limit(arch.swiglu_limits_shared, layer_idx), clamp_after_act=True)
+        else:
+            self.ffn_name = "moe"
+            ffn = Step3p7Moe(arch, layer_idx, switches)
+        self.add_module(self.ffn_name, ffn)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, rotary dims of this layer]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = x + self.attn(self.attn_norm(x), cos_sin, kv_cache, meta)
+        return x + getattr(self, self.ffn_name)(self.mlp_norm(x))
+
+
+class Step3p7ForCausalLM(nn.Module):
+    """One eager forward path (torch layers around the backend's attention); the full layers rotate with
+    arch.rope_theta (+ rope_scaling) over rotary_dim, the sliding ones with rope_local_theta over sliding_rotary_dim."""
+
+    def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+        super().__init__()
+        if norms_folded:
+            raise ValueError("step3p7 norm weights are never folded")
+        if not (arch.attn_output_gate and arch.attn_gate_per_head and arch.qk_norm):
+            raise ValueError("a step3p7 architecture has q/k norms and a per-head output gate")
+        self.arch = arch
+        self.switches = switches
+        self.path = "eager"
+        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(Step3p7Layer(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
+                                                                    switches=switches)
+        max_pos = arch.max_position_embeddings
+        self.rotary = RotaryEmbedding(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling, max_pos,
+                                      device)
+        local_theta = arch.rope_local_theta if arch.rope_local_theta is not None else arch.rope_theta
+        self.local_rotary = RotaryEmbedding(arch.sliding_rotary_dim or arch.head_dim, local_theta, None, max_pos,
+                                            device)
+
+    @staticmethod
+    def folds_norm_weights(arch: Architecture) -> bool:
+        return False
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_pages, page_size, Nkv, D]
+    ) -> torch.Tensor:  # [T, H]
+        x = self.embed(token_ids)
+        rope = self.rotary.cos_sin(meta.positions, x.dtype)
+        local_rope = self.local_rotary.cos_sin(meta.positions, x.dtype)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, local_rope if is_sliding(self.arch, i) else rope, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight, None, self.switches)
