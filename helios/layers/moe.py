@@ -16,6 +16,7 @@ from torch import nn
 from helios.core.manifest import Activation, MoeConfig
 from helios.layers.activation import GatedMLP, gated
 from helios.layers.linear import Linear, Stacked, linear
+from helios.layers.norm import RMSNorm
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -139,25 +140,25 @@ class _Router(nn.Module):
 
 class SigmoidMoe(nn.Module):
     """Routed experts behind the sigmoid router (route_sigmoid) plus an ungated shared expert every token takes
-    (deepseek_v3 style; nemotron_h with non-gated relu2 experts and optional latent projections).
+    (deepseek_v3 style; nemotron_h with non-gated relu2 experts and optional latent projections; muse_spark with
+    normed latents and no shared expert).
 
     Tensors bound: router.weight [E, H] (+ router.bias [E] with score_bias); latent_in.weight [L, H] and
-    latent_out.weight [H, L] with latent_size; experts gate_up.weight [E, 2*Fm, W] (gated act) or up.weight
-    [E, Fm, W] (relu2), down.weight [E, W, Fm] (W = L or H); the shared expert shared.* (a GatedMLP's or a
-    Relu2MLP's tensors, width Fs).
+    latent_out.weight [H, L] with latent_size, latent_norm.weight [L] and expert_norm.weight [L] with latent_norms;
+    experts gate_up.weight [E, 2*Fm, W] (gated act) or up.weight [E, Fm, W] (relu2), down.weight [E, W, Fm] (W = L
+    or H); the shared expert shared.* (a GatedMLP's or a Relu2MLP's tensors, width Fs; none when Fs is 0).
     """
 
     def __init__(self, hidden_size: int, moe: MoeConfig, act: Activation, switches: Switches = DEFAULT_SWITCHES,
-                 limit: float | None = None, clamp_after_act: bool = False):
-        """limit: the gated experts' (and the shared expert's) SwiGLU clamp (arch.swiglu_limit), None for none;
-        clamp_after_act: the clamp applies to act(gate), not gate (step3p7; helios.layers.activation.gated)."""
+                 limit: float | None = None, norm_eps: tuple[float, float] = (1e-6, 1e-6)):
+        """limit: the gated experts' (and the shared expert's) SwiGLU clamp (arch.swiglu_limit), None for none.
+        norm_eps: with moe.latent_norms, the latent norm's and the expert norm's epsilons."""
         super().__init__()
         if moe.scoring not in ("sigmoid", "sqrtsoftplus") or moe.shared_expert_gate:
             raise ValueError("SigmoidMoe takes a sigmoid (or sqrtsoftplus) router and an ungated shared expert")
         self.moe = moe
         self.act = act
         self.limit = limit
-        self.clamp_after_act = clamp_after_act
         width = moe.latent_size or hidden_size
         self.router = _Router(hidden_size, moe.num_experts, moe.score_bias)
         if moe.latent_size:
@@ -168,10 +169,12 @@ class SigmoidMoe(nn.Module):
         else:
             self.gate_up = Stacked(moe.num_experts, 2 * moe.moe_intermediate_size, width)
         self.down = Stacked(moe.num_experts, width, moe.moe_intermediate_size)
+        if moe.latent_norms:  # muse_spark: centred (1 + w stored) before the experts, input-scaled after each
+            self.latent_norm = RMSNorm(width, norm_eps[0], multiply_in_float32=True)
+            self.expert_norm = RMSNorm(width, norm_eps[1], scale_first=True)
         fs = moe.shared_expert_intermediate_size
-        self.shared = (Relu2MLP(hidden_size, fs, switches) if act == "relu2"
-                       else GatedMLP(hidden_size, fs, act, switches=switches, limit=limit,
-                                     clamp_after_act=clamp_after_act))
+        self.shared = None if not fs else (Relu2MLP(hidden_size, fs, switches) if act == "relu2"
+                                           else GatedMLP(hidden_size, fs, act, switches=switches, limit=limit))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         m = self.moe
@@ -180,10 +183,12 @@ class SigmoidMoe(nn.Module):
         weights, experts = route_sigmoid(logits, m.num_experts_per_tok, self.router.bias, m.num_groups,
                                          m.num_topk_groups, m.norm_topk_prob, m.routed_scaling_factor, m.scoring)
         h = self.latent_in(x) if m.latent_size else x
+        if m.latent_norms:
+            h = self.latent_norm(h)
         routed = self._experts(h, weights, experts)
         if m.latent_size:
             routed = self.latent_out(routed)
-        return routed + self.shared(x)
+        return routed if self.shared is None else routed + self.shared(x)
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:  # [T, W]
         """Each expert that received tokens, in expert order (HF's loop), its product scaled by the float32
@@ -196,7 +201,9 @@ class SigmoidMoe(nn.Module):
             if self.act == "relu2":
                 h = relu2(linear(x[token], self.up.weight[e]))
             else:
-                h = gated(linear(x[token], self.gate_up.weight[e]), self.act, self.limit, self.clamp_after_act)
-            h = linear(h, self.down.weight[e]) * weights[token, slot, None]
-            out.index_add_(0, token, h.to(out.dtype))
+                h = gated(linear(x[token], self.gate_up.weight[e]), self.act, self.limit)
+            h = linear(h, self.down.weight[e])
+            if self.moe.latent_norms:
+                h = self.expert_norm(h)
+            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
         return out

@@ -26,17 +26,28 @@ def rms_norm(
     return weight * h.to(input_dtype)
 
 
-class RMSNorm(nn.Module):
-    """Holds `weight` [dim] (bound from the core) and applies `rms_norm`."""
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., dim]
+    """x / rms(x) in float32, rounded to x's dtype: a norm without a weight (HF's weightless norms, muse_spark)."""
+    h = x.to(torch.float32)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
-    def __init__(self, dim: int, eps: float, multiply_in_float32: bool = False):
+
+class RMSNorm(nn.Module):
+    """Holds `weight` [dim] (bound from the core) and applies `rms_norm`; with scale_first, norm(x * weight) instead
+    (muse_spark's input-scaled norm: the product in float32, rounded to x's dtype, then normalized; forward only,
+    the fused forward_add kernels do not know this order)."""
+
+    def __init__(self, dim: int, eps: float, multiply_in_float32: bool = False, scale_first: bool = False):
         super().__init__()
         self.eps = eps
         self.multiply_in_float32 = multiply_in_float32
+        self.scale_first = scale_first
         # NOTE: meta until the model binds the core's tensor; never allocated here.
         self.weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if self.scale_first:
+            return rms_normalize((x.float() * self.weight.float()).to(x.dtype), self.eps)
         return rms_norm(x, self.weight, self.eps, self.multiply_in_float32)
 
     def forward_add_gemv(

@@ -1,0 +1,147 @@
+"""muse_spark (text): sliding and full GQA layers (rotary per layer: arch.nope_layers have none), weightless q/k and
+output norms, an elementwise sigmoid gate before o, dense SwiGLU MLPs or a sigmoid-routed latent MoE with normed
+latents, and residual gates in place of residual adds; the embedding is RMS-normed (no weight), the logits
+soft-capped (ignition folded output_multiplier into lm_head and the routers).
+
+Per layer: x = gate_a(x, norm(attn(attn_norm(x)))); x = gate_m(x, mlp_post_norm(ffn(mlp_norm(x)))), where
+gate(r, h) = alpha * r + beta * h in float32 (alpha, beta stored per channel) and the norms are centred (1 + w
+stored, float32 multiply), weightless (after attention) and input-scaled (after the ffn: norm(x * w)).
+Forward-only, torch ops on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helios.core.manifest import Architecture
+from helios.layers.activation import GatedMLP
+from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from helios.layers.linear import Embedding, Linear, linear, meta_parameter
+from helios.layers.moe import SigmoidMoe
+from helios.layers.norm import RMSNorm, rms_normalize
+from helios.layers.rotary import RotaryEmbedding, apply_rotary
+from helios.models.llama import is_sliding, softcap_logits
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+class MuseSparkAttention(Attention):
+    """GQA with weightless per-head RMSNorms on q and k (the query's qk_scale_factor is in arch.query_scale), rotary
+    only when given cos/sin (None: a NoPE layer), a weightless per-head RMSNorm over the attention output, then
+    o *= sigmoid(gate x) elementwise (the gate rows follow v's in qkv, as qwen3_5's output_gate) and o."""
+
+    def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend, switches: Switches):
+        super().__init__(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, backend,
+                         scale=arch.query_scale, output_gate=True, switches=switches,
+                         sliding_window=arch.sliding_window if is_sliding(arch, layer_idx) else None)
+        self.norm_eps = arch.rms_norm_eps
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,  # each [T, D]; None: no rotary
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        num_tokens, d = x.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q, k, v, gate = self.qkv(x).split([q_size, kv_size, kv_size, q_size], dim=-1)
+        q = rms_normalize(q.reshape(num_tokens, self.num_heads, d), self.norm_eps)
+        k = rms_normalize(k.reshape(num_tokens, self.num_kv_heads, d), self.norm_eps)
+        if cos_sin is not None:
+            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, d)
+        o = self.backend.forward(q, k, v, kv_cache, meta.for_window(self.sliding_window), self.scale,
+                                 self.sliding_window, None)
+        o = rms_normalize(o, self.norm_eps).reshape(num_tokens, q_size)
+        return self.o(o * torch.sigmoid(gate))
+
+
+class ResidualGate(nn.Module):
+    """alpha * residual + beta * h in float32, rounded to the stream's dtype (MuseSparkResidualGate). weight [2, H]:
+    rows alpha, beta, computed by ignition from the gate, its temperature and eps."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.weight = meta_parameter(2, hidden_size)
+
+    def forward(self, residual: torch.Tensor, h: torch.Tensor) -> torch.Tensor:  # [T, H]
+        alpha, beta = self.weight.float()
+        return (alpha * residual.float() + beta * h.float()).to(residual.dtype)
+
+
+class MuseSparkDecoderLayer(nn.Module):
+    def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
+                 switches: Switches = DEFAULT_SWITCHES):
+        super().__init__()
+        h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
+        post_eps = arch.post_norm_eps if arch.post_norm_eps is not None else eps
+        self.post_eps = post_eps
+        self.attn_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        self.attn = MuseSparkAttention(arch, layer_idx, backend, switches)
+        self.attn_residual = ResidualGate(h)
+        self.mlp_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        if moe is None or layer_idx in moe.dense_layers:
+            self.ffn_name = "mlp"
+            ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
+        else:
+            self.ffn_name = "moe"
+            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, norm_eps=(eps, post_eps))
+        self.add_module(self.ffn_name, ffn)
+        self.mlp_post_norm = RMSNorm(h, post_eps, scale_first=True)
+        self.mlp_residual = ResidualGate(h)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,  # None: a NoPE layer
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        a = self.attn(self.attn_norm(x), cos_sin, kv_cache, meta)
+        x = self.attn_residual(x, rms_normalize(a, self.post_eps))
+        f = getattr(self, self.ffn_name)(self.mlp_norm(x))
+        return self.mlp_residual(x, self.mlp_post_norm(f))
+
+
+class MuseSparkForCausalLM(nn.Module):
+    """One eager forward path (torch layers around the backend's attention) on every device; norm weights are never
+    folded (centred and input-scaled norms)."""
+
+    def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+        super().__init__()
+        if norms_folded:
+            raise ValueError("muse_spark norm weights are never folded")
+        if arch.moe is not None and (arch.moe.scoring != "sigmoid" or not arch.moe.latent_norms):
+            raise ValueError("a muse_spark architecture has a sigmoid-routed MoE with normed latents")
+        self.arch = arch
+        self.switches = switches
+        self.path = "eager"
+        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(MuseSparkDecoderLayer(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, switches=switches)
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings,
+                                      device)
+        self.nope = set(arch.nope_layers)
+
+    @staticmethod
+    def folds_norm_weights(arch: Architecture) -> bool:
+        return False
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_pages, page_size, Nkv, D]
+    ) -> torch.Tensor:  # [T, H]
+        x = rms_normalize(self.embed(token_ids), self.arch.rms_norm_eps)  # HF's normed embedding
+        rope = self.rotary.cos_sin(meta.positions, x.dtype)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x = layer(x, None if i in self.nope else rope, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        logits = linear(hidden, self.lm_head.weight, None, self.switches)
+        return softcap_logits(logits, self.arch.final_logit_softcapping)
