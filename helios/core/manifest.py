@@ -350,6 +350,16 @@ class Architecture(_S):
     dsa: DsaConfig | None = None
     mhc: MhcConfig | None = None
     swiglu_limit: float | None = None
+    # step3p7: the sliding layers' own query heads and rotary dims (None: num_heads, rotary_dim; their KV heads and
+    # head_dim are the full layers'); an output gate of one sigmoid per head (attn_output_gate with
+    # attn_gate_per_head: qkv's last num_heads rows) instead of one per channel; per-layer SwiGLU clamps applied
+    # after the activation, min(act(gate), l) * clamp(up, -l, l), of the routed experts (swiglu_limits) and of the
+    # dense MLPs and shared experts (swiglu_limits_shared); an entry 0 clamps nothing, an empty list nowhere
+    sliding_num_heads: PosInt | None = None
+    sliding_rotary_dim: PosInt | None = None
+    attn_gate_per_head: bool = False
+    swiglu_limits: list[Annotated[float, Meta(ge=0)]] = []
+    swiglu_limits_shared: list[Annotated[float, Meta(ge=0)]] = []
     # muse_spark: attention layers without rotary (layer_rope_theta 0) beside rotary ones, whatever their type; the
     # epsilon of its norms after a sublayer and after an expert (post_norm_eps; None: rms_norm_eps)
     nope_layers: list[NonNegInt] = []

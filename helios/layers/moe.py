@@ -150,8 +150,10 @@ class SigmoidMoe(nn.Module):
     """
 
     def __init__(self, hidden_size: int, moe: MoeConfig, act: Activation, switches: Switches = DEFAULT_SWITCHES,
-                 limit: float | None = None, norm_eps: tuple[float, float] = (1e-6, 1e-6)):
-        """limit: the gated experts' (and the shared expert's) SwiGLU clamp (arch.swiglu_limit), None for none.
+                 limit: float | None = None, clamp_after_act: bool = False,
+                 norm_eps: tuple[float, float] = (1e-6, 1e-6)):
+        """limit: the gated experts' (and the shared expert's) SwiGLU clamp (arch.swiglu_limit), None for none;
+        clamp_after_act: the clamp applies to act(gate), not gate (step3p7; helios.layers.activation.gated);
         norm_eps: with moe.latent_norms, the latent norm's and the expert norm's epsilons."""
         super().__init__()
         if moe.scoring not in ("sigmoid", "sqrtsoftplus") or moe.shared_expert_gate:
@@ -159,6 +161,7 @@ class SigmoidMoe(nn.Module):
         self.moe = moe
         self.act = act
         self.limit = limit
+        self.clamp_after_act = clamp_after_act
         width = moe.latent_size or hidden_size
         self.router = _Router(hidden_size, moe.num_experts, moe.score_bias)
         if moe.latent_size:
@@ -174,7 +177,8 @@ class SigmoidMoe(nn.Module):
             self.expert_norm = RMSNorm(width, norm_eps[1], scale_first=True)
         fs = moe.shared_expert_intermediate_size
         self.shared = None if not fs else (Relu2MLP(hidden_size, fs, switches) if act == "relu2"
-                                           else GatedMLP(hidden_size, fs, act, switches=switches, limit=limit))
+                                           else GatedMLP(hidden_size, fs, act, switches=switches, limit=limit,
+                                                         clamp_after_act=clamp_after_act))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         m = self.moe
@@ -201,7 +205,7 @@ class SigmoidMoe(nn.Module):
             if self.act == "relu2":
                 h = relu2(linear(x[token], self.up.weight[e]))
             else:
-                h = gated(linear(x[token], self.gate_up.weight[e]), self.act, self.limit)
+                h = gated(linear(x[token], self.gate_up.weight[e]), self.act, self.limit, self.clamp_after_act)
             h = linear(h, self.down.weight[e])
             if self.moe.latent_norms:
                 h = self.expert_norm(h)

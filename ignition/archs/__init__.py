@@ -37,6 +37,7 @@ _REGISTRY = {
     "kimi_linear": "ignition.archs.kimi_linear",
     "qwen4_exp_text": "ignition.archs.qwen4_exp", "qwen4_exp": "ignition.archs.qwen4_exp",  # wrapper: its text_config
     "glm5_next": "ignition.archs.glm5_next", "glm5_next_text": "ignition.archs.glm5_next",  # wrapper: text_config
+    "step3p7": "ignition.archs.step3p7", "step3p5": "ignition.archs.step3p7",  # wrapper: text_config; flat text
     "muse_spark": "ignition.archs.muse_spark", "muse_spark_text": "ignition.archs.muse_spark",  # wrapper: text_config
     "deepseek_v4": "ignition.archs.deepseek_v4",
 }
