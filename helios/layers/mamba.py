@@ -115,4 +115,4 @@ class Mamba2Mixer(nn.Module):
                           activation="silu")
         xs, b, cm = self._heads(xbc)
         return mamba2_scan(xs, dt, self.A_log, b, cm, self.D, self.dt_bias, ssm_state, slots, qsl, starts,
-                           dt_limit=self.dt_limit)
+                           dt_limit=self.dt_limit, chunk_size=self.config.chunk_size)

@@ -116,11 +116,15 @@ def test_mamba2_scan(dtype):
     check_mamba2_scan(CUDA, dtype)
     check_mamba2_scan(CUDA, dtype, query_lens=(5, 1, 12), starts=(0, 3, 8), num_groups=1, head_dim=20,
                       dt_limit=(0.05, 0.8))
+    check_mamba2_scan(CUDA, dtype, query_lens=(37, 20, 1), starts=(5, 0, 9), head_dim=8, chunk_size=16,
+                      dt_limit=(0.0, 0.9))
 
 
 @DTYPE
-def test_mamba2_scan_real_shape(dtype):
-    check_mamba2_scan(CUDA, dtype, query_lens=(300, 1, 64, 3), starts=(0, 9, 64, 2), steps=3, **NEMOTRON)
+@pytest.mark.parametrize("chunk_size", [None, 16, 128], ids=["sequential", "chunk16", "chunk32"])
+def test_mamba2_scan_real_shape(dtype, chunk_size):
+    check_mamba2_scan(CUDA, dtype, query_lens=(300, 1, 64, 3), starts=(0, 9, 64, 2), steps=3, chunk_size=chunk_size,
+                      **NEMOTRON)
     check_mamba2_scan(CUDA, dtype, query_lens=(1,) * 8, starts=(0, 5, 1, 130, 0, 7, 2, 9), **NEMOTRON)
 
 
@@ -211,7 +215,8 @@ def _build(family: str, out_dir):
         return build_glm5_next(out_dir)
     from tests.models.nemotron_h_tiny import build_nemotron_h
 
-    return build_nemotron_h(out_dir)
+    return build_nemotron_h(out_dir, chunk_size=32)  # prefill through the chunked scan kernel (the default 8: the
+    # sequential one, which the decode steps take anyway)
 
 
 @pytest.fixture(scope="module", params=["kimi_linear", "glm5_next", "nemotron_h"])

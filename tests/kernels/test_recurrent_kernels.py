@@ -140,9 +140,10 @@ def _mamba_inputs(device, dtype, num_tokens, num_heads, num_groups, head_dim, st
 
 
 def check_mamba2_scan(device, dtype, query_lens=(1, 1, 1, 1), starts=(0, 5, 1, 130), num_heads=4, num_groups=2,
-                      head_dim=24, state_dim=16, dt_limit=(0.0, float("inf")), steps=2):
+                      head_dim=24, state_dim=16, dt_limit=(0.0, float("inf")), steps=2, chunk_size=None):
     """mamba2_scan against the token-by-token reference and helios.layers.recurrent's torch path (the CPU path,
-    chunked for longer sequences), then `steps - 1` decode steps continuing every sequence."""
+    chunked for longer sequences), then `steps - 1` decode steps continuing every sequence. chunk_size: the
+    chunked kernel's grid for the first step (None: the sequential kernel)."""
     from helios.kernels.mamba import mamba2_scan, mamba2_scan_ref
     from helios.layers import recurrent
 
@@ -156,11 +157,11 @@ def check_mamba2_scan(device, dtype, query_lens=(1, 1, 1, 1), starts=(0, 5, 1, 1
         state = inputs.pop("state")
         ours, ref, torch_path = state.clone(), state.clone(), state.clone()
         call = dict(slots=batch.slots, query_start_loc=batch.query_start_loc, starts=batch.starts, dt_limit=dt_limit)
-        y = mamba2_scan(**inputs, state=ours, **call)
+        y = mamba2_scan(**inputs, state=ours, **call, chunk_size=chunk_size)
         y_ref = mamba2_scan_ref(**inputs, state=ref, **call)
         lists = [t.tolist() for t in (batch.slots, batch.query_start_loc, batch.starts)]
         y_torch = recurrent.mamba2_scan(**inputs, state=torch_path, slots=lists[0], query_start_loc=lists[1],
-                                        starts=lists[2], chunk_size=8, dt_limit=dt_limit)
+                                        starts=lists[2], chunk_size=chunk_size or 8, dt_limit=dt_limit)
         _close(y.float(), y_ref.float(), dtype, device, f"step {step} output vs the reference")
         _close(y.float(), y_torch.float(), dtype, device, f"step {step} output vs the torch path")
         _state_close(ours, ref, batch, dtype, device, f"step {step} state vs the reference")
@@ -203,8 +204,9 @@ def step_meta(query_lens, starts, slots, device="cpu") -> AttentionMetadata:
 KDA = RecurrentConfig(kind="kimi_delta", num_heads=2, num_key_heads=2, key_head_dim=16, value_head_dim=16,
                       conv_kernel=4)
 KDA_SAFE = msgspec.structs.replace(KDA, gate_lower_bound=-5.0)  # glm5_next's gate
+# chunk 16: the fused layer's prefill takes the chunked scan kernel
 MAMBA = RecurrentConfig(kind="mamba2", num_heads=4, num_key_heads=2, key_head_dim=16, value_head_dim=8,
-                        conv_kernel=4, chunk_size=8, conv_bias=True, norm_group_size=16)
+                        conv_kernel=4, chunk_size=16, conv_bias=True, norm_group_size=16)
 
 
 def make_layers(config: RecurrentConfig, hidden: int, device="cpu", dtype=torch.float32) -> dict:
@@ -292,6 +294,13 @@ def test_mamba2_scan_decode_and_prefill(interpreter):
     check_mamba2_scan("cpu", torch.float32)  # decode: 4 rows, one fresh
     check_mamba2_scan("cpu", torch.float32, query_lens=(5, 1, 12), starts=(0, 3, 8), num_groups=1, head_dim=20,
                       dt_limit=(0.05, 0.8))  # prefill beside a decode row, head_dim over one tile, a dt clamp
+
+
+def test_mamba2_chunked_prefill(interpreter):
+    """The chunked kernel (16-row chunks on the absolute grid): a sequence over three chunks from a mid-chunk
+    start, a fresh one ending mid-chunk, a decode row, then a decode step from the states it left."""
+    check_mamba2_scan("cpu", torch.float32, query_lens=(37, 20, 1), starts=(5, 0, 9), head_dim=8, chunk_size=16,
+                      dt_limit=(0.0, 0.9))
 
 
 def test_mamba2_scan_bf16(interpreter):
