@@ -57,6 +57,12 @@ class GatedDeltaNet(nn.Module):
         self.norm = Stacked(c.value_head_dim)
         self.out = Linear(self.value_dim, hidden_size, switches=switches)
 
+    @property
+    def decode_graph_safe(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph (helios.runner.cuda_graphs): the Triton path reads
+        device-side slots only; the torch path loops over host-side slot lists."""
+        return self.fused
+
     def forward(
         self,
         x: torch.Tensor,  # [T, H]

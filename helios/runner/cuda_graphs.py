@@ -29,7 +29,8 @@ from helios.layers.attention import Attention, AttentionMetadata
 from helios.runner.input_batch import BatchLayout, max_table_blocks, round_up
 
 # rows of the packed int64 input buffer (one host->device copy per step instead of four); a model with a window
-# page group has a fifth: the group's KV slots
+# page group has a fifth: the group's KV slots; a hybrid model's last row holds each sequence's state slot
+# (StaticBuffers.state_row)
 TOKEN_IDS, POSITIONS, SLOT_MAPPING, SEQ_LENS, WINDOW_SLOTS = range(5)
 # NOTE: a bucket whose pinned split count is > 1 also gets a graph with fewer splits, replayed while every sequence
 # of the step has at most this many keys: choose_num_splits' own rule (no split shorter than 256 keys). With one
@@ -101,20 +102,24 @@ class DecodeInputs:
     """The host-side inputs of one graphed decode step, padded to its bucket.
 
     Padded rows (num_seqs..bucket) carry token 0, position 0, slot -1 (reshape_and_cache writes nothing)
-    and seq_len 0 (decode attention outputs zeros); their logits rows are computed and never read.
+    and seq_len 0 (decode attention outputs zeros); their logits rows are computed and never read. In a hybrid
+    model they update the state cache's scratch row, which only they and sequences without a slot touch.
     """
 
     bucket: int
     num_seqs: int
-    packed: torch.Tensor  # [4 or 5, bucket] int64: token ids, positions, slot mapping, seq lens (, window slots)
+    packed: torch.Tensor  # [4..6, bucket] int64: token ids, positions, slot mapping, seq lens (, window slots)
+    # (, state slots)
     block_tables: torch.Tensor  # [num_seqs, width] int32, width = the batch's largest needed block count
     max_seq_len: int  # keys of the longest sequence (picks the one-split graph when short)
     window_tables: torch.Tensor | None = None  # [num_seqs, width] int32: the window group's (-1 entries as 0)
 
 
-def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, bucket: int) -> DecodeInputs:
+def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, bucket: int,
+                          state_scratch: int | None = None) -> DecodeInputs:
     """Pure tensor code on the host; only the blocks a sequence reads are copied (stale entries past them
-    in the static table are never read: decode attention stops at seq_len)."""
+    in the static table are never read: decode attention stops at seq_len). state_scratch: a hybrid model's
+    scratch state row (its sequences' state slots become the last row; padded rows and slotless ones get it)."""
     num_seqs = len(scheduled)
     assert 0 < num_seqs <= bucket, f"{num_seqs} sequences do not fit bucket {bucket}"
     pad = bucket - num_seqs
@@ -131,6 +136,8 @@ def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, buc
     if is_window:  # the decode writes into the group's newest page, never one it took back
         rows.append([s.group_block_ids[0][p // page_size] * page_size + p % page_size
                      for s, p in zip(scheduled, positions)] + [-1] * pad)
+    if state_scratch is not None:
+        rows.append([s.state_slot if s.state_slot >= 0 else state_scratch for s in scheduled] + [state_scratch] * pad)
     packed = torch.tensor(rows, dtype=torch.int64)
     width = max(needed)
     # NOTE: one tensor from padded Python rows: at batch 1 the host side of a step is on the critical path
@@ -199,21 +206,26 @@ class StaticBuffers:
     """Persistent device buffers the graphs read and write; sized for the largest bucket."""
 
     def __init__(self, max_num_seqs: int, max_blocks: int, vocab_size: int, device: torch.device,
-                 window: int | None = None):
-        """window: the window of the model's window page group (its tables and slots get buffers too); None: none."""
+                 window: int | None = None, state_scratch: int | None = None):
+        """window: the window of the model's window page group (its tables and slots get buffers too); None: none.
+        state_scratch: a hybrid model's scratch state row (the state slots become an input row); None: none."""
         self.max_num_seqs = max_num_seqs
         self.window = window
+        self.state_scratch = state_scratch
         num_tables = 2 if window is not None else 1
+        num_rows = 3 + num_tables + (state_scratch is not None)
+        self.state_row = num_rows - 1 if state_scratch is not None else None
         # NOTE: rows padded to 16 so every row of `packed` starts 16-byte aligned (Triton specializes on it).
         cols = round_up(max_num_seqs, 16)
-        self.staging = StagingRing(cols, max_num_seqs, max_blocks, torch.device(device), num_rows=3 + num_tables,
+        self.staging = StagingRing(cols, max_num_seqs, max_blocks, torch.device(device), num_rows=num_rows,
                                    num_tables=num_tables)
         self.num_loads = 0  # bumped by every load: a speculation is valid only while no other load came
-        self.packed = torch.zeros(3 + num_tables, cols, dtype=torch.int64, device=device)
-        self.packed[SLOT_MAPPING].fill_(-1)
-        if window is not None:
-            self.packed[WINDOW_SLOTS].fill_(-1)
+        self.packed = torch.zeros(num_rows, cols, dtype=torch.int64, device=device)
+        self._fill_padding()
         self.seq_lens = torch.zeros(cols, dtype=torch.int32, device=device)
+        # the state slots as the recurrent kernels take them (int32), converted inside the graph like seq_lens
+        self.state_slots = (torch.full((cols,), state_scratch, dtype=torch.int32, device=device)
+                            if state_scratch is not None else None)
         self.block_tables = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
         self.window_tables = (torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, device=device)
                               if window is not None else None)
@@ -230,10 +242,16 @@ class StaticBuffers:
         """Every row a padded row: what capture runs on (no KV write, no KV read). It counts as a load: a capture
         overwrites the logits rows a pending speculative step left (decode_overlap.Speculation.num_loads)."""
         self.packed.zero_()
+        self._fill_padding()
+        self.num_loads += 1
+
+    def _fill_padding(self) -> None:
+        """The padded-row values of the rows whose padding is not 0: no KV slot (-1), the scratch state row."""
         self.packed[SLOT_MAPPING].fill_(-1)
         if self.window is not None:
             self.packed[WINDOW_SLOTS].fill_(-1)
-        self.num_loads += 1
+        if self.state_row is not None:
+            self.packed[self.state_row].fill_(self.state_scratch)
 
     def metadata(self, bucket: int, max_model_len: int) -> AttentionMetadata:
         # NOTE: the *_cpu lists are what capture sees; a replay never reads host values. seq_lens_cpu
@@ -248,6 +266,9 @@ class StaticBuffers:
             seq_lens_cpu=[max_model_len] * bucket,
             window_groups=({self.window: (self.window_tables[:bucket], self.packed[WINDOW_SLOTS, :bucket])}
                            if self.window is not None else {}),
+            # NOTE: the recurrent layers' graph path reads only the device slots; the host list is capture's
+            state_slots=self.state_slots[:bucket] if self.state_slots is not None else None,
+            state_slots_cpu=[self.state_scratch] * bucket if self.state_slots is not None else [],
         )
 
 
@@ -282,7 +303,10 @@ def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> st
     if arch.moe is not None:
         return "MoE routing syncs with the host (expert loop)"
     if arch.recurrent is not None:
-        return "recurrent layers: their decode step is not graph-safe yet (host-side slot lists)"
+        unsafe = [type(m).__name__ for m in model.modules() if getattr(m, "decode_graph_safe", True) is False]
+        if unsafe or not any(hasattr(m, "decode_graph_safe") for m in model.modules()):
+            kinds = ", ".join(sorted(set(unsafe))) or arch.recurrent.kind
+            return f"recurrent layers ({kinds}): their decode step reads host-side slot lists (no Triton path)"
     names = {b.name for b in attention_backends(model)}
     if names != {"triton"}:
         return f"attention backend {sorted(names)} reads host-side lengths; graphs need the triton backend"
@@ -315,16 +339,19 @@ class GraphRunner:
         short_seq_len: int = SHORT_SEQ_LEN,  # 0: no short-sequence graphs (benchmarks compare)
         short_programs: int = SHORT_PROGRAMS,  # the short graphs' split rule (aot_shapes.short_decode_splits)
         window: int | None = None,  # the model's window page group (ModelRunner.window): its tables are inputs too
+        state_scratch: int | None = None,  # a hybrid model's scratch state row: its state slots are inputs too
+        layer_caches: list | None = None,  # what the model's forward takes per layer (None: kv_cache.layers)
     ):
         assert buckets, "no decode buckets"
         self.model = model
         self.kv_cache = kv_cache
+        self.layer_caches = layer_caches if layer_caches is not None else kv_cache.layers
         self.buckets = sorted(set(buckets))
         self.max_model_len = max_model_len
         self.page_size = page_size
         self.device = torch.device(device)
         self.max_blocks = max_table_blocks(max_model_len, page_size)
-        self.buffers = StaticBuffers(self.buckets[-1], self.max_blocks, vocab_size, self.device, window)
+        self.buffers = StaticBuffers(self.buckets[-1], self.max_blocks, vocab_size, self.device, window, state_scratch)
         self.backends = attention_backends(model)
         num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if capture else 132
         self.num_splits = {b: graph_decode_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.buckets}
@@ -373,9 +400,11 @@ class GraphRunner:
         """The captured computation: static inputs -> static float32 logits rows [bucket, V]."""
         buf = self.buffers
         buf.seq_lens[:bucket].copy_(buf.packed[SEQ_LENS, :bucket])  # int64 -> int32, inside the graph
+        if buf.state_row is not None:
+            buf.state_slots[:bucket].copy_(buf.packed[buf.state_row, :bucket])
         with pinned_decode_splits(self.backends, num_splits):
             meta = buf.metadata(bucket, self.max_model_len)
-            hidden = self.model.forward(buf.packed[TOKEN_IDS, :bucket], meta, self.kv_cache.layers)
+            hidden = self.model.forward(buf.packed[TOKEN_IDS, :bucket], meta, self.layer_caches)
             buf.logits[:bucket].copy_(self.model.compute_logits(hidden))
 
     @property
@@ -450,10 +479,14 @@ class GraphRunner:
 
         NOTE: the result views the static logits buffer: read it (sample, logprobs) before the next replay.
         """
-        inputs = prepare_decode_inputs(scheduled, self.page_size, bucket)
+        inputs = self.prepare(scheduled, bucket)
         self.buffers.load(inputs)
         self._replay(bucket, inputs.max_seq_len)
         return self.logits_rows(layout, len(scheduled))
+
+    def prepare(self, scheduled: list[ScheduledRequest], bucket: int) -> DecodeInputs:
+        """The host-side inputs of a step of this bucket (prepare_decode_inputs with this runner's state row)."""
+        return prepare_decode_inputs(scheduled, self.page_size, bucket, self.buffers.state_scratch)
 
     def run_next(self, inputs: DecodeInputs, token_ids: torch.Tensor) -> None:  # token_ids: [num_seqs] int64
         """Replay inputs' bucket with the token ids taken from a device tensor (no host sync): the

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from helios.engine.messages import ScheduledRequest, SchedulerOutput
-from helios.runner.cuda_graphs import blocks_needed, prepare_decode_inputs
+from helios.runner.cuda_graphs import blocks_needed
 from helios.runner.input_batch import RequestState
 
 # NOTE: why a dropped speculation is harmless. The speculative step writes KV only at the slot of position
@@ -133,7 +133,7 @@ class DecodeOverlap:
             ready = torch.cuda.Event()
             ready.record()
         after = next_step(scheduled)
-        inputs = prepare_decode_inputs(after, self.page_size, bucket)
+        inputs = self.graphs.prepare(after, bucket)
         # NOTE: step n's logits (a view of the static buffer) are read only by the sampling kernels already
         # enqueued; the replay below overwrites them after those in stream order.
         self.graphs.run_next(inputs, token_ids)

@@ -405,6 +405,8 @@ class ModelRunner:
                 device=self.device,
                 lazy=lazy,
                 window=self.window,
+                state_scratch=self.scratch_slot,
+                layer_caches=self.layer_caches,
             )
         self.startup.num_graphs = graphs.num_graphs
         self.startup.num_pending = len(graphs.pending)
@@ -544,7 +546,9 @@ class ModelRunner:
         host.copy_in(records, copy_in)
 
     def _decode_overlap(self) -> DecodeOverlap | None:
-        if not self.decode_overlap or self.graphs is None:
+        # NOTE: never with recurrent state: a speculative step advances it in place, and a dropped one would leave it
+        # a token ahead (a dropped step's KV writes are harmless: the real step rewrites those slots)
+        if not self.decode_overlap or self.graphs is None or self.state_cache is not None:
             if self._overlap is not None:
                 self._overlap.pending = None  # switched off: a pending step is never used
             return None

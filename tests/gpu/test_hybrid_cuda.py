@@ -1,7 +1,10 @@
 """The hybrid families on the GPU: a tiny random checkpoint exported in float32 and bfloat16, run by the CUDA
 runner (Triton attention backend, the gated delta rule's Triton kernels) through the engine with state slots;
-greedy tokens identical to HF transformers' generate on the same device and dtype (which takes
-flash-linear-attention's kernels there when fla is installed), and batched = alone."""
+greedy tokens identical to HF transformers' generate on the same device and dtype, and batched = alone. A family
+whose recurrent layers have a Triton decode path decodes through CUDA graphs (unless MoE routing refuses them).
+
+HF runs its torch reference ops here, not flash-linear-attention's kernels: with fla installed it would take them,
+and their Triton autotuning for HF's shapes and dtypes takes minutes per test on a fresh machine."""
 
 from __future__ import annotations
 
@@ -47,10 +50,33 @@ def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int =
     return EngineCore(config, runner)
 
 
+def hf_torch_path(model):
+    """Point the model's hub-kernel wrappers (transformers.integrations.hub_kernels: fla when installed) at the torch
+    functions they wrap, in its modeling module and on its layers."""
+    import sys
+
+    def unwrapped(fn):
+        inner = getattr(fn, "__wrapped__", None)
+        code = getattr(fn, "__code__", None)
+        return inner if inner is not None and code is not None and code.co_filename.endswith("hub_kernels.py") else fn
+
+    owners = [sys.modules[type(model).__module__], *model.modules()]
+    for owner in owners:
+        for name, value in list(vars(owner).items()):
+            if callable(value) and unwrapped(value) is not value:
+                setattr(owner, name, unwrapped(value))
+    return model
+
+
 def check_greedy_on_the_gpu(hf, core) -> None:
-    """32 greedy tokens of a 150-token prompt through the CUDA engine = the HF model's generate (on the device)."""
+    """32 greedy tokens of a 150-token prompt through the CUDA engine = the HF model's generate (on the device, its
+    torch path). A model CUDA graphs support decodes every token after the first through them."""
     ids, num_new = prompt(150, seed=5), 32
-    got = generate(cuda_engine(core), [greedy_request("a", ids, num_new)])["a"]
+    engine = cuda_engine(core)
+    got = generate(engine, [greedy_request("a", ids, num_new)])["a"]
+    if engine.runner.graphs is not None:
+        assert engine.runner.launches["graph"] >= num_new - 1, engine.runner.launches
+    hf = hf_torch_path(hf)
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=num_new, min_new_tokens=num_new,
                           do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
@@ -70,7 +96,9 @@ def check_batched_equals_alone_on_the_gpu(core) -> None:
 def test_greedy_matches_transformers_on_the_gpu(exported, dtype):
     from transformers import AutoModelForCausalLM
 
-    _, src, cores = exported
+    family, src, cores = exported
+    if family == "qwen3_5":  # dense, GDN on its Triton path: graphed (the MoE family's routing refuses graphs)
+        assert cuda_engine(cores[dtype]).runner.graphs is not None
     check_greedy_on_the_gpu(AutoModelForCausalLM.from_pretrained(src, dtype=DTYPES[dtype]).to("cuda").eval(),
                             cores[dtype])
 

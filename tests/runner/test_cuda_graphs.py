@@ -87,6 +87,42 @@ def test_static_buffers_load_and_metadata():
     assert buf.packed[SLOT_MAPPING].eq(-1).all() and buf.packed[TOKEN_IDS].eq(0).all()
 
 
+def test_state_slots_are_an_input_row_whose_padding_is_the_scratch_row():
+    scratch = 16
+    a = ScheduledRequest(req_id="a", token_ids=[11], num_computed_tokens=5, block_ids=[7, 3], sample=True,
+                         state_slot=3)
+    scheduled = [a, decode_step("b", 12, 0, [9])]  # "b" has no slot (forward_logits' kind): the scratch row
+    inputs = prepare_decode_inputs(scheduled, PAGE_SIZE, bucket=4, state_scratch=scratch)
+    assert inputs.packed.shape == (5, 4) and inputs.packed[4].tolist() == [3, scratch, scratch, scratch]
+    buf = StaticBuffers(max_num_seqs=8, max_blocks=16, vocab_size=10, device=torch.device("cpu"),
+                        state_scratch=scratch)
+    assert buf.state_row == 4 and buf.packed[4].eq(scratch).all()  # before any load: every row padded
+    buf.load(inputs)
+    buf.state_slots[:4].copy_(buf.packed[buf.state_row, :4])  # what the captured function does first
+    meta = buf.metadata(4, max_model_len=64)
+    assert meta.state_slots.dtype == torch.int32 and meta.state_slots.tolist() == [3, scratch, scratch, scratch]
+    buf.pad_all()
+    assert buf.packed[buf.state_row].eq(scratch).all() and buf.packed[SLOT_MAPPING].eq(-1).all()
+
+
+def test_recurrent_layers_are_graphed_only_on_their_triton_path(tmp_path):
+    from helios.core.load import load_core
+    from helios.models import build_model
+    from helios.runner.cuda_graphs import unsupported_reason
+    from ignition.export import ExportOptions, export_core
+    from tests.models.hybrid_tiny import build_hybrid
+
+    core = load_core(export_core(build_hybrid("qwen3_5", tmp_path / "hf"), tmp_path / "core", ExportOptions()))
+    arch = core.manifest.arch
+    model = build_model(arch, core.tensors)
+    cuda = torch.device("cuda")  # a device object only: nothing runs
+    assert unsupported_reason(model, arch, cuda).startswith("recurrent layers (GatedDeltaNet)")
+    for layer in model.modules():
+        if hasattr(layer, "decode_graph_safe"):
+            layer.fused = True  # what the Triton backend builds: the decode step reads device-side slots only
+    assert "attention backend" in unsupported_reason(model, arch, cuda)  # past the recurrent check
+
+
 # --- the captured function, run eagerly on the CPU (Triton interpreter) ------------------------------
 
 needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and interpret_mode()), reason="needs the Triton interpreter")
