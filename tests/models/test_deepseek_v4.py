@@ -110,9 +110,9 @@ def test_sixteen_requests_together_give_what_each_gives_alone(dsv4):
     _, core = dsv4
     reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
     together = generate(make_engine(core), reqs)
+    single = make_engine(core, max_concurrency=1, budget=512, chunk=512)  # one request at a time, no reuse
     for r in reqs:
-        alone = generate(make_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
-        assert together[r.req_id] == alone, r.req_id
+        assert together[r.req_id] == generate(single, [r])[r.req_id], r.req_id
 
 
 def test_a_second_turn_reuses_the_first_turns_pages(dsv4):
