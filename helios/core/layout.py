@@ -117,6 +117,16 @@ arch.dsa's num_heads, head_dim, pool_size; Rq = q_lora_rank). The indexer is abs
   layers.L.mla.indexer.k_norm.weight [Di]              the index key's LayerNorm (k_norm.bias [Di] beside it)
   layers.L.mla.indexer.pool_bias    [P, Di]            the pool-gate logits' offset per position within a pool
 
+muse_spark (attn.qkv with arch.attn_output_gate: rows q, k, v, then the elementwise gate; attn_norm, mlp_norm,
+mlp_post_norm 1+w stored, mlp_post_norm applied as norm(x * w); no q/k/o or post-attention norm weights; L =
+arch.moe.latent_size):
+  layers.L.attn_residual.weight     [2, H]             the residual gate after attention: rows alpha, beta
+                                                        (x = alpha * x + beta * sublayer, in float32)
+  layers.L.mlp_residual.weight      [2, H]             the one after the feed-forward
+  layers.L.moe.latent_norm.weight   [L]                with moe.latent_norms: the latent's norm (1+w stored)
+  layers.L.moe.expert_norm.weight   [L]                each expert's output norm, norm(y * w) (1+w stored)
+  lm_head.weight, layers.L.moe.router.weight           times output_multiplier
+
 Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+w already added).
 """
 
