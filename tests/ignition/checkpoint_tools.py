@@ -53,3 +53,25 @@ def convert_all(path: Path, dtype=torch.float32):
 def core_files(path: Path) -> dict[str, bytes]:
     """A core directory's files by relative path (two exports of one source compare equal)."""
     return {f.relative_to(path).as_posix(): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def assert_runtime_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """The converted float32 tensors are exactly `want` (the runtime layout computed from the HF modules)."""
+    assert sorted(got) == sorted(want)
+    for name, t in want.items():
+        assert got[name].dtype == torch.float32 and got[name].is_contiguous(), name
+        assert torch.equal(got[name], t), name
+
+
+def swiglu_ffn_expected(prefix: str, ffn) -> dict[str, torch.Tensor]:
+    """The runtime tensors (names under `prefix`, "layers.L.") of an HF SwiGLU feed-forward: a sigmoid-routed MoE
+    block (gate.weight and its e_score_correction_bias, stacked experts, one shared_experts MLP) as moe.*, else a
+    dense gate/up/down MLP as mlp.*."""
+    if not hasattr(ffn, "experts"):
+        return {prefix + "mlp.gate_up.weight": torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight]),
+                prefix + "mlp.down.weight": ffn.down_proj.weight}
+    shared = ffn.shared_experts
+    return {prefix + "moe.router.weight": ffn.gate.weight, prefix + "moe.router.bias": ffn.gate.e_score_correction_bias,
+            prefix + "moe.gate_up.weight": ffn.experts.gate_up_proj, prefix + "moe.down.weight": ffn.experts.down_proj,
+            prefix + "moe.shared.gate_up.weight": torch.cat([shared.gate_proj.weight, shared.up_proj.weight]),
+            prefix + "moe.shared.down.weight": shared.down_proj.weight}
