@@ -147,6 +147,15 @@ def _check_supported(cfg: dict, where: str) -> None:
          f"moe_router_activation={cfg.get('moe_router_activation')!r} is not supported (only sigmoid)"),
         (cfg.get("use_moe_router_bias") is False, "use_moe_router_bias=false is not supported (the router adds its "
                                                   "score bias)"),
+        (cfg.get("norm_expert_weight") is False, "norm_expert_weight=false is not supported (the chosen experts' "
+                                                 "weights are renormalised)"),
+        (cfg.get("zero_centered") is False, "zero_centered=false is not supported (the norms multiply by 1 + w)"),
+        (cfg.get("att_impl_type", "GQA") != "GQA", f"att_impl_type={cfg.get('att_impl_type')!r} is not supported "
+                                                   "(only GQA)"),
+        # the release's rope scaling applies to yarn_only_types; HF scales the full layers only
+        (set(cfg.get("yarn_only_types") or ["full_attention"]) != {"full_attention"},
+         f"yarn_only_types={cfg.get('yarn_only_types')} is not supported (rope scaling on the full layers only)"),
+        (not all(cfg.get("use_rope_layers") or [True]), "use_rope_layers with a layer without rope is not supported"),
     )
     for failed, message in checks:
         if failed:

@@ -96,6 +96,8 @@ def test_architecture_matches_config(tiny, variant):
     rope = text.rotary_emb
     assert arch.rope_theta == cfg.rope_parameters["full_attention"]["rope_theta"]
     assert arch.rope_local_theta == cfg.rope_parameters["sliding_attention"]["rope_theta"]
+    full_rope = cfg.rope_parameters["full_attention"]
+    assert (arch.rope_scaling.type, arch.rope_scaling.factor) == (full_rope["rope_type"], full_rope["factor"])
     assert 2 * len(rope.full_attention_inv_freq) == (arch.rotary_dim or 16)
     assert 2 * len(rope.sliding_attention_inv_freq) == (arch.sliding_rotary_dim or 16)
     assert arch.tie_word_embeddings == (model.lm_head.weight is text.embed_tokens.weight)
@@ -230,6 +232,11 @@ SLIDING_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 2.0, "lo
         (lambda c: {**c, "use_head_wise_attn_gate": False}, "use_head_wise_attn_gate=false"),
         (lambda c: {**c, "moe_router_activation": "softmax"}, "moe_router_activation='softmax'"),
         (lambda c: {**c, "use_moe_router_bias": False}, "use_moe_router_bias=false"),
+        (lambda c: {**c, "norm_expert_weight": False}, "norm_expert_weight=false"),
+        (lambda c: {**c, "zero_centered": False}, "zero_centered=false"),
+        (lambda c: {**c, "att_impl_type": "MLA"}, "att_impl_type='MLA'"),
+        (lambda c: {**c, "yarn_only_types": ["full_attention", "sliding_attention"]}, "yarn_only_types="),
+        (lambda c: {**c, "use_rope_layers": [True, False, True, True, True]}, "use_rope_layers"),
         (lambda c: {**c, "layer_types": c["layer_types"][:4] + ["minimax_m3_sparse"]}, "type 'minimax_m3_sparse'"),
         (lambda c: {**c, "layer_types": c["layer_types"][:4]}, "layer_types has 4 entries for 5 layers"),
         (lambda c: {**c, "sliding_window": None}, "without a sliding_window"),

@@ -20,18 +20,25 @@ WINDOW = 8  # prompts run far past it, and past a 4- or 16-token page
 # every per-layer list, as the release pads them); layers 0-1 dense, 2-4 MoE (8 experts top-2, scaled by 2.5, a
 # shared expert); sliding layers 6 query heads, full ones 4, both over 2 KV heads of 16; the full layers rotate half
 # of each head (base 10^4), the sliding ones all of it (base 500); query_pre_attn_scalar 24 (not head_dim); SwiGLU
-# clamps of 0.3 / 0.4 on some layers (active: the activations are O(1)), 0 / None elsewhere (none).
+# clamps of 0.3 / 0.4 on some layers (active: the activations are O(1)), 0 / None elsewhere (none); llama3 rope
+# scaling on the full layers (the release's rope_scaling with yarn_only_types), past position 32; the release's flags
+# at the values it ships (use_head_wise_attn_gate, use_moe_router_bias, norm_expert_weight, att_impl_type, ...).
 TEXT = dict(
     vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, share_expert_dim=48,
     num_hidden_layers=5, num_attention_heads=4, num_attention_groups=2, head_dim=16,
-    attention_other_setting={"num_attention_heads": 6, "num_attention_groups": 2, "head_dim": 16},
+    attention_other_setting={"attention_type": SLIDE, "num_attention_heads": 6, "num_attention_groups": 2,
+                             "head_dim": 16},
     layer_types=[FULL, SLIDE, SLIDE, FULL, SLIDE, FULL], sliding_window=WINDOW,
     rope_theta=[10000.0, 500.0, 500.0, 10000.0, 500.0, 10000.0],
     partial_rotary_factors=[0.5, 1.0, 1.0, 0.5, 1.0, 0.5],
     moe_num_experts=8, moe_top_k=2, moe_router_scaling_factor=2.5, moe_layers_enum="2,3,4,5",
     swiglu_limits=[0, 0, 0.4, None, 0.3, 0], swiglu_limits_shared=[0.3, 0, 0, 0.4, 0, 0],
     num_nextn_predict_layers=1, query_pre_attn_scalar=24, max_position_embeddings=512, rms_norm_eps=1e-5,
-    bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+    rope_scaling={"rope_type": "llama3", "factor": 2.0, "original_max_position_embeddings": 32,
+                  "low_freq_factor": 1.0, "high_freq_factor": 32.0},
+    yarn_only_types=[FULL], use_head_wise_attn_gate=True, use_moe_router_bias=True, need_fp32_gate=True,
+    norm_expert_weight=True, moe_router_activation="sigmoid", att_impl_type="GQA", use_moe=True,
+    bos_token_id=BOS_ID, eos_token_id=[EOS_ID], pad_token_id=PAD_ID,
 )
 # The "native" variant: transformers' own spellings (num_key_value_heads, n_routed_experts, mlp_layer_types,
 # num_sliding_attention_heads, rope_parameters per layer type), llama3 rope scaling on the full layer (a quarter of

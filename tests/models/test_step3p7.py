@@ -67,7 +67,7 @@ def test_the_export_is_step3p7(step):
     assert {k: getattr(arch, k) for k in want} == want
     assert arch.family == "step3p7" and arch.attn_output_gate and arch.attn_gate_per_head
     assert arch.moe.dense_layers == ([0, 1] if variant == "base" else [0]) and arch.moe.scoring == "sigmoid"
-    assert (arch.rope_scaling is None) == (variant == "base")
+    assert arch.rope_scaling.type == "llama3" and arch.rope_scaling.factor == (2.0 if variant == "base" else 4.0)
     # both layer kinds keep K/V of 2 heads of 16: one KV shape; the sliding layers' pages live in the window group
     runner = ModelRunner(arch, core.tensors, 32, PAGE, window_pages=12)
     sliding = KVCache.window_layers(arch)
