@@ -127,6 +127,12 @@ arch.moe.latent_size):
   layers.L.moe.expert_norm.weight   [L]                each expert's output norm, norm(y * w) (1+w stored)
   lm_head.weight, layers.L.moe.router.weight           times output_multiplier
 
+step3p7 (attn_norm / mlp_norm / q_norm / k_norm 1+w stored; Nq = arch.sliding_num_heads on a sliding layer when
+set, else arch.num_heads; mlp.* / moe.* as above, the shared expert ungated):
+  layers.L.attn.qkv.weight          [(Nq + 2*Nkv)*D + Nq, H] with arch.attn_gate_per_head: rows q, k, v, then one gate
+                                                        row per head (sigmoid, scales the head's output)
+  layers.L.attn.o.weight            [H, Nq*D]
+
 Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+w already added).
 """
 
