@@ -286,13 +286,14 @@ class CompressedAttentionConfig(_S):
 
     def row_dim(self, kind: str, head_dim: int) -> int:
         """Values one token keeps in a layer of this kind: its kv row, then the raw compressor kv and gate rows
-        (2d wide each in csa, overlapping windows; d in hca), then csa's indexer kv and gate rows (2 index_head_dim
-        each)."""
+        (2d wide each in csa, overlapping windows; d in hca) and csa's indexer kv and gate rows (2 index_head_dim
+        each), then the compressed entry (d; csa: and the indexer's, index_head_dim) that the last token of a window
+        holds (the other tokens leave those values unused)."""
         if kind == "sliding":
             return head_dim
         if kind == "hca":
-            return 3 * head_dim
-        return 5 * head_dim + 4 * self.index_head_dim
+            return 4 * head_dim
+        return 6 * head_dim + 5 * self.index_head_dim
 
     def cache_dim(self, head_dim: int) -> int:
         """The KV pages' row: the widest layer's (every layer keeps rows of one width; the narrower use a prefix)."""

@@ -3,11 +3,13 @@ sliding window, plus compressed entries (HCA: one per hca_rate tokens; CSA: one 
 windows, each query keeping the index_topk best by a lightning indexer). The torch reference on every device.
 
 Cache per layer: [1, num_pages, page_size, cache_dim] from helios.runner.kv_cache. Per token its row holds the normed,
-rotated kv (d values; keys and values alike), then the raw compressor rows (kv and gate logits; then CSA's indexer
-kv and gate). Compressed entries are not stored: each step recomputes a sequence's entries from the rows of its
-complete windows, the same arithmetic whatever the chunking, and no per-request state is needed (the partial
-window's rows are simply the last < rate rows). NOTE: simple and exact, not cheap: a later version keeps the
-entries in pages (the rows are then needed for the last 2 * rate tokens only).
+rotated kv (d values; keys and values alike), the raw compressor rows (kv and gate logits; then CSA's indexer kv and
+gate), and, in the last token of a window, that window's compressed entry (CSA: and the indexer's). The step that
+completes a window computes its entry from the window's rows (CSA: and the previous window's) and writes it there,
+so the entries are pages like the rest: kept, shared by the prefix cache and freed with them, with no per-request
+state (a partial window is simply its last < rate rows), and the arithmetic is the same whatever the chunking.
+NOTE: exact and simple, not yet small: every row has the widest layer's width, and the raw rows are kept for every
+token although only a window's last 2 * rate are ever read (a window page group would hold those).
 Imports torch and helios.core only (and helios.layers' linear, norm and rotary).
 """
 
@@ -75,25 +77,28 @@ class Compressor(nn.Module):
 
     def forward(
         self,
-        kv: torch.Tensor,  # [n * rate, w] raw kv rows of n complete windows, from position 0
-        gate: torch.Tensor,  # [n * rate, w] their gate logits
+        kv: torch.Tensor,  # [(n + e) * rate, w] raw kv rows of whole windows: e = 1 leading window with `overlap`
+        gate: torch.Tensor,  # [(n + e) * rate, w] their gate logits            when first > 0, else e = 0
+        first: int,  # the window of the first entry asked for
         rope: InterleavedRope,
-    ) -> torch.Tensor:  # [n, out_dim]: entry j mixes window j (and j - 1's first halves), rotated at j * rate
+    ) -> torch.Tensor:  # [n, out_dim]: the entries of windows first .. first + n - 1, rotated at window * rate
         """As DeepseekV4HCACompressor / CSACompressor / the indexer's compressor (softmax over the window's places
-        per channel in float32, the mix in the rows' dtype, the RMSNorm, rope)."""
+        per channel in float32, the mix in the rows' dtype, the RMSNorm, rope). With overlap, entry j mixes window j's
+        second halves with window j - 1's first halves (none for window 0: weight 0)."""
         m, d = self.rate, self.out_dim
+        lead = 1 if self.overlap and first > 0 else 0
         n = kv.shape[0] // m
         kv = kv.view(n, m, self.width)
         gate = gate.view(n, m, self.width) + self.position_bias
         if self.overlap:
             kv2 = kv.new_zeros(n, 2 * m, d)
-            gate2 = gate.new_full((n, 2 * m, d), float("-inf"))  # window 0 has no previous half: weight 0
+            gate2 = gate.new_full((n, 2 * m, d), float("-inf"))
             kv2[:, m:], gate2[:, m:] = kv[..., d:], gate[..., d:]
             kv2[1:, :m], gate2[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
-            kv, gate = kv2, gate2
+            kv, gate = kv2[lead:], gate2[lead:]  # the leading window only lends its first halves
         mixed = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
         entries = rms_norm(mixed, self.norm.weight, self.eps, multiply_in_float32=True)
-        positions = torch.arange(n, device=kv.device) * m
+        positions = (torch.arange(n - lead, device=kv.device) + first) * m
         return rotate_tail(entries, *rope.cos_sin(positions, entries.dtype))
 
 
@@ -130,6 +135,14 @@ class LightningIndexer(nn.Module):
         return torch.zeros_like(visible).scatter_(1, best, True) & visible
 
 
+def token_slots(
+    table: torch.Tensor,  # [max_blocks] int32, a sequence's block table
+    positions: torch.Tensor,  # [N] int64
+    page_size: int,
+) -> torch.Tensor:  # [N] int64: the flat slots of those positions
+    return table[positions // page_size].long() * page_size + positions % page_size
+
+
 class CompressedAttention(nn.Module):
     """One deepseek_v4 attention layer of kind "sliding", "hca" or "csa". Tensors bound (layers.L.attn.*):
     in_proj.weight [Rq + d (+ 2w + (4Di + Ni) in csa), H] (rows: the q latent, the kv row, the compressor's kv and
@@ -144,12 +157,12 @@ class CompressedAttention(nn.Module):
         self.config, self.kind, self.eps = c, kind, eps
         self.num_heads, self.head_dim = num_heads, head_dim
         self.rate = {"sliding": 0, "hca": c.hca_rate, "csa": c.csa_rate}[kind]
-        self.row_dim = c.row_dim(kind, head_dim)
-        width = 0 if kind == "sliding" else (head_dim if kind == "hca" else 2 * head_dim)
-        index = 4 * c.index_head_dim + c.index_num_heads if kind == "csa" else 0
+        self.width = width = {"sliding": 0, "hca": head_dim, "csa": 2 * head_dim}[kind]
         di, ni = (c.index_head_dim, c.index_num_heads) if kind == "csa" else (0, 0)
         self.splits = [c.q_lora_rank, head_dim, width, width, 2 * di, 2 * di, ni]
-        self.in_proj = Linear(hidden_size, c.q_lora_rank + head_dim + 2 * width + index, switches=switches)
+        self.raw_dim = head_dim + 2 * width + 4 * di  # the row's values a token writes; its window's entries follow
+        self.row_dim = c.row_dim(kind, head_dim)
+        self.in_proj = Linear(hidden_size, c.q_lora_rank + head_dim + 2 * width + 4 * di + ni, switches=switches)
         self.q_a_norm = RMSNorm(c.q_lora_rank, eps, multiply_in_float32=True)
         self.q_b = Linear(c.q_lora_rank, num_heads * head_dim, switches=switches)
         self.kv_norm = RMSNorm(head_dim, eps, multiply_in_float32=True)
@@ -176,45 +189,66 @@ class CompressedAttention(nn.Module):
         q = unit_rms(self.q_b(q_lat).view(num_tokens, self.num_heads, d), self.eps)
         q = rotate_tail(q, cos, sin)
         kv = rotate_tail(self.kv_norm(kv), cos, sin)
-        flat = cache.view(-1, cache.shape[-1])
-        flat[meta.slot_mapping, : self.row_dim] = torch.cat([kv, c_kv, c_gate, i_kv, i_gate], dim=-1).to(cache.dtype)
+        flat = cache.view(-1, cache.shape[-1])  # [num_slots, cache_dim]
+        flat[meta.slot_mapping, : self.raw_dim] = torch.cat([kv, c_kv, c_gate, i_kv, i_gate], dim=-1).to(flat.dtype)
         index = None
         if self.kind == "csa":
             index_q = self.indexer.q_b(q_lat).view(num_tokens, self.config.index_num_heads, -1)
             index = (rotate_tail(index_q, *compress_rope.cos_sin(meta.positions, x.dtype)),
                      i_w.float() * self.config.index_num_heads**-0.5)
         out = torch.empty_like(q)
-        qsl = meta.query_start_loc_cpu
+        qsl, page_size = meta.query_start_loc_cpu, cache.shape[2]
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             start, end = qsl[i], qsl[i + 1]
-            if end > start:
-                seq_index = None if index is None else (index[0][start:end], index[1][start:end])
-                out[start:end] = self._attend(q[start:end], cache, meta, i, seq_len, compress_rope, seq_index)
+            if end == start:
+                continue
+            table = meta.block_tables[i]
+            if self.rate:
+                self._write_entries(flat, table, page_size, seq_len - (end - start), seq_len, compress_rope)
+            seq_index = None if index is None else (index[0][start:end], index[1][start:end])
+            out[start:end] = self._attend(q[start:end], flat, table, page_size, seq_len, seq_index)
         out = rotate_tail(out, cos, -sin)  # K = V carried the keys' rotation: turn it back at the query
         return self.o_b(self._grouped_o_a(out.reshape(num_tokens, -1)))
 
-    def _attend(self, q, cache, meta: AttentionMetadata, i: int, seq_len: int, compress_rope: InterleavedRope,
+    def _write_entries(self, flat: torch.Tensor, table: torch.Tensor, page_size: int, start: int, seq_len: int,
+                       rope: InterleavedRope) -> None:
+        """The entries of the windows this step completes (positions start .. seq_len - 1 are new; their rows are
+        written), from their rows (CSA: and the previous window's), into each window's last row."""
+        m, d, w = self.rate, self.head_dim, self.width
+        first, end = start // m, seq_len // m
+        if end <= first:
+            return
+        lead = 1 if self.kind == "csa" and first > 0 else 0
+        device = flat.device
+        rows = flat[token_slots(table, torch.arange((first - lead) * m, end * m, device=device), page_size)]
+        entries = [self.compressor(rows[:, d : d + w], rows[:, d + w : d + 2 * w], first, rope)]
+        if self.kind == "csa":
+            at, wi = d + 2 * w, 2 * self.config.index_head_dim
+            entries.append(self.indexer.compressor(rows[:, at : at + wi], rows[:, at + wi : at + 2 * wi], first, rope))
+        last = token_slots(table, torch.arange(first, end, device=device) * m + m - 1, page_size)
+        flat[last, self.raw_dim : self.row_dim] = torch.cat(entries, dim=-1).to(flat.dtype)
+
+    def _attend(self, q: torch.Tensor, flat: torch.Tensor, table: torch.Tensor, page_size: int, seq_len: int,
                 index) -> torch.Tensor:  # q [L, Nh, d] -> [L, Nh, d]
         """One sequence: its window keys and its compressed entries under the causal / window / selection mask,
         with the sinks, as HF's eager_attention_forward (the sink's logit joins the max and the softmax, then is
         dropped)."""
-        c, d, num_queries = self.config, self.head_dim, q.shape[0]
-        page_size = cache.shape[2]
-        pages = meta.block_tables[i, : -(-seq_len // page_size)].long()
-        rows = cache[0, pages].flatten(0, 1)[:seq_len, : self.row_dim]  # [S, row]
-        positions = torch.arange(seq_len - num_queries, seq_len, device=q.device)  # [L]
+        c, d, num_queries, device = self.config, self.head_dim, q.shape[0], q.device
+        positions = torch.arange(seq_len - num_queries, seq_len, device=device)  # [L]
         lo = max(0, seq_len - num_queries - c.window + 1)  # the first key any query's window holds
-        key_pos = torch.arange(lo, seq_len, device=q.device)
-        keys = [rows[lo:, :d]]
+        key_pos = torch.arange(lo, seq_len, device=device)
+        keys = [flat[token_slots(table, key_pos, page_size), :d]]
         masks = [(key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - c.window)]
         n = seq_len // self.rate if self.rate else 0
         if n:
-            keys.append(self._entries(rows, n, compress_rope).to(rows.dtype))
-            thresholds = (positions + 1) // self.rate
-            visible = torch.arange(n, device=q.device)[None, :] < thresholds[:, None]
+            m = self.rate
+            entries = flat[token_slots(table, torch.arange(n, device=device) * m + m - 1, page_size), self.raw_dim:]
+            keys.append(entries[:, :d])
+            thresholds = (positions + 1) // m  # the windows that end at or before each query
+            visible = torch.arange(n, device=device)[None, :] < thresholds[:, None]
             if index is not None:
-                keys_i = self._index_keys(rows, n, compress_rope)
-                visible = self.indexer.select(index[0], index[1], keys_i, thresholds)
+                visible = self.indexer.select(index[0], index[1], entries[:, d : self.row_dim - self.raw_dim],
+                                              thresholds)
             masks.append(visible)
         keys, mask = torch.cat(keys).to(q.dtype), torch.cat(masks, dim=1)  # [K, d], [L, K]
         logits = torch.matmul(q.transpose(0, 1), keys.t()) * d**-0.5  # [Nh, L, K]
@@ -225,18 +259,6 @@ class CompressedAttention(nn.Module):
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
         return torch.matmul(probs, keys).transpose(0, 1)  # [L, Nh, d]
-
-    def _entries(self, rows: torch.Tensor, n: int, rope: InterleavedRope) -> torch.Tensor:  # [n, d]
-        """The attention's compressed entries of the sequence's n complete windows."""
-        d, w = self.head_dim, self.compressor.width
-        size = n * self.rate
-        return self.compressor(rows[:size, d : d + w], rows[:size, d + w : d + 2 * w], rope)
-
-    def _index_keys(self, rows: torch.Tensor, n: int, rope: InterleavedRope) -> torch.Tensor:  # [n, Di]
-        """The indexer's compressed keys of the same windows (its rows after the compressor's)."""
-        start, w = 5 * self.head_dim, 2 * self.config.index_head_dim
-        size = n * self.rate
-        return self.indexer.compressor(rows[:size, start : start + w], rows[:size, start + w : start + 2 * w], rope)
 
     def _grouped_o_a(self, o: torch.Tensor) -> torch.Tensor:  # [T, Nh*d] -> [T, G*Ro]
         """HF's DeepseekV4GroupedLinear: group g of heads through its own [Ro, Nh*d/G] block of o_a."""

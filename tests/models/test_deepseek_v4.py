@@ -56,10 +56,10 @@ def test_the_export_is_deepseek_v4(dsv4):
 
 def test_the_runner_keeps_one_row_per_token_and_layer(dsv4):
     """Each layer's pages hold rows of the widest layer's width (a CSA layer's: kv, its compressor's 2d-wide kv and
-    gate rows, its indexer's): 5 * 32 + 4 * 16 values."""
+    gate rows, its indexer's, then the window's entry and index key): 6 * 32 + 5 * 16 values."""
     _, core = dsv4
     runner = ModelRunner(core.manifest.arch, core.tensors, 8, PAGE_SIZE)
-    assert [tuple(t.shape) for t in runner.kv_cache.layers] == [(1, 8, PAGE_SIZE, 224)] * 4
+    assert [tuple(t.shape) for t in runner.kv_cache.layers] == [(1, 8, PAGE_SIZE, 272)] * 4
     assert runner.layer_caches == runner.kv_cache.layers
 
 
