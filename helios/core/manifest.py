@@ -241,6 +241,24 @@ class DsaConfig(_S):
         return 2 * self.head_dim
 
 
+class MsaConfig(_S):
+    """minimax_m3's block-sparse attention (MiniMax sparse attention, HF's lightning indexer) in `layers`: GQA
+    attention whose query heads attend, per index head, only to the keys of num_blocks blocks (block_size consecutive
+    tokens from position 0; the query's own block and the local_blocks - 1 before it always among them), causally.
+    A block's score for a query: the max over its keys j <= the query's position of q_h . k_j in float32, q_h the
+    index query of head h (the indexer's q_norm, then rotary at its position), k_j the index key of token j (k_norm,
+    then rotary at j); the rotary turns the leading arch.rotary_dim dims. Index head h selects for the query heads
+    h * G .. (h + 1) * G - 1, G = arch.num_heads / num_heads. Ties go to the earlier block. Per token the layer keeps
+    k_j (head_dim values) in a paged tensor beside its K/V (helios.runner.kv_cache), kept and freed with them."""
+
+    num_heads: PosInt  # index_n_heads
+    head_dim: PosInt  # index_head_dim, >= arch.rotary_dim
+    block_size: PosInt  # index_block_size
+    num_blocks: PosInt  # index_topk_blocks: blocks a query keeps, its local ones among them
+    local_blocks: NonNegInt  # index_local_blocks (<= num_blocks)
+    layers: list[NonNegInt]  # the sparse attention layers (layer_types "minimax_m3_sparse")
+
+
 class MhcConfig(_S):
     """glm5_next's manifold-constrained hyper-connections (mHC): the residual stream is num_streams streams of the
     hidden size ([T, S, H], the embedding repeated). Before each sublayer, from the streams flattened to [T, S*H]
@@ -286,14 +304,13 @@ class CompressedAttentionConfig(_S):
 
     def row_dim(self, kind: str, head_dim: int) -> int:
         """Values one token keeps in a layer of this kind: its kv row, then the raw compressor kv and gate rows
-        (2d wide each in csa, overlapping windows; d in hca) and csa's indexer kv and gate rows (2 index_head_dim
-        each), then the compressed entry (d; csa: and the indexer's, index_head_dim) that the last token of a window
-        holds (the other tokens leave those values unused)."""
+        (2d wide each in csa, overlapping windows; d in hca), then csa's indexer kv and gate rows (2 index_head_dim
+        each)."""
         if kind == "sliding":
             return head_dim
         if kind == "hca":
-            return 4 * head_dim
-        return 6 * head_dim + 5 * self.index_head_dim
+            return 3 * head_dim
+        return 5 * head_dim + 4 * self.index_head_dim
 
     def cache_dim(self, head_dim: int) -> int:
         """The KV pages' row: the widest layer's (every layer keeps rows of one width; the narrower use a prefix)."""
@@ -351,6 +368,10 @@ class Architecture(_S):
     dsa: DsaConfig | None = None
     mhc: MhcConfig | None = None
     swiglu_limit: float | None = None
+    # minimax_m3: block-sparse attention layers (MsaConfig), and SwiGLU-OAI gated MLPs: with swiglu_alpha every
+    # gated MLP computes (up + 1) * gate * sigmoid(swiglu_alpha * gate), after the swiglu_limit clamp
+    msa: MsaConfig | None = None
+    swiglu_alpha: float | None = None
     # step3p7: the sliding layers' own query heads and rotary dims (None: num_heads, rotary_dim; their KV heads and
     # head_dim are the full layers'); an output gate of one sigmoid per head (attn_output_gate with
     # attn_gate_per_head: qkv's last num_heads rows) instead of one per channel; per-layer SwiGLU clamps applied
@@ -380,9 +401,12 @@ class Architecture(_S):
     @property
     def index_dim(self) -> int:
         """Values one token keeps per attention layer for an indexer, in a paged tensor beside its KV: QSA's raw
-        index key (head_dim), DSA's index key and pool-gate logits (cache_dim); 0 without an indexer."""
+        index key (head_dim), MSA's index key (head_dim), DSA's index key and pool-gate logits (cache_dim); 0 without
+        an indexer."""
         if self.indexer is not None:
             return self.indexer.head_dim
+        if self.msa is not None:
+            return self.msa.head_dim
         return self.dsa.cache_dim if self.dsa is not None else 0
 
 

@@ -151,8 +151,9 @@ class SigmoidMoe(nn.Module):
 
     def __init__(self, hidden_size: int, moe: MoeConfig, act: Activation, switches: Switches = DEFAULT_SWITCHES,
                  limit: float | None = None, clamp_after_act: bool = False,
-                 norm_eps: tuple[float, float] = (1e-6, 1e-6)):
+                 norm_eps: tuple[float, float] = (1e-6, 1e-6), alpha: float | None = None):
         """limit: the gated experts' (and the shared expert's) SwiGLU clamp (arch.swiglu_limit), None for none;
+        alpha: their SwiGLU-OAI gain (arch.swiglu_alpha, minimax_m3; helios.layers.activation.gated), None for none;
         clamp_after_act: the clamp applies to act(gate), not gate (step3p7; helios.layers.activation.gated);
         norm_eps: with moe.latent_norms, the latent norm's and the expert norm's epsilons."""
         super().__init__()
@@ -162,6 +163,7 @@ class SigmoidMoe(nn.Module):
         self.act = act
         self.limit = limit
         self.clamp_after_act = clamp_after_act
+        self.alpha = alpha
         width = moe.latent_size or hidden_size
         self.router = _Router(hidden_size, moe.num_experts, moe.score_bias)
         if moe.latent_size:
@@ -178,7 +180,7 @@ class SigmoidMoe(nn.Module):
         fs = moe.shared_expert_intermediate_size
         self.shared = None if not fs else (Relu2MLP(hidden_size, fs, switches) if act == "relu2"
                                            else GatedMLP(hidden_size, fs, act, switches=switches, limit=limit,
-                                                         clamp_after_act=clamp_after_act))
+                                                         clamp_after_act=clamp_after_act, alpha=alpha))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         m = self.moe
@@ -205,7 +207,8 @@ class SigmoidMoe(nn.Module):
             if self.act == "relu2":
                 h = relu2(linear(x[token], self.up.weight[e]))
             else:
-                h = gated(linear(x[token], self.gate_up.weight[e]), self.act, self.limit, self.clamp_after_act)
+                h = gated(linear(x[token], self.gate_up.weight[e]), self.act, self.limit, self.clamp_after_act,
+                          alpha=self.alpha)
             h = linear(h, self.down.weight[e])
             if self.moe.latent_norms:
                 h = self.expert_norm(h)

@@ -134,24 +134,36 @@ class IndexedAttention(nn.Module):
         index_q, index_k = self.indexer.project(x, cos, sin)
         index_cache.view(-1, index_cache.shape[-1]).index_copy_(0, meta.slot_mapping, index_k.to(index_cache.dtype))
         o = torch.empty(num_tokens, self.num_heads, d, dtype=q.dtype, device=q.device)
-        page_size = kv_cache.shape[2]
-        qsl = meta.query_start_loc_cpu
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
-            start, end = qsl[i], qsl[i + 1]
-            if end == start:
-                continue
-            blocks = meta.block_tables[i, : -(-seq_len // page_size)].long()
-            keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # [S, Nkv, D]
-            values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-            index_keys = index_cache[0, blocks].flatten(0, 1)[:seq_len]  # [S, Di]
-            mask = self.indexer.select(index_q[start:end], index_keys, seq_len - (end - start))
-            o[start:end] = self._attend(q[start:end], keys, values, mask)
+        for start, end, keys, values, index_keys in indexed_sequences(meta, kv_cache, index_cache):
+            mask = self.indexer.select(index_q[start:end], index_keys, keys.shape[0] - (end - start))
+            o[start:end] = attend_masked(q[start:end], keys, values, mask, self.scale)
         o = o.reshape(num_tokens, q_size) * sigmoid(gate)  # exp-based: the same bits at every row offset
         return self.o(o)
 
-    def _attend(self, q, keys, values, mask) -> torch.Tensor:  # q [L, Nq, D], keys/values [S, Nkv, D] -> [L, Nq, D]
-        # 4-d operands: CPU SDPA's flash kernel (helios.layers.attention._attend says why)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.to(q.dtype).transpose(0, 1)[None],
-                                           values.to(q.dtype).transpose(0, 1)[None], attn_mask=mask,
-                                           scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)
-        return o[0].transpose(0, 1)
+
+def indexed_sequences(meta: AttentionMetadata, kv_cache: torch.Tensor, index_cache: torch.Tensor):
+    """Per sequence of the step with queries: (start, end, keys [S, Nkv, D], values [S, Nkv, D], index keys
+    [S, Di]), its query rows and everything its pages hold up to its length S (this step's writes included)."""
+    page_size = kv_cache.shape[2]
+    qsl = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        if qsl[i + 1] == qsl[i]:
+            continue
+        pages = meta.block_tables[i, : -(-seq_len // page_size)].long()
+        yield (qsl[i], qsl[i + 1], kv_cache[0, pages].flatten(0, 1)[:seq_len],
+               kv_cache[1, pages].flatten(0, 1)[:seq_len], index_cache[0, pages].flatten(0, 1)[:seq_len])
+
+
+def attend_masked(
+    q: torch.Tensor,  # [L, Nq, D]
+    keys: torch.Tensor,  # [S, Nkv, D]
+    values: torch.Tensor,  # [S, Nkv, D]
+    mask: torch.Tensor,  # [L, S] or [Nq, L, S] bool: the keys each query (of each head) attends to
+    scale: float,
+) -> torch.Tensor:  # [L, Nq, D]
+    """SDPA of one sequence's queries over its keys under a selection mask (GQA without repeating K/V)."""
+    # 4-d operands: CPU SDPA's flash kernel (helios.layers.attention._attend says why)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.to(q.dtype).transpose(0, 1)[None],
+                                       values.to(q.dtype).transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                       enable_gqa=q.shape[1] != keys.shape[1])
+    return o[0].transpose(0, 1)

@@ -307,6 +307,8 @@ def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> st
         if unsafe or not any(hasattr(m, "decode_graph_safe") for m in model.modules()):
             kinds = ", ".join(sorted(set(unsafe))) or arch.recurrent.kind
             return f"recurrent layers ({kinds}): their decode step reads host-side slot lists (no Triton path)"
+    if arch.index_dim:
+        return "indexed attention layers: their key selection loops over sequences on the host"
     names = {b.name for b in attention_backends(model)}
     if names != {"triton"}:
         return f"attention backend {sorted(names)} reads host-side lengths; graphs need the triton backend"

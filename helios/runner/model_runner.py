@@ -560,7 +560,7 @@ class ModelRunner:
         """Per layer: the KV tensor of an attention layer, the (conv, recurrent) state of a linear one, None for an
         ffn layer (a feed-forward block: nothing kept)."""
         if self.state_cache is None and "ffn" not in self.arch.layer_types:
-            return self.kv_cache.layers
+            return self.kv_cache.layer_caches  # the KV tensors, or (KV, index keys) pairs (minimax_m3)
         kv = iter(self.kv_cache.layer_caches)
         states = self.state_cache.layers if self.state_cache is not None else {}
         attention = set(self.arch.attention_layers)

@@ -37,12 +37,15 @@ _REGISTRY = {
     "kimi_linear": "ignition.archs.kimi_linear",
     "qwen4_exp_text": "ignition.archs.qwen4_exp", "qwen4_exp": "ignition.archs.qwen4_exp",  # wrapper: its text_config
     "glm5_next": "ignition.archs.glm5_next", "glm5_next_text": "ignition.archs.glm5_next",  # wrapper: text_config
+    "minimax_m3_vl": "ignition.archs.minimax_m3", "minimax_m3_vl_text": "ignition.archs.minimax_m3",  # wrapper: text
     "step3p7": "ignition.archs.step3p7", "step3p5": "ignition.archs.step3p7",  # wrapper: text_config; flat text
     "muse_spark": "ignition.archs.muse_spark", "muse_spark_text": "ignition.archs.muse_spark",  # wrapper: text_config
     "deepseek_v4": "ignition.archs.deepseek_v4",
 }
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(_REGISTRY))
+# family -> its module, for a family no model_type spells (the size arithmetic looks for its layer_params there)
+_FAMILY_MODULES = {"minimax_m3": "ignition.archs.minimax_m3"}
 
 
 def convert(ckpt: Checkpoint, dtype: torch.dtype) -> tuple[Architecture, Iterator[tuple[str, Producer]]]:
@@ -158,7 +161,8 @@ def _mlp_params(arch: Architecture, layer_index: int, experts_read: int | None) 
 
 def _layer_params(arch: Architecture, layer_index: int, experts_read: int | None) -> int:
     """One layer's parameters: its family module's own count (`layer_params`, these arguments) where it has one."""
-    own = getattr(importlib.import_module(_REGISTRY.get(arch.family, __name__)), "layer_params", None)
+    module = _REGISTRY.get(arch.family) or _FAMILY_MODULES.get(arch.family, __name__)
+    own = getattr(importlib.import_module(module), "layer_params", None)
     if own is not None:
         return own(arch, layer_index, experts_read)
     return _mixer_params(arch, layer_index) + _mlp_params(arch, layer_index, experts_read)

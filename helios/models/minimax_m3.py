@@ -1,0 +1,96 @@
+"""minimax_m3 (MiniMax-M3, text): pre-norm GQA decoder layers (per-head q/k norms, partial rotary) whose sparse layers
+(arch.msa.layers) attend through the lightning indexer's block selection (helios.layers.msa), each with a SwiGLU-OAI
+feed-forward: a dense MLP (arch.moe.dense_layers) or sigmoid-routed experts (score bias, renormalised, scaled) plus a
+shared expert. Every norm is zero-centred in the checkpoint, stored 1 + w and multiplied in float32, as HF does.
+
+Block: x += attn(attn_norm(x)); x += ffn(mlp_norm(x)). Forward-only, no weights of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helios.core.manifest import Architecture
+from helios.layers.activation import GatedMLP
+from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from helios.layers.linear import Embedding, Linear, linear
+from helios.layers.moe import SigmoidMoe
+from helios.layers.msa import SparseAttention
+from helios.layers.norm import RMSNorm
+from helios.layers.rotary import RotaryEmbedding
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+class MiniMaxM3Layer(nn.Module):
+    """attn_norm, attn (Attention, or SparseAttention in a sparse layer), mlp_norm, then mlp or moe."""
+
+    def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
+                 switches: Switches = DEFAULT_SWITCHES) -> None:
+        super().__init__()
+        h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
+        self.is_sparse = arch.msa is not None and layer_idx in arch.msa.layers
+        self.attn_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        if self.is_sparse:
+            self.attn = SparseAttention(h, arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, arch.msa, eps,
+                                        arch.rotary_dim, switches)
+        else:
+            self.attn = Attention(h, arch.num_heads, arch.num_kv_heads, arch.head_dim, backend, qk_norm=True,
+                                  norm_eps=eps, norm_multiply_in_float32=True, rotary_dim=arch.rotary_dim,
+                                  switches=switches)
+        self.mlp_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        limit, alpha = arch.swiglu_limit, arch.swiglu_alpha
+        if moe is None or layer_idx in moe.dense_layers:
+            self.ffn_name = "mlp"
+            ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches, limit=limit, alpha=alpha)
+        else:
+            self.ffn_name = "moe"
+            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, limit=limit, alpha=alpha)
+        self.add_module(self.ffn_name, ffn)
+
+    def forward(self, x: torch.Tensor, cos_sin, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
+        """cache: the layer's (KV, index keys) pages (its KV alone in a model without sparse layers); a full layer
+        reads only the KV."""
+        if isinstance(cache, tuple) and not self.is_sparse:
+            cache = cache[0]
+        x = x + self.attn(self.attn_norm(x), cos_sin, cache, meta)
+        return x + getattr(self, self.ffn_name)(self.mlp_norm(x))
+
+
+class MiniMaxM3ForCausalLM(nn.Module):
+    """forward's `caches` holds one (KV, index keys) pair per layer (helios.runner.kv_cache: every attention layer of
+    a model with an indexer keeps index rows; a full layer leaves its own unused), or the KV alone per layer when
+    arch.msa is None (no sparse layers)."""
+
+    def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+        super().__init__()
+        if arch.swiglu_alpha is None or arch.swiglu_limit is None or not arch.qk_norm:
+            raise ValueError("a minimax_m3 architecture has q/k norms and a clamped SwiGLU-OAI")
+        if arch.moe is not None and (arch.moe.scoring != "sigmoid" or arch.moe.shared_expert_gate):
+            raise ValueError("a minimax_m3 architecture's experts are sigmoid-routed with an ungated shared expert")
+        self.arch = arch
+        self.switches = switches
+        self.path = "eager"
+        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.rotary = RotaryEmbedding(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling,
+                                      arch.max_position_embeddings, device)
+        self.layers = nn.ModuleList(MiniMaxM3Layer(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
+                                                                    switches=switches)
+
+    @staticmethod
+    def folds_norm_weights(arch: Architecture) -> bool:
+        return False
+
+    def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
+        x = self.embed(token_ids)
+        cos_sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cos_sin, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight, None, self.switches)
