@@ -128,6 +128,7 @@ def test_export_is_reproducible(tiny, variant, tmp_path):
     assert core.manifest.arch == arch
     assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
     assert core.manifest.tokenizer.eos_token_ids == [EOS_ID]
+    assert core.manifest.recipe.name == "step5"  # Step 5 has no transformers family; step3p7 is its nearest
 
 
 # ---- namings, config spellings, what is ignored ---------------------------------------------------------------
