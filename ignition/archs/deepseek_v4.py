@@ -18,9 +18,9 @@ import dataclasses
 import torch
 
 from helios.core.layout import layer
-from helios.core.manifest import Architecture, CompressedAttentionConfig, MhcConfig, MoeConfig, RopeScaling
+from helios.core.manifest import Architecture, CompressedAttentionConfig, MoeConfig, RopeScaling
 from ignition.archs import Plan, Weights
-from ignition.archs.glm5_next import _add_mhc
+from ignition.archs.glm5_next import _add_mhc, _mhc, _swiglu_limit
 from ignition.archs.llama import load, load_fused
 from ignition.archs.qwen3_moe import _stacked, _stacked_fused
 from ignition.errors import ExportError
@@ -230,20 +230,6 @@ def _moe(cfg: dict, num_layers: int, where: str) -> MoeConfig:
                      shared_expert_intermediate_size=fm, shared_expert_gate=False, scoring=scoring, score_bias=True,
                      routed_scaling_factor=float(cfg["routed_scaling_factor"]),
                      hash_layers=_hash_layers(cfg, num_layers, where))
-
-
-def _mhc(cfg: dict, where: str) -> MhcConfig:
-    streams, iterations, eps = int(cfg["hc_mult"]), int(cfg["hc_sinkhorn_iters"]), float(cfg["hc_eps"])
-    if streams < 1 or iterations < 1:
-        raise ExportError(f"{where}: hc_mult={streams}, hc_sinkhorn_iters={iterations} must be positive")
-    return MhcConfig(num_streams=streams, sinkhorn_iterations=iterations, eps=eps)
-
-
-def _swiglu_limit(cfg: dict, where: str) -> float:
-    limit = cfg.get("swiglu_limit")
-    if limit is None or float(limit) <= 0:  # HF's clamp(-limit, limit) needs a positive number
-        raise ExportError(f"{where}: swiglu_limit={limit} is not supported (a positive clamp)")
-    return float(limit)
 
 
 def layer_params(arch: Architecture, i: int, experts_read: int | None) -> int:

@@ -109,8 +109,8 @@ def test_the_published_layout_and_config_keys(tiny, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     for key in ("layer_types", "mlp_layer_types", "rope_parameters", "partial_rotary_factor", "compress_rates"):
         cfg.pop(key)
-    cfg.update(compress_ratios=[0, 4, 128, 4, 0], compress_rate_hca=8, num_hash_layers=2, qk_rope_head_dim=8, rope_theta=10000.0,
-               rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+    cfg.update(compress_ratios=[0, 4, 128, 4, 0], compress_rate_hca=8, num_hash_layers=2, qk_rope_head_dim=8,
+               rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                              "beta_fast": 32, "beta_slow": 1}, torch_dtype="bfloat16")
     (path / "config.json").write_text(json.dumps(cfg))
     arch, got = convert_all(path)
