@@ -113,8 +113,9 @@ class MuseSparkForCausalLM(nn.Module):
         super().__init__()
         if norms_folded:
             raise ValueError("muse_spark norm weights are never folded")
-        if arch.moe is not None and (arch.moe.scoring != "sigmoid" or not arch.moe.latent_norms):
-            raise ValueError("a muse_spark architecture has a sigmoid-routed MoE with normed latents")
+        if not arch.attn_output_gate or (arch.moe is not None and (arch.moe.scoring != "sigmoid"
+                                                                    or not arch.moe.latent_norms)):
+            raise ValueError("a muse_spark architecture has gated attention and a sigmoid-routed MoE with normed latents")
         self.arch = arch
         self.switches = switches
         self.path = "eager"

@@ -89,10 +89,10 @@ def _architecture(cfg: dict, where: str) -> Architecture:
         **{**dims, "tie_word_embeddings": False},
         rope_theta=theta,
         rope_scaling=scaling,
+        # NOTE: qk_norm and sandwich_norms stay off: they name weighted norm tensors (helios/core/layout.py) that this
+        # family lacks; its weightless q/k/o and post-attention norms are the family's own
         query_scale=float(cfg["qk_scale_factor"]) * dims["head_dim"] ** -0.5,
-        qk_norm=True,
         attn_output_gate=True,
-        sandwich_norms=True,
         sliding_window=int(window) if window else None,
         layer_types=types,
         final_logit_softcapping=float(cap),
