@@ -43,6 +43,10 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         cfg, prefixes = {**_DEFAULTS, **text}, ("model.language_model.",)
     else:
         cfg, prefixes = {**_DEFAULTS, **top}, ("model.language_model.", "model.")
+    quant = top.get("quantization_config") or cfg.get("quantization_config")
+    if quant:  # the recipe's release is NVFP4 (scales beside packed weights): export from the bf16 weights
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise ExportError(f"{where}: quantization_config ({method}) is not supported: export from bf16 weights")
     arch = _architecture(cfg, where)
     w = Weights(ckpt, prefixes, _IGNORED)
     plan: Plan = {}

@@ -145,10 +145,19 @@ def test_per_layer_defaults_are_hfs(copy):
     ("num_experts_per_tok", 9, "num_experts_per_tok"),
     ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
      "partial_rotary_factor"),
+    ("quantization_config", {"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quantization_config"),
 ])
 def test_unsupported_configs_are_refused(copy, key, value, message):
     edit_config(copy, lambda c: {**c, key: value})
     with pytest.raises(ExportError, match=message):
+        convert_all(copy)
+
+
+def test_a_quantized_release_is_refused(copy):
+    """The recipe's checkpoint is NVFP4: its wrapper config's quantization_config is refused by name."""
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "modelopt"}}))
+    with pytest.raises(ExportError, match="quantization_config \\(modelopt\\)"):
         convert_all(copy)
 
 
