@@ -299,8 +299,12 @@ def test_mamba2_scan_decode_and_prefill(interpreter):
 def test_mamba2_chunked_prefill(interpreter):
     """The chunked kernel (16-row chunks on the absolute grid): a sequence over three chunks from a mid-chunk
     start, a fresh one ending mid-chunk, a decode row, then a decode step from the states it left."""
+    from helios.kernels.mamba import kernel_chunk
+
     check_mamba2_scan("cpu", torch.float32, query_lens=(37, 20, 1), starts=(5, 0, 9), head_dim=8, chunk_size=16,
                       dt_limit=(0.0, 0.9))
+    # the kernel's grid divides the layer's (the scheduler's split points); under 16 rows: the sequential kernel
+    assert [kernel_chunk(c) for c in (None, 8, 16, 48, 128, 256)] == [None, None, 16, 16, 32, 32]
 
 
 def test_mamba2_scan_bf16(interpreter):
