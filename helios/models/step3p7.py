@@ -30,7 +30,9 @@ def _limit(limits: list[float], layer_idx: int) -> float | None:
 
 class Step3p7Moe(SigmoidMoe):
     """SigmoidMoe whose routed experts and shared expert clamp with the layer's own limits (after the activation).
-    Tensors bound: SigmoidMoe's (router.weight, router.bias, gate_up, down, shared.gate_up / shared.down)."""
+    Tensors bound: SigmoidMoe's (router.weight, router.bias, gate_up, down, shared.gate_up / shared.down).
+    NOTE: the router's logits are float32 (SigmoidMoe), as the release asks (need_fp32_gate); HF computes them in the
+    weight dtype, so a 16-bit core may route a near-tie other than HF's 16-bit model (float32 cores match it)."""
 
     def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES) -> None:
         h, moe = arch.hidden_size, arch.moe
