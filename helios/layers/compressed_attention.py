@@ -116,31 +116,48 @@ class LightningIndexer(nn.Module):
 
     def select(
         self,
-        q: torch.Tensor,  # [L, Ni, Di] the sequence's rotated index queries of this step
-        weights: torch.Tensor,  # [L, Ni] float32, the 1/sqrt(Ni) folded in
-        keys: torch.Tensor,  # [n, Di] its compressed index keys
-        thresholds: torch.Tensor,  # [L] int64: entries each query may see ((p + 1) // rate)
-    ) -> torch.Tensor:  # [L, n] bool: the entries each query attends to
+        q: torch.Tensor,  # [B, L, Ni, Di] rotated index queries: B sequences of L queries each
+        weights: torch.Tensor,  # [B, L, Ni] float32, the 1/sqrt(Ni) folded in
+        keys: torch.Tensor,  # [B, n, Di] their compressed index keys (padded past a sequence's entries)
+        visible: torch.Tensor,  # [B, L, n] bool: the entries each query may see (complete windows it follows)
+    ) -> torch.Tensor:  # [B, L, n] bool: the entries each query attends to
         """As DeepseekV4Indexer: scores sum_h w_h relu(q_h . k) / sqrt(Di) in float32, the index_topk best of the
         visible entries. NOTE: ties go to the earlier entry (a stable sort), so a choice depends on the query's
         scores only; HF's torch.topk breaks them by its own rule (relu makes exact zeros possible: the tiny test
         configs use enough index heads that no tie reaches the cut)."""
         c = self.config
-        n = keys.shape[0]
-        scores = torch.relu(torch.matmul(q.float(), keys.float().t())) * c.index_head_dim**-0.5  # [L, Ni, n]
-        scores = (scores * weights[..., None]).sum(dim=1)  # [L, n]
-        visible = torch.arange(n, device=q.device)[None, :] < thresholds[:, None]
+        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(1, 2)[:, None]))  # [B, L, Ni, n]
+        scores = (scores * c.index_head_dim**-0.5 * weights[..., None]).sum(dim=2)  # [B, L, n]
         scores = scores.masked_fill(~visible, float("-inf"))
-        best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(c.index_topk, n)]
-        return torch.zeros_like(visible).scatter_(1, best, True) & visible
+        best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : c.index_topk]
+        return torch.zeros_like(visible).scatter_(-1, best, True) & visible
+
+
+def attend_with_sinks(
+    q: torch.Tensor,  # [B, L, Nh, d]
+    keys: torch.Tensor,  # [B, K, d] keys and values alike
+    mask: torch.Tensor,  # [B, L, K] bool: the keys each query attends to
+    sinks: torch.Tensor,  # [Nh]
+) -> torch.Tensor:  # [B, L, Nh, d]
+    """As HF's eager_attention_forward with K = V and head_dim ** -0.5: the sink's logit joins the max and the softmax
+    (in float32: HF's sinks stay float32, so its concatenation is float32 whatever the model dtype), then is
+    dropped."""
+    batch, num_queries, num_heads, d = q.shape
+    logits = torch.matmul(q.transpose(1, 2), keys.transpose(1, 2)[:, None]) * d**-0.5  # [B, Nh, L, K]
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    sink = sinks.float()[None, :, None, None].expand(batch, -1, num_queries, 1)
+    combined = torch.cat([logits.float(), sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
+    return torch.matmul(probs, keys[:, None]).transpose(1, 2)  # [B, L, Nh, d]
 
 
 def token_slots(
-    table: torch.Tensor,  # [max_blocks] int32, a sequence's block table
-    positions: torch.Tensor,  # [N] int64
+    tables: torch.Tensor,  # [..., max_blocks] int32: block tables
+    positions: torch.Tensor,  # [..., N] int64, positions of each table's sequence
     page_size: int,
-) -> torch.Tensor:  # [N] int64: the flat slots of those positions
-    return table[positions // page_size].long() * page_size + positions % page_size
+) -> torch.Tensor:  # [..., N] int64: the flat slots of those positions
+    return tables.gather(-1, positions // page_size).long() * page_size + positions % page_size
 
 
 class CompressedAttention(nn.Module):
@@ -196,19 +213,30 @@ class CompressedAttention(nn.Module):
             index_q = self.indexer.q_b(q_lat).view(num_tokens, self.config.index_num_heads, -1)
             index = (rotate_tail(index_q, *compress_rope.cos_sin(meta.positions, x.dtype)),
                      i_w.float() * self.config.index_num_heads**-0.5)
-        out = torch.empty_like(q)
-        qsl, page_size = meta.query_start_loc_cpu, cache.shape[2]
-        for i, seq_len in enumerate(meta.seq_lens_cpu):
-            start, end = qsl[i], qsl[i + 1]
-            if end == start:
-                continue
-            table = meta.block_tables[i]
-            if self.rate:
-                self._write_entries(flat, table, page_size, seq_len - (end - start), seq_len, compress_rope)
-            seq_index = None if index is None else (index[0][start:end], index[1][start:end])
-            out[start:end] = self._attend(q[start:end], flat, table, page_size, seq_len, seq_index)
-        out = rotate_tail(out, cos, -sin)  # K = V carried the keys' rotation: turn it back at the query
+        # K = V carried the keys' rotation: the output turns back by the query's
+        out = rotate_tail(self._attend_all(q, flat, meta, cache.shape[2], index, compress_rope), cos, -sin)
         return self.o_b(self._grouped_o_a(out.reshape(num_tokens, -1)))
+
+    def _attend_all(self, q: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata, page_size: int, index,
+                    compress_rope: InterleavedRope) -> torch.Tensor:  # q [T, Nh, d] -> [T, Nh, d]
+        """The entries of the windows this step completes, then attention: every one-token sequence in one batched
+        pass (padded to the longest), each longer one alone."""
+        qsl = meta.query_start_loc_cpu
+        lengths = [end - start for start, end in zip(qsl, qsl[1:])]
+        if self.rate:
+            for i, seq_len in enumerate(meta.seq_lens_cpu):
+                if lengths[i]:
+                    self._write_entries(flat, meta.block_tables[i], page_size, seq_len - lengths[i], seq_len,
+                                        compress_rope)
+        singles = [i for i, n in enumerate(lengths) if n == 1]
+        groups = [(singles, torch.tensor([qsl[i] for i in singles], device=q.device))] if singles else []
+        groups += [([i], torch.arange(qsl[i], qsl[i + 1], device=q.device)) for i, n in enumerate(lengths) if n > 1]
+        out = torch.empty_like(q)
+        for seqs, rows in groups:
+            shape = (len(seqs), -1)  # [B, L]
+            seq_index = None if index is None else tuple(t[rows].unflatten(0, shape) for t in index)
+            out[rows] = self._attend(q[rows].unflatten(0, shape), flat, meta, seqs, page_size, seq_index).flatten(0, 1)
+        return out
 
     def _write_entries(self, flat: torch.Tensor, table: torch.Tensor, page_size: int, start: int, seq_len: int,
                        rope: InterleavedRope) -> None:
@@ -228,37 +256,32 @@ class CompressedAttention(nn.Module):
         last = token_slots(table, torch.arange(first, end, device=device) * m + m - 1, page_size)
         flat[last, self.raw_dim : self.row_dim] = torch.cat(entries, dim=-1).to(flat.dtype)
 
-    def _attend(self, q: torch.Tensor, flat: torch.Tensor, table: torch.Tensor, page_size: int, seq_len: int,
-                index) -> torch.Tensor:  # q [L, Nh, d] -> [L, Nh, d]
-        """One sequence: its window keys and its compressed entries under the causal / window / selection mask,
-        with the sinks, as HF's eager_attention_forward (the sink's logit joins the max and the softmax, then is
-        dropped)."""
-        c, d, num_queries, device = self.config, self.head_dim, q.shape[0], q.device
-        positions = torch.arange(seq_len - num_queries, seq_len, device=device)  # [L]
-        lo = max(0, seq_len - num_queries - c.window + 1)  # the first key any query's window holds
-        key_pos = torch.arange(lo, seq_len, device=device)
-        keys = [flat[token_slots(table, key_pos, page_size), :d]]
-        masks = [(key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] > positions[:, None] - c.window)]
-        n = seq_len // self.rate if self.rate else 0
+    def _attend(self, q: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata, seqs: list[int], page_size: int,
+                index) -> torch.Tensor:  # q [B, L, Nh, d] -> [B, L, Nh, d]
+        """B sequences' last L queries each (B one-token sequences, or one sequence): their window keys and their
+        compressed entries (padded to the longest; padding masked) under the causal / window / selection mask."""
+        c, d, num_queries, device = self.config, self.head_dim, q.shape[1], q.device
+        lens_cpu = [meta.seq_lens_cpu[i] for i in seqs]
+        lens = torch.tensor(lens_cpu, device=device)[:, None]  # [B, 1]
+        tables = meta.block_tables[torch.tensor(seqs, device=device)]  # [B, max_blocks]
+        positions = lens - num_queries + torch.arange(num_queries, device=device)  # [B, L]
+        span = min(max(lens_cpu), num_queries + c.window - 1)  # keys any query's window holds
+        key_pos = lens - span + torch.arange(span, device=device)  # [B, span], < 0: padding
+        keys = [flat[token_slots(tables, key_pos.clamp(min=0), page_size), :d]]
+        kp, qp = key_pos[:, None, :], positions[..., None]
+        masks = [(kp >= 0) & (kp <= qp) & (kp > qp - c.window)]  # [B, L, span]
+        n = max(lens_cpu) // self.rate if self.rate else 0
         if n:
             m = self.rate
-            entries = flat[token_slots(table, torch.arange(n, device=device) * m + m - 1, page_size), self.raw_dim:]
-            keys.append(entries[:, :d])
-            thresholds = (positions + 1) // m  # the windows that end at or before each query
-            visible = torch.arange(n, device=device)[None, :] < thresholds[:, None]
+            windows = torch.arange(n, device=device)
+            ends = torch.where(windows < lens // m, windows * m + m - 1, 0)  # [B, n]: each entry's row, else row 0
+            entries = flat[token_slots(tables, ends, page_size), self.raw_dim :]  # [B, n, d (+ Di)]
+            keys.append(entries[..., :d])
+            visible = windows < (qp + 1) // m  # [B, L, n]: the windows that end at or before each query
             if index is not None:
-                visible = self.indexer.select(index[0], index[1], entries[:, d : self.row_dim - self.raw_dim],
-                                              thresholds)
+                visible = self.indexer.select(index[0], index[1], entries[..., d:], visible)
             masks.append(visible)
-        keys, mask = torch.cat(keys).to(q.dtype), torch.cat(masks, dim=1)  # [K, d], [L, K]
-        logits = torch.matmul(q.transpose(0, 1), keys.t()) * d**-0.5  # [Nh, L, K]
-        logits = logits.masked_fill(~mask, float("-inf"))
-        # HF's sinks stay float32, so its concatenation (and the softmax) is float32 whatever the model dtype
-        sinks = self.sinks.float()[:, None, None].expand(-1, num_queries, 1)
-        combined = torch.cat([logits.float(), sinks], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(combined, dim=-1)[..., :-1].to(keys.dtype)
-        return torch.matmul(probs, keys).transpose(0, 1)  # [L, Nh, d]
+        return attend_with_sinks(q, torch.cat(keys, dim=1).to(q.dtype), torch.cat(masks, dim=-1), self.sinks)
 
     def _grouped_o_a(self, o: torch.Tensor) -> torch.Tensor:  # [T, Nh*d] -> [T, G*Ro]
         """HF's DeepseekV4GroupedLinear: group g of heads through its own [Ro, Nh*d/G] block of o_a."""
