@@ -317,6 +317,70 @@ class CompressedAttentionConfig(_S):
         return max(self.row_dim(kind, head_dim) for kind in self.layer_kinds)
 
 
+class Gemma4Config(_S):
+    """gemma4's text decoder beyond what gemma3 has (helios.models.gemma4 computes each piece as HF does).
+
+    Full-attention layers have their own head_dim and kv heads (arch.full_head_dim / full_num_kv_heads) and
+    proportional rope: of a full head's full_head_dim / 2 rotary pairs (dim j with j + full_head_dim / 2) the first
+    rotated_pairs turn at theta ** (-2 j / full_head_dim) / rope_factor (arch.rope_theta), the rest pass; sliding
+    layers turn every pair at arch.rope_local_theta. q/k RMSNorms, a weightless RMSNorm on v, attention scale 1.
+    k_eq_v: a full layer's v is its k projection (before k_norm; its qkv has no v rows). A KV-shared layer
+    (arch.kv_sources) has only q rows and no k_norm. Per-layer embeddings (ple_dim > 0): per token and layer a
+    ple_dim vector (ple.* tensors) gates a residual branch after the feed-forward. Every layer ends by multiplying
+    the residual stream by its layer_scalar. With arch.moe the MoE block runs beside the MLP on the same input."""
+
+    rotated_pairs: NonNegInt  # int(partial_rotary_factor * full_head_dim / 2)
+    rope_factor: float = 1.0  # the proportional rope's factor (divides the full layers' frequencies)
+    k_eq_v: bool = False  # attention_k_eq_v
+    double_wide_mlp: bool = False  # KV-shared layers' MLPs are 2 * intermediate_size wide (use_double_wide_mlp)
+    ple_dim: NonNegInt = 0  # hidden_size_per_layer_input; 0: no per-layer embeddings
+    ple_vocab_size: NonNegInt = 0  # vocab_size_per_layer_input: rows of ple.embed
+
+
+class CompressedAttentionConfig(_S):
+    """deepseek_v4's attention: shared-KV MQA (one K=V head of arch.head_dim d after its RMSNorm, per-head sinks
+    arch.num_heads in the softmax's denominator) over a sliding window of `window` tokens (itself among them) in
+    every layer, plus, per layer_kinds entry, compressed entries: "hca" one per hca_rate tokens (a softmax-gated mix
+    of the window's kv rows with position_bias on the gate logits, RMSNormed, rotated at the window's first
+    position); "csa" one per csa_rate tokens from 2 * csa_rate rows (the previous window's first half and this
+    one's second half of 2d-wide rows), of which each query keeps the index_topk best by its lightning indexer
+    (index_num_heads heads of index_head_dim over entries the indexer compresses alike); "sliding" none. A query at
+    p sees the entries of windows that end at or before p. q through a low-rank latent (q_lora_rank, RMSNorm, then
+    an unweighted per-head RMSNorm); rope on each head's trailing rope_dim dims, interleaved pairs, rope_theta
+    (sliding) or compress_rope_theta + compress_rope_scaling (others); the output turns back by the query's
+    rotation; o_groups groups of heads each to o_lora_rank values, then one projection. Per token and layer the KV
+    pages keep the normed rotated kv row and the raw compressor rows (helios.layers.compressed_attention)."""
+
+    layer_kinds: list[Literal["sliding", "csa", "hca"]]
+    window: PosInt  # sliding_window
+    q_lora_rank: PosInt
+    rope_dim: PosInt  # qk_rope_head_dim: the trailing rotated dims of a head (even)
+    o_groups: PosInt
+    o_lora_rank: PosInt
+    csa_rate: PosInt  # compress_rates["compressed_sparse_attention"]
+    hca_rate: PosInt  # compress_rates["heavily_compressed_attention"]
+    index_num_heads: PosInt
+    index_head_dim: PosInt
+    index_topk: PosInt
+    compress_rope_theta: float
+    compress_rope_scaling: RopeScaling | None = None  # yarn without its attention factor (deepseek_v4 forces 1)
+
+    def row_dim(self, kind: str, head_dim: int) -> int:
+        """Values one token keeps in a layer of this kind: its kv row, then the raw compressor kv and gate rows
+        (2d wide each in csa, overlapping windows; d in hca) and csa's indexer kv and gate rows (2 index_head_dim
+        each), then the compressed entry (d; csa: and the indexer's, index_head_dim) that the last token of a window
+        holds (the other tokens leave those values unused)."""
+        if kind == "sliding":
+            return head_dim
+        if kind == "hca":
+            return 4 * head_dim
+        return 6 * head_dim + 5 * self.index_head_dim
+
+    def cache_dim(self, head_dim: int) -> int:
+        """The KV pages' row: the widest layer's (every layer keeps rows of one width; the narrower use a prefix)."""
+        return max(self.row_dim(kind, head_dim) for kind in self.layer_kinds)
+
+
 class Architecture(_S):
     """The family helios executes and its dimensions. Weight transforms are already applied."""
 
@@ -368,6 +432,14 @@ class Architecture(_S):
     dsa: DsaConfig | None = None
     mhc: MhcConfig | None = None
     swiglu_limit: float | None = None
+    # attention shapes per layer type (gemma4): the full layers' head_dim and kv heads where they differ from
+    # head_dim / num_kv_heads (then the sliding layers'); None: the same
+    full_head_dim: PosInt | None = None
+    full_num_kv_heads: PosInt | None = None
+    # KV sharing (gemma4's num_kv_shared_layers): per layer, the attention layer whose KV pages it reads (itself: its
+    # own). A layer that reads another's writes no KV and keeps no pages. Empty: every layer keeps its own
+    kv_sources: list[NonNegInt] = []
+    gemma4: Gemma4Config | None = None
     # minimax_m3: block-sparse attention layers (MsaConfig), and SwiGLU-OAI gated MLPs: with swiglu_alpha every
     # gated MLP computes (up + 1) * gate * sigmoid(swiglu_alpha * gate), after the swiglu_limit clamp
     msa: MsaConfig | None = None
@@ -393,6 +465,17 @@ class Architecture(_S):
     def attention_layers(self) -> list[int]:
         """Layers that keep paged KV (every layer of a model without recurrent ones)."""
         return [i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] in ("full", "sliding")]
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """Attention layers that keep KV pages of their own (all of them without KV sharing)."""
+        return [i for i in self.attention_layers if not self.kv_sources or self.kv_sources[i] == i]
+
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(kv heads, head_dim) of an attention layer's K and V."""
+        if self.layer_types and self.layer_types[layer] == "full" and (self.full_head_dim or self.full_num_kv_heads):
+            return self.full_num_kv_heads or self.num_kv_heads, self.full_head_dim or self.head_dim
+        return self.num_kv_heads, self.head_dim
 
     @property
     def recurrent_layers(self) -> list[int]:

@@ -55,8 +55,10 @@ class SparseMoe(nn.Module):
         self.gate_up = Stacked(num_experts, 2 * moe_intermediate_size, hidden_size)
         self.down = Stacked(num_experts, hidden_size, moe_intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        weights, experts = route(self.router(x), self.top_k, self.norm_topk_prob)
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
+        """router_input [T, H]: what the router reads when it is not x (gemma4 routes the un-normed stream)."""
+        weights, experts = route(self.router(x if router_input is None else router_input), self.top_k,
+                                 self.norm_topk_prob)
         out = torch.zeros_like(x)
         # [E, k, T] one-hot of assignments; only experts with at least one token run
         assignment = F.one_hot(experts, num_classes=self.num_experts).permute(2, 1, 0)

@@ -64,10 +64,15 @@ class RotaryEmbedding:
         scaling: RopeScaling | None = None,
         max_position_embeddings: int = 0,
         device: torch.device | str = "cpu",
+        rotated_pairs: int | None = None,
     ):
+        """rotated_pairs: proportional rope (gemma4's full layers): only the first rotated_pairs of the head_dim / 2
+        frequencies turn (their HF values for head_dim), the rest are 0 (cos 1, sin 0: those dims pass); None: all."""
         self.head_dim = head_dim
         self.attention_scaling = 1.0
         inv_freq = _default_inv_freq(head_dim, theta)
+        if rotated_pairs is not None:
+            inv_freq[rotated_pairs:] = 0.0
         if scaling is not None:
             if scaling.type == "linear":
                 inv_freq = inv_freq / scaling.factor

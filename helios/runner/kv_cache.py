@@ -34,23 +34,37 @@ class KVCache:
         latent_dim: int | None = None,
         index_dim: int | None = None,
         layer_pages: list[int] | None = None,
+        layer_kv_heads: list[int] | None = None,
+        layer_head_dims: list[int] | None = None,
+        layer_sources: list[int] | None = None,
     ):
         """latent_dim: the layers are latent layers of that many values per token (MLA); None: k/v heads.
-        index_dim: each layer also keeps that many index values per token (QSA, DSA); None: none."""
+        index_dim: each layer also keeps that many index values per token (QSA, DSA); None: none.
+        layer_kv_heads: each layer's KV heads where they differ (mimo_v2_flash's sliding layers); None: num_kv_heads.
+        layer_head_dims: each layer's head_dim where they differ (gemma4's full layers); None: head_dim.
+        layer_sources: KV sharing (gemma4): per attention layer, the index of the tensor it reads (num_layers
+        tensors are kept; a shared layer keeps none); None: the i-th layer reads the i-th tensor."""
         self.num_pages = num_pages
         self.page_size = page_size
         layer_pages = layer_pages or [num_pages] * num_layers  # a window group's layers: their own count
-        shape = ((1, page_size, latent_dim) if latent_dim is not None else (2, page_size, num_kv_heads, head_dim))
+        layer_kv_heads = layer_kv_heads or [num_kv_heads] * num_layers
+        layer_head_dims = layer_head_dims or [head_dim] * num_layers
+        shapes = [(1, page_size, latent_dim) if latent_dim is not None else (2, page_size, nkv, d)
+                  for nkv, d in zip(layer_kv_heads, layer_head_dims)]
+        self.sources = layer_sources or list(range(num_layers))
         # NOTE: zeros, not empty: a page is only read up to a sequence's length, but never-written
         # memory must not be able to carry NaNs into a masked-out lane of a future kernel.
-        self.layers = [torch.zeros(shape[0], n, *shape[1:], dtype=dtype, device=device) for n in layer_pages]
+        self.layers = [torch.zeros(shape[0], n, *shape[1:], dtype=dtype, device=device)
+                       for n, shape in zip(layer_pages, shapes)]
         self.index_layers = [torch.zeros(1, n, page_size, index_dim, dtype=dtype, device=device)
                              for n in (layer_pages if index_dim else ())]
 
     @property
     def layer_caches(self) -> list:
-        """Per attention layer what its forward takes: the KV tensor, or (KV, index keys) for a QSA layer."""
-        return list(zip(self.layers, self.index_layers)) if self.index_layers else self.layers
+        """Per attention layer what its forward takes: the KV tensor, or (KV, index keys) for a QSA layer; a KV-shared
+        layer gets its source layer's."""
+        own = list(zip(self.layers, self.index_layers)) if self.index_layers else self.layers
+        return [own[j] for j in self.sources]
 
     @property
     def paged_tensors(self) -> list[torch.Tensor]:
@@ -68,9 +82,12 @@ class KVCache:
             latent_dim = arch.compressed.cache_dim(arch.head_dim)
         index_dim = arch.index_dim or None
         window = set(cls.window_layers(arch)) if window_pages else set()
-        layer_pages = [window_pages if i in window else num_pages for i in arch.attention_layers]
-        return cls(len(arch.attention_layers), num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device,
-                   latent_dim, index_dim, layer_pages)
+        owners = arch.kv_layers  # attention layers with pages of their own (all but KV-shared ones)
+        layer_pages = [window_pages if i in window else num_pages for i in owners]
+        kv_heads, head_dims = zip(*(arch.kv_shape(i) for i in owners))
+        sources = [owners.index(arch.kv_sources[i]) for i in arch.attention_layers] if arch.kv_sources else None
+        return cls(len(owners), num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device,
+                   latent_dim, index_dim, layer_pages, list(kv_heads), list(head_dims), sources)
 
     @staticmethod
     def window_layers(arch: Architecture) -> list[int]:
@@ -78,24 +95,28 @@ class KVCache:
         shares one group (no sliding layers, or only sliding ones: those keep every page)."""
         if arch.sliding_window is None or not arch.layer_types:
             return []
-        sliding = [i for i in arch.attention_layers if arch.layer_types[i] == "sliding"]
-        return sliding if len(sliding) < len(arch.attention_layers) else []
+        sliding = [i for i in arch.kv_layers if arch.layer_types[i] == "sliding"]
+        return sliding if len(sliding) < len(arch.kv_layers) else []
 
     @staticmethod
-    def values_per_token(arch: Architecture) -> int:
-        """Values one token keeps in one attention layer: its latent and rope key (MLA), else its k and v heads;
-        plus its index values in an indexed layer (arch.index_dim)."""
-        kv = arch.mla.cache_dim if arch.mla is not None else 2 * arch.num_kv_heads * arch.head_dim
+    def values_per_token(arch: Architecture, layer: int | None = None) -> int:
+        """Values one token keeps in attention layer `layer` (None: a layer of num_kv_heads): its latent and rope
+        key (MLA), else its k and v heads (V padded to head_dim); plus its index values (arch.index_dim)."""
+        kv_heads, head_dim = (arch.num_kv_heads, arch.head_dim) if layer is None else arch.kv_shape(layer)
+        kv = arch.mla.cache_dim if arch.mla is not None else 2 * kv_heads * head_dim
         if arch.compressed is not None:
             kv = arch.compressed.cache_dim(arch.head_dim)
         return kv + arch.index_dim
 
     @staticmethod
-    def bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype, num_layers: int | None = None) -> int:
-        """Bytes one page costs across num_layers attention layers (None: all of them; for sizing the pool from
-        free memory)."""
-        num_layers = len(arch.attention_layers) if num_layers is None else num_layers
-        return num_layers * page_size * KVCache.values_per_token(arch) * dtype.itemsize
+    def bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype, num_layers: int | None = None,
+                       layers: list[int] | None = None) -> int:
+        """Bytes one page costs across the attention layers `layers`, or num_layers layers of num_kv_heads, or
+        (neither) all of them; for sizing the pool from free memory."""
+        if layers is None and num_layers is not None:
+            return num_layers * page_size * KVCache.values_per_token(arch) * dtype.itemsize
+        layers = arch.kv_layers if layers is None else layers
+        return sum(page_size * KVCache.values_per_token(arch, i) * dtype.itemsize for i in layers)
 
     def slot(self, block_ids: list[int], position: int) -> int:
         """The flat slot of token `position` of a sequence whose block table is `block_ids`."""

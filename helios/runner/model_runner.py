@@ -115,9 +115,11 @@ def pages_from_free_memory(
     first and group 0's pages (the other layers) from the rest."""
     torch.cuda.empty_cache()  # cached-but-free blocks (e.g. from dtype casts) count as free
     free, _ = torch.cuda.mem_get_info(device)
-    num_window = len(KVCache.window_layers(arch)) if window_pages else 0
-    budget = int(free * fraction) - reserve - window_pages * KVCache.bytes_per_page(arch, page_size, dtype, num_window)
-    num_pages = budget // KVCache.bytes_per_page(arch, page_size, dtype, len(arch.attention_layers) - num_window)
+    window = KVCache.window_layers(arch) if window_pages else []
+    rest = [i for i in arch.kv_layers if i not in window]
+    budget = int(free * fraction) - reserve - window_pages * KVCache.bytes_per_page(arch, page_size, dtype,
+                                                                                     layers=window)
+    num_pages = budget // KVCache.bytes_per_page(arch, page_size, dtype, layers=rest)
     if num_pages < 1:
         raise RuntimeError(
             f"no room for a KV cache: {free / 2**30:.1f} GiB free after the weights, reserve {reserve / 2**30:.1f} GiB"

@@ -37,6 +37,7 @@ _REGISTRY = {
     "kimi_linear": "ignition.archs.kimi_linear",
     "qwen4_exp_text": "ignition.archs.qwen4_exp", "qwen4_exp": "ignition.archs.qwen4_exp",  # wrapper: its text_config
     "glm5_next": "ignition.archs.glm5_next", "glm5_next_text": "ignition.archs.glm5_next",  # wrapper: text_config
+    "gemma4_text": "ignition.archs.gemma4", "gemma4": "ignition.archs.gemma4",  # wrapper: its text_config
     "minimax_m3_vl": "ignition.archs.minimax_m3", "minimax_m3_vl_text": "ignition.archs.minimax_m3",  # wrapper: text
     "step3p7": "ignition.archs.step3p7", "step3p5": "ignition.archs.step3p7",  # wrapper: text_config; flat text
     "muse_spark": "ignition.archs.muse_spark", "muse_spark_text": "ignition.archs.muse_spark",  # wrapper: text_config
@@ -168,10 +169,18 @@ def _layer_params(arch: Architecture, layer_index: int, experts_read: int | None
     return _mixer_params(arch, layer_index) + _mlp_params(arch, layer_index, experts_read)
 
 
+def _extra_params(arch: Architecture, decode: bool) -> int:
+    """The family module's parameters outside its layers beyond embedding, final norm and lm_head (`extra_params`,
+    gemma4's per-layer embeddings; one step reads one table row when `decode`), 0 where it has none."""
+    module = _REGISTRY.get(arch.family) or _FAMILY_MODULES.get(arch.family, __name__)
+    own = getattr(importlib.import_module(module), "extra_params", None)
+    return own(arch, decode) if own is not None else 0
+
+
 def num_params(arch: Architecture) -> int:
     """Parameters of the runtime tensors (a tied lm_head counted once, all experts)."""
     h, v = arch.hidden_size, arch.vocab_size
-    n = v * h + h + (0 if arch.tie_word_embeddings else v * h)
+    n = v * h + h + (0 if arch.tie_word_embeddings else v * h) + _extra_params(arch, False)
     for i in range(arch.num_layers):
         n += _layer_params(arch, i, None)
     return n
@@ -186,7 +195,7 @@ def decode_weight_bytes(arch: Architecture, dtype: torch.dtype | str) -> int:
     """
     h, v = arch.hidden_size, arch.vocab_size
     top_k = arch.moe.num_experts_per_tok if arch.moe is not None else None
-    n = h + v * h + h  # embedding row, lm_head, final norm
+    n = h + v * h + h + _extra_params(arch, True)  # embedding row, lm_head, final norm, the family's extras
     for i in range(arch.num_layers):
         n += _layer_params(arch, i, top_k)
     if isinstance(dtype, str):

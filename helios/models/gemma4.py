@@ -1,0 +1,193 @@
+"""gemma4 (text): gemma3's sandwich-normed layers plus what Gemma4TextModel adds (arch.gemma4 lists it): full layers
+with their own head dim, kv heads and proportional rope, a weightless v norm and attention scale 1, k = v on full
+layers, KV-shared layers reading an earlier layer's pages, double-wide MLPs, the MoE block beside the MLP,
+per-layer embeddings (PLE) gating a branch after the feed-forward, a scalar on every layer's output.
+
+Norm weights are the multiplier itself (gemma4 has no 1 + w), multiplied in float32 as HF does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helios.core.manifest import Architecture
+from helios.layers.activation import ACTIVATIONS, GatedMLP
+from helios.layers.attention import AttentionBackend, AttentionMetadata
+from helios.layers.linear import Embedding, Linear, linear, meta_parameter
+from helios.layers.moe import SparseMoe
+from helios.layers.norm import RMSNorm
+from helios.layers.norm_free import pdl_launches
+from helios.layers.rotary import RotaryEmbedding, apply_rotary
+from helios.models.llama import is_sliding, softcap_logits
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., D]
+    """HF's weightless Gemma4RMSNorm (v_norm, the router's norm): x / rms(x) in float32, back to x's dtype."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def reads_shared_kv(arch: Architecture, layer_idx: int) -> bool:
+    """Whether the layer reads another layer's KV pages (and writes none)."""
+    return bool(arch.kv_sources) and arch.kv_sources[layer_idx] != layer_idx
+
+
+class Gemma4Attention(nn.Module):
+    """q (and, keeping its own KV, k and v) from one projection; q/k RMSNorms, rotary, v's weightless RMSNorm; scale 1.
+
+    Tensors bound: qkv.weight [(Nq + Nkv*(2, or 1 with k = v, or 0 when KV-shared))*D, H], q_norm.weight [D],
+    k_norm.weight [D] (own KV only), o.weight [H, Nq*D]. A KV-shared layer reads the pages its source layer wrote this
+    step (the same cache tensor and, for a sliding layer, the same window group).
+    """
+
+    def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
+                 switches: Switches = DEFAULT_SWITCHES):
+        super().__init__()
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        self.num_kv_heads, self.head_dim = arch.kv_shape(layer_idx)
+        self.num_heads, self.eps, self.backend = arch.num_heads, eps, backend
+        self.shared = reads_shared_kv(arch, layer_idx)
+        self.k_eq_v = arch.gemma4.k_eq_v and not is_sliding(arch, layer_idx)
+        self.sliding_window = arch.sliding_window if is_sliding(arch, layer_idx) else None
+        kv_rows = 0 if self.shared else self.num_kv_heads * self.head_dim * (1 if self.k_eq_v else 2)
+        self.qkv = Linear(h, self.num_heads * self.head_dim + kv_rows, switches=switches)
+        self.q_norm = RMSNorm(self.head_dim, eps, multiply_in_float32=True)
+        self.k_norm = None if self.shared else RMSNorm(self.head_dim, eps, multiply_in_float32=True)
+        self.o = Linear(self.num_heads * self.head_dim, h, switches=switches)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, D]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]: its own, or its source layer's
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        num_tokens, d = x.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        meta = meta.for_window(self.sliding_window)
+        cos, sin = cos_sin
+        qkv = self.qkv(x)
+        q = apply_rotary(self.q_norm(qkv[:, :q_size].reshape(num_tokens, self.num_heads, d)), cos, sin)
+        if self.shared:
+            # NOTE: the backends write K/V, then attend; a shared layer hands them the rows its source layer wrote
+            # at these slots this step, so the write changes nothing and every backend serves it unchanged
+            flat = kv_cache.view(2, -1, self.num_kv_heads, d)
+            k, v = flat[0, meta.slot_mapping], flat[1, meta.slot_mapping]
+        else:
+            raw_k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, self.num_kv_heads, d)
+            raw_v = raw_k if self.k_eq_v else qkv[:, q_size + kv_size :].reshape(num_tokens, self.num_kv_heads, d)
+            k, v = apply_rotary(self.k_norm(raw_k), cos, sin), unit_rms(raw_v, self.eps)
+        o = self.backend.forward(q, k, v, kv_cache, meta, 1.0, self.sliding_window, None)
+        return self.o(o.reshape(num_tokens, q_size))
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
+                 switches: Switches = DEFAULT_SWITCHES):
+        super().__init__()
+        h, eps, g = arch.hidden_size, arch.rms_norm_eps, arch.gemma4
+        self.eps = eps
+        self.attn_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        self.attn = Gemma4Attention(arch, layer_idx, backend, switches)
+        self.attn_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        self.mlp_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        wide = 2 if g.double_wide_mlp and reads_shared_kv(arch, layer_idx) else 1
+        self.mlp = GatedMLP(h, arch.intermediate_size * wide, arch.hidden_act, switches=switches)
+        self.mlp_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        self.moe = None
+        if arch.moe is not None:  # beside the MLP: its own pre and post norms, then the sum's post norm
+            m = arch.moe
+            self.mlp_post_norm_1 = RMSNorm(h, eps, multiply_in_float32=True)
+            self.moe_norm = RMSNorm(h, eps, multiply_in_float32=True)
+            self.moe = SparseMoe(h, m.num_experts, m.moe_intermediate_size, m.num_experts_per_tok, m.norm_topk_prob,
+                                 arch.hidden_act, switches)
+            self.moe_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        self.act = ACTIVATIONS[arch.hidden_act]
+        if g.ple_dim:
+            self.ple_gate = Linear(h, g.ple_dim, switches=switches)
+            self.ple_proj = Linear(g.ple_dim, h, switches=switches)
+            self.ple_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
+        self.layer_scalar = meta_parameter(1)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        ple: torch.Tensor | None,  # [T, P]: this layer's per-layer input
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cos_sin, kv_cache, meta))
+        y = self.mlp(self.mlp_norm(x))
+        if self.moe is not None:
+            # the router reads the stream RMS-normed without a weight (its scale is folded into the router)
+            moe = self.moe(self.moe_norm(x), router_input=unit_rms(x, self.eps))
+            y = self.mlp_post_norm_1(y) + self.moe_post_norm(moe)
+        x = x + self.mlp_post_norm(y)
+        if ple is not None:
+            x = x + self.ple_post_norm(self.ple_proj(self.act(self.ple_gate(x)) * ple))
+        return x * self.layer_scalar
+
+
+class Gemma4ForCausalLM(nn.Module):
+    """One forward path: torch layers around the backend's attention (no fused layer kernels; norms never fold)."""
+
+    def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+        super().__init__()
+        if norms_folded:
+            raise ValueError("gemma4 norm weights are never folded")
+        g = arch.gemma4
+        self.arch, self.switches, self.pdl = arch, switches, switches.pdl is True
+        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        if g.ple_dim:
+            self.ple = nn.Module()
+            self.ple.embed = Embedding(g.ple_vocab_size, arch.num_layers * g.ple_dim)
+            self.ple.proj = Linear(arch.hidden_size, arch.num_layers * g.ple_dim, switches=switches)
+            self.ple.norm = RMSNorm(g.ple_dim, arch.rms_norm_eps, multiply_in_float32=True)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
+                                                                    switches=switches)
+        full_dim = arch.full_head_dim or arch.head_dim
+        scaling = None
+        if g.rope_factor != 1.0:  # the proportional rope's factor divides every frequency, as linear scaling does
+            from helios.core.manifest import RopeScaling
+
+            scaling = RopeScaling(type="linear", factor=g.rope_factor)
+        self.rotary = RotaryEmbedding(full_dim, arch.rope_theta, scaling, arch.max_position_embeddings, device,
+                                      rotated_pairs=g.rotated_pairs)
+        self.local_rotary = RotaryEmbedding(arch.head_dim, arch.rope_local_theta, None, arch.max_position_embeddings,
+                                            device)
+
+    def per_layer_inputs(self, token_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # -> [T, L, P]
+        """HF's PLE inputs: (norm(proj(x) / sqrt(H)) + table rows * sqrt(P)) / sqrt(2), x the scaled embedding."""
+        g, num_tokens = self.arch.gemma4, token_ids.shape[0]
+        rows = self.ple.embed(token_ids) * torch.tensor(g.ple_dim**0.5).to(x.dtype)  # HF rounds the scale first
+        proj = self.ple.proj(x) * self.arch.hidden_size**-0.5
+        proj = self.ple.norm(proj.reshape(num_tokens, self.arch.num_layers, g.ple_dim))
+        return (proj + rows.reshape(num_tokens, self.arch.num_layers, g.ple_dim)) * 2.0**-0.5
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer its KV tensor (a KV-shared layer: its source's)
+    ) -> torch.Tensor:  # [T, H]
+        x = self.embed(token_ids) * torch.tensor(self.arch.embedding_scale, dtype=self.embed.weight.dtype)
+        ple = self.per_layer_inputs(token_ids, x) if self.arch.gemma4.ple_dim else None
+        rope = self.rotary.cos_sin(meta.positions, x.dtype)
+        local_rope = self.local_rotary.cos_sin(meta.positions, x.dtype)
+        with pdl_launches(self.pdl):
+            for i, layer in enumerate(self.layers):
+                layer_ple = ple[:, i] if ple is not None else None
+                x = layer(x, layer_ple, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        with pdl_launches(self.pdl):
+            logits = linear(hidden, weight, None, self.switches)
+        return softcap_logits(logits, self.arch.final_logit_softcapping)
