@@ -30,6 +30,12 @@ def add_one(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return cast(w.float() + 1.0, dtype)
 
 
+def keep_float32(producer):
+    """Mark a plan producer whose float32 tensor the core keeps in float32 whatever its dtype (ignition.write)."""
+    producer.keep_float32 = True
+    return producer
+
+
 def round_to(value: float, dtype: torch.dtype) -> float:
     """`value` rounded to `dtype` and back: a scalar the runtime multiplies by in that dtype."""
     return float(torch.tensor(value, dtype=torch.float32).to(dtype).float())

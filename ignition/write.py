@@ -147,7 +147,8 @@ def write_core(
         writer = _ShardWriter(weights)
         for name, produce in tensors:
             t = produce()
-            writer.add(name, t.to(dtype) if t.is_floating_point() else t)
+            kept = getattr(produce, "keep_float32", False) and t.dtype == torch.float32  # transforms.keep_float32
+            writer.add(name, t.to(dtype) if t.is_floating_point() and not kept else t)
             if on_tensor:
                 on_tensor(name)
         writer.finish()

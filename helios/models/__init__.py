@@ -110,7 +110,9 @@ def bind_tensors(
         t = tensors[name]
         if tuple(t.shape) != tuple(param.shape):
             raise ValueError(f"tensor {name}: shape {tuple(t.shape)}, the architecture wants {tuple(param.shape)}")
-        # NOTE: .to() returns the same tensor (no copy) when device and dtype already match.
-        t = t.to(device=device, dtype=dtype or t.dtype)
         owner, _, leaf = name.rpartition(".")
+        # a float32 norm multiplier of a 16-bit core stays float32 where its module asks (Architecture.float32_norms)
+        keep = t.dtype == torch.float32 and getattr(model.get_submodule(owner), "keep_float32", False)
+        # NOTE: .to() returns the same tensor (no copy) when device and dtype already match.
+        t = t.to(device=device, dtype=torch.float32 if keep else dtype or t.dtype)
         model.get_submodule(owner)._parameters[leaf] = nn.Parameter(t, requires_grad=False)

@@ -88,6 +88,10 @@ class Qwen3_5ForCausalLM(nn.Module):
                                                                     switches=switches)
         self.rotary = RotaryEmbedding(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling,
                                       arch.max_position_embeddings, device)
+        if arch.float32_norms:  # the core keeps these multipliers in float32: bind_tensors leaves them so
+            for module in self.modules():
+                if isinstance(module, RMSNorm) and module.multiply_in_float32:
+                    module.keep_float32 = True
 
     @staticmethod
     def folds_norm_weights(arch: Architecture) -> bool:

@@ -6,12 +6,14 @@ HF names in, helios/core/layout.py names out; every producer loads, fuses and ca
 
 from __future__ import annotations
 
+import torch
+
 from helios.core.layout import layer
 from helios.core.manifest import Architecture, RopeScaling
 from ignition.archs import Plan, Producer, Weights
 from ignition.errors import ExportError
 from ignition.sources.base import Checkpoint, LazyTensor
-from ignition.transforms import add_one, cast, fuse_rows
+from ignition.transforms import add_one, cast, fuse_rows, keep_float32
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
@@ -186,13 +188,18 @@ def load_fused(parts: list[LazyTensor], dtype) -> Producer:
 
 
 def load_norm(t: LazyTensor, dtype, gemma_norm: bool) -> Producer:
+    """The norm's multiplier: w, or 1 + w (gemma_norm), in dtype; with arch.float32_norms the caller passes float32
+    and the 1 + w multiplier stays float32 in a 16-bit core (transforms.keep_float32)."""
     if gemma_norm:
-        return lambda: add_one(t.load(), dtype)
+        produce = lambda: add_one(t.load(), dtype)  # noqa: E731
+        return keep_float32(produce) if dtype == torch.float32 else produce
     return load(t, dtype)
 
 
 def add_norm(w: Weights, plan: Plan, src: str, dst: str, arch: Architecture, dtype, gemma_norm: bool,
              size: int | None = None) -> None:
+    if gemma_norm and arch.float32_norms:
+        dtype = torch.float32
     plan[dst] = load_norm(w.take(src, (size or arch.hidden_size,)), dtype, gemma_norm)
 
 

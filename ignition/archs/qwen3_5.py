@@ -92,6 +92,7 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         recurrent=_recurrent(cfg, where),
         attn_output_gate=True,
         rotary_dim=rotary_dim,
+        float32_norms=True,  # the zero-centred norms' 1 + w, as HF applies it (llama.add_norm)
     )
     # NOTE: mtp.* (the multi-token-prediction head) waits for the speculative issue and the vision tower
     # (model.visual.*) for the vision issue; both are ignored here, so these cores are text-only, no MTP.
