@@ -274,49 +274,6 @@ class MhcConfig(_S):
     eps: float  # hc_eps
 
 
-class CompressedAttentionConfig(_S):
-    """deepseek_v4's attention: shared-KV MQA (one K=V head of arch.head_dim d after its RMSNorm, per-head sinks
-    arch.num_heads in the softmax's denominator) over a sliding window of `window` tokens (itself among them) in
-    every layer, plus, per layer_kinds entry, compressed entries: "hca" one per hca_rate tokens (a softmax-gated mix
-    of the window's kv rows with position_bias on the gate logits, RMSNormed, rotated at the window's first
-    position); "csa" one per csa_rate tokens from 2 * csa_rate rows (the previous window's first half and this
-    one's second half of 2d-wide rows), of which each query keeps the index_topk best by its lightning indexer
-    (index_num_heads heads of index_head_dim over entries the indexer compresses alike); "sliding" none. A query at
-    p sees the entries of windows that end at or before p. q through a low-rank latent (q_lora_rank, RMSNorm, then
-    an unweighted per-head RMSNorm); rope on each head's trailing rope_dim dims, interleaved pairs, rope_theta
-    (sliding) or compress_rope_theta + compress_rope_scaling (others); the output turns back by the query's
-    rotation; o_groups groups of heads each to o_lora_rank values, then one projection. Per token and layer the KV
-    pages keep the normed rotated kv row and the raw compressor rows (helios.layers.compressed_attention)."""
-
-    layer_kinds: list[Literal["sliding", "csa", "hca"]]
-    window: PosInt  # sliding_window
-    q_lora_rank: PosInt
-    rope_dim: PosInt  # qk_rope_head_dim: the trailing rotated dims of a head (even)
-    o_groups: PosInt
-    o_lora_rank: PosInt
-    csa_rate: PosInt  # compress_rates["compressed_sparse_attention"]
-    hca_rate: PosInt  # compress_rates["heavily_compressed_attention"]
-    index_num_heads: PosInt
-    index_head_dim: PosInt
-    index_topk: PosInt
-    compress_rope_theta: float
-    compress_rope_scaling: RopeScaling | None = None  # yarn without its attention factor (deepseek_v4 forces 1)
-
-    def row_dim(self, kind: str, head_dim: int) -> int:
-        """Values one token keeps in a layer of this kind: its kv row, then the raw compressor kv and gate rows
-        (2d wide each in csa, overlapping windows; d in hca), then csa's indexer kv and gate rows (2 index_head_dim
-        each)."""
-        if kind == "sliding":
-            return head_dim
-        if kind == "hca":
-            return 3 * head_dim
-        return 5 * head_dim + 4 * self.index_head_dim
-
-    def cache_dim(self, head_dim: int) -> int:
-        """The KV pages' row: the widest layer's (every layer keeps rows of one width; the narrower use a prefix)."""
-        return max(self.row_dim(kind, head_dim) for kind in self.layer_kinds)
-
-
 class Gemma4Config(_S):
     """gemma4's text decoder beyond what gemma3 has (helios.models.gemma4 computes each piece as HF does).
 
@@ -349,7 +306,8 @@ class CompressedAttentionConfig(_S):
     an unweighted per-head RMSNorm); rope on each head's trailing rope_dim dims, interleaved pairs, rope_theta
     (sliding) or compress_rope_theta + compress_rope_scaling (others); the output turns back by the query's
     rotation; o_groups groups of heads each to o_lora_rank values, then one projection. Per token and layer the KV
-    pages keep the normed rotated kv row and the raw compressor rows (helios.layers.compressed_attention)."""
+    pages keep the normed rotated kv row, the raw compressor rows and, in a window's last token, its entries
+    (row_dim; helios.layers.compressed_attention)."""
 
     layer_kinds: list[Literal["sliding", "csa", "hca"]]
     window: PosInt  # sliding_window
@@ -377,7 +335,7 @@ class CompressedAttentionConfig(_S):
         return 6 * head_dim + 5 * self.index_head_dim
 
     def cache_dim(self, head_dim: int) -> int:
-        """The KV pages' row: the widest layer's (every layer keeps rows of one width; the narrower use a prefix)."""
+        """The widest layer's row (each layer's pages keep rows of its own kind's width: row_dim)."""
         return max(self.row_dim(kind, head_dim) for kind in self.layer_kinds)
 
 
@@ -432,9 +390,6 @@ class Architecture(_S):
     dsa: DsaConfig | None = None
     mhc: MhcConfig | None = None
     swiglu_limit: float | None = None
-    # qwen3_5: the multipliers (1 + w) of the RMSNorms applied in float32 are stored and bound in float32 whatever the
-    # core dtype (HF computes 1 + w in float32; rounding it to bf16 moves a norm's output by up to 2^-8)
-    float32_norms: bool = False
     # attention shapes per layer type (gemma4): the full layers' head_dim and kv heads where they differ from
     # head_dim / num_kv_heads (then the sliding layers'); None: the same
     full_head_dim: PosInt | None = None

@@ -31,14 +31,15 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        latent_dim: int | None = None,
+        latent_dim: int | list[int] | None = None,
         index_dim: int | None = None,
         layer_pages: list[int] | None = None,
         layer_kv_heads: list[int] | None = None,
         layer_head_dims: list[int] | None = None,
         layer_sources: list[int] | None = None,
     ):
-        """latent_dim: the layers are latent layers of that many values per token (MLA); None: k/v heads.
+        """latent_dim: the layers are latent layers of that many values per token (MLA; a list: per layer, as
+        deepseek_v4's rows); None: k/v heads.
         index_dim: each layer also keeps that many index values per token (QSA, DSA); None: none.
         layer_kv_heads: each layer's KV heads where they differ (mimo_v2_flash's sliding layers); None: num_kv_heads.
         layer_head_dims: each layer's head_dim where they differ (gemma4's full layers); None: head_dim.
@@ -49,8 +50,9 @@ class KVCache:
         layer_pages = layer_pages or [num_pages] * num_layers  # a window group's layers: their own count
         layer_kv_heads = layer_kv_heads or [num_kv_heads] * num_layers
         layer_head_dims = layer_head_dims or [head_dim] * num_layers
-        shapes = [(1, page_size, latent_dim) if latent_dim is not None else (2, page_size, nkv, d)
-                  for nkv, d in zip(layer_kv_heads, layer_head_dims)]
+        latent_dims = latent_dim if isinstance(latent_dim, list) else [latent_dim] * num_layers
+        shapes = [(1, page_size, latent) if latent is not None else (2, page_size, nkv, d)
+                  for nkv, d, latent in zip(layer_kv_heads, layer_head_dims, latent_dims)]
         self.sources = layer_sources or list(range(num_layers))
         # NOTE: zeros, not empty: a page is only read up to a sequence's length, but never-written
         # memory must not be able to carry NaNs into a masked-out lane of a future kernel.
@@ -78,11 +80,11 @@ class KVCache:
     ) -> KVCache:
         """window_pages: the window group's pages (window_layers' tensors); 0: every layer holds num_pages."""
         latent_dim = arch.mla.cache_dim if arch.mla is not None else None
-        if arch.compressed is not None:  # deepseek_v4: one row per token (helios.layers.compressed_attention)
-            latent_dim = arch.compressed.cache_dim(arch.head_dim)
         index_dim = arch.index_dim or None
         window = set(cls.window_layers(arch)) if window_pages else set()
         owners = arch.kv_layers  # attention layers with pages of their own (all but KV-shared ones)
+        if arch.compressed is not None:  # deepseek_v4: one row per token, its layer kind's (compressed_attention)
+            latent_dim = [KVCache.values_per_token(arch, i) for i in owners]
         layer_pages = [window_pages if i in window else num_pages for i in owners]
         kv_heads, head_dims = zip(*(arch.kv_shape(i) for i in owners))
         sources = [owners.index(arch.kv_sources[i]) for i in arch.attention_layers] if arch.kv_sources else None
@@ -104,8 +106,9 @@ class KVCache:
         key (MLA), else its k and v heads (V padded to head_dim); plus its index values (arch.index_dim)."""
         kv_heads, head_dim = (arch.num_kv_heads, arch.head_dim) if layer is None else arch.kv_shape(layer)
         kv = arch.mla.cache_dim if arch.mla is not None else 2 * kv_heads * head_dim
-        if arch.compressed is not None:
-            kv = arch.compressed.cache_dim(arch.head_dim)
+        if arch.compressed is not None:  # a layer's row; None: the widest
+            c = arch.compressed
+            kv = c.cache_dim(arch.head_dim) if layer is None else c.row_dim(c.layer_kinds[layer], arch.head_dim)
         return kv + arch.index_dim
 
     @staticmethod

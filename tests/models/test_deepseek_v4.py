@@ -14,6 +14,7 @@ import torch
 from helios.core.load import load_core
 from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
+from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
 from tests.models.deepseek_v4_tiny import build_deepseek_v4
 from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, hf_logits, prompt, run_collecting
@@ -55,11 +56,15 @@ def test_the_export_is_deepseek_v4(dsv4):
 
 
 def test_the_runner_keeps_one_row_per_token_and_layer(dsv4):
-    """Each layer's pages hold rows of the widest layer's width (a CSA layer's: kv, its compressor's 2d-wide kv and
-    gate rows, its indexer's, then the window's entry and index key): 6 * 32 + 5 * 16 values."""
+    """Each layer's pages hold rows of its kind's width: sliding its kv (32 values); HCA kv, the compressor's kv and
+    gate rows, the window's entry (4 * 32); CSA kv, the compressor's 2d-wide kv and gate rows, the indexer's, the
+    window's entry and index key (6 * 32 + 5 * 16)."""
     _, core = dsv4
-    runner = ModelRunner(core.manifest.arch, core.tensors, 8, PAGE_SIZE)
-    assert [tuple(t.shape) for t in runner.kv_cache.layers] == [(1, 8, PAGE_SIZE, 272)] * 4
+    arch = core.manifest.arch
+    runner = ModelRunner(arch, core.tensors, 8, PAGE_SIZE)
+    widths = [32, 272, 128, 272]
+    assert [tuple(t.shape) for t in runner.kv_cache.layers] == [(1, 8, PAGE_SIZE, w) for w in widths]
+    assert KVCache.bytes_per_page(arch, PAGE_SIZE, torch.float32) == PAGE_SIZE * sum(widths) * 4
     assert runner.layer_caches == runner.kv_cache.layers
 
 
