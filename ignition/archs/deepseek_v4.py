@@ -249,8 +249,18 @@ def layer_params(arch: Architecture, i: int, experts_read: int | None) -> int:
         n += c.index_head_dim
     experts = moe.num_experts if experts_read is None else experts_read
     n += moe.num_experts * h + experts * 3 * h * moe.moe_intermediate_size + 3 * h * moe.moe_intermediate_size
-    n += arch.vocab_size * moe.num_experts_per_tok if i in moe.hash_layers else moe.num_experts
+    if i in moe.hash_layers:  # the token table: a decode step reads its token's row
+        n += (arch.vocab_size if experts_read is None else 1) * moe.num_experts_per_tok
+    else:
+        n += moe.num_experts  # the score bias
     return n
+
+
+def extra_params(arch: Architecture, decode: bool) -> int:
+    """Parameters outside the layers beyond the embedding, final norm and lm_head: hc_head's projection, bias and
+    scale (read whole at every step)."""
+    s = arch.mhc.num_streams
+    return s * s * arch.hidden_size + s + 1
 
 
 # ---- tensor plans ---------------------------------------------------------------------------------------------

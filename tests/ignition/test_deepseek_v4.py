@@ -15,7 +15,7 @@ import shutil
 import pytest
 import torch
 
-from ignition.archs import convert, num_params
+from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
 from ignition.sources.hf import open_hf_dir
 from tests.ignition.checkpoint_tools import convert_all, edit_config, raw_tensors, write_tensors
@@ -76,10 +76,14 @@ def test_runtime_tensors_equal_hf_modules(tiny):
     assert sorted(got) == sorted(want)
     for name, t in want.items():
         assert got[name].is_contiguous() and torch.equal(got[name], t), name
-    # HF's parameters and buffers (the score biases, the hash tables); hc_head is outside num_params' layers
+    # HF's parameters and buffers (the score biases, the hash tables)
     hf = sum(p.numel() for p in model.parameters()) + sum(
         b.numel() for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "tid2eid")))
-    assert num_params(arch) + model.model.hc_head.hc_fn.numel() + 2 + 1 == hf == sum(t.numel() for t in got.values())
+    assert num_params(arch) == hf == sum(t.numel() for t in got.values())
+    # a decode step reads 2 of the 8 experts and one row of each hash table
+    h, fm, v = 64, 32, arch.vocab_size
+    unread = 4 * 6 * 3 * h * fm + 2 * (v - 1) * 2 + v * h - h
+    assert decode_weight_bytes(arch, torch.float32) == 4 * (num_params(arch) - unread)
 
 
 def test_the_fused_projection_matches_hf(tiny):
