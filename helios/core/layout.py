@@ -133,6 +133,25 @@ set, else arch.num_heads; mlp.* / moe.* as above, the shared expert ungated):
                                                         row per head (sigmoid, scales the head's output)
   layers.L.attn.o.weight            [H, Nq*D]
 
+gemma4 (attn_norm / attn_post_norm / mlp_norm / mlp_post_norm as gemma3's, but stored as the multiplier: gemma4 has
+no 1+w; a full layer's D and Nkv are arch.full_head_dim / full_num_kv_heads; Vp, P = arch.gemma4's ple_vocab_size and
+ple_dim; N = num_layers):
+  layers.L.attn.qkv.weight          [(Nq + 2*Nkv)*D, H] rows q, k, v; a full layer with gemma4.k_eq_v has no v rows
+                                                        ([(Nq + Nkv)*D, H]: v is k's projection), a KV-shared layer
+                                                        (arch.kv_sources[L] != L) only q rows and no k_norm
+  layers.L.layer_scalar             [1]                the layer's output times it
+  layers.L.mlp_post_norm_1.weight   [H]                with arch.moe: the MLP branch's own post norm, then
+  layers.L.moe_norm.weight          [H]                the MoE branch's pre norm (its router reads the weightless-
+  layers.L.moe_post_norm.weight     [H]                normed stream) and post norm; mlp_post_norm norms their sum
+  layers.L.moe.router.weight        [E, H]             router.scale / sqrt(H) folded into its columns
+  layers.L.moe.down.weight          [E, H, Fm]         each expert's per_expert_scale folded in
+  ple.embed.weight                  [Vp, N*P]          the per-layer embeddings, packed by layer (times sqrt(P))
+  ple.proj.weight                   [N*P, H]           from the scaled embedding (times 1/sqrt(H)), then
+  ple.norm.weight                   [P]                per layer normed
+  layers.L.ple_gate.weight          [P, H]             with ple_dim: x += post_norm(proj(gelu(gate x) * ple_L))
+  layers.L.ple_proj.weight          [H, P]
+  layers.L.ple_post_norm.weight     [H]
+
 Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+w already added).
 """
 
