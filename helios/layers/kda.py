@@ -11,17 +11,16 @@ kernels of helios.kernels.kda (imported there only). Imports torch only.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent as ops
 from helios.layers.attention import AttentionMetadata
 from helios.layers.linear import Linear, Stacked, meta_parameter
-from helios.layers.linear_attention import sequence_starts, sequence_starts_device
+from helios.layers.linear_attention import RecurrentMixer, sequence_starts, sequence_starts_device
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(RecurrentMixer):
     """Tensors bound (helios/core/layout.py, layers.L.kda.*): in_proj.weight [C + 2*d + Hk, H] (rows q, k, v, f_a,
     g_a, b), conv.weight [C, K], f_b.weight and g_b.weight [Hk*d, d], dt_bias [Hk*d], A_log [Hk], norm.weight [d],
     out.weight [H, Hk*d]."""

@@ -37,7 +37,19 @@ def sequence_starts_device(meta: AttentionMetadata) -> torch.Tensor:  # [B] int3
     return starts
 
 
-class GatedDeltaNet(nn.Module):
+class RecurrentMixer(nn.Module):
+    """A recurrent token mixer: `fused` picks its Triton kernels (the GPU path) over the torch references."""
+
+    fused: bool = False
+
+    @property
+    def decode_graph_safe(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph (helios.runner.cuda_graphs): the Triton path reads
+        device-side slots and starts only; the torch path loops over host-side slot lists."""
+        return self.fused
+
+
+class GatedDeltaNet(RecurrentMixer):
     """Tensors bound (helios/core/layout.py): in_proj.weight [C + Hv*dv + 2*Hv, H] (rows q, k, v, z, b, a),
     conv.weight [C, K], dt_bias [Hv], A_log [Hv], norm.weight [dv], out.weight [H, Hv*dv]."""
 
@@ -56,12 +68,6 @@ class GatedDeltaNet(nn.Module):
         self.A_log = meta_parameter(c.num_heads)
         self.norm = Stacked(c.value_head_dim)
         self.out = Linear(self.value_dim, hidden_size, switches=switches)
-
-    @property
-    def decode_graph_safe(self) -> bool:
-        """Whether a decode step can be captured in a CUDA graph (helios.runner.cuda_graphs): the Triton path reads
-        device-side slots only; the torch path loops over host-side slot lists."""
-        return self.fused
 
     def forward(
         self,

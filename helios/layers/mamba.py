@@ -17,7 +17,7 @@ from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent as ops
 from helios.layers.attention import AttentionMetadata
 from helios.layers.linear import Linear, Stacked, meta_parameter
-from helios.layers.linear_attention import sequence_starts, sequence_starts_device
+from helios.layers.linear_attention import RecurrentMixer, sequence_starts, sequence_starts_device
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -47,7 +47,7 @@ def gated_group_rms_norm(
     return weight.to(torch.float32) * groups.view(num_tokens, inner)
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentMixer):
     """Tensors bound (helios/core/layout.py, layers.L.mamba.*): in_proj.weight [I + C + Hm, H] (rows z, x, B, C,
     dt), conv.weight [C, K] (+ conv.bias [C]), dt_bias, A_log, D [Hm], norm.weight [I], out.weight [H, I]."""
 
