@@ -160,6 +160,18 @@ def token_slots(
     return tables.gather(-1, positions // page_size).long() * page_size + positions % page_size
 
 
+def _batch_layout(meta: AttentionMetadata, seqs: list[int], num_queries: int):
+    """(lengths [B, 1], block tables [B, max_blocks], query positions [B, L]) of the sequences `seqs`, each with its
+    last num_queries queries: derived once per step and shared by every layer."""
+    key = ("compressed_attention", tuple(seqs), num_queries)
+    if key not in meta.derived:
+        device = meta.block_tables.device
+        lens = torch.tensor([meta.seq_lens_cpu[i] for i in seqs], device=device)[:, None]
+        tables = meta.block_tables[torch.tensor(seqs, device=device)]
+        meta.derived[key] = (lens, tables, lens - num_queries + torch.arange(num_queries, device=device))
+    return meta.derived[key]
+
+
 class CompressedAttention(nn.Module):
     """One deepseek_v4 attention layer of kind "sliding", "hca" or "csa". Tensors bound (layers.L.attn.*):
     in_proj.weight [Rq + d (+ 2w + (4Di + Ni) in csa), H] (rows: the q latent, the kv row, the compressor's kv and
@@ -262,9 +274,7 @@ class CompressedAttention(nn.Module):
         compressed entries (padded to the longest; padding masked) under the causal / window / selection mask."""
         c, d, num_queries, device = self.config, self.head_dim, q.shape[1], q.device
         lens_cpu = [meta.seq_lens_cpu[i] for i in seqs]
-        lens = torch.tensor(lens_cpu, device=device)[:, None]  # [B, 1]
-        tables = meta.block_tables[torch.tensor(seqs, device=device)]  # [B, max_blocks]
-        positions = lens - num_queries + torch.arange(num_queries, device=device)  # [B, L]
+        lens, tables, positions = _batch_layout(meta, seqs, num_queries)
         span = min(max(lens_cpu), num_queries + c.window - 1)  # keys any query's window holds
         key_pos = lens - span + torch.arange(span, device=device)  # [B, span], < 0: padding
         keys = [flat[token_slots(tables, key_pos.clamp(min=0), page_size), :d]]

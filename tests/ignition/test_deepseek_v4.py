@@ -164,3 +164,31 @@ def test_unexpected_tensor_and_bad_hash_table(tiny, tmp_path):
     write_tensors(path, {**raw, "model.layers.0.ffn.gate.tid2eid": raw["model.layers.0.ffn.gate.tid2eid"] + 8})
     with pytest.raises(ExportError, match="tid2eid names experts outside 0 .. 7"):
         convert_all(path)
+
+
+@pytest.mark.parametrize("published", [False, True], ids=["transformers", "published"])
+def test_full_size_configs_read_as_transformers_reads_them(published):
+    """DeepseekV4Config's defaults (V4-Flash's shapes), or the published spellings of them, read as its __post_init__
+    reads them: the layer kinds, the hash layers, the rotated width, the two ropes."""
+    from transformers import DeepseekV4Config
+
+    from ignition.archs.deepseek_v4 import _compressed, _config, _moe
+
+    raw = {"model_type": "deepseek_v4"}
+    if published:
+        raw.update(compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0], num_hash_layers=3, qk_rope_head_dim=64,
+                   compress_rope_theta=160000, rope_scaling={"type": "yarn", "factor": 16,
+                                                             "original_max_position_embeddings": 65536})
+    hf = DeepseekV4Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    cfg = _config(raw, "cfg")
+    c, moe = _compressed(cfg, 43, 64, 512, "cfg"), _moe(cfg, 43, "cfg")
+    kinds = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
+    assert c.layer_kinds == [kinds[t] for t in hf.layer_types]
+    assert moe.hash_layers == [i for i, t in enumerate(hf.mlp_layer_types) if t == "hash_moe"] == [0, 1, 2]
+    assert c.rope_dim == hf.qk_rope_head_dim == 64 and (c.csa_rate, c.hca_rate, c.window) == (4, 128, 128)
+    compress = hf.rope_parameters["compress"]
+    assert c.compress_rope_theta == compress["rope_theta"]
+    if published:
+        assert (c.compress_rope_scaling.factor, compress["attention_factor"]) == (16, 1.0)
+    else:
+        assert c.compress_rope_scaling is None and compress["rope_type"] == "default"
