@@ -14,12 +14,13 @@ from torch import nn
 from helios.core.manifest import Architecture
 from helios.layers.activation import ACTIVATIONS, GatedMLP
 from helios.layers.attention import AttentionBackend, AttentionMetadata
-from helios.layers.linear import Embedding, Linear, linear, meta_parameter
+from helios.layers.linear import Embedding, Linear, meta_parameter
 from helios.layers.moe import SparseMoe
 from helios.layers.norm import RMSNorm
 from helios.layers.norm_free import pdl_launches
 from helios.layers.rotary import RotaryEmbedding, apply_rotary
-from helios.models.llama import is_sliding, softcap_logits
+from helios.models.gemma3 import Gemma3ForCausalLM
+from helios.models.llama import is_sliding
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -186,8 +187,5 @@ class Gemma4ForCausalLM(nn.Module):
                 x = layer(x, layer_ple, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        with pdl_launches(self.pdl):
-            logits = linear(hidden, weight, None, self.switches)
-        return softcap_logits(logits, self.arch.final_logit_softcapping)
+    # the tied (or own) lm_head, then the final soft-cap: gemma3's, over the same attributes
+    compute_logits = Gemma3ForCausalLM.compute_logits

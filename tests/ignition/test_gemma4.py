@@ -8,9 +8,7 @@ parameter counts are the core's; the configs transformers accepts that we reject
 
 from __future__ import annotations
 
-import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ import torch
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
 from ignition.sources.hf import open_hf_dir
-from tests.ignition.checkpoint_tools import convert_all, raw_tensors, write_tensors
+from tests.ignition.checkpoint_tools import convert_all, edit_config, raw_tensors, write_tensors
 from tests.ignition.tiny_models import VOCAB_SIZE, write_tokenizer
 from tests.models.gemma4_tiny import TEXT, build_gemma4, gemma4_model
 
@@ -32,19 +30,13 @@ def tiny(tmp_path_factory):
     return build_gemma4(root / "moe", "moe"), gemma4_model("moe")
 
 
-def _edit_text_config(path: Path, edit) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["text_config"] = edit(cfg["text_config"])
-    (path / "config.json").write_text(json.dumps(cfg))
-
-
 def _expected(model) -> dict[str, torch.Tensor]:
     """The runtime layout computed from the HF modules."""
     tm = model.model.language_model
     h = tm.config.hidden_size
     out = {"embed.weight": tm.embed_tokens.weight, "norm.weight": tm.norm.weight,
-           "ple.embed.weight": tm.embed_tokens_per_layer.weight, "ple.proj.weight": tm.per_layer_model_projection.weight,
-           "ple.norm.weight": tm.per_layer_projection_norm.weight}
+           "ple.embed.weight": tm.embed_tokens_per_layer.weight, "ple.norm.weight": tm.per_layer_projection_norm.weight,
+           "ple.proj.weight": tm.per_layer_model_projection.weight}
     norms = {"attn_norm": "input_layernorm", "attn_post_norm": "post_attention_layernorm",
              "mlp_norm": "pre_feedforward_layernorm", "mlp_post_norm": "post_feedforward_layernorm",
              "mlp_post_norm_1": "post_feedforward_layernorm_1", "moe_norm": "pre_feedforward_layernorm_2",
@@ -116,9 +108,9 @@ def test_released_config_spellings(tiny, tmp_path):
         c = {k: v for k, v in c.items() if k not in ("per_layer_config", "rope_parameters")}
         return {**c, "global_head_dim": 32, "num_global_key_value_heads": 1}
 
-    _edit_text_config(path, released)
+    edit_config(path, released)
     assert convert_all(path)[0] == arch
-    _edit_text_config(path, lambda c: {**c, "attention_k_eq_v": False})  # the global kv heads then do not apply
+    edit_config(path, lambda c: {**c, "attention_k_eq_v": False})  # the global kv heads then do not apply
     with pytest.raises(ExportError, match=r"k_proj.weight' has shape \[32, 64\], the config implies \[64, 64\]"):
         convert(open_hf_dir(path), torch.float32)
 
@@ -148,7 +140,7 @@ def test_released_config_spellings(tiny, tmp_path):
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
     path = shutil.copytree(tiny[0], tmp_path / "x")
-    _edit_text_config(path, edit)
+    edit_config(path, edit)
     with pytest.raises(ExportError, match=message):
         convert(open_hf_dir(path), torch.float32)
 
