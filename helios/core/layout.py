@@ -152,6 +152,12 @@ ple_dim; N = num_layers):
   layers.L.ple_proj.weight          [H, P]
   layers.L.ple_post_norm.weight     [H]
 
+mimo_v2_flash (Dv = arch.v_head_dim, Nkv = arch.layer_kv_heads(L): sliding layers have their own count):
+  layers.L.attn.qkv.weight          [(Nq + Nkv)*D + Nkv*Dv, H] rows q, k, then v (times attention_value_scale)
+  layers.L.attn.o.weight            [H, Nq*Dv]
+  layers.L.attn.sinks               [Nq]               the layer types in arch.attention_sinks: a logit per head in
+                                                        the softmax denominator
+
 Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+w already added).
 """
 

@@ -418,11 +418,22 @@ class Architecture(_S):
     post_norm_eps: float | None = None
     # deepseek_v4: sliding-window MQA with compressed entries in every layer (CompressedAttentionConfig)
     compressed: CompressedAttentionConfig | None = None
+    # mimo_v2_flash: V heads narrower than q/k heads (the KV pages keep V zero-padded to head_dim), sliding layers
+    # with their own KV head count, and learned per-head sink logits (attn.sinks [Nq]) in the softmax denominator
+    # of the layers whose type is listed
+    v_head_dim: PosInt | None = None  # None: head_dim
+    sliding_num_kv_heads: PosInt | None = None  # None: num_kv_heads
+    attention_sinks: list[LayerType] = []
 
     @property
     def attention_layers(self) -> list[int]:
         """Layers that keep paged KV (every layer of a model without recurrent ones)."""
         return [i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] in ("full", "sliding")]
+
+    def layer_kv_heads(self, i: int) -> int:
+        """KV heads of attention layer i: sliding_num_kv_heads on a sliding layer when set, else num_kv_heads."""
+        sliding = self.layer_types and self.layer_types[i] == "sliding"
+        return self.sliding_num_kv_heads if sliding and self.sliding_num_kv_heads else self.num_kv_heads
 
     @property
     def kv_layers(self) -> list[int]:
@@ -433,7 +444,7 @@ class Architecture(_S):
         """(kv heads, head_dim) of an attention layer's K and V."""
         if self.layer_types and self.layer_types[layer] == "full" and (self.full_head_dim or self.full_num_kv_heads):
             return self.full_num_kv_heads or self.num_kv_heads, self.full_head_dim or self.head_dim
-        return self.num_kv_heads, self.head_dim
+        return self.layer_kv_heads(layer), self.head_dim
 
     @property
     def recurrent_layers(self) -> list[int]:

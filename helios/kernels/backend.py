@@ -68,9 +68,10 @@ class TritonAttentionBackend:
         scale: float,
         sliding_window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,  # [num_heads] sink logits
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        return self._attend(q, kv_cache, meta, scale, sliding_window, softcap)
+        return self._attend(q, kv_cache, meta, scale, sliding_window, softcap, sinks)
 
     def forward_qkv(
         self,
@@ -103,7 +104,7 @@ class TritonAttentionBackend:
         q = rotary_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads, q_norm, k_norm, eps, in_f32)
         return self._attend(q, kv_cache, meta, scale, sliding_window, softcap)
 
-    def _attend(self, q, kv_cache, meta: PagedMetadata, scale, sliding_window, softcap) -> torch.Tensor:
+    def _attend(self, q, kv_cache, meta: PagedMetadata, scale, sliding_window, softcap, sinks=None) -> torch.Tensor:
         if q.shape[0] == meta.num_seqs:  # every sequence schedules >= 1 token, so each has exactly one
             return paged_decode_attention(
                 q,
@@ -114,6 +115,7 @@ class TritonAttentionBackend:
                 sliding_window,
                 softcap,
                 num_splits=self._decode_splits(meta, sliding_window, kv_cache.shape[3], q.device),
+                sinks=sinks,
             )
         qsl = meta.query_start_loc_cpu
         max_query_len = max(b - a for a, b in zip(qsl, qsl[1:]))
@@ -127,6 +129,7 @@ class TritonAttentionBackend:
             scale,
             sliding_window,
             softcap,
+            sinks=sinks,
         )
 
     def _decode_splits(

@@ -53,6 +53,14 @@ def _scaled(s, scale, softcap, HAS_SOFTCAP: tl.constexpr):
 
 
 @jit
+def _sink_start(sinks_ptr, heads, rows, m, l):
+    """The online softmax's start with a sink logit (log2 domain) in `rows`: max = the sink, sum = 2^0 = 1, and
+    an accumulator of 0 (the sink's value); other rows keep (m, l)."""
+    sink = tl.load(sinks_ptr + heads, mask=rows, other=0.0).to(tl.float32) * 1.4426950408889634
+    return tl.where(rows, sink, m), tl.where(rows, 1.0, l)
+
+
+@jit
 def _decode_kernel(
     q_ptr,  # [num_seqs, num_heads, head_dim]
     k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
@@ -62,6 +70,7 @@ def _decode_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim], written when NUM_SPLITS == 1
     part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32, written when NUM_SPLITS > 1
     part_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2 domain
+    sinks_ptr,  # [num_heads] sink logits, read when HAS_SINKS
     stride_qs,
     stride_qh,
     stride_cp,  # cache strides: page, slot in page, kv head
@@ -80,6 +89,7 @@ def _decode_kernel(
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -127,6 +137,8 @@ def _decode_kernel(
     v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_SINKS:  # the sink is one more logit of split 0, with value 0: the running max starts there
+        m, l = _sink_start(sinks_ptr, heads, h_mask & (h * 0 + split == 0), m, l)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for start_n in range(start, end, BLOCK_N):
         k_mask = start_n + offs_n < end
@@ -214,6 +226,10 @@ def check_paged_inputs(q, kv_cache, block_tables, seq_lens, num_seqs: int) -> tu
     return num_kv_heads, page_size, q.shape[1] // num_kv_heads
 
 
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    assert sinks is None or (sinks.shape == (num_heads,) and sinks.is_contiguous()), "sinks must be [num_heads]"
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     # NOTE: float32 is a test/debug dtype here: keep it exact rather than TF32 (ignored for 16-bit inputs).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -230,6 +246,7 @@ def paged_decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     block_n: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """num_splits is a launch constant (not read from seq_lens), so a captured CUDA graph stays valid."""
     require_triton()
@@ -245,6 +262,7 @@ def paged_decode_attention(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     pdl = use_pdl(q, num_seqs)
     part_out, part_lse = split_partials(out, num_splits)
+    check_sinks(sinks, num_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -254,6 +272,7 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
+        out if sinks is None else sinks,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -272,6 +291,7 @@ def paged_decode_attention(
         NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         BLOCK_H=max(16, next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -337,8 +357,10 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's last queries over its cached keys, in float32 (the truth)."""
+    """Causal attention of each sequence's last queries over its cached keys, in float32 (the truth); sinks as
+    HF's eager attention adds them: one more logit per head in the softmax, dropped after it."""
     page_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     out = torch.zeros_like(q)
@@ -363,16 +385,23 @@ def paged_attention_ref(
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[start:end] = torch.matmul(torch.softmax(scores, dim=-1), values).transpose(0, 1).to(q.dtype)
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.matmul(probs, values).transpose(0, 1).to(q.dtype)
     return out
 
 
 def paged_decode_attention_ref(
-    q, kv_cache, block_tables, seq_lens, scale, sliding_window=None, softcap=None, num_splits=1, out=None, block_n=None
+    q, kv_cache, block_tables, seq_lens, scale, sliding_window=None, softcap=None, num_splits=1, out=None, block_n=None,
+    sinks=None,
 ):
     """paged_attention_ref with one query per sequence (num_splits and block_n do not change the math)."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    result = paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, softcap)
+    result = paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, softcap,
+                                 sinks)
     if out is not None:
         out.copy_(result)
         return out

@@ -13,7 +13,14 @@ from __future__ import annotations
 import torch
 
 from helios.kernels._triton import cdiv, jit, next_power_of_2, require_triton, tl
-from helios.kernels.paged_attention import _scores, check_paged_inputs, dot_precision, paged_attention_ref
+from helios.kernels.paged_attention import (
+    _scores,
+    _sink_start,
+    check_paged_inputs,
+    check_sinks,
+    dot_precision,
+    paged_attention_ref,
+)
 
 
 @jit
@@ -25,6 +32,7 @@ def _prefill_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    sinks_ptr,  # [num_heads] sink logits, read when HAS_SINKS
     stride_qt,
     stride_qh,
     stride_cp,  # cache strides: page, slot in page, kv head
@@ -41,6 +49,7 @@ def _prefill_kernel(
     PAGE_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr,  # tile rows = BLOCK_Q * GROUP (+ padding to a power of two)
     BLOCK_Q: tl.constexpr,  # query tokens per tile
     BLOCK_N: tl.constexpr,
@@ -78,6 +87,8 @@ def _prefill_kernel(
         lo = tl.maximum(first_pos + q_block * BLOCK_Q - window + 1, 0)
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # one more logit per row whose value is 0
+        m, l = _sink_start(sinks_ptr, heads, r_mask, m, l)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         k_pos = start_n + tl.arange(0, BLOCK_N)
@@ -123,6 +134,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     block_m: int | None = None,
     block_n: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     require_triton()
     num_seqs = seq_lens.shape[0]
@@ -139,6 +151,7 @@ def paged_prefill_attention(
     block_n = block_n or (64 if block_d <= 128 else 32)
     block_q = block_m // group
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    check_sinks(sinks, num_heads)
     grid = (cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q,
@@ -148,6 +161,7 @@ def paged_prefill_attention(
         seq_lens,
         query_start_loc,
         out,
+        out if sinks is None else sinks,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -164,6 +178,7 @@ def paged_prefill_attention(
         PAGE_SIZE=page_size,
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
         BLOCK_N=block_n,
@@ -188,9 +203,11 @@ def paged_prefill_attention_ref(
     out=None,
     block_m=None,
     block_n=None,
+    sinks=None,
 ):
     """paged_attention_ref (max_query_len and the block sizes do not change the math)."""
-    result = paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, softcap)
+    result = paged_attention_ref(q, kv_cache, query_start_loc, seq_lens, block_tables, scale, sliding_window, softcap,
+                                 sinks)
     if out is not None:
         out.copy_(result)
         return out

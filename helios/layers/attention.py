@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helios.layers.linear import Linear
+from helios.layers.linear import Linear, meta_parameter
 from helios.layers.norm import RMSNorm
 from helios.layers.rotary import apply_rotary
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -88,8 +88,10 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 sink logits (mimo_v2_flash)
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        """Write k/v at meta.slot_mapping, then attend causally over each sequence's cached keys."""
+        """Write k/v at meta.slot_mapping, then attend causally over each sequence's cached keys; with sinks, each
+        head's softmax denominator also counts exp(sink) (a key every query sees, whose value is 0)."""
         ...
 
 
@@ -115,12 +117,12 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, softcap):
+    def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, softcap, sinks=None):
         write_kv(kv_cache, k, v, meta.slot_mapping)
         page_size = kv_cache.shape[2]
         if q.shape[0] == meta.num_seqs and softcap is None and q.dtype == torch.float32:
             blocks, bias = decode_layout(meta, page_size, sliding_window)
-            return decode_attention(q, kv_cache, blocks, bias, scale)
+            return decode_attention(q, kv_cache, blocks, bias, scale, sinks)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
         for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -137,7 +139,7 @@ class TorchAttentionBackend:
             keys = kv_cache[0, blocks].flatten(0, 1)[key_start - base : seq_len - base]  # [S, Nkv, D]
             values = kv_cache[1, blocks].flatten(0, 1)[key_start - base : seq_len - base]
             mask = _mask(first_pos, end - start, key_start, seq_len, sliding_window, q.device)
-            out[start:end] = _attend(q[start:end], keys, values, mask, scale, softcap)
+            out[start:end] = _attend(q[start:end], keys, values, mask, scale, softcap, sinks)
         return out
 
 
@@ -177,17 +179,24 @@ def decode_attention(
     blocks: torch.Tensor,  # [B, nb] int64, from decode_layout
     bias: torch.Tensor,  # [B, 1, 1, nb * page_size] float32, from decode_layout
     scale: float,
+    sinks: torch.Tensor | None = None,  # [Nq] sink logits
 ) -> torch.Tensor:  # [B, Nq, D]
     """Attention of a decode-only batch in a handful of ops: one gather of every sequence's pages, then
     batched matmuls in which the query heads sharing a kv head are the rows of one group (GQA without
-    repeating K/V). Masked keys get probability exactly 0, so padding never changes a result."""
+    repeating K/V). Masked keys get probability exactly 0, so padding never changes a result. Sinks: one more
+    score column per head, dropped after the softmax."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
     kv = kv_cache[:, blocks].flatten(2, 3)  # [2, B, S, Nkv, D]
     keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Nkv, S, D]
     groups = q.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # head h -> kv head h // G
     scores = torch.add(bias, torch.matmul(groups, keys.transpose(2, 3)), alpha=scale)  # [B, Nkv, G, S]
-    return torch.matmul(torch.softmax(scores, dim=-1), values).reshape(num_seqs, num_heads, head_dim)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(scores.dtype).view(1, num_kv_heads, -1, 1).expand(num_seqs, -1, -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, values).reshape(num_seqs, num_heads, head_dim)
 
 
 def _mask(
@@ -212,9 +221,12 @@ def _attend(
     mask: torch.Tensor | None,  # [Lq, S] bool
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,  # [Nq] sink logits
 ) -> torch.Tensor:  # [Lq, Nq, D]
     num_groups = q.shape[1] // keys.shape[1]
     qh = q.transpose(0, 1)  # [Nq, Lq, D]
+    if sinks is not None:
+        keys, values, mask = _with_sink_key(keys, values, mask, q.shape[0], sinks, scale)
     if softcap is None:
         # NOTE: SDPA's GQA mode reads each kv head for its query group, no repeated copy of K/V.
         kh = keys.to(q.dtype).transpose(0, 1)  # [Nkv, S, D]
@@ -230,9 +242,31 @@ def _attend(
         scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
         scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         o = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), vh)
     return o.transpose(0, 1)
+
+
+def _with_sink_key(
+    keys: torch.Tensor,  # [S, Nkv, D]
+    values: torch.Tensor,  # [S, Nkv, D]
+    mask: torch.Tensor | None,  # [Lq, S] bool
+    num_queries: int,
+    sinks: torch.Tensor,  # [Nq]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # keys, values [S + 1, Nkv, D], mask [Nq, Lq, S + 1]
+    """Sinks as one more key (SDPA has no sink argument): a zero key and value, so its score is 0 and it adds
+    nothing to the output, and an additive per-head mask (in the keys' dtype, as SDPA wants) that makes its logit
+    the head's sink. SDPA adds the mask after scaling and the soft-cap path after capping, so the sink meets
+    neither, as in HF's eager attention."""
+    num_heads = sinks.shape[0]
+    zero = keys.new_zeros(1, *keys.shape[1:])
+    allowed = mask if mask is not None else torch.ones(num_queries, keys.shape[0], dtype=torch.bool,
+                                                       device=keys.device)
+    bias = torch.zeros(num_heads, num_queries, keys.shape[0] + 1, dtype=torch.float32, device=keys.device)
+    bias[:, :, :-1].masked_fill_(~allowed, float("-inf"))
+    bias[:, :, -1] = sinks.float()[:, None]
+    return torch.cat([keys, zero]), torch.cat([values, zero]), bias.to(keys.dtype)
 
 
 # name -> "module:Class"; imported only when chosen, so an optional backend stays optional.
@@ -272,7 +306,9 @@ class Attention(nn.Module):
     (qkv's last Nq rows), its sigmoid scaling every channel of the head.
 
     Tensors bound: qkv.weight [(Nq + 2*Nkv)*D, H] (+ qkv.bias; with output_gate [(2*Nq + 2*Nkv)*D, H], the gate
-    rows last), q_norm/k_norm.weight [D], o.weight [H, Nq*D].
+    rows last), q_norm/k_norm.weight [D], o.weight [H, Nq*D]. With v_head_dim Dv (mimo_v2_flash) the v rows are
+    Nkv*Dv and o.weight [H, Nq*Dv]: V is zero-padded to D for the cache and the backend, the output cut back to Dv.
+    With sinks, sinks [Nq]: per-head logits in the softmax denominator (the backend's sinks argument).
     """
 
     def __init__(
@@ -293,11 +329,14 @@ class Attention(nn.Module):
         output_gate: bool = False,
         gate_per_head: bool = False,
         rotary_dim: int | None = None,
+        v_head_dim: int | None = None,
+        sinks: bool = False,
         switches: Switches = DEFAULT_SWITCHES,
     ):
         super().__init__()
         self.output_gate = output_gate
         self.gate_per_head = output_gate and gate_per_head
+        self.v_head_dim = v_head_dim or head_dim
         self.rotary_dim = rotary_dim if rotary_dim is not None and rotary_dim < head_dim else None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -307,15 +346,18 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap
         self.l2_prefetch = switches.l2_prefetch  # batch-1 GPU decode: the o weight into L2 beside attention
-        rows = (num_heads * (2 if output_gate else 1) + 2 * num_kv_heads) * head_dim
+        rows = (num_heads * (2 if output_gate else 1) + num_kv_heads) * head_dim + num_kv_heads * self.v_head_dim
         if self.gate_per_head:  # one gate row per head, not one per channel
             rows -= num_heads * (head_dim - 1)
         self.qkv = Linear(hidden_size, rows, bias=bias, switches=switches)
-        # the fused backend's qkv launch knows neither the gate nor partial rotary: such a layer takes its q, k, v
-        self.fuses_qkv = getattr(backend, "fuses_layers", False) and not output_gate and self.rotary_dim is None
+        # the fused backend's qkv launch knows neither the gate, partial rotary, a narrower V nor sinks: such a
+        # layer takes its q, k, v
+        self.fuses_qkv = (getattr(backend, "fuses_layers", False) and not output_gate and self.rotary_dim is None
+                          and self.v_head_dim == head_dim and not sinks)
         self.q_norm = RMSNorm(head_dim, norm_eps, norm_multiply_in_float32) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps, norm_multiply_in_float32) if qk_norm else None
-        self.o = Linear(num_heads * head_dim, hidden_size, switches=switches)
+        self.sinks = meta_parameter(num_heads) if sinks else None
+        self.o = Linear(num_heads * self.v_head_dim, hidden_size, switches=switches)
 
     def forward(
         self,
@@ -332,7 +374,10 @@ class Attention(nn.Module):
         if self.fuses_qkv:  # GPU: norms + rotary + cache write in one launch
             return self.o(self.attend_qkv(qkv, cos_sin, kv_cache, meta))
         cos, sin = cos_sin
-        v = qkv[:, q_size + kv_size : q_size + 2 * kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        v_size = self.num_kv_heads * self.v_head_dim
+        v = qkv[:, q_size + kv_size : q_size + kv_size + v_size].view(num_tokens, self.num_kv_heads, self.v_head_dim)
+        if self.v_head_dim < self.head_dim:  # the pages keep head_dim values per head: V's are zero-padded
+            v = F.pad(v, (0, self.head_dim - self.v_head_dim))
         if self.q_norm is None and self.rotary_dim is None:
             # q and k are adjacent columns of the fused output: one rotary over both heads' sets
             qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -343,13 +388,16 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
-        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap)
-        o = o.reshape(num_tokens, q_size)
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
+        o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap, **sinks)
+        if self.v_head_dim < self.head_dim:
+            o = o[..., : self.v_head_dim]
+        o = o.reshape(num_tokens, self.num_heads * self.v_head_dim)
         if self.gate_per_head:  # step3p7: the last num_heads rows, one gate per head
             gate = torch.sigmoid(qkv[:, -self.num_heads :])
             o = (o.view(num_tokens, self.num_heads, -1) * gate[:, :, None]).view(num_tokens, -1)
         elif self.output_gate:  # qwen3_5: the gate rows follow v's
-            o = o * torch.sigmoid(qkv[:, q_size + 2 * kv_size :])
+            o = o * torch.sigmoid(qkv[:, q_size + kv_size + v_size :])
         return self.o(o)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [T, N, D]

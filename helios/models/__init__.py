@@ -31,6 +31,7 @@ _FAMILIES = {
     "qwen4_exp": "helios.models.qwen4_exp:Qwen4ExpForCausalLM",
     "kimi_linear": "helios.models.kimi_linear:KimiLinearForCausalLM",
     "glm5_next": "helios.models.glm5_next:Glm5NextForCausalLM",
+    "mimo_v2_flash": "helios.models.mimo_v2_flash:MiMoV2FlashForCausalLM",
     "gemma4": "helios.models.gemma4:Gemma4ForCausalLM",
     "minimax_m3": "helios.models.minimax_m3:MiniMaxM3ForCausalLM",
     "step3p7": "helios.models.step3p7:Step3p7ForCausalLM",

@@ -37,6 +37,7 @@ _REGISTRY = {
     "kimi_linear": "ignition.archs.kimi_linear",
     "qwen4_exp_text": "ignition.archs.qwen4_exp", "qwen4_exp": "ignition.archs.qwen4_exp",  # wrapper: its text_config
     "glm5_next": "ignition.archs.glm5_next", "glm5_next_text": "ignition.archs.glm5_next",  # wrapper: text_config
+    "mimo_v2_flash": "ignition.archs.mimo_v2_flash", "mimo_v2": "ignition.archs.mimo_v2_flash",  # V2.5/V2.6: fused qkv
     "gemma4_text": "ignition.archs.gemma4", "gemma4": "ignition.archs.gemma4",  # wrapper: its text_config
     "minimax_m3_vl": "ignition.archs.minimax_m3", "minimax_m3_vl_text": "ignition.archs.minimax_m3",  # wrapper: text
     "step3p7": "ignition.archs.step3p7", "step3p5": "ignition.archs.step3p7",  # wrapper: text_config; flat text

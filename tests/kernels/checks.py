@@ -163,15 +163,18 @@ def check_decode(
     block_n=None,
     num_kv_heads=2,
     head_dim=64,
+    sinks=False,
 ):
+    """sinks: per-head sink logits (mimo_v2_flash), drawn around the scores' size."""
     from helios.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 
     seq_lens = list(seq_lens)
     c = paged_case([1] * len(seq_lens), seq_lens, num_kv_heads, group, head_dim, page_size, dtype, device)
     scale = head_dim**-0.5
     args = (c.q, c.kv_cache, c.block_tables, c.seq_lens, scale, sliding_window, softcap)
-    out = paged_decode_attention(*args, num_splits=num_splits, block_n=block_n)
-    _close(out, paged_decode_attention_ref(*args), dtype, device)
+    extra = {"sinks": _randn(num_kv_heads * group, device=device, dtype=dtype, seed=7, scale=2.0)} if sinks else {}
+    out = paged_decode_attention(*args, num_splits=num_splits, block_n=block_n, **extra)
+    _close(out, paged_decode_attention_ref(*args, **extra), dtype, device)
     return out
 
 
@@ -233,14 +236,17 @@ def check_prefill(
     block_n=None,
     num_kv_heads=2,
     head_dim=64,
+    sinks=False,
 ):
+    """sinks: per-head sink logits (mimo_v2_flash), drawn around the scores' size."""
     from helios.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 
     c = paged_case(list(query_lens), list(seq_lens), num_kv_heads, group, head_dim, page_size, dtype, device)
     scale = head_dim**-0.5
     args = (c.q, c.kv_cache, c.query_start_loc, c.seq_lens, c.block_tables, c.max_query_len, scale)
-    out = paged_prefill_attention(*args, sliding_window, softcap, block_m=block_m, block_n=block_n)
-    _close(out, paged_prefill_attention_ref(*args, sliding_window, softcap), dtype, device)
+    extra = {"sinks": _randn(num_kv_heads * group, device=device, dtype=dtype, seed=7, scale=2.0)} if sinks else {}
+    out = paged_prefill_attention(*args, sliding_window, softcap, block_m=block_m, block_n=block_n, **extra)
+    _close(out, paged_prefill_attention_ref(*args, sliding_window, softcap, **extra), dtype, device)
 
 
 # --- sampling ------------------------------------------------------------------------------------------

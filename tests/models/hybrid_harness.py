@@ -16,10 +16,13 @@ PAGE_SIZE = 16
 
 def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64,
                 budget: int = 128, checkpoints: int = 0) -> EngineCore:
-    """checkpoints: state checkpoint slots (prefix reuse through them); 0: no prefix cache."""
+    """checkpoints: state checkpoint slots (prefix reuse through them); 0: no prefix cache. A model without
+    recurrent layers gets window_engine's."""
     from helios.runner.state_cache import StateCache
 
     arch = core.manifest.arch
+    if arch.recurrent is None:
+        return window_engine(core, max_concurrency, num_pages, chunk, budget)
     config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
                              prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=num_pages,
                              max_model_len=num_pages * PAGE_SIZE, num_state_slots=max_concurrency,
@@ -28,6 +31,25 @@ def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: in
                              state_slot_bytes=StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype))
     runner = ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, num_state_slots=max_concurrency + checkpoints)
     return EngineCore(config, runner)
+
+
+def window_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64,
+                  budget: int = 128) -> EngineCore:
+    """An attention-only model's engine: the pages of its sliding layers (beside full ones) in a window group
+    (helios/engine/kv_groups.py) with room for every slot's window and chunk, as compose sizes it."""
+    from helios.engine.kv_groups import window_pages_per_request
+    from helios.runner.kv_cache import KVCache
+
+    arch = core.manifest.arch
+    window_pages = 0
+    groups = {}
+    if KVCache.window_layers(arch):
+        window_pages = max_concurrency * window_pages_per_request(arch.sliding_window, PAGE_SIZE, chunk)
+        groups = dict(sliding_window=arch.sliding_window, window_pages=window_pages)
+    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
+                             prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=num_pages,
+                             max_model_len=num_pages * PAGE_SIZE, **groups)
+    return EngineCore(config, ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, window_pages=window_pages))
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:

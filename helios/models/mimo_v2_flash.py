@@ -1,0 +1,93 @@
+"""mimo_v2_flash (MiMo-V2-Flash, and the V2.5 / V2.6 mimo_v2 releases ignition maps here): pre-norm GQA blocks,
+full and sliding-window layers (per arch.layer_types). A sliding layer has arch.sliding_num_kv_heads KV heads (its
+own KV shape in the pages) and its own rope base (arch.rope_local_theta); the layer types in arch.attention_sinks
+add per-head sink logits to the softmax. q/k heads are head_dim wide, v heads arch.v_head_dim (the pages keep V
+zero-padded to head_dim: helios.layers.attention); rotary turns each head's leading arch.rotary_dim dims. V's scale
+(attention_value_scale) is folded into the qkv weight by ignition. The feed-forward is a SwiGLU MLP (the dense
+layers) or sigmoid-routed, group-limited experts without a shared expert (helios.layers.moe.SigmoidMoe).
+Forward-only, no weights of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from helios.core.manifest import Architecture
+from helios.layers.activation import GatedMLP
+from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
+from helios.layers.linear import Embedding, Linear, linear
+from helios.layers.moe import SigmoidMoe
+from helios.layers.norm import RMSNorm
+from helios.layers.rotary import RotaryEmbedding
+from helios.models.llama import is_sliding
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+class MiMoV2FlashLayer(nn.Module):
+    """x += attn(attn_norm(x)); x += mlp or moe(mlp_norm(x))."""
+
+    def __init__(self, arch: Architecture, i: int, backend: AttentionBackend, switches: Switches = DEFAULT_SWITCHES):
+        super().__init__()
+        h, eps = arch.hidden_size, arch.rms_norm_eps
+        sliding = is_sliding(arch, i)
+        self.attn_norm = RMSNorm(h, eps)
+        self.attn = Attention(h, arch.num_heads, arch.layer_kv_heads(i), arch.head_dim, backend,
+                              sliding_window=arch.sliding_window if sliding else None, rotary_dim=arch.rotary_dim,
+                              v_head_dim=arch.v_head_dim,
+                              sinks=("sliding" if sliding else "full") in arch.attention_sinks, switches=switches)
+        self.mlp_norm = RMSNorm(h, eps)
+        self.is_moe = arch.moe is not None and i not in arch.moe.dense_layers
+        if self.is_moe:
+            self.moe = SigmoidMoe(h, arch.moe, arch.hidden_act, switches=switches)
+        else:
+            self.mlp = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, rotary_dim]
+        kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv of this layer, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        x = x + self.attn(self.attn_norm(x), cos_sin, kv_cache, meta)
+        h = self.mlp_norm(x)
+        return x + (self.moe(h) if self.is_moe else self.mlp(h))
+
+
+class MiMoV2FlashForCausalLM(nn.Module):
+    """Torch layers around the backend's attention; a sink or narrow-V layer never takes the fused qkv launch."""
+
+    def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+        super().__init__()
+        if norms_folded:
+            raise ValueError("mimo_v2_flash norm weights are never folded")
+        self.arch = arch
+        self.switches = switches
+        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(MiMoV2FlashLayer(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
+                                                                    switches=switches)
+        rotary_dim = arch.rotary_dim or arch.head_dim
+        self.rotary = RotaryEmbedding(rotary_dim, arch.rope_theta, None, arch.max_position_embeddings, device)
+        local_theta = arch.rope_local_theta if arch.rope_local_theta is not None else arch.rope_theta
+        self.local_rotary = RotaryEmbedding(rotary_dim, local_theta, None, arch.max_position_embeddings, device)
+
+    def forward(
+        self,
+        token_ids: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_pages, page_size, Nkv of the layer, D]
+    ) -> torch.Tensor:  # [T, H]
+        x = self.embed(token_ids)
+        rope = self.rotary.cos_sin(meta.positions, x.dtype)
+        local_rope = self.local_rotary.cos_sin(meta.positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return linear(hidden, weight, None, self.switches)
