@@ -16,6 +16,7 @@ from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.engine.kv_groups import window_pages_per_request
 from helios.engine.messages import EngineRequest, SamplingParams
+from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
 from tests.models.gemma4_tiny import WINDOW, build_gemma4
@@ -183,3 +184,25 @@ def test_released_configs_match_transformers(name, tmp_path):
     ids = prompt(40, seed=3)
     got = ModelRunner(arch, core.tensors, 16, 16).forward_logits(ids)
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpret_mode()), reason="needs the Triton interpreter")
+def test_graphed_decode_on_the_triton_backend_gives_the_eager_tokens(base):
+    """The GPU path on the CPU: the Triton attention backend (interpreter) under the decode graphs' function
+    (GraphRunner(capture=False), the runner's per-layer caches: KV-shared layers read their source's pages inside it)
+    with the speculative next step and the window group = the eager torch engine's tokens."""
+    from helios.runner.cuda_graphs import GraphRunner
+
+    _, core = base
+    arch, window_pages = core.manifest.arch, 3 * window_pages_per_request(WINDOW, PAGE, 16)
+    config = SchedulerConfig(max_concurrency=3, max_num_batched_tokens=16, prefill_chunk_size=16, page_size=PAGE,
+                             num_pages=96, max_model_len=256, sliding_window=WINDOW, window_pages=window_pages)
+    runner = ModelRunner(arch, core.tensors, 96, PAGE, max_model_len=256, attention_backend="triton",
+                         decode_overlap=True, window_pages=window_pages)
+    runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2, 4], max_model_len=256, page_size=PAGE,
+                                vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads, device=runner.device,
+                                capture=False, window=runner.window, layer_caches=runner.layer_caches)
+    reqs = [greedy(f"r{i}", prompt(n, seed=i), 10) for i, n in enumerate((5, 11, 17))]
+    got = generate(EngineCore(config, runner), reqs)
+    assert got == generate(make_engine(core, window=False), reqs)
+    assert runner.launches["graph"] > 0 and runner.overlap_hits > 0, (runner.launches, runner.overlap_hits)
