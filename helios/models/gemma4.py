@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from helios.core.manifest import Architecture
+from helios.core.manifest import Architecture, RopeScaling
 from helios.layers.activation import ACTIVATIONS, GatedMLP
 from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, meta_parameter
@@ -155,8 +155,6 @@ class Gemma4ForCausalLM(nn.Module):
         full_dim = arch.full_head_dim or arch.head_dim
         scaling = None
         if g.rope_factor != 1.0:  # the proportional rope's factor divides every frequency, as linear scaling does
-            from helios.core.manifest import RopeScaling
-
             scaling = RopeScaling(type="linear", factor=g.rope_factor)
         self.rotary = RotaryEmbedding(full_dim, arch.rope_theta, scaling, arch.max_position_embeddings, device,
                                       rotated_pairs=g.rotated_pairs)

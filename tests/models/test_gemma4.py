@@ -186,6 +186,25 @@ def test_released_configs_match_transformers(name, tmp_path):
     torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=0)
 
 
+def test_a_proportional_rope_factor_matches_transformers(tmp_path):
+    """The full layers' proportional rope with a factor (every turning frequency divided by it) and a rotated share
+    of one half: logits = transformers'."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    from ignition.export import ExportOptions, export_core
+
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 8.0,
+                               "rope_theta": 100_000.0}}
+    src = build_gemma4(tmp_path / "hf", "base", rope_parameters=rope)
+    core = load_core(export_core(src, tmp_path / "core", ExportOptions(dtype="float32")))
+    assert (core.manifest.arch.gemma4.rotated_pairs, core.manifest.arch.gemma4.rope_factor) == (8, 8.0)
+    hf = Gemma4ForConditionalGeneration.from_pretrained(src, dtype=torch.float32).eval()
+    ids = prompt(60, seed=4)
+    got = ModelRunner(core.manifest.arch, core.tensors, 16, 16).forward_logits(ids)
+    torch.testing.assert_close(got, hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
 @pytest.mark.skipif(not (HAS_TRITON and interpret_mode()), reason="needs the Triton interpreter")
 def test_graphed_decode_on_the_triton_backend_gives_the_eager_tokens(base):
     """The GPU path on the CPU: the Triton attention backend (interpreter) under the decode graphs' function
