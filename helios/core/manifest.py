@@ -306,8 +306,9 @@ class CompressedAttentionConfig(_S):
     an unweighted per-head RMSNorm); rope on each head's trailing rope_dim dims, interleaved pairs, rope_theta
     (sliding) or compress_rope_theta + compress_rope_scaling (others); the output turns back by the query's
     rotation; o_groups groups of heads each to o_lora_rank values, then one projection. Per token and layer the KV
-    pages keep the normed rotated kv row, the raw compressor rows and, in a window's last token, its entries
-    (row_dim; helios.layers.compressed_attention)."""
+    pages keep the normed rotated kv row and the raw compressor rows (raw_dim; in the window page group when the
+    compressors' reach fits the window) and a 1/rate share of its window's entries (entry_row_dim;
+    helios.layers.compressed_attention)."""
 
     layer_kinds: list[Literal["sliding", "csa", "hca"]]
     window: PosInt  # sliding_window
@@ -323,20 +324,31 @@ class CompressedAttentionConfig(_S):
     compress_rope_theta: float
     compress_rope_scaling: RopeScaling | None = None  # yarn without its attention factor (deepseek_v4 forces 1)
 
+    def raw_dim(self, kind: str, head_dim: int) -> int:
+        """Values each token writes in a layer of this kind, read while it is in the window: its kv row, then the raw
+        compressor kv and gate rows (2d wide each in csa, overlapping windows; d in hca) and csa's indexer kv and gate
+        rows (2 index_head_dim each)."""
+        return {"sliding": head_dim, "hca": 3 * head_dim, "csa": 5 * head_dim + 4 * self.index_head_dim}[kind]
+
+    def entry_row_dim(self, kind: str, head_dim: int) -> int:
+        """Values each token keeps of its window's compressed entry (d; csa: and the indexer's key): the entry is
+        spread over the window's rate rows, ceil(entry / rate) values each."""
+        entry = {"sliding": 0, "hca": head_dim, "csa": head_dim + self.index_head_dim}[kind]
+        rate = self.csa_rate if kind == "csa" else self.hca_rate
+        return -(-entry // rate)
+
     def row_dim(self, kind: str, head_dim: int) -> int:
-        """Values one token keeps in a layer of this kind: its kv row, then the raw compressor kv and gate rows
-        (2d wide each in csa, overlapping windows; d in hca) and csa's indexer kv and gate rows (2 index_head_dim
-        each), then the compressed entry (d; csa: and the indexer's, index_head_dim) that the last token of a window
-        holds (the other tokens leave those values unused)."""
-        if kind == "sliding":
-            return head_dim
-        if kind == "hca":
-            return 4 * head_dim
-        return 6 * head_dim + 5 * self.index_head_dim
+        """Values one token keeps in a layer of this kind: raw_dim + entry_row_dim."""
+        return self.raw_dim(kind, head_dim) + self.entry_row_dim(kind, head_dim)
 
     def cache_dim(self, head_dim: int) -> int:
         """The widest layer's row (each layer's pages keep rows of its own kind's width: row_dim)."""
         return max(self.row_dim(kind, head_dim) for kind in self.layer_kinds)
+
+    def fits_window(self) -> bool:
+        """Whether every row the compressors read lies in the window a query reads (2 csa_rate and hca_rate at most
+        `window`): then the raw rows can live in the engine's window page group."""
+        return 2 * self.csa_rate <= self.window and self.hca_rate <= self.window
 
 
 class Architecture(_S):

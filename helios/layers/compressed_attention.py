@@ -2,14 +2,14 @@
 sliding window, plus compressed entries (HCA: one per hca_rate tokens; CSA: one per csa_rate tokens from overlapping
 windows, each query keeping the index_topk best by a lightning indexer). The torch reference on every device.
 
-Cache per layer: [1, num_pages, page_size, cache_dim] from helios.runner.kv_cache. Per token its row holds the normed,
-rotated kv (d values; keys and values alike), the raw compressor rows (kv and gate logits; then CSA's indexer kv and
-gate), and, in the last token of a window, that window's compressed entry (CSA: and the indexer's). The step that
-completes a window computes its entry from the window's rows (CSA: and the previous window's) and writes it there,
-so the entries are pages like the rest: kept, shared by the prefix cache and freed with them, with no per-request
-state (a partial window is simply its last < rate rows), and the arithmetic is the same whatever the chunking.
-NOTE: exact and simple, not yet small: every row has the widest layer's width, and the raw rows are kept for every
-token although only a window's last 2 * rate are ever read (a window page group would hold those).
+Cache per layer (helios.runner.kv_cache): (rows [1, pages, page_size, raw_dim], entries [1, num_pages, page_size,
+entry_row_dim]). Per token its row holds the normed, rotated kv (d values; keys and values alike) and the raw compressor
+rows (kv and gate logits; then CSA's indexer kv and gate): only the window ever reads them, so with the engine's window
+page group (when the compressors' reach fits the window) they live in its pages. The step that completes a window
+computes its entry (CSA: and index key) from the window's rows (CSA: and the previous window's) and spreads it over the
+window's rate entry rows (group 0, every position's page): entries are kept, shared by the prefix cache and freed like
+any page, with no per-request state (a partial window is simply its last < rate rows), and the arithmetic is the same
+whatever the chunking.
 Imports torch and helios.core only (and helios.layers' linear, norm and rotary).
 """
 
@@ -160,15 +160,18 @@ def token_slots(
     return tables.gather(-1, positions // page_size).long() * page_size + positions % page_size
 
 
-def _batch_layout(meta: AttentionMetadata, seqs: list[int], num_queries: int):
-    """(lengths [B, 1], block tables [B, max_blocks], query positions [B, L]) of the sequences `seqs`, each with its
-    last num_queries queries: derived once per step and shared by every layer."""
+def _batch_layout(meta: AttentionMetadata, window: AttentionMetadata, seqs: list[int], num_queries: int):
+    """(the longest length, lengths [B, 1], block tables [B, max_blocks], window tables [B, max_blocks], query
+    positions [B, L]) of the sequences `seqs`, each with its last num_queries queries: derived once per step and
+    shared by every layer."""
     key = ("compressed_attention", tuple(seqs), num_queries)
     if key not in meta.derived:
         device = meta.block_tables.device
         lens = torch.tensor([meta.seq_lens_cpu[i] for i in seqs], device=device)[:, None]
-        tables = meta.block_tables[torch.tensor(seqs, device=device)]
-        meta.derived[key] = (lens, tables, lens - num_queries + torch.arange(num_queries, device=device))
+        index = torch.tensor(seqs, device=device)
+        meta.derived[key] = (max(meta.seq_lens_cpu[i] for i in seqs), lens, meta.block_tables[index],
+                             window.block_tables[index],
+                             lens - num_queries + torch.arange(num_queries, device=device))
     return meta.derived[key]
 
 
@@ -189,8 +192,9 @@ class CompressedAttention(nn.Module):
         self.width = width = {"sliding": 0, "hca": head_dim, "csa": 2 * head_dim}[kind]
         di, ni = (c.index_head_dim, c.index_num_heads) if kind == "csa" else (0, 0)
         self.splits = [c.q_lora_rank, head_dim, width, width, 2 * di, 2 * di, ni]
-        self.raw_dim = head_dim + 2 * width + 4 * di  # the row's values a token writes; its window's entries follow
-        self.row_dim = c.row_dim(kind, head_dim)
+        self.raw_dim = c.raw_dim(kind, head_dim)
+        self.entry_dim = {"sliding": 0, "hca": head_dim, "csa": head_dim + di}[kind]
+        self.entry_row_dim = c.entry_row_dim(kind, head_dim)  # an entry's share in each of its window's rows
         self.in_proj = Linear(hidden_size, c.q_lora_rank + head_dim + 2 * width + 4 * di + ni, switches=switches)
         self.q_a_norm = RMSNorm(c.q_lora_rank, eps, multiply_in_float32=True)
         self.q_b = Linear(c.q_lora_rank, num_heads * head_dim, switches=switches)
@@ -206,7 +210,7 @@ class CompressedAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cache: torch.Tensor,  # [1, num_pages, page_size, cache_dim]
+        cache: tuple[torch.Tensor, torch.Tensor],  # rows [1, P_w, page, raw_dim], entries [1, P, page, entry_row]
         meta: AttentionMetadata,
         rope: InterleavedRope,  # this layer's: main (sliding) or compress
         compress_rope: InterleavedRope,
@@ -218,18 +222,21 @@ class CompressedAttention(nn.Module):
         q = unit_rms(self.q_b(q_lat).view(num_tokens, self.num_heads, d), self.eps)
         q = rotate_tail(q, cos, sin)
         kv = rotate_tail(self.kv_norm(kv), cos, sin)
-        flat = cache.view(-1, cache.shape[-1])  # [num_slots, cache_dim]
-        flat[meta.slot_mapping, : self.raw_dim] = torch.cat([kv, c_kv, c_gate, i_kv, i_gate], dim=-1).to(flat.dtype)
+        window = meta.for_window(self.config.window)  # the rows' pages: the window group's, or every page
+        rows, entries = (t.flatten(0, 2) for t in cache)  # [slots, raw_dim], [slots, entry_row_dim]
+        rows[window.slot_mapping] = torch.cat([kv, c_kv, c_gate, i_kv, i_gate], dim=-1).to(rows.dtype)
         index = None
         if self.kind == "csa":
             index_q = self.indexer.q_b(q_lat).view(num_tokens, self.config.index_num_heads, -1)
             index = (rotate_tail(index_q, *compress_rope.cos_sin(meta.positions, x.dtype)),
                      i_w.float() * self.config.index_num_heads**-0.5)
+        page_size = cache[0].shape[2]
         # K = V carried the keys' rotation: the output turns back by the query's
-        out = rotate_tail(self._attend_all(q, flat, meta, cache.shape[2], index, compress_rope), cos, -sin)
+        out = rotate_tail(self._attend_all(q, rows, entries, meta, window, page_size, index, compress_rope), cos, -sin)
         return self.o_b(self._grouped_o_a(out.reshape(num_tokens, -1)))
 
-    def _attend_all(self, q: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata, page_size: int, index,
+    def _attend_all(self, q: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, meta: AttentionMetadata,
+                    window: AttentionMetadata, page_size: int, index,
                     compress_rope: InterleavedRope) -> torch.Tensor:  # q [T, Nh, d] -> [T, Nh, d]
         """The entries of the windows this step completes, then attention: every one-token sequence in one batched
         pass (padded to the longest), each longer one alone."""
@@ -238,58 +245,61 @@ class CompressedAttention(nn.Module):
         if self.rate:
             for i, seq_len in enumerate(meta.seq_lens_cpu):
                 if lengths[i]:
-                    self._write_entries(flat, meta.block_tables[i], page_size, seq_len - lengths[i], seq_len,
-                                        compress_rope)
+                    self._write_entries(rows, entries, window.block_tables[i], meta.block_tables[i], page_size,
+                                        seq_len - lengths[i], seq_len, compress_rope)
         singles = [i for i, n in enumerate(lengths) if n == 1]
         groups = [(singles, torch.tensor([qsl[i] for i in singles], device=q.device))] if singles else []
         groups += [([i], torch.arange(qsl[i], qsl[i + 1], device=q.device)) for i, n in enumerate(lengths) if n > 1]
         out = torch.empty_like(q)
-        for seqs, rows in groups:
+        for seqs, at in groups:
             shape = (len(seqs), -1)  # [B, L]
-            seq_index = None if index is None else tuple(t[rows].unflatten(0, shape) for t in index)
-            out[rows] = self._attend(q[rows].unflatten(0, shape), flat, meta, seqs, page_size, seq_index).flatten(0, 1)
+            seq_index = None if index is None else tuple(t[at].unflatten(0, shape) for t in index)
+            layout = _batch_layout(meta, window, seqs, len(at) // len(seqs))
+            o = self._attend(q[at].unflatten(0, shape), rows, entries, layout, page_size, seq_index)
+            out[at] = o.flatten(0, 1)
         return out
 
-    def _write_entries(self, flat: torch.Tensor, table: torch.Tensor, page_size: int, start: int, seq_len: int,
-                       rope: InterleavedRope) -> None:
+    def _write_entries(self, rows: torch.Tensor, entries: torch.Tensor, window_table: torch.Tensor,
+                       table: torch.Tensor, page_size: int, start: int, seq_len: int, rope: InterleavedRope) -> None:
         """The entries of the windows this step completes (positions start .. seq_len - 1 are new; their rows are
-        written), from their rows (CSA: and the previous window's), into each window's last row."""
+        written), from their rows (CSA: and the previous window's), spread over each window's entry rows."""
         m, d, w = self.rate, self.head_dim, self.width
         first, end = start // m, seq_len // m
         if end <= first:
             return
         lead = 1 if self.kind == "csa" and first > 0 else 0
-        device = flat.device
-        rows = flat[token_slots(table, torch.arange((first - lead) * m, end * m, device=device), page_size)]
-        entries = [self.compressor(rows[:, d : d + w], rows[:, d + w : d + 2 * w], first, rope)]
+        device = rows.device
+        raw = rows[token_slots(window_table, torch.arange((first - lead) * m, end * m, device=device), page_size)]
+        new = [self.compressor(raw[:, d : d + w], raw[:, d + w : d + 2 * w], first, rope)]
         if self.kind == "csa":
             at, wi = d + 2 * w, 2 * self.config.index_head_dim
-            entries.append(self.indexer.compressor(rows[:, at : at + wi], rows[:, at + wi : at + 2 * wi], first, rope))
-        last = token_slots(table, torch.arange(first, end, device=device) * m + m - 1, page_size)
-        flat[last, self.raw_dim : self.row_dim] = torch.cat(entries, dim=-1).to(flat.dtype)
+            new.append(self.indexer.compressor(raw[:, at : at + wi], raw[:, at + wi : at + 2 * wi], first, rope))
+        new = torch.cat(new, dim=-1)  # [n, E]
+        new = torch.nn.functional.pad(new, (0, m * self.entry_row_dim - self.entry_dim)).view(-1, self.entry_row_dim)
+        entries[token_slots(table, torch.arange(first * m, end * m, device=device), page_size)] = new.to(entries.dtype)
 
-    def _attend(self, q: torch.Tensor, flat: torch.Tensor, meta: AttentionMetadata, seqs: list[int], page_size: int,
+    def _attend(self, q: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, layout, page_size: int,
                 index) -> torch.Tensor:  # q [B, L, Nh, d] -> [B, L, Nh, d]
         """B sequences' last L queries each (B one-token sequences, or one sequence): their window keys and their
         compressed entries (padded to the longest; padding masked) under the causal / window / selection mask."""
         c, d, num_queries, device = self.config, self.head_dim, q.shape[1], q.device
-        lens_cpu = [meta.seq_lens_cpu[i] for i in seqs]
-        lens, tables, positions = _batch_layout(meta, seqs, num_queries)
-        span = min(max(lens_cpu), num_queries + c.window - 1)  # keys any query's window holds
+        max_len, lens, tables, window_tables, positions = layout
+        span = min(max_len, num_queries + c.window - 1)  # keys any query's window holds
         key_pos = lens - span + torch.arange(span, device=device)  # [B, span], < 0: padding
-        keys = [flat[token_slots(tables, key_pos.clamp(min=0), page_size), :d]]
+        keys = [rows[token_slots(window_tables, key_pos.clamp(min=0), page_size), :d]]
         kp, qp = key_pos[:, None, :], positions[..., None]
         masks = [(kp >= 0) & (kp <= qp) & (kp > qp - c.window)]  # [B, L, span]
-        n = max(lens_cpu) // self.rate if self.rate else 0
+        n = max_len // self.rate if self.rate else 0
         if n:
-            m = self.rate
-            windows = torch.arange(n, device=device)
-            ends = torch.where(windows < lens // m, windows * m + m - 1, 0)  # [B, n]: each entry's row, else row 0
-            entries = flat[token_slots(tables, ends, page_size), self.raw_dim :]  # [B, n, d (+ Di)]
-            keys.append(entries[..., :d])
-            visible = windows < (qp + 1) // m  # [B, L, n]: the windows that end at or before each query
+            m, e = self.rate, self.entry_row_dim
+            at = torch.arange(n * m, device=device)
+            at = torch.where(at < lens // m * m, at, 0)  # [B, n*m]: the entry rows of complete windows, else row 0
+            share = entries[token_slots(tables, at, page_size)]  # [B, n*m, e]
+            compressed = share.view(share.shape[0], n, m * e)[..., : self.entry_dim]  # [B, n, d (+ Di)]
+            keys.append(compressed[..., :d])
+            visible = torch.arange(n, device=device) < (qp + 1) // m  # [B, L, n]: windows ending at or before
             if index is not None:
-                visible = self.indexer.select(index[0], index[1], entries[..., d:], visible)
+                visible = self.indexer.select(index[0], index[1], compressed[..., d:], visible)
             masks.append(visible)
         return attend_with_sinks(q, torch.cat(keys, dim=1).to(q.dtype), torch.cat(masks, dim=-1), self.sinks)
 

@@ -79,22 +79,46 @@ class KVCache:
         window_pages: int = 0,
     ) -> KVCache:
         """window_pages: the window group's pages (window_layers' tensors); 0: every layer holds num_pages."""
+        if arch.compressed is not None:
+            return cls._compressed(arch, num_pages, page_size, dtype, device, window_pages)
         latent_dim = arch.mla.cache_dim if arch.mla is not None else None
         index_dim = arch.index_dim or None
         window = set(cls.window_layers(arch)) if window_pages else set()
         owners = arch.kv_layers  # attention layers with pages of their own (all but KV-shared ones)
-        if arch.compressed is not None:  # deepseek_v4: one row per token, its layer kind's (compressed_attention)
-            latent_dim = [KVCache.values_per_token(arch, i) for i in owners]
         layer_pages = [window_pages if i in window else num_pages for i in owners]
         kv_heads, head_dims = zip(*(arch.kv_shape(i) for i in owners))
         sources = [owners.index(arch.kv_sources[i]) for i in arch.attention_layers] if arch.kv_sources else None
         return cls(len(owners), num_pages, page_size, arch.num_kv_heads, arch.head_dim, dtype, device,
                    latent_dim, index_dim, layer_pages, list(kv_heads), list(head_dims), sources)
 
+    @classmethod
+    def _compressed(cls, arch: Architecture, num_pages: int, page_size: int, dtype: torch.dtype,
+                    device: torch.device | str, window_pages: int) -> KVCache:
+        """deepseek_v4 (helios.layers.compressed_attention): per layer its raw rows (raw_dim per token; the window
+        group's pages, or every page without one) and, beside them as its index tensor, its share of the compressed
+        entries (entry_row_dim per token, every page)."""
+        c, d, owners = arch.compressed, arch.head_dim, arch.kv_layers
+        kinds = [c.layer_kinds[i] for i in owners]
+        cache = cls(len(owners), num_pages, page_size, 1, d, dtype, device, [c.raw_dim(k, d) for k in kinds],
+                    None, [window_pages or num_pages] * len(owners))
+        cache.index_layers = [torch.zeros(1, num_pages, page_size, c.entry_row_dim(k, d), dtype=dtype, device=device)
+                              for k in kinds]
+        return cache
+
+    @staticmethod
+    def compressed_bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype) -> tuple[int, int]:
+        """deepseek_v4 with a window group: (bytes of a window page, of a group 0 page) across its layers."""
+        c, d, kinds = arch.compressed, arch.head_dim, [arch.compressed.layer_kinds[i] for i in arch.kv_layers]
+        row = page_size * dtype.itemsize
+        return row * sum(c.raw_dim(k, d) for k in kinds), row * sum(c.entry_row_dim(k, d) for k in kinds)
+
     @staticmethod
     def window_layers(arch: Architecture) -> list[int]:
         """The layers of a window group: the sliding ones of a model that also has full ones; [] when every layer
-        shares one group (no sliding layers, or only sliding ones: those keep every page)."""
+        shares one group (no sliding layers, or only sliding ones: those keep every page). deepseek_v4: every layer
+        (its raw rows) when the compressors' reach fits the window (CompressedAttentionConfig.fits_window)."""
+        if arch.compressed is not None:
+            return list(arch.kv_layers) if arch.compressed.fits_window() else []
         if arch.sliding_window is None or not arch.layer_types:
             return []
         sliding = [i for i in arch.kv_layers if arch.layer_types[i] == "sliding"]

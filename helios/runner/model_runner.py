@@ -117,9 +117,12 @@ def pages_from_free_memory(
     free, _ = torch.cuda.mem_get_info(device)
     window = KVCache.window_layers(arch) if window_pages else []
     rest = [i for i in arch.kv_layers if i not in window]
-    budget = int(free * fraction) - reserve - window_pages * KVCache.bytes_per_page(arch, page_size, dtype,
-                                                                                     layers=window)
-    num_pages = budget // KVCache.bytes_per_page(arch, page_size, dtype, layers=rest)
+    window_bytes = KVCache.bytes_per_page(arch, page_size, dtype, layers=window)
+    page_bytes = KVCache.bytes_per_page(arch, page_size, dtype, layers=rest)
+    if arch.compressed is not None and window_pages:  # deepseek_v4: every layer's raw rows in the window group
+        window_bytes, page_bytes = KVCache.compressed_bytes_per_page(arch, page_size, dtype)
+    budget = int(free * fraction) - reserve - window_pages * window_bytes
+    num_pages = budget // page_bytes
     if num_pages < 1:
         raise RuntimeError(
             f"no room for a KV cache: {free / 2**30:.1f} GiB free after the weights, reserve {reserve / 2**30:.1f} GiB"

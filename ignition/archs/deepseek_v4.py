@@ -61,6 +61,7 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         rope_theta=float(cfg["rope_theta"]),
         max_position_embeddings=int(cfg["max_position_embeddings"]),
         tie_word_embeddings=bool(cfg["tie_word_embeddings"]),
+        sliding_window=compressed.window,  # every layer's (the engine's window page group holds the raw rows)
         moe=_moe(cfg, num_layers, where),
         mhc=_mhc(cfg, where),
         swiglu_limit=_swiglu_limit(cfg, where),

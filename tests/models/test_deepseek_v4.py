@@ -14,6 +14,7 @@ import torch
 from helios.core.load import load_core
 from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
+from helios.engine.kv_groups import window_pages_per_request
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
 from tests.models.deepseek_v4_tiny import build_deepseek_v4
@@ -37,11 +38,17 @@ def dsv4(tmp_path_factory):
 
 
 def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64, budget: int = 128,
-                prefix_caching: bool = False) -> EngineCore:
+                prefix_caching: bool = False, windowed: bool = True) -> EngineCore:
+    """windowed: the raw rows in the window page group (room for every slot's window and chunk), as compose builds
+    it; False: one group (every page holds every row)."""
+    window = core.manifest.arch.sliding_window
+    window_pages = max_concurrency * window_pages_per_request(window, PAGE_SIZE, chunk) if windowed else 0
+    groups = dict(sliding_window=window, window_pages=window_pages) if windowed else {}
     config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget, prefill_chunk_size=chunk,
                              page_size=PAGE_SIZE, num_pages=num_pages, max_model_len=num_pages * PAGE_SIZE,
-                             enable_prefix_caching=prefix_caching)
-    return EngineCore(config, ModelRunner(core.manifest.arch, core.tensors, num_pages, PAGE_SIZE))
+                             enable_prefix_caching=prefix_caching, **groups)
+    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, PAGE_SIZE, window_pages=window_pages)
+    return EngineCore(config, runner)
 
 
 def test_the_export_is_deepseek_v4(dsv4):
@@ -55,17 +62,22 @@ def test_the_export_is_deepseek_v4(dsv4):
     assert core.tensors["layers.0.moe.tid2eid"].dtype == torch.int32
 
 
-def test_the_runner_keeps_one_row_per_token_and_layer(dsv4):
-    """Each layer's pages hold rows of its kind's width: sliding its kv (32 values); HCA kv, the compressor's kv and
-    gate rows, the window's entry (4 * 32); CSA kv, the compressor's 2d-wide kv and gate rows, the indexer's, the
-    window's entry and index key (6 * 32 + 5 * 16)."""
+def test_the_runner_keeps_raw_rows_in_the_window_group_and_entries_in_every_page(dsv4):
+    """Per layer: the raw rows (sliding: its kv, 32 values; HCA: kv and the compressor's kv and gate rows, 3 * 32;
+    CSA: kv, the compressor's 2d-wide rows, the indexer's, 5 * 32 + 4 * 16) in the window group's pages, and its
+    window's entry spread over the window's rows (HCA 32 / 8, CSA (32 + 16) / 4 values) in every page."""
     _, core = dsv4
     arch = core.manifest.arch
-    runner = ModelRunner(arch, core.tensors, 8, PAGE_SIZE)
-    widths = [32, 272, 128, 272]
-    assert [tuple(t.shape) for t in runner.kv_cache.layers] == [(1, 8, PAGE_SIZE, w) for w in widths]
-    assert KVCache.bytes_per_page(arch, PAGE_SIZE, torch.float32) == PAGE_SIZE * sum(widths) * 4
-    assert runner.layer_caches == runner.kv_cache.layers
+    assert KVCache.window_layers(arch) == [0, 1, 2, 3] and arch.sliding_window == 8
+    runner = ModelRunner(arch, core.tensors, 64, PAGE_SIZE, window_pages=6)
+    raw, shares = [32, 224, 96, 224], [0, 12, 4, 12]
+    assert [tuple(t.shape) for t in runner.kv_cache.layers] == [(1, 6, PAGE_SIZE, w) for w in raw]
+    assert [tuple(t.shape) for t in runner.kv_cache.index_layers] == [(1, 64, PAGE_SIZE, e) for e in shares]
+    assert KVCache.compressed_bytes_per_page(arch, PAGE_SIZE, torch.float32) == (
+        PAGE_SIZE * sum(raw) * 4, PAGE_SIZE * sum(shares) * 4)
+    one_group = ModelRunner(arch, core.tensors, 8, PAGE_SIZE)
+    assert [t.shape[1] for t in one_group.kv_cache.paged_tensors] == [8] * 8
+    assert KVCache.bytes_per_page(arch, PAGE_SIZE, torch.float32) == PAGE_SIZE * (sum(raw) + sum(shares)) * 4
 
 
 def test_logits_and_prompt_logprobs_match(dsv4):
@@ -79,6 +91,10 @@ def test_logits_and_prompt_logprobs_match(dsv4):
     torch.testing.assert_close(whole[-1], ref[-1], atol=1e-4, rtol=0)
     torch.testing.assert_close(runner.forward_logits(ids, chunk_size=7), whole, atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.log_softmax(whole, -1), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
+    # the raw rows in a window group of the fewest pages chunks of 7 need, its table reusing pages cyclically
+    fewest = window_pages_per_request(core.manifest.arch.sliding_window, PAGE_SIZE, 7)
+    windowed = ModelRunner(core.manifest.arch, core.tensors, 64, PAGE_SIZE, window_pages=fewest)
+    torch.testing.assert_close(windowed.forward_logits(ids, chunk_size=7), whole, atol=1e-5, rtol=0)
 
 
 def test_the_indexer_drops_entries(dsv4, monkeypatch):
@@ -103,25 +119,35 @@ def test_the_indexer_drops_entries(dsv4, monkeypatch):
 def test_greedy_matches_generate(dsv4):
     hf, core = dsv4
     ids = prompt(90, seed=5)
-    got = generate(make_engine(core), [greedy_request("a", ids, 32)])["a"]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
                           eos_token_id=None, pad_token_id=0)[0].tolist()
-    assert got == ref[len(ids):]
+    for windowed in (True, False):
+        assert generate(make_engine(core, windowed=windowed), [greedy_request("a", ids, 32)])["a"] == ref[len(ids):]
 
 
 def test_sixteen_requests_together_give_what_each_gives_alone(dsv4):
     """A 128-token budget: long prompts split into chunks beside the others' decodes."""
     _, core = dsv4
     reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
-    together = generate(make_engine(core), reqs)
+    engine = make_engine(core)
+    bound = -(-core.manifest.arch.sliding_window // PAGE_SIZE) + 1  # window pages a request holds between steps
+    together = {r.req_id: [] for r in reqs}
+    for r in reqs:
+        engine.add_request(r)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            together[o.req_id].extend(o.new_token_ids)
+        sched = engine.scheduler
+        assert sched.window_groups[0].pool.num_used_blocks <= bound * max(1, sched.num_running)
     single = make_engine(core, max_concurrency=1, budget=512, chunk=512)  # one request at a time, no reuse
     for r in reqs:
         assert together[r.req_id] == generate(single, [r])[r.req_id], r.req_id
 
 
 def test_a_second_turn_reuses_the_first_turns_pages(dsv4):
-    """Prefix reuse needs no state: the pages hold every row the window and the compressors read."""
+    """Prefix reuse needs no state: group 0's pages hold the entries, the window group's the rows the window and the
+    compressors read."""
     _, core = dsv4
     engine = make_engine(core, max_concurrency=4, prefix_caching=True)
     first = greedy_request("t1", prompt(100, seed=21), 20)
