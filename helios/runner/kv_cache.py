@@ -9,6 +9,9 @@ same page and slot as its K/V, so it is kept, shared and freed with them (the ho
 KV: paged_tensors).
 A model with full and sliding-window layers keeps the window layers' pages apart (window_layers; the engine's window
 group, helios/engine/kv_groups.py): their tensors hold window_pages pages, indexed by the group's own tables.
+deepseek_v4 (arch.compressed) keeps per layer (raw rows [1, pages, page_size, raw_dim], entry shares [1, num_pages,
+page_size, entry_row_dim]): the first in the window group when the compressors' reach fits the window, the second in
+every page (helios.layers.compressed_attention).
 Attention layers only (a hybrid model's linear layers keep their state in
 helios.runner.state_cache). Which pages a request owns is the engine's business (block ids arrive in the plan);
 this module only owns the memory.

@@ -1,7 +1,8 @@
 """deepseek_v4 on the GPU: the tiny random checkpoint (tests/models/deepseek_v4_tiny.py: sliding, CSA and HCA layers,
 hash-routed and score-routed experts, mHC streams) exported in float32 and bfloat16, run by the CUDA runner (its
 attention is helios.layers.compressed_attention's torch ops on the device; MoE keeps CUDA graphs off) through the
-engine: float32 greedy tokens = HF transformers' generate on the device; 16 batched = alone in both dtypes."""
+engine with the raw rows in the window page group: float32 greedy tokens = HF transformers' generate on the device;
+16 batched = alone in both dtypes."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from helios.core.load import load_core
 from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
+from helios.engine.kv_groups import window_pages_per_request
 from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner.model_runner import ModelRunner
 from tests.models.deepseek_v4_tiny import build_deepseek_v4
@@ -36,11 +38,15 @@ def exported(tmp_path_factory):
 
 
 def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int = 128) -> EngineCore:
+    """The raw rows in the window page group (room for every request's window and chunk), as compose builds it."""
     num_pages = 512
+    window = core.manifest.arch.sliding_window
+    window_pages = max_concurrency * window_pages_per_request(window, PAGE_SIZE, chunk)
     config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
                              prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=num_pages,
-                             max_model_len=num_pages * PAGE_SIZE)
-    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, PAGE_SIZE, device="cuda")
+                             max_model_len=num_pages * PAGE_SIZE, sliding_window=window, window_pages=window_pages)
+    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, PAGE_SIZE, device="cuda",
+                         window_pages=window_pages)
     return EngineCore(config, runner)
 
 
