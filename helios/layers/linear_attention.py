@@ -74,10 +74,12 @@ class GatedDeltaNet(RecurrentMixer):
         x: torch.Tensor,  # [T, H]
         state: tuple[torch.Tensor, torch.Tensor],  # conv [S, K-1, C], recurrent [S, Hv, dk, dv] float32
         meta: AttentionMetadata,
+        projected: torch.Tensor | None = None,  # in_proj(x), already computed (then x is not read)
     ) -> torch.Tensor:  # [T, H]
         c = self.config
-        num_tokens = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split([c.conv_dim, self.value_dim, c.num_heads, c.num_heads], dim=-1)
+        projected = self.in_proj(x) if projected is None else projected
+        num_tokens = projected.shape[0]
+        mixed, z, b, a = projected.split([c.conv_dim, self.value_dim, c.num_heads, c.num_heads], dim=-1)
         conv_state, recurrent_state = state
         if self.fused:
             o = self._mix_fused(mixed, a, b, conv_state, recurrent_state, meta)

@@ -3,7 +3,9 @@ recurrent state, no KV) and gated full-attention layers (per-head q/k norms, par
 gate; paged KV), a dense MLP or a softmax top-k MoE with a sigmoid-gated shared expert.
 
 Pre-norm blocks: x += mixer(attn_norm(x)); x += ffn(mlp_norm(x)). The zero-centred norms of the checkpoint are
-stored shifted (1 + w) and multiply in float32, as HF computes them. Forward-only, no weights of its own.
+stored shifted (1 + w) and multiply in float32, as HF computes them. On the GPU path (a backend that fuses layers)
+each residual add rides in the next norm's kernel, and at batch 1 the norm rides in the GEMV of the projection
+after it, as in llama's fused path. Forward-only, no weights of its own.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ class SharedExpertMoe(SparseMoe):
     """SparseMoe plus a shared expert every token takes, scaled by sigmoid(shared_gate x) (qwen3_5_moe).
     Tensors bound: those of SparseMoe, shared.gate_up / shared.down, shared_gate.weight [1, H]."""
 
-    def __init__(self, arch: Architecture, switches: Switches = DEFAULT_SWITCHES) -> None:
+    def __init__(self, arch: Architecture, switches: Switches = DEFAULT_SWITCHES, fused: bool = False) -> None:
         moe = arch.moe
         super().__init__(arch.hidden_size, moe.num_experts, moe.moe_intermediate_size, moe.num_experts_per_tok,
-                         moe.norm_topk_prob, arch.hidden_act, switches=switches)
+                         moe.norm_topk_prob, arch.hidden_act, switches=switches, fused=fused)
         self.shared = GatedMLP(arch.hidden_size, moe.shared_expert_intermediate_size, arch.hidden_act,
                                switches=switches)
         self.shared_gate = Linear(arch.hidden_size, 1, switches=switches)
@@ -45,6 +47,7 @@ class HybridLayer(nn.Module):
     def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend, ffn: nn.Module,
                  ffn_name: str, switches: Switches = DEFAULT_SWITCHES) -> None:
         super().__init__()
+        self.switches = switches
         self.is_linear = arch.layer_types[layer_idx] == "linear"
         self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
         if self.is_linear:
@@ -57,11 +60,41 @@ class HybridLayer(nn.Module):
         self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
         self.ffn_name = ffn_name
         self.add_module(ffn_name, ffn)
+        # the fused path at batch 1 (fold_norms switch): the mixer's input projection and a dense MLP's gate_up
+        # take their norm and its add inside the GEMV (whether a step's row takes it is the projection's own rule)
+        self.fold_norms = switches.fold_norms
+        self.fold_mlp_norm = switches.fold_norms and isinstance(ffn, GatedMLP)
 
     def forward(self, x: torch.Tensor, cos_sin, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
         h = self.attn_norm(x)
-        x = x + (self.linear(h, cache, meta) if self.is_linear else self.attn(h, cos_sin, cache, meta))
+        x = x + self.mix(h, cos_sin, cache, meta)
         return x + getattr(self, self.ffn_name)(self.mlp_norm(x))
+
+    def mix(self, h: torch.Tensor, cos_sin, cache, meta: AttentionMetadata,
+            projected: torch.Tensor | None = None) -> torch.Tensor:  # [T, H]
+        """The token mixer on the normed input (projected: its input projection, already computed)."""
+        if self.is_linear:
+            return self.linear(h, cache, meta, projected=projected)
+        return self.attn(h, cos_sin, cache, meta, qkv=projected)
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, cache,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # (output, stream before it)
+        """forward() on the GPU path, as llama's DecoderLayer.forward_fused: x is the previous layer's output and
+        residual the stream before its add (None for the first layer)."""
+        ffn = getattr(self, self.ffn_name)
+        allow_pdl = self.switches.gemv_pdl
+        projection = self.linear.in_proj if self.is_linear else self.attn.qkv
+        if self.fold_norms and projection.serves_gemv(x):
+            projected, residual = self.attn_norm.forward_add_gemv(x, residual, projection.weight, allow_pdl)
+            a = self.mix(x, cos_sin, cache, meta, projected=projected)
+        else:
+            h, residual = self.attn_norm.forward_add(x, residual, fused=True)
+            a = self.mix(h, cos_sin, cache, meta)
+        if self.fold_mlp_norm and ffn.gate_up.serves_gemv(a):
+            gate_up, residual = self.mlp_norm.forward_add_gemv(a, residual, ffn.gate_up.weight, allow_pdl)
+            return ffn(a, gate_up=gate_up), residual
+        h, residual = self.mlp_norm.forward_add(a, residual, fused=True)
+        return ffn(h), residual
 
 
 class Qwen3_5ForCausalLM(nn.Module):
@@ -77,10 +110,11 @@ class Qwen3_5ForCausalLM(nn.Module):
             raise ValueError(f"a {arch.family} architecture needs gated_delta recurrent layers")
         self.arch = arch
         self.switches = switches
-        self.path = "eager"
+        self.path = "fused" if getattr(backend, "fuses_layers", False) else "eager"  # chosen once, here
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            HybridLayer(arch, i, backend, *self._make_ffn(arch, i, switches), switches=switches)
+            HybridLayer(arch, i, backend, *self._make_ffn(arch, i, switches, fused=self.path == "fused"),
+                        switches=switches)
             for i in range(arch.num_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
@@ -98,21 +132,27 @@ class Qwen3_5ForCausalLM(nn.Module):
         return False
 
     @staticmethod
-    def _make_ffn(arch: Architecture, layer_idx: int, switches: Switches) -> tuple[nn.Module, str]:
+    def _make_ffn(arch: Architecture, layer_idx: int, switches: Switches, fused: bool) -> tuple[nn.Module, str]:
         moe = arch.moe
         if moe is None or layer_idx in moe.dense_layers:
-            return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, switches=switches), "mlp"
+            return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, fused=fused,
+                            switches=switches), "mlp"
         if moe.shared_expert_intermediate_size:
-            return SharedExpertMoe(arch, switches), "moe"
+            return SharedExpertMoe(arch, switches, fused), "moe"
         return SparseMoe(arch.hidden_size, moe.num_experts, moe.moe_intermediate_size, moe.num_experts_per_tok,
-                         moe.norm_topk_prob, arch.hidden_act, switches=switches), "moe"
+                         moe.norm_topk_prob, arch.hidden_act, switches=switches, fused=fused), "moe"
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
         x = self.embed(token_ids)
         cos_sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        if self.path == "eager":
+            for layer, cache in zip(self.layers, caches):
+                x = layer(x, cos_sin, cache, meta)
+            return self.norm(x)
+        residual = None
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, cos_sin, cache, meta)
-        return self.norm(x)
+            x, residual = layer.forward_fused(x, residual, cos_sin, cache, meta)
+        return self.norm.forward_add(x, residual, fused=True)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
