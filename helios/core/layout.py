@@ -158,6 +158,12 @@ mimo_v2_flash (Dv = arch.v_head_dim, Nkv = arch.layer_kv_heads(L): sliding layer
   layers.L.attn.sinks               [Nq]               the layer types in arch.attention_sinks: a logit per head in
                                                         the softmax denominator
 
+minimax_m3 (attn.* with q/k norms and arch.rotary_dim; every norm 1+w stored; mlp.* / moe.* as above with
+arch.swiglu_alpha and swiglu_limit, moe.router.bias, the shared expert ungated; Ni, Di = arch.msa's num_heads and
+head_dim). The sparse layers (arch.msa.layers) add the lightning indexer:
+  layers.L.attn.indexer.qk.weight   [(Ni + 1)*Di, H]   rows: the index query heads, then the index key
+  layers.L.attn.indexer.q_norm.weight [Di]             (k_norm alike; 1+w stored)
+
 Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+w already added).
 """
 
