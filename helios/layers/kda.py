@@ -63,8 +63,8 @@ class KimiDeltaAttention(RecurrentMixer):
             q, k, v = self._heads(mixed)
             g, beta = ops.kimi_delta_gates(self.f_b(f_a), b, self.A_log, self.dt_bias, c.gate_lower_bound)
             o = ops.kimi_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts, chunk_size=c.chunk_size)
-        o = ops.rms_norm_gated(o.reshape(-1, d), self.g_b(g_a).reshape(-1, d), self.norm.weight, self.eps,
-                               activation="sigmoid", multiply_in_float32=True)
+        o = self.gated_norm(o.reshape(-1, d), self.g_b(g_a).reshape(-1, d), self.norm.weight, self.eps,
+                            activation="sigmoid", multiply_in_float32=True)
         return self.out(o.reshape(num_tokens, self.inner))
 
     def _heads(self, mixed: torch.Tensor):  # [T, C] -> q, k, v [T, H, d]

@@ -48,6 +48,14 @@ class RecurrentMixer(nn.Module):
         device-side slots and starts only; the torch path loops over host-side slot lists."""
         return self.fused
 
+    def gated_norm(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, **order) -> torch.Tensor:
+        """recurrent.rms_norm_gated (its `order` arguments), in one Triton launch on the fused path."""
+        if self.fused:
+            from helios.kernels.gated_norm import gated_rms_norm
+
+            return gated_rms_norm(x, z, weight, eps, **order)
+        return recurrent.rms_norm_gated(x, z, weight, eps, **order)
+
 
 class GatedDeltaNet(RecurrentMixer):
     """Tensors bound (helios/core/layout.py): in_proj.weight [C + Hv*dv + 2*Hv, H] (rows q, k, v, z, b, a),
@@ -90,8 +98,8 @@ class GatedDeltaNet(RecurrentMixer):
             g, beta = self._gates(a, b)
             o = recurrent.gated_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts,
                                            chunk_size=c.chunk_size)
-        o = recurrent.rms_norm_gated(o.reshape(-1, c.value_head_dim), z.reshape(-1, c.value_head_dim),
-                                     self.norm.weight, self.eps, activation=c.output_gate)
+        o = self.gated_norm(o.reshape(-1, c.value_head_dim), z.reshape(-1, c.value_head_dim), self.norm.weight,
+                            self.eps, activation=c.output_gate)
         return self.out(o.reshape(num_tokens, self.value_dim))
 
     def _heads(self, mixed: torch.Tensor):  # [T, C] -> q, k [T, Hk, dk], v [T, Hv, dv]
