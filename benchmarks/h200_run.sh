@@ -1,6 +1,6 @@
 #!/bin/bash
 # One call on the lent H200 (device tool): carried wheels, GPU tests, serve cold start, decode benchmark.
-# PARTS picks among tests,bench,serve,load,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
+# PARTS picks among tests,hybrid,bench,serve,load,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
 # HELIOS_* execution switches (helios/switches.py) set here reach gpu_decode.py's runners: it reads them once at start.
 # .whl/ holds what the device lacks, for cp312 manylinux (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 ...): msgspec granian llguidance gguf tomli_w zstandard brotli prometheus-client.
@@ -14,9 +14,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --f
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 PARTS=${PARTS:-tests,bench,serve}
 if [[ $PARTS == *tests* ]]; then
-  timeout ${TESTS_S:-170} python3 -m pytest -q -p no:cacheprovider ${TEST_PATHS:-tests/gpu tests/runner/test_cuda_graphs.py \
-    tests/ignition/test_aot.py} 2>&1 | tail -150 > "$OUT/tests.log"
-  echo "== tests"; tail -15 "$OUT/tests.log"
+  timeout ${TESTS_S:-170} python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=${TEST_HANG_S:-150} \
+    ${TEST_PATHS:-tests/gpu tests/runner/test_cuda_graphs.py tests/ignition/test_aot.py} 2>&1 | tail -400 > "$OUT/tests.log"
+  echo "== tests"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -${TESTS_TAIL:-15}
 fi
 if [[ $PARTS == *serve* ]]; then
   timeout ${SERVE_S:-230} python3 benchmarks/gpu_serve_start.py --work /tmp/serve --out "$OUT" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1
@@ -26,6 +26,10 @@ if [[ $PARTS == *load* ]]; then  # after serve: it reuses the 8B core gpu_serve_
   timeout ${LOAD_S:-330} python3 benchmarks/gpu_serve_load.py --device cuda --core /tmp/serve/core-8b ${LOAD_ARGS:-} \
     > "$OUT/load.log" 2>&1
   echo "== load rc $?"; grep -v "^W1\|Warning" "$OUT/load.log" | tail -25
+fi
+if [[ $PARTS == *hybrid* ]]; then  # issue 20's hybrid bars (a dense and a MoE gated-delta hybrid, HF beside)
+  timeout ${HYBRID_S:-240} python3 benchmarks/gpu_hybrid.py ${HYBRID_ARGS:-} > "$OUT/hybrid.log" 2>&1
+  echo "== hybrid rc $?"; grep -v "Warn\|warn" "$OUT/hybrid.log" | tail -30
 fi
 if [[ $PARTS == *bench* ]]; then
   timeout ${BENCH_S:-260} python3 benchmarks/gpu_decode.py ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
