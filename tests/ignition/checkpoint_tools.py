@@ -68,10 +68,16 @@ def swiglu_ffn_expected(prefix: str, ffn) -> dict[str, torch.Tensor]:
     block (gate.weight and its e_score_correction_bias, stacked experts, one shared_experts MLP) as moe.*, else a
     dense gate/up/down MLP as mlp.*."""
     if not hasattr(ffn, "experts"):
-        return {prefix + "mlp.gate_up.weight": torch.cat([ffn.gate_proj.weight, ffn.up_proj.weight]),
-                prefix + "mlp.down.weight": ffn.down_proj.weight}
+        return {prefix + "mlp.gate_up.weight": _gate_up(ffn), prefix + "mlp.down.weight": ffn.down_proj.weight}
     shared = ffn.shared_experts
     return {prefix + "moe.router.weight": ffn.gate.weight, prefix + "moe.router.bias": ffn.gate.e_score_correction_bias,
             prefix + "moe.gate_up.weight": ffn.experts.gate_up_proj, prefix + "moe.down.weight": ffn.experts.down_proj,
-            prefix + "moe.shared.gate_up.weight": torch.cat([shared.gate_proj.weight, shared.up_proj.weight]),
+            prefix + "moe.shared.gate_up.weight": _gate_up(shared),
             prefix + "moe.shared.down.weight": shared.down_proj.weight}
+
+
+def _gate_up(mlp) -> torch.Tensor:
+    """An HF SwiGLU MLP's rows [gate; up]: its fused gate_up_proj (minimax_m3), or gate_proj's and up_proj's."""
+    if hasattr(mlp, "gate_up_proj"):
+        return mlp.gate_up_proj.weight
+    return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])

@@ -21,7 +21,15 @@ from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
 from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
-from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, raw_tensors, write_tensors
+from tests.ignition.checkpoint_tools import (
+    assert_runtime_tensors,
+    convert_all,
+    core_files,
+    edit_config,
+    raw_tensors,
+    swiglu_ffn_expected,
+    write_tensors,
+)
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE
 from tests.models.minimax_m3_tiny import VARIANTS, build_minimax_m3, minimax_m3_model
 
@@ -52,7 +60,7 @@ def _expected(model) -> dict[str, torch.Tensor]:
     if not model.config.tie_word_embeddings:
         out["lm_head.weight"] = model.lm_head.weight
     for i, block in enumerate(tm.layers):
-        L, a, f = f"layers.{i}.", block.self_attn, block.mlp
+        L, a = f"layers.{i}.", block.self_attn
         out[L + "attn_norm.weight"] = 1 + block.input_layernorm.weight
         out[L + "mlp_norm.weight"] = 1 + block.post_attention_layernorm.weight
         out[L + "attn.qkv.weight"] = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
@@ -64,16 +72,7 @@ def _expected(model) -> dict[str, torch.Tensor]:
             out[L + "attn.indexer.qk.weight"] = torch.cat([x.q_proj.weight, x.k_proj.weight])
             out[L + "attn.indexer.q_norm.weight"] = 1 + x.q_norm.weight
             out[L + "attn.indexer.k_norm.weight"] = 1 + x.k_norm.weight
-        if hasattr(f, "experts"):
-            out[L + "moe.router.weight"] = f.gate.weight
-            out[L + "moe.router.bias"] = f.gate.e_score_correction_bias
-            out[L + "moe.gate_up.weight"] = f.experts.gate_up_proj
-            out[L + "moe.down.weight"] = f.experts.down_proj
-            out[L + "moe.shared.gate_up.weight"] = f.shared_experts.gate_up_proj.weight
-            out[L + "moe.shared.down.weight"] = f.shared_experts.down_proj.weight
-        else:
-            out[L + "mlp.gate_up.weight"] = f.gate_up_proj.weight
-            out[L + "mlp.down.weight"] = f.down_proj.weight
+        out.update(swiglu_ffn_expected(L, block.mlp))
     return {k: v.detach() for k, v in out.items()}
 
 
@@ -83,12 +82,7 @@ def _expected(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_runtime_tensors_equal_hf_modules(tiny, variant):
     path, model = tiny(variant)
-    _, got = convert_all(path)
-    want = _expected(model)
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        assert got[name].dtype == torch.float32 and got[name].is_contiguous(), name
-        assert torch.equal(got[name], t), name
+    assert_runtime_tensors(convert_all(path)[1], _expected(model))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
