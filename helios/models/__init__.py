@@ -64,14 +64,17 @@ def build_model(
     *,
     switches: Switches = DEFAULT_SWITCHES,
     norms_folded: bool = False,
+    tp=None,
 ) -> CausalLM:
     """Build the family's module on meta, bind `tensors` (cast/moved only if dtype/device differ). The model picks
     its forward path here, once: from the backend, device, dtype and `switches`; norms_folded says the runner's
-    load step folded the norm weights into `tensors` (helios.runner.norm_folding)."""
+    load step folded the norm weights into `tensors` (helios.runner.norm_folding); tp: this rank's
+    helios.layers.parallel.TensorGroup, `tensors` and `arch` then its shard's (helios.runner.parallel)."""
     cls = model_class(arch.family)
     backend = select_attention_backend(attention_backend, device, switches)
     model_dtype = dtype or tensors["embed.weight"].dtype  # the activations' (the path's GEMV rule reads it)
-    model = cls(arch, backend, device, dtype=model_dtype, switches=switches, norms_folded=norms_folded)
+    parallel = {} if tp is None else {"tp": tp}  # only the families that shard take it
+    model = cls(arch, backend, device, dtype=model_dtype, switches=switches, norms_folded=norms_folded, **parallel)
     bind_tensors(model, tensors, device, dtype)
     return model.eval()
 

@@ -15,6 +15,7 @@ from helios.layers.attention import Attention, AttentionBackend, AttentionMetada
 from helios.layers.linear import Embedding, Linear, linear, one_row_gemv
 from helios.layers.norm import RMSNorm
 from helios.layers.norm_free import RowNorm, pdl_launches, product_add, stream_partials, wide_product
+from helios.layers.parallel import RowParallelLinear, TensorGroup, VocabParallelEmbedding
 from helios.layers.rotary import RotaryEmbedding
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -120,23 +121,33 @@ class LlamaForCausalLM(nn.Module):
 
     The forward path is picked once, here (`path`: EAGER, FUSED or NORM_FREE), from the backend, the device and
     dtype the weights are bound on, the switches and whether the runner folded the norm weights at load
-    (`norms_folded`, helios.runner.norm_folding); a forward only asks whether its step is one row."""
+    (`norms_folded`, helios.runner.norm_folding); a forward only asks whether its step is one row.
+
+    With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's heads
+    and MLP width (qkv and gate_up are its rows), o and down sum over the ranks, the embedding and the head hold
+    its vocabulary rows (compute_logits gathers every rank's columns) and a MoE layer its experts."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
-                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
+                 tp: TensorGroup | None = None):
         super().__init__()
         self.arch = arch
         self.switches = switches
+        self.tp = tp
         # GPU path (Triton backend): fused residual + norm, rotary + cache write and gated activation kernels
         self.is_fused = getattr(backend, "fuses_layers", False)
         self.norms_folded = norms_folded  # every attn / mlp norm weight is 1, multiplied into qkv / gate_up
-        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
+                      else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
         self.layers = nn.ModuleList(
             DecoderLayer(arch, i, backend, *self.make_ffn(arch, i), switches=switches) for i in range(arch.num_layers)
         )
+        if tp is not None:
+            for layer in self.layers:
+                self._sum_outputs(layer, tp)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
-                                                                    switches=switches)
+        head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
         self.rotary = RotaryEmbedding(
             arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings, device
         )
@@ -154,7 +165,8 @@ class LlamaForCausalLM(nn.Module):
     def _choose_path(self, device: torch.device | str, dtype: torch.dtype | None) -> str:
         if not self.is_fused:
             return EAGER
-        if not (self.norms_folded and self.switches.defer_norms):
+        # NOTE: not norm-free under tensor parallelism: its o and down products add into the stream unsummed
+        if not (self.norms_folded and self.switches.defer_norms) or self.tp is not None:
             return FUSED
         # the norm-free layers need the GEMV for o and down (gemv_add): their one-row products must take it
         layer = self.layers[0]
@@ -173,6 +185,16 @@ class LlamaForCausalLM(nn.Module):
     def make_ffn(self, arch: Architecture, layer_idx: int) -> tuple[nn.Module, str]:
         return (GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, fused=self.is_fused,
                          switches=self.switches), "mlp")
+
+    @staticmethod
+    def _sum_outputs(layer: DecoderLayer, tp: TensorGroup) -> None:
+        """Tensor parallel: the layer's o and its MLP's down read this rank's heads / width and sum over the ranks
+        (a MoE layer's experts sum inside the layer)."""
+        o = layer.attn.o
+        layer.attn.o = RowParallelLinear(o.in_features, o.out_features, tp, o.switches)
+        ffn = getattr(layer, layer.ffn_name)
+        if isinstance(ffn, GatedMLP):
+            ffn.down = RowParallelLinear(ffn.down.in_features, ffn.down.out_features, tp, ffn.down.switches)
 
     def forward(
         self,
@@ -210,7 +232,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             with pdl_launches(self.pdl):
                 logits = linear(hidden, weight, None, self.switches)
-        return softcap_logits(logits, self.arch.final_logit_softcapping)
+        logits = softcap_logits(logits, self.arch.final_logit_softcapping)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.arch.vocab_size)
 
 
 def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:  # [N, V]

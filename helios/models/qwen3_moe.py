@@ -8,6 +8,7 @@ from torch import nn
 
 from helios.core.manifest import Architecture
 from helios.layers.moe import SparseMoe
+from helios.layers.parallel import ExpertParallelMoe
 from helios.models.llama import LlamaForCausalLM
 
 
@@ -22,6 +23,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             raise ValueError("a qwen3_moe architecture needs arch.moe")
         if layer_idx in moe.dense_layers:
             return super().make_ffn(arch, layer_idx)
+        if self.tp is not None:  # the experts split over the ranks (see ExpertParallelMoe's NOTE)
+            return (ExpertParallelMoe(arch.hidden_size, moe.num_experts, moe.moe_intermediate_size,
+                                      moe.num_experts_per_tok, moe.norm_topk_prob, self.tp, arch.hidden_act,
+                                      switches=self.switches), "moe")
         return (
             SparseMoe(
                 arch.hidden_size,
@@ -31,6 +36,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                 moe.norm_topk_prob,
                 arch.hidden_act,
                 switches=self.switches,
+                fused=self.is_fused,  # the Triton backend: routing, sort and grouped GEMMs on the device
             ),
             "moe",
         )

@@ -221,6 +221,7 @@ class ModelRunner:
         host_state_records: int = 0,
         host_state_disk_dir: Path | str | None = None,
         window_pages: int = 0,
+        tp=None,
     ):
         """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
         core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core).
@@ -241,7 +242,9 @@ class ModelRunner:
         0 for none; host_state_disk_dir: their disk records' directory, None for none. window_pages: the sliding-window
         layers' own page group (the engine's SchedulerConfig.window_pages, helios/engine/kv_groups.py): their KV
         tensors hold that many pages and their tables arrive as ScheduledRequest.group_block_ids (no host tiers yet);
-        0: every layer holds num_pages, one table per request."""
+        0: every layer holds num_pages, one table per request. tp: this rank's helios.layers.parallel.TensorGroup
+        under tensor parallelism, `arch` and `tensors` then its shard's (helios.runner.parallel: a worker rank runs
+        execute_shard); no CUDA graphs or decode overlap then (a worker rank mirrors the eager forwards only)."""
         self.switches = switches = switches if switches is not None else DEFAULT_SWITCHES
         self.arch = arch
         self.device = torch.device(device)
@@ -276,8 +279,9 @@ class ModelRunner:
             tensors = tensors if is_cuda else dict(tensors)
             fold_norm_weights(arch, tensors)
             self.startup.weights = "norms folded into qkv / gate_up"
+        self.tp = tp
         self.model = build_model(arch, tensors, self.device, self.dtype, attention_backend, switches=switches,
-                                 norms_folded=fold_norms)
+                                 norms_folded=fold_norms, tp=tp)
         self.startup.path = getattr(self.model, "path", "")
         del tensors
         if is_cuda and switches.rope_table:
@@ -319,7 +323,7 @@ class ModelRunner:
         self.background_capture_s = 0.0
         self.background_kernels_jit = 0
         self._step_thread: int | None = None  # the thread of the last execute: captures must run on it
-        if not switches.decode_overlap:
+        if not switches.decode_overlap or tp is not None:
             decode_overlap = False
         self.decode_overlap = is_cuda if decode_overlap is None else decode_overlap  # may be flipped between steps
         self._overlap: DecodeOverlap | None = None  # made at the first graphed step (tests attach graphs late)
@@ -390,6 +394,9 @@ class ModelRunner:
         if not cuda_graphs:
             self.startup.graphs = "disabled"
             return None
+        if self.tp is not None:  # a worker rank would have to replay the same graph: not built yet
+            self.startup.graphs = "tensor parallel"
+            return None
         from helios.kernels.aot import JitCounter
         from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
 
@@ -426,15 +433,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        # NOTE: drops first: a preempted request can be dropped and re-sent as new in one plan.
-        for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for new in plan.new_requests:
-            self.requests[new.req_id] = self._new_state(new)
-        if plan.copy_out or plan.copy_in or plan.spill or plan.disk_drop or plan.load:
-            self._copy_host_pages(plan)
-        if plan.state_copies or plan.state_copy_out or plan.state_copy_in or plan.state_spill or plan.state_load:
-            self._copy_states(plan)
+        self._apply_plan(plan)
         if not plan.scheduled:
             if self._overlap is not None:
                 self._overlap.take(plan, None)  # every plan ends a pending speculation
@@ -478,6 +477,27 @@ class ModelRunner:
         if self.graphs is not None:
             self.replay_gpu_ns = self.graphs.timer.poll()  # this step's replays have completed (its tokens are read)
         return ModelRunnerOutput(results=results)
+
+    @torch.inference_mode()
+    def execute_shard(self, plan: SchedulerOutput) -> None:
+        """A tensor-parallel worker rank's step (helios.runner.parallel): the plan's bookkeeping and copies, then
+        the eager forward rank 0's execute runs, on this rank's shard. Rank 0 samples from the logits every rank
+        gathers, so nothing comes back."""
+        self._apply_plan(plan)
+        if plan.scheduled:
+            self._forward(plan.scheduled, layout_batch(plan.scheduled, self.requests, self.page_size))
+
+    def _apply_plan(self, plan: SchedulerOutput) -> None:
+        """Everything of a plan before its forward: drops, new requests, the host tiers' and state slots' copies."""
+        # NOTE: drops first: a preempted request can be dropped and re-sent as new in one plan.
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in plan.new_requests:
+            self.requests[new.req_id] = self._new_state(new)
+        if plan.copy_out or plan.copy_in or plan.spill or plan.disk_drop or plan.load:
+            self._copy_host_pages(plan)
+        if plan.state_copies or plan.state_copy_out or plan.state_copy_in or plan.state_spill or plan.state_load:
+            self._copy_states(plan)
 
     def _split_mixed(self, scheduled: list[ScheduledRequest]):
         """A mixed step's decode rows when a captured graph holds them: (decode rows, their layout, bucket, the

@@ -1,0 +1,132 @@
+"""Tensor-parallel layers: the collectives a sharded model calls, and the layers whose slice of a weight needs one.
+
+A `TensorGroup` names this rank's place among `world_size` ranks and the process group it reduces over (gloo on the
+CPU, NCCL on GPUs: the same calls). A column-parallel projection (qkv, gate_up) needs no class of its own: a Linear
+bound to this rank's rows. What crosses ranks: `RowParallelLinear`'s sum (o, down), `VocabParallelEmbedding`'s
+masked lookup and sum, the head's vocabulary all-gather (`TensorGroup.gather_vocab`) and `ExpertParallelMoe`'s sum.
+The slices are cut at load time (helios.runner.parallel). Imports torch and layers only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from helios.layers.activation import gated
+from helios.layers.linear import Linear, Stacked, linear, meta_parameter
+from helios.layers.moe import SparseMoe, route
+from helios.switches import DEFAULT_SWITCHES, Switches
+
+
+@dataclass(frozen=True)
+class TensorGroup:
+    """This rank among world_size ranks that each hold a slice of every sharded weight; `group` is the
+    torch.distributed process group the activations reduce over (None: the default group)."""
+
+    rank: int
+    world_size: int
+    group: Any = None
+
+    def split(self, size: int, what: str) -> tuple[int, int]:
+        """[start, end) of this rank's even share of `size` (heads, rows, experts); raises when it does not divide."""
+        if size % self.world_size:
+            raise ValueError(f"{what} = {size} does not split over {self.world_size} ranks")
+        share = size // self.world_size
+        return self.rank * share, (self.rank + 1) * share
+
+    def vocab_range(self, vocab_size: int) -> tuple[int, int]:
+        """[start, end) of this rank's vocabulary rows: ceil(V / world_size) each, the last rank's shorter."""
+        share = -(-vocab_size // self.world_size)
+        start = min(vocab_size, self.rank * share)
+        return start, min(vocab_size, start + share)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the ranks, in place (every rank gets the same bits)."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N, V_rank] -> [N, V]
+        """Every rank's vocabulary columns side by side, on every rank (one all-gather; the last rank's shorter
+        slice padded to the common width and the padding cut off)."""
+        share = -(-vocab_size // self.world_size)
+        if logits.shape[1] < share:
+            logits = F.pad(logits, (0, share - logits.shape[1]))
+        out = logits.new_empty(self.world_size * logits.shape[0], share)
+        dist.all_gather_single(out, logits.contiguous(), group=self.group)  # rank-major rows
+        rows = logits.shape[0]
+        return out.view(self.world_size, rows, share).permute(1, 0, 2).reshape(rows, -1)[:, :vocab_size]
+
+
+class RowParallelLinear(Linear):
+    """A projection whose input features are split over the ranks (o over heads, down over the MLP width): each
+    rank's partial product `weight` [out, in / world_size], summed over the ranks. No bias (none of the families
+    that shard has one on o or down; it would be added once, after the sum)."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorGroup, switches: Switches = DEFAULT_SWITCHES):
+        super().__init__(in_features, out_features, bias=False, switches=switches)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in / world_size] -> [..., out]
+        return self.tp.all_reduce(super().forward(x))
+
+    def serves_gemv(self, x: torch.Tensor) -> bool:
+        # NOTE: False, so a fused GatedMLP takes its down product through forward (and the sum) rather than its
+        # activation-in-the-GEMV shortcut, which would skip the sum
+        return False
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """The embedding table's vocabulary rows [start, end) of this rank (`weight` [end - start, hidden]): a token
+    outside them looks up zeros, and the sum over the ranks gives every token its one row, exactly."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp: TensorGroup):
+        super().__init__()
+        self.tp = tp
+        self.start, self.end = tp.vocab_range(num_embeddings)
+        self.weight = meta_parameter(self.end - self.start, embedding_dim)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        inside = (token_ids >= self.start) & (token_ids < self.end)
+        rows = F.embedding(torch.where(inside, token_ids - self.start, 0), self.weight)
+        return self.tp.all_reduce(rows.masked_fill(~inside[:, None], 0.0))
+
+
+class ExpertParallelMoe(SparseMoe):
+    """SparseMoe with the experts split over the ranks: the router (replicated) routes every token over all
+    experts, each rank runs its own experts [first, first + count) for the tokens routed to them, in SparseMoe's
+    order, and the sum over the ranks adds the experts' outputs. Tensors bound: router.weight [E, H],
+    gate_up.weight [E / world_size, 2*Fm, H], down.weight [E / world_size, H, Fm] (a contiguous slice of the core's).
+
+    NOTE: expert parallel rather than each expert's width split: an expert's products are the single-rank ones to
+    the bit (the same rows through the same whole weights), only the per-token sum of top_k outputs is regrouped by
+    rank (exact for top_k 2 over 2 ranks: a + b either way); a split width would also split every down product's
+    reduction, and cut each expert's [gate | up] rows in two (a copy per expert) where whole experts are one view."""
+
+    def __init__(self, hidden_size: int, num_experts: int, moe_intermediate_size: int, top_k: int,
+                 norm_topk_prob: bool, tp: TensorGroup, act="silu", switches: Switches = DEFAULT_SWITCHES):
+        super().__init__(hidden_size, num_experts, moe_intermediate_size, top_k, norm_topk_prob, act, switches)
+        self.tp = tp
+        self.first, end = tp.split(num_experts, "num_experts")
+        count = end - self.first
+        self.gate_up = Stacked(count, 2 * moe_intermediate_size, hidden_size)
+        self.down = Stacked(count, hidden_size, moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:  # [T, H]
+        weights, experts = route(self.router(x if router_input is None else router_input), self.top_k,
+                                 self.norm_topk_prob)
+        out = torch.zeros_like(x)
+        count = self.gate_up.weight.shape[0]
+        local = experts - self.first  # [T, k]: this rank's experts at 0 .. count - 1
+        assignment = F.one_hot(torch.where((local >= 0) & (local < count), local, count),
+                               num_classes=count + 1)[..., :count].permute(2, 1, 0)  # [count, k, T]
+        hit = (assignment.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+        for e in hit:
+            slot, token = torch.where(assignment[e])
+            h = gated(linear(x[token], self.gate_up.weight[e]), self.act)
+            h = linear(h, self.down.weight[e]) * weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return self.tp.all_reduce(out)

@@ -1,0 +1,221 @@
+"""Tensor parallelism over torch.distributed: the process group, the sharding rules, rank 0's runner and the
+worker loop of the other ranks.
+
+One process per rank (per GPU; gloo on the CPU, NCCL on GPUs, the same code). Rank 0 owns the scheduler and the
+engine: its `TensorParallelRunner` broadcasts each plan (the engine's SchedulerOutput, msgpack as the engine's other
+messages cross processes in helios/engine/remote.py) before executing it; every other rank runs `worker_loop`: it
+receives the plan, runs the same forward on its shard (ModelRunner.execute_shard) and returns nothing, since rank 0
+samples from the logits every rank gathers. Weights are cut at load time from the core's full tensors
+(`shard_tensors`): views where a rank's slice is contiguous (vocabulary rows, whole experts), a copy where it is not.
+Nothing about the shards is recorded in the core.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from helios.core.manifest import Architecture
+from helios.engine.messages import ModelRunnerOutput, SchedulerOutput
+from helios.layers.parallel import TensorGroup
+from helios.runner.model_runner import ModelRunner
+
+# NOTE: NVLink multicast (NVLS) stays off in every process of a group and in their children: set before any
+# communicator exists, and inherited by what they spawn
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # helios.models.llama's classes take `tp`
+GROUP_TIMEOUT = timedelta(minutes=10)  # a rank waits this long at a collective before giving up
+
+
+def multicast_off() -> None:
+    """NVLink multicast off in this process's environment (and so in every child it starts)."""
+    os.environ.update(MULTICAST_OFF)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a tensor-parallel group: `tp` for the model's collectives, and `control`, the gloo
+    group the plans travel in (host bytes; on GPUs beside the NCCL group, on the CPU the same group)."""
+
+    tp: TensorGroup
+    control: Any
+
+    @property
+    def is_driver(self) -> bool:
+        return self.tp.rank == 0
+
+
+def init_ranks(rank: int, world_size: int, address: str, port: int, device: str = "cpu") -> Ranks:
+    """Join the group of `world_size` processes meeting at address:port (rank 0 listens there): NCCL when the
+    device is a GPU (this rank's GPU made current), gloo otherwise."""
+    multicast_off()
+    is_cuda = torch.device(device).type == "cuda"
+    if is_cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if is_cuda else "gloo", init_method=f"tcp://{address}:{port}", rank=rank,
+                            world_size=world_size, timeout=GROUP_TIMEOUT)
+    control = dist.new_group(backend="gloo") if is_cuda else dist.group.WORLD
+    return Ranks(TensorGroup(rank, world_size, dist.group.WORLD), control)
+
+
+# --- sharding rules ------------------------------------------------------------------------------------------------
+
+
+def shard_arch(arch: Architecture, tp: TensorGroup) -> Architecture:
+    """The architecture one rank runs: its attention heads, KV heads (its KV cache holds those) and MLP width; the
+    vocabulary and the experts stay whole (their layers slice them by rank). Raises for a family or a size that
+    does not split."""
+    if arch.family not in SHARDED_FAMILIES:
+        raise ValueError(f"tensor parallelism covers {', '.join(SHARDED_FAMILIES)}; not {arch.family!r}")
+    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
+        tp.split(getattr(arch, name), name)
+    if arch.moe is not None:
+        tp.split(arch.moe.num_experts, "num_experts")
+    w = tp.world_size
+    return msgspec.structs.replace(arch, num_heads=arch.num_heads // w, num_kv_heads=arch.num_kv_heads // w,
+                                   intermediate_size=arch.intermediate_size // w)
+
+
+_REPLICATED = re.compile(r"(norm|attn_norm|mlp_norm|attn\.q_norm|attn\.k_norm|moe\.router)\.weight")
+
+
+def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: TensorGroup) -> dict[str, torch.Tensor]:
+    """This rank's tensors, named as the core names them, cut from the core's full ones (`arch`: the full one).
+
+    Column parallel (rows split): qkv (its q, k and v heads), gate_up (its gate and up rows); row parallel (input
+    columns split): o, down; vocabulary rows: embed, lm_head; whole experts: a MoE layer's gate_up and down;
+    replicated: norms, q/k norms, the router. An unknown tensor raises, so a layout this does not know never
+    runs half-sharded."""
+    out = {}
+    for name, t in tensors.items():
+        layer_key = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        out[name] = _shard_one(layer_key, name, t, arch, tp)
+    return out
+
+
+def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:
+    if key in ("embed.weight", "lm_head.weight"):
+        start, end = tp.vocab_range(arch.vocab_size)
+        return t[start:end]  # a view of the mapped core
+    if _REPLICATED.fullmatch(key):
+        return t
+    if key in ("attn.qkv.weight", "attn.qkv.bias"):
+        d = arch.head_dim
+        q, k = arch.num_heads * d, arch.num_kv_heads * d
+        parts = [(0, arch.num_heads), (q, arch.num_kv_heads), (q + k, arch.num_kv_heads)]
+        return torch.cat([_rows(t, offset, count * d, tp) for offset, count in parts])
+    if key == "mlp.gate_up.weight":
+        inter = t.shape[0] // 2
+        return torch.cat([_rows(t, 0, inter, tp), _rows(t, inter, inter, tp)])
+    if key in ("attn.o.weight", "mlp.down.weight"):
+        start, end = tp.split(t.shape[1], f"{name} columns")
+        # NOTE: a column slice is strided: one copy here rather than one inside every product
+        return t[:, start:end].contiguous()
+    if key in ("moe.gate_up.weight", "moe.down.weight"):
+        start, end = tp.split(t.shape[0], "num_experts")
+        return t[start:end]  # whole experts: a view
+    raise ValueError(f"no tensor-parallel rule for core tensor {name}")
+
+
+def _rows(t: torch.Tensor, offset: int, size: int, tp: TensorGroup) -> torch.Tensor:
+    """This rank's share of the `size` rows from `offset`."""
+    start, end = tp.split(size, "rows")
+    return t[offset + start : offset + end]
+
+
+def rank_runner(core, tp: TensorGroup, num_pages: int | None, page_size: int | None = None,
+                **kwargs) -> ModelRunner:
+    """A ModelRunner over this rank's shard of a loaded core (helios.core.load.LoadedCore); kwargs go to the
+    constructor. NOTE: the core's precompiled kernels are for the whole model's shapes: none are installed."""
+    m = core.manifest
+    kwargs.setdefault("max_model_len", m.limits.context_length)
+    return ModelRunner(shard_arch(m.arch, tp), shard_tensors(m.arch, core.tensors, tp), num_pages,
+                       page_size or m.graph_plan.page_size, tp=tp, **kwargs)
+
+
+# --- the step across ranks ------------------------------------------------------------------------------------------
+
+
+class PlanChannel:
+    """Rank 0's plans to the other ranks: a length, then the plan's msgpack bytes, two broadcasts over the control
+    group. A length of 0 (no plan encodes to nothing) tells the workers to stop."""
+
+    def __init__(self, ranks: Ranks):
+        self.ranks = ranks
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+
+    def send(self, plan: SchedulerOutput | None) -> None:
+        payload = b"" if plan is None else self._encoder.encode(plan)
+        self._broadcast(torch.tensor([len(payload)], dtype=torch.int64))
+        if payload:
+            self._broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+    def receive(self) -> SchedulerOutput | None:
+        length = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(length)
+        if not int(length):
+            return None
+        payload = torch.empty(int(length), dtype=torch.uint8)
+        self._broadcast(payload)
+        return self._decoder.decode(payload.numpy().tobytes())
+
+    def _broadcast(self, t: torch.Tensor) -> None:
+        dist.broadcast(t, src=0, group=self.ranks.control)
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: each plan goes to the workers, then through its own shard's runner (which samples from the
+    gathered logits). Everything else (stats, num_pages, startup, ...) is the shard runner's."""
+
+    def __init__(self, runner: ModelRunner, ranks: Ranks):
+        if not ranks.is_driver:
+            raise ValueError("only rank 0 drives; the other ranks run worker_loop")
+        self.runner = runner
+        self.channel = PlanChannel(ranks)
+        self.is_closed = False
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self.channel.send(plan)
+        return self.runner.execute(plan)
+
+    def close(self) -> None:
+        """Tell the workers to leave their loops (once)."""
+        if not self.is_closed:
+            self.is_closed = True
+            self.channel.send(None)
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+
+def worker_loop(runner: ModelRunner, ranks: Ranks) -> int:
+    """A worker rank's life after loading: run every plan rank 0 broadcasts on this rank's shard, until it says
+    stop; returns the number of plans run."""
+    channel = PlanChannel(ranks)
+    num_plans = 0
+    while (plan := channel.receive()) is not None:
+        runner.execute_shard(plan)
+        num_plans += 1
+    return num_plans
+
+
+def worker_main(rank: int, world_size: int, address: str, port: int, core_path: str, device: str,
+                runner_kwargs: dict) -> None:
+    """A worker process (ranks 1 ..): join the group, load this rank's shard of the core, run plans until rank 0
+    closes. runner_kwargs: what rank 0's rank_runner got (the same KV pool, so every rank holds the same pages)."""
+    from helios.core.load import load_core
+
+    ranks = init_ranks(rank, world_size, address, port, device)
+    try:
+        runner = rank_runner(load_core(core_path, verify_digests=False), ranks.tp, device=device, **runner_kwargs)
+        worker_loop(runner, ranks)
+    finally:
+        dist.destroy_process_group()

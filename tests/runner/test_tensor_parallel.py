@@ -1,0 +1,184 @@
+"""Tensor parallelism on the CPU: two gloo ranks on 127.0.0.1 against one process (TP=1), on tiny random cores of a
+dense family (llama: tied embeddings, so the vocabulary-parallel embedding is also the head) and a MoE family
+(qwen3_moe: q/k norms, an untied head, expert-parallel MoE layers beside a dense one).
+
+Both ranks run every sequence's forward_logits (whole and chunked: logits within 1e-5 of TP=1's in float32), then
+rank 0 serves greedy requests through an EngineCore over its TensorParallelRunner while rank 1 runs the worker loop:
+the tokens must be TP=1's, and rank 1 must have run every plan rank 0 did.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from helios.core.load import load_core
+from helios.engine.config import SchedulerConfig
+from helios.engine.engine_core import EngineCore
+from helios.layers.parallel import TensorGroup
+from helios.runner.model_runner import ModelRunner
+from helios.runner.parallel import MULTICAST_OFF, shard_arch, shard_tensors
+from tests.models.hybrid_harness import generate, greedy_request, prompt
+
+FAMILIES = ("llama", "qwen3_moe")
+PAGE_SIZE, NUM_PAGES = 4, 64
+WORLD_SIZE = 2
+NUM_NEW = 12
+CHUNK = 5  # forward_logits' chunked prefill (pages of 4: chunks end mid-page)
+
+
+def prompts() -> list[list[int]]:
+    return [prompt(20, seed=1), prompt(7, seed=2), prompt(13, seed=3)]
+
+
+def logits_of(runner: ModelRunner) -> dict[str, torch.Tensor]:
+    """Every position's logits of the first prompt, whole and in chunks."""
+    ids = prompts()[0]
+    return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=CHUNK)}
+
+
+def greedy_tokens(runner) -> dict[str, list[int]]:
+    """Three greedy requests at once through an engine (chunked prefill beside decodes: mixed steps)."""
+    config = SchedulerConfig(max_concurrency=4, max_num_batched_tokens=16, prefill_chunk_size=8, page_size=PAGE_SIZE,
+                             num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE_SIZE)
+    engine = EngineCore(config, runner)
+    out = generate(engine, [greedy_request(f"r{i}", ids, NUM_NEW) for i, ids in enumerate(prompts())])
+    assert engine.is_healthy, engine.error
+    return out
+
+
+def _rank_main(rank: int, port: int, cores: dict[str, str], out_dir: str) -> None:
+    """One rank of the group (a spawned process): both ranks compute the logits; rank 0 drives the engine."""
+    import torch.distributed as dist
+
+    from helios.runner.parallel import TensorParallelRunner, init_ranks, rank_runner, worker_loop
+
+    torch.set_num_threads(1)  # two ranks on a two-core machine
+    ranks = init_ranks(rank, WORLD_SIZE, "127.0.0.1", port)
+    try:
+        for family, path in cores.items():
+            runner = rank_runner(load_core(Path(path), verify_digests=False), ranks.tp, NUM_PAGES, PAGE_SIZE)
+            result = {"logits": logits_of(runner)}
+            if ranks.is_driver:
+                driver = TensorParallelRunner(runner, ranks)
+                result["tokens"] = greedy_tokens(driver)
+                result["plans"] = driver.runner.launches["eager"]
+                driver.close()
+            else:
+                result["plans"] = worker_loop(runner, ranks)
+            torch.save(result, Path(out_dir) / f"{family}.rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cores(tmp_path_factory):
+    from ignition.export import ExportOptions, export_core
+    from tests.ignition.tiny_models import build_tiny
+
+    out = {}
+    for family in FAMILIES:
+        root = tmp_path_factory.mktemp(family)
+        out[family] = export_core(build_tiny(family, root / "hf"), root / "core", ExportOptions(dtype="float32"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(cores, tmp_path_factory, monkeypatch_module):
+    """(TP=1, per rank of TP=2) results per family; the TP=1 ones computed here while the ranks run."""
+    for name, value in MULTICAST_OFF.items():
+        monkeypatch_module.setenv(name, value)
+    out_dir = tmp_path_factory.mktemp("ranks")
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    args = {family: str(path) for family, path in cores.items()}
+    procs = [ctx.Process(target=_rank_main, args=(rank, port, args, str(out_dir))) for rank in range(WORLD_SIZE)]
+    for p in procs:
+        p.start()
+    try:
+        single = {}
+        for family, path in cores.items():
+            core = load_core(path)
+            runner = ModelRunner(core.manifest.arch, core.tensors, NUM_PAGES, PAGE_SIZE)
+            single[family] = {"logits": logits_of(runner), "tokens": greedy_tokens(runner),
+                              "plans": runner.launches["eager"]}
+    finally:
+        for p in procs:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * WORLD_SIZE
+    ranked = {f: [torch.load(out_dir / f"{f}.rank{r}.pt") for r in range(WORLD_SIZE)] for f in FAMILIES}
+    return single, ranked
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_equal_single_rank(results, family):
+    single, ranked = results
+    for rank_result in ranked[family]:  # every rank gathers the whole vocabulary
+        for key in ("whole", "chunked"):
+            torch.testing.assert_close(rank_result["logits"][key], single[family]["logits"][key], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_identical_and_workers_ran_every_plan(results, family):
+    single, ranked = results
+    driver, worker = ranked[family]
+    assert driver["tokens"] == single[family]["tokens"]
+    assert all(len(t) == NUM_NEW for t in driver["tokens"].values())
+    # one eager forward per engine step on every rank (forward_logits bypasses execute: not counted)
+    assert worker["plans"] == driver["plans"] == single[family]["plans"] > 0
+
+
+def test_shards_are_views_where_contiguous_and_cut_right(cores):
+    """Rank 1 of 2 without a group: vocabulary rows and whole experts are views of the mapped core; qkv takes its
+    q, k and v heads; o and down their input columns; the shapes bind as the rank's architecture says."""
+    core = load_core(cores["qwen3_moe"])
+    arch, full = core.manifest.arch, core.tensors
+    tp = TensorGroup(rank=1, world_size=2)
+    shard = shard_tensors(arch, full, tp)
+    local = shard_arch(arch, tp)
+    assert (local.num_heads, local.num_kv_heads) == (arch.num_heads // 2, arch.num_kv_heads // 2)
+    v = arch.vocab_size // 2
+    assert shard["embed.weight"].data_ptr() == full["embed.weight"][v:].data_ptr()
+    moe_layer = next(i for i in range(arch.num_layers) if i not in arch.moe.dense_layers)
+    name = f"layers.{moe_layer}.moe.gate_up.weight"
+    e = arch.moe.num_experts // 2
+    assert shard[name].data_ptr() == full[name][e:].data_ptr() and shard[name].shape[0] == e
+    d, nq, nkv = arch.head_dim, arch.num_heads, arch.num_kv_heads
+    qkv = full["layers.0.attn.qkv.weight"]
+    want = torch.cat([qkv[nq // 2 * d : nq * d], qkv[(nq + nkv // 2) * d : (nq + nkv) * d],
+                      qkv[(nq + nkv + nkv // 2) * d :]])
+    assert torch.equal(shard["layers.0.attn.qkv.weight"], want)
+    o = full["layers.0.attn.o.weight"]
+    assert torch.equal(shard["layers.0.attn.o.weight"], o[:, o.shape[1] // 2 :])
+    # a whole model of rank 1's shapes binds them (bind_tensors is strict about shapes and names)
+    from helios.models import build_model
+
+    build_model(local, shard, tp=tp)
+
+
+def test_unsplittable_sizes_and_families_are_refused(cores):
+    arch = load_core(cores["llama"]).manifest.arch
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        shard_arch(arch, TensorGroup(rank=0, world_size=4))
+    import msgspec
+
+    with pytest.raises(ValueError, match="tensor parallelism covers"):
+        shard_arch(msgspec.structs.replace(arch, family="gemma3"), TensorGroup(rank=0, world_size=2))
