@@ -307,7 +307,7 @@ class CompressedAttentionConfig(_S):
     (sliding) or compress_rope_theta + compress_rope_scaling (others); the output turns back by the query's
     rotation; o_groups groups of heads each to o_lora_rank values, then one projection. Per token and layer the KV
     pages keep the normed rotated kv row and the raw compressor rows (raw_dim; in the window page group when the
-    compressors' reach fits the window) and a 1/rate share of its window's entries (entry_row_dim;
+    compressors' reach fits the window) and a share of its window's entries (entry_row_dim, in entry_rows rows;
     helios.layers.compressed_attention)."""
 
     layer_kinds: list[Literal["sliding", "csa", "hca"]]
@@ -330,20 +330,21 @@ class CompressedAttentionConfig(_S):
         rows (2 index_head_dim each)."""
         return {"sliding": head_dim, "hca": 3 * head_dim, "csa": 5 * head_dim + 4 * self.index_head_dim}[kind]
 
-    def entry_row_dim(self, kind: str, head_dim: int) -> int:
-        """Values each token keeps of its window's compressed entry (d; csa: and the indexer's key): the entry is
-        spread over the window's rate rows, ceil(entry / rate) values each."""
-        entry = {"sliding": 0, "hca": head_dim, "csa": head_dim + self.index_head_dim}[kind]
+    def entry_rows(self, kind: str, page_size: int) -> int:
+        """The rows of a window that hold its entry: its last min(rate, page_size) when one divides the other (all in
+        the page of the window's last token, which the step completing the window owns: a page shared through the
+        prefix cache is never written), else its last row alone."""
         rate = self.csa_rate if kind == "csa" else self.hca_rate
-        return -(-entry // rate)
+        return min(rate, page_size) if rate % page_size == 0 or page_size % rate == 0 else 1
 
-    def row_dim(self, kind: str, head_dim: int) -> int:
+    def entry_row_dim(self, kind: str, head_dim: int, page_size: int) -> int:
+        """Values each of those rows keeps of its window's compressed entry (d; csa: and the indexer's key, Di)."""
+        entry = {"sliding": 0, "hca": head_dim, "csa": head_dim + self.index_head_dim}[kind]
+        return -(-entry // self.entry_rows(kind, page_size))
+
+    def row_dim(self, kind: str, head_dim: int, page_size: int) -> int:
         """Values one token keeps in a layer of this kind: raw_dim + entry_row_dim."""
-        return self.raw_dim(kind, head_dim) + self.entry_row_dim(kind, head_dim)
-
-    def cache_dim(self, head_dim: int) -> int:
-        """The widest layer's row (each layer's pages keep rows of its own kind's width: row_dim)."""
-        return max(self.row_dim(kind, head_dim) for kind in self.layer_kinds)
+        return self.raw_dim(kind, head_dim) + self.entry_row_dim(kind, head_dim, page_size)
 
     def fits_window(self) -> bool:
         """Whether every row the compressors read lies in the window a query reads (2 csa_rate and hca_rate at most

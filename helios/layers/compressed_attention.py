@@ -7,7 +7,8 @@ entry_row_dim]). Per token its row holds the normed, rotated kv (d values; keys 
 rows (kv and gate logits; then CSA's indexer kv and gate): only the window ever reads them, so with the engine's window
 page group (when the compressors' reach fits the window) they live in its pages. The step that completes a window
 computes its entry (CSA: and index key) from the window's rows (CSA: and the previous window's) and spreads it over the
-window's rate entry rows (group 0, every position's page): entries are kept, shared by the prefix cache and freed like
+window's last entry_rows rows (group 0, every position's page; all in the page of the window's last token, never a
+page shared through the prefix cache): entries are kept, shared by the prefix cache and freed like
 any page, with no per-request state (a partial window is simply its last < rate rows), and the arithmetic is the same
 whatever the chunking.
 Imports torch and helios.core only (and helios.layers' linear, norm and rotary).
@@ -194,7 +195,6 @@ class CompressedAttention(nn.Module):
         self.splits = [c.q_lora_rank, head_dim, width, width, 2 * di, 2 * di, ni]
         self.raw_dim = c.raw_dim(kind, head_dim)
         self.entry_dim = {"sliding": 0, "hca": head_dim, "csa": head_dim + di}[kind]
-        self.entry_row_dim = c.entry_row_dim(kind, head_dim)  # an entry's share in each of its window's rows
         self.in_proj = Linear(hidden_size, c.q_lora_rank + head_dim + 2 * width + 4 * di + ni, switches=switches)
         self.q_a_norm = RMSNorm(c.q_lora_rank, eps, multiply_in_float32=True)
         self.q_b = Linear(c.q_lora_rank, num_heads * head_dim, switches=switches)
@@ -274,9 +274,15 @@ class CompressedAttention(nn.Module):
         if self.kind == "csa":
             at, wi = d + 2 * w, 2 * self.config.index_head_dim
             new.append(self.indexer.compressor(raw[:, at : at + wi], raw[:, at + wi : at + 2 * wi], first, rope))
-        new = torch.cat(new, dim=-1)  # [n, E]
-        new = torch.nn.functional.pad(new, (0, m * self.entry_row_dim - self.entry_dim)).view(-1, self.entry_row_dim)
-        entries[token_slots(table, torch.arange(first * m, end * m, device=device), page_size)] = new.to(entries.dtype)
+        r, e = self.config.entry_rows(self.kind, page_size), entries.shape[-1]
+        new = torch.nn.functional.pad(torch.cat(new, dim=-1), (0, r * e - self.entry_dim)).view(-1, e)  # [n*r, e]
+        at = self._entry_positions(torch.arange(first, end, device=device), r).flatten()
+        entries[token_slots(table, at, page_size)] = new.to(entries.dtype)
+
+    def _entry_positions(self, windows: torch.Tensor, r: int) -> torch.Tensor:  # [..., n] -> [..., n, r]
+        """The rows holding each window's entry: its last r (config.entry_rows)."""
+        m = self.rate
+        return (windows * m + m - r)[..., None] + torch.arange(r, device=windows.device)
 
     def _attend(self, q: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, layout, page_size: int,
                 index) -> torch.Tensor:  # q [B, L, Nh, d] -> [B, L, Nh, d]
@@ -291,13 +297,13 @@ class CompressedAttention(nn.Module):
         masks = [(kp >= 0) & (kp <= qp) & (kp > qp - c.window)]  # [B, L, span]
         n = max_len // self.rate if self.rate else 0
         if n:
-            m, e = self.rate, self.entry_row_dim
-            at = torch.arange(n * m, device=device)
-            at = torch.where(at < lens // m * m, at, 0)  # [B, n*m]: the entry rows of complete windows, else row 0
-            share = entries[token_slots(tables, at, page_size)]  # [B, n*m, e]
-            compressed = share.view(share.shape[0], n, m * e)[..., : self.entry_dim]  # [B, n, d (+ Di)]
+            m, r, e = self.rate, c.entry_rows(self.kind, page_size), entries.shape[-1]
+            windows = torch.arange(n, device=device)
+            at = self._entry_positions(torch.where(windows < lens // m, windows, 0), r)  # [B, n, r]; padding: 0
+            share = entries[token_slots(tables, at.flatten(1), page_size)]  # [B, n*r, e]
+            compressed = share.view(share.shape[0], n, r * e)[..., : self.entry_dim]  # [B, n, d (+ Di)]
             keys.append(compressed[..., :d])
-            visible = torch.arange(n, device=device) < (qp + 1) // m  # [B, L, n]: windows ending at or before
+            visible = windows < (qp + 1) // m  # [B, L, n]: the windows that end at or before each query
             if index is not None:
                 visible = self.indexer.select(index[0], index[1], compressed[..., d:], visible)
             masks.append(visible)

@@ -104,16 +104,17 @@ class KVCache:
         kinds = [c.layer_kinds[i] for i in owners]
         cache = cls(len(owners), num_pages, page_size, 1, d, dtype, device, [c.raw_dim(k, d) for k in kinds],
                     None, [window_pages or num_pages] * len(owners))
-        cache.index_layers = [torch.zeros(1, num_pages, page_size, c.entry_row_dim(k, d), dtype=dtype, device=device)
-                              for k in kinds]
+        cache.index_layers = [torch.zeros(1, num_pages, page_size, c.entry_row_dim(k, d, page_size), dtype=dtype,
+                                          device=device) for k in kinds]
         return cache
 
     @staticmethod
     def compressed_bytes_per_page(arch: Architecture, page_size: int, dtype: torch.dtype) -> tuple[int, int]:
-        """deepseek_v4 with a window group: (bytes of a window page, of a group 0 page) across its layers."""
+        """deepseek_v4: (bytes of a page of raw rows, of a page of entry shares) across its layers (one group: a page
+        holds both)."""
         c, d, kinds = arch.compressed, arch.head_dim, [arch.compressed.layer_kinds[i] for i in arch.kv_layers]
         row = page_size * dtype.itemsize
-        return row * sum(c.raw_dim(k, d) for k in kinds), row * sum(c.entry_row_dim(k, d) for k in kinds)
+        return row * sum(c.raw_dim(k, d) for k in kinds), row * sum(c.entry_row_dim(k, d, page_size) for k in kinds)
 
     @staticmethod
     def window_layers(arch: Architecture) -> list[int]:
@@ -133,9 +134,8 @@ class KVCache:
         key (MLA), else its k and v heads (V padded to head_dim); plus its index values (arch.index_dim)."""
         kv_heads, head_dim = (arch.num_kv_heads, arch.head_dim) if layer is None else arch.kv_shape(layer)
         kv = arch.mla.cache_dim if arch.mla is not None else 2 * kv_heads * head_dim
-        if arch.compressed is not None:  # a layer's row; None: the widest
-            c = arch.compressed
-            kv = c.cache_dim(arch.head_dim) if layer is None else c.row_dim(c.layer_kinds[layer], arch.head_dim)
+        if arch.compressed is not None:  # its entry shares' width depends on the page size
+            raise ValueError("deepseek_v4's rows: KVCache.compressed_bytes_per_page")
         return kv + arch.index_dim
 
     @staticmethod
@@ -143,6 +143,8 @@ class KVCache:
                        layers: list[int] | None = None) -> int:
         """Bytes one page costs across the attention layers `layers`, or num_layers layers of num_kv_heads, or
         (neither) all of them; for sizing the pool from free memory."""
+        if arch.compressed is not None:  # one group: a page holds both parts
+            return sum(KVCache.compressed_bytes_per_page(arch, page_size, dtype))
         if layers is None and num_layers is not None:
             return num_layers * page_size * KVCache.values_per_token(arch) * dtype.itemsize
         layers = arch.kv_layers if layers is None else layers

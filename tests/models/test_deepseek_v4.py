@@ -38,16 +38,16 @@ def dsv4(tmp_path_factory):
 
 
 def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64, budget: int = 128,
-                prefix_caching: bool = False, windowed: bool = True) -> EngineCore:
+                prefix_caching: bool = False, windowed: bool = True, page_size: int = PAGE_SIZE) -> EngineCore:
     """windowed: the raw rows in the window page group (room for every slot's window and chunk), as compose builds
     it; False: one group (every page holds every row)."""
     window = core.manifest.arch.sliding_window
-    window_pages = max_concurrency * window_pages_per_request(window, PAGE_SIZE, chunk) if windowed else 0
+    window_pages = max_concurrency * window_pages_per_request(window, page_size, chunk) if windowed else 0
     groups = dict(sliding_window=window, window_pages=window_pages) if windowed else {}
     config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget, prefill_chunk_size=chunk,
-                             page_size=PAGE_SIZE, num_pages=num_pages, max_model_len=num_pages * PAGE_SIZE,
+                             page_size=page_size, num_pages=num_pages, max_model_len=num_pages * page_size,
                              enable_prefix_caching=prefix_caching, **groups)
-    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, PAGE_SIZE, window_pages=window_pages)
+    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, window_pages=window_pages)
     return EngineCore(config, runner)
 
 
@@ -156,3 +156,17 @@ def test_a_second_turn_reuses_the_first_turns_pages(dsv4):
     tokens, cached = run_collecting(engine, second)
     assert cached == (len(history) // PAGE_SIZE) * PAGE_SIZE
     assert tokens == generate(make_engine(core, max_concurrency=4), [second])["t2"]
+
+
+def test_a_page_shared_through_the_prefix_cache_is_never_written(dsv4):
+    """Pages of 4 tokens, HCA windows of 8: a window's entry lives in its last 4 rows, the page of its last token.
+    A request that reuses a cached first page and completes the window on its own tokens writes only its own page,
+    so the cached page still serves the first prompt exactly."""
+    _, core = dsv4
+    engine = make_engine(core, max_concurrency=2, page_size=4, prefix_caching=True)
+    a = prompt(30, seed=41)
+    first, _ = run_collecting(engine, greedy_request("a", a, 8))
+    assert run_collecting(engine, greedy_request("b", a[:4] + prompt(26, seed=42), 8))[1] == 4
+    again, cached = run_collecting(engine, greedy_request("a2", a, 8))
+    assert cached == 28 and again == first
+    assert first == generate(make_engine(core, max_concurrency=1, page_size=4), [greedy_request("x", a, 8)])["x"]
