@@ -92,8 +92,8 @@ class DeepseekV4Layer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    """forward's `caches` holds one [1, num_pages, page_size, cache_dim] row tensor per layer
-    (helios.runner.kv_cache)."""
+    """forward's `caches` holds one (raw rows, entry shares) pair of paged tensors per layer (helios.runner.kv_cache;
+    helios.layers.compressed_attention says what they hold)."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
                  dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
