@@ -82,8 +82,8 @@ class DeepseekV4Layer(nn.Module):
         self.moe = DeepseekV4Moe(h, arch.moe, arch.vocab_size, layer_idx in arch.moe.hash_layers, arch.hidden_act,
                                  switches, arch.swiglu_limit)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
-                ropes: dict[str, InterleavedRope]) -> torch.Tensor:  # x [T, S, H] -> [T, S, H]
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, ropes: dict[str, InterleavedRope]) -> torch.Tensor:  # [T, S, H] -> same
         post, comb, h = self.attn_hc(x)
         rope = ropes["main" if self.kind == "sliding" else "compress"]
         x = expand_streams(x, self.attn(self.attn_norm(h), cache, meta, rope, ropes["compress"]), post, comb)

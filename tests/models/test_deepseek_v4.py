@@ -170,3 +170,27 @@ def test_a_page_shared_through_the_prefix_cache_is_never_written(dsv4):
     again, cached = run_collecting(engine, greedy_request("a2", a, 8))
     assert cached == 28 and again == first
     assert first == generate(make_engine(core, max_concurrency=1, page_size=4), [greedy_request("x", a, 8)])["x"]
+
+
+def test_compose_keeps_the_raw_rows_in_a_window_group(dsv4):
+    """build_engine: every layer's raw rows on a window group sized for every model slot's window and chunk, the
+    host tier off beside it; a served request matches HF greedy."""
+    from helios.compose import build_engine
+    from helios.server.config import ServerConfig
+    from helios.server.runtime import resolve_serving
+
+    hf, core = dsv4
+    config = ServerConfig(kv_cache_tokens=1024, host_cache_bytes=1 << 20, max_concurrency=2)
+    engine, runner = build_engine(core, config, resolve_serving(core.manifest, config), own_thread=False)
+    try:
+        sched = engine.core.scheduler
+        assert sched.config.sliding_window == 8 and runner.window_pages == sched.config.window_pages > 0
+        assert [t.shape[1] for t in runner.kv_cache.layers] == [runner.window_pages] * 4 and sched.host_cache is None
+        ids = prompt(21, seed=9)
+        got = generate(engine.core, [greedy_request("a", ids, 8)])["a"]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0].tolist()
+        assert got == ref[len(ids):]
+    finally:
+        engine.shutdown()
