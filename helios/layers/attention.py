@@ -354,6 +354,8 @@ class Attention(nn.Module):
         # layer takes its q, k, v
         self.fuses_qkv = (getattr(backend, "fuses_layers", False) and not output_gate and self.rotary_dim is None
                           and self.v_head_dim == head_dim and not sinks)
+        # such a layer on the fused backend still takes its q/k norms and rotary as one Triton launch each
+        self.fused_ops = getattr(backend, "fuses_layers", False)
         self.q_norm = RMSNorm(head_dim, norm_eps, norm_multiply_in_float32) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps, norm_multiply_in_float32) if qk_norm else None
         self.sinks = meta_parameter(num_heads) if sinks else None
@@ -385,9 +387,12 @@ class Attention(nn.Module):
         else:
             q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            if self.fused_ops:
+                q, k = self._norm_and_rotate_fused(q, k, cos, sin)
+            else:
+                if self.q_norm is not None:
+                    q, k = self.q_norm(q), self.k_norm(k)
+                q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         sinks = {} if self.sinks is None else {"sinks": self.sinks}
         o = self.backend.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, self.softcap, **sinks)
         if self.v_head_dim < self.head_dim:
@@ -399,6 +404,22 @@ class Attention(nn.Module):
         elif self.output_gate:  # qwen3_5: the gate rows follow v's
             o = o * torch.sigmoid(qkv[:, q_size + kv_size + v_size :])
         return self.o(o)
+
+    def _norm_and_rotate_fused(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The q/k norms (helios.kernels.rmsnorm, one launch each) and the rotary of the leading rotary_dim dims
+        (helios.kernels.rotary, q and k in one launch, in place): the fused backend's path for a layer whose qkv
+        launch cannot serve it. The rotation is done in float32 and rounded once (the torch path rounds each
+        product, as HF does)."""
+        from helios.kernels.rotary import rotary_embedding
+
+        if self.q_norm is not None:
+            q = self.q_norm.forward_add(q, None, fused=True)[0]
+            k = self.k_norm.forward_add(k, None, fused=True)[0]
+        else:  # rotated in place: not in the projection's output
+            q, k = q.contiguous(), k.contiguous()
+        rd = self.rotary_dim or self.head_dim
+        rotary_embedding(q[..., :rd], k[..., :rd], cos, sin)
+        return q, k
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # [T, N, D]
         """Rotary over each head's leading rotary_dim dims (all of them without partial rotary)."""
