@@ -403,6 +403,9 @@ class Architecture(_S):
     dsa: DsaConfig | None = None
     mhc: MhcConfig | None = None
     swiglu_limit: float | None = None
+    # qwen3_5: the multipliers (1 + w) of the RMSNorms applied in float32 are stored and bound in float32 whatever the
+    # core dtype (HF computes 1 + w in float32; rounding it to bf16 moves a norm's output by up to 2^-8)
+    float32_norms: bool = False
     # attention shapes per layer type (gemma4): the full layers' head_dim and kv heads where they differ from
     # head_dim / num_kv_heads (then the sliding layers'); None: the same
     full_head_dim: PosInt | None = None
