@@ -40,6 +40,10 @@ def serve(
     no_prefix_cache: Annotated[
         bool, typer.Option("--no-prefix-cache", help="Turn the prefix cache off (overrides prefix_caching).")
     ] = False,
+    tensor_parallel: Annotated[
+        int | None, typer.Option("--tensor-parallel", min=1, help="Split the model over N ranks (GPUs) by tensor "
+                                 "parallelism (default 1 or [server] tensor_parallel).")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Granian log level.")] = "warning",
 ) -> None:
     """Serve CORE on HTTP: OpenAI Chat Completions, Completions, models, /health and /metrics."""
@@ -79,6 +83,8 @@ def serve(
             _fail(f"--api-key-file {api_key_file}: {e}")
     if no_prefix_cache:
         overrides["prefix_caching"] = False
+    if tensor_parallel is not None:
+        overrides["tensor_parallel"] = tensor_parallel
     server = msgspec.structs.replace(server, **overrides)
 
     from helios.compose import serve as serve_core

@@ -82,6 +82,8 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         host_bytes, disk_bytes = host_bytes // 2, disk_bytes // 2
         host_state_records = host_bytes // slot_bytes
         host_state_disk = disk_bytes // slot_bytes if host_state_records and config.host_disk_dir else 0
+    if config.tensor_parallel > 1:  # NOTE: no host tiers under tensor parallelism yet (each rank would hold records)
+        host_bytes = disk_bytes = 0
     host_cache_pages = host_bytes // page_bytes if prefix_caching else 0
     # its disk tier: only behind the DRAM tier; one subdirectory per KV identity (runner/disk_cache.py)
     host_disk_pages = disk_bytes // page_bytes if host_cache_pages and config.host_disk_dir else 0
@@ -91,7 +93,18 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     state_disk_dir = disk_base.with_name(disk_base.name + "-states") if host_state_disk else None
     state_args = dict(num_state_slots=num_state_slots + checkpoint_slots, host_state_records=host_state_records,
                       host_state_disk_dir=state_disk_dir, window_pages=window_pages)
-    if resolve_device(config.device) == "cuda":
+    device = resolve_device(config.device)
+    if config.tensor_parallel > 1:
+        # rank 0 here, the other ranks in worker processes (helios/runner/parallel.py); no graphs yet; on a GPU the
+        # KV pool from the free memory every rank has, on the CPU kv_cache_tokens as below
+        from helios.runner.parallel import start_tensor_parallel
+
+        num_pages = None if device == "cuda" else -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
+        runner = start_tensor_parallel(core, config.tensor_parallel, device, num_pages, page_size,
+                                       max_model_len=serving.max_model_len, dtype=dtype, switches=switches,
+                                       **state_args)
+        num_pages = runner.num_pages
+    elif device == "cuda":
         # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
         # lazy capture: the smallest and largest buckets now, the rest by the engine loop between steps
         runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,
@@ -160,6 +173,7 @@ def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DE
         digests_match()
     except Exception:
         runtime.shutdown()
+        close_runner(runtime)
         raise
     t3 = time.perf_counter()
     runtime.timings["load"] = time.perf_counter() - t0
@@ -186,6 +200,14 @@ async def warm_up(runtime: Runtime) -> None:
     runtime.timings["warmup"] = time.perf_counter() - t0
     # structured output's vocabulary (~0.3 s for 49k tokens, more for larger ones) off the start-up path
     runtime.pool.submit(runtime.output_grammars.prepare)
+
+
+def close_runner(runtime: Runtime) -> None:
+    """After the engine stopped: a runner with processes of its own (tensor parallelism's ranks) stops them."""
+    core = getattr(runtime.engine, "core", None)
+    close = getattr(getattr(core, "runner", None), "close", None)
+    if close is not None:
+        close()
 
 
 def http_workers(config: ServerConfig, device: str) -> int:
@@ -251,6 +273,7 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
         engine_server.close()
         if runtime is not None:
             runtime.shutdown()
+            close_runner(runtime)
         shutil.rmtree(workdir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -49,6 +49,12 @@ class TensorGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def min_over_ranks(self, value: int, device: torch.device | str = "cpu") -> int:
+        """The smallest of every rank's `value` (a KV pool every rank has room for)."""
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N, V_rank] -> [N, V]
         """Every rank's vocabulary columns side by side, on every rank (one all-gather; the last rank's shorter
         slice padded to the common width and the padding cut off)."""

@@ -299,6 +299,8 @@ class ModelRunner:
             reserve = activation_reserve_bytes(arch, tokens, self.dtype, max(buckets))
             num_pages = pages_from_free_memory(arch, page_size, self.dtype, self.device, gpu_memory_fraction, reserve,
                                                window_pages)
+            if tp is not None:  # one set of pages for the scheduler: every rank holds the fewest any has room for
+                num_pages = tp.min_over_ranks(num_pages, self.device)
         # the window group's layers (helios/engine/kv_groups.py): their window keys their tables in the metadata
         self.window = arch.sliding_window if window_pages else None
         self.window_pages = window_pages

@@ -12,8 +12,10 @@ Nothing about the shards is recorded in the core.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -173,24 +175,34 @@ class PlanChannel:
 
 class TensorParallelRunner:
     """Rank 0's runner: each plan goes to the workers, then through its own shard's runner (which samples from the
-    gathered logits). Everything else (stats, num_pages, startup, ...) is the shard runner's."""
+    gathered logits). Everything else (stats, num_pages, startup, ...) is the shard runner's. `workers`: the
+    worker processes it started (start_tensor_parallel), joined at close, which then leaves the group too."""
 
-    def __init__(self, runner: ModelRunner, ranks: Ranks):
+    def __init__(self, runner: ModelRunner, ranks: Ranks, workers: list = ()):
         if not ranks.is_driver:
             raise ValueError("only rank 0 drives; the other ranks run worker_loop")
         self.runner = runner
         self.channel = PlanChannel(ranks)
+        self.workers = list(workers)
         self.is_closed = False
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         self.channel.send(plan)
         return self.runner.execute(plan)
 
-    def close(self) -> None:
-        """Tell the workers to leave their loops (once)."""
-        if not self.is_closed:
-            self.is_closed = True
-            self.channel.send(None)
+    def close(self, timeout: float = 30.0) -> None:
+        """Tell the workers to leave their loops (once); with worker processes of its own, join them (killing one
+        that has not left after `timeout` seconds) and leave the group."""
+        if self.is_closed:
+            return
+        self.is_closed = True
+        self.channel.send(None)
+        for worker in self.workers:
+            worker.join(timeout)
+            if worker.is_alive():
+                worker.kill()
+        if self.workers:
+            dist.destroy_process_group()
 
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
@@ -205,6 +217,38 @@ def worker_loop(runner: ModelRunner, ranks: Ranks) -> int:
         runner.execute_shard(plan)
         num_plans += 1
     return num_plans
+
+
+def start_tensor_parallel(core, world_size: int, device: str, num_pages: int | None, page_size: int | None = None,
+                          **runner_kwargs) -> TensorParallelRunner:
+    """Rank 0 in this process and ranks 1 .. world_size - 1 in worker processes started here (spawned: a fresh
+    interpreter, no CUDA state inherited; NVLink multicast off in their environment), meeting on a free port of
+    127.0.0.1. Each maps the core and builds its shard's runner with the same arguments. Returns rank 0's runner;
+    its close() stops and joins the workers. A failure here kills the workers it started."""
+    multicast_off()
+    port = free_port()
+    args = dict(runner_kwargs, num_pages=num_pages, page_size=page_size)
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=worker_main, name=f"helios-rank{rank}", daemon=True,
+                               args=(rank, world_size, "127.0.0.1", port, str(core.path), device, args))
+               for rank in range(1, world_size)]
+    for worker in workers:
+        worker.start()
+    try:
+        ranks = init_ranks(0, world_size, "127.0.0.1", port, device)
+        runner = rank_runner(core, ranks.tp, device=device, **args)
+    except BaseException:
+        for worker in workers:
+            worker.kill()
+        raise
+    return TensorParallelRunner(runner, ranks, workers)
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def worker_main(rank: int, world_size: int, address: str, port: int, core_path: str, device: str,

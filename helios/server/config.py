@@ -67,6 +67,9 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     http_workers: Annotated[
         int, Meta(ge=0, le=64, description="HTTP processes sharing the one engine process on the port (admission slots split among them); 0: 1 on the CPU, 4 on a GPU.")
     ] = 0
+    tensor_parallel: Annotated[
+        int, Meta(ge=1, le=64, description="Ranks (one GPU each) the model is split over by tensor parallelism: rank 0 in the engine process, the others in worker processes it starts; 1: none.")
+    ] = 1
 
 
 class HeliosConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

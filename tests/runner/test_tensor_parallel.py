@@ -182,3 +182,23 @@ def test_unsplittable_sizes_and_families_are_refused(cores):
 
     with pytest.raises(ValueError, match="tensor parallelism covers"):
         shard_arch(msgspec.structs.replace(arch, family="gemma3"), TensorGroup(rank=0, world_size=2))
+
+
+def test_serve_path_starts_ranks_and_matches_single_rank(cores, results):
+    """compose.build_engine with tensor_parallel 2 on the CPU (`helios serve --tensor-parallel 2`): rank 0 in this
+    process, rank 1 in a worker process it starts (helios.runner.parallel.start_tensor_parallel); a greedy request
+    gives TP=1's tokens, and close() stops and joins the worker."""
+    from helios.compose import build_engine
+    from helios.server.config import ServerConfig
+    from helios.server.runtime import resolve_serving
+
+    single, _ = results
+    core = load_core(cores["llama"])
+    config = ServerConfig(device="cpu", tensor_parallel=WORLD_SIZE, kv_cache_tokens=1024, prefix_caching=False)
+    engine, runner = build_engine(core, config, resolve_serving(core.manifest, config), own_thread=False)
+    try:
+        tokens = generate(engine.core, [greedy_request("r0", prompts()[0], NUM_NEW)])
+    finally:
+        runner.close()
+    assert tokens["r0"] == single["llama"]["tokens"]["r0"]
+    assert [w.exitcode for w in runner.workers] == [0]
