@@ -15,6 +15,7 @@ from msgspec import Struct
 
 from helios.engine.config import SchedulerConfig
 from helios.engine.constraint import ConstraintOwner
+from helios.engine.host_cache import DROP_REASONS, TIERS, HostCache
 from helios.engine.messages import (
     EngineOutput,
     EngineRequest,
@@ -60,6 +61,7 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     checkpoint_skips: dict[str, int] = {}
     checkpoint_extra_work_ns: int = 0
     checkpoints_held: int = 0
+    checkpoint_anchor_reservations: int = 0  # anchor guards not used yet (slots set aside for anchors ahead)
     # host prefix-store lookups (spec /metrics histograms): missing tokens, predicted transfer and prefill ns
     host_missing_tokens: Histogram | None = None
     host_estimated_transfer_ns: Histogram | None = None
@@ -77,6 +79,20 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     host_bytes_out: int = 0  # bytes copied from evicted GPU pages to host records
     host_bytes_in: int = 0  # bytes copied from host records into GPU pages
     host_disk_records: int = 0  # records of the disk tier behind it (files in its record directory)
+    # host retention, page and state records together (helios/engine/host_cache.py): records each tier took
+    # (dram, nvme), records each let go by reason, DRAM records waiting for their disk write, offers turned down
+    host_held: dict[str, int] = {}
+    host_dropped: dict[str, dict[str, int]] = {}
+    host_parked_records: int = 0
+    host_store_skipped: int = 0
+    # the DRAM record slots: held, all of them, and those taking automatic intake (every one: each GPU eviction
+    # is offered to the tier)
+    host_slots_in_use: int = 0
+    host_slots_total: int = 0
+    host_intake_slots: int = 0
+    # NOTE: always 0 here: a copy-out is made in the plan whose allocation evicts the page or checkpoint, before
+    # that plan reuses it, never offered ahead of time, so no GPU headroom check ever defers one
+    host_copyout_headroom_deferrals: int = 0
     # the runner's counters (RunnerStats): forward passes by kind, GPU time of graph replays
     graph_launches: dict[str, int] = {}
     replay_gpu_ns: int = 0
@@ -182,6 +198,7 @@ class EngineCore:
             checkpoint_skips=dict(ckpt.skips) if ckpt else {},
             checkpoint_extra_work_ns=int(ckpt.extra_work_ns) if ckpt else 0,
             checkpoints_held=ckpt.num_held if ckpt else 0,
+            checkpoint_anchor_reservations=ckpt.num_guards if ckpt else 0,
             host_missing_tokens=_histogram(scheduler.host_lookups.missing_tokens),
             host_estimated_transfer_ns=_histogram(scheduler.host_lookups.transfer_ns),
             host_estimated_prefill_ns=_histogram(scheduler.host_lookups.prefill_ns),
@@ -199,7 +216,24 @@ class EngineCore:
             host_disk_records=host.num_disk_records if host else 0,
             graph_launches=stats.graph_launches,
             replay_gpu_ns=stats.replay_gpu_ns,
+            **_host_retention([h for h in (host, scheduler.state_host) if h is not None]),
         )
+
+
+def _host_retention(tiers: list[HostCache]) -> dict:
+    """The host retention fields summed over the page records' and the state records' indexes."""
+    held = dict.fromkeys(TIERS, 0)
+    dropped = {tier: dict.fromkeys(DROP_REASONS, 0) for tier in TIERS}
+    for h in tiers:
+        for tier in TIERS:
+            held[tier] += h.num_held[tier]
+            for reason in DROP_REASONS:
+                dropped[tier][reason] += h.num_dropped[tier][reason]
+    num_slots = sum(h.num_slots for h in tiers)
+    return dict(host_held=held, host_dropped=dropped, host_parked_records=sum(h.num_parked for h in tiers),
+                host_store_skipped=sum(h.num_store_skipped for h in tiers),
+                host_slots_in_use=sum(h.num_records for h in tiers), host_slots_total=num_slots,
+                host_intake_slots=num_slots)
 
 
 def _histogram(h: dict) -> Histogram:

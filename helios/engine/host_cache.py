@@ -16,6 +16,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+TIERS = ("dram", "nvme")  # /metrics' tier labels: the DRAM records and the disk tier's record files
+# why a record left a tier (flare_host_cache_dropped_total{tier,reason}): end_of_chain, the least recently used
+# record made room for another (a lookup's chain now ends before it); io_error, a disk record a failed load named;
+# oversize never happens here (every record is one page or one state slot, and compose sizes the tiers in records)
+DROP_REASONS = ("end_of_chain", "oversize", "io_error")
+
 
 class LookupHistograms:
     """The three histograms of host prefix-store lookups (spec /metrics): per admission that looked past the GPU,
@@ -74,6 +80,11 @@ class HostCache:
         self.num_reused_tokens = 0
         self.num_bytes_out = 0
         self.num_bytes_in = 0
+        # host retention (spec "Host retention"): records each tier took, records each let go by reason, and
+        # offers store() turned down (the hash held already, or every slot pinned by this plan)
+        self.num_held = dict.fromkeys(TIERS, 0)
+        self.num_dropped = {tier: dict.fromkeys(DROP_REASONS, 0) for tier in TIERS}
+        self.num_store_skipped = 0
 
     @property
     def num_records(self) -> int:
@@ -82,6 +93,12 @@ class HostCache:
     @property
     def num_disk_records(self) -> int:
         return len(self._disk)
+
+    @property
+    def num_parked(self) -> int:
+        """Whole DRAM records waiting for their disk write: spills decided but not yet carried by a plan (a plan
+        without work carries none; flare_host_cache_parked_records)."""
+        return len(self._spill)
 
     def find_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
         """The slots of the longest run of `block_hashes`, from the first, all held here. Takes nothing."""
@@ -145,13 +162,16 @@ class HostCache:
         touched) or every slot is pinned. Takes a free slot, else the least recently used unpinned record's."""
         if block_hash in self._slot_by_hash:
             self._slot_by_hash.move_to_end(block_hash)
+            self.num_store_skipped += 1
             return None
         slot = self._take_slot()
         if slot is None:
+            self.num_store_skipped += 1
             return None
         self._slot_by_hash[block_hash] = slot
         self._pinned.add(slot)
         self.num_bytes_out += self.page_bytes
+        self.num_held["dram"] += 1
         return slot
 
     def _take_slot(self) -> int | None:
@@ -166,16 +186,17 @@ class HostCache:
         return slot
 
     def _spill_record(self, slot: int, block_hash: bytes) -> None:
-        """The record in `slot` leaves DRAM: onto disk, unless the disk tier is off or holds it already."""
-        if self.num_disk_records_max == 0:
-            return
+        """The record in `slot` leaves DRAM: onto disk, unless the disk tier is off (or every disk record is
+        pinned: then it is lost) or holds it already."""
         if block_hash in self._disk:
             self._disk.move_to_end(block_hash)
             return
-        if len(self._disk) >= self.num_disk_records_max and not self._drop_lru():
+        if self.num_disk_records_max == 0 or (len(self._disk) >= self.num_disk_records_max and not self._drop_lru()):
+            self.num_dropped["dram"]["end_of_chain"] += 1
             return
         self._disk[block_hash] = None
         self._spill.append((slot, block_hash))
+        self.num_held["nvme"] += 1
         if block_hash in self._disk_drop:  # NOTE: the runner deletes after it writes: a stale drop would win
             self._disk_drop.remove(block_hash)
 
@@ -184,6 +205,7 @@ class HostCache:
         if victim is None:
             return False
         del self._disk[victim]
+        self.num_dropped["nvme"]["end_of_chain"] += 1
         # a spill of it in this plan is not needed after all; the drop stays (an older file may be there)
         self._spill = [(s, h) for s, h in self._spill if h != victim]
         self._disk_drop.append(victim)
@@ -207,10 +229,13 @@ class HostCache:
         return ops
 
     def forget_disk_ops(self, spill: Sequence[tuple[int, bytes]], disk_drop: Sequence[bytes],
-                        load: Sequence[tuple[bytes, int]]) -> None:
+                        load: Sequence[tuple[bytes, int]], is_io_error: bool = False) -> None:
         """A plan failed, any of its disk operations may or may not have run: spilled records are forgotten and
         their files (if written) deleted by a later plan, its drops are sent again, and the records it loaded
-        are forgotten in DRAM and on disk (an unreadable file would fail every later admission that loads it)."""
+        are forgotten in DRAM and on disk (an unreadable file would fail every later admission that loads it).
+        is_io_error: the runner failed the plan for a disk read (its loads are counted dropped, io_error)."""
+        if is_io_error:
+            self.num_dropped["nvme"]["io_error"] += sum(h in self._disk for h, _ in load)
         for _, block_hash in spill:
             self._disk.pop(block_hash, None)
         for _, slot in load:

@@ -71,6 +71,11 @@ class EngineRequest(Struct, frozen=True, kw_only=True):
     reasoning_budget: ReasoningBudget | None = None
     # structured output: the grammar the answer must follow (its state lives with the ConstraintOwner)
     constraint: ConstraintSpec | None = None
+    # where the rendered chat prompt's stable prefix ends (the leading system message with the tools; 0: none)
+    # and where each of its messages ends, as token offsets into prompt_token_ids (helios/frontend/boundaries.py):
+    # a hybrid model's scheduler may keep state checkpoints there (helios/engine/state_checkpoints.py)
+    anchor_end: int = 0
+    message_ends: list[int] = []
     # NOTE: a request with prompt_logprobs must prefill from scratch (no prefix reuse).
 
 

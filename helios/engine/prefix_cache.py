@@ -128,12 +128,12 @@ class PrefixCache:
 
     def forget_copies(self, copy_out: list[tuple[int, int]], copy_in: list[tuple[int, int]],
                       spill: list[tuple[int, bytes]] = (), disk_drop: list[bytes] = (),
-                      load: list[tuple[bytes, int]] = ()) -> None:
+                      load: list[tuple[bytes, int]] = (), is_io_error: bool = False) -> None:
         """A plan failed: its copies may never have run, so the records it stored and the pages it restored
         are dropped (they would name KV that is not there); so are its disk records (HostCache.forget_disk_ops)."""
         if self.host is None:
             return
-        self.host.forget_disk_ops(spill, disk_drop, load)
+        self.host.forget_disk_ops(spill, disk_drop, load, is_io_error)
         for _, slot in copy_out:
             self.host.discard_slot(slot)
         for _, block_id in copy_in:

@@ -49,6 +49,10 @@ class Request:
         "group_block_ids",
         "state_slot",
         "checkpoint_hash",
+        "anchor_end",
+        "message_ends",
+        "checkpoint_plan",
+        "anchor_guard",
         "status",
         "stop_token",
         "error",
@@ -78,6 +82,10 @@ class Request:
         self.group_block_ids: list[list[int]] = []
         self.state_slot = -1  # its row of the recurrent layers' state while running (hybrid models); -1: none
         self.checkpoint_hash: bytes | None = None  # its latest decode endpoint (helios/engine/state_checkpoints)
+        self.anchor_end = request.anchor_end  # the template's positions of anchor and message checkpoints
+        self.message_ends = request.message_ends
+        self.checkpoint_plan: dict[int, str] = {}  # grid position -> role chosen at admission, captured on reaching it
+        self.anchor_guard: bytes | None = None  # the hash of the anchor guard it holds (StateCheckpoints.reserve)
         self.status = RequestStatus.WAITING
         self.stop_token: int | list[int] | None = None
         self.error: str | None = None

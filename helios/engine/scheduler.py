@@ -32,9 +32,9 @@ from helios.engine.messages import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from helios.engine.prefix_cache import PrefixCache
+from helios.engine.prefix_cache import PrefixCache, extend_page_hashes
 from helios.engine.request import Request, RequestStatus
-from helios.engine.state_checkpoints import StateCheckpoints
+from helios.engine.state_checkpoints import StateCheckpoints, candidate_positions
 from helios.engine.state_pool import StatePool
 
 
@@ -219,6 +219,7 @@ class Scheduler:
                     num_pages = restore[0] if restore is not None else 0
                     hits, host_slots = hits[:num_pages], host_slots[: max(0, num_pages - len(hits))]
             num_reused = (len(hits) + len(host_slots)) * pool.block_size
+            skipped = self._select_checkpoints(req, num_reused) if self.checkpoints is not None else []
             num_new = self._chunk_size(req, min(req.num_tokens - num_reused, config.prefill_chunk_size, budget),
                                        num_reused)
             if num_new == 0:
@@ -243,6 +244,8 @@ class Scheduler:
             for group, table in zip(self.window_groups, group_hits):
                 group.pool.incref(b for b in table if b != NULL_PAGE)
             self._allocate(req, num_needed)
+            if skipped or req.checkpoint_plan:
+                self._commit_checkpoint_plan(req, skipped)
             if host_slots:
                 copy_in.extend(self.prefix_cache.restore(req, len(hits), host_slots))
             req.num_published_pages = len(hits) + len(host_slots)
@@ -365,12 +368,15 @@ class Scheduler:
         outputs = self.take_pending_outputs()
         # the runner may not have applied the plan's drops; resend them (dropping is idempotent)
         self._finished_req_ids.extend(plan.finished_req_ids)
+        # NOTE: a failure naming no request is the runner's unreadable disk record (helios/runner/model_runner.py)
+        is_io_error = req_ids is not None and not req_ids
         if self.prefix_cache is not None:
-            self.prefix_cache.forget_copies(plan.copy_out, plan.copy_in, plan.spill, plan.disk_drop, plan.load)
+            self.prefix_cache.forget_copies(plan.copy_out, plan.copy_in, plan.spill, plan.disk_drop, plan.load,
+                                            is_io_error)
         if self.checkpoints is not None and plan.state_copies:  # captures that may never have run
             self.checkpoints.forget_slots({dst for _, dst in plan.state_copies})
         if self.state_host is not None:  # its records and files as the page tier forgets its own
-            self.state_host.forget_disk_ops(plan.state_spill, plan.state_disk_drop, plan.state_load)
+            self.state_host.forget_disk_ops(plan.state_spill, plan.state_disk_drop, plan.state_load, is_io_error)
             for _, record in plan.state_copy_out:
                 self.state_host.discard_slot(record)
         affected = [self._scheduled[c.req_id] for c in plan.scheduled if c.req_id in self._scheduled]
@@ -466,19 +472,69 @@ class Scheduler:
             if record is not None:
                 self._state_copy_out.append((slot, record))
 
+    def _select_checkpoints(self, req: Request, num_reused: int) -> list[str]:
+        """The anchor and message positions (EngineRequest.anchor_end / message_ends on the grid) the cost rule
+        takes for a request admitted at num_reused: set as req.checkpoint_plan (the chunks end there). Returns the
+        skip reasons of the others, counted once the admission commits (_commit_checkpoint_plan)."""
+        grid, page_size = self.checkpoint_grid, self.block_pool.block_size
+        candidates = candidate_positions(req.anchor_end, req.message_ends, num_reused, self._prompt_endpoint(req),
+                                         grid)
+        if candidates:
+            extend_page_hashes(req.page_hashes, req.all_token_ids, page_size, max(candidates) // page_size)
+        held = [p for p in candidates if self._is_checkpointed(req.page_hashes[p // page_size - 1])]
+        for p in held:  # a checkpoint of that prefix exists: nothing to capture
+            del candidates[p]
+        req.checkpoint_plan, skipped = self.checkpoints.select(candidates, req.num_prompt_tokens - num_reused,
+                                                               self.prefill_ns_per_token)
+        return skipped
+
+    def _is_checkpointed(self, block_hash: bytes) -> bool:
+        if self.checkpoints.holds(block_hash):
+            return True
+        return self.state_host is not None and bool(self.state_host.find_tiered_prefix([block_hash]))
+
+    def _prompt_endpoint(self, req: Request) -> int:
+        """The prompt's last grid position: its endpoint checkpoint's."""
+        return (req.num_prompt_tokens - 1) // self.checkpoint_grid * self.checkpoint_grid
+
+    def _commit_checkpoint_plan(self, req: Request, skipped: list[str]) -> None:
+        """An admitted request's checkpoint selection counts its skips and takes its anchor's guard (a slot held
+        until it gets there: the anchor's capture cannot then fail for storage)."""
+        self.checkpoints.skip(skipped)
+        anchor = next((p for p, role in req.checkpoint_plan.items() if role == "anchor"), None)
+        if anchor is None:
+            return
+        block_hash = req.page_hashes[anchor // self.block_pool.block_size - 1]
+        if self.checkpoints.reserve(block_hash):
+            req.anchor_guard = block_hash
+        self._keep_evicted()
+
+    def _release_checkpoint_plan(self, req: Request) -> None:
+        """A request leaving the running set (finished, aborted, preempted) gives its unused anchor guard back."""
+        req.checkpoint_plan = {}
+        if req.anchor_guard is not None:
+            self.checkpoints.release(req.anchor_guard)
+            req.anchor_guard = None
+
     def _capture(self, req: Request) -> None:
-        """An endpoint checkpoint when a step left the request on the checkpoint grid (its prompt's last grid
-        position, or one its decode passed): the copy of its running slot rides in the next plan, before
-        anything can write that slot. One its decode passed replaces the request's previous decode endpoint
-        (a conversation's next turn wants the latest); the prompt's stays (its tokens are the client's own, the
-        decode's may tokenize otherwise when sent back as text)."""
+        """A checkpoint when a step left the request on the checkpoint grid at a position worth one: an anchor or
+        message its admission selected, the prompt's last grid position, or one its decode passed (endpoints).
+        The copy of its running slot rides in the next plan, before anything can write that slot. One its decode
+        passed replaces the request's previous decode endpoint (a conversation's next turn wants the latest); the
+        prompt's stay (its tokens are the client's own, the decode's may tokenize otherwise when sent back as
+        text)."""
         p = req.num_computed_tokens
         if p == 0 or p % self.checkpoint_grid:
             return
-        block_hash = req.page_hashes[p // self.block_pool.block_size - 1]
+        role = req.checkpoint_plan.pop(p, None)
         is_decode = p > req.num_prompt_tokens  # the prompt's own stays: for every request sharing the prompt
-        slot = self.checkpoints.capture(block_hash, p, "endpoint", self.prefill_ns_per_token,
-                                        req.checkpoint_hash if is_decode else None)
+        if role is None and p < req.num_prompt_tokens and p != self._prompt_endpoint(req):
+            return  # a prompt chunk's end that is no anchor, message or endpoint
+        block_hash = req.page_hashes[p // self.block_pool.block_size - 1]
+        if role is not None and block_hash == req.anchor_guard:
+            req.anchor_guard = None  # the guard becomes the capture's slot
+        slot = self.checkpoints.capture(block_hash, p, role or "endpoint", self.prefill_ns_per_token,
+                                        req.checkpoint_hash if is_decode else None, is_selected=role is not None)
         self._keep_evicted()
         if slot is None:
             return
@@ -495,6 +551,9 @@ class Scheduler:
         grid = self.config.state_chunk
         start = req.num_computed_tokens if start is None else start
         end = start + num_new
+        cut = min((p for p in req.checkpoint_plan if start < p < end), default=None)
+        if cut is not None:  # an anchor or message checkpoint ends this chunk (a grid position)
+            return cut - start
         if grid and self.checkpoint_grid and end == req.num_tokens and num_new > 1:
             # the prompt's last checkpoint position ends a chunk of its own: the state there is captured
             last = (end - 1) // self.checkpoint_grid * self.checkpoint_grid
@@ -604,6 +663,8 @@ class Scheduler:
         req.group_block_ids = []
 
     def _free_state_slot(self, req: Request) -> None:
+        if self.checkpoints is not None:
+            self._release_checkpoint_plan(req)
         if req.state_slot >= 0:
             self.state_pool.free(req.state_slot)
             req.state_slot = -1

@@ -55,6 +55,7 @@ class ChatMessage(Struct, kw_only=True):
 class ChatPrompt(Struct, frozen=True):
     text: str
     token_ids: list[int]
+    token_ends: list[int] = []  # the character offset where each token ends (helios/frontend/boundaries.py)
 
 
 def order_tool_results(messages: list[ChatMessage]) -> list[ChatMessage]:
@@ -177,7 +178,14 @@ class ChatRenderer:
     def available(self) -> bool:
         return self._template is not None
 
-    def render(
+    def render(self, messages: list[ChatMessage], **options: Any) -> ChatPrompt:
+        """The prompt text (render_text, the same keyword options) and its token ids and token ends."""
+        text = self.render_text(messages, **options)
+        # NOTE: the rendered text already carries the template's specials (BOS included), as in HF.
+        ids, ends = self.tokenizer.encode_with_ends(text)
+        return ChatPrompt(text=text, token_ids=ids, token_ends=ends)
+
+    def render_text(
         self,
         messages: list[ChatMessage],
         *,
@@ -185,7 +193,8 @@ class ChatRenderer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> ChatPrompt:
+    ) -> str:
+        """The rendered prompt text alone (render() without the tokenization)."""
         if self._template is None:
             raise InvalidRequest("this core has no chat template; use /v1/completions", "messages")
         if not messages:
@@ -219,5 +228,4 @@ class ChatRenderer:
                 text = self._template.render(lower_messages(ordered, self.caps, self._error_field, False), **render)
             except TemplateError:
                 raise InvalidRequest(str(e), "messages") from None
-        # NOTE: the rendered text already carries the template's specials (BOS included), as in HF.
-        return ChatPrompt(text=text, token_ids=self.tokenizer.encode(text, add_special_tokens=False))
+        return text

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from helios.engine.messages import EngineRequest
+from helios.frontend.boundaries import message_boundaries
 from helios.frontend.chat import ChatMessage, ChatPrompt
 from helios.frontend.context import ModelContext
 from helios.frontend.reasoning import reasoning_budget
@@ -90,13 +91,16 @@ def prepare(ctx: ModelContext, req: GenerationRequest, req_id: str) -> Prepared:
     # NOTE: compiled before rendering: a bad grammar is refused first on every route, and once per request
     grammar = compile_format(ctx, req.fmt) if req.fmt is not None else None
     conv = req.conversation
+    marks = (0, [])
     if conv is not None:
         prompt = _render(ctx, conv, req)
         prepared, prompts = Prepared(prompt.token_ids, prompt.text), [prompt.token_ids]
+        if ctx.manifest.arch.recurrent is not None:  # a hybrid model's checkpoint positions (anchor, messages)
+            marks = _boundaries(ctx, conv, req, prompt)
     else:
         prepared, prompts = Prepared(req.prompt[0] if req.prompt else []), req.prompt
     for i, ids in enumerate(prompts):
-        prepared.choices += _choices(ctx, req, ids, i * req.n, f"{req_id}-", grammar)
+        prepared.choices += _choices(ctx, req, ids, i * req.n, f"{req_id}-", grammar, marks)
     return prepared
 
 
@@ -114,10 +118,18 @@ def _render(ctx: ModelContext, conv: Conversation, req: GenerationRequest) -> Ch
                            continue_final_message=conv.continue_final_message, template_kwargs=conv.template_kwargs)
 
 
+def _boundaries(ctx: ModelContext, conv: Conversation, req: GenerationRequest,
+                prompt: ChatPrompt) -> tuple[int, list[int]]:
+    """The rendered conversation's anchor and message ends (token offsets), under _render's messages and tools."""
+    messages = with_format_instruction(with_instruction(conv.messages, req.plan), req.fmt)
+    return message_boundaries(ctx.chat, messages, prompt, (req.plan or ToolPlan()).presented, conv.template_kwargs)
+
+
 def _choices(ctx: ModelContext, req: GenerationRequest, ids: list[int], first: int, prefix: str,
-             grammar: str | None) -> list[Choice]:
+             grammar: str | None, marks: tuple[int, list[int]] = (0, [])) -> list[Choice]:
     """One prompt's `n` choices: output budget, per-choice sampling (seed + j), reasoning budget, constraint,
-    output processor and parser spec. A raw prompt has no reasoning or tool envelope: the grammar covers it all."""
+    output processor and parser spec. A raw prompt has no reasoning or tool envelope: the grammar covers it all.
+    marks: the conversation's (anchor_end, message_ends), for a hybrid model's state checkpoints."""
     limits, tok, conv = ctx.limits, ctx.tokenizer, req.conversation
     max_tokens = resolve_max_tokens(req.max_tokens, len(ids), limits.max_model_len, limits.default_max_tokens,
                                     allow_zero=req.allow_zero_tokens, param=req.max_tokens_param)
@@ -137,7 +149,8 @@ def _choices(ctx: ModelContext, req: GenerationRequest, ids: list[int], first: i
             constraint = (output_constraint(ctx, grammar, ids, req.plan) if conv is not None
                           else output_constraint(ctx, grammar, None, None, conversational=False))
         request = EngineRequest(req_id=f"{prefix}{first + j}", prompt_token_ids=ids, sampling=sampling,
-                                reasoning_budget=budget, constraint=constraint)
+                                reasoning_budget=budget, constraint=constraint, anchor_end=marks[0],
+                                message_ends=marks[1])
         # NOTE: every route passes the control ids; they only hide BOS/PAD/UNK text from the output parsers
         processor = OutputProcessor(tok.token_bytes, tok.special_ids, sampling, req.fields.stop,
                                     req.skip_special_tokens, ctx.control_ids)

@@ -114,6 +114,14 @@ class Tokenizer:
                 ids = [*ids, self.info.eos_token_ids[0]]
         return ids
 
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """Text -> ids without specials added, and the character offset where each token ends (non-decreasing):
+        the tokens wholly inside text[:c] are the first bisect_right(ends, c)."""
+        if not text:
+            return [], []
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, [end for _, end in encoding.offsets]
+
     def decode_bytes(self, ids: Sequence[int], skip_special_tokens: bool = False) -> bytes:
         table, special = self.token_bytes, self.special_ids
         return b"".join(

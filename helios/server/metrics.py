@@ -61,6 +61,7 @@ class Snapshot(Struct, kw_only=True):
     checkpoint_skips: dict[str, int] = {}
     checkpoint_extra_work_ns: int = 0
     checkpoints_held: int = 0
+    checkpoint_anchor_reservations: int = 0
     host_missing_tokens: Histogram | None = None
     host_estimated_transfer_ns: Histogram | None = None
     host_estimated_prefill_ns: Histogram | None = None
@@ -70,6 +71,14 @@ class Snapshot(Struct, kw_only=True):
     host_disk_records: int = 0
     host_bytes_out: int = 0
     host_bytes_in: int = 0
+    host_held: dict[str, int] = {}  # tier -> records taken
+    host_dropped: dict[str, dict[str, int]] = {}  # tier -> reason -> records let go
+    host_parked_records: int = 0
+    host_store_skipped: int = 0
+    host_slots_in_use: int = 0
+    host_slots_total: int = 0
+    host_intake_slots: int = 0
+    host_copyout_headroom_deferrals: int = 0
     learned_drafter: bool = False
     first_response: FirstResponse = FirstResponse()
     http_admission_slots: int = 0
@@ -107,12 +116,22 @@ PROMETHEUS = {
     "checkpoint_extra_work_ns": ("flare_checkpoint_extra_work_nanoseconds_total", "counter",
                                  "Predicted extra work charged for state checkpoint captures (not a GPU timing)"),
     "checkpoints_held": ("flare_checkpoints_held", "gauge", "State checkpoints held in GPU state slots"),
+    "checkpoint_anchor_reservations": ("flare_checkpoint_anchor_reservations", "gauge",
+                                       "Unused anchor guards (state slots set aside for anchors ahead)"),
     "host_hits": ("flare_host_cache_hits_total", "counter", "Host prefix-store lookups that fetched"),
     "host_reused_tokens": ("flare_host_cache_reused_tokens_total", "counter", "Tokens reused from the host store"),
     "host_memory_records": ("flare_host_cache_memory_records", "gauge", "Host store records in memory"),
     "host_disk_records": ("flare_host_cache_disk_records", "gauge", "Host store records on disk"),
     "host_bytes_out": ("flare_host_cache_bytes_out_total", "counter", "Bytes copied GPU -> host store"),
     "host_bytes_in": ("flare_host_cache_bytes_in_total", "counter", "Bytes copied host store -> GPU"),
+    "host_parked_records": ("flare_host_cache_parked_records", "gauge", "Complete DRAM copies awaiting disk writes"),
+    "host_store_skipped": ("flare_host_cache_store_skipped_total", "counter",
+                           "Host store offers not taken (duplicates and retries; not drops)"),
+    "host_slots_in_use": ("flare_host_cache_slots_in_use", "gauge", "Host store record slots in use"),
+    "host_slots_total": ("flare_host_cache_slots_total", "gauge", "Host store record slots (intake included)"),
+    "host_intake_slots": ("flare_host_cache_intake_slots", "gauge", "Host store slots taking automatic intake"),
+    "host_copyout_headroom_deferrals": ("flare_host_cache_copyout_headroom_deferrals_total", "counter",
+                                        "Copy-out offers deferred by the GPU headroom check"),
     "http_admission_slots": ("flare_http_admission_slots", "gauge", "HTTP admission slots"),
     "http_admission_in_use": ("flare_http_admission_slots_in_use", "gauge", "HTTP admission slots in use"),
     "http_requests": ("flare_http_requests_total", "counter", "HTTP generation requests received"),
@@ -178,6 +197,15 @@ class _SnapshotCollector:
         for reason in ("unknown_cost", "work_budget", "storage"):
             skips.add_metric([reason], snap.checkpoint_skips.get(reason, 0))
         yield skips
+        held = CounterMetricFamily("flare_host_cache_held", "Records the host store's tiers took", labels=["tier"])
+        dropped = CounterMetricFamily("flare_host_cache_dropped", "Records the host store's tiers let go",
+                                      labels=["tier", "reason"])
+        for tier in ("dram", "nvme"):
+            held.add_metric([tier], snap.host_held.get(tier, 0))
+            for reason in ("end_of_chain", "oversize", "io_error"):
+                dropped.add_metric([tier, reason], snap.host_dropped.get(tier, {}).get(reason, 0))
+        yield held
+        yield dropped
         for field, name, help_text in _HISTOGRAMS:
             h = getattr(snap, field)
             if h is not None:

@@ -20,7 +20,8 @@ def hybrid_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hybrid")
     src = build_hybrid("qwen3_5", tmp / "hf")
     core = tmp / "core"
-    subprocess.run([sys.executable, "-m", "ignition.cli", "export", str(src), "-o", str(core), "--dtype", "float32"],
+    subprocess.run([sys.executable, "-m", "ignition.cli", "export", str(src), "-o", str(core), "--dtype", "float32",
+                    "--prompt-logprobs"],  # scored prompts: a run without prefix reuse
                    cwd=ROOT, check=True, capture_output=True)
     config = tmp / "server.toml"
     config.write_text("[server]\nmax_concurrency = 4\n", encoding="utf-8")
@@ -77,3 +78,36 @@ def test_metrics_report_the_state_slots_all_free_after(hybrid_server):
     assert metrics["state_slots_total"] == 8 and metrics["state_slots_in_use"] == metrics["checkpoints_held"]
     text = httpx.get(hybrid_server + "/metrics").text
     assert "flare_state_slots_total 8" in text
+
+
+def test_a_message_checkpoint_is_reused_when_the_last_message_changes(hybrid_server):
+    """Two chats that share their first two messages: the second resumes at the message checkpoint the first left at
+    the end of its assistant message (the endpoint of the first lies inside its last message, which the second does
+    not share), and answers what a run without reuse (prompt_logprobs: no prefix reuse) answers."""
+    import openai
+
+    client = openai.OpenAI(base_url=hybrid_server + "/v1", api_key="none")
+    model = client.models.list().data[0].id
+    client.completions.create(model=model, prompt="warm up " * 20, max_tokens=1)  # a measured prefill rate
+    shared = [{"role": "user", "content": "the quick brown fox jumps over the lazy dog " * 3},
+              {"role": "assistant", "content": "the cat sat on the mat; the dog sat on the log. " * 5}]
+    numbers = "one two three four five six seven eight nine ten " * 2
+
+    def captures() -> int:
+        snap = httpx.get(hybrid_server + "/metrics", params={"format": "json"}).json()
+        return snap["checkpoint_captures"].get("message", 0)
+
+    before = captures()
+    client.chat.completions.create(model=model, messages=[*shared, {"role": "user", "content": "first: " + numbers}],
+                                   max_tokens=4, temperature=0)
+    assert captures() > before
+    question = {"role": "user", "content": "second: " + numbers}
+    second = client.chat.completions.create(model=model, messages=[*shared, question], max_tokens=8, temperature=0)
+    cached, num_prompt = second.usage.prompt_tokens_details.cached_tokens, second.usage.prompt_tokens
+    # past the first message's end (< 128 tokens), short of the new question (its ~70 tokens)
+    assert 128 <= cached < num_prompt - 64 and cached % 64 == 0
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in [*shared, question])
+    alone = client.completions.create(model=model, prompt=text + "<|im_start|>assistant\n", max_tokens=8,
+                                      temperature=0, extra_body={"prompt_logprobs": 0})
+    assert alone.usage.prompt_tokens == num_prompt and alone.usage.prompt_tokens_details.cached_tokens == 0
+    assert alone.choices[0].text == second.choices[0].message.content
