@@ -5,6 +5,7 @@ requests never share one, and that split prefill chunks end on the recurrent chu
 
 from __future__ import annotations
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -196,7 +197,8 @@ def test_random_add_abort_step_keep_slots_consistent(ops, num_pages, concurrency
 
     def check():
         held = [r.state_slot for r in sched.requests.values() if r.state_slot >= 0]
-        held += list(sched.checkpoints.slots.values()) if sched.checkpoints else []
+        held += list(sched.checkpoints.slots.values()) + list(sched.checkpoints.guards.values()) \
+            if sched.checkpoints else []
         assert len(held) == len(set(held)) == sched.state_pool.num_slots - sched.state_pool.num_free_slots
         assert all(r.state_slot >= 0 for r in sched.running)
         assert len(sched.running) <= min(concurrency, slots)
@@ -205,7 +207,10 @@ def test_random_add_abort_step_keep_slots_consistent(ops, num_pages, concurrency
         if op[0] == "add":
             rid = f"r{len(added)}"
             try:
-                core.add_request(request(rid, prompt_len=op[1], max_tokens=op[2], seed=len(added)))
+                # an anchor and a message end inside the prompt (test_checkpoint_roles): guards and cut chunks too
+                core.add_request(msgspec.structs.replace(
+                    request(rid, prompt_len=op[1], max_tokens=op[2], seed=len(added) % 3),
+                    anchor_end=op[1] // 2, message_ends=[op[1] * 3 // 4]))
                 added.append(rid)
             except (QueueFull, ValueError):
                 pass
