@@ -518,7 +518,8 @@ class Scheduler:
 
     def _capture(self, req: Request) -> None:
         """A checkpoint when a step left the request on the checkpoint grid at a position worth one: an anchor or
-        message its admission selected, the prompt's last grid position, or one its decode passed (endpoints).
+        message its admission selected, the prompt's last grid position, or one its decode passed (endpoints); a
+        prompt without the template's positions (a raw prompt) also keeps its other chunk ends, as endpoints.
         The copy of its running slot rides in the next plan, before anything can write that slot. One its decode
         passed replaces the request's previous decode endpoint (a conversation's next turn wants the latest); the
         prompt's stay (its tokens are the client's own, the decode's may tokenize otherwise when sent back as
@@ -528,8 +529,9 @@ class Scheduler:
             return
         role = req.checkpoint_plan.pop(p, None)
         is_decode = p > req.num_prompt_tokens  # the prompt's own stays: for every request sharing the prompt
-        if role is None and p < req.num_prompt_tokens and p != self._prompt_endpoint(req):
-            return  # a prompt chunk's end that is no anchor, message or endpoint
+        if role is None and p < req.num_prompt_tokens and p != self._prompt_endpoint(req) and (
+                req.anchor_end or req.message_ends):
+            return  # a chat's prompt chunk end that is no anchor, message or endpoint (a raw prompt keeps them)
         block_hash = req.page_hashes[p // self.block_pool.block_size - 1]
         if role is not None and block_hash == req.anchor_guard:
             req.anchor_guard = None  # the guard becomes the capture's slot

@@ -49,6 +49,8 @@ def test_a_conversation_under_the_same_system_prompt_resumes_at_the_anchor():
     run_until_idle(core)
     metrics = core.metrics()
     assert metrics.checkpoint_captures["anchor"] == 1 and metrics.checkpoint_anchor_reservations == 0
+    # the prompt's endpoint (56) and the decode's (64); a chat keeps no other chunk end (24)
+    assert metrics.checkpoint_captures["endpoint"] == 2
     assert metrics.checkpoint_extra_work_ns > 0
     second = chat("b", [SYSTEM, tokens(30, seed=3)])  # another conversation: only the system prompt is shared
     out = run(core, second)
