@@ -67,7 +67,7 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         swiglu_limit=_swiglu_limit(cfg, where),
         compressed=compressed,
     )
-    w = Weights(_top_level_renamed(ckpt), ("model.", ""), ("mtp.",))
+    w = Weights(_top_level_renamed(ckpt), ("model.", ""), ("mtp.", "model.mtp."))  # as HF's (^|\.)mtp\.
     plan: Plan = {}
     v, h = arch.vocab_size, arch.hidden_size
     plan["embed.weight"] = load(w.take("embed_tokens.weight", (v, h)), dtype)

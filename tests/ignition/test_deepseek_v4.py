@@ -155,6 +155,12 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
         convert(open_hf_dir(path), torch.float32)
 
 
+def test_mtp_under_model_is_ignored_too(tiny, tmp_path):
+    path = shutil.copytree(tiny[0], tmp_path / "mtp")
+    write_tensors(path, {**raw_tensors(path), "model.mtp.0.eh_proj.weight": torch.zeros(64, 128)})
+    assert sorted(convert_all(path)[1]) == sorted(convert_all(tiny[0])[1])
+
+
 def test_unexpected_tensor_and_bad_hash_table(tiny, tmp_path):
     path = shutil.copytree(tiny[0], tmp_path / "x")
     raw = raw_tensors(path)
