@@ -535,8 +535,11 @@ class Scheduler:
         block_hash = req.page_hashes[p // self.block_pool.block_size - 1]
         if role is not None and block_hash == req.anchor_guard:
             req.anchor_guard = None  # the guard becomes the capture's slot
-        slot = self.checkpoints.capture(block_hash, p, role or "endpoint", self.prefill_ns_per_token,
-                                        req.checkpoint_hash if is_decode else None, is_selected=role is not None)
+        is_selected = role is not None
+        if role is None:  # an endpoint, unless the anchor falls on the same grid position (it is kept as one)
+            role = "anchor" if req.anchor_end // self.checkpoint_grid * self.checkpoint_grid == p else "endpoint"
+        slot = self.checkpoints.capture(block_hash, p, role, self.prefill_ns_per_token,
+                                        req.checkpoint_hash if is_decode else None, is_selected=is_selected)
         self._keep_evicted()
         if slot is None:
             return

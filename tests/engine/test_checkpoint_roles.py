@@ -56,6 +56,10 @@ def test_a_conversation_under_the_same_system_prompt_resumes_at_the_anchor():
     out = run(core, second)
     assert out.final["b"].num_cached_tokens == 32 and out.tokens["b"] == reference_tokens(second)
     assert_slots_free(core)
+    # a prompt whose endpoint is its anchor's position (39 tokens: both at 32) keeps it as an anchor
+    core, _ = make_checkpointed()
+    run(core, chat("c", [SYSTEM, tokens(2, seed=4)], max_tokens=1))
+    assert core.metrics().checkpoint_captures == {"anchor": 1, "message": 0, "endpoint": 0}
 
 
 def test_an_edited_last_message_resumes_at_the_previous_message_end():
