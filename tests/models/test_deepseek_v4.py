@@ -97,23 +97,44 @@ def test_logits_and_prompt_logprobs_match(dsv4):
     torch.testing.assert_close(windowed.forward_logits(ids, chunk_size=7), whole, atol=1e-5, rtol=0)
 
 
-def test_the_indexer_drops_entries(dsv4, monkeypatch):
-    """The CSA selection keeps index_topk (3) of the visible entries: at 150 tokens most are dropped."""
+def test_the_selection_is_hfs_and_drops_entries(dsv4, monkeypatch):
+    """Each query's selected CSA entries equal HF's indexer output, whole and over chunks of 7; at 150 tokens most
+    visible entries are dropped (3 kept)."""
     from helios.layers import compressed_attention as ca
 
-    _, core = dsv4
-    kept: list[torch.Tensor] = []
+    hf, core = dsv4
+    ids = prompt(150, seed=3)
+    want, hooks = [], []
+
+    def record(module, args, kwargs, out):  # out: [1, S, k] entry ids, -1 unused
+        idx, n = out[0].long(), len(ids) // 4
+        hit = torch.zeros(idx.shape[0], n + 1, dtype=torch.bool)
+        want.append(hit.scatter_(1, torch.where(idx >= 0, idx, n), True)[:, :n])
+
+    for layer in hf.model.layers:
+        if getattr(layer.self_attn.compressor, "indexer", None) is not None:
+            hooks.append(layer.self_attn.compressor.indexer.register_forward_hook(record, with_kwargs=True))
+    hf_logits(hf, ids)
+    for h in hooks:
+        h.remove()
+    got: list[torch.Tensor] = []
     select = ca.LightningIndexer.select
 
-    def spy(self, q, weights, keys, thresholds):
-        mask = select(self, q, weights, keys, thresholds)
-        kept.append(mask.sum(-1))
+    def spy(self, q, weights, keys, visible):
+        mask = select(self, q, weights, keys, visible)
+        got.append(mask[0])
         return mask
 
     monkeypatch.setattr(ca.LightningIndexer, "select", spy)
-    ModelRunner(core.manifest.arch, core.tensors, 64, PAGE_SIZE).forward_logits(prompt(150))
-    counts = torch.cat(kept)
-    assert counts.max() == 3 and (counts == 3).sum() > 200
+    runner = ModelRunner(core.manifest.arch, core.tensors, 64, PAGE_SIZE)
+    for chunk in (None, 7):
+        got.clear()
+        runner.forward_logits(ids, chunk_size=chunk)
+        for j, ref in enumerate(want):  # chunks come layer by layer: chunk c of CSA layer j is got[c * 2 + j]
+            rows = torch.cat([torch.nn.functional.pad(m, (0, ref.shape[1] - m.shape[1])) for m in got[j::2]])
+            assert torch.equal(rows, ref), (chunk, j)
+    kept = want[0].sum(-1)
+    assert kept.max() == 3 and (kept == 3).sum() > 100
 
 
 def test_greedy_matches_generate(dsv4):
