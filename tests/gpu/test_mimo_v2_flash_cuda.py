@@ -10,13 +10,10 @@ import pytest
 import torch
 
 from helios.core.load import load_core
-from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
-from helios.engine.kv_groups import window_pages_per_request
 from helios.kernels._triton import HAS_TRITON, interpret_mode
-from helios.runner.model_runner import ModelRunner
 from tests.kernels import checks
-from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, prompt
+from tests.models.hybrid_harness import check_batched_equals_alone, check_greedy_matches_generate, prompt, window_engine
 from tests.models.mimo_v2_flash_tiny import build_mimo
 
 pytestmark = [
@@ -38,16 +35,9 @@ def exported(tmp_path_factory):
     return src, {name: load_core(export_core(src, root / name, ExportOptions(dtype=name))) for name in DTYPES}
 
 
-def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int = 128) -> EngineCore:
-    arch = core.manifest.arch
-    num_pages = 512
-    window_pages = max_concurrency * window_pages_per_request(arch.sliding_window, PAGE_SIZE, chunk)
-    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
-                             prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=num_pages,
-                             max_model_len=num_pages * PAGE_SIZE, sliding_window=arch.sliding_window,
-                             window_pages=window_pages)
-    runner = ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, device="cuda", window_pages=window_pages)
-    return EngineCore(config, runner)
+def cuda_engine(core, **kw) -> EngineCore:
+    """window_engine's (the sliding layers' pages in a window group) on the GPU, 512 pages."""
+    return window_engine(core, num_pages=512, device="cuda", **kw)
 
 
 def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
@@ -56,23 +46,14 @@ def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
 
     src, cores = exported
     hf = MiMoV2FlashForCausalLM.from_pretrained(src, dtype=torch.float32).to("cuda").eval()
-    ids, num_new = prompt(150, seed=5), 32
-    got = generate(cuda_engine(cores["float32"]), [greedy_request("a", ids, num_new)])["a"]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=num_new, min_new_tokens=num_new,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
-    assert got == ref[len(ids):]
+    check_greedy_matches_generate(hf, cores["float32"], prompt(150, seed=5), engine=cuda_engine, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_sixteen_requests_together_give_what_each_gives_alone(exported, dtype):
     """16 requests together (prompts split into 64-token chunks beside decodes) = each alone."""
-    core = exported[1][dtype]
-    reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
-    together = generate(cuda_engine(core, budget=128, chunk=64), reqs)
-    for r in reqs:
-        alone = generate(cuda_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
-        assert together[r.req_id] == alone, r.req_id
+    prompts = [prompt(7 + 23 * i, seed=10 + i) for i in range(16)]
+    check_batched_equals_alone(exported[1][dtype], prompts, engine=cuda_engine)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

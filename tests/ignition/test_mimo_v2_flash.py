@@ -171,7 +171,8 @@ def test_defaults_when_types_and_rope_are_absent(tiny, tmp_path):
         (lambda c: {**c, "layer_types": ["full_attention"] * 3}, "3 layer types for 4 layers"),
         (lambda c: {**c, "mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "dense / sparse"),
         (lambda c: {**c, "rope_parameters": {**c["rope_parameters"], "sliding_attention": {
-            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}}, "partial_rotary_factor differs"),
+            "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}}},
+         "partial_rotary_factor differs"),
         (lambda c: {**c, "rope_parameters": {**c["rope_parameters"], "full_attention": {
             "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}}, r"rope scaling \(full_attention\)"),
         (lambda c: {**c, "head_dim": 27}, "partial rotary of 9 dims"),

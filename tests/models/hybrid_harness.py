@@ -34,9 +34,9 @@ def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: in
 
 
 def window_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64,
-                  budget: int = 128) -> EngineCore:
-    """An attention-only model's engine: the pages of its sliding layers (beside full ones) in a window group
-    (helios/engine/kv_groups.py) with room for every slot's window and chunk, as compose sizes it."""
+                  budget: int = 128, device: str = "cpu") -> EngineCore:
+    """An attention-only model's engine (on `device`): the pages of its sliding layers (beside full ones) in a window
+    group (helios/engine/kv_groups.py) with room for every slot's window and chunk, as compose sizes it."""
     from helios.engine.kv_groups import window_pages_per_request
     from helios.runner.kv_cache import KVCache
 
@@ -49,7 +49,8 @@ def window_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: 
     config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
                              prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=num_pages,
                              max_model_len=num_pages * PAGE_SIZE, **groups)
-    return EngineCore(config, ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, window_pages=window_pages))
+    return EngineCore(config, ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, device=device,
+                                          window_pages=window_pages))
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
@@ -117,22 +118,24 @@ def check_logits_and_prompt_logprobs(hf, core, ids: list[int], chunk_size: int =
     torch.testing.assert_close(torch.log_softmax(chunked, -1), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
 
 
-def check_greedy_matches_generate(hf, core, ids: list[int], num_new: int = 32) -> None:
-    """The engine's greedy tokens (grid-chunked prefill, then decode steps) = transformers' generate."""
-    got = generate(make_engine(core, chunk=64), [greedy_request("a", ids, num_new)])["a"]
+def check_greedy_matches_generate(hf, core, ids: list[int], num_new: int = 32, engine=make_engine,
+                                  device: str = "cpu") -> None:
+    """The engine's greedy tokens (grid-chunked prefill, then decode steps) = transformers' generate (hf on
+    `device`); `engine` builds it (make_engine's arguments)."""
+    got = generate(engine(core, chunk=64), [greedy_request("a", ids, num_new)])["a"]
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0].tolist()
+        ref = hf.generate(torch.tensor([ids], device=device), max_new_tokens=num_new, min_new_tokens=num_new,
+                          do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
     assert got == ref[len(ids):]
 
 
-def check_batched_equals_alone(core, prompts: list[list[int]]) -> None:
+def check_batched_equals_alone(core, prompts: list[list[int]], engine=make_engine) -> None:
     """Requests run together (a 128-token budget: long prompts split into grid chunks beside the others' decodes)
-    give the tokens each gives alone."""
+    give the tokens each gives alone; `engine` builds the engines (make_engine's arguments)."""
     reqs = [greedy_request(f"r{i}", ids, 12) for i, ids in enumerate(prompts)]
-    together = generate(make_engine(core, budget=128), reqs)
+    together = generate(engine(core, budget=128), reqs)
     for r in reqs:
-        alone = generate(make_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
+        alone = generate(engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
         assert together[r.req_id] == alone, r.req_id
 
 
