@@ -187,8 +187,17 @@ class TensorParallelRunner:
         self.is_closed = False
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        # a worker process that died would leave this rank waiting at the next collective: fail the engine instead
+        dead = next((w for w in self.workers if not w.is_alive()), None)
+        if dead is not None:
+            raise RuntimeError(f"tensor-parallel worker {dead.name} exited (code {dead.exitcode})")
         self.channel.send(plan)
         return self.runner.execute(plan)
+
+    def forward_logits(self, token_ids: list[int], chunk_size: int | None = None):
+        # NOTE: forward_logits is no plan: every rank must call it at once (tests do), else rank 0 waits forever
+        raise NotImplementedError("forward_logits under tensor parallelism runs on every rank at once, not through "
+                                  "rank 0's runner alone")
 
     def close(self, timeout: float = 30.0) -> None:
         """Tell the workers to leave their loops (once); with worker processes of its own, join them (killing one

@@ -202,3 +202,8 @@ def test_serve_path_starts_ranks_and_matches_single_rank(cores, results):
         runner.close()
     assert tokens["r0"] == single["llama"]["tokens"]["r0"]
     assert [w.exitcode for w in runner.workers] == [0]
+    # a plan after a worker is gone fails at once rather than waiting at a collective
+    from helios.engine.messages import SchedulerOutput
+
+    with pytest.raises(RuntimeError, match="helios-rank1 exited"):
+        runner.execute(SchedulerOutput(new_requests=[], scheduled=[], finished_req_ids=[], num_scheduled_tokens=0))
