@@ -153,6 +153,9 @@ def attend_with_sinks(
     return torch.matmul(probs, keys[:, None]).transpose(1, 2)  # [B, L, Nh, d]
 
 
+_MAX_SCORES = 1 << 26  # float32 scores a prefill block may hold (256 MiB): long contexts run in query blocks
+
+
 def token_slots(
     tables: torch.Tensor,  # [..., max_blocks] int32: block tables
     positions: torch.Tensor,  # [..., N] int64, positions of each table's sequence
@@ -161,17 +164,18 @@ def token_slots(
     return tables.gather(-1, positions // page_size).long() * page_size + positions % page_size
 
 
-def _batch_layout(meta: AttentionMetadata, window: AttentionMetadata, seqs: list[int], num_queries: int):
+def _batch_layout(meta: AttentionMetadata, window: AttentionMetadata, seqs: list[int], num_queries: int,
+                  cut: int = 0):
     """(the longest length, lengths [B, 1], block tables [B, max_blocks], window tables [B, max_blocks], query
-    positions [B, L]) of the sequences `seqs`, each with its last num_queries queries: derived once per step and
-    shared by every layer."""
-    key = ("compressed_attention", tuple(seqs), num_queries)
+    positions [B, L]) of the sequences `seqs`, each with num_queries queries ending `cut` tokens before its end (a
+    sequence cut there is all those queries see): derived once per step and shared by every layer."""
+    key = ("compressed_attention", tuple(seqs), num_queries, cut)
     if key not in meta.derived:
         device = meta.block_tables.device
-        lens = torch.tensor([meta.seq_lens_cpu[i] for i in seqs], device=device)[:, None]
+        ends = [meta.seq_lens_cpu[i] - cut for i in seqs]
+        lens = torch.tensor(ends, device=device)[:, None]
         index = torch.tensor(seqs, device=device)
-        meta.derived[key] = (max(meta.seq_lens_cpu[i] for i in seqs), lens, meta.block_tables[index],
-                             window.block_tables[index],
+        meta.derived[key] = (max(ends), lens, meta.block_tables[index], window.block_tables[index],
                              lens - num_queries + torch.arange(num_queries, device=device))
     return meta.derived[key]
 
@@ -252,12 +256,24 @@ class CompressedAttention(nn.Module):
         groups += [([i], torch.arange(qsl[i], qsl[i + 1], device=q.device)) for i, n in enumerate(lengths) if n > 1]
         out = torch.empty_like(q)
         for seqs, at in groups:
-            shape = (len(seqs), -1)  # [B, L]
-            seq_index = None if index is None else tuple(t[at].unflatten(0, shape) for t in index)
-            layout = _batch_layout(meta, window, seqs, len(at) // len(seqs))
-            o = self._attend(q[at].unflatten(0, shape), rows, entries, layout, page_size, seq_index)
-            out[at] = o.flatten(0, 1)
+            # a long prefill in blocks of queries: the scores it materialises stay under _MAX_SCORES
+            size = len(at) // len(seqs)
+            block = size if len(seqs) > 1 else max(1, _MAX_SCORES // self._scores_per_query(meta.seq_lens_cpu[seqs[0]]))
+            for start in range(0, size, block):
+                rows_at, cut = at[start : start + block], max(0, size - start - block)  # cut: queries after the block
+                shape = (len(seqs), -1)  # [B, L]
+                seq_index = None if index is None else tuple(t[rows_at].unflatten(0, shape) for t in index)
+                layout = _batch_layout(meta, window, seqs, len(rows_at) // len(seqs), cut)
+                o = self._attend(q[rows_at].unflatten(0, shape), rows, entries, layout, page_size, seq_index)
+                out[rows_at] = o.flatten(0, 1)
         return out
+
+    def _scores_per_query(self, seq_len: int) -> int:
+        """Scores one query materialises: a logit per head and key (window and entries), an index score per index
+        head and entry."""
+        entries = seq_len // self.rate if self.rate else 0
+        index_heads = self.config.index_num_heads if self.kind == "csa" else 0
+        return self.num_heads * (self.config.window + entries) + index_heads * entries
 
     def _write_entries(self, rows: torch.Tensor, entries: torch.Tensor, window_table: torch.Tensor,
                        table: torch.Tensor, page_size: int, start: int, seq_len: int, rope: InterleavedRope) -> None:

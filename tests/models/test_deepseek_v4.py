@@ -97,6 +97,19 @@ def test_logits_and_prompt_logprobs_match(dsv4):
     torch.testing.assert_close(windowed.forward_logits(ids, chunk_size=7), whole, atol=1e-5, rtol=0)
 
 
+def test_a_long_prefill_runs_in_query_blocks(dsv4, monkeypatch):
+    """Scores capped at 3000 floats: the prompt's queries attend in blocks of a few, each seeing its sequence cut
+    after it; the logits are the unblocked ones."""
+    from helios.layers import compressed_attention as ca
+
+    _, core = dsv4
+    ids = prompt(60, seed=4)
+    runner = ModelRunner(core.manifest.arch, core.tensors, 64, PAGE_SIZE)
+    whole = runner.forward_logits(ids)
+    monkeypatch.setattr(ca, "_MAX_SCORES", 3000)
+    torch.testing.assert_close(runner.forward_logits(ids), whole, atol=1e-5, rtol=0)
+
+
 def test_the_selection_is_hfs_and_drops_entries(dsv4, monkeypatch):
     """Each query's selected CSA entries equal HF's indexer output, whole and over chunks of 7; at 150 tokens most
     visible entries are dropped (3 kept)."""
