@@ -79,6 +79,10 @@ class MiniMaxM3ForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
                                                                     switches=switches)
+        if arch.float32_norms:  # the core keeps the norms' 1 + w in float32: bind_tensors leaves them so
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.keep_float32 = True
 
     @staticmethod
     def folds_norm_weights(arch: Architecture) -> bool:

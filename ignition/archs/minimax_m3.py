@@ -70,6 +70,7 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         msa=_msa(cfg, sparse, rotary_dim, where) if sparse else None,
         swiglu_limit=_positive(cfg, "swiglu_limit", where),
         swiglu_alpha=_positive(cfg, "swiglu_alpha", where),
+        float32_norms=True,  # every norm's 1 + w stays float32, as HF applies it (llama.add_norm)
     )
     w = Weights(ckpt, ("language_model.model.", "model.language_model.", "model."), _ignored(ckpt))
     plan: Plan = {}

@@ -222,13 +222,23 @@ def test_decode_weight_bytes(tiny):
     assert decode_weight_bytes(arch, torch.bfloat16) == 2 * n
 
 
-def test_cast_to_bfloat16(tiny):
+def test_cast_to_bfloat16(tiny, tmp_path):
+    """Every tensor in bf16 but the norms' 1 + w, which stay float32 (as HF computes them) in the core and in the
+    bound model (Architecture.float32_norms)."""
+    from helios.models import build_model
+    from ignition.export import ExportOptions
+
     path, _ = tiny("wrapper")
     raw = raw_tensors(path)
-    _, got = convert_all(path, torch.bfloat16)
-    assert all(t.dtype == torch.bfloat16 for t in got.values())
-    assert torch.equal(got["layers.0.attn.q_norm.weight"],
-                       (raw[f"{PREFIX}layers.0.self_attn.q_norm.weight"].float() + 1).to(torch.bfloat16))
+    arch, got = convert_all(path, torch.bfloat16)
+    norms = {n for n in got if n.endswith("norm.weight")}
+    assert arch.float32_norms and len(norms) == 1 + 3 * 4 + 2 * 2  # final; per layer 2 + q/k; the indexers' q/k
+    assert all(t.dtype == (torch.float32 if n in norms else torch.bfloat16) for n, t in got.items())
+    assert torch.equal(got["layers.0.attn.q_norm.weight"], raw[f"{PREFIX}layers.0.self_attn.q_norm.weight"] + 1)
+    core = load_core(export_core(path, tmp_path / "bf16", ExportOptions(dtype="bfloat16")))
+    model = build_model(core.manifest.arch, core.tensors, dtype=torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert all(dtypes[n] == (torch.float32 if n in norms else torch.bfloat16) for n in dtypes)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------
