@@ -257,10 +257,11 @@ class CompressedAttention(nn.Module):
         out = torch.empty_like(q)
         for seqs, at in groups:
             # a long prefill in blocks of queries: the scores it materialises stay under _MAX_SCORES
-            size = len(at) // len(seqs)
-            block = size if len(seqs) > 1 else max(1, _MAX_SCORES // self._scores_per_query(meta.seq_lens_cpu[seqs[0]]))
-            for start in range(0, size, block):
-                rows_at, cut = at[start : start + block], max(0, size - start - block)  # cut: queries after the block
+            blocks = [(at, 0)]  # (the block's rows, the sequence's queries after them)
+            if len(seqs) == 1:
+                size = max(1, _MAX_SCORES // self._scores_per_query(meta.seq_lens_cpu[seqs[0]]))
+                blocks = [(at[s : s + size], max(0, len(at) - s - size)) for s in range(0, len(at), size)]
+            for rows_at, cut in blocks:
                 shape = (len(seqs), -1)  # [B, L]
                 seq_index = None if index is None else tuple(t[rows_at].unflatten(0, shape) for t in index)
                 layout = _batch_layout(meta, window, seqs, len(rows_at) // len(seqs), cut)
