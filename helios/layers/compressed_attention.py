@@ -256,18 +256,21 @@ class CompressedAttention(nn.Module):
         groups += [([i], torch.arange(qsl[i], qsl[i + 1], device=q.device)) for i, n in enumerate(lengths) if n > 1]
         out = torch.empty_like(q)
         for seqs, at in groups:
-            # a long prefill in blocks of queries: the scores it materialises stay under _MAX_SCORES
-            blocks = [(at, 0)]  # (the block's rows, the sequence's queries after them)
-            if len(seqs) == 1:
-                size = max(1, _MAX_SCORES // self._scores_per_query(meta.seq_lens_cpu[seqs[0]]))
-                blocks = [(at[s : s + size], max(0, len(at) - s - size)) for s in range(0, len(at), size)]
-            for rows_at, cut in blocks:
+            for rows_at, cut in self._query_blocks(seqs, at, meta):
                 shape = (len(seqs), -1)  # [B, L]
                 seq_index = None if index is None else tuple(t[rows_at].unflatten(0, shape) for t in index)
                 layout = _batch_layout(meta, window, seqs, len(rows_at) // len(seqs), cut)
                 o = self._attend(q[rows_at].unflatten(0, shape), rows, entries, layout, page_size, seq_index)
                 out[rows_at] = o.flatten(0, 1)
         return out
+
+    def _query_blocks(self, seqs: list[int], at: torch.Tensor, meta: AttentionMetadata) -> list[tuple]:
+        """[(rows, the sequence's queries after them)]: one block for the one-token sequences; a prefill in blocks of
+        queries, so the scores it materialises stay under _MAX_SCORES."""
+        if len(seqs) > 1:
+            return [(at, 0)]
+        size = max(1, _MAX_SCORES // self._scores_per_query(meta.seq_lens_cpu[seqs[0]]))
+        return [(at[s : s + size], max(0, len(at) - s - size)) for s in range(0, len(at), size)]
 
     def _scores_per_query(self, seq_len: int) -> int:
         """Scores one query materialises: a logit per head and key (window and entries), an index score per index
