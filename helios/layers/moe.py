@@ -4,7 +4,9 @@ sigmoid group-limited routing with an ungated shared expert (SigmoidMoe; nemotro
 Experts are stacked tensors as the core stores them: gate_up [E, 2*Fm, H] (gate rows first) and
 down [E, H, Fm]. The CPU path loops over the experts that received tokens, in HF's order, so the
 result matches transformers' own loop to float32 rounding (the expert products go through
-`helios.layers.linear`, whose CPU bits do not depend on the thread count).
+`helios.layers.linear`, whose CPU bits do not depend on the thread count). The fused (GPU) path runs
+helios.kernels.fused_moe instead: routing, the sort by expert, grouped GEMMs and the combine on the device, with no
+host sync (a decode step can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from helios.layers.activation import GatedMLP, gated
 from helios.layers.linear import Linear, Stacked, linear
 from helios.layers.norm import RMSNorm
 from helios.switches import DEFAULT_SWITCHES, Switches
+
+FUSED_ACTS = ("silu", "gelu_tanh", "relu2")  # the expert activations helios.kernels.fused_moe computes
 
 
 def route(
@@ -33,8 +37,22 @@ def route(
     return weights.to(router_logits.dtype), experts
 
 
-class SparseMoe(nn.Module):
-    """Tensors bound: router.weight [E, H], gate_up.weight [E, 2*Fm, H], down.weight [E, H, Fm]."""
+class RoutedMoe(nn.Module):
+    """A routed MoE block: `fused` picks the Triton path (helios.kernels.fused_moe) over the torch expert loop."""
+
+    fused: bool = False
+
+    @property
+    def decode_graph_safe(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph (helios.runner.cuda_graphs): the fused path keeps
+        routing and the sort by expert on the device in fixed-size buffers; the torch loop reads the experts hit
+        on the host."""
+        return self.fused
+
+
+class SparseMoe(RoutedMoe):
+    """Tensors bound: router.weight [E, H], gate_up.weight [E, 2*Fm, H], down.weight [E, H, Fm].
+    fused: the Triton path (the backend's fuses_layers)."""
 
     def __init__(
         self,
@@ -45,8 +63,10 @@ class SparseMoe(nn.Module):
         norm_topk_prob: bool,
         act: Activation = "silu",
         switches: Switches = DEFAULT_SWITCHES,
+        fused: bool = False,
     ):
         super().__init__()
+        self.fused = fused and act in FUSED_ACTS
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
@@ -57,8 +77,10 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
         """router_input [T, H]: what the router reads when it is not x (gemma4 routes the un-normed stream)."""
-        weights, experts = route(self.router(x if router_input is None else router_input), self.top_k,
-                                 self.norm_topk_prob)
+        logits = self.router(x if router_input is None else router_input)
+        if self.fused:
+            return self._forward_fused(x, logits)
+        weights, experts = route(logits, self.top_k, self.norm_topk_prob)
         out = torch.zeros_like(x)
         # [E, k, T] one-hot of assignments; only experts with at least one token run
         assignment = F.one_hot(experts, num_classes=self.num_experts).permute(2, 1, 0)
@@ -70,6 +92,16 @@ class SparseMoe(nn.Module):
             h = linear(h, self.down.weight[e]) * weights[token, slot, None]
             out.index_add_(0, token, h.to(out.dtype))
         return out
+
+    def _forward_fused(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
+        """route's choice and weights (rounded to the logits' dtype, as route returns them) in one launch, then
+        the experts' products and their weighted sum (float32) on the device."""
+        from helios.kernels import fused_moe
+
+        weights, experts = fused_moe.moe_route(logits, self.top_k, renorm=self.norm_topk_prob,
+                                               weights_dtype=logits.dtype)
+        y = fused_moe.expert_outputs(x.contiguous(), experts, self.gate_up.weight, self.down.weight, self.act)
+        return fused_moe.moe_combine(y, weights, experts)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +172,7 @@ class _Router(nn.Module):
                      else None)
 
 
-class SigmoidMoe(nn.Module):
+class SigmoidMoe(RoutedMoe):
     """Routed experts behind the sigmoid router (route_sigmoid) plus an ungated shared expert every token takes
     (deepseek_v3 style; nemotron_h with non-gated relu2 experts and optional latent projections; muse_spark with
     normed latents and no shared expert).
@@ -149,11 +181,12 @@ class SigmoidMoe(nn.Module):
     latent_out.weight [H, L] with latent_size, latent_norm.weight [L] and expert_norm.weight [L] with latent_norms;
     experts gate_up.weight [E, 2*Fm, W] (gated act) or up.weight [E, Fm, W] (relu2), down.weight [E, W, Fm] (W = L
     or H); the shared expert shared.* (a GatedMLP's or a Relu2MLP's tensors, width Fs; none when Fs is 0).
+    fused: the Triton path for routing and the routed experts (the backend's fuses_layers).
     """
 
     def __init__(self, hidden_size: int, moe: MoeConfig, act: Activation, switches: Switches = DEFAULT_SWITCHES,
                  limit: float | None = None, clamp_after_act: bool = False,
-                 norm_eps: tuple[float, float] = (1e-6, 1e-6), alpha: float | None = None):
+                 norm_eps: tuple[float, float] = (1e-6, 1e-6), alpha: float | None = None, fused: bool = False):
         """limit: the gated experts' (and the shared expert's) SwiGLU clamp (arch.swiglu_limit), None for none;
         alpha: their SwiGLU-OAI gain (arch.swiglu_alpha, minimax_m3; helios.layers.activation.gated), None for none;
         clamp_after_act: the clamp applies to act(gate), not gate (step3p7; helios.layers.activation.gated);
@@ -162,6 +195,7 @@ class SigmoidMoe(nn.Module):
         if moe.scoring not in ("sigmoid", "sqrtsoftplus") or moe.shared_expert_gate:
             raise ValueError("SigmoidMoe takes a sigmoid (or sqrtsoftplus) router and an ungated shared expert")
         self.moe = moe
+        self.fused = fused and act in FUSED_ACTS
         self.act = act
         self.limit = limit
         self.clamp_after_act = clamp_after_act
@@ -188,8 +222,9 @@ class SigmoidMoe(nn.Module):
         m = self.moe
         # float32 logits, as HF keeps its gate in float32 (a 16-bit core's router weight is rounded, HF's is not)
         logits = linear(x.float(), self.router.weight.float())
-        weights, experts = route_sigmoid(logits, m.num_experts_per_tok, self.router.bias, m.num_groups,
-                                         m.num_topk_groups, m.norm_topk_prob, m.routed_scaling_factor, m.scoring)
+        route_fn = self._route_fused if self.fused else route_sigmoid
+        weights, experts = route_fn(logits, m.num_experts_per_tok, self.router.bias, m.num_groups,
+                                    m.num_topk_groups, m.norm_topk_prob, m.routed_scaling_factor, m.scoring)
         h = self.latent_in(x) if m.latent_size else x
         if m.latent_norms:
             h = self.latent_norm(h)
@@ -198,9 +233,21 @@ class SigmoidMoe(nn.Module):
             routed = self.latent_out(routed)
         return routed if self.shared is None else routed + self.shared(x)
 
+    @staticmethod
+    def _route_fused(logits: torch.Tensor, top_k: int, score_bias: torch.Tensor | None, num_groups: int,
+                     num_topk_groups: int, norm_topk_prob: bool, routed_scaling_factor: float,
+                     scoring: str) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, ids [T, k] int32
+        """route_sigmoid in one launch (helios.kernels.fused_moe.moe_route)."""
+        from helios.kernels import fused_moe
+
+        return fused_moe.moe_route(logits, top_k, scoring, score_bias, num_groups, num_topk_groups, norm_topk_prob,
+                                   routed_scaling_factor)
+
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:  # [T, W]
         """Each expert that received tokens, in expert order (HF's loop), its product scaled by the float32
-        weight and added in x's dtype."""
+        weight and added in x's dtype; on the fused path the grouped GEMMs and a float32 weighted sum."""
+        if self.fused:
+            return self._experts_fused(x, weights, experts)
         out = torch.zeros_like(x)
         assignment = F.one_hot(experts, num_classes=self.moe.num_experts).permute(2, 1, 0)  # [E, k, T]
         hit = (assignment.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
@@ -216,3 +263,13 @@ class SigmoidMoe(nn.Module):
                 h = self.expert_norm(h)
             out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
         return out
+
+    def _experts_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        from helios.kernels import fused_moe
+
+        w_in = self.up.weight if self.act == "relu2" else self.gate_up.weight
+        y = fused_moe.expert_outputs(x.contiguous(), experts, w_in, self.down.weight, self.act, self.limit,
+                                     self.clamp_after_act, self.alpha)  # [T*k, W]
+        if self.moe.latent_norms:  # each expert's output is normed before its weight applies
+            y = self.expert_norm(y)
+        return fused_moe.moe_combine(y, weights, experts)

@@ -300,8 +300,13 @@ def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> st
     """Why this model's decode step cannot be captured, or None when it can."""
     if device.type != "cuda":
         return "not a CUDA device"
-    if arch.moe is not None:
-        return "MoE routing syncs with the host (expert loop)"
+    if arch.moe is not None:  # graphed only where every MoE block takes its fused path (no host sync)
+        from helios.layers.moe import RoutedMoe
+
+        moes = [m for m in model.modules() if isinstance(m, RoutedMoe)]
+        unsafe = sorted({type(m).__name__ for m in moes if not m.decode_graph_safe})
+        if unsafe or not moes:
+            return f"MoE routing syncs with the host (expert loop: {', '.join(unsafe) or 'no fused MoE block'})"
     if arch.recurrent is not None:
         unsafe = [type(m).__name__ for m in model.modules() if getattr(m, "decode_graph_safe", True) is False]
         if unsafe or not any(hasattr(m, "decode_graph_safe") for m in model.modules()):

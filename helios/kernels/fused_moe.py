@@ -1,0 +1,497 @@
+"""Fused MoE for the GPU path, every step on the device with buffers sized from shapes alone (no host sync, so a
+decode step can be captured in a CUDA graph), after vLLM's fused_moe design: `moe_route` (softmax, sigmoid or
+sqrtsoftplus scores, score bias, group-limited top-k, renorm, scaling: one launch), `moe_align` (the (token, slot)
+entries sorted by expert into BLOCK_M-aligned runs), `expert_outputs` (grouped GEMMs over the stacked [E, out, in]
+weights: gate_up with its activation fused, then down; each program reads one expert's weight tile once for every
+token of its run) and `moe_combine` (each token's k outputs times their weights, summed in expert order).
+Values are rounded to the model dtype where helios.layers.moe's torch loop (and HF's) holds them (gate_up, act(gate),
+each weighted product and partial sum): in the interpreter the fused block gives the torch path's bf16 bits.
+Imports torch and helios.kernels._triton only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helios.kernels._triton import (
+    cdiv,
+    check_last_dim_contiguous,
+    interpret_mode,
+    jit,
+    next_power_of_2,
+    require_triton,
+    tanh,
+    tl,
+)
+
+SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+# the expert GEMM's epilogue: gated activations over [gate | up] rows, relu2 (non-gated), or none (down)
+ACTS = {"none": 0, "silu": 1, "gelu_tanh": 2, "relu2": 3}
+# moe_align's one-program kernel serves up to this many entries (decode batches); beyond, the torch sort
+# (moe_align_ref, also graph-safe) is faster than one program's loop
+ALIGN_KERNEL_MAX_ENTRIES = 4096
+
+
+# --- routing ------------------------------------------------------------------------------------------------
+
+
+@jit
+def _route_kernel(
+    logits_ptr,  # [T, E]
+    bias_ptr,  # [E] float32 (read with HAS_BIAS)
+    weights_ptr,  # [T, TOP_K] out
+    ids_ptr,  # [T, TOP_K] int32 out
+    num_experts,
+    stride_logits,
+    renorm_eps,
+    scaling,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    SCORING: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    G_POW2: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    valid = e < num_experts
+    x = tl.load(logits_ptr + t * stride_logits + e, mask=valid, other=0.0).to(tl.float32)
+    if SCORING == 0:  # softmax over all experts
+        x = tl.where(valid, x, float("-inf"))
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = tl.where(valid, p, 0.0)
+        scores = p / tl.sum(p, axis=0)
+    elif SCORING == 1:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:  # sqrt(softplus): x past 20 as F.softplus; log1p(y) = log(u) * y / (u - 1), u = 1 + y (exact for small y)
+        y = tl.exp(x)
+        u = 1.0 + y
+        log1p = tl.where(u == 1.0, y, tl.log(u) * y / (u - 1.0))
+        scores = tl.sqrt(tl.where(x > 20.0, x, log1p))
+    choice = scores
+    if HAS_BIAS:
+        choice = choice + tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if NUM_GROUPS > 1:  # keep the TOPK_GROUPS groups whose two best biased scores sum highest
+        group = e // (num_experts // NUM_GROUPS)
+        g = tl.arange(0, G_POW2)
+        group_scores = tl.full([G_POW2], float("-inf"), tl.float32)
+        for i in tl.static_range(NUM_GROUPS):
+            v = tl.where(group == i, choice, float("-inf"))
+            first = tl.argmax(v, axis=0)
+            second = tl.max(tl.where(e == first, float("-inf"), v), axis=0)
+            group_scores = tl.where(g == i, tl.max(v, axis=0) + second, group_scores)
+        keep = e < 0
+        for _ in tl.static_range(TOPK_GROUPS):
+            best = tl.argmax(group_scores, axis=0)
+            keep = keep | (group == best)
+            group_scores = tl.where(g == best, float("-inf"), group_scores)
+        choice = tl.where(keep, choice, float("-inf"))
+    k = tl.arange(0, K_POW2)
+    top_weights = tl.zeros([K_POW2], tl.float32)
+    top_ids = tl.zeros([K_POW2], tl.int32)
+    for i in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=0)
+        top_weights = tl.where(k == i, tl.sum(tl.where(e == best, scores, 0.0), axis=0), top_weights)
+        top_ids = tl.where(k == i, best, top_ids)
+        choice = tl.where(e == best, float("-inf"), choice)
+    if RENORM:
+        top_weights = top_weights / (tl.sum(top_weights, axis=0) + renorm_eps)
+    top_weights = _round(top_weights * scaling, weights_ptr.dtype.element_ty)  # to nearest, then an exact store
+    tl.store(weights_ptr + t * TOP_K + k, top_weights.to(weights_ptr.dtype.element_ty), mask=k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + k, top_ids, mask=k < TOP_K)
+
+
+def moe_route(
+    logits: torch.Tensor,  # [T, E]
+    top_k: int,
+    scoring: str = "softmax",
+    score_bias: torch.Tensor | None = None,  # [E], added to the scores for the choice only
+    num_groups: int = 1,
+    num_topk_groups: int = 1,
+    renorm: bool = False,
+    scaling: float = 1.0,
+    weights_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] weights_dtype, expert ids [T, k] int32
+    """One program per token: float32 scores of the logits, the choice (scores + bias, within the num_topk_groups
+    groups whose two best choices sum highest), the chosen unbiased scores renormalised (sum, + 1e-20 for the
+    sigmoid scorings as helios.layers.moe.route_sigmoid) and scaled. Ties go to the lower expert id."""
+    require_triton()
+    check_last_dim_contiguous("logits", logits)
+    num_tokens, num_experts = logits.shape
+    assert num_experts % num_groups == 0 and num_topk_groups <= num_groups and top_k <= num_experts
+    weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    bias = score_bias if score_bias is not None else logits  # never read without HAS_BIAS
+    _route_kernel[(num_tokens,)](
+        logits, bias, weights, ids, num_experts, logits.stride(0), 0.0 if scoring == "softmax" else 1e-20,
+        float(scaling), TOP_K=top_k, K_POW2=next_power_of_2(top_k), SCORING=SCORINGS[scoring],
+        HAS_BIAS=score_bias is not None, NUM_GROUPS=num_groups, G_POW2=next_power_of_2(num_groups),
+        TOPK_GROUPS=num_topk_groups, RENORM=renorm, BLOCK_E=next_power_of_2(num_experts),
+    )
+    return weights, ids
+
+
+# --- sort by expert -----------------------------------------------------------------------------------------
+
+
+def max_sorted_rows(num_entries: int, num_experts: int, block_m: int) -> int:
+    """Rows of the block-aligned layout in the worst case: every entry, plus up to block_m - 1 padding rows for
+    each expert that can receive one (at most min(entries, experts) of them)."""
+    return num_entries + min(num_entries, num_experts) * (block_m - 1)
+
+
+@jit
+def _align_kernel(
+    ids_ptr,  # [N] int32 expert of each entry (token * k + slot)
+    sorted_ptr,  # [max_rows] int32 out: entry per row, N on padding rows
+    block_experts_ptr,  # [max_blocks] int32 out: each block's expert, -1 past the used rows
+    num_rows_ptr,  # [1] int32 out: rows in use (a multiple of BLOCK_M)
+    num_entries,
+    num_experts,
+    max_rows,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,  # entries per step (one-hot tiles [CHUNK, BLOCK_E])
+    FILL: tl.constexpr,  # rows per step of the padding fill
+):
+    e = tl.arange(0, BLOCK_E)
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(0, num_entries, CHUNK):
+        ids = tl.load(ids_ptr + start + c, mask=start + c < num_entries, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_rows_ptr, total)
+    b = tl.arange(0, 64)
+    for start in range(0, max_blocks, 64):  # a block's expert: how many experts' runs end at or before it
+        row = (start + b) * BLOCK_M
+        owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + start + b, tl.where(row < total, owner, -1), mask=start + b < max_blocks)
+    r = tl.arange(0, FILL)
+    for start in range(0, max_rows, FILL):
+        tl.store(sorted_ptr + start + r, tl.zeros([FILL], tl.int32) + num_entries, mask=start + r < max_rows)
+    tl.debug_barrier()  # the padding rows are written before the entries land on theirs
+    fill = ends - padded  # the next free row of each expert's run
+    for start in range(0, num_entries, CHUNK):
+        in_range = start + c < num_entries
+        ids = tl.load(ids_ptr + start + c, mask=in_range, other=-1)
+        onehot = ids[:, None] == e[None, :]  # [CHUNK, BLOCK_E]
+        earlier = (ids[:, None] == ids[None, :]) & (c[None, :] < c[:, None])  # same expert, earlier in the chunk
+        row = tl.sum(tl.where(onehot, fill[None, :], 0), axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(sorted_ptr + row, start + c, mask=in_range)
+        fill += tl.sum(onehot.to(tl.int32), axis=0)
+
+
+def moe_align(
+    topk_ids: torch.Tensor,  # [T, k] int32/int64
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The entries (token * k + slot) sorted by expert, each expert's run padded to a multiple of block_m: sorted
+    [max_rows] int32 (entry ids, N = T*k on padding rows), block_experts [max_blocks] int32 (-1 past the rows in
+    use), num_rows [1] int32. Within a run entries keep their order. Sizes depend on T, k, E and block_m only."""
+    num_entries = topk_ids.numel()
+    if num_entries == 0 or num_entries > ALIGN_KERNEL_MAX_ENTRIES:
+        return moe_align_ref(topk_ids, num_experts, block_m)
+    require_triton()
+    ids = topk_ids.reshape(-1).to(torch.int32)
+    max_rows = max_sorted_rows(num_entries, num_experts, block_m)
+    max_blocks = cdiv(max_rows, block_m)
+    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
+    num_rows = torch.empty(1, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](ids, sorted_ids, block_experts, num_rows, num_entries, num_experts, max_rows, max_blocks,
+                        BLOCK_M=block_m, BLOCK_E=next_power_of_2(num_experts),
+                        CHUNK=max(16, min(64, next_power_of_2(num_entries))), FILL=1024, num_warps=8)
+    return sorted_ids, block_experts, num_rows
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """moe_align in torch (a stable sort, counts by scatter-add: no host sync either); the same three tensors."""
+    flat = topk_ids.reshape(-1).long()
+    num_entries, device = flat.numel(), flat.device
+    max_rows = max_sorted_rows(num_entries, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.sort(flat, stable=True)[1]
+    expert = flat[order]
+    rank = torch.arange(num_entries, device=device) - (counts.cumsum(0) - counts)[expert]
+    sorted_ids = torch.full((max_rows,), num_entries, dtype=torch.int32, device=device)
+    sorted_ids[(ends - padded)[expert] + rank] = order.to(torch.int32)
+    rows = torch.arange(cdiv(max_rows, block_m), device=device) * block_m
+    total = ends[-1:] if num_experts else torch.zeros(1, dtype=torch.long, device=device)
+    owner = torch.searchsorted(ends, rows, right=True)
+    block_experts = torch.where(rows < total, owner, -1).to(torch.int32)
+    return sorted_ids, block_experts, total.to(torch.int32)
+
+
+# --- grouped expert GEMMs -----------------------------------------------------------------------------------
+
+
+@jit
+def _expert_gemm_kernel(
+    a_ptr,  # [rows, K]: x (a row per token: entry // ROW_DIV) or the intermediate (a row per entry)
+    w_ptr,  # [E, out rows, K]: gate_up ([gate | up], GATED), up or down
+    out_ptr,  # [N, n_out] out, a row per entry
+    sorted_ptr,  # [max_rows] int32 (moe_align)
+    block_experts_ptr,  # [max_blocks] int32
+    num_rows_ptr,  # [1] int32
+    num_entries,
+    n_out,
+    K,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_out,
+    limit,
+    alpha,
+    ROW_DIV: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    CLAMP: tl.constexpr,  # 0 none, 1 gate <= limit and |up| <= limit, 2 act(gate) <= limit and |up| <= limit
+    HAS_ALPHA: tl.constexpr,
+    IEEE_DOT: tl.constexpr,  # float32 operands at full precision (not tf32); bf16 ones too in the interpreter
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    is_row = entry < num_entries
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_out
+    k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (entry // ROW_DIV).to(tl.int64)[:, None] * stride_a + k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = k0 + k < K
+        a = tl.load(a_ptrs + k0, mask=is_row[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE_DOT:
+            a = a.to(tl.float32)
+        acc = _dot(a, w, acc, IEEE_DOT)
+        if GATED:  # the up rows sit n_out rows below the gate rows
+            w_up = tl.load(w_ptrs + n_out * stride_wn + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc_up = _dot(a, w_up, acc_up, IEEE_DOT)
+    y = _round(_epilogue(acc, acc_up, limit, alpha, ACT, CLAMP, HAS_ALPHA, out_ptr.dtype.element_ty),
+               out_ptr.dtype.element_ty)  # the store is then exact
+    out_ptrs = out_ptr + entry.to(tl.int64)[:, None] * stride_out + n[None, :]
+    tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & n_ok[None, :])
+
+
+@jit
+def _dot(a, w, acc, IEEE_DOT: tl.constexpr):
+    if IEEE_DOT:
+        acc = tl.dot(a, w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@jit
+def _round(x, DT: tl.constexpr):
+    """x (float32) rounded to DT, to nearest even, and back to float32: where the torch path holds a 16-bit tensor.
+    NOTE: bf16 by its bits, since the interpreter's conversion truncates (the CPU tests would drift)."""
+    if DT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = bits.to(tl.float32, bitcast=True)
+    elif DT == tl.float32:
+        y = x
+    else:
+        y = x.to(DT).to(tl.float32)
+    return y
+
+
+@jit
+def _epilogue(g, u, limit, alpha, ACT: tl.constexpr, CLAMP: tl.constexpr, HAS_ALPHA: tl.constexpr,
+              DT: tl.constexpr):
+    """helios.layers.activation.gated (ACT 1, 2: act(gate) * up, with its clamps and SwiGLU-OAI) or relu2 (3) of
+    the float32 accumulators; ACT 0 passes g through. Rounded to DT (the output dtype) wherever the torch path
+    (and HF's expert loop) holds a tensor of that dtype: a 16-bit model's tokens then follow HF's more closely."""
+    y = g
+    if ACT == 3:
+        r = tl.maximum(_round(g, DT), 0.0)
+        y = r * r
+    elif ACT != 0:
+        g = _round(g, DT)
+        u = _round(u, DT)
+        if CLAMP == 1:
+            g = _round(tl.minimum(g, limit), DT)
+        if CLAMP != 0:
+            u = _round(tl.minimum(tl.maximum(u, -limit), limit), DT)
+        if HAS_ALPHA:
+            y = _round(u + 1.0, DT) * _round(g * _round(1.0 / (1.0 + tl.exp(-(g * alpha))), DT), DT)
+        else:
+            if ACT == 2:
+                act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+            else:
+                act = g / (1.0 + tl.exp(-g))
+            act = _round(act, DT)
+            if CLAMP == 2:
+                act = _round(tl.minimum(act, limit), DT)
+            y = act * u
+    return y
+
+
+def gemm_config(num_entries: int) -> dict:
+    """Tile sizes by the number of entries: decode batches take 16-row blocks (each expert's few tokens share one
+    block, so its weight tiles are read once per step), prefill 64-row ones.
+    NOTE: one BLOCK_K for both, so an entry's products sum their K chunks in the same order at every batch size."""
+    if num_entries <= 1024:  # H200, 256 experts x [1024 | 512, 2048] bf16: 65% of the bound at b=1, 100% at b=64
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+
+
+def expert_gemm(
+    a: torch.Tensor,  # [rows, K]: x [T, K] (row_div = k) or the intermediate [N, K] (row_div = 1)
+    w: torch.Tensor,  # [E, out rows, K]
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # moe_align's output for this config's BLOCK_M
+    num_entries: int,
+    row_div: int,
+    act: str = "none",
+    limit: float | None = None,
+    clamp_after_act: bool = False,
+    alpha: float | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:  # [N, n_out] in a's dtype: n_out = out rows / 2 for gated acts, else out rows
+    """One grouped GEMM over the block-aligned entries: program (block, column tile) multiplies its block's rows
+    of `a` by its expert's weight tile, the activation applied to the float32 accumulators."""
+    check_last_dim_contiguous("a", a)
+    check_last_dim_contiguous("w", w)
+    assert a.shape[1] == w.shape[2] and a.dtype == w.dtype, f"a {tuple(a.shape)} {a.dtype}, w {tuple(w.shape)}"
+    gated = act in ("silu", "gelu_tanh")
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    cfg = config or gemm_config(num_entries)
+    sorted_ids, block_experts, num_rows = align
+    out = torch.empty(num_entries, n_out, dtype=a.dtype, device=a.device)
+    grid = (block_experts.numel(), cdiv(n_out, cfg["BLOCK_N"]))
+    _expert_gemm_kernel[grid](
+        a, w, out, sorted_ids, block_experts, num_rows, num_entries, n_out, a.shape[1], a.stride(0), w.stride(0),
+        w.stride(1), out.stride(0), float(limit or 0.0), float(alpha or 0.0), ROW_DIV=row_div, ACT=ACTS[act],
+        GATED=gated, CLAMP=0 if limit is None else (2 if clamp_after_act else 1), HAS_ALPHA=alpha is not None,
+        IEEE_DOT=a.dtype == torch.float32 or interpret_mode(), **cfg,
+    )
+    return out
+
+
+def expert_outputs(
+    x: torch.Tensor,  # [T, W]
+    topk_ids: torch.Tensor,  # [T, k]
+    w_in: torch.Tensor,  # [E, 2*F, W] gate_up (gated act) or [E, F, W] up (relu2)
+    w_down: torch.Tensor,  # [E, W, F]
+    act: str,
+    limit: float | None = None,
+    clamp_after_act: bool = False,
+    alpha: float | None = None,
+) -> torch.Tensor:  # [T*k, W] in x's dtype: entry token * k + slot is its expert's output for the token
+    """Each (token, slot)'s expert product down(act(gate_up x)), unweighted: align, then the two grouped GEMMs."""
+    require_triton()
+    num_entries = topk_ids.numel()
+    if num_entries == 0:
+        return x.new_empty(0, w_down.shape[1])
+    cfg = gemm_config(num_entries)
+    align = moe_align(topk_ids, w_in.shape[0], cfg["BLOCK_M"])
+    h = expert_gemm(x, w_in, align, num_entries, topk_ids.shape[1], act, limit, clamp_after_act, alpha, cfg)
+    return expert_gemm(h, w_down, align, num_entries, 1, config=cfg)
+
+
+def expert_outputs_ref(x, topk_ids, w_in, w_down, act, limit=None, clamp_after_act=False, alpha=None):
+    """expert_outputs in torch by gathered weights (tests only: it copies each entry's expert weights)."""
+    import torch.nn.functional as F
+
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).long()
+    xs = x.float().repeat_interleave(top_k, dim=0)
+    h = torch.einsum("nw,nfw->nf", xs, w_in[ids].float()).to(x.dtype)  # the torch path's roundings
+    if act == "relu2":
+        h = F.relu(h).square()
+    else:
+        g, u = h.chunk(2, dim=-1)
+        if limit is not None and not clamp_after_act:
+            g = g.clamp(max=limit)
+        if limit is not None:
+            u = u.clamp(-limit, limit)
+        if alpha is not None:
+            h = (u + 1.0) * g * torch.sigmoid(g * alpha)
+        else:
+            a = F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")
+            h = (a.clamp(max=limit) if limit is not None and clamp_after_act else a) * u
+    h = h.to(x.dtype).float()
+    return torch.einsum("nf,nwf->nw", h, w_down[ids].float()).to(x.dtype)
+
+
+# --- combine ------------------------------------------------------------------------------------------------
+
+
+@jit
+def _combine_kernel(
+    y_ptr,  # [T*k, W]
+    weights_ptr,  # [T, k]
+    ids_ptr,  # [T, k] expert ids
+    out_ptr,  # [T, W] out
+    width,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask = cols < width
+    k = tl.arange(0, K_POW2)
+    ids = tl.load(ids_ptr + t * TOP_K + k, mask=k < TOP_K, other=2**30).to(tl.int32)
+    weights = tl.load(weights_ptr + t * TOP_K + k, mask=k < TOP_K, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_W], tl.float32)
+    for _ in tl.static_range(TOP_K):  # slots by expert id, as the torch loop adds them
+        j = tl.argmin(ids, axis=0)
+        w = tl.sum(tl.where(k == j, weights, 0.0), axis=0)
+        y = tl.load(y_ptr + (t * TOP_K + j) * width + cols, mask=mask, other=0.0).to(tl.float32)
+        acc = _round(acc + _round(w * y, out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
+        ids = tl.where(k == j, 2**30, ids)
+    tl.store(out_ptr + t * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def moe_combine(
+    y: torch.Tensor,  # [T*k, W] contiguous
+    weights: torch.Tensor,  # [T, k]
+    topk_ids: torch.Tensor,  # [T, k]
+) -> torch.Tensor:  # [T, W] in y's dtype
+    """out[t] = the sum over slots j of weights[t, j] * y[t*k + j], as helios.layers.moe's torch loop (and HF's) adds
+    it: slots in expert-id order, each product and each partial sum rounded to y's dtype (exact in float32)."""
+    require_triton()
+    num_tokens, top_k = weights.shape
+    width = y.shape[1]
+    assert y.is_contiguous() and y.shape[0] == num_tokens * top_k, f"y {tuple(y.shape)}, weights {tuple(weights.shape)}"
+    out = torch.empty(num_tokens, width, dtype=y.dtype, device=y.device)
+    if num_tokens == 0:
+        return out
+    block_w = min(1024, next_power_of_2(width))
+    _combine_kernel[(num_tokens, cdiv(width, block_w))](y, weights.contiguous(), topk_ids.contiguous(), out, width,
+                                                        TOP_K=top_k, K_POW2=next_power_of_2(top_k), BLOCK_W=block_w)
+    return out
+
+
+def moe_combine_ref(y: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    num_tokens, top_k = weights.shape
+    order = topk_ids.long().argsort(dim=1)
+    terms = (y.float().view(num_tokens, top_k, -1) * weights.float()[..., None]).to(y.dtype)
+    terms = terms.gather(1, order[..., None].expand_as(terms))
+    out = torch.zeros(num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
+    for j in range(top_k):
+        out = out + terms[:, j]
+    return out

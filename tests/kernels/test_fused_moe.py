@@ -1,0 +1,120 @@
+"""helios.kernels.fused_moe in Triton's CPU interpreter against the torch path of helios.layers.moe: routing
+(softmax top-k; sigmoid and sqrtsoftplus with score bias, groups and scaling), the block-aligned sort against its
+torch reference, and whole MoE blocks (SparseMoe, SigmoidMoe with a shared expert, clamped / SwiGLU-OAI and relu2
+latent variants) with fused=True = fused=False at 1, 3 and 64 tokens in float32 and bfloat16; buffers sized by
+shapes alone, and a token's output the same alone and padded into a larger batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helios.layers.moe import SigmoidMoe, SparseMoe, route, route_sigmoid
+from tests.kernels import moe_cases
+from tests.kernels.interpreter import require_interpreter
+from tests.kernels.moe_cases import sigmoid_config, torch_and_fused
+
+require_interpreter()
+
+from helios.kernels import fused_moe  # noqa: E402  (after the interpreter check: kernels decorate on import)
+
+HIDDEN, INTER = 32, 16
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def inputs(num_tokens: int, dtype: torch.dtype, seed: int = 1, width: int = HIDDEN) -> torch.Tensor:
+    return moe_cases.inputs(num_tokens, width, dtype, seed)
+
+
+def same_choice(ids: torch.Tensor, weights: torch.Tensor, want_ids: torch.Tensor, want_weights: torch.Tensor):
+    """The same experts per token with the same weights, in any slot order."""
+    got_order, want_order = ids.long().sort(dim=1), want_ids.sort(dim=1)
+    assert torch.equal(got_order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(1, got_order.indices), want_weights.gather(1, want_order.indices),
+                               atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_softmax_routing_matches_route(renorm):
+    logits = inputs(9, torch.float32, width=24)
+    weights, ids = fused_moe.moe_route(logits, 5, renorm=renorm)
+    same_choice(ids, weights, *reversed(route(logits, 5, renorm)))
+
+
+@pytest.mark.parametrize("scoring, groups, bias", [("sigmoid", (4, 2), True), ("sigmoid", (1, 1), False),
+                                                   ("sqrtsoftplus", (1, 1), False)])
+def test_sigmoid_routing_matches_route_sigmoid(scoring, groups, bias):
+    logits = inputs(9, torch.float32, width=32) * 4.0  # sqrtsoftplus: past 20 and far below 0 too
+    score_bias = 0.1 * inputs(1, torch.float32, seed=2, width=32)[0] if bias else None
+    weights, ids = fused_moe.moe_route(logits, 4, scoring, score_bias, *groups, renorm=True, scaling=2.5)
+    want_weights, want_ids = route_sigmoid(logits, 4, score_bias, *groups, True, 2.5, scoring)
+    same_choice(ids, weights, want_ids, want_weights)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts", [(1, 8), (3, 32), (64, 8), (64, 64)])
+def test_align_matches_its_reference_with_buffers_sized_by_shape(num_tokens, num_experts):
+    g = torch.Generator().manual_seed(num_tokens)
+    ids = torch.randint(0, num_experts, (num_tokens, 4), generator=g)
+    got = fused_moe.moe_align(ids, num_experts, 16)
+    for a, b in zip(got, fused_moe.moe_align_ref(ids, num_experts, 16)):
+        assert torch.equal(a, b)
+    sorted_ids, block_experts, num_rows = got
+    rows = fused_moe.max_sorted_rows(ids.numel(), num_experts, 16)
+    assert sorted_ids.shape == (rows,) and block_experts.shape == (-(-rows // 16),)
+    assert sorted(sorted_ids[sorted_ids < ids.numel()].tolist()) == list(range(ids.numel()))
+    used = block_experts[: int(num_rows) // 16].long()
+    entries = sorted_ids[: int(num_rows)].view(-1, 16).long()
+    assert ((entries == ids.numel()) | (ids.flatten()[entries.clamp(max=ids.numel() - 1)] == used[:, None])).all()
+    assert (block_experts[int(num_rows) // 16:] == -1).all()
+    one_expert = fused_moe.moe_align(torch.zeros_like(ids), num_experts, 16)  # the other extreme: same sizes
+    assert [t.shape for t in one_expert] == [t.shape for t in got]
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, dtype, act", [
+    (1, 8, torch.float32, "silu"), (3, 16, torch.float32, "gelu_tanh"), (64, 8, torch.bfloat16, "silu"),
+])
+def test_sparse_moe_fused_matches_the_torch_path(num_tokens, num_experts, dtype, act):
+    layers = torch_and_fused(lambda fused: SparseMoe(HIDDEN, num_experts, INTER, 2, True, act, fused=fused), dtype=dtype)
+    x = inputs(num_tokens, dtype)
+    with torch.inference_mode():
+        torch.testing.assert_close(layers[1](x), layers[0](x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("num_tokens, dtype, variant", [
+    (1, torch.float32, "base"), (64, torch.float32, "base"), (3, torch.bfloat16, "base"),
+    (3, torch.float32, "clamped"), (3, torch.float32, "oai"), (3, torch.float32, "relu2_latent"),
+])
+def test_sigmoid_moe_fused_matches_the_torch_path(num_tokens, dtype, variant):
+    kw, moe = {}, sigmoid_config()
+    act = "silu"
+    if variant == "clamped":
+        kw = dict(limit=0.3, clamp_after_act=True)
+    elif variant == "oai":
+        kw = dict(limit=0.7, alpha=1.702)
+    elif variant == "relu2_latent":  # nemotron_h's relu2 experts behind latent projections, muse_spark's norms
+        act, moe = "relu2", sigmoid_config(latent_size=24, latent_norms=True, num_groups=1, num_topk_groups=1)
+    layers = torch_and_fused(lambda fused: SigmoidMoe(HIDDEN, moe, act, fused=fused, **kw), dtype=dtype)
+    x = inputs(num_tokens, dtype)
+    with torch.inference_mode():
+        torch.testing.assert_close(layers[1](x), layers[0](x), **TOL[dtype])
+
+
+def test_a_token_gives_the_same_output_alone_and_padded():
+    """A graph replays a bucket's fixed-size buffers with padding rows: the real rows must not see them."""
+    layers = torch_and_fused(lambda fused: SparseMoe(HIDDEN, 8, INTER, 2, True, "silu", fused=fused))
+    x = inputs(3, torch.float32)
+    padded = torch.cat([x, torch.zeros(5, HIDDEN)])
+    with torch.inference_mode():
+        assert torch.equal(layers[1](padded)[:3], layers[1](x))
+
+
+def test_graphs_admit_moe_only_on_the_fused_path():
+    from types import SimpleNamespace
+
+    from helios.runner.cuda_graphs import unsupported_reason
+
+    arch = SimpleNamespace(moe=sigmoid_config(), recurrent=None, index_dim=0)
+    cuda = torch.device("cuda")  # a device object only: nothing runs
+    torch_path, fused = (torch.nn.Sequential(SigmoidMoe(HIDDEN, arch.moe, "silu", fused=f)) for f in (False, True))
+    assert unsupported_reason(torch_path, arch, cuda).startswith("MoE routing syncs with the host")
+    assert "attention backend" in unsupported_reason(fused, arch, cuda)  # past the MoE check
