@@ -11,6 +11,8 @@ server.
 from __future__ import annotations
 
 import dataclasses
+
+import msgspec
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +104,16 @@ def prepare(ctx: ModelContext, req: GenerationRequest, req_id: str) -> Prepared:
     for i, ids in enumerate(prompts):
         prepared.choices += _choices(ctx, req, ids, i * req.n, f"{req_id}-", grammar, marks)
     return prepared
+
+
+def with_cache_hints(ctx: ModelContext, choice: Choice, positions: list[int]) -> Choice:
+    """The choice with the client's cache hints (Anthropic cache_control block ends, as prompt token positions) among
+    its message candidates, for a hybrid model's state checkpoints: advisory, chosen by the same cost rule and never
+    above the anchor; an attention-only model's page reuse needs none."""
+    if not positions or ctx.manifest.arch.recurrent is None:
+        return choice
+    ends = sorted({*choice.request.message_ends, *positions})
+    return dataclasses.replace(choice, request=msgspec.structs.replace(choice.request, message_ends=ends))
 
 
 def _check_format(req: GenerationRequest) -> None:

@@ -111,3 +111,28 @@ def test_a_message_checkpoint_is_reused_when_the_last_message_changes(hybrid_ser
                                       temperature=0, extra_body={"prompt_logprobs": 0})
     assert alone.usage.prompt_tokens == num_prompt and alone.usage.prompt_tokens_details.cached_tokens == 0
     assert alone.choices[0].text == second.choices[0].message.content
+
+
+def test_an_anthropic_cache_control_hint_is_a_message_checkpoint_candidate(hybrid_server):
+    """Messages: a user message whose first text block carries cache_control. Its end is a message candidate (the
+    request has no other: no system prompt, one message, its endpoint inside the second block), so a request with the
+    same first block and another second one resumes there; without the hint it would reuse nothing."""
+    model = httpx.get(hybrid_server + "/v1/models").json()["data"][0]["id"]
+    numbers = "one two three four five six seven eight nine ten " * 2
+
+    def ask(tail: str, hinted: bool = True) -> dict:
+        head = {"type": "text", "text": "hello world! how are you today? " * 4}
+        if hinted:
+            head["cache_control"] = {"type": "ephemeral"}
+        body = {"model": model, "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": [head, {"type": "text", "text": tail + numbers}]}]}
+        response = httpx.post(hybrid_server + "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"},
+                              timeout=60)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]
+
+    ask("first: ", hinted=False)
+    assert ask("second: ", hinted=False)["cache_read_input_tokens"] == 0
+    ask("third: ")
+    usage = ask("fourth: ")
+    assert usage["cache_read_input_tokens"] >= 64 and usage["cache_read_input_tokens"] % 64 == 0

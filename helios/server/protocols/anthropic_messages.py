@@ -21,7 +21,8 @@ from msgspec import UNSET, Struct, UnsetType
 
 from helios.frontend.chat import ChatMessage, join_text_blocks, tool_call
 from helios.frontend.effort import effort_template_kwargs, messages_effort
-from helios.frontend.prepare import Conversation, GenerationRequest, prepare as prepare_request, render
+from helios.frontend.prepare import (Conversation, GenerationRequest, prepare as prepare_request, render,
+                                     with_cache_hints)
 from helios.frontend.reasoning import check_thinking_token_budget
 from helios.frontend import structured
 from helios.frontend.context import ModelContext
@@ -316,8 +317,9 @@ def prepare(body: bytes, ctx: ModelContext) -> Prepared:
         prep = prepare_request(ctx, neutral, f"msg_{uuid.uuid4().hex[:24]}")
     except InvalidRequest as e:
         raise from_invalid(e) from None
-    return Prepared(req=req, prompt_ids=prep.prompt_ids, child=Child.of(prep.choices[0]),
-                    cache_boundaries=_boundaries(ctx, prep.prompt_text or "", hints))
+    boundaries = _boundaries(ctx, prep.prompt_text or "", hints)
+    child = Child.of(with_cache_hints(ctx, prep.choices[0], boundaries))  # candidates of a hybrid model's checkpoints
+    return Prepared(req=req, prompt_ids=prep.prompt_ids, child=child, cache_boundaries=boundaries)
 
 
 def count_tokens(body: bytes, ctx: ModelContext) -> dict:
