@@ -74,7 +74,8 @@ def test_align_matches_its_reference_with_buffers_sized_by_shape(num_tokens, num
     (1, 8, torch.float32, "silu"), (3, 16, torch.float32, "gelu_tanh"), (64, 8, torch.bfloat16, "silu"),
 ])
 def test_sparse_moe_fused_matches_the_torch_path(num_tokens, num_experts, dtype, act):
-    layers = torch_and_fused(lambda fused: SparseMoe(HIDDEN, num_experts, INTER, 2, True, act, fused=fused), dtype=dtype)
+    layers = torch_and_fused(lambda fused: SparseMoe(HIDDEN, num_experts, INTER, 2, True, act, fused=fused),
+                             dtype=dtype)
     x = inputs(num_tokens, dtype)
     with torch.inference_mode():
         torch.testing.assert_close(layers[1](x), layers[0](x), **TOL[dtype])
@@ -118,3 +119,15 @@ def test_graphs_admit_moe_only_on_the_fused_path():
     torch_path, fused = (torch.nn.Sequential(SigmoidMoe(HIDDEN, arch.moe, "silu", fused=f)) for f in (False, True))
     assert unsupported_reason(torch_path, arch, cuda).startswith("MoE routing syncs with the host")
     assert "attention backend" in unsupported_reason(fused, arch, cuda)  # past the MoE check
+
+
+def test_a_prefill_batch_takes_the_wide_blocks():
+    """Past 1024 entries the GEMMs take 64-row blocks (gemm_config): the same products as the reference."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 8, (520, 2), generator=g)
+    assert fused_moe.gemm_config(ids.numel())["BLOCK_M"] == 64
+    x = inputs(520, torch.float32)
+    w_in = torch.randn(8, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5
+    w_down = torch.randn(8, HIDDEN, INTER, generator=g) / INTER**0.5
+    got = fused_moe.expert_outputs(x, ids, w_in, w_down, "silu")
+    torch.testing.assert_close(got, fused_moe.expert_outputs_ref(x, ids, w_in, w_down, "silu"), **TOL[torch.float32])
