@@ -33,24 +33,26 @@ def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: in
     return EngineCore(config, runner)
 
 
-def window_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64,
-                  budget: int = 128, device: str = "cpu") -> EngineCore:
+def window_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64, budget: int = 128,
+                  device: str = "cpu", page_size: int = PAGE_SIZE, window: bool = True, prefix_caching: bool = True,
+                  **runner_options) -> EngineCore:
     """An attention-only model's engine (on `device`): the pages of its sliding layers (beside full ones) in a window
-    group (helios/engine/kv_groups.py) with room for every slot's window and chunk, as compose sizes it."""
+    group (helios/engine/kv_groups.py) with room for every slot's window and chunk, as compose sizes it; window=False:
+    every layer in one group. runner_options go to the ModelRunner (cuda_graphs)."""
     from helios.engine.kv_groups import window_pages_per_request
     from helios.runner.kv_cache import KVCache
 
     arch = core.manifest.arch
     window_pages = 0
     groups = {}
-    if KVCache.window_layers(arch):
-        window_pages = max_concurrency * window_pages_per_request(arch.sliding_window, PAGE_SIZE, chunk)
+    if window and KVCache.window_layers(arch):
+        window_pages = max_concurrency * window_pages_per_request(arch.sliding_window, page_size, chunk)
         groups = dict(sliding_window=arch.sliding_window, window_pages=window_pages)
     config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
-                             prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=num_pages,
-                             max_model_len=num_pages * PAGE_SIZE, **groups)
-    return EngineCore(config, ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, device=device,
-                                          window_pages=window_pages))
+                             prefill_chunk_size=chunk, page_size=page_size, num_pages=num_pages,
+                             max_model_len=num_pages * page_size, enable_prefix_caching=prefix_caching, **groups)
+    return EngineCore(config, ModelRunner(arch, core.tensors, num_pages, page_size, device=device,
+                                          window_pages=window_pages, **runner_options))
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:
@@ -119,24 +121,30 @@ def check_logits_and_prompt_logprobs(hf, core, ids: list[int], chunk_size: int =
 
 
 def check_greedy_matches_generate(hf, core, ids: list[int], num_new: int = 32, engine=make_engine,
-                                  device: str = "cpu") -> None:
+                                  device: str = "cpu") -> EngineCore:
     """The engine's greedy tokens (grid-chunked prefill, then decode steps) = transformers' generate (hf on
-    `device`); `engine` builds it (make_engine's arguments)."""
-    got = generate(engine(core, chunk=64), [greedy_request("a", ids, num_new)])["a"]
+    `device`); `engine(core)` builds it (make_engine's arguments, the factory's defaults). Returns that engine."""
+    built = engine(core)
+    got = generate(built, [greedy_request("a", ids, num_new)])["a"]
     with torch.no_grad():
         ref = hf.generate(torch.tensor([ids], device=device), max_new_tokens=num_new, min_new_tokens=num_new,
                           do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
     assert got == ref[len(ids):]
+    return built
 
 
-def check_batched_equals_alone(core, prompts: list[list[int]], engine=make_engine) -> None:
-    """Requests run together (a 128-token budget: long prompts split into grid chunks beside the others' decodes)
-    give the tokens each gives alone; `engine` builds the engines (make_engine's arguments)."""
+def check_batched_equals_alone(core, prompts: list[list[int]], engine=make_engine, budget: int = 128, chunk: int = 64,
+                               alone_budget: int = 512, alone_chunk: int = 512, one_alone_engine: bool = False) -> None:
+    """Requests run together (a `budget`-token budget: long prompts split into `chunk`-token chunks beside the others'
+    decodes) give the tokens each gives alone (one slot, `alone_chunk`-token chunks: a fresh engine each, or with
+    one_alone_engine the same engine one request after another); `engine` builds the engines (make_engine's
+    arguments)."""
     reqs = [greedy_request(f"r{i}", ids, 12) for i, ids in enumerate(prompts)]
-    together = generate(engine(core, budget=128), reqs)
+    together = generate(engine(core, budget=budget, chunk=chunk), reqs)
+    alone = engine(core, max_concurrency=1, budget=alone_budget, chunk=alone_chunk) if one_alone_engine else None
     for r in reqs:
-        alone = generate(engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
-        assert together[r.req_id] == alone, r.req_id
+        single = alone if alone is not None else engine(core, max_concurrency=1, budget=alone_budget, chunk=alone_chunk)
+        assert together[r.req_id] == generate(single, [r])[r.req_id], r.req_id
 
 
 def check_second_turn(core, first_ids: list[int], next_ids: list[int]) -> EngineCore:

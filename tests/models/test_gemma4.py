@@ -15,12 +15,12 @@ from helios.core.load import load_core
 from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.engine.kv_groups import window_pages_per_request
-from helios.engine.messages import EngineRequest, SamplingParams
+from helios.engine.messages import EngineRequest
 from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
 from tests.models.gemma4_tiny import WINDOW, build_gemma4
-from tests.models.hybrid_harness import hf_logits, prompt
+from tests.models.hybrid_harness import greedy_request, hf_logits, prompt, window_engine
 
 PAGE, CHUNK, NUM_PAGES = 4, 8, 640
 
@@ -48,18 +48,8 @@ def moe(tmp_path_factory):
 
 def make_engine(core, window: bool, max_concurrency: int = 4, chunk: int = CHUNK, budget: int = 32) -> EngineCore:
     """window: the sliding layers' pages in a window group sized for max_concurrency requests; else one group."""
-    window_pages = max_concurrency * window_pages_per_request(WINDOW, PAGE, chunk) if window else 0
-    groups = dict(sliding_window=WINDOW, window_pages=window_pages) if window else {}
-    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget, prefill_chunk_size=chunk,
-                             page_size=PAGE, num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE,
-                             enable_prefix_caching=False, **groups)
-    runner = ModelRunner(core.manifest.arch, core.tensors, NUM_PAGES, PAGE, window_pages=window_pages)
-    return EngineCore(config, runner)
-
-
-def greedy(req_id: str, ids: list[int], max_tokens: int) -> EngineRequest:
-    return EngineRequest(req_id=req_id, prompt_token_ids=ids,
-                         sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return window_engine(core, max_concurrency, NUM_PAGES, chunk, budget, page_size=PAGE, window=window,
+                         prefix_caching=False)
 
 
 def generate(engine: EngineCore, reqs: list[EngineRequest], window_bound: int | None = None) -> dict[str, list[int]]:
@@ -132,7 +122,7 @@ def test_greedy_through_the_window_group_matches_generate(variant, request):
     prompts = prompts if variant == "base" else {"a": prompts["a"]}
     bound = window_pages_per_request(WINDOW, PAGE, CHUNK)
     engine = make_engine(core, window=True, max_concurrency=len(prompts))
-    got = generate(engine, [greedy(k, ids, 32) for k, ids in prompts.items()], bound)
+    got = generate(engine, [greedy_request(k, ids, 32) for k, ids in prompts.items()], bound)
     for rid, ids in prompts.items():
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
@@ -144,7 +134,7 @@ def test_sixteen_requests_together_give_what_each_gives_alone(base):
     """Sixteen prompts in 8-token chunks beside each other's decodes (window group) = each alone in one chunk (one
     group; one request at a time through one engine without prefix caching)."""
     _, core = base
-    reqs = [greedy(f"r{i}", prompt(5 + 4 * i, seed=10 + i), 12) for i in range(16)]
+    reqs = [greedy_request(f"r{i}", prompt(5 + 4 * i, seed=10 + i), 12) for i in range(16)]
     together = generate(make_engine(core, window=True, max_concurrency=16, budget=64), reqs)
     alone = make_engine(core, window=False, max_concurrency=1, chunk=128, budget=128)
     for r in reqs:
@@ -157,7 +147,7 @@ def test_a_long_prompt_holds_no_more_window_pages_than_the_window_needs(base):
     group 0 keeps the full layers' pages; the tokens are the one-group engine's."""
     _, core = base
     bound = -(-WINDOW // PAGE) + 1
-    req = greedy("long", prompt(120, seed=7), 24)
+    req = greedy_request("long", prompt(120, seed=7), 24)
     engine = make_engine(core, window=True, max_concurrency=1)
     got = generate(engine, [req], window_bound=bound)
     assert got["peak"] == bound
@@ -221,7 +211,7 @@ def test_graphed_decode_on_the_triton_backend_gives_the_eager_tokens(base):
     runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2, 4], max_model_len=256, page_size=PAGE,
                                 vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads, device=runner.device,
                                 capture=False, window=runner.window, layer_caches=runner.layer_caches)
-    reqs = [greedy(f"r{i}", prompt(n, seed=i), 10) for i, n in enumerate((5, 11, 17))]
+    reqs = [greedy_request(f"r{i}", prompt(n, seed=i), 10) for i, n in enumerate((5, 11, 17))]
     got = generate(EngineCore(config, runner), reqs)
     assert got == generate(make_engine(core, window=False), reqs)
     assert runner.launches["graph"] > 0 and runner.overlap_hits > 0, (runner.launches, runner.overlap_hits)

@@ -11,12 +11,17 @@ import pytest
 import torch
 
 from helios.core.load import load_core
-from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.engine.kv_groups import window_pages_per_request
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
-from tests.models.hybrid_harness import generate, greedy_request, hf_logits, prompt
+from tests.models.hybrid_harness import (
+    check_batched_equals_alone,
+    check_greedy_matches_generate,
+    hf_logits,
+    prompt,
+    window_engine,
+)
 from tests.models.muse_spark_tiny import WINDOW, build_muse_spark
 
 PAGE, CHUNK, NUM_PAGES = 4, 8, 160
@@ -38,12 +43,7 @@ def muse(tmp_path_factory):
 
 def make_engine(core, max_concurrency: int = 16, budget: int = 64, chunk: int = CHUNK) -> EngineCore:
     """The sliding layers' pages in a window group of the minimum every running request needs."""
-    window_pages = max_concurrency * window_pages_per_request(WINDOW, PAGE, chunk)
-    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget, prefill_chunk_size=chunk,
-                             page_size=PAGE, num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE,
-                             enable_prefix_caching=True, sliding_window=WINDOW, window_pages=window_pages)
-    return EngineCore(config, ModelRunner(core.manifest.arch, core.tensors, NUM_PAGES, PAGE,
-                                          window_pages=window_pages))
+    return window_engine(core, max_concurrency, NUM_PAGES, chunk, budget, page_size=PAGE)
 
 
 def test_the_export_is_muse_spark(muse):
@@ -75,13 +75,7 @@ def test_greedy_matches_generate(muse):
     """32 greedy tokens through the engine (8-token chunks, decode steps, pages freed behind the window) = HF
     generate, and the window pool never holds more than the window and a chunk need."""
     hf, core = muse
-    ids = prompt(45, seed=5)
-    engine = make_engine(core, max_concurrency=1)
-    got = generate(engine, [greedy_request("a", ids, 32)])["a"]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0].tolist()
-    assert got == ref[len(ids):]
+    engine = check_greedy_matches_generate(hf, core, prompt(45, seed=5), engine=lambda c: make_engine(c, 1))
     pool = engine.scheduler.window_groups[0].pool
     assert pool.num_free_blocks == pool.num_blocks  # every window page came back
 
@@ -90,8 +84,5 @@ def test_sixteen_requests_together_give_what_each_gives_alone(muse):
     """16 requests batched (a 64-token budget: prompts split into 8-token chunks beside the others' decodes) give
     the tokens each gives alone in one whole-prompt chunk."""
     _, core = muse
-    reqs = [greedy_request(f"r{i}", prompt(5 + 7 * i, seed=10 + i), 12) for i in range(16)]
-    together = generate(make_engine(core), reqs)
-    for r in reqs:
-        alone = generate(make_engine(core, max_concurrency=1, budget=256, chunk=128), [r])[r.req_id]
-        assert together[r.req_id] == alone, r.req_id
+    prompts = [prompt(5 + 7 * i, seed=10 + i) for i in range(16)]
+    check_batched_equals_alone(core, prompts, make_engine, budget=64, chunk=CHUNK, alone_budget=256, alone_chunk=128)

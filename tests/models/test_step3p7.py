@@ -13,12 +13,17 @@ import pytest
 import torch
 
 from helios.core.load import load_core
-from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.engine.kv_groups import window_pages_per_request
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
-from tests.models.hybrid_harness import generate, greedy_request, hf_logits, prompt
+from tests.models.hybrid_harness import (
+    check_batched_equals_alone,
+    check_greedy_matches_generate,
+    hf_logits,
+    prompt,
+    window_engine,
+)
 from tests.models.step3p7_tiny import VARIANTS, WINDOW, build_step3p7, step3p7_model
 
 PAGE, CHUNK, NUM_PAGES = 4, 8, 1024
@@ -44,12 +49,7 @@ def step(request, tmp_path_factory):
 
 def make_engine(core, max_concurrency: int = 16, budget: int = 64, chunk: int = CHUNK) -> EngineCore:
     """The engine with the sliding layers' pages in a window group sized for every request's window and chunk."""
-    window_pages = max_concurrency * window_pages_per_request(WINDOW, PAGE, chunk)
-    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget, prefill_chunk_size=chunk,
-                             page_size=PAGE, num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE,
-                             sliding_window=WINDOW, window_pages=window_pages)
-    runner = ModelRunner(core.manifest.arch, core.tensors, NUM_PAGES, PAGE, window_pages=window_pages)
-    return EngineCore(config, runner)
+    return window_engine(core, max_concurrency, NUM_PAGES, chunk, budget, page_size=PAGE)
 
 
 def test_the_export_is_step3p7(step):
@@ -104,13 +104,7 @@ def test_the_clamps_are_active(step):
 def test_greedy_matches_generate(step):
     """32 greedy tokens through the engine (8-token prefill chunks, window pages returned) = transformers' generate."""
     _, hf, core = step
-    ids = prompt(90, seed=5)
-    engine = make_engine(core, max_concurrency=1)
-    got = generate(engine, [greedy_request("a", ids, 32)])["a"]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0].tolist()
-    assert got == ref[len(ids):]
+    engine = check_greedy_matches_generate(hf, core, prompt(90, seed=5), engine=lambda c: make_engine(c, 1))
     pool = engine.scheduler.window_groups[0].pool
     assert pool.num_free_blocks == pool.num_blocks
 
@@ -121,8 +115,5 @@ def test_sixteen_requests_together_give_what_each_gives_alone(step):
     variant, _, core = step
     if variant != "base":
         pytest.skip("one variant covers batching")
-    reqs = [greedy_request(f"r{i}", prompt(5 + 11 * i, seed=10 + i), 12) for i in range(16)]
-    together = generate(make_engine(core), reqs)
-    for r in reqs:
-        alone = generate(make_engine(core, max_concurrency=1, budget=256, chunk=256), [r])[r.req_id]
-        assert together[r.req_id] == alone, r.req_id
+    prompts = [prompt(5 + 11 * i, seed=10 + i) for i in range(16)]
+    check_batched_equals_alone(core, prompts, make_engine, budget=64, chunk=CHUNK, alone_budget=256, alone_chunk=256)
