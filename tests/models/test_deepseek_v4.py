@@ -12,13 +12,20 @@ import pytest
 import torch
 
 from helios.core.load import load_core
-from helios.engine.config import SchedulerConfig
-from helios.engine.engine_core import EngineCore
 from helios.engine.kv_groups import window_pages_per_request
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
 from tests.models.deepseek_v4_tiny import build_deepseek_v4
-from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, hf_logits, prompt, run_collecting
+from tests.models.hybrid_harness import (
+    PAGE_SIZE,
+    check_greedy_matches_generate,
+    generate,
+    greedy_request,
+    hf_logits,
+    prompt,
+    run_collecting,
+    window_engine,
+)
 
 
 def export_deepseek_v4(root: Path):
@@ -35,20 +42,6 @@ def export_deepseek_v4(root: Path):
 @pytest.fixture(scope="module")
 def dsv4(tmp_path_factory):
     return export_deepseek_v4(tmp_path_factory.mktemp("deepseek_v4"))
-
-
-def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64, budget: int = 128,
-                prefix_caching: bool = False, windowed: bool = True, page_size: int = PAGE_SIZE) -> EngineCore:
-    """windowed: the raw rows in the window page group (room for every slot's window and chunk), as compose builds
-    it; False: one group (every page holds every row)."""
-    window = core.manifest.arch.sliding_window
-    window_pages = max_concurrency * window_pages_per_request(window, page_size, chunk) if windowed else 0
-    groups = dict(sliding_window=window, window_pages=window_pages) if windowed else {}
-    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget, prefill_chunk_size=chunk,
-                             page_size=page_size, num_pages=num_pages, max_model_len=num_pages * page_size,
-                             enable_prefix_caching=prefix_caching, **groups)
-    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, window_pages=window_pages)
-    return EngineCore(config, runner)
 
 
 def test_the_export_is_deepseek_v4(dsv4):
@@ -151,20 +144,18 @@ def test_the_selection_is_hfs_and_drops_entries(dsv4, monkeypatch):
 
 
 def test_greedy_matches_generate(dsv4):
+    """Through the window-group engine compose builds, and through one group."""
     hf, core = dsv4
     ids = prompt(90, seed=5)
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0].tolist()
-    for windowed in (True, False):
-        assert generate(make_engine(core, windowed=windowed), [greedy_request("a", ids, 32)])["a"] == ref[len(ids):]
+    check_greedy_matches_generate(hf, core, ids, engine=window_engine)
+    check_greedy_matches_generate(hf, core, ids, engine=lambda c: window_engine(c, window=False))
 
 
 def test_sixteen_requests_together_give_what_each_gives_alone(dsv4):
     """A 128-token budget: long prompts split into chunks beside the others' decodes."""
     _, core = dsv4
     reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
-    engine = make_engine(core)
+    engine = window_engine(core, prefix_caching=False)
     bound = -(-core.manifest.arch.sliding_window // PAGE_SIZE) + 1  # window pages a request holds between steps
     together = {r.req_id: [] for r in reqs}
     for r in reqs:
@@ -174,7 +165,7 @@ def test_sixteen_requests_together_give_what_each_gives_alone(dsv4):
             together[o.req_id].extend(o.new_token_ids)
         sched = engine.scheduler
         assert sched.window_groups[0].pool.num_used_blocks <= bound * max(1, sched.num_running)
-    single = make_engine(core, max_concurrency=1, budget=512, chunk=512)  # one request at a time, no reuse
+    single = window_engine(core, max_concurrency=1, budget=512, chunk=512, prefix_caching=False)  # one at a time
     for r in reqs:
         assert together[r.req_id] == generate(single, [r])[r.req_id], r.req_id
 
@@ -183,13 +174,13 @@ def test_a_second_turn_reuses_the_first_turns_pages(dsv4):
     """Prefix reuse needs no state: group 0's pages hold the entries, the window group's the rows the window and the
     compressors read."""
     _, core = dsv4
-    engine = make_engine(core, max_concurrency=4, prefix_caching=True)
+    engine = window_engine(core, max_concurrency=4)
     first = greedy_request("t1", prompt(100, seed=21), 20)
     history = first.prompt_token_ids + generate(engine, [first])["t1"]
     second = greedy_request("t2", history + prompt(30, seed=22), 16)
     tokens, cached = run_collecting(engine, second)
     assert cached == (len(history) // PAGE_SIZE) * PAGE_SIZE
-    assert tokens == generate(make_engine(core, max_concurrency=4), [second])["t2"]
+    assert tokens == generate(window_engine(core, max_concurrency=4, prefix_caching=False), [second])["t2"]
 
 
 def test_a_page_shared_through_the_prefix_cache_is_never_written(dsv4):
@@ -197,13 +188,14 @@ def test_a_page_shared_through_the_prefix_cache_is_never_written(dsv4):
     A request that reuses a cached first page and completes the window on its own tokens writes only its own page,
     so the cached page still serves the first prompt exactly."""
     _, core = dsv4
-    engine = make_engine(core, max_concurrency=2, page_size=4, prefix_caching=True)
+    engine = window_engine(core, max_concurrency=2, page_size=4)
     a = prompt(30, seed=41)
     first, _ = run_collecting(engine, greedy_request("a", a, 8))
     assert run_collecting(engine, greedy_request("b", a[:4] + prompt(26, seed=42), 8))[1] == 4
     again, cached = run_collecting(engine, greedy_request("a2", a, 8))
     assert cached == 28 and again == first
-    assert first == generate(make_engine(core, max_concurrency=1, page_size=4), [greedy_request("x", a, 8)])["x"]
+    alone = window_engine(core, max_concurrency=1, page_size=4, prefix_caching=False)
+    assert first == generate(alone, [greedy_request("x", a, 8)])["x"]
 
 
 def test_compose_keeps_the_raw_rows_in_a_window_group(dsv4):
