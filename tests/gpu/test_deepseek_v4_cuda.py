@@ -10,13 +10,10 @@ import pytest
 import torch
 
 from helios.core.load import load_core
-from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
-from helios.engine.kv_groups import window_pages_per_request
 from helios.kernels._triton import HAS_TRITON, interpret_mode
-from helios.runner.model_runner import ModelRunner
 from tests.models.deepseek_v4_tiny import build_deepseek_v4
-from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, prompt
+from tests.models.hybrid_harness import generate, greedy_request, prompt, window_engine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,17 +34,9 @@ def exported(tmp_path_factory):
     return src, {name: load_core(export_core(src, root / name, ExportOptions(dtype=name))) for name in DTYPES}
 
 
-def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int = 128) -> EngineCore:
+def cuda_engine(core, **kw) -> EngineCore:
     """The raw rows in the window page group (room for every request's window and chunk), as compose builds it."""
-    num_pages = 512
-    window = core.manifest.arch.sliding_window
-    window_pages = max_concurrency * window_pages_per_request(window, PAGE_SIZE, chunk)
-    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
-                             prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=num_pages,
-                             max_model_len=num_pages * PAGE_SIZE, sliding_window=window, window_pages=window_pages)
-    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, PAGE_SIZE, device="cuda",
-                         window_pages=window_pages)
-    return EngineCore(config, runner)
+    return window_engine(core, num_pages=512, device="cuda", prefix_caching=False, **kw)
 
 
 def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
@@ -71,7 +60,7 @@ def test_sixteen_requests_together_give_what_each_gives_alone(exported, dtype):
     """16 requests together (prompts split into 64-token chunks beside decodes) = each alone."""
     core = exported[1][dtype]
     reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
-    together = generate(cuda_engine(core, budget=128, chunk=64), reqs)
+    together = generate(cuda_engine(core), reqs)
     for r in reqs:
         alone = generate(cuda_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
         assert together[r.req_id] == alone, r.req_id
