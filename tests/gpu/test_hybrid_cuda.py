@@ -11,32 +11,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios.core.load import load_core
 from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
-from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner.model_runner import ModelRunner
+from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, export_dtypes
 from tests.models.hybrid_tiny import build_hybrid
 from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, prompt
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not HAS_TRITON, reason="needs triton"),
-    pytest.mark.skipif(interpret_mode(), reason="TRITON_INTERPRET is set: kernels would not be compiled"),
-]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+pytestmark = CUDA_MARKS
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
 def exported(request, tmp_path_factory):
-    from ignition.export import ExportOptions, export_core
-
     root = tmp_path_factory.mktemp(request.param)
     src = build_hybrid(request.param, root / "hf")
-    cores = {name: load_core(export_core(src, root / name, ExportOptions(dtype=name))) for name in DTYPES}
-    return request.param, src, cores
+    return request.param, src, export_dtypes(src, root)
 
 
 def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int = 128) -> EngineCore:

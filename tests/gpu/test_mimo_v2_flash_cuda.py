@@ -9,35 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios.core.load import load_core
-from helios.engine.engine_core import EngineCore
-from helios.kernels._triton import HAS_TRITON, interpret_mode
+from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, check_batched_on_cuda, check_greedy_on_cuda, export_dtypes
 from tests.kernels import checks
-from tests.models.hybrid_harness import check_batched_equals_alone, check_greedy_matches_generate, prompt, window_engine
 from tests.models.mimo_v2_flash_tiny import build_mimo
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not HAS_TRITON, reason="needs triton"),
-    pytest.mark.skipif(interpret_mode(), reason="TRITON_INTERPRET is set: kernels would not be compiled"),
-]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+pytestmark = CUDA_MARKS
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from ignition.export import ExportOptions, export_core
-
     root = tmp_path_factory.mktemp("mimo_v2_flash")
     src = build_mimo(root / "hf")
-    return src, {name: load_core(export_core(src, root / name, ExportOptions(dtype=name))) for name in DTYPES}
-
-
-def cuda_engine(core, **kw) -> EngineCore:
-    """window_engine's (the sliding layers' pages in a window group) on the GPU, 512 pages."""
-    return window_engine(core, num_pages=512, device="cuda", **kw)
+    return src, export_dtypes(src, root)
 
 
 def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
@@ -46,14 +29,13 @@ def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
 
     src, cores = exported
     hf = MiMoV2FlashForCausalLM.from_pretrained(src, dtype=torch.float32).to("cuda").eval()
-    check_greedy_matches_generate(hf, cores["float32"], prompt(150, seed=5), engine=cuda_engine, device="cuda")
+    check_greedy_on_cuda(hf, cores["float32"])
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_sixteen_requests_together_give_what_each_gives_alone(exported, dtype):
     """16 requests together (prompts split into 64-token chunks beside decodes) = each alone."""
-    prompts = [prompt(7 + 23 * i, seed=10 + i) for i in range(16)]
-    check_batched_equals_alone(exported[1][dtype], prompts, engine=cuda_engine)
+    check_batched_on_cuda(exported[1][dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

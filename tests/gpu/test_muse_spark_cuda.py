@@ -10,45 +10,28 @@ import pytest
 import torch
 
 from helios.core.load import load_core
-from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
-from helios.engine.kv_groups import window_pages_per_request
 from helios.engine.messages import EngineRequest, SamplingParams
-from helios.kernels._triton import HAS_TRITON, interpret_mode
-from helios.runner.model_runner import ModelRunner
-from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, prompt
-from tests.models.muse_spark_tiny import WINDOW, build_muse_spark
+from tests.gpu.family_cuda import (
+    CUDA_MARKS,
+    DTYPES,
+    NUM_PAGES,
+    check_batched_on_cuda,
+    check_greedy_on_cuda,
+    cuda_engine,
+    export_dtypes,
+)
+from tests.models.hybrid_harness import prompt
+from tests.models.muse_spark_tiny import build_muse_spark
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not HAS_TRITON, reason="needs triton"),
-    pytest.mark.skipif(interpret_mode(), reason="TRITON_INTERPRET is set: kernels would not be compiled"),
-]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-NUM_PAGES = 512
+pytestmark = CUDA_MARKS
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from ignition.export import ExportOptions, export_core
-
     root = tmp_path_factory.mktemp("muse_spark")
     src = build_muse_spark(root / "hf")
-    return src, {name: load_core(export_core(src, root / name, ExportOptions(dtype=name))) for name in DTYPES}
-
-
-def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int = 128,
-                cuda_graphs: bool = True) -> EngineCore:
-    """The sliding layers' pages in a window group with room for every request's window and chunk."""
-    window_pages = max_concurrency * window_pages_per_request(WINDOW, PAGE_SIZE, chunk)
-    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
-                             prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=NUM_PAGES,
-                             max_model_len=NUM_PAGES * PAGE_SIZE, sliding_window=WINDOW, window_pages=window_pages)
-    runner = ModelRunner(core.manifest.arch, core.tensors, NUM_PAGES, PAGE_SIZE, device="cuda",
-                         window_pages=window_pages, cuda_graphs=cuda_graphs)
-    return EngineCore(config, runner)
+    return src, export_dtypes(src, root)
 
 
 def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
@@ -57,13 +40,7 @@ def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
 
     src, cores = exported
     hf = MuseSparkForConditionalGeneration.from_pretrained(src, dtype=torch.float32).to("cuda").eval()
-    ids, num_new = prompt(150, seed=5), 32
-    engine = cuda_engine(cores["float32"])
-    got = generate(engine, [greedy_request("a", ids, num_new)])["a"]
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=num_new, min_new_tokens=num_new,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
-    assert got == ref[len(ids):]
+    engine = check_greedy_on_cuda(hf, cores["float32"])
     assert engine.runner.kv_cache.layers[1].shape[1] < NUM_PAGES  # the sliding layers hold only the window group
 
 
@@ -71,12 +48,7 @@ def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
 def test_sixteen_requests_together_give_what_each_gives_alone(exported, dtype):
     """16 requests under a 64-token budget (prompts in 32-token chunks beside the others' decodes) give the tokens
     each gives alone in one chunk."""
-    _, cores = exported
-    reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
-    together = generate(cuda_engine(cores[dtype], budget=64, chunk=32), reqs)
-    for r in reqs:
-        alone = generate(cuda_engine(cores[dtype], max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
-        assert together[r.req_id] == alone, (dtype, r.req_id)
+    check_batched_on_cuda(exported[1][dtype], budget=64, chunk=32)
 
 
 def test_a_dense_variant_replays_decode_graphs_with_the_eager_tokens(tmp_path):

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios.core.load import load_core
-from helios.kernels._triton import HAS_TRITON, interpret_mode
-from tests.gpu.test_hybrid_cuda import DTYPES, check_batched_equals_alone_on_the_gpu, check_greedy_on_the_gpu
+from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, export_dtypes
+from tests.gpu.test_hybrid_cuda import check_batched_equals_alone_on_the_gpu, check_greedy_on_the_gpu
 from tests.kernels.test_gated_delta import make_batch
 from tests.kernels.test_recurrent_kernels import (
     KDA,
@@ -27,12 +26,7 @@ from tests.kernels.test_recurrent_kernels import (
     check_mamba2_scan,
 )
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(not HAS_TRITON, reason="needs triton"),
-    pytest.mark.skipif(interpret_mode(), reason="TRITON_INTERPRET is set: kernels would not be compiled"),
-]
+pytestmark = CUDA_MARKS
 
 DTYPE = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 CUDA = "cuda"
@@ -221,14 +215,11 @@ def _build(family: str, out_dir):
 
 @pytest.fixture(scope="module", params=["kimi_linear", "glm5_next", "nemotron_h"])
 def exported(request, tmp_path_factory):
-    from ignition.export import ExportOptions, export_core
-
     if request.param != "nemotron_h":
         pytest.importorskip("fla")  # KDA's prefill
     root = tmp_path_factory.mktemp(request.param)
     src = _build(request.param, root / "hf")
-    cores = {name: load_core(export_core(src, root / name, ExportOptions(dtype=name))) for name in DTYPES}
-    return request.param, src, cores
+    return request.param, src, export_dtypes(src, root)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
