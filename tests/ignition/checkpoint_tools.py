@@ -1,16 +1,33 @@
-"""Helpers of the family export tests: a tiny checkpoint's raw tensors and config edited in place, its conversion
-with every producer run, and a core directory's files (for byte-identity)."""
+"""Helpers of the family export tests: a module's tiny checkpoints built once, a checkpoint's raw tensors and config
+edited in place, its conversion with every producer run, a core directory's files (for byte-identity), and the checks
+every family repeats: reproducible exports, refused configs and unexpected tensors."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ignition.archs import convert
+from ignition.archs import convert, decode_weight_bytes
+from ignition.errors import ExportError
 from ignition.sources.hf import open_hf_dir
+
+
+def variant_cache(root: Path, build, model):
+    """The family tests' `tiny` fixture: variant -> (build(root / variant, variant), model(variant)), the checkpoint
+    directory and the HF model that wrote it, each built on first use only."""
+    cache: dict = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            cache[variant] = build(root / variant, variant), model(variant)
+        return cache[variant]
+
+    return get
 
 
 def raw_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -81,3 +98,36 @@ def _gate_up(mlp) -> torch.Tensor:
     if hasattr(mlp, "gate_up_proj"):
         return mlp.gate_up_proj.weight
     return torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+
+
+def assert_reproducible_export(path: Path, tmp_path: Path):
+    """Two float32 exports of the checkpoint are byte-identical; the core loads with the converted architecture and
+    its decode weight bytes. Returns the loaded core (for the family's own checks)."""
+    from helios.core.load import load_core
+    from ignition.export import export_core
+
+    arch, _ = convert(open_hf_dir(path), torch.float32)
+    a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
+    assert core_files(a) == core_files(b)
+    core = load_core(a)
+    assert core.manifest.arch == arch
+    assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
+    return core
+
+
+def assert_config_refused(src: Path, tmp_path: Path, edit, message: str) -> None:
+    """A copy of the checkpoint whose text config went through `edit` (edit_config) fails to convert with an
+    ExportError matching `message`."""
+    path = shutil.copytree(src, tmp_path / "x")
+    edit_config(path, edit)
+    with pytest.raises(ExportError, match=message):
+        convert(open_hf_dir(path), torch.float32)
+
+
+def assert_tensor_refused(src: Path, tmp_path: Path, name: str, shape: tuple[int, ...]) -> None:
+    """A copy of the checkpoint with one more tensor (zeros of `shape` under `name`) fails to convert: no place for
+    it."""
+    path = shutil.copytree(src, tmp_path / "x")
+    write_tensors(path, {**raw_tensors(path), name: torch.zeros(shape)})
+    with pytest.raises(ExportError, match=f"no place for: {name}"):
+        convert(open_hf_dir(path), torch.float32)

@@ -16,7 +16,14 @@ import torch
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
 from ignition.sources.hf import open_hf_dir
-from tests.ignition.checkpoint_tools import convert_all, edit_config, raw_tensors, write_tensors
+from tests.ignition.checkpoint_tools import (
+    assert_config_refused,
+    assert_tensor_refused,
+    convert_all,
+    edit_config,
+    raw_tensors,
+    write_tensors,
+)
 from tests.ignition.tiny_models import VOCAB_SIZE, write_tokenizer
 from tests.models.gemma4_tiny import TEXT, build_gemma4, gemma4_model
 
@@ -139,10 +146,7 @@ def test_released_config_spellings(tiny, tmp_path):
     ],
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
-    path = shutil.copytree(tiny[0], tmp_path / "x")
-    edit_config(path, edit)
-    with pytest.raises(ExportError, match=message):
-        convert(open_hf_dir(path), torch.float32)
+    assert_config_refused(tiny[0], tmp_path, edit, message)
 
 
 @pytest.mark.parametrize(
@@ -150,10 +154,7 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
     [(f"{PREFIX}layers.0.self_attn.o_proj.bias", (64,)), (f"{PREFIX}layers.2.self_attn.v_proj.weight", (32, 64))],
 )
 def test_unexpected_tensor(tiny, tmp_path, name, shape):
-    path = shutil.copytree(tiny[0], tmp_path / "x")
-    write_tensors(path, {**raw_tensors(path), name: torch.zeros(shape)})
-    with pytest.raises(ExportError, match=f"no place for: {name}"):
-        convert(open_hf_dir(path), torch.float32)
+    assert_tensor_refused(tiny[0], tmp_path, name, shape)
 
 
 def test_a_shared_layers_stored_kv_projections_are_ignored(tiny, tmp_path):

@@ -16,12 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from helios.core.load import load_core
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
-from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
-from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, raw_tensors, write_tensors
+from tests.ignition.checkpoint_tools import (
+    assert_config_refused,
+    assert_reproducible_export,
+    assert_tensor_refused,
+    convert_all,
+    edit_config,
+    raw_tensors,
+    write_tensors,
+)
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE
 from tests.models.mimo_v2_flash_tiny import build_mimo, mimo_model, write_mimo_v2
 
@@ -97,12 +103,8 @@ def test_decode_weight_bytes(tiny):
 
 def test_export_is_reproducible(tiny, tmp_path):
     path, _ = tiny
-    arch, _ = convert(open_hf_dir(path), torch.float32)
-    a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert core_files(a) == core_files(b)
-    core = load_core(a)
-    assert core.manifest.arch == arch and core.manifest.tokenizer.eos_token_ids == [EOS_ID]
-    assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
+    core = assert_reproducible_export(path, tmp_path)
+    assert core.manifest.tokenizer.eos_token_ids == [EOS_ID]
 
 
 def test_a_mimo_v2_release_converts_to_the_same_core(tiny, tmp_path):
@@ -179,17 +181,11 @@ def test_defaults_when_types_and_rope_are_absent(tiny, tmp_path):
     ],
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
-    path = shutil.copytree(tiny[0], tmp_path / "x")
-    edit_config(path, edit)
-    with pytest.raises(ExportError, match=message):
-        convert(open_hf_dir(path), torch.float32)
+    assert_config_refused(tiny[0], tmp_path, edit, message)
 
 
 @pytest.mark.parametrize(("name", "shape"), [("model.layers.1.self_attn.o_proj.bias", (64,)),
                                              ("model.layers.0.self_attn.attention_sink_bias", (8,))])
 def test_unexpected_tensor(tiny, tmp_path, name, shape):
     """An o_proj bias, or sinks on a full layer whose config gives it none, have no place."""
-    path = shutil.copytree(tiny[0], tmp_path / "x")
-    write_tensors(path, {**raw_tensors(path), name: torch.zeros(shape)})
-    with pytest.raises(ExportError, match=f"no place for: {name}"):
-        convert(open_hf_dir(path), torch.float32)
+    assert_tensor_refused(tiny[0], tmp_path, name, shape)

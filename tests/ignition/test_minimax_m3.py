@@ -17,17 +17,18 @@ import pytest
 import torch
 
 from helios.core.load import load_core
-from ignition.archs import convert, decode_weight_bytes, num_params
-from ignition.errors import ExportError
+from ignition.archs import decode_weight_bytes, num_params
 from ignition.export import export_core
-from ignition.sources.hf import open_hf_dir
 from tests.ignition.checkpoint_tools import (
+    assert_config_refused,
+    assert_reproducible_export,
     assert_runtime_tensors,
+    assert_tensor_refused,
     convert_all,
-    core_files,
     edit_config,
     raw_tensors,
     swiglu_ffn_expected,
+    variant_cache,
     write_tensors,
 )
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE
@@ -38,15 +39,7 @@ PREFIX = "language_model.model."  # the wrapper's released naming
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("minimax_m3")
-    cache: dict = {}
-
-    def get(variant: str):
-        if variant not in cache:
-            cache[variant] = build_minimax_m3(root / variant, variant), minimax_m3_model(variant)
-        return cache[variant]
-
-    return get
+    return variant_cache(tmp_path_factory.mktemp("minimax_m3"), build_minimax_m3, minimax_m3_model)
 
 
 def _text(model):
@@ -140,12 +133,8 @@ def test_projections_match_hf_forward(tiny):
 
 def test_export_is_reproducible(tiny, tmp_path):
     path, _ = tiny("wrapper")
-    arch, _ = convert(open_hf_dir(path), torch.float32)
-    a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert core_files(a) == core_files(b)
-    core = load_core(a)
-    assert core.manifest.arch == arch and core.manifest.recipe.name == "minimax_m3"
-    assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
+    core = assert_reproducible_export(path, tmp_path)
+    assert core.manifest.recipe.name == "minimax_m3"
     assert core.manifest.tokenizer.eos_token_ids == [EOS_ID]
 
 
@@ -268,10 +257,7 @@ def test_cast_to_bfloat16(tiny, tmp_path):
     ],
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
-    path = shutil.copytree(tiny("wrapper")[0], tmp_path / "x")
-    edit_config(path, edit)
-    with pytest.raises(ExportError, match=message):
-        convert(open_hf_dir(path), torch.float32)
+    assert_config_refused(tiny("wrapper")[0], tmp_path, edit, message)
 
 
 @pytest.mark.parametrize(
@@ -279,7 +265,4 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
     [(f"{PREFIX}layers.1.self_attn.o_proj.bias", (64,)), (f"{PREFIX}layers.0.self_attn.index_v_proj.weight", (16, 64))],
 )
 def test_unexpected_tensor(tiny, tmp_path, name, shape):
-    path = shutil.copytree(tiny("wrapper")[0], tmp_path / "x")
-    write_tensors(path, {**raw_tensors(path), name: torch.zeros(shape)})
-    with pytest.raises(ExportError, match=f"no place for: {name}"):
-        convert(open_hf_dir(path), torch.float32)
+    assert_tensor_refused(tiny("wrapper")[0], tmp_path, name, shape)

@@ -15,18 +15,19 @@ import shutil
 import pytest
 import torch
 
-from helios.core.load import load_core
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
-from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
 from tests.ignition.checkpoint_tools import (
+    assert_config_refused,
+    assert_reproducible_export,
     assert_runtime_tensors,
+    assert_tensor_refused,
     convert_all,
-    core_files,
     edit_config,
     raw_tensors,
     swiglu_ffn_expected,
+    variant_cache,
     write_tensors,
 )
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE
@@ -35,15 +36,7 @@ from tests.models.step3p7_tiny import TEXT, VARIANTS, build_step3p7, step3p7_mod
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("step3p7")
-    cache: dict = {}
-
-    def get(variant: str):
-        if variant not in cache:
-            cache[variant] = build_step3p7(root / variant, variant), step3p7_model(variant)
-        return cache[variant]
-
-    return get
+    return variant_cache(tmp_path_factory.mktemp("step3p7"), build_step3p7, step3p7_model)
 
 
 def _shifted(w: torch.Tensor) -> torch.Tensor:
@@ -121,12 +114,7 @@ def test_architecture_matches_config(tiny, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_export_is_reproducible(tiny, variant, tmp_path):
     path, _ = tiny(variant)
-    arch, _ = convert(open_hf_dir(path), torch.float32)
-    a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert core_files(a) == core_files(b)
-    core = load_core(a)
-    assert core.manifest.arch == arch
-    assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
+    core = assert_reproducible_export(path, tmp_path)
     assert core.manifest.tokenizer.eos_token_ids == [EOS_ID]
     assert core.manifest.recipe.name == "step5"  # Step 5 has no transformers family; step3p7 is its nearest
 
@@ -259,10 +247,7 @@ SLIDING_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500.0, "factor": 2.0, "lo
     ],
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
-    path = shutil.copytree(tiny("base")[0], tmp_path / "x")
-    edit_config(path, edit)
-    with pytest.raises(ExportError, match=message):
-        convert(open_hf_dir(path), torch.float32)
+    assert_config_refused(tiny("base")[0], tmp_path, edit, message)
 
 
 @pytest.mark.parametrize(
@@ -271,7 +256,4 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
      ("model.layers.2.moe.down_proj.weight_scale_inv", (8, 1, 1))],
 )
 def test_unexpected_tensor(tiny, tmp_path, name, shape):
-    path = shutil.copytree(tiny("base")[0], tmp_path / "x")
-    write_tensors(path, {**raw_tensors(path), name: torch.zeros(shape)})
-    with pytest.raises(ExportError, match=f"no place for: {name}"):
-        convert(open_hf_dir(path), torch.float32)
+    assert_tensor_refused(tiny("base")[0], tmp_path, name, shape)
