@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-from helios.core.load import load_core
-from ignition.archs import convert, decode_weight_bytes, num_params
-from ignition.errors import ExportError
-from ignition.export import export_core
-from ignition.sources.hf import open_hf_dir
-from tests.ignition.checkpoint_tools import convert_all, core_files, raw_tensors, write_tensors
+from ignition.archs import decode_weight_bytes, num_params
+from tests.ignition.checkpoint_tools import (
+    assert_config_refused,
+    assert_reproducible_export,
+    assert_tensor_refused,
+    convert_all,
+    edit_config,
+    raw_tensors,
+    variant_cache,
+    write_tensors,
+)
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE
 from tests.models.glm5_next_tiny import VARIANTS, build_glm5_next, glm5_next_model
 
@@ -29,21 +33,7 @@ PREFIX = "model.language_model."
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm5_next")
-    cache: dict = {}
-
-    def get(variant: str):
-        if variant not in cache:
-            cache[variant] = build_glm5_next(root / variant, variant), glm5_next_model(variant)
-        return cache[variant]
-
-    return get
-
-
-def _edit_text_config(path: Path, edit) -> None:
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["text_config"] = edit(cfg["text_config"])
-    (path / "config.json").write_text(json.dumps(cfg))
+    return variant_cache(tmp_path_factory.mktemp("glm5_next"), build_glm5_next, glm5_next_model)
 
 
 def _expected(model) -> dict[str, torch.Tensor]:
@@ -184,12 +174,7 @@ def test_projections_match_hf_forward(tiny, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_export_is_reproducible(tiny, variant, tmp_path):
     path, _ = tiny(variant)
-    arch, _ = convert(open_hf_dir(path), torch.float32)
-    a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert core_files(a) == core_files(b)
-    core = load_core(a)
-    assert core.manifest.arch == arch
-    assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
+    core = assert_reproducible_export(path, tmp_path)
     assert core.manifest.tokenizer.eos_token_ids == [EOS_ID]
 
 
@@ -233,12 +218,12 @@ def test_config_spellings(tiny, tmp_path):
         return {**c, "num_local_experts": 8, "index_topk_pattern": "FFSF",
                 "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4}}
 
-    _edit_text_config(path, respell)
+    edit_config(path, respell)
     assert convert_all(path)[0] == arch
     base, _ = tiny("base")
     want, _ = convert_all(base)
     path = shutil.copytree(base, tmp_path / "defaults")
-    _edit_text_config(path, lambda c: {k: v for k, v in c.items()
+    edit_config(path, lambda c: {k: v for k, v in c.items()
                                        if k not in ("layer_types", "mlp_layer_types", "indexer_types")})
     assert convert_all(path)[0] == want
 
@@ -247,9 +232,9 @@ def test_an_unbounded_gate(tiny, tmp_path):
     """linear_lower_bound null: kimi's softplus gate (gate_lower_bound None), unless linear_attn_config's safe_gate
     restores -5 (as Glm5NextTextConfig does)."""
     path = shutil.copytree(tiny("base")[0], tmp_path / "x")
-    _edit_text_config(path, lambda c: {**c, "linear_lower_bound": None})
+    edit_config(path, lambda c: {**c, "linear_lower_bound": None})
     assert convert_all(path)[0].recurrent.gate_lower_bound is None
-    _edit_text_config(path, lambda c: {**c, "linear_attn_config": {"safe_gate": True}})
+    edit_config(path, lambda c: {**c, "linear_attn_config": {"safe_gate": True}})
     assert convert_all(path)[0].recurrent.gate_lower_bound == -5.0
 
 
@@ -313,10 +298,7 @@ def test_cast_to_bfloat16(tiny):
     ],
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
-    path = shutil.copytree(tiny("base")[0], tmp_path / "x")
-    _edit_text_config(path, edit)
-    with pytest.raises(ExportError, match=message):
-        convert(open_hf_dir(path), torch.float32)
+    assert_config_refused(tiny("base")[0], tmp_path, edit, message)
 
 
 @pytest.mark.parametrize(
@@ -325,7 +307,4 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
      (f"{PREFIX}layers.3.self_attn.indexer.wk.bias", (16,))],
 )
 def test_unexpected_tensor(tiny, tmp_path, name, shape):
-    path = shutil.copytree(tiny("base")[0], tmp_path / "x")
-    write_tensors(path, {**raw_tensors(path), name: torch.zeros(shape)})
-    with pytest.raises(ExportError, match=f"no place for: {name}"):
-        convert(open_hf_dir(path), torch.float32)
+    assert_tensor_refused(tiny("base")[0], tmp_path, name, shape)

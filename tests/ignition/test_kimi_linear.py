@@ -13,27 +13,24 @@ import shutil
 import pytest
 import torch
 
-from helios.core.load import load_core
-from ignition.archs import convert, decode_weight_bytes, num_params
-from ignition.errors import ExportError
-from ignition.export import export_core
-from ignition.sources.hf import open_hf_dir
-from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, raw_tensors, write_tensors
+from ignition.archs import decode_weight_bytes, num_params
+from tests.ignition.checkpoint_tools import (
+    assert_config_refused,
+    assert_reproducible_export,
+    assert_tensor_refused,
+    convert_all,
+    edit_config,
+    raw_tensors,
+    variant_cache,
+    write_tensors,
+)
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE
 from tests.models.kimi_linear_tiny import VARIANTS, build_kimi_linear, kimi_linear_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("kimi_linear")
-    cache: dict = {}
-
-    def get(variant: str):
-        if variant not in cache:
-            cache[variant] = build_kimi_linear(root / variant, variant), kimi_linear_model(variant)
-        return cache[variant]
-
-    return get
+    return variant_cache(tmp_path_factory.mktemp("kimi_linear"), build_kimi_linear, kimi_linear_model)
 
 
 def _expected(model) -> dict[str, torch.Tensor]:
@@ -161,12 +158,7 @@ def test_projections_match_hf_forward(tiny, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_export_is_reproducible(tiny, variant, tmp_path):
     path, _ = tiny(variant)
-    arch, _ = convert(open_hf_dir(path), torch.float32)
-    a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert core_files(a) == core_files(b)
-    core = load_core(a)
-    assert core.manifest.arch == arch
-    assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
+    core = assert_reproducible_export(path, tmp_path)
     assert core.manifest.tokenizer.eos_token_ids == [EOS_ID]
 
 
@@ -247,10 +239,7 @@ def test_cast_to_bfloat16(tiny):
     ],
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
-    path = shutil.copytree(tiny("base")[0], tmp_path / "x")
-    edit_config(path, edit)
-    with pytest.raises(ExportError, match=message):
-        convert(open_hf_dir(path), torch.float32)
+    assert_config_refused(tiny("base")[0], tmp_path, edit, message)
 
 
 @pytest.mark.parametrize(
@@ -258,7 +247,4 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
     [("model.layers.3.self_attn.o_proj.bias", (64,)), ("model.layers.0.self_attn.q_conv1d.bias", (64,))],
 )
 def test_unexpected_tensor(tiny, tmp_path, name, shape):
-    path = shutil.copytree(tiny("base")[0], tmp_path / "x")
-    write_tensors(path, {**raw_tensors(path), name: torch.zeros(shape)})
-    with pytest.raises(ExportError, match=f"no place for: {name}"):
-        convert(open_hf_dir(path), torch.float32)
+    assert_tensor_refused(tiny("base")[0], tmp_path, name, shape)

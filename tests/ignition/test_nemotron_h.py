@@ -13,12 +13,17 @@ import shutil
 import pytest
 import torch
 
-from helios.core.load import load_core
 from ignition.archs import convert, decode_weight_bytes, num_params
-from ignition.errors import ExportError
-from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
-from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, raw_tensors, rewrite_tensors
+from tests.ignition.checkpoint_tools import (
+    assert_config_refused,
+    assert_reproducible_export,
+    assert_tensor_refused,
+    convert_all,
+    edit_config,
+    raw_tensors,
+    rewrite_tensors,
+)
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE
 from tests.models.nemotron_h_tiny import VARIANTS, build_nemotron_h, nemotron_h_model
 
@@ -166,12 +171,7 @@ def test_projections_match_hf_forward(tiny, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_export_is_reproducible(tiny, variant, tmp_path):
     path, _ = tiny(variant)
-    arch, _ = convert(open_hf_dir(path), torch.float32)
-    a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert core_files(a) == core_files(b)
-    core = load_core(a)
-    assert core.manifest.arch == arch
-    assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
+    core = assert_reproducible_export(path, tmp_path)
     assert core.manifest.tokenizer.eos_token_ids == [EOS_ID]
     assert not any(n.startswith("mtp") for n in core.tensors)
 
@@ -268,10 +268,7 @@ def test_time_step_limit_is_kept(tiny, tmp_path):
     ],
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
-    path = shutil.copytree(tiny("grouped")[0], tmp_path / "x")
-    edit_config(path, edit)
-    with pytest.raises(ExportError, match=message):
-        convert(open_hf_dir(path), torch.float32)
+    assert_config_refused(tiny("grouped")[0], tmp_path, edit, message)
 
 
 @pytest.mark.parametrize(
@@ -279,7 +276,4 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
     [("backbone.layers.2.mixer.o_proj.bias", (64,)), ("backbone.layers.3.mixer.up_proj.bias", (128,))],
 )
 def test_unexpected_tensor(tiny, tmp_path, name, shape):
-    path = shutil.copytree(tiny("grouped")[0], tmp_path / "x")
-    rewrite_tensors(path, lambda raw: {**raw, name: torch.zeros(shape)})
-    with pytest.raises(ExportError, match=f"no place for: {name}"):
-        convert(open_hf_dir(path), torch.float32)
+    assert_tensor_refused(tiny("grouped")[0], tmp_path, name, shape)

@@ -14,12 +14,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helios.core.load import load_core
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
-from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
-from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, raw_tensors, rewrite_tensors
+from tests.ignition.checkpoint_tools import (
+    assert_config_refused,
+    assert_reproducible_export,
+    assert_tensor_refused,
+    convert_all,
+    edit_config,
+    raw_tensors,
+    rewrite_tensors,
+)
 from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next")
@@ -302,12 +308,7 @@ def test_norms_match_hf_modules(tiny, model_type):
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_export_is_reproducible(tiny, model_type, tmp_path):
     path, _ = tiny(model_type)
-    arch, _ = convert(open_hf_dir(path), torch.float32)
-    a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert core_files(a) == core_files(b)
-    core = load_core(a)
-    assert core.manifest.arch == arch
-    assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
+    core = assert_reproducible_export(path, tmp_path)
     assert core.manifest.tokenizer.eos_token_ids == [EOS_ID]
     assert not any(n.startswith(("mtp", "visual")) for n in core.tensors)
 
@@ -428,10 +429,7 @@ def test_rope_scaling_and_defaults(tiny, tmp_path):
     ],
 )
 def test_unsupported_config(tiny, tmp_path, model_type, edit, message):
-    path = shutil.copytree(tiny(model_type)[0], tmp_path / "x")
-    edit_config(path, edit)
-    with pytest.raises(ExportError, match=message):
-        convert(open_hf_dir(path), torch.float32)
+    assert_config_refused(tiny(model_type)[0], tmp_path, edit, message)
 
 
 def test_wrapper_without_text_config(tiny, tmp_path):
@@ -452,7 +450,4 @@ def test_wrapper_without_text_config(tiny, tmp_path):
     ],
 )
 def test_unexpected_tensor(tiny, tmp_path, model_type, name, shape):
-    path = shutil.copytree(tiny(model_type)[0], tmp_path / "x")
-    rewrite_tensors(path, lambda raw: {**raw, name: torch.zeros(shape)})
-    with pytest.raises(ExportError, match=f"no place for: {name}"):
-        convert(open_hf_dir(path), torch.float32)
+    assert_tensor_refused(tiny(model_type)[0], tmp_path, name, shape)

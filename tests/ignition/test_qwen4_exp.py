@@ -12,13 +12,18 @@ import shutil
 import pytest
 import torch
 
-from helios.core.load import load_core
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.archs.qwen4_exp import ple_head_vocab_sizes, ple_multipliers
 from ignition.errors import ExportError
-from ignition.export import export_core
 from ignition.sources.hf import open_hf_dir
-from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, rewrite_tensors
+from tests.ignition.checkpoint_tools import (
+    assert_config_refused,
+    assert_reproducible_export,
+    assert_tensor_refused,
+    convert_all,
+    edit_config,
+    rewrite_tensors,
+)
 from tests.ignition.tiny_models import EOS_ID, VOCAB_SIZE, write_tokenizer
 from tests.models.qwen4_exp_tiny import _COMMON, IDX, LIN, VARIANTS
 
@@ -254,12 +259,7 @@ def test_legacy_rope_keys(tiny, tmp_path):
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_is_reproducible(tiny, kind, tmp_path):
     path, _ = tiny(kind)
-    arch, _ = convert(open_hf_dir(path), torch.float32)
-    a, b = export_core(path, tmp_path / "a"), export_core(path, tmp_path / "b")
-    assert core_files(a) == core_files(b)
-    core = load_core(a)
-    assert core.manifest.arch == arch
-    assert core.manifest.decode_weight_bytes == decode_weight_bytes(arch, "float32")
+    core = assert_reproducible_export(path, tmp_path)
     assert not any(n.startswith(("mtp", "visual")) for n in core.tensors)
 
 
@@ -303,10 +303,7 @@ def test_decode_weight_bytes(tiny):
     ],
 )
 def test_unsupported_config(tiny, tmp_path, kind, edit, message):
-    path = shutil.copytree(tiny(kind)[0], tmp_path / "x")
-    edit_config(path, edit)
-    with pytest.raises(ExportError, match=message):
-        convert(open_hf_dir(path), torch.float32)
+    assert_config_refused(tiny(kind)[0], tmp_path, edit, message)
 
 
 @pytest.mark.parametrize(
@@ -361,7 +358,4 @@ def test_ple_offsets_must_be_running_sums(tiny, tmp_path):
     ],
 )
 def test_unexpected_tensor(tiny, tmp_path, kind, name, shape):
-    path = shutil.copytree(tiny(kind)[0], tmp_path / "x")
-    rewrite_tensors(path, lambda raw: {**raw, name: torch.zeros(shape)})
-    with pytest.raises(ExportError, match=f"no place for: {name}"):
-        convert(open_hf_dir(path), torch.float32)
+    assert_tensor_refused(tiny(kind)[0], tmp_path, name, shape)
