@@ -147,3 +147,21 @@ def build_tiny(family: str, out_dir: Path, seed: int = 0, sharded: bool = False,
     model.save_pretrained(out_dir, max_shard_size="100KB" if sharded else "2GB")
     write_tokenizer(out_dir)
     return out_dir
+
+
+def redraw_score_biases(model, gen: torch.Generator) -> None:
+    """Re-draw the routers' score-correction biases (e_score_correction_bias: buffers, not parameters) small from
+    `gen`, after the family's parameters; call under torch.no_grad()."""
+    for name, b in sorted(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+
+
+def save_checkpoint(model, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A family builder's last step: the HF model (cast to `dtype`) and a tokenizer saved to `out_dir` (made if
+    missing); returns it."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(dtype).save_pretrained(out_dir)
+    write_tokenizer(out_dir)
+    return out_dir

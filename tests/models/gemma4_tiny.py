@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
+from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_checkpoint
 
 S, F = "sliding_attention", "full_attention"
 WINDOW = 8
@@ -66,11 +66,7 @@ def gemma4_model(variant: str = "base", seed: int = 0, **overrides):
 
 def build_gemma4(out_dir: Path, variant: str = "base", seed: int = 0, dtype: torch.dtype = torch.float32,
                  **overrides) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    gemma4_model(variant, seed, **overrides).to(dtype).save_pretrained(out_dir)
-    write_tokenizer(out_dir)
-    return out_dir
+    return save_checkpoint(gemma4_model(variant, seed, **overrides), out_dir, dtype)
 
 
 # Released configs' keys at tiny sizes (their text_config spells the full layers' shape global_head_dim /

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
+from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, redraw_score_biases, save_checkpoint
 
 LIN, IDX = "linear_attention", "indexed_attention"
 # What each variant exercises (docs/families.md's tiny config, as its base; prompts past 16 tokens drop pools):
@@ -64,16 +64,10 @@ def glm5_next_model(variant: str = "base", seed: int = 0, **overrides):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             else:  # [.., out, in] (the conv's [C, 1, K], the pool offsets [P, Di] too): activations O(1)
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-        for name, b in sorted(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+        redraw_score_biases(model, gen)
     return model
 
 
 def build_glm5_next(out_dir: Path, variant: str = "base", seed: int = 0, dtype: torch.dtype = torch.float32,
                     **overrides) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    glm5_next_model(variant, seed, **overrides).to(dtype).save_pretrained(out_dir)
-    write_tokenizer(out_dir)
-    return out_dir
+    return save_checkpoint(glm5_next_model(variant, seed, **overrides), out_dir, dtype)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
+from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_checkpoint
 
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
@@ -59,8 +59,4 @@ def hybrid_model(family: str, seed: int = 0, **overrides):
 
 def build_hybrid(family: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
                  **overrides) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hybrid_model(family, seed, **overrides).to(dtype).save_pretrained(out_dir)
-    write_tokenizer(out_dir)
-    return out_dir
+    return save_checkpoint(hybrid_model(family, seed, **overrides), out_dir, dtype)

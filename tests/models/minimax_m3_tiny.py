@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
+from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, redraw_score_biases, save_checkpoint
 
 FULL, SPARSE = "full_attention", "minimax_m3_sparse"
 # What each variant exercises (blocks of 4 or 8 tokens, so 150-token prompts drop most of them):
@@ -66,16 +66,10 @@ def minimax_m3_model(variant: str = "wrapper", seed: int = 0, **overrides):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-        for name, b in sorted(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+        redraw_score_biases(model, gen)
     return model
 
 
 def build_minimax_m3(out_dir: Path, variant: str = "wrapper", seed: int = 0, dtype: torch.dtype = torch.float32,
                      **overrides) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    minimax_m3_model(variant, seed, **overrides).to(dtype).save_pretrained(out_dir)
-    write_tokenizer(out_dir)
-    return out_dir
+    return save_checkpoint(minimax_m3_model(variant, seed, **overrides), out_dir, dtype)

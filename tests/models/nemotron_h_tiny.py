@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
+from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, redraw_score_biases, save_checkpoint
 
 # What each variant exercises:
 #   grouped  two Mamba-2 layers (8 heads of 16 in 2 groups, state 16, conv bias, SSD chunk 8), GQA attention, a
@@ -58,16 +58,10 @@ def nemotron_h_model(variant: str = "grouped", seed: int = 0, **overrides):
                 p.copy_(0.5 * torch.randn(p.shape, generator=gen))
             else:  # [.., out, in] (the conv's [C, 1, K] too): activations O(1)
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-        for name, b in sorted(model.named_buffers()):
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+        redraw_score_biases(model, gen)
     return model
 
 
 def build_nemotron_h(out_dir: Path, variant: str = "grouped", seed: int = 0, dtype: torch.dtype = torch.float32,
                      **overrides) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    nemotron_h_model(variant, seed, **overrides).to(dtype).save_pretrained(out_dir)
-    write_tokenizer(out_dir)
-    return out_dir
+    return save_checkpoint(nemotron_h_model(variant, seed, **overrides), out_dir, dtype)

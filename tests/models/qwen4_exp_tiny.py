@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
+from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_checkpoint
 
 LIN, IDX = "linear_attention", "indexed_attention"
 # What each variant exercises (both: QSA keeping 2 blocks of 4 tokens, so prompts past 8 tokens drop blocks):
@@ -60,8 +60,4 @@ def qwen4_exp_model(variant: str, seed: int = 0, **overrides):
 
 def build_qwen4_exp(variant: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
                     **overrides) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    qwen4_exp_model(variant, seed, **overrides).to(dtype).save_pretrained(out_dir)
-    write_tokenizer(out_dir)
-    return out_dir
+    return save_checkpoint(qwen4_exp_model(variant, seed, **overrides), out_dir, dtype)
