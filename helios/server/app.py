@@ -27,7 +27,7 @@ from helios.server.generation import Generation
 from helios.server.http import JSON, ClientDisconnected, Request, run_until_disconnect
 from helios.server.metrics import PROMETHEUS_CONTENT_TYPE, Snapshot, render_json, render_prometheus, wants_json
 from helios.server.protocols import (anthropic_messages, decisions, ollama, openai_chat, openai_completions,
-                                     openai_models, openai_responses, systemone)
+                                     openai_models, openai_responses, render, systemone)
 from helios.server.runtime import Runtime
 
 logger = logging.getLogger("helios.server")
@@ -252,6 +252,13 @@ class HeliosApp:
         rt = self.runtime
         await request.respond_json(200, await rt.run_blocking(anthropic_messages.count_tokens, body, rt.model))
 
+    async def _render(self, request: Request, renderer) -> None:
+        """vLLM's render routes: the generating route's preparation on the frontend pool, its prompt ids and
+        resolved sampling answered; no admission slot, nothing submitted (protocols/render.py)."""
+        body = await self._read_json_body(request)
+        rt = self.runtime
+        await request.respond_json(200, await rt.run_blocking(renderer, body, rt.model))
+
     async def _ollama_show(self, request: Request) -> None:
         try:
             body = await request.read_body(self.runtime.config.max_body_bytes)
@@ -307,6 +314,8 @@ ROUTES: dict[str, Route] = {
     MODEL_PREFIX: Route("GET", "bearer", lambda app, r, x: app._models(r, r.path[len(MODEL_PREFIX):])),
     "/v1/chat/completions": Route("POST", "bearer", lambda app, r, x: app._generate(r, openai_chat, x)),
     "/v1/completions": Route("POST", "bearer", lambda app, r, x: app._generate(r, openai_completions, x)),
+    "/v1/chat/completions/render": Route("POST", "bearer", lambda app, r, x: app._render(r, render.chat)),
+    "/v1/completions/render": Route("POST", "bearer", lambda app, r, x: app._render(r, render.completions)),
     "/v1/messages": Route("POST", "anthropic", lambda app, r, x: app._generate(r, anthropic_messages, x)),
     "/v1/messages/count_tokens": Route("POST", "anthropic", lambda app, r, x: app._count_tokens(r)),
     "/v1/responses": Route("POST", "bearer", lambda app, r, x: app._generate(r, openai_responses, x)),

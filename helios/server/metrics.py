@@ -220,6 +220,33 @@ class _SnapshotCollector:
                                 value=fr.median_seconds if fr.median_seconds is not None else math.nan)
         yield GaugeMetricFamily("flare_history_drafts_enabled", "Shared decoded history augments learned proposals",
                                 value=0)
+        yield from vllm_aliases(snap)
+
+
+def kv_cache_usage(snap: Snapshot) -> float:
+    """Used KV pages over the pool (0..1): free pages include evictable prefix-cache pages, as vLLM counts them."""
+    return (snap.total_pages - snap.free_pages) / snap.total_pages if snap.total_pages else 0.0
+
+
+def vllm_aliases(snap: Snapshot):
+    """The gauges a Gateway API Inference Extension / llm-d endpoint picker scrapes by default, under vLLM's names
+    (its flags total-queued-requests-, total-running-requests-, kv-cache-usage-percentage-, lora-info- and
+    cache-info-metric), computed from the flare_ values above. vllm:gpu_cache_usage_perc is the older EPPs'
+    default name for the same fraction. No LoRA: lora_requests_info says no adapter runs or waits (max_lora 0),
+    so an EPP's LoRA affinity finds nothing rather than a missing metric."""
+    yield GaugeMetricFamily("vllm:num_requests_running", "Alias of flare_active_requests", value=snap.active)
+    yield GaugeMetricFamily("vllm:num_requests_waiting", "Alias of flare_pending_requests", value=snap.pending)
+    usage = kv_cache_usage(snap)
+    yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "Used KV pages over total pages (0..1)", value=usage)
+    yield GaugeMetricFamily("vllm:gpu_cache_usage_perc", "Alias of vllm:kv_cache_usage_perc", value=usage)
+    cache = GaugeMetricFamily("vllm:cache_config_info", "KV pool shape: tokens per page, pages",
+                              labels=["block_size", "num_gpu_blocks"])
+    cache.add_metric([str(snap.page_tokens), str(snap.total_pages)], 1)
+    yield cache
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters (none: helios serves no adapters)",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    lora.add_metric(["0", "", ""], time.time())
+    yield lora
 
 
 _HISTOGRAMS = (

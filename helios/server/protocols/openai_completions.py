@@ -126,24 +126,31 @@ class Prepared(Struct):
         return self.req.stream
 
 
-def prepare(body: bytes, ctx: ModelContext) -> Prepared:
+def decode(body: bytes, ctx: ModelContext) -> tuple[CompletionRequest, list[Prompt], int | None, GenerationRequest]:
+    """The body -> (request, its prompts, the prompt logprob count, the neutral request); Completions' own checks
+    on the way. Raises ApiError, or InvalidRequest from the shared sampling rules."""
     req = decode_body(body, CompletionRequest)
     _check_unsupported(req)
+    prompts = _prompts(req, ctx)
+    fmt = structured.one_format(structured.chat_response_format(req.response_format),
+                                structured.native_structured_outputs(req.structured_outputs))
+    scoring = req.echo and req.logprobs is not None
+    # NOTE: echo + logprobs scores the prompt; an explicit prompt_logprobs overrides that count.
+    prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else (req.logprobs if scoring else None)
+    fields = sampling_fields(
+        req, stop=stop_strings(req.stop), logprobs=req.logprobs, logprob_token_ids=req.logprob_token_ids,
+        prompt_logprobs=max(prompt_k, req.logprobs or 0) if prompt_k is not None else None,
+        logit_bias=req.logit_bias,
+    )
+    neutral = GenerationRequest([p.token_ids for p in prompts], fields, req.max_tokens, allow_zero_tokens=True,
+                                submit_zero_tokens=prompt_k is not None, n=req.n, fmt=fmt,
+                                skip_special_tokens=req.skip_special_tokens)
+    return req, prompts, prompt_k, neutral
+
+
+def prepare(body: bytes, ctx: ModelContext) -> Prepared:
     try:
-        prompts = _prompts(req, ctx)
-        fmt = structured.one_format(structured.chat_response_format(req.response_format),
-                                    structured.native_structured_outputs(req.structured_outputs))
-        scoring = req.echo and req.logprobs is not None
-        # NOTE: echo + logprobs scores the prompt; an explicit prompt_logprobs overrides that count.
-        prompt_k = req.prompt_logprobs if req.prompt_logprobs is not None else (req.logprobs if scoring else None)
-        fields = sampling_fields(
-            req, stop=stop_strings(req.stop), logprobs=req.logprobs, logprob_token_ids=req.logprob_token_ids,
-            prompt_logprobs=max(prompt_k, req.logprobs or 0) if prompt_k is not None else None,
-            logit_bias=req.logit_bias,
-        )
-        neutral = GenerationRequest([p.token_ids for p in prompts], fields, req.max_tokens, allow_zero_tokens=True,
-                                    submit_zero_tokens=prompt_k is not None, n=req.n, fmt=fmt,
-                                    skip_special_tokens=req.skip_special_tokens)
+        req, prompts, prompt_k, neutral = decode(body, ctx)
         prep = prepare_request(ctx, neutral, f"cmpl-{uuid.uuid4().hex}")
     except InvalidRequest as e:
         raise from_invalid(e) from None
