@@ -33,15 +33,23 @@ def export_dtypes(src: Path, root: Path, dtypes=DTYPES) -> dict[str, LoadedCore]
     return {name: load_core(export_core(src, root / name, ExportOptions(dtype=name))) for name in dtypes}
 
 
+def export_family(tmp_path_factory, name: str, build) -> tuple[Path, dict[str, LoadedCore]]:
+    """A family's module fixture: (the HF directory build(root / "hf") writes, its float32 and bfloat16 cores)."""
+    root = tmp_path_factory.mktemp(name)
+    src = build(root / "hf")
+    return src, export_dtypes(src, root)
+
+
 def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int = 128, **options) -> EngineCore:
     """window_engine's (room in the window group for every request's window and chunk) on the GPU, 512 pages;
     options: window_engine's (cuda_graphs=False: eager decode)."""
     return window_engine(core, max_concurrency, NUM_PAGES, chunk, budget, device="cuda", **options)
 
 
-def check_greedy_on_cuda(hf, core) -> EngineCore:
-    """32 greedy tokens of a 150-token prompt through cuda_engine (256-token budget, 128-token chunks) = the HF
-    model's generate (hf on the device). Returns the engine."""
+def check_greedy_on_cuda(hf_class, src: Path, core) -> EngineCore:
+    """32 greedy tokens of a 150-token prompt through cuda_engine (256-token budget, 128-token chunks) = generate of
+    the HF model (hf_class from src, float32, on the device). Returns the engine."""
+    hf = hf_class.from_pretrained(src, dtype=torch.float32).to("cuda").eval()
     return check_greedy_matches_generate(hf, core, prompt(150, seed=5), engine=cuda_engine, device="cuda")
 
 

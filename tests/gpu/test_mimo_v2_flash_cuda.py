@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, check_batched_on_cuda, check_greedy_on_cuda, export_dtypes
+from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, check_batched_on_cuda, check_greedy_on_cuda, export_family
 from tests.kernels import checks
 from tests.models.mimo_v2_flash_tiny import build_mimo
 
@@ -18,9 +18,7 @@ pytestmark = CUDA_MARKS
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mimo_v2_flash")
-    src = build_mimo(root / "hf")
-    return src, export_dtypes(src, root)
+    return export_family(tmp_path_factory, "mimo_v2_flash", build_mimo)
 
 
 def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
@@ -28,8 +26,7 @@ def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
     from transformers import MiMoV2FlashForCausalLM
 
     src, cores = exported
-    hf = MiMoV2FlashForCausalLM.from_pretrained(src, dtype=torch.float32).to("cuda").eval()
-    check_greedy_on_cuda(hf, cores["float32"])
+    check_greedy_on_cuda(MiMoV2FlashForCausalLM, src, cores["float32"])
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -7,7 +7,6 @@ variant (every MLP dense) captures decode graphs: its tokens = the eager CUDA en
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helios.core.load import load_core
 from helios.engine.engine_core import EngineCore
@@ -19,7 +18,7 @@ from tests.gpu.family_cuda import (
     check_batched_on_cuda,
     check_greedy_on_cuda,
     cuda_engine,
-    export_dtypes,
+    export_family,
 )
 from tests.models.hybrid_harness import prompt
 from tests.models.muse_spark_tiny import build_muse_spark
@@ -29,9 +28,7 @@ pytestmark = CUDA_MARKS
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("muse_spark")
-    src = build_muse_spark(root / "hf")
-    return src, export_dtypes(src, root)
+    return export_family(tmp_path_factory, "muse_spark", build_muse_spark)
 
 
 def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
@@ -39,8 +36,7 @@ def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
     from transformers import MuseSparkForConditionalGeneration
 
     src, cores = exported
-    hf = MuseSparkForConditionalGeneration.from_pretrained(src, dtype=torch.float32).to("cuda").eval()
-    engine = check_greedy_on_cuda(hf, cores["float32"])
+    engine = check_greedy_on_cuda(MuseSparkForConditionalGeneration, src, cores["float32"])
     assert engine.runner.kv_cache.layers[1].shape[1] < NUM_PAGES  # the sliding layers hold only the window group
 
 

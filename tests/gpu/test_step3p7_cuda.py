@@ -7,9 +7,8 @@ transformers' generate on the device; 16 batched = alone in both dtypes (tests/g
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, check_batched_on_cuda, check_greedy_on_cuda, export_dtypes
+from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, check_batched_on_cuda, check_greedy_on_cuda, export_family
 from tests.models.step3p7_tiny import build_step3p7
 
 pytestmark = CUDA_MARKS
@@ -17,9 +16,7 @@ pytestmark = CUDA_MARKS
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    root = tmp_path_factory.mktemp("step3p7")
-    src = build_step3p7(root / "hf")
-    return src, export_dtypes(src, root)
+    return export_family(tmp_path_factory, "step3p7", build_step3p7)
 
 
 def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
@@ -27,8 +24,7 @@ def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
     from transformers import Step3p7ForConditionalGeneration
 
     src, cores = exported
-    hf = Step3p7ForConditionalGeneration.from_pretrained(src, dtype=torch.float32).to("cuda").eval()
-    check_greedy_on_cuda(hf, cores["float32"])
+    check_greedy_on_cuda(Step3p7ForConditionalGeneration, src, cores["float32"])
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
