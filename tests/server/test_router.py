@@ -94,6 +94,11 @@ def test_chat_render_is_the_prompt_chat_completions_prefills(tight_server):
     generated = httpx.post(url + "/v1/chat/completions", json={**CHAT, "return_token_ids": True}, timeout=60)
     assert generated.status_code == 200, generated.text
     assert rendered["token_ids"] == generated.json()["prompt_token_ids"]
+    streamed = httpx.post(url + "/v1/chat/completions/render", timeout=60,
+                          json={**CHAT, "n": 3, "stream": True, "stream_options": {"include_usage": True}}).json()
+    assert streamed["token_ids"] == rendered["token_ids"] and streamed["sampling_params"]["n"] == 3
+    assert streamed["stream"] is True
+    assert streamed["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
 
 
 def test_completions_render_returns_one_request_per_prompt(tight_server, frontend):
