@@ -22,6 +22,7 @@ from ignition.sources.hf import open_hf_dir
 from tests.ignition.checkpoint_tools import (
     assert_config_refused,
     assert_reproducible_export,
+    assert_runtime_tensors,
     assert_tensor_refused,
     convert_all,
     edit_config,
@@ -63,12 +64,7 @@ def _expected(model) -> dict[str, torch.Tensor]:
 
 def test_runtime_tensors_equal_hf_modules(tiny):
     path, model = tiny
-    _, got = convert_all(path)
-    want = _expected(model)
-    assert sorted(got) == sorted(want)
-    for name, t in want.items():
-        assert got[name].dtype == torch.float32 and got[name].is_contiguous(), name
-        torch.testing.assert_close(got[name], t, atol=0, rtol=1e-6, msg=name)  # V rows: one float32 rounding
+    assert_runtime_tensors(convert_all(path)[1], _expected(model), rtol=1e-6)  # V rows: one float32 rounding
 
 
 def test_architecture_matches_config(tiny):
