@@ -55,6 +55,16 @@ def window_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: 
                                           window_pages=window_pages, **runner_options))
 
 
+def export_float32(hf_class, src: Path, root: Path):
+    """A parity test's pair: (the HF model hf_class loads from src in float32, src's float32 core with prompt
+    logprobs, exported under root / "core")."""
+    from helios.core.load import load_core
+    from ignition.export import ExportOptions, export_core
+
+    core = load_core(export_core(src, root / "core", ExportOptions(dtype="float32", prompt_logprobs=True)))
+    return hf_class.from_pretrained(src, dtype=torch.float32).eval(), core
+
+
 def prompt(n: int, seed: int = 1) -> list[int]:
     return torch.randint(3, 290, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -20,7 +20,7 @@ from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
 from tests.models.gemma4_tiny import WINDOW, build_gemma4
-from tests.models.hybrid_harness import greedy_request, hf_logits, prompt, window_engine
+from tests.models.hybrid_harness import export_float32, greedy_request, hf_logits, prompt, window_engine
 
 PAGE, CHUNK, NUM_PAGES = 4, 8, 640
 
@@ -29,11 +29,7 @@ def export_gemma4(variant: str, root: Path):
     """(HF model, LoadedCore) of the variant's tiny checkpoint, exported in float32."""
     from transformers import Gemma4ForConditionalGeneration
 
-    from ignition.export import ExportOptions, export_core
-
-    src = build_gemma4(root / "hf", variant)
-    core = load_core(export_core(src, root / "core", ExportOptions(dtype="float32", prompt_logprobs=True)))
-    return Gemma4ForConditionalGeneration.from_pretrained(src, dtype=torch.float32).eval(), core
+    return export_float32(Gemma4ForConditionalGeneration, build_gemma4(root / "hf", variant), root)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios.core.load import load_core
 from helios.engine.kv_groups import window_pages_per_request
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
@@ -18,6 +17,7 @@ from tests.models.hybrid_harness import (
     check_batched_equals_alone,
     check_greedy_matches_generate,
     check_logits_and_prompt_logprobs,
+    export_float32,
     hf_logits,
     prompt,
 )
@@ -31,13 +31,8 @@ def mimo(tmp_path_factory):
     """(HF model, LoadedCore) of the tiny checkpoint."""
     from transformers import MiMoV2FlashForCausalLM
 
-    from ignition.export import ExportOptions, export_core
-
     root = tmp_path_factory.mktemp("mimo_v2_flash")
-    src = build_mimo(root / "hf")
-    core = load_core(export_core(src, root / "core", ExportOptions(dtype="float32", prompt_logprobs=True)))
-    hf = MiMoV2FlashForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    return hf, core
+    return export_float32(MiMoV2FlashForCausalLM, build_mimo(root / "hf"), root)
 
 
 def test_the_export_is_mimo_v2_flash(mimo):

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from helios.core.load import load_core
 from helios.runner.model_runner import ModelRunner
 from tests.models.engine_harness import greedy, make_engine, run, tokens
 from tests.models.hybrid_harness import (
@@ -19,6 +18,7 @@ from tests.models.hybrid_harness import (
     check_batched_equals_alone,
     check_greedy_matches_generate,
     check_logits_and_prompt_logprobs,
+    export_float32,
     hf_logits,
     prompt,
 )
@@ -29,12 +29,8 @@ def export_minimax_m3(variant: str, root: Path):
     """(HF model, LoadedCore) of the variant's tiny checkpoint."""
     import transformers as T
 
-    from ignition.export import ExportOptions, export_core
-
-    src = build_minimax_m3(root / "hf", variant)
-    core = load_core(export_core(src, root / "core", ExportOptions(dtype="float32", prompt_logprobs=True)))
     cls = T.MiniMaxM3VLForCausalLM if variant == "text" else T.MiniMaxM3SparseForConditionalGeneration
-    return cls.from_pretrained(src, dtype=torch.float32).eval(), core
+    return export_float32(cls, build_minimax_m3(root / "hf", variant), root)
 
 
 @pytest.fixture(scope="module", params=VARIANTS)

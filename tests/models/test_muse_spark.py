@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios.core.load import load_core
 from helios.engine.engine_core import EngineCore
 from helios.engine.kv_groups import window_pages_per_request
 from helios.runner.kv_cache import KVCache
@@ -18,6 +17,7 @@ from helios.runner.model_runner import ModelRunner
 from tests.models.hybrid_harness import (
     check_batched_equals_alone,
     check_greedy_matches_generate,
+    export_float32,
     hf_logits,
     prompt,
     window_engine,
@@ -32,13 +32,8 @@ def muse(tmp_path_factory):
     """(HF model, LoadedCore) of the tiny checkpoint, exported in float32."""
     from transformers import MuseSparkForConditionalGeneration
 
-    from ignition.export import ExportOptions, export_core
-
     root = tmp_path_factory.mktemp("muse_spark")
-    src = build_muse_spark(root / "hf")
-    core = load_core(export_core(src, root / "core", ExportOptions(dtype="float32", prompt_logprobs=True)))
-    hf = MuseSparkForConditionalGeneration.from_pretrained(src, dtype=torch.float32).eval()
-    return hf, core
+    return export_float32(MuseSparkForConditionalGeneration, build_muse_spark(root / "hf"), root)
 
 
 def make_engine(core, max_concurrency: int = 16, budget: int = 64, chunk: int = CHUNK) -> EngineCore:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from helios.core.load import load_core
 from helios.engine.engine_core import EngineCore
 from helios.engine.kv_groups import window_pages_per_request
 from helios.runner.kv_cache import KVCache
@@ -20,6 +19,7 @@ from helios.runner.model_runner import ModelRunner
 from tests.models.hybrid_harness import (
     check_batched_equals_alone,
     check_greedy_matches_generate,
+    export_float32,
     hf_logits,
     prompt,
     window_engine,
@@ -33,12 +33,7 @@ def export_step3p7(variant: str, root: Path):
     """(HF model, LoadedCore) of the variant's tiny checkpoint."""
     from transformers import Step3p7ForConditionalGeneration
 
-    from ignition.export import ExportOptions, export_core
-
-    src = build_step3p7(root / "hf", variant)
-    core = load_core(export_core(src, root / "core", ExportOptions(dtype="float32", prompt_logprobs=True)))
-    hf = Step3p7ForConditionalGeneration.from_pretrained(src, dtype=torch.float32).eval()
-    return hf, core
+    return export_float32(Step3p7ForConditionalGeneration, build_step3p7(root / "hf", variant), root)
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
