@@ -5,6 +5,7 @@ transformers' generate on the device, 16 batched requests = each alone."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -46,16 +47,17 @@ def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int =
     return window_engine(core, max_concurrency, NUM_PAGES, chunk, budget, device="cuda", **options)
 
 
-def check_greedy_on_cuda(hf_class, src: Path, core) -> EngineCore:
-    """32 greedy tokens of a 150-token prompt through cuda_engine (256-token budget, 128-token chunks) = generate of
-    the HF model (hf_class from src, float32, on the device). Returns the engine."""
+def check_greedy_on_cuda(hf_class, src: Path, core, **options) -> EngineCore:
+    """32 greedy tokens of a 150-token prompt through cuda_engine (256-token budget, 128-token chunks; options:
+    window_engine's) = generate of the HF model (hf_class from src, float32, on the device). Returns the engine."""
     hf = hf_class.from_pretrained(src, dtype=torch.float32).to("cuda").eval()
-    return check_greedy_matches_generate(hf, core, prompt(150, seed=5), engine=cuda_engine, device="cuda")
+    return check_greedy_matches_generate(hf, core, prompt(150, seed=5), engine=partial(cuda_engine, **options),
+                                         device="cuda")
 
 
-def check_batched_on_cuda(core, budget: int = 128, chunk: int = 64, one_alone_engine: bool = False) -> None:
+def check_batched_on_cuda(core, budget: int = 128, chunk: int = 64, one_alone_engine: bool = False, **options) -> None:
     """16 requests together (prompts split into `chunk`-token chunks beside decodes, a `budget`-token budget) = each
-    alone (one slot, 512-token chunks)."""
+    alone (one slot, 512-token chunks); options: window_engine's."""
     prompts = [prompt(7 + 23 * i, seed=10 + i) for i in range(16)]
-    check_batched_equals_alone(core, prompts, engine=cuda_engine, budget=budget, chunk=chunk,
+    check_batched_equals_alone(core, prompts, engine=partial(cuda_engine, **options), budget=budget, chunk=chunk,
                                one_alone_engine=one_alone_engine)
