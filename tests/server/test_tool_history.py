@@ -113,6 +113,10 @@ class _Chars:
     def encode(self, text, add_special_tokens=False):
         return list(text.encode())
 
+    def encode_with_ends(self, text):  # each byte a token, ending where its character ends
+        ends = [i + 1 for i, ch in enumerate(text) for _ in ch.encode()]
+        return self.encode(text), ends
+
 
 def _render(source: str, messages) -> str:
     from helios.core.manifest import TemplateCaps
