@@ -18,7 +18,7 @@ import torch
 from ignition.archs import convert, decode_weight_bytes, num_params
 from ignition.errors import ExportError
 from ignition.sources.hf import open_hf_dir
-from tests.ignition.checkpoint_tools import convert_all, edit_config, raw_tensors, write_tensors
+from tests.ignition.checkpoint_tools import assert_config_refused, convert_all, raw_tensors, write_tensors
 from tests.models.deepseek_v4_tiny import build_deepseek_v4, deepseek_v4_model
 
 
@@ -149,10 +149,7 @@ def test_the_published_layout_and_config_keys(tiny, tmp_path):
     ],
 )
 def test_unsupported_config(tiny, tmp_path, edit, message):
-    path = shutil.copytree(tiny[0], tmp_path / "x")
-    edit_config(path, edit)
-    with pytest.raises(ExportError, match=message):
-        convert(open_hf_dir(path), torch.float32)
+    assert_config_refused(tiny[0], tmp_path, edit, message)
 
 
 def test_mtp_under_model_is_ignored_too(tiny, tmp_path):

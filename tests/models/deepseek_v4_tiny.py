@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, write_tokenizer
+from tests.ignition.tiny_models import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, save_checkpoint
 
 SLIDE, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 # Every layer kind, a window of 8, CSA entries every 4 tokens of which each query keeps 3 (prompts past 16 tokens drop
@@ -64,8 +64,4 @@ def deepseek_v4_model(seed: int = 0, **overrides):
 
 
 def build_deepseek_v4(out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    deepseek_v4_model(seed, **overrides).to(dtype).save_pretrained(out_dir)
-    write_tokenizer(out_dir)
-    return out_dir
+    return save_checkpoint(deepseek_v4_model(seed, **overrides), out_dir, dtype)
