@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from helios.core.load import load_core
 from helios.engine.kv_groups import window_pages_per_request
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
@@ -19,6 +18,7 @@ from tests.models.deepseek_v4_tiny import build_deepseek_v4
 from tests.models.hybrid_harness import (
     PAGE_SIZE,
     check_greedy_matches_generate,
+    export_float32,
     generate,
     greedy_request,
     hf_logits,
@@ -32,11 +32,7 @@ def export_deepseek_v4(root: Path):
     """(HF model, LoadedCore) of the tiny checkpoint."""
     from transformers import DeepseekV4ForCausalLM
 
-    from ignition.export import ExportOptions, export_core
-
-    src = build_deepseek_v4(root / "hf")
-    core = load_core(export_core(src, root / "core", ExportOptions(dtype="float32", prompt_logprobs=True)))
-    return DeepseekV4ForCausalLM.from_pretrained(src, dtype=torch.float32).eval(), core
+    return export_float32(DeepseekV4ForCausalLM, build_deepseek_v4(root / "hf"), root)
 
 
 @pytest.fixture(scope="module")
