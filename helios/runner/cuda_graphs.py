@@ -307,10 +307,13 @@ def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> st
         unsafe = sorted({type(m).__name__ for m in moes if not m.decode_graph_safe})
         if unsafe or not moes:
             return f"MoE routing syncs with the host (expert loop: {', '.join(unsafe) or 'no fused MoE block'})"
-    if arch.recurrent is not None:
-        unsafe = [type(m).__name__ for m in model.modules() if getattr(m, "decode_graph_safe", True) is False]
-        if unsafe or not any(hasattr(m, "decode_graph_safe") for m in model.modules()):
-            kinds = ", ".join(sorted(set(unsafe))) or arch.recurrent.kind
+    if arch.recurrent is not None:  # graphed only where every recurrent mixer decodes on its Triton path
+        from helios.layers.linear_attention import RecurrentMixer
+
+        mixers = [m for m in model.modules() if isinstance(m, RecurrentMixer)]
+        unsafe = sorted({type(m).__name__ for m in mixers if not m.decode_graph_safe})
+        if unsafe or not mixers:
+            kinds = ", ".join(unsafe) or arch.recurrent.kind
             return f"recurrent layers ({kinds}): their decode step reads host-side slot lists (no Triton path)"
     if arch.index_dim:
         return "indexed attention layers: their key selection loops over sequences on the host"
