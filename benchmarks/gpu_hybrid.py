@@ -141,7 +141,7 @@ def prefill_flops(arch, t: dict, n: int) -> float:
 def hf_decode(model, new: int = NEW) -> float:
     """HF generate at batch 1 on its torch reference ops (with fla installed it would take fla's kernels, whose
     autotuning for its shapes takes minutes on a fresh machine)."""
-    from tests.gpu.test_hybrid_cuda import hf_torch_path
+    from tests.gpu.family_cuda import hf_torch_path
 
     hf_torch_path(model)
     ids = torch.randint(10, 30000, (1, PROMPT), device="cuda")

@@ -61,3 +61,21 @@ def check_batched_on_cuda(core, budget: int = 128, chunk: int = 64, one_alone_en
     prompts = [prompt(7 + 23 * i, seed=10 + i) for i in range(16)]
     check_batched_equals_alone(core, prompts, engine=partial(cuda_engine, **options), budget=budget, chunk=chunk,
                                one_alone_engine=one_alone_engine)
+
+
+def hf_torch_path(model):
+    """Point the model's hub-kernel wrappers (transformers.integrations.hub_kernels: fla when installed) at the torch
+    functions they wrap, in its modeling module and on its layers."""
+    import sys
+
+    def unwrapped(fn):
+        inner = getattr(fn, "__wrapped__", None)
+        code = getattr(fn, "__code__", None)
+        return inner if inner is not None and code is not None and code.co_filename.endswith("hub_kernels.py") else fn
+
+    owners = [sys.modules[type(model).__module__], *model.modules()]
+    for owner in owners:
+        for name, value in list(vars(owner).items()):
+            if callable(value) and unwrapped(value) is not value:
+                setattr(owner, name, unwrapped(value))
+    return model

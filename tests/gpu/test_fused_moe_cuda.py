@@ -14,7 +14,7 @@ from helios.engine.engine_core import EngineCore
 from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.layers.moe import SigmoidMoe, SparseMoe, route
 from helios.runner.model_runner import ModelRunner
-from tests.gpu.test_hybrid_cuda import hf_torch_path
+from tests.gpu.family_cuda import hf_torch_path
 from tests.kernels.moe_cases import inputs, sigmoid_config, torch_and_fused
 from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, prompt
 

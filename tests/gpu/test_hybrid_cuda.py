@@ -14,7 +14,7 @@ import torch
 from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.runner.model_runner import ModelRunner
-from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, export_dtypes
+from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, export_dtypes, hf_torch_path
 from tests.models.hybrid_tiny import build_hybrid
 from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, prompt
 
@@ -37,24 +37,6 @@ def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int =
                              state_chunk=arch.recurrent.chunk_size)
     runner = ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, device="cuda", num_state_slots=max_concurrency)
     return EngineCore(config, runner)
-
-
-def hf_torch_path(model):
-    """Point the model's hub-kernel wrappers (transformers.integrations.hub_kernels: fla when installed) at the torch
-    functions they wrap, in its modeling module and on its layers."""
-    import sys
-
-    def unwrapped(fn):
-        inner = getattr(fn, "__wrapped__", None)
-        code = getattr(fn, "__code__", None)
-        return inner if inner is not None and code is not None and code.co_filename.endswith("hub_kernels.py") else fn
-
-    owners = [sys.modules[type(model).__module__], *model.modules()]
-    for owner in owners:
-        for name, value in list(vars(owner).items()):
-            if callable(value) and unwrapped(value) is not value:
-                setattr(owner, name, unwrapped(value))
-    return model
 
 
 def check_greedy_on_the_gpu(hf, core) -> None:
