@@ -9,13 +9,19 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
+# .whl_tf/, when carried: transformers 5.25 with what it needs (huggingface_hub 2.4, httpx2, tokenizers 0.23, ...),
+# for the families the device image's transformers lacks (gemma4, mimo_v2_flash, minimax_m3, muse_spark, ...).
+if [ -d .whl_tf ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_tf/*.whl \
+    || exit 1
+fi
 export PYTHONUNBUFFERED=1 FLARE_RUN_CUDA_TESTS=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 PARTS=${PARTS:-tests,bench,serve}
 if [[ $PARTS == *tests* ]]; then
   timeout ${TESTS_S:-170} python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=${TEST_HANG_S:-150} \
-    ${TEST_PATHS:-tests/gpu tests/runner/test_cuda_graphs.py tests/ignition/test_aot.py} 2>&1 | tail -400 > "$OUT/tests.log"
+    ${TEST_ARGS:-} ${TEST_PATHS:-tests/gpu tests/runner/test_cuda_graphs.py tests/ignition/test_aot.py} > "$OUT/tests.log" 2>&1
   echo "== tests"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -${TESTS_TAIL:-15}
 fi
 if [[ $PARTS == *serve* ]]; then
