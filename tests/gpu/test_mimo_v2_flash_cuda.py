@@ -1,8 +1,8 @@
 """mimo_v2_flash on the GPU: the tiny random checkpoint (full and sliding layers, sinks, V narrower than q/k, MoE)
 exported in float32 and bfloat16, run by the CUDA runner (Triton attention backend: paged decode and prefill with
 sinks, V zero-padded to the q/k head_dim; MoE keeps CUDA graphs off) through the engine with the sliding layers'
-pages in a window group. float32 greedy tokens = HF transformers' generate on the device; 16 batched = alone in
-both dtypes; the sink kernels = their torch reference on CUDA."""
+pages in a window group. Greedy tokens = HF transformers' generate on the device in float32 and bfloat16; 16
+batched = alone (float32); the sink kernels = their torch reference on CUDA."""
 
 from __future__ import annotations
 
@@ -21,18 +21,18 @@ def exported(tmp_path_factory):
     return export_family(tmp_path_factory, "mimo_v2_flash", build_mimo)
 
 
-def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_greedy_matches_transformers_on_the_gpu(exported, dtype):
     """32 greedy tokens of a 150-token prompt (far past the 17-token window) = HF generate on the device."""
     from transformers import MiMoV2FlashForCausalLM
 
     src, cores = exported
-    check_greedy_on_cuda(MiMoV2FlashForCausalLM, src, cores["float32"])
+    check_greedy_on_cuda(MiMoV2FlashForCausalLM, src, cores[dtype])
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_sixteen_requests_together_give_what_each_gives_alone(exported, dtype):
+def test_sixteen_requests_together_give_what_each_gives_alone(exported):
     """16 requests together (prompts split into 64-token chunks beside decodes) = each alone."""
-    check_batched_on_cuda(exported[1][dtype])
+    check_batched_on_cuda(exported[1]["float32"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,7 +1,7 @@
 """muse_spark on the GPU: the tiny random checkpoint of tests/models/muse_spark_tiny.py (full and sliding layers, NoPE
 on one of each, window 8, dense SwiGLU and the latent MoE) exported in float32 and bfloat16, run by the CUDA runner
 (Triton attention backend; MoE keeps CUDA graphs off) through the engine with the sliding layers' pages in a window
-group: float32 greedy tokens = HF transformers' generate on the device; 16 batched = alone in both dtypes. A dense
+group: greedy tokens (float32, bfloat16) = HF transformers' generate on the device; 16 batched = alone (float32). A dense
 variant (every MLP dense) captures decode graphs: its tokens = the eager CUDA engine's, its logprobs to 1e-4."""
 
 from __future__ import annotations
@@ -31,20 +31,20 @@ def exported(tmp_path_factory):
     return export_family(tmp_path_factory, "muse_spark", build_muse_spark)
 
 
-def test_greedy_matches_transformers_on_the_gpu_in_float32(exported):
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_greedy_matches_transformers_on_the_gpu(exported, dtype):
     """32 greedy tokens of a 150-token prompt (the window 8) = HF generate on the device."""
     from transformers import MuseSparkForConditionalGeneration
 
     src, cores = exported
-    engine = check_greedy_on_cuda(MuseSparkForConditionalGeneration, src, cores["float32"])
+    engine = check_greedy_on_cuda(MuseSparkForConditionalGeneration, src, cores[dtype])
     assert engine.runner.kv_cache.layers[1].shape[1] < NUM_PAGES  # the sliding layers hold only the window group
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_sixteen_requests_together_give_what_each_gives_alone(exported, dtype):
+def test_sixteen_requests_together_give_what_each_gives_alone(exported):
     """16 requests under a 64-token budget (prompts in 32-token chunks beside the others' decodes) give the tokens
     each gives alone in one chunk."""
-    check_batched_on_cuda(exported[1][dtype], budget=64, chunk=32)
+    check_batched_on_cuda(exported[1]["float32"], budget=64, chunk=32)
 
 
 def test_a_dense_variant_replays_decode_graphs_with_the_eager_tokens(tmp_path):
