@@ -1,12 +1,12 @@
 """Fused MoE for the GPU path, every step on the device with buffers sized from shapes alone (no host sync, so a
 decode step can be captured in a CUDA graph), after vLLM's fused_moe design: `moe_route` (softmax, sigmoid or
-sqrtsoftplus scores, score bias, group-limited top-k, renorm, scaling: one launch), `moe_align` (the (token, slot)
-entries sorted by expert into BLOCK_M-aligned runs), `expert_outputs` (grouped GEMMs over the stacked [E, out, in]
-weights: gate_up with its activation fused, then down; each program reads one expert's weight tile once for every
-token of its run) and `moe_combine` (each token's k outputs times their weights, summed in expert order).
-Values are rounded to the model dtype where helios.layers.moe's torch loop (and HF's) holds them (gate_up, act(gate),
-each weighted product and partial sum): in the interpreter the fused block gives the torch path's bf16 bits.
-Imports torch and helios.kernels._triton only.
+sqrtsoftplus scores, score bias, group-limited top-k or given ids (hash routing), renorm, scaling: one launch),
+`moe_align` (the (token, slot) entries sorted by expert into BLOCK_M-aligned runs), `expert_outputs` (grouped GEMMs
+over the stacked [E, out, in] weights: gate_up with its activation fused, then down; each program reads one expert's
+weight tile once for every token of its run) and `moe_combine` (each token's k outputs times their weights, summed
+in expert order). Values are rounded to the model dtype where helios.layers.moe's torch loop (and HF's) holds them
+(gate_up, act(gate), each weighted product and partial sum): in the interpreter the fused block gives the torch
+path's bf16 bits. Imports torch and helios.kernels._triton only.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ ALIGN_KERNEL_MAX_ENTRIES = 4096
 def _route_kernel(
     logits_ptr,  # [T, E]
     bias_ptr,  # [E] float32 (read with HAS_BIAS)
+    given_ptr,  # [T, TOP_K] the experts to take, any integer-valued dtype (read with HAS_IDS: no choice by score)
     weights_ptr,  # [T, TOP_K] out
     ids_ptr,  # [T, TOP_K] int32 out
     num_experts,
@@ -49,6 +50,7 @@ def _route_kernel(
     K_POW2: tl.constexpr,
     SCORING: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_IDS: tl.constexpr,
     NUM_GROUPS: tl.constexpr,
     G_POW2: tl.constexpr,
     TOPK_GROUPS: tl.constexpr,
@@ -94,7 +96,10 @@ def _route_kernel(
     top_weights = tl.zeros([K_POW2], tl.float32)
     top_ids = tl.zeros([K_POW2], tl.int32)
     for i in tl.static_range(TOP_K):
-        best = tl.argmax(choice, axis=0)
+        if HAS_IDS:
+            best = tl.load(given_ptr + t * TOP_K + i).to(tl.int32)
+        else:
+            best = tl.argmax(choice, axis=0)
         top_weights = tl.where(k == i, tl.sum(tl.where(e == best, scores, 0.0), axis=0), top_weights)
         top_ids = tl.where(k == i, best, top_ids)
         choice = tl.where(e == best, float("-inf"), choice)
@@ -115,24 +120,30 @@ def moe_route(
     renorm: bool = False,
     scaling: float = 1.0,
     weights_dtype: torch.dtype = torch.float32,
+    given_ids: torch.Tensor | None = None,  # [T, k] integer-valued (any dtype): the experts, chosen elsewhere
 ) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] weights_dtype, expert ids [T, k] int32
     """One program per token: float32 scores of the logits, the choice (scores + bias, within the num_topk_groups
     groups whose two best choices sum highest), the chosen unbiased scores renormalised (sum, + 1e-20 for the
-    sigmoid scorings as helios.layers.moe.route_sigmoid) and scaled. Ties go to the lower expert id."""
+    sigmoid scorings as helios.layers.moe.route_sigmoid) and scaled. Ties go to the lower expert id.
+    given_ids replaces the choice (deepseek_v4's hash layers: a table row per token id); the weights are then the
+    scores at those ids, renormalised and scaled as above."""
     require_triton()
     check_last_dim_contiguous("logits", logits)
     num_tokens, num_experts = logits.shape
     assert num_experts % num_groups == 0 and num_topk_groups <= num_groups and top_k <= num_experts
+    assert given_ids is None or given_ids.shape == (num_tokens, top_k), "given_ids: [T, k]"
     weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=logits.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
     if num_tokens == 0:
         return weights, ids
     bias = score_bias if score_bias is not None else logits  # never read without HAS_BIAS
+    given = given_ids.contiguous() if given_ids is not None else ids  # never read without HAS_IDS
     _route_kernel[(num_tokens,)](
-        logits, bias, weights, ids, num_experts, logits.stride(0), 0.0 if scoring == "softmax" else 1e-20,
+        logits, bias, given, weights, ids, num_experts, logits.stride(0), 0.0 if scoring == "softmax" else 1e-20,
         float(scaling), TOP_K=top_k, K_POW2=next_power_of_2(top_k), SCORING=SCORINGS[scoring],
-        HAS_BIAS=score_bias is not None, NUM_GROUPS=num_groups, G_POW2=next_power_of_2(num_groups),
-        TOPK_GROUPS=num_topk_groups, RENORM=renorm, BLOCK_E=next_power_of_2(num_experts),
+        HAS_BIAS=score_bias is not None, HAS_IDS=given_ids is not None, NUM_GROUPS=num_groups,
+        G_POW2=next_power_of_2(num_groups), TOPK_GROUPS=num_topk_groups, RENORM=renorm,
+        BLOCK_E=next_power_of_2(num_experts),
     )
     return weights, ids
 

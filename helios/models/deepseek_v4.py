@@ -26,11 +26,12 @@ from helios.switches import DEFAULT_SWITCHES, Switches
 
 class DeepseekV4Moe(SigmoidMoe):
     """SigmoidMoe with deepseek_v4's router; in a hash layer the experts are tid2eid's row of the token (tensor
-    moe.tid2eid [vocab, k], integer-valued) and the router has no score bias."""
+    moe.tid2eid [vocab, k], integer-valued) and the router has no score bias. fused: SigmoidMoe's; a hash layer's
+    routing then takes the table's row as moe_route's given ids."""
 
     def __init__(self, hidden_size: int, moe: MoeConfig, vocab_size: int, is_hash: bool, act, switches: Switches,
-                 limit: float | None) -> None:
-        super().__init__(hidden_size, moe, act, switches, limit)
+                 limit: float | None, fused: bool = False) -> None:
+        super().__init__(hidden_size, moe, act, switches, limit, fused=fused)
         self.is_hash = is_hash
         if is_hash:
             self.router.bias = None  # hash layers choose no experts by score: no score bias
@@ -40,7 +41,14 @@ class DeepseekV4Moe(SigmoidMoe):
         if not self.is_hash:
             return super().forward(x)
         m = self.moe
-        scores = router_scores(linear(x.float(), self.router.weight.float()), m.scoring)
+        logits = linear(x.float(), self.router.weight.float())
+        if self.fused:  # the same weights in one launch, no host sync (helios.kernels.fused_moe.moe_route)
+            from helios.kernels import fused_moe
+
+            weights, experts = fused_moe.moe_route(logits, m.num_experts_per_tok, m.scoring, renorm=True,
+                                                   scaling=m.routed_scaling_factor, given_ids=self.tid2eid[token_ids])
+            return self._experts(x, weights, experts) + self.shared(x)
+        scores = router_scores(logits, m.scoring)
         experts = self.tid2eid[token_ids].long()  # NOTE: exact in 16-bit floats too (ids below 256)
         weights = scores.gather(1, experts)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * m.routed_scaling_factor
@@ -70,7 +78,8 @@ class HyperHead(nn.Module):
 class DeepseekV4Layer(nn.Module):
     """attn_hc, attn_norm, attn (CompressedAttention of the layer's kind); mlp_hc, mlp_norm, moe."""
 
-    def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES) -> None:
+    def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES,
+                 fused: bool = False) -> None:
         super().__init__()
         h, eps, c = arch.hidden_size, arch.rms_norm_eps, arch.compressed
         self.kind = c.layer_kinds[layer_idx]
@@ -80,7 +89,7 @@ class DeepseekV4Layer(nn.Module):
         self.mlp_hc = ManifoldHyperConnection(h, arch.mhc, eps)
         self.mlp_norm = RMSNorm(h, eps, multiply_in_float32=True)
         self.moe = DeepseekV4Moe(h, arch.moe, arch.vocab_size, layer_idx in arch.moe.hash_layers, arch.hidden_act,
-                                 switches, arch.swiglu_limit)
+                                 switches, arch.swiglu_limit, fused)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, ropes: dict[str, InterleavedRope]) -> torch.Tensor:  # [T, S, H] -> same
@@ -114,7 +123,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                                         arch.max_position_embeddings, device),
         }
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV4Layer(arch, i, switches) for i in range(arch.num_layers))
+        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: the MoE's kernels
+        self.layers = nn.ModuleList(DeepseekV4Layer(arch, i, switches, fused) for i in range(arch.num_layers))
         self.hc_head = HyperHead(arch.hidden_size, self.num_streams, arch.rms_norm_eps, arch.mhc.eps)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,

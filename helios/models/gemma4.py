@@ -103,7 +103,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.mlp_post_norm_1 = RMSNorm(h, eps, multiply_in_float32=True)
             self.moe_norm = RMSNorm(h, eps, multiply_in_float32=True)
             self.moe = SparseMoe(h, m.num_experts, m.moe_intermediate_size, m.num_experts_per_tok, m.norm_topk_prob,
-                                 arch.hidden_act, switches)
+                                 arch.hidden_act, switches, fused=getattr(backend, "fuses_layers", False))
             self.moe_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
         self.act = ACTIVATIONS[arch.hidden_act]
         if g.ple_dim:
@@ -133,7 +133,8 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4ForCausalLM(nn.Module):
-    """One forward path: torch layers around the backend's attention (no fused layer kernels; norms never fold)."""
+    """One forward path: torch layers around the backend's attention (no fused layer kernels but the MoE block's on the
+    Triton backend, helios.kernels.fused_moe; norms never fold)."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
                  dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):

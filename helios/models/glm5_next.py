@@ -48,7 +48,7 @@ class Glm5NextLayer(nn.Module):
             ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches, limit=limit)
         else:
             self.ffn_name = "moe"
-            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, limit=limit)
+            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, limit=limit, fused=fused)
         self.add_module(self.ffn_name, ffn)
 
     def forward(self, x: torch.Tensor, cache, meta: AttentionMetadata,
@@ -84,7 +84,7 @@ class Glm5NextForCausalLM(nn.Module):
         self.path = "eager"
         self.num_streams = arch.mhc.num_streams
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's kernels too
+        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's and the MoE's kernels
         self.layers = nn.ModuleList(Glm5NextLayer(arch, i, switches, fused) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,

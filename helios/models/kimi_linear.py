@@ -40,7 +40,7 @@ class KimiLinearLayer(nn.Module):
             ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
         else:
             self.ffn_name = "moe"
-            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches)
+            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, fused=fused)
         self.add_module(self.ffn_name, ffn)
 
     def forward(self, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
@@ -66,7 +66,7 @@ class KimiLinearForCausalLM(nn.Module):
         self.switches = switches
         self.path = "eager"
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's kernels too
+        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's and the MoE's kernels
         self.layers = nn.ModuleList(KimiLinearLayer(arch, i, switches, fused) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,

@@ -39,7 +39,8 @@ class MiMoV2FlashLayer(nn.Module):
         self.mlp_norm = RMSNorm(h, eps)
         self.is_moe = arch.moe is not None and i not in arch.moe.dense_layers
         if self.is_moe:
-            self.moe = SigmoidMoe(h, arch.moe, arch.hidden_act, switches=switches)
+            self.moe = SigmoidMoe(h, arch.moe, arch.hidden_act, switches=switches,
+                                  fused=getattr(backend, "fuses_layers", False))
         else:
             self.mlp = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
 

@@ -45,7 +45,8 @@ class MiniMaxM3Layer(nn.Module):
             ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches, limit=limit, alpha=alpha)
         else:
             self.ffn_name = "moe"
-            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, limit=limit, alpha=alpha)
+            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, limit=limit, alpha=alpha,
+                             fused=getattr(backend, "fuses_layers", False))
         self.add_module(self.ffn_name, ffn)
 
     def forward(self, x: torch.Tensor, cos_sin, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]

@@ -86,7 +86,8 @@ class MuseSparkDecoderLayer(nn.Module):
             ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
         else:
             self.ffn_name = "moe"
-            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, norm_eps=(eps, post_eps))
+            ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, norm_eps=(eps, post_eps),
+                             fused=getattr(backend, "fuses_layers", False))  # the experts inside the latents
         self.add_module(self.ffn_name, ffn)
         self.mlp_post_norm = RMSNorm(h, post_eps, scale_first=True)
         self.mlp_residual = ResidualGate(h)

@@ -59,7 +59,7 @@ class NemotronHBlock(nn.Module):
             sublayer = Relu2MLP(h, arch.intermediate_size, switches)
         else:
             self.sublayer_name = "moe"
-            sublayer = SigmoidMoe(h, moe, arch.hidden_act, switches)
+            sublayer = SigmoidMoe(h, moe, arch.hidden_act, switches, fused=getattr(backend, "fuses_layers", False))
         self.kind = kind
         self.norm_name = "mlp_norm" if kind == "ffn" else "attn_norm"
         self.add_module(self.norm_name, RMSNorm(h, eps, multiply_in_float32=True))

@@ -46,7 +46,7 @@ class Qwen4ExpLayer(nn.Module):
             self.attn = IndexedAttention(h, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.indexer, eps,
                                          rotary, switches)
         self.mlp_hc = HyperConnection(h, hc, eps, switches=switches)
-        self.moe = SharedExpertMoe(arch, switches)
+        self.moe = SharedExpertMoe(arch, switches, fused=getattr(backend, "fuses_layers", False))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, cos_sin, cache, meta: AttentionMetadata):
         """x [T, S*H] -> [T, S*H]. cache: (conv, recurrent[, ple conv]) states of a linear layer, (kv, index keys)

@@ -34,10 +34,11 @@ class Step3p7Moe(SigmoidMoe):
     NOTE: the router's logits are float32 (SigmoidMoe), as the release asks (need_fp32_gate); HF computes them in the
     weight dtype, so a 16-bit core may route a near-tie other than HF's 16-bit model (float32 cores match it)."""
 
-    def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES) -> None:
+    def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES,
+                 fused: bool = False) -> None:
         h, moe = arch.hidden_size, arch.moe
         super().__init__(h, moe, arch.hidden_act, switches, limit=_limit(arch.swiglu_limits, layer_idx),
-                         clamp_after_act=True)
+                         clamp_after_act=True, fused=fused)
         self.shared = GatedMLP(h, moe.shared_expert_intermediate_size, arch.hidden_act, switches=switches,
                                limit=_limit(arch.swiglu_limits_shared, layer_idx), clamp_after_act=True)
 
@@ -64,7 +65,7 @@ class Step3p7Layer(nn.Module):
                            limit=_limit(arch.swiglu_limits_shared, layer_idx), clamp_after_act=True)
         else:
             self.ffn_name = "moe"
-            ffn = Step3p7Moe(arch, layer_idx, switches)
+            ffn = Step3p7Moe(arch, layer_idx, switches, fused=getattr(backend, "fuses_layers", False))
         self.add_module(self.ffn_name, ffn)
 
     def forward(

@@ -1,15 +1,16 @@
 """helios.kernels.fused_moe in Triton's CPU interpreter against the torch path of helios.layers.moe: routing
-(softmax top-k; sigmoid and sqrtsoftplus with score bias, groups and scaling), the block-aligned sort against its
-torch reference, and whole MoE blocks (SparseMoe, SigmoidMoe with a shared expert, clamped / SwiGLU-OAI and relu2
-latent variants) with fused=True = fused=False at 1, 3 and 64 tokens in float32 and bfloat16; buffers sized by
-shapes alone, and a token's output the same alone and padded into a larger batch."""
+(softmax top-k; sigmoid and sqrtsoftplus with score bias, groups and scaling; given ids), the block-aligned sort
+against its torch reference, and whole MoE blocks (SparseMoe, SigmoidMoe with a shared expert, clamped / SwiGLU-OAI
+and relu2 latent variants) with fused=True = fused=False at 1, 3 and 64 tokens in float32 and bfloat16; buffers
+sized by shapes alone, and a token's output the same alone and padded into a larger batch. Each family's own block:
+test_fused_moe_families.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helios.layers.moe import SigmoidMoe, SparseMoe, route, route_sigmoid
+from helios.layers.moe import SigmoidMoe, SparseMoe, route, route_sigmoid, router_scores
 from tests.kernels import moe_cases
 from tests.kernels.interpreter import require_interpreter
 from tests.kernels.moe_cases import sigmoid_config, torch_and_fused
@@ -49,6 +50,17 @@ def test_sigmoid_routing_matches_route_sigmoid(scoring, groups, bias):
     weights, ids = fused_moe.moe_route(logits, 4, scoring, score_bias, *groups, renorm=True, scaling=2.5)
     want_weights, want_ids = route_sigmoid(logits, 4, score_bias, *groups, True, 2.5, scoring)
     same_choice(ids, weights, want_ids, want_weights)
+
+
+def test_given_ids_routing_weighs_the_given_experts():
+    """deepseek_v4's hash layers: the experts come from a table (float ids here, as the core stores it); the weights
+    are their sqrtsoftplus scores, renormalised and scaled, as DeepseekV4Moe's torch path computes them."""
+    logits = inputs(5, torch.float32, width=16) * 4.0
+    given = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(i))[:3] for i in range(5)])
+    weights, ids = fused_moe.moe_route(logits, 3, "sqrtsoftplus", renorm=True, scaling=1.5, given_ids=given.float())
+    scores = router_scores(logits, "sqrtsoftplus").gather(1, given)
+    assert torch.equal(ids.long(), given)
+    torch.testing.assert_close(weights, scores / (scores.sum(-1, keepdim=True) + 1e-20) * 1.5, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("num_tokens, num_experts", [(1, 8), (3, 32), (64, 8), (64, 64)])
