@@ -1,7 +1,10 @@
 """helios.kernels.fused_moe on CUDA: MoE blocks at a real shape (256 experts top-8, hidden 2048, moe_intermediate 512,
 bf16) on the fused path = the torch path, a CUDA graph of a block replayed = the block run eagerly, and the tiny
 qwen3_moe and qwen3_5_moe checkpoints through the CUDA engine (MoE on its fused path, decode steps through CUDA
-graphs): greedy tokens = HF transformers' generate on the device."""
+graphs): greedy tokens = HF transformers' generate on the device. Every other MoE family: its own block (built by its
+model class from its tiny Architecture, tests/kernels/moe_cases) fused = torch path and replayed in a graph = eager,
+and the families whose decode steps the fused MoE lets CUDA graphs capture (mimo_v2_flash, muse_spark, step3p7,
+nemotron_h) greedy through those graphs = HF's generate in float32."""
 
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ from helios.engine.engine_core import EngineCore
 from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.layers.moe import SigmoidMoe, SparseMoe, route
 from helios.runner.model_runner import ModelRunner
-from tests.gpu.family_cuda import hf_torch_path
+from tests.gpu.family_cuda import check_tokens_match_hf, hf_torch_path
+from tests.gpu.family_cuda import cuda_engine as window_cuda_engine
+from tests.kernels import moe_cases
 from tests.kernels.moe_cases import inputs, sigmoid_config, torch_and_fused
 from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, prompt
 
@@ -153,3 +158,96 @@ def test_greedy_matches_transformers_through_decode_graphs(exported, dtype):
         ref = hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=num_new, min_new_tokens=num_new,
                           do_sample=False, eos_token_id=None, pad_token_id=0)[0].tolist()
     assert got == ref[len(ids):]
+
+
+# --- every other MoE family -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def family_arch(tmp_path_factory):
+    """family -> its tiny checkpoint's Architecture (moe_cases.family_arch), built on first use."""
+    root, cache = tmp_path_factory.mktemp("moe-families"), {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = moe_cases.family_arch(family, root / family)
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", list(moe_cases.family_builders()))
+def test_each_family_block_matches_its_torch_path_and_replays_in_a_graph(family_arch, family):
+    """The family's own MoE blocks (deepseek_v4: a hash layer's and a scored one's), float32 on the device: the
+    Triton backend's block (fused) = the torch backend's within 1e-4; a CUDA graph of the fused block on an 8-token
+    bucket, replayed on new inputs (and token ids) = the block run eagerly, bit for bit."""
+    from helios.kernels.backend import TritonAttentionBackend
+    from helios.layers.attention import select_attention_backend
+
+    arch = family_arch(family)
+    eager = moe_cases.unbound_model(arch, select_attention_backend("torch"), "cuda")
+    fused = moe_cases.unbound_model(arch, TritonAttentionBackend(), "cuda")
+    torch_blocks, fused_blocks = moe_cases.moe_blocks(eager), moe_cases.moe_blocks(fused)
+    for i, name in enumerate(moe_cases.blocks_to_run(family, fused_blocks)):
+        pair = [torch_blocks[name], fused_blocks[name]]
+        assert pair[1].fused and not pair[0].fused
+        moe_cases.bind_block_weights(pair, arch.moe.num_experts, seed=i, device="cuda")
+        x = inputs(5, arch.hidden_size, torch.float32, seed=7 + i, device="cuda")
+        ids = torch.tensor([3, 17, 5, 60, 9], device="cuda")
+        with torch.inference_mode():
+            want, got = (moe_cases.run_block(b, family, x, ids) for b in pair)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        check_graph_replay(lambda a, t: moe_cases.run_block(pair[1], family, a, t), arch.hidden_size)
+
+
+def check_graph_replay(run, hidden_size: int) -> None:
+    """run(x [8, H], token_ids [8]) captured once on static buffers; two new inputs copied in and replayed = eager."""
+    static_x = inputs(8, hidden_size, torch.float32, seed=3, device="cuda")
+    static_ids = torch.arange(8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.inference_mode():
+        with torch.cuda.stream(stream):  # compile and warm up off the capture
+            for _ in range(2):
+                run(static_x, static_ids)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run(static_x, static_ids)
+        for seed in (4, 5):
+            x = inputs(8, hidden_size, torch.float32, seed=seed, device="cuda")
+            ids = torch.randint(0, 200, (8,), generator=torch.Generator().manual_seed(seed)).to("cuda")
+            static_x.copy_(x)
+            static_ids.copy_(ids)
+            graph.replay()
+            assert torch.equal(out, run(x, ids))
+
+
+GRAPHED_FAMILIES = {  # family -> the HF class that generates its tiny checkpoint (by name in transformers)
+    "mimo_v2_flash": "MiMoV2FlashForCausalLM",
+    "muse_spark": "MuseSparkForConditionalGeneration",
+    "step3p7": "Step3p7ForConditionalGeneration",
+    "nemotron_h": "AutoModelForCausalLM",
+}
+
+
+@pytest.mark.parametrize("family", list(GRAPHED_FAMILIES))
+def test_greedy_through_decode_graphs_matches_transformers_in_float32(tmp_path, family):
+    """The family's tiny checkpoint in float32 through the CUDA engine (the window-group engine of its family test; a
+    recurrent model's state slots as above): the MoE layers fused, the decode steps replaying CUDA graphs (the fused
+    MoE was what refused them), 32 greedy tokens of a 150-token prompt = HF's generate on the device."""
+    import transformers
+    from ignition.export import ExportOptions, export_core
+
+    src = moe_cases.family_builders()[family](tmp_path / "hf")
+    core = load_core(export_core(src, tmp_path / "core", ExportOptions(dtype="float32")))
+    engine = cuda_engine(core) if core.manifest.arch.recurrent is not None else window_cuda_engine(core)
+    assert engine.runner.graphs is not None, engine.runner.startup.graphs
+    blocks = moe_cases.moe_blocks(engine.runner.model).values()
+    assert blocks and all(b.fused for b in blocks)
+    ids, num_new = prompt(150, seed=5), 32
+    got = generate(engine, [greedy_request("a", ids, num_new)])["a"]
+    replays = engine.runner.launches["graph"] + engine.runner.launches["speculative"]  # both replay graphs
+    assert replays >= num_new // 2, engine.runner.launches
+    check_tokens_match_hf(getattr(transformers, GRAPHED_FAMILIES[family]), src, "float32", ids, got)
+
