@@ -68,9 +68,37 @@ def use_pdl(t, rows: int) -> bool:
         return False
     if _PDL_FORCED is not None:
         return _PDL_FORCED
-    if not HAS_TRITON or t.device.type != "cuda" or interpret_mode() or not pdl_allowed():
+    if not HAS_TRITON or not on_gpu(t) or interpret_mode() or not pdl_allowed():
         return False
+    if t.device.type == "meta":
+        return _TRACE_MAJOR >= 9
     return _capability_major(t.device.index if t.device.index is not None else 0) >= 9
+
+
+# --- ahead-of-time tracing (helios.kernels.aot) ------------------------------------------------------------------
+# A model's decode step runs on `meta` tensors while Triton's compile hook intercepts every launch: the launches'
+# specializations (dtypes, alignment from the views' offsets, constexprs) are the GPU's, and no kernel runs. The
+# few choices the layers make by device (the GEMV, PDL) read `on_gpu`, which counts meta as a GPU of compute
+# capability _TRACE_MAJOR inside `meta_as_gpu`.
+_TRACE_MAJOR: int | None = None
+
+
+def on_gpu(t) -> bool:
+    """Whether the kernels treat t (a tensor or a device) as on a GPU: CUDA, or meta inside meta_as_gpu."""
+    device = t.device if hasattr(t, "device") else t
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    return kind == "cuda" or (kind == "meta" and _TRACE_MAJOR is not None)
+
+
+@contextmanager
+def meta_as_gpu(major: int) -> Iterator[None]:
+    """Meta tensors stand for a GPU of compute capability `major`.x inside (on_gpu, use_pdl)."""
+    global _TRACE_MAJOR
+    saved, _TRACE_MAJOR = _TRACE_MAJOR, major
+    try:
+        yield
+    finally:
+        _TRACE_MAJOR = saved
 
 
 _PDL_SCOPE = False  # inside pdl_scope(on): whether one-row launches take PDL

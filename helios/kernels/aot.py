@@ -31,6 +31,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,8 +53,9 @@ from helios.kernels.aot_shapes import (  # noqa: F401  (re-exported: the runtime
 )
 
 INDEX_FILE = "index.json"
-KERNEL_MODULES = ("_triton", "activation", "decode_qkv", "gemv", "paged_attention", "prefill_attention",
-                  "reshape_and_cache", "rmsnorm", "rotary_cache", "sampling")
+KERNEL_MODULES = ("_triton", "activation", "decode_qkv", "fused_moe", "gated_delta", "gated_norm", "gemv", "kda", "mamba",
+                  "paged_attention", "prefetch", "prefill_attention", "reshape_and_cache", "rmsnorm", "rotary",
+                  "rotary_cache", "sampling")
 
 
 class _TargetDriver:
@@ -105,10 +107,11 @@ def _tuples(value):
 
 
 def _compile_launched(shape: KernelShape, target, device: torch.device | str = "cpu",
-                      both_pdl: bool = True, pdl: bool | None = None) -> list[tuple[object, str, object]]:
-    """(JIT function, specialization data, compiled kernel) of every kernel run_launchers launches, compiled
-    (or found in the current Triton cache) for `target`; nothing is launched (on the CPU: under the stand-in
-    driver)."""
+                      both_pdl: bool = True, pdl: bool | None = None,
+                      trace: Callable[[], object] | None = None) -> list[tuple[object, str, object]]:
+    """(JIT function, specialization data, compiled kernel) of every kernel run_launchers launches, and `trace`
+    (helios.runner.aot_trace: a model's decode graphs run on meta tensors) after it, compiled (or found in the
+    current Triton cache) for `target`; nothing is launched (on the CPU: under the stand-in driver)."""
     from triton import knobs
     from triton.compiler import ASTSource
 
@@ -136,6 +139,9 @@ def _compile_launched(shape: KernelShape, target, device: torch.device | str = "
         for forced in sorted({False, target.arch >= 90}) if both_pdl else [None if target.arch >= 90 else False]:
             with forced_pdl(forced):
                 run_launchers(shape, device, pdl)
+        if trace is not None:  # its launches take PDL where the model's forward asks for it, as on the device
+            with forced_pdl(None):
+                trace()
     finally:
         knobs.runtime.jit_cache_hook = previous
     return sorted(compiled.values(), key=lambda item: item[1])
@@ -155,8 +161,9 @@ def _portable_metadata(text: str) -> str:
     return json.dumps(meta)
 
 
-def compile_kernels(shape: KernelShape, target: str, out_dir: Path) -> dict:
-    """Compile every kernel variant of `shape` for `target` into out_dir; returns the index written there."""
+def compile_kernels(shape: KernelShape, target: str, out_dir: Path, trace: Callable[[], object] | None = None) -> dict:
+    """Compile every kernel variant of `shape` for `target` into out_dir, and every kernel `trace` launches
+    (helios.runner.aot_trace.decode_tracer); returns the index written there."""
     if not HAS_TRITON:
         raise RuntimeError("triton is not installed")
     if interpret_mode():
@@ -177,7 +184,7 @@ def compile_kernels(shape: KernelShape, target: str, out_dir: Path) -> dict:
     entries = []
     try:
         _relative_sources()
-        for fn, data, kernel in _compile_launched(shape, stand_in.target):
+        for fn, data, kernel in _compile_launched(shape, stand_in.target, trace=trace):
             group = {Path(p).name: Path(p) for p in kernel.metadata_group.values()}
             key_dir = next(iter(group.values())).parent.name
             name = kernel.metadata.name
@@ -315,11 +322,12 @@ def _prebuild_launchers(shape: KernelShape, device: torch.device, target, pdl: b
 
 def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | str, manifest, *, gemv: str = "narrow",
                  fused_decode: bool = True, defer_norms: bool = True, pdl: bool | None = None,
-                 cache_root: Path | None = None) -> KernelLoad:
+                 cache_root: Path | None = None, trace: Callable[[], object] | None = None) -> KernelLoad:
     """Install the core's kernels for this device and load each through one ordinary launch (Triton finds it
     in the installed cache); warn and fall back to JIT when they do not fit. manifest: the core's (decoded by
     the caller); gemv, fused_decode, defer_norms, pdl: the process's switches (helios.switches), which pick the
-    kernels it launches (runtime_shape); cache_root: runtime_cache_root's answer for them."""
+    kernels it launches (runtime_shape); cache_root: runtime_cache_root's answer for them; trace: the model's
+    decode graphs on meta tensors (helios.runner.aot_trace.decode_tracer), whose kernels load_traced loads."""
     device = torch.device(device)
     if device.type != "cuda" or not kernel_targets:
         return KernelLoad("absent", messages=["no precompiled kernels (compiled on first use)"])
@@ -341,6 +349,8 @@ def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | st
 
         _prebuild_launchers(shape, device, driver.active.get_current_target(), pdl)
         run_launchers(shape, device, pdl)
+        if trace is not None:
+            load_traced(trace)
         torch.cuda.synchronize(device)
     compiled = sorted(_kernel_dirs(cache_dir) - before)
     result = KernelLoad("loaded", target=chosen.target, num_loaded=len(index["kernels"]),
@@ -352,10 +362,11 @@ def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | st
     return result
 
 
-def load_offline(core_dir: Path, manifest, cache_root: Path) -> tuple[int, int]:
+def load_offline(core_dir: Path, manifest, cache_root: Path,
+                 trace: Callable[[], object] | None = None) -> tuple[int, int]:
     """What load_kernels does, under a stand-in driver for the kernels' target (no GPU needed): install them,
-    run every launcher through the compile hook; (index entries, kernels compiled because none matched).
-    manifest: the core's, decoded by the caller (helios.runner.aot_compile.load_offline)."""
+    run every launcher and `trace` through the compile hook; (index entries, kernels compiled because none
+    matched). manifest: the core's, decoded by the caller (helios.runner.aot_compile.load_offline)."""
     from triton import knobs
     from triton.runtime import driver
 
@@ -367,11 +378,43 @@ def load_offline(core_dir: Path, manifest, cache_root: Path) -> tuple[int, int]:
     stand_in = _TargetDriver(arch)
     driver.set_active(stand_in)
     try:
-        _compile_launched(shape_from_manifest(manifest, TARGET_SMS.get(arch, 132)), stand_in.target)
+        _compile_launched(shape_from_manifest(manifest, TARGET_SMS.get(arch, 132)), stand_in.target, trace=trace)
     finally:
         driver.set_active(previous_driver)
         del knobs.cache.dir
     return len(index["kernels"]), len(_kernel_dirs(cache_dir) - before)
+
+
+def load_traced(trace: Callable[[], object]) -> int:
+    """Run `trace` (launches on meta tensors, helios.runner.aot_trace) with each launch's kernel compiled for this
+    device, which finds its cubin in the installed cache, and put into Triton's in-memory cache under the launch's
+    key, as an ordinary first launch would: capture's launches then find it there and compile nothing. Nothing is
+    launched (a meta tensor has no memory). Returns how many kernels it put there."""
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    loaded = 0
+
+    def hook(**kwargs):
+        nonlocal loaded
+        c = kwargs["compile"]
+        fn = kwargs["fn"].jit_function
+        kernel_cache, _, target, _, _ = fn.device_caches[c["device"]]
+        if c["key"] not in kernel_cache:
+            # NOTE: the source and options as _compile_launched builds them at export: the same cache key
+            src = ASTSource(fn, c["signature"], c["constants"], c["configs"][0])
+            options = {k: _tuples(v) for k, v in json.loads(c["specialization_data"])["options"].items()}
+            kernel_cache[c["key"]] = triton.compile(src, target=target, options=options)
+            loaded += 1
+        return True  # no launch
+
+    previous = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        trace()
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    return loaded
 
 
 class JitCounter:

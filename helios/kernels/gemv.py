@@ -22,6 +22,7 @@ from helios.kernels._triton import (
     interpret_mode,
     jit,
     next_power_of_2,
+    on_gpu,
     pdl_launch_dependents,
     pdl_wait,
     require_triton,
@@ -459,7 +460,7 @@ def gemv_add_rms_norm(
 def gemv_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether one-row products of `dtype` on `device` can take the GEMV at all: 16-bit, on a GPU, with compiled
     (not interpreted) Triton kernels. Read once per model (helios.layers.linear.one_row_gemv)."""
-    return (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16) and HAS_TRITON
+    return (on_gpu(torch.device(device)) and dtype in (torch.bfloat16, torch.float16) and HAS_TRITON
             and not interpret_mode())
 
 
@@ -471,7 +472,7 @@ def gemv_serves(x: torch.Tensor, weight: torch.Tensor, mode: str) -> bool:
     if not (
         x.dim() == 2
         and x.shape[0] == 1
-        and x.device.type == "cuda"
+        and on_gpu(x)  # CUDA (or meta while helios.kernels.aot traces a model)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.stride(-1) == 1

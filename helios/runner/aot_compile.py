@@ -2,8 +2,10 @@
 
 `python -m helios.runner.aot_compile compile --manifest core.toml --target cuda-sm90 --out DIR` is what ignition's
 kernel precompile runs in a subprocess (ignition/prepare/kernels.py); it decodes the manifest here, so that the
-kernels package never imports helios.core (it takes the manifest as data). Imports helios.core.manifest and
-helios.kernels.aot.
+kernels package never imports helios.core (it takes the manifest as data). A family whose launches
+helios.kernels.aot_shapes does not list (hybrid, MoE and the newer attention families) adds its decode graphs'
+kernels, found by running them on meta tensors (helios.runner.aot_trace). Imports helios.core.manifest,
+helios.kernels.aot and helios.runner.aot_trace.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 from helios.core.manifest import MANIFEST_FILE, decode_manifest
 from helios.kernels import aot
+from helios.runner.aot_trace import decode_tracer
 
 
 def read_manifest(core_dir: Path | str):
@@ -24,7 +27,9 @@ def read_manifest(core_dir: Path | str):
 
 def load_offline(core_dir: Path, cache_root: Path) -> tuple[int, int]:
     """helios.kernels.aot.load_offline for the core at core_dir (no GPU needed)."""
-    return aot.load_offline(core_dir, read_manifest(core_dir), cache_root)
+    manifest = read_manifest(core_dir)
+    major = aot.parse_target(manifest.kernels[0].target) // 10
+    return aot.load_offline(core_dir, manifest, cache_root, trace=decode_tracer(manifest, major=major))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     manifest = decode_manifest(args.manifest.read_bytes())
     arch = aot.parse_target(args.target)
     shape = aot.shape_from_manifest(manifest, aot.TARGET_SMS.get(arch, 132))
-    index = aot.compile_kernels(shape, args.target, args.out)
+    index = aot.compile_kernels(shape, args.target, args.out, trace=decode_tracer(manifest, major=arch // 10))
     print(json.dumps({"kernels": len(index["kernels"]), "triton_version": index["triton_version"]}))
     return 0
 

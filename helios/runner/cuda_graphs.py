@@ -463,15 +463,29 @@ class GraphRunner:
         """The bucket's graph, and its short-sequence variant where that pins fewer splits."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        for splits, graphs in ((self.num_splits[bucket], self.graphs), (self.short_splits[bucket], self.short_graphs)):
-            if graphs is self.short_graphs and (splits == self.num_splits[bucket] or self.short_seq_len <= 0):
-                continue  # the bucket's own graph has these splits already (or no short graphs wanted)
+        for splits, graphs in zip(self.graph_splits(bucket), (self.graphs, self.short_graphs)):
             self._forward(bucket, splits)  # warm-up: loads/compiles this bucket's kernels, sets up cuBLAS
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self._forward(bucket, splits)
             graphs[bucket] = graph
+
+    def graph_splits(self, bucket: int) -> list[int]:
+        """The decode split counts of the bucket's graphs: its own, then its short-sequence variant's where that
+        pins fewer (and short graphs are wanted)."""
+        splits = [self.num_splits[bucket]]
+        if self.short_seq_len > 0 and self.short_splits[bucket] != splits[0]:
+            splits.append(self.short_splits[bucket])
+        return splits
+
+    @torch.inference_mode()
+    def run_variants(self, bucket: int) -> None:
+        """Each of the bucket's graphed computations once, eagerly, on padded rows (what its capture records):
+        helios.runner.aot_trace runs them on meta tensors to find the kernels a capture launches."""
+        for splits in self.graph_splits(bucket):
+            self.buffers.pad_all()
+            self._forward(bucket, splits)
 
     # --- replay -----------------------------------------------------------------------------------
 

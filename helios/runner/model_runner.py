@@ -151,6 +151,17 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def layer_caches(arch: Architecture, kv_cache: KVCache, state_cache: StateCache | None) -> list:
+    """What a model's forward takes per layer: the KV tensor of an attention layer, the (conv, recurrent) state of a
+    linear one, None for an ffn layer (a feed-forward block: nothing kept)."""
+    if state_cache is None and "ffn" not in arch.layer_types:
+        return kv_cache.layer_caches  # the KV tensors, or (KV, index keys) pairs (minimax_m3)
+    kv = iter(kv_cache.layer_caches)
+    states = state_cache.layers if state_cache is not None else {}
+    attention = set(arch.attention_layers)
+    return [states[i] if i in states else next(kv) if i in attention else None for i in range(arch.num_layers)]
+
+
 class _KernelLoad:
     """helios.kernels.aot.load_kernels on a thread of its own; join() gives its summary and duration, or raises
     what it raised."""
@@ -165,6 +176,7 @@ class _KernelLoad:
     def _run(self, core_path: Path, kernel_targets: list[KernelTarget], device: torch.device, manifest,
              switches: Switches) -> None:
         from helios.kernels.aot import load_kernels, runtime_cache_root
+        from helios.runner.aot_trace import decode_tracer
 
         t0 = time.perf_counter()
         try:
@@ -173,11 +185,15 @@ class _KernelLoad:
 
                 manifest = read_manifest(core_path)
             with torch.cuda.device(device):
-                # the kernels this process launches follow its switches (helios.kernels.aot_shapes.runtime_shape)
+                # the kernels this process launches follow its switches (helios.kernels.aot_shapes.runtime_shape);
+                # a hybrid or MoE family's decode graphs are traced on meta tensors (helios.runner.aot_trace)
+                trace = None
+                if kernel_targets:
+                    trace = decode_tracer(manifest, switches, torch.cuda.get_device_capability(device)[0])
                 self._summary = load_kernels(
                     core_path, kernel_targets, device, manifest, gemv=switches.gemv,
                     fused_decode=switches.fused_decode, defer_norms=switches.defer_norms, pdl=switches.pdl,
-                    cache_root=runtime_cache_root(switches.kernel_cache),
+                    cache_root=runtime_cache_root(switches.kernel_cache), trace=trace,
                 ).summary()
         except BaseException as exc:  # noqa: BLE001 - re-raised by join on the constructing thread
             self._error = exc
@@ -584,15 +600,7 @@ class ModelRunner:
         return self._overlap
 
     def _layer_caches(self) -> list:
-        """Per layer: the KV tensor of an attention layer, the (conv, recurrent) state of a linear one, None for an
-        ffn layer (a feed-forward block: nothing kept)."""
-        if self.state_cache is None and "ffn" not in self.arch.layer_types:
-            return self.kv_cache.layer_caches  # the KV tensors, or (KV, index keys) pairs (minimax_m3)
-        kv = iter(self.kv_cache.layer_caches)
-        states = self.state_cache.layers if self.state_cache is not None else {}
-        attention = set(self.arch.attention_layers)
-        return [states[i] if i in states else next(kv) if i in attention else None
-                for i in range(self.arch.num_layers)]
+        return layer_caches(self.arch, self.kv_cache, self.state_cache)
 
     @property
     def scratch_slot(self) -> int | None:

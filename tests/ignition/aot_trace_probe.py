@@ -1,0 +1,102 @@
+"""What the decode-graph trace (helios.runner.aot_trace) launches, run where Triton compiles (the tests' process runs
+it interpreted: TRITON_INTERPRET, tests/conftest.py): `python -m tests.ignition.aot_trace_probe CACHE CORE...`
+prints one JSON object: per core directory, the kernel names its bfloat16 decode graphs launch (None when the
+runner would not capture them); for the first float32 core whether the launch keys of a CPU ModelRunner's own model
+and caches (real memory) equal the meta trace's; for a core with kernels, helios.runner.aot_compile.load_offline's
+(index entries, compiled) with its cache under CACHE. Every launch goes through Triton's compile hook under a
+stand-in driver for sm90: nothing is run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import msgspec
+
+from helios.core.load import load_core
+from ignition.prepare.plan import graph_plan
+
+TARGET = "cuda-sm90"
+CONTEXT = 256
+
+
+def cuda_manifest(core: Path, dtype: str | None = None):
+    """The core's manifest with the CUDA graph plan (all decode buckets), as a CUDA export writes it."""
+    manifest = load_core(core).manifest
+    return msgspec.structs.replace(manifest, graph_plan=graph_plan(TARGET, 0, CONTEXT),
+                                   dtype=dtype or manifest.dtype)
+
+
+def traced(run) -> dict[str, str]:
+    """{specialization data: kernel name} of every launch `run()` makes, none compiled or run."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    from helios.kernels.aot import _TargetDriver
+
+    launches: dict[str, str] = {}
+
+    def hook(**kwargs):
+        launches.setdefault(kwargs["compile"]["specialization_data"], kwargs["fn"].name)
+        return True
+
+    previous_driver, previous_hook = getattr(driver, "_active", None), knobs.runtime.jit_cache_hook
+    driver.set_active(_TargetDriver(90))
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        run()
+    finally:
+        knobs.runtime.jit_cache_hook = previous_hook
+        driver.set_active(previous_driver)
+    return launches
+
+
+def family_kernels(core: Path) -> list[str] | None:
+    from helios.runner.aot_trace import trace_decode
+
+    manifest = cuda_manifest(core, "bfloat16")
+    ran = []
+    names = sorted(set(traced(lambda: ran.append(trace_decode(manifest))).values()))
+    return names if ran[0] else None
+
+
+def real_equals_meta(core_dir: Path) -> tuple[int, bool]:
+    """(launch keys, equal?) of the float32 decode graphs on real CPU tensors (a ModelRunner's model and caches on
+    the Triton backend; no GEMV at float32) against the meta trace."""
+    import torch
+
+    from helios.runner.aot_trace import trace_decode
+    from helios.runner.cuda_graphs import GraphRunner
+    from helios.runner.model_runner import ModelRunner
+
+    core, manifest = load_core(core_dir), cuda_manifest(core_dir)
+    plan, arch = manifest.graph_plan, manifest.arch
+    runner = ModelRunner(arch, core.tensors, 16, plan.page_size, device="cpu", attention_backend="triton",
+                         num_state_slots=max(plan.decode_buckets), max_model_len=CONTEXT)
+    graphs = GraphRunner(runner.model, runner.kv_cache, buckets=list(plan.decode_buckets), max_model_len=CONTEXT,
+                         page_size=plan.page_size, vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads,
+                         device=torch.device("cpu"), capture=False, state_scratch=runner.scratch_slot,
+                         layer_caches=runner.layer_caches)
+    real = traced(lambda: [graphs.run_variants(b) for b in graphs.buckets])
+    meta = traced(lambda: trace_decode(manifest))
+    return len(real), sorted(real) == sorted(meta)
+
+
+def main(cache: str, cores: list[str]) -> None:
+    from helios.runner.aot_compile import load_offline
+
+    warnings.simplefilter("ignore")
+    manifests = {c: load_core(Path(c)).manifest for c in cores}
+    result = {"families": {c: family_kernels(Path(c)) for c in cores}}
+    first_f32 = next(c for c, m in manifests.items() if m.dtype == "float32")
+    result["real_equals_meta"] = real_equals_meta(Path(first_f32))
+    result["load_offline"] = {c: load_offline(Path(c), Path(cache) / Path(c).parent.name)
+                              for c, m in manifests.items() if m.kernels}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,109 @@
+"""Ahead-of-time kernels of the families helios.kernels.aot_shapes does not list by hand: their decode graphs run on
+meta tensors under the compile hook (helios.runner.aot_trace), on a machine without a GPU.
+
+The trace lists each family's kernels (the recurrent mixers', the gated norms', the fused MoE's, the attention
+layers'); the keys it finds equal those of the same graphs run by a ModelRunner-built model on real CPU tensors (so
+meta offsets and strides specialize as memory does); an exported qwen3_5 core holds them, and the loader's offline
+pass, the runtime's launches through the compile hook, finds every one of them without compiling.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helios.core.load import load_core
+from helios.kernels._triton import HAS_TRITON
+from ignition.export import ExportOptions, export_core
+from tests.models.hybrid_tiny import build_hybrid
+from tests.models.kimi_linear_tiny import build_kimi_linear
+from tests.models.nemotron_h_tiny import build_nemotron_h
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = "cuda-sm90"
+CONTEXT = 256
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+BUILDERS = {
+    "qwen3_5": lambda out: build_hybrid("qwen3_5", out),
+    "qwen3_5_moe": lambda out: build_hybrid("qwen3_5_moe", out),
+    "nemotron_h": build_nemotron_h,
+    "kimi_linear": build_kimi_linear,
+}
+DENSE = {"_rms_norm_kernel", "_gemv_kernel", "_decode_kernel", "_reshape_and_cache_kernel"}
+GDN = {"_gated_delta_step_kernel", "_gated_rms_norm_kernel", "_rotary_kernel", "_gated_kernel"}
+MOE = {"_route_kernel", "_align_kernel", "_expert_gemm_kernel", "_combine_kernel"}
+# what each family's decode graphs launch (qwen3_5's attention: q/k norms and partial rotary as their own launches,
+# the sigmoid gate keeps it off decode_qkv; nemotron_h: the Mamba-2 mixer through the varlen conv and the scan)
+EXPECTED = {
+    "qwen3_5": DENSE | GDN,
+    "qwen3_5_moe": (DENSE | GDN | MOE) - {"_gated_kernel"},
+    "nemotron_h": {"_causal_conv_kernel", "_conv_state_kernel", "_mamba2_scan_kernel", "_gemv_kernel",
+                   "_decode_kernel", "_reshape_and_cache_kernel"} | MOE,
+}
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without Triton's variables (the tests' TRITON_INTERPRET among them), helios importable."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return env
+
+
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory) -> dict:
+    """tests.ignition.aot_trace_probe, in a subprocess where Triton compiles rather than interprets, over each
+    family's tiny checkpoint: qwen3_5 exported for cuda-sm90 in bfloat16 (kernels compiled into the core), the
+    others for the CPU in float32 (the trace reads only the manifest; qwen3_5_moe's float32 graphs are the
+    real-memory comparison)."""
+    root = tmp_path_factory.mktemp("traced")
+    cores = {name: export_core(BUILDERS[name](root / name / "hf"), root / name / "core",
+                               ExportOptions(context_length=CONTEXT, target=TARGET if name == "qwen3_5" else "cpu"))
+             for name in ("qwen3_5", "qwen3_5_moe", "nemotron_h", "kimi_linear")}
+    proc = subprocess.run([sys.executable, "-m", "tests.ignition.aot_trace_probe", str(root / "cache"),
+                           *map(str, cores.values())], capture_output=True, text=True, env=clean_env(), cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["families"] = {name: result["families"][str(core)] for name, core in cores.items()}
+    result["cores"] = cores
+    return result
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_trace_lists_the_family_kernels(probe, family):
+    names = set(probe["families"][family])
+    assert names == EXPECTED[family], sorted(names ^ EXPECTED[family])
+
+
+def test_kimi_linear_decode_is_not_graphed_so_nothing_is_traced(probe):
+    """kimi_linear's MLA layers decode on the torch path (no CUDA graphs): its decode runs eagerly and compiles its
+    kernels on first use; the trace runs nothing."""
+    assert probe["families"]["kimi_linear"] is None
+
+
+def test_meta_trace_specializes_as_real_tensors(probe):
+    """The float32 qwen3_5_moe decode graphs through a CPU ModelRunner's own model and caches on the Triton backend
+    (real memory) launch with the keys of the meta trace (offsets, strides, dtypes, constexprs)."""
+    num_keys, equal = probe["real_equals_meta"]
+    assert num_keys > 10 and equal
+
+
+def test_export_holds_the_traced_kernels_and_the_loader_compiles_none(probe):
+    """`ignition export --target cuda-sm90` of a bfloat16 qwen3_5: the gated delta rule's step, the gated norm and
+    partial rotary are in the core; the offline load (the runtime's launches and the decode graphs' trace, through
+    the compile hook) finds every kernel in the installed cache."""
+    core = load_core(probe["cores"]["qwen3_5"])
+    if not core.manifest.kernels:
+        pytest.skip(f"this triton cannot compile for {TARGET} here")
+    (kt,) = core.manifest.kernels
+    index = json.loads((core.path / kt.dir / "index.json").read_text())
+    names = {e["kernel"].rsplit(":", 1)[1] for e in index["kernels"]}
+    assert EXPECTED["qwen3_5"] <= names, sorted(EXPECTED["qwen3_5"] - names)
+    assert probe["load_offline"][str(core.path)] == [len(index["kernels"]), 0]
