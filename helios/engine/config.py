@@ -39,6 +39,12 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     prefill_chunk_size: Annotated[
         int, Meta(ge=1, le=1 << 20, description="Most prompt tokens one request prefills in one step.")
     ] = 512
+    decode_stall_ratio: Annotated[
+        float, Meta(ge=0, le=1e6, description="While requests decode, a step's prompt tokens are limited so that "
+                    "their predicted time (the measured prefill rate) stays within this multiple of the measured "
+                    "decode step: arriving prompts stretch a decoding request's inter-token gap to at most "
+                    "(1 + ratio) decode steps; 0: no limit beyond the token budget.")
+    ] = 0.0
     max_waiting: Annotated[
         int, Meta(ge=1, le=1 << 20, description="Requests waiting for a model slot past the free ones (QueueFull).")
     ] = 256

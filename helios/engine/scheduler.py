@@ -68,6 +68,7 @@ class Scheduler:
         self._state_copy_in: list[tuple[int, int]] = []  # host records into running slots (admissions)
         self.state_host: HostCache | None = None  # the host tiers of state records, named by checkpoint hash
         self.prefill_ns_per_token: float | None = None  # measured by the engine (observe_prefill)
+        self.decode_step_ns: float | None = None  # a step of decodes only, likewise (observe_decode)
         self.host_lookups = LookupHistograms()
         if config.num_state_slots:
             self.state_pool = StatePool(config.num_state_slots + config.state_checkpoint_slots)
@@ -165,6 +166,9 @@ class Scheduler:
         self._scheduled = {}
         is_preempted = False
 
+        # prompt tokens this step may take beside the decodes (decode_stall_ratio)
+        prompt_budget = self._prompt_budget()
+
         # Running requests first, in admission order. NOTE: each keeps one token of budget for every
         # running request after it (max_num_batched_tokens >= max_concurrency), so a long prefill never
         # stalls the decodes admitted after it.
@@ -176,8 +180,11 @@ class Scheduler:
                 self._finish_now(req, RequestStatus.FINISHED_LENGTH)
                 continue
             reserve = len(self.running) - i - 1
-            num_new = self._chunk_size(req, min(req.num_tokens - req.num_computed_tokens, config.prefill_chunk_size,
-                                                budget - reserve))
+            num_left = req.num_tokens - req.num_computed_tokens
+            num_new = self._chunk_size(req, min(num_left, config.prefill_chunk_size, budget - reserve,
+                                                max(prompt_budget, 0) if num_left > 1 else 1))
+            if num_left > 1:
+                prompt_budget -= num_new
             if num_new == 0:  # a prefill chunk that cannot end on the recurrent grid this step: the next one
                 i += 1
                 continue
@@ -220,8 +227,8 @@ class Scheduler:
                     hits, host_slots = hits[:num_pages], host_slots[: max(0, num_pages - len(hits))]
             num_reused = (len(hits) + len(host_slots)) * pool.block_size
             skipped = self._select_checkpoints(req, num_reused) if self.checkpoints is not None else []
-            num_new = self._chunk_size(req, min(req.num_tokens - num_reused, config.prefill_chunk_size, budget),
-                                       num_reused)
+            num_new = self._chunk_size(req, min(req.num_tokens - num_reused, config.prefill_chunk_size, budget,
+                                                max(prompt_budget, 0)), num_reused)
             if num_new == 0:
                 break
             # host pages are fresh pages too (num_needed counts them); hits still on the free list leave it when
@@ -268,6 +275,7 @@ class Scheduler:
             )
             scheduled.append(self._schedule_chunk(req, num_new))
             budget -= num_new
+            prompt_budget -= num_new
 
         self._look_ahead(scheduled)
         # after every allocation of the plan (look-ahead pages too), so each eviction is copied out before the
@@ -411,6 +419,31 @@ class Scheduler:
         ns = 1e9 * seconds / num_tokens
         prev = self.prefill_ns_per_token
         self.prefill_ns_per_token = ns if prev is None else 0.8 * prev + 0.2 * ns
+
+    def observe_decode(self, seconds: float) -> None:
+        """A step of decodes only took `seconds`: the decode step the prompt budget is priced against (a moving
+        average)."""
+        if seconds <= 0:
+            return
+        ns, prev = 1e9 * seconds, self.decode_step_ns
+        self.decode_step_ns = ns if prev is None else 0.8 * prev + 0.2 * ns
+
+    def _prompt_budget(self) -> int:
+        """The prompt tokens this step may take (running prefills and admissions together): unlimited without
+        decode_stall_ratio, without a decoding request or before both rates are measured; else what the measured
+        prefill rate does in decode_stall_ratio decode steps, but at least a page and a recurrent chunk (a split
+        chunk must reach the next grid position: the prompts always progress).
+
+        NOTE: stall-free batching (Sarathi-Serve's idea): a step's prompt chunks stretch every decoding request's
+        inter-token gap, so under a stream of arrivals the gaps' tail would follow the prompts' sizes; this bounds
+        it at (1 + ratio) decode steps, at the cost of a burst's later prompts waiting a few steps longer."""
+        ratio, rate, step = self.config.decode_stall_ratio, self.prefill_ns_per_token, self.decode_step_ns
+        if not ratio or rate is None or step is None:
+            return 1 << 62
+        if not any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return 1 << 62
+        floor = max(self.config.page_size, self.config.state_chunk)
+        return max(floor, int(ratio * step / rate))
 
     def _observe_lookup(self, req: Request, num_reused: int, num_host_pages: int, restore) -> None:
         """An admission that looked past the GPU: its missing tokens, the predicted copy-in time of the host

@@ -113,6 +113,38 @@ def test_long_prefill_does_not_stall_running_decodes():
     assert_idle(core)
 
 
+def test_decode_stall_ratio_limits_prompt_tokens_beside_decodes():
+    """With decode_stall_ratio, a step holding decodes takes only the prompt tokens the measured prefill rate does in
+    ratio decode steps (here 1 ms / 0.1 ms per token = 10 tokens; a long prompt, then a second one admitted beside
+    it, share them); a step without decodes takes the whole budget; every token is what the model gives."""
+    core, runner = make_core(max_concurrency=4, max_num_batched_tokens=256, prefill_chunk_size=128, num_pages=256,
+                             decode_stall_ratio=1.0)
+    sched = core.scheduler
+    sched.observe_decode = sched.observe_prefill = lambda *args: None  # fixed rates: the fake runner takes no time
+    sched.decode_step_ns, sched.prefill_ns_per_token = 1e6, 1e5
+    short, long, second = (request("short", prompt_len=4, max_tokens=40), request("long", prompt_len=120, max_tokens=3),
+                           request("second", prompt_len=30, max_tokens=3))
+    core.add_request(short)
+    got = Collected()
+    got.add(core.step())
+    core.add_request(long)
+    core.add_request(second)
+    while "short" in sched.requests:
+        got.add(core.step())
+        plan = runner.plans[-1]
+        prompt_tokens = sum(len(s.token_ids) for s in plan.scheduled if len(s.token_ids) > 1)
+        assert prompt_tokens <= 10, plan
+    assert {s.req_id for p in runner.plans[1:] for s in p.scheduled} >= {"long", "second"}
+    run_until_idle(core, got)
+    for req in (short, long, second):
+        assert got.tokens[req.req_id] == reference_tokens(req), req.req_id
+    assert_idle(core)
+    # no decode beside it: the whole chunk
+    core.add_request(request("alone", prompt_len=120, seed=7, max_tokens=1))
+    core.step()
+    assert len(runner.plans[-1].scheduled[0].token_ids) == 120
+
+
 def test_no_starvation_long_prompt_among_many_short():
     core, _ = make_core(max_concurrency=3, max_num_batched_tokens=8, prefill_chunk_size=8, num_pages=40, max_waiting=64)
     core.add_request(request("long", prompt_len=120, max_tokens=4))
