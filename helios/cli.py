@@ -44,13 +44,19 @@ def serve(
         int | None, typer.Option("--tensor-parallel", min=1, help="Split the model over N ranks (GPUs) by tensor "
                                  "parallelism (default 1 or [server] tensor_parallel).")
     ] = None,
+    kv_events_config: Annotated[
+        str | None, typer.Option("--kv-events-config", help="vLLM's KV events JSON, e.g. "
+                                 "'{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\", "
+                                 "\"topic\": \"kv@POD@MODEL\"}'; overrides the config's server.kv_events table; "
+                                 "needs pyzmq (the kv-events extra).")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Granian log level.")] = "warning",
 ) -> None:
     """Serve CORE on HTTP: OpenAI Chat Completions, Completions, models, /health and /metrics."""
     import msgspec
 
     from helios.core.manifest import MANIFEST_FILE, decode_manifest
-    from helios.server.config import ConfigError, load_config
+    from helios.server.config import ConfigError, KVEventsConfig, load_config
     from helios.server.runtime import resolve_serving
     from helios.switches import SwitchError, Switches
 
@@ -85,6 +91,11 @@ def serve(
         overrides["prefix_caching"] = False
     if tensor_parallel is not None:
         overrides["tensor_parallel"] = tensor_parallel
+    if kv_events_config is not None:
+        try:
+            overrides["kv_events"] = msgspec.json.decode(kv_events_config, type=KVEventsConfig)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            _fail(f"--kv-events-config: {e}")
     server = msgspec.structs.replace(server, **overrides)
 
     from helios.compose import serve as serve_core

@@ -28,7 +28,7 @@ import msgspec
 
 from helios.engine.remote import EngineServer
 from helios.server.app import HeliosApp, ready_line
-from helios.server.config import ServerConfig
+from helios.server.config import KVEventsConfig, ServerConfig
 from helios.server.runtime import Runtime, Serving, resolve_serving
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -144,9 +144,27 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     )
     disk_records = runner.disk_store.list_records() if runner.disk_store is not None else []
     state_records = runner.state_disk.list_records() if runner.state_disk is not None else []
+    kv_events = start_kv_events(config.kv_events, prefix_caching)
     engine = AsyncEngine(EngineCore(scheduler, runner, disk_records, state_disk_records=state_records,
-                                    constraints=constraints), own_thread=own_thread)
+                                    constraints=constraints, kv_events=kv_events), own_thread=own_thread)
     return engine, runner
+
+
+def start_kv_events(config: KVEventsConfig, prefix_caching: bool):
+    """The publisher of the prefix cache's events for a router (helios/engine/kv_events.py), in this (the engine's)
+    process; None when not asked for, or without a prefix cache to report on (a warning)."""
+    if not config.is_publishing:
+        return None
+    if not prefix_caching:
+        logger.warning("KV events: the prefix cache is off, so there are no events to publish")
+        return None
+    from helios.engine.kv_events import ZmqEventPublisher
+
+    try:
+        return ZmqEventPublisher(config.endpoint, config.replay_endpoint, config.topic, config.buffer_steps,
+                                 config.hwm, config.max_queue_size)
+    except ImportError:
+        raise RuntimeError("KV events need pyzmq: pip install 'flare[kv-events]'") from None
 
 
 def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES,
@@ -204,11 +222,15 @@ async def warm_up(runtime: Runtime) -> None:
 
 
 def close_runner(runtime: Runtime) -> None:
-    """After the engine stopped: a runner with processes of its own (tensor parallelism's ranks) stops them."""
+    """After the engine stopped: a runner with processes of its own (tensor parallelism's ranks) stops them, and
+    the KV events publisher sends what is queued and closes its sockets."""
     core = getattr(runtime.engine, "core", None)
     close = getattr(getattr(core, "runner", None), "close", None)
     if close is not None:
         close()
+    kv_events = getattr(core, "kv_events", None)
+    if kv_events is not None:  # the last steps' events still go out
+        kv_events.close()
 
 
 def http_workers(config: ServerConfig, device: str) -> int:

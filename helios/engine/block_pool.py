@@ -4,7 +4,8 @@ Owns page ids only (the runner owns the tensors they index). A page holding the 
 request's tokens may carry that page's chained hash (helios/engine/prefix_cache.py): the prefix cache.
 A page whose count reaches zero goes back to the free list but keeps its hash, so a later request can still
 take it (a hit); allocate() hands out the least recently freed page first and drops its hash (eviction).
-With `track_evictions` the pool also lists each eviction (page, hash) for the host tier to store.
+With `track_evictions` the pool also lists each eviction (page, hash) for the host tier to store; with an `events`
+log (helios/engine/kv_events.py, set by PrefixCache.attach_events) it reports each hash it drops to a router.
 Pure Python: must not import torch or numpy.
 """
 
@@ -12,6 +13,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from helios.engine.kv_events import KVEventLog
 
 
 class BlockPool:
@@ -32,6 +37,7 @@ class BlockPool:
         self._hash_by_block: dict[int, bytes] = {}
         # (page, hash) of every eviction since the last take_evictions(); None when nobody reads them
         self._evictions: list[tuple[int, bytes]] | None = [] if track_evictions else None
+        self.events: KVEventLog | None = None  # KV events for a router; None (the default): no cost
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,6 +74,8 @@ class BlockPool:
                 del self._block_by_hash[block_hash]
                 if self._evictions is not None:
                     self._evictions.append((block_id, block_hash))
+                if self.events is not None:
+                    self.events.removed(block_hash)
         return block_ids
 
     def take_evictions(self) -> list[tuple[int, bytes]]:
@@ -105,21 +113,25 @@ class BlockPool:
 
     # --- the prefix cache ---------------------------------------------------------------------
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> None:
-        """Publish a used page whose KV now holds the full page `block_hash` names. A hash that already
-        names another page keeps that page (no dedup); a page already carrying a hash keeps it."""
+    def cache_block(self, block_id: int, block_hash: bytes) -> bool:
+        """Publish a used page whose KV now holds the full page `block_hash` names; True when it is newly
+        cached. A hash that already names another page keeps that page (no dedup); a page already carrying a
+        hash keeps it."""
         if self._ref_counts[block_id] <= 0:
             raise ValueError(f"cache_block of free block {block_id}")
         if block_hash in self._block_by_hash or block_id in self._hash_by_block:
-            return
+            return False
         self._block_by_hash[block_hash] = block_id
         self._hash_by_block[block_id] = block_hash
+        return True
 
     def uncache_block(self, block_id: int) -> None:
         """Drop the page's hash, if any (its KV never arrived: a failed step's copy-in)."""
         block_hash = self._hash_by_block.pop(block_id, None)
         if block_hash is not None:
             del self._block_by_hash[block_hash]
+            if self.events is not None:
+                self.events.removed(block_hash)
 
     def block_hash(self, block_id: int) -> bytes | None:
         return self._hash_by_block.get(block_id)

@@ -16,6 +16,7 @@ from msgspec import Struct
 from helios.engine.config import SchedulerConfig
 from helios.engine.constraint import ConstraintOwner
 from helios.engine.host_cache import DROP_REASONS, TIERS, HostCache
+from helios.engine.kv_events import KVCacheEvent, KVEventLog
 from helios.engine.messages import (
     EngineOutput,
     EngineRequest,
@@ -31,6 +32,12 @@ class Runner(Protocol):
     """Executes plans; a runner may also offer `stats() -> RunnerStats` (its counters for /metrics)."""
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class KVEventPublisher(Protocol):
+    """Takes one step's KV cache events (helios/engine/kv_events.py ZmqEventPublisher); must not block."""
+
+    def publish(self, events: list[KVCacheEvent]) -> None: ...
 
 
 class RequestExecutionError(Exception):
@@ -101,10 +108,11 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
 class EngineCore:
     def __init__(self, config: SchedulerConfig, runner: Runner, disk_records: Sequence[bytes] = (), *,
                  state_disk_records: Sequence[bytes] = (),
-                 constraints: ConstraintOwner | None = None) -> None:
+                 constraints: ConstraintOwner | None = None, kv_events: KVEventPublisher | None = None) -> None:
         """disk_records: the hashes of the host tier's record files found at start-up, least recently used first;
         state_disk_records: likewise, the state records' (hybrid models' checkpoints); constraints: structured
-        output's grammar owner (helios/engine/constraint.py)."""
+        output's grammar owner (helios/engine/constraint.py); kv_events: where each step's prefix-cache changes
+        go for a router (nothing without the prefix cache)."""
         self.config = config
         self.runner = runner
         self.scheduler = Scheduler(config, constraints)
@@ -113,6 +121,12 @@ class EngineCore:
         if self.scheduler.state_host is not None:
             self.scheduler.state_host.seed_disk(state_disk_records)
         self.error: str | None = None  # set by a runner failure that is not request-specific
+        self.kv_events = kv_events if self.scheduler.prefix_cache is not None else None
+        self._kv_log: KVEventLog | None = None
+        if self.kv_events is not None:
+            self._kv_log = KVEventLog(config.page_size)
+            self._kv_log.cleared()  # a restarted replica's pages are gone: a router forgets them
+            self.scheduler.prefix_cache.attach_events(self._kv_log)
         self._num_generated_tokens = 0
         self._num_completed = 0
         self._num_failed = 0
@@ -150,6 +164,14 @@ class EngineCore:
             self.error = f"{type(exc).__name__} in a deferred graph capture: {exc}"
 
     def step(self) -> list[EngineOutput]:
+        outputs = self._step()
+        if self._kv_log is not None:
+            events = self._kv_log.take()
+            if events:
+                self.kv_events.publish(events)
+        return outputs
+
+    def _step(self) -> list[EngineOutput]:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             runner_output = ModelRunnerOutput(results=[])

@@ -5,7 +5,8 @@ hashes mean equal whole prefixes. The hash <-> page map and eviction live in the
 computes the hashes, looks a request's prefix up at admission (the GPU pages, then the host tier's records in
 DRAM or on disk, helios/engine/host_cache.py) and publishes its pages once computed. A model with window groups
 (helios/engine/kv_groups.py) publishes each group's pages under the same hashes, in the group's own pool; a hit
-must find group 0's pages and, in each window group, the pages inside the window of the hit's end.
+must find group 0's pages and, in each window group, the pages inside the window of the hit's end. With KV events
+on (attach_events) group 0's newly cached pages and dropped hashes are logged for a router (helios/engine/kv_events.py).
 Pure Python: must not import torch or numpy.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 
 from helios.engine.block_pool import BlockPool
 from helios.engine.host_cache import HostCache
+from helios.engine.kv_events import KVEventLog
 from helios.engine.kv_groups import NULL_PAGE, WindowGroup
 from helios.engine.request import Request
 
@@ -51,6 +53,12 @@ class PrefixCache:
         self.page_size = pool.block_size
         self.host = host
         self.groups = list(groups)  # window groups: their own pools, the same hashes
+        self.events: KVEventLog | None = None  # KV events for a router (attach_events); None: off, no cost
+
+    def attach_events(self, events: KVEventLog) -> None:
+        """Log group 0's cache changes from now on: pages this cache publishes (BlockStored) and hashes the pool
+        drops (BlockRemoved). Window groups and the host tiers report nothing (see helios/server/README.md)."""
+        self.events = self.pool.events = events
 
     def match(self, req: Request) -> list[int]:
         """Cached pages a waiting request can start from (nothing is taken: the caller increfs them).
@@ -104,8 +112,7 @@ class PrefixCache:
         assert self.host is not None
         first, end = num_gpu_pages, num_gpu_pages + len(slots)
         pages = req.block_ids[first:end]
-        for block_id, block_hash in zip(pages, req.page_hashes[first:end]):
-            self.pool.cache_block(block_id, block_hash)
+        self._cache_pages(req, first, end)
         taken = self.host.take(req.page_hashes[first:end], len(slots) * self.page_size, slots)
         return list(zip(taken, pages))
 
@@ -145,10 +152,20 @@ class PrefixCache:
         if num_full <= req.num_published_pages:
             return
         extend_page_hashes(req.page_hashes, req.all_token_ids, self.page_size, num_full)
-        for i in range(req.num_published_pages, num_full):
-            self.pool.cache_block(req.block_ids[i], req.page_hashes[i])
+        self._cache_pages(req, req.num_published_pages, num_full)
         for group, table in zip(self.groups, req.group_block_ids):
             for i in range(req.num_published_pages, num_full):
                 if table[i] != NULL_PAGE:  # released before it was published (a step the runner did not report)
                     group.pool.cache_block(table[i], req.page_hashes[i])
         req.num_published_pages = num_full
+
+    def _cache_pages(self, req: Request, first: int, end: int) -> None:
+        """Cache the request's pages first..end-1 (their hashes computed) in group 0; with events on, log those
+        newly cached."""
+        if self.events is None:
+            for i in range(first, end):
+                self.pool.cache_block(req.block_ids[i], req.page_hashes[i])
+            return
+        stored = [i for i in range(first, end) if self.pool.cache_block(req.block_ids[i], req.page_hashes[i])]
+        if stored:
+            self.events.stored(req.page_hashes, req.all_token_ids, stored)

@@ -25,6 +25,39 @@ _Count = Annotated[int, Meta(ge=1, le=1 << 20)]
 _Int32 = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 
 
+class KVEventsConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's `--kv-events-config` (same fields, same meaning): the prefix cache's changes published for a
+    prefix-aware router (helios/engine/kv_events.py); `[server.kv_events]` in helios.toml."""
+
+    enable_kv_cache_events: Annotated[
+        bool, Meta(description="Publish BlockStored/BlockRemoved/AllBlocksCleared (needs prefix_caching).")
+    ] = False
+    publisher: Annotated[
+        Literal["null", "zmq"] | None, Meta(description="zmq, or null (none); unset: zmq when events are enabled.")
+    ] = None
+    endpoint: Annotated[
+        str, Meta(max_length=1024, description="ZMQ PUB address: bound with a wildcard (tcp://*:5557), else connected.")
+    ] = "tcp://*:5557"
+    replay_endpoint: (
+        Annotated[str, Meta(max_length=1024, description="ZMQ ROUTER address (bound) replaying buffered batches.")]
+        | None
+    ) = None
+    buffer_steps: Annotated[int, Meta(ge=1, le=1 << 24, description="Batches (steps) kept for replay.")] = 10_000
+    hwm: Annotated[int, Meta(ge=0, le=1 << 30, description="ZMQ high-water mark of the PUB socket (0: none).")] = (
+        100_000
+    )
+    max_queue_size: Annotated[
+        int, Meta(ge=1, le=1 << 24, description="Batches waiting for the sender thread before new ones are dropped.")
+    ] = 100_000
+    topic: Annotated[
+        str, Meta(max_length=1024, description="First frame of every message; llm-d reads kv@<pod-id>@<model>.")
+    ] = ""
+
+    @property
+    def is_publishing(self) -> bool:
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+
 class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The `[server]` table of helios.toml."""
 
@@ -75,6 +108,7 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     tensor_parallel: Annotated[
         int, Meta(ge=1, le=64, description="Ranks (one GPU each) the model is split over by tensor parallelism: rank 0 in the engine process, the others in worker processes it starts; 1: none.")
     ] = 1
+    kv_events: KVEventsConfig = KVEventsConfig()  # KV cache events for a prefix-aware router; off by default
 
 
 class HeliosConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
