@@ -43,6 +43,8 @@ class Gemma4Attention(nn.Module):
     step (the same cache tensor and, for a sliding layer, the same window group).
     """
 
+    attends_through_backend = True  # device work only around the backend: CUDA graphs (runner.cuda_graphs)
+
     def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
                  switches: Switches = DEFAULT_SWITCHES):
         super().__init__()

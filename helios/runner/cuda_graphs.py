@@ -273,10 +273,12 @@ class StaticBuffers:
 
 
 def attention_backends(model: torch.nn.Module) -> list:
-    """The distinct attention backend instances of a model (one per model in practice)."""
+    """The distinct attention backend instances of a model (one per model in practice): those of its Attention
+    layers and of any attention module of a family's own that declares `attends_through_backend` (its step does
+    nothing on the host but hand the backend device tensors, as Attention's does)."""
     seen: dict[int, object] = {}
     for module in model.modules():
-        if isinstance(module, Attention):
+        if isinstance(module, Attention) or getattr(module, "attends_through_backend", False):
             seen.setdefault(id(module.backend), module.backend)
     return list(seen.values())
 

@@ -39,10 +39,10 @@ def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int =
     return EngineCore(config, runner)
 
 
-def check_greedy_on_the_gpu(src, core) -> None:
-    """32 greedy tokens of a 150-token prompt through the CUDA engine = the HF model's generate (on the device, its
-    torch path; family_cuda.check_tokens_match_hf). A model CUDA graphs support decodes every token after the first
-    through them."""
+def check_greedy_on_the_gpu(src, core, hf_class=None) -> None:
+    """32 greedy tokens of a 150-token prompt through the CUDA engine = the generate of HF's model of src (hf_class,
+    by default AutoModelForCausalLM; on the device, its torch path; family_cuda.check_tokens_match_hf). A model CUDA
+    graphs support decodes every token after the first through them."""
     from transformers import AutoModelForCausalLM
 
     ids, num_new = prompt(150, seed=5), 32
@@ -50,16 +50,16 @@ def check_greedy_on_the_gpu(src, core) -> None:
     got = generate(engine, [greedy_request("a", ids, num_new)])["a"]
     if engine.runner.graphs is not None:
         assert engine.runner.launches["graph"] >= num_new - 1, engine.runner.launches
-    check_tokens_match_hf(AutoModelForCausalLM, src, core.manifest.dtype, ids, got)
+    check_tokens_match_hf(hf_class or AutoModelForCausalLM, src, core.manifest.dtype, ids, got)
 
 
 def check_batched_equals_alone_on_the_gpu(core) -> None:
     """16 requests together (prompts split into 64-token chunks beside decodes) = each alone."""
     reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
     together = generate(cuda_engine(core, budget=128, chunk=64), reqs)
+    single = cuda_engine(core, max_concurrency=1, budget=512, chunk=512)  # one engine: each captures its graphs
     for r in reqs:
-        alone = generate(cuda_engine(core, max_concurrency=1, budget=512, chunk=512), [r])[r.req_id]
-        assert together[r.req_id] == alone, r.req_id
+        assert together[r.req_id] == generate(single, [r])[r.req_id], r.req_id
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
