@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import socket
+import subprocess
 import time
 
 import httpx
@@ -22,8 +23,9 @@ import pytest
 
 from helios.core.manifest import MANIFEST_FILE, decode_manifest, encode_manifest
 from helios.engine.prefix_cache import extend_page_hashes
+from helios.server.config import load_config
 from tests.engine.vllm_kv_schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from tests.server.conftest import CORE, _stop, serve_core
+from tests.server.conftest import CORE, HELIOS, _stop, serve_core
 
 zmq = pytest.importorskip("zmq")
 
@@ -205,3 +207,19 @@ def test_replay_returns_the_history_from_a_sequence_number(served):
     assert isinstance(batches[0][1].events[0], AllBlocksCleared)  # the engine's first batch: a fresh cache
     assert any(isinstance(e, BlockStored) for _, batch in batches for e in batch.events)
     assert [seq for seq, _ in replay(served[2], 2)] == list(range(2, len(batches)))
+
+
+def test_the_config_file_and_the_flag_take_vllm_fields(tmp_path):
+    config = tmp_path / "helios.toml"
+    config.write_text("[server]\n[server.kv_events]\nenable_kv_cache_events = true\nendpoint = 'tcp://indexer:5557'\n"
+                      "topic = 'kv@pod@model'\n", encoding="utf-8")
+    events = load_config(config).server.kv_events
+    assert events.is_publishing and events.publisher is None and events.replay_endpoint is None
+    assert (events.endpoint, events.topic, events.buffer_steps) == ("tcp://indexer:5557", "kv@pod@model", 10_000)
+    assert not msgspec.structs.replace(events, publisher="null").is_publishing
+    if not (CORE / "core.toml").is_file():
+        pytest.skip(f"the default core is not built ({CORE}); run `make core`")
+    bad = subprocess.run([str(HELIOS), "serve", str(CORE), "--kv-events-config",
+                          '{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}'],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--kv-events-config: Object contains unknown field `endpont`" in bad.stderr
