@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import subprocess
 import time
 
@@ -25,7 +24,7 @@ from helios.core.manifest import MANIFEST_FILE, decode_manifest, encode_manifest
 from helios.engine.prefix_cache import extend_page_hashes
 from helios.server.config import load_config
 from tests.engine.vllm_kv_schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from tests.server.conftest import CORE, HELIOS, _stop, serve_core
+from tests.server.conftest import CORE, HELIOS, _free_port, _stop, serve_core
 
 zmq = pytest.importorskip("zmq")
 
@@ -33,12 +32,6 @@ CONTEXT = 128
 PAGE = 16
 TOPIC = "kv@test-pod@smollm2"
 DECODER = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _capped_core(out, context: int):
