@@ -243,6 +243,16 @@ class SigmoidMoe(RoutedMoe):
         return fused_moe.moe_route(logits, top_k, scoring, score_bias, num_groups, num_topk_groups, norm_topk_prob,
                                    routed_scaling_factor)
 
+    @staticmethod
+    def _route_given_fused(logits: torch.Tensor, given_ids: torch.Tensor, scoring: str,
+                           routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:  # as _route_fused
+        """The scores at given expert ids (a hash-routed layer's table row per token), renormalised and scaled, in
+        one launch (helios.kernels.fused_moe.moe_route's given_ids)."""
+        from helios.kernels import fused_moe
+
+        return fused_moe.moe_route(logits, given_ids.shape[-1], scoring, renorm=True, scaling=routed_scaling_factor,
+                                   given_ids=given_ids)
+
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:  # [T, W]
         """Each expert that received tokens, in expert order (HF's loop), its product scaled by the float32
         weight and added in x's dtype; on the fused path the grouped GEMMs and a float32 weighted sum."""

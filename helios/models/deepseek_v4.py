@@ -42,11 +42,9 @@ class DeepseekV4Moe(SigmoidMoe):
             return super().forward(x)
         m = self.moe
         logits = linear(x.float(), self.router.weight.float())
-        if self.fused:  # the same weights in one launch, no host sync (helios.kernels.fused_moe.moe_route)
-            from helios.kernels import fused_moe
-
-            weights, experts = fused_moe.moe_route(logits, m.num_experts_per_tok, m.scoring, renorm=True,
-                                                   scaling=m.routed_scaling_factor, given_ids=self.tid2eid[token_ids])
+        if self.fused:  # the same weights in one launch, no host sync
+            weights, experts = self._route_given_fused(logits, self.tid2eid[token_ids], m.scoring,
+                                                       m.routed_scaling_factor)
             return self._experts(x, weights, experts) + self.shared(x)
         scores = router_scores(logits, m.scoring)
         experts = self.tid2eid[token_ids].long()  # NOTE: exact in 16-bit floats too (ids below 256)
