@@ -104,6 +104,20 @@ ROUTES = [
          "questions": [{"type": "choice", "instructions": "Team?", "choices": [{"value": "a"}, {"value": False}]},
                        {"type": "score", "instructions": "Urgency?", "levels": [{"label": "Low"}, {"label": "High"}]}]},
     ), ("model", "input", "questions", "safety_identifier"), ("questions",), budget=()),
+    # vLLM's render routes (a router's prompt ids): the generating routes' bodies, nothing generated
+    Route("/v1/chat/completions/render", "openai", (
+        {"messages": MSGS, "max_tokens": 2},
+        {"messages": [{"role": "system", "content": "Be brief."}, *MSGS], "max_completion_tokens": 1,
+         "temperature": 0, "seed": 3},
+    ), ("messages", "model", "temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "n", "stop",
+        "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools", "tool_choice",
+        "response_format", "reasoning_effort", "logit_bias", "seed"), ("messages",),
+        budget=("max_tokens", "max_completion_tokens")),
+    Route("/v1/completions/render", "openai", (
+        {"prompt": "Hello", "max_tokens": 2},
+        {"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0.5},
+    ), ("prompt", "model", "temperature", "top_p", "top_k", "max_tokens", "n", "echo", "stop", "suffix", "seed",
+        "logit_bias", "logprobs")),
     Route("/api/show", "ollama", ({"model": "m"}, {"model": "m", "verbose": True}), ("model", "verbose", "name"), budget=()),
 ]
 
