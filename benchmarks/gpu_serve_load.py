@@ -395,6 +395,9 @@ def main() -> None:
     parser.add_argument("--max-waiting", type=int, default=4096, help="[server] max_waiting")
     parser.add_argument("--max-num-batched-tokens", type=int, help="[server] (cuda 8192, cpu 2048)")
     parser.add_argument("--http-workers", type=int, default=0, help="[server] http_workers (0: the server's default)")
+    parser.add_argument("--decode-stall-ratio", type=float,
+                        help="[server] decode_stall_ratio (unset: the server's default, 1.0; 0: prompts limited only "
+                        "by the token budget)")
     parser.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--skip-engine", action="store_true", help="no engine-alone figures")
     parser.add_argument("--seed", type=int, default=0)
@@ -417,7 +420,8 @@ def main() -> None:
     core_dir = text_core(core_dir, args.work / f"{core_dir.name}-text", tokenizer, manifest)
     server_toml = {"max_concurrency": args.max_concurrency, "max_waiting": args.max_waiting,
                    "max_num_batched_tokens": args.max_num_batched_tokens or (8192 if gpu else 2048),
-                   "device": args.device, **({"http_workers": args.http_workers} if args.http_workers else {})}
+                   "device": args.device, **({"http_workers": args.http_workers} if args.http_workers else {}),
+                   **({} if args.decode_stall_ratio is None else {"decode_stall_ratio": args.decode_stall_ratio})}
     work = []
     for i, (p, o) in enumerate(lengths(args.workload, 1024, args.seed, args.prompt_tokens, max_tokens)):
         ids = prompt_ids(tokenizer, p, args.seed * 100003 + i)
