@@ -75,7 +75,7 @@ def use_pdl(t, rows: int) -> bool:
     return _capability_major(t.device.index if t.device.index is not None else 0) >= 9
 
 
-# --- ahead-of-time tracing (helios.kernels.aot) ------------------------------------------------------------------
+# --- ahead-of-time tracing (helios.kernels.aot) --------------------------------------------------------------
 # A model's decode step runs on `meta` tensors while Triton's compile hook intercepts every launch: the launches'
 # specializations (dtypes, alignment from the views' offsets, constexprs) are the GPU's, and no kernel runs. The
 # few choices the layers make by device (the GEMV, PDL) read `on_gpu`, which counts meta as a GPU of compute

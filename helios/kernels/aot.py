@@ -31,7 +31,9 @@ import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,9 +55,9 @@ from helios.kernels.aot_shapes import (  # noqa: F401  (re-exported: the runtime
 )
 
 INDEX_FILE = "index.json"
-KERNEL_MODULES = ("_triton", "activation", "decode_qkv", "fused_moe", "gated_delta", "gated_norm", "gemv", "kda", "mamba",
-                  "paged_attention", "prefetch", "prefill_attention", "reshape_and_cache", "rmsnorm", "rotary",
-                  "rotary_cache", "sampling")
+KERNEL_MODULES = ("_triton", "activation", "decode_qkv", "fused_moe", "gated_delta", "gated_norm", "gemv", "kda",
+                  "mamba", "paged_attention", "prefetch", "prefill_attention", "reshape_and_cache", "rmsnorm",
+                  "rotary", "rotary_cache", "sampling")
 
 
 class _TargetDriver:
@@ -385,35 +387,59 @@ def load_offline(core_dir: Path, manifest, cache_root: Path,
     return len(index["kernels"]), len(_kernel_dirs(cache_dir) - before)
 
 
+@contextmanager
+def _every_launch_missing() -> Iterator[None]:
+    """Inside, each helios kernel holds an empty in-memory cache, so that every launch reaches the compile hook (a
+    kernel an earlier launch compiled would otherwise run); the caches are restored on exit. Kernel modules
+    imported inside start with empty caches anyway."""
+    functions = [value for name, module in list(sys.modules.items())
+                 if module is not None and name.startswith("helios.kernels.")
+                 for value in vars(module).values() if isinstance(value, triton.runtime.jit.JITFunction)]
+    saved = [fn.device_caches for fn in functions]
+    for fn in functions:
+        fn.device_caches = defaultdict(fn.create_binder)
+    try:
+        yield
+    finally:
+        for fn, caches in zip(functions, saved):
+            fn.device_caches = caches
+
+
 def load_traced(trace: Callable[[], object]) -> int:
-    """Run `trace` (launches on meta tensors, helios.runner.aot_trace) with each launch's kernel compiled for this
-    device, which finds its cubin in the installed cache, and put into Triton's in-memory cache under the launch's
-    key, as an ordinary first launch would: capture's launches then find it there and compile nothing. Nothing is
-    launched (a meta tensor has no memory). Returns how many kernels it put there."""
+    """Run `trace` (launches on meta tensors, helios.runner.aot_trace) through the compile hook, then compile each
+    launch's kernel for this device, which finds its cubin in the installed cache, and put it into Triton's
+    in-memory cache under the launch's key, as an ordinary first launch would: capture's launches then find it
+    there and compile nothing. Returns how many kernels it put there.
+    NOTE: a key found in the cache mid-trace would be launched, on meta tensors' pointers: the trace runs on empty
+    caches (_every_launch_missing) and the kernels go into the real ones after it. Like every compile hook here, it
+    assumes no other thread launches kernels meanwhile (the runner's start: the weights upload only copies)."""
     from triton import knobs
     from triton.compiler import ASTSource
 
-    loaded = 0
+    launches: dict[tuple[int, int, object], tuple] = {}  # (function, device, key) -> (function, compile args)
 
     def hook(**kwargs):
-        nonlocal loaded
         c = kwargs["compile"]
         fn = kwargs["fn"].jit_function
-        kernel_cache, _, target, _, _ = fn.device_caches[c["device"]]
-        if c["key"] not in kernel_cache:
-            # NOTE: the source and options as _compile_launched builds them at export: the same cache key
-            src = ASTSource(fn, c["signature"], c["constants"], c["configs"][0])
-            options = {k: _tuples(v) for k, v in json.loads(c["specialization_data"])["options"].items()}
-            kernel_cache[c["key"]] = triton.compile(src, target=target, options=options)
-            loaded += 1
-        return True  # no launch
+        launches.setdefault((id(fn), c["device"], c["key"]), (fn, c))  # keys are per function
+        return True  # no compile, no launch
 
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
-        trace()
+        with _every_launch_missing():
+            trace()
     finally:
         knobs.runtime.jit_cache_hook = previous
+    loaded = 0
+    for (_, device, key), (fn, c) in launches.items():
+        kernel_cache, _, target, _, _ = fn.device_caches[device]
+        if key not in kernel_cache:
+            # NOTE: the source and options as _compile_launched builds them at export: the same cache key
+            src = ASTSource(fn, c["signature"], c["constants"], c["configs"][0])
+            options = {k: _tuples(v) for k, v in json.loads(c["specialization_data"])["options"].items()}
+            kernel_cache[key] = triton.compile(src, target=target, options=options)
+            loaded += 1
     return loaded
 
 

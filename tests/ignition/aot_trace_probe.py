@@ -3,8 +3,9 @@ it interpreted: TRITON_INTERPRET, tests/conftest.py): `python -m tests.ignition.
 prints one JSON object: per core directory, the kernel names its bfloat16 decode graphs launch (None when the
 runner would not capture them); for the first float32 core whether the launch keys of a CPU ModelRunner's own model
 and caches (real memory) equal the meta trace's; for a core with kernels, helios.runner.aot_compile.load_offline's
-(index entries, compiled) with its cache under CACHE. Every launch goes through Triton's compile hook under a
-stand-in driver for sm90: nothing is run.
+(index entries, compiled) with its cache under CACHE, and what helios.kernels.aot.load_traced puts into Triton's
+in-memory cache (load_traced_check). Every launch goes through Triton's compile hook under a stand-in driver for
+sm90: nothing is run.
 """
 
 from __future__ import annotations
@@ -85,6 +86,46 @@ def real_equals_meta(core_dir: Path) -> tuple[int, bool]:
     return len(real), sorted(real) == sorted(meta)
 
 
+def load_traced_check(core_dir: Path, cache: Path) -> list[int]:
+    """[distinct launches of the core's decode trace, kernels helios.kernels.aot.load_traced put into Triton's
+    in-memory cache, launches found there afterwards, kernels it had to compile, kernels a second load_traced put
+    there] from the core's installed kernels, under a stand-in driver for sm90 (what the runner's start does on the
+    GPU). The second pass runs with every kernel in the cache: a launch found there would run (and fail here)."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    from helios.kernels.aot import _kernel_dirs, _TargetDriver, install_cache, load_traced
+    from helios.runner.aot_trace import trace_decode
+
+    manifest = load_core(core_dir).manifest
+    cache_dir, _ = install_cache(core_dir / manifest.kernels[0].dir, cache)
+
+    def trace():  # not decode_tracer's: an error must surface
+        assert trace_decode(manifest, major=9)
+
+    missed = {}
+
+    def hook(**kwargs):
+        c = kwargs["compile"]
+        missed[(id(kwargs["fn"].jit_function), c["key"])] = (kwargs["fn"].jit_function, c["key"], c["device"])
+        return True
+
+    previous_driver, previous_hook = getattr(driver, "_active", None), knobs.runtime.jit_cache_hook
+    driver.set_active(_TargetDriver(90))
+    try:
+        knobs.runtime.jit_cache_hook = hook
+        trace()
+        knobs.runtime.jit_cache_hook = previous_hook
+        before = _kernel_dirs(cache_dir)
+        loaded = load_traced(trace)
+        found = sum(key in fn.device_caches[device][0] for fn, key, device in missed.values())
+        again = load_traced(trace)
+    finally:
+        knobs.runtime.jit_cache_hook = previous_hook
+        driver.set_active(previous_driver)
+    return [len(missed), loaded, found, len(_kernel_dirs(cache_dir) - before), again]
+
+
 def main(cache: str, cores: list[str]) -> None:
     from helios.runner.aot_compile import load_offline
 
@@ -95,6 +136,9 @@ def main(cache: str, cores: list[str]) -> None:
     result["real_equals_meta"] = real_equals_meta(Path(first_f32))
     result["load_offline"] = {c: load_offline(Path(c), Path(cache) / Path(c).parent.name)
                               for c, m in manifests.items() if m.kernels}
+    # last: it points this process's Triton cache at the installed copy
+    result["load_traced"] = {c: load_traced_check(Path(c), Path(cache) / "traced" / Path(c).parent.name)
+                             for c, m in manifests.items() if m.kernels}
     print(json.dumps(result))
 
 
