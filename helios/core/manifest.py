@@ -352,6 +352,23 @@ class CompressedAttentionConfig(_S):
         return 2 * self.csa_rate <= self.window and self.hca_rate <= self.window
 
 
+class MtpConfig(_S):
+    """The checkpoint's multi-token-prediction (MTP) draft modules, exported for the speculative-decoding issue:
+    helios maps their tensors (mtp.{k}.*, docs/core-format.md) and binds none of them yet. Module k takes the hidden
+    state h the main model (or module k - 1) gave at position t and the embedding e of token t + k + 1, forms
+    x = eh_proj([enorm(e), hnorm(h)]) (layout "deepseek_v4": e_proj(enorm(e)) + h_proj(hnorm(h)) on its mHC
+    streams, collapsed by its own hc_head), runs one decoder layer in the family's runtime layout (mtp.{k}.layer.*
+    named as layers.L.*) of kind layer_kinds[k], then its own final norm and the main model's lm_head, predicting
+    token t + k + 2. The embedding and lm_head are the main model's (no copies are stored)."""
+
+    num_modules: PosInt
+    layout: Literal["deepseek_v4", "mimo_v2_flash", "qwen3_next"]  # the family whose MTP math the tensors follow
+    # each module's decoder layer: its attention kind (deepseek_v4: sliding / csa / hca as in arch.compressed) and
+    # whether its feed-forward is an MoE (arch.moe's, never hash-routed) or a dense MLP (arch.intermediate_size)
+    layer_kinds: list[Literal["full", "sliding", "csa", "hca"]]
+    moe_modules: list[NonNegInt] = []
+
+
 class Architecture(_S):
     """The family helios executes and its dimensions. Weight transforms are already applied."""
 
@@ -440,6 +457,8 @@ class Architecture(_S):
     v_head_dim: PosInt | None = None  # None: head_dim
     sliding_num_kv_heads: PosInt | None = None  # None: num_kv_heads
     attention_sinks: list[LayerType] = []
+    # the checkpoint's multi-token-prediction draft modules (MtpConfig; None: it has none), mapped, not bound
+    mtp: MtpConfig | None = None
 
     @property
     def attention_layers(self) -> list[int]:

@@ -40,6 +40,17 @@ _FAMILIES = {
 }
 
 
+# the core's namespace of the multi-token-prediction draft modules (Architecture.mtp, docs/core-format.md): mapped for
+# the speculative-decoding issue, bound by no model yet
+MTP_PREFIX = "mtp."
+
+
+def split_draft_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the main model's tensors, the MTP draft modules' mtp.* ones), both as mapped (no copy)."""
+    draft = {name: t for name, t in tensors.items() if name.startswith(MTP_PREFIX)}
+    return {name: t for name, t in tensors.items() if name not in draft}, draft
+
+
 class CausalLM(Protocol):
     """What the runner calls; every family module implements it."""
 
@@ -101,13 +112,14 @@ def bind_tensors(
 ) -> None:
     """Point each meta parameter at tensors[name]; names are the core layout's names exactly.
 
-    Strict both ways: a missing tensor, an unused tensor or a shape mismatch raises ValueError.
+    Strict both ways: a missing tensor, an unused tensor or a shape mismatch raises ValueError. The MTP draft
+    modules' tensors (MTP_PREFIX) are the one exception: no model binds them yet, so they are left unbound.
     """
     expected = dict(model.named_parameters())
     missing = sorted(set(expected) - set(tensors))
     if missing:
         raise ValueError(f"core lacks tensor {missing[0]} (and {len(missing) - 1} more)")
-    unused = sorted(set(tensors) - set(expected))
+    unused = sorted(set(tensors) - set(expected) - set(split_draft_tensors(tensors)[1]))
     if unused:
         raise ValueError(f"core tensor {unused[0]} has no place in the {type(model).__name__} model")
     for name, param in expected.items():

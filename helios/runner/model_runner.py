@@ -36,7 +36,7 @@ from helios.engine.messages import (
 )
 from helios.layers.attention import attention_backend_name
 from helios.layers.rotary import tabulate_rope
-from helios.models import build_model
+from helios.models import build_model, split_draft_tensors
 from helios.runner.cpu_threads import DecodeThreads, same_bits_across_threads
 from helios.runner.decode_overlap import DecodeOverlap, speculable
 from helios.runner.input_batch import (
@@ -78,6 +78,7 @@ class StartupTimes:
     kernels_jit: int = 0  # kernels compiled (or fetched from Triton's cache) during capture
     graphs: str = ""  # why graphs are off, when they are
     weights: str = "as bound"  # the load step's weight rewrite: "norms folded" (helios.runner.norm_folding)
+    num_draft_tensors: int = 0  # the core's MTP draft modules' tensors (Architecture.mtp): mapped, not bound
     path: str = ""  # the forward path the model picked (helios.models.llama: eager, fused, norm_free)
 
     def summary(self) -> str:
@@ -93,6 +94,8 @@ class StartupTimes:
             f"capture {self.capture_s:.2f} s ({graphs})",
             f"weights {self.weights}, {self.path or 'one'} forward path",
         ]
+        if self.num_draft_tensors:
+            parts.append(f"{self.num_draft_tensors} MTP draft tensors mapped, not bound")
         return ", ".join(parts)
 
 
@@ -270,6 +273,9 @@ class ModelRunner:
         self.startup = StartupTimes()
         is_cuda = self.device.type == "cuda"
 
+        # the MTP draft modules stay mapped on the host for the speculative-decoding issue: nothing binds them yet
+        tensors, self.draft_tensors = split_draft_tensors(tensors)
+        self.startup.num_draft_tensors = len(self.draft_tensors)
         t0 = time.perf_counter()
         kernel_load = None
         if is_cuda and core_path is not None:

@@ -8,18 +8,21 @@ wkv, ffn.experts.N.w1, hc_attn_fn, ...), under "model." or at the top level (emb
 The config as DeepseekV4Config reads it: layer_types or the legacy compress_ratios, compress_rates or the legacy
 compress_rate_csa / _hca, mlp_layer_types or num_hash_layers, partial_rotary_factor or qk_rope_head_dim, the nested
 rope_parameters (main / compress) or the flat rope_scaling that becomes the compress rope.
-NOTE: the MTP block (mtp.*) is ignored; quantized checkpoints (FP8 with scales) are a later issue.
+The MTP blocks (mtp.{k}.*, or model.mtp.{k}.*) go to the core's mtp.{k}.* (ignition/archs/mtp.py; each block's
+decoder layer of the compress_ratios / layer_types entry past the main layers, sliding without one).
+NOTE: quantized checkpoints (FP8 with scales) are a later issue.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import torch
 
 from helios.core.layout import layer
-from helios.core.manifest import Architecture, CompressedAttentionConfig, MoeConfig, RopeScaling
-from ignition.archs import Plan, Weights
+from helios.core.manifest import Architecture, CompressedAttentionConfig, MoeConfig, MtpConfig, RopeScaling
+from ignition.archs import Plan, Weights, mtp
 from ignition.archs.glm5_next import _add_mhc, _mhc, _swiglu_limit
 from ignition.archs.llama import load, load_fused
 from ignition.archs.qwen3_moe import _stacked, _stacked_fused
@@ -67,7 +70,7 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         swiglu_limit=_swiglu_limit(cfg, where),
         compressed=compressed,
     )
-    w = Weights(_top_level_renamed(ckpt), ("model.", ""), ("mtp.", "model.mtp."))  # as HF's (^|\.)mtp\.
+    w = Weights(_top_level_renamed(ckpt), ("model.", ""), ("mtp.", "model.mtp."))  # the MTP blocks: _add_mtp
     plan: Plan = {}
     v, h = arch.vocab_size, arch.hidden_size
     plan["embed.weight"] = load(w.take("embed_tokens.weight", (v, h)), dtype)
@@ -79,14 +82,63 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         plan["lm_head.weight"] = load(w.take(head, (v, h), root=True), dtype)
     _add_hc_head(w, plan, arch, dtype)
     for i in range(num_layers):
-        for src, dst in (("attn_norm", "attn_norm"), ("ffn_norm", "mlp_norm")):
-            plan[layer(i, f"{dst}.weight")] = load(w.take(f"layers.{i}.{src}.weight", (h,)), dtype)
-        for src, dst in (("attn", "attn_hc"), ("ffn", "mlp_hc")):
-            _add_mhc(w, plan, arch, i, src, dst, dtype)
-        _add_attention(w, plan, arch, i, dtype)
-        _add_moe(w, plan, arch, i, dtype)
+        _add_layer(w, plan, arch, i, dtype)
     w.check_all_used()
-    return arch, plan
+    return _add_mtp(ckpt, cfg, arch, plan, dtype), plan
+
+
+def _add_layer(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
+    """Layer i: its two norms, mHC projections, attention and experts."""
+    for src, dst in (("attn_norm", "attn_norm"), ("ffn_norm", "mlp_norm")):
+        plan[layer(i, f"{dst}.weight")] = load(w.take(f"layers.{i}.{src}.weight", (arch.hidden_size,)), dtype)
+    for src, dst in (("attn", "attn_hc"), ("ffn", "mlp_hc")):
+        _add_mhc(w, plan, arch, i, src, dst, dtype)
+    _add_attention(w, plan, arch, i, dtype)
+    _add_moe(w, plan, arch, i, dtype)
+
+
+def _add_mtp(ckpt: Checkpoint, cfg: dict, arch: Architecture, plan: Plan, dtype) -> Architecture:
+    """The MTP blocks (mtp.{k}. as published, model.mtp.{k}. as HF's (^|\\.)mtp\\. pattern allows): enorm, hnorm,
+    e_proj, h_proj, norm, hc_head_{fn,base,scale} and a V4 block (attn_norm, attn.*, ffn.*, hc_attn_* ...), mapped by
+    _add_layer as layer num_layers + k of the entry's kind, its experts score-routed -> mtp.{k}.*; the architecture
+    with Architecture.mtp when the checkpoint has blocks."""
+    found = mtp.module_indices(ckpt, ("mtp.", "model.mtp."), r"^(?:model\.)?mtp\.(\d+)\.")
+    if not found:
+        return arch
+    mtp.check_count(ckpt, cfg, ("num_nextn_predict_layers",), len(found))
+    n, h, s = arch.num_layers, arch.hidden_size, arch.mhc.num_streams
+    kinds = _mtp_kinds(cfg, n, len(found), ckpt.identifier)
+    c = arch.compressed
+    draft = msgspec.structs.replace(arch, num_layers=n + len(found), compressed=msgspec.structs.replace(
+        c, layer_kinds=[*c.layer_kinds, *kinds]))
+    for k in found:
+        src = f"mtp.{k}." if any(name.startswith(f"mtp.{k}.") for name in ckpt.tensors) else f"model.mtp.{k}."
+        view, own = mtp.ModuleView(ckpt, src, "", n + k), f"{mtp.MTP_PREFIX}{k}."
+        for role, shape in (("enorm.weight", (h,)), ("hnorm.weight", (h,)), ("e_proj.weight", (h, h)),
+                            ("h_proj.weight", (h, h)), ("norm.weight", (h,))):
+            plan[own + role] = load(view.take(role, shape), dtype)
+        for part, name, shape in (("fn", "proj.weight", (s, s * h)), ("base", "bias", (s,)), ("scale", "scale", (1,))):
+            plan[f"{own}hc_head.{name}"] = load(view.take(f"hc_head_{part}", shape), dtype)
+        layer_plan: Plan = {}
+        _add_layer(view.weights, layer_plan, draft, n + k, dtype)
+        mtp.add_module_layer(plan, layer_plan, n + k, k)
+        view.check_all_used()
+    moe = list(range(len(found)))  # a V4 block's ffn is always the routed experts and the shared one
+    return msgspec.structs.replace(arch, mtp=MtpConfig(num_modules=len(found), layout="deepseek_v4",
+                                                       layer_kinds=kinds, moe_modules=moe))
+
+
+def _mtp_kinds(cfg: dict, num_layers: int, count: int, where: str) -> list[str]:
+    """The MTP blocks' attention kinds: the entries of layer_types or compress_ratios past the main layers (the
+    published config lists them; DeepseekV4Config cuts them), else sliding (the reference's default ratio 0)."""
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("compress_ratios") is not None:
+        types = [_RATIO_KINDS.get(r, r) for r in cfg["compress_ratios"]]
+    tail = list(types or [])[num_layers:num_layers + count]
+    tail += ["sliding_attention"] * (count - len(tail))
+    if set(tail) - set(_KINDS):
+        raise ExportError(f"{where}: the MTP blocks' layer kinds {tail!r} must each be one of {', '.join(_KINDS)}")
+    return [_KINDS[t] for t in tail]
 
 
 # ---- config reading -----------------------------------------------------------------------------------------

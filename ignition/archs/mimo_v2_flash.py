@@ -9,17 +9,19 @@ moe_layer_freq 0 dense / 1 MoE, swa_* overrides, rope_theta / swa_rope_theta / p
 layernorm_epsilon, add_{swa,full}_attention_sink_bias, sliding_window_size = the keys before the query: window + 1,
 as transformers reads it). Tensors under model.: q/k/v_proj apart (transformers, MiMo-V2-Flash) or one fused
 qkv_proj (mimo_v2; see _fused_qkv), sinks or attention_sink_bias, stacked or per-expert experts.
-NOTE: the MTP draft layers (model.mtp.*) are not exported: the runtime has no speculative decoding to run them, and
-helios binds a core's tensors strictly. The vision / audio towers of a multimodal mimo_v2 are ignored (text only).
+The MTP draft layers (model.mtp.layers.{k}.*: enorm, hnorm, eh_proj, a sliding-window layer with a dense MLP whose
+norm before the MLP is pre_mlp_layernorm, final_layernorm) go to the core's mtp.{k}.* (ignition/archs/mtp.py).
+The vision / audio towers of a multimodal mimo_v2 are ignored (text only).
 """
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from helios.core.layout import layer
-from helios.core.manifest import Architecture, MoeConfig
-from ignition.archs import Plan, Producer, Weights
+from helios.core.manifest import Architecture, MoeConfig, MtpConfig
+from ignition.archs import Plan, Producer, Weights, mtp
 from ignition.archs.llama import add_embedding_and_head, load, load_fused, parse_rope_scaling, to_layer_types
 from ignition.errors import ExportError
 from ignition.sources.base import Checkpoint, LazyTensor
@@ -35,7 +37,7 @@ _DEFAULTS = {
 }
 _DEFAULT_ROPE = {"full_attention": 5_000_000.0, "sliding_attention": 10_000.0}
 _DEFAULT_PARTIAL = 0.334
-# non-text parts of a multimodal mimo_v2 checkpoint, and the MTP layers (see the module docstring)
+# non-text parts of a multimodal mimo_v2 checkpoint, and the MTP layers (mapped apart, by _add_mtp)
 _IGNORED = ("model.mtp.", "mtp.", "visual.", "model.visual.", "vision_tower.", "model.vision_tower.",
             "audio_tower.", "model.audio_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
 
@@ -77,18 +79,54 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
     w = Weights(ckpt, ("model.",), _IGNORED)
     plan: Plan = {}
     add_embedding_and_head(w, plan, arch, dtype, gemma_norm=False)
-    value_scale = float(cfg["attention_value_scale"] if cfg["attention_value_scale"] is not None else 1.0)
     for i in range(num_layers):
-        h = arch.hidden_size
-        for src, dst in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")):
-            plan[layer(i, f"{dst}.weight")] = load(w.take(f"layers.{i}.{src}.weight", (h,)), dtype)
-        _add_attention(w, plan, arch, i, value_scale, int(cfg["num_key_value_heads"]), dtype)
-        if arch.moe is None or i in arch.moe.dense_layers:
-            _add_dense_mlp(w, plan, arch, i, dtype)
-        else:
-            _add_moe(w, plan, arch, i, dtype)
+        _add_layer(w, plan, arch, cfg, i, dtype)
     w.check_all_used()
-    return arch, plan
+    return _add_mtp(ckpt, cfg, arch, plan, dtype), plan
+
+
+def _add_layer(w: Weights, plan: Plan, arch: Architecture, cfg: dict, i: int, dtype) -> None:
+    """Layer i: its two norms, attention, and dense MLP or experts."""
+    value_scale = float(cfg["attention_value_scale"] if cfg["attention_value_scale"] is not None else 1.0)
+    for src, dst in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")):
+        plan[layer(i, f"{dst}.weight")] = load(w.take(f"layers.{i}.{src}.weight", (arch.hidden_size,)), dtype)
+    _add_attention(w, plan, arch, i, value_scale, int(cfg["num_key_value_heads"]), dtype)
+    if arch.moe is None or i in arch.moe.dense_layers:
+        _add_dense_mlp(w, plan, arch, i, dtype)
+    else:
+        _add_moe(w, plan, arch, i, dtype)
+
+
+def _add_mtp(ckpt: Checkpoint, cfg: dict, arch: Architecture, plan: Plan, dtype) -> Architecture:
+    """The MTP layers (model.mtp.layers.{k}.): enorm, hnorm, eh_proj [H, 2H], final_layernorm, and a sliding layer
+    with a dense MLP (its sinks as the sliding layers have them; pre_mlp_layernorm is its mlp_norm), mapped by
+    _add_layer as layer num_layers + k -> mtp.{k}.*; the architecture with Architecture.mtp when there are any."""
+    found = mtp.module_indices(ckpt, ("model.mtp.", "mtp."), r"^model\.mtp\.layers\.(\d+)\.")
+    if not found:
+        return arch
+    mtp.check_count(ckpt, cfg, ("num_nextn_predict_layers", "num_mtp_layers", "mtp_num_layers"), len(found))
+    n, h = arch.num_layers, arch.hidden_size
+    moe = arch.moe if arch.moe is None else msgspec.structs.replace(
+        arch.moe, dense_layers=[*arch.moe.dense_layers, *range(n, n + len(found))])
+    types = arch.layer_types or ["full"] * n
+    sinks = arch.attention_sinks if "sliding" in types or not cfg.get("add_swa_attention_sink_bias", True) \
+        else [*arch.attention_sinks, "sliding"]  # a model without sliding layers still gives its MTP layers sinks
+    draft = msgspec.structs.replace(arch, num_layers=n + len(found), layer_types=[*types, *["sliding"] * len(found)],
+                                    moe=moe, attention_sinks=sinks)
+    for k in found:
+        view = mtp.ModuleView(ckpt, f"model.mtp.layers.{k}.", "", n + k,
+                              renames={"pre_mlp_layernorm.": "post_attention_layernorm."})
+        own = f"{mtp.MTP_PREFIX}{k}."
+        for role, name, shape in (("enorm.weight", "enorm.weight", (h,)), ("hnorm.weight", "hnorm.weight", (h,)),
+                                  ("eh_proj.weight", "eh_proj.weight", (h, 2 * h)),
+                                  ("norm.weight", "final_layernorm.weight", (h,))):
+            plan[own + role] = load(view.take(name, shape), dtype)
+        layer_plan: Plan = {}
+        _add_layer(view.weights, layer_plan, draft, cfg, n + k, dtype)
+        mtp.add_module_layer(plan, layer_plan, n + k, k)
+        view.check_all_used()
+    return msgspec.structs.replace(arch, mtp=MtpConfig(num_modules=len(found), layout="mimo_v2_flash",
+                                                       layer_kinds=["sliding"] * len(found)))
 
 
 # ---- config reading -----------------------------------------------------------------------------------------

@@ -8,11 +8,12 @@ projections per key-head group (unpacked here). MoE layers: qwen3_moe's experts 
 
 from __future__ import annotations
 
+import msgspec
 import torch
 
 from helios.core.layout import layer
-from helios.core.manifest import Architecture, MoeConfig, RecurrentConfig
-from ignition.archs import Plan, Producer, Weights
+from helios.core.manifest import Architecture, MoeConfig, MtpConfig, RecurrentConfig
+from ignition.archs import Plan, Producer, Weights, mtp
 from ignition.archs.llama import (
     add_dense_mlp,
     add_embedding_and_head,
@@ -94,28 +95,64 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         rotary_dim=rotary_dim,
         float32_norms=True,  # the zero-centred norms' 1 + w, as HF applies it (llama.add_norm)
     )
-    # NOTE: mtp.* (the multi-token-prediction head) waits for the speculative issue and the vision tower
-    # (model.visual.*) for the vision issue; both are ignored here, so these cores are text-only, no MTP.
+    # NOTE: the vision tower (model.visual.*) waits for the vision issue: these cores are text-only. mtp.* (the
+    # multi-token-prediction head) is mapped apart, by _add_mtp.
     ignore = ("mtp.",) if family == "qwen3_next" else ("mtp.", "model.visual.")
     w = Weights(ckpt, prefixes, ignore)
     plan: Plan = {}
     add_embedding_and_head(w, plan, arch, dtype, gemma_norm=True)
-    for i, kind in enumerate(types):
-        if kind == "full":
-            add_gated_attention(w, plan, arch, i, dtype)
-        elif family == "qwen3_next":
-            _add_gdn_packed(w, plan, arch, i, dtype)
-        else:
-            add_gdn(w, plan, arch, i, dtype)
-        for src, dst in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")):
-            add_norm(w, plan, f"layers.{i}.{src}.weight", layer(i, f"{dst}.weight"), arch, dtype, gemma_norm=True)
-        if moe is None or i in moe.dense_layers:
-            add_dense_mlp(w, plan, i, arch.hidden_size, arch.intermediate_size, dtype)
-        else:
-            add_experts(w, plan, arch, i, dtype)
-            add_shared_expert(w, plan, arch, i, dtype)
+    for i in range(len(types)):
+        _add_layer(w, plan, arch, i, dtype)
     w.check_all_used()
-    return arch, plan
+    return _add_mtp(ckpt, cfg, arch, plan, dtype), plan
+
+
+def _add_layer(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
+    """Layer i: gated attention or a GDN layer (qwen3_next's packed), its two norms, a dense MLP or the experts with
+    the shared one."""
+    if arch.layer_types[i] == "full":
+        add_gated_attention(w, plan, arch, i, dtype)
+    elif arch.family == "qwen3_next":
+        _add_gdn_packed(w, plan, arch, i, dtype)
+    else:
+        add_gdn(w, plan, arch, i, dtype)
+    for src, dst in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")):
+        add_norm(w, plan, f"layers.{i}.{src}.weight", layer(i, f"{dst}.weight"), arch, dtype, gemma_norm=True)
+    if arch.moe is None or i in arch.moe.dense_layers:
+        add_dense_mlp(w, plan, i, arch.hidden_size, arch.intermediate_size, dtype)
+    else:
+        add_experts(w, plan, arch, i, dtype)
+        add_shared_expert(w, plan, arch, i, dtype)
+
+
+def _add_mtp(ckpt: Checkpoint, cfg: dict, arch: Architecture, plan: Plan, dtype) -> Architecture:
+    """The MTP head (top-level mtp.*, as Qwen3-Next / Qwen3.5 publish it): pre_fc_norm_embedding (-> enorm),
+    pre_fc_norm_hidden (-> hnorm), fc [H, 2H] (-> eh_proj), norm, and mtp.layers.0, a gated full-attention layer with
+    the model's MLP (experts and the shared one in the MoE families) mapped by _add_layer as layer num_layers ->
+    mtp.0.*, the norms zero-centred as the model's. More than one layer (mtp_num_hidden_layers, which vLLM cycles
+    through per draft step under one shared fc) and dedicated embeddings are refused."""
+    if not any(name.startswith("mtp.") for name in ckpt.tensors):
+        return arch
+    found = mtp.module_indices(ckpt, ("mtp.layers.",), r"^mtp\.layers\.(\d+)\.")
+    mtp.check_count(ckpt, cfg, ("mtp_num_hidden_layers", "num_nextn_predict_layers"), len(found))
+    if len(found) != 1 or cfg.get("mtp_use_dedicated_embeddings"):
+        raise ExportError(f"{ckpt.identifier}: an MTP head of {len(found)} layers (mtp_num_hidden_layers) or with "
+                          "mtp_use_dedicated_embeddings is not supported (one layer, the model's embedding)")
+    n = arch.num_layers
+    draft = msgspec.structs.replace(arch, num_layers=n + 1, layer_types=[*arch.layer_types, "full"])
+    view = mtp.ModuleView(ckpt, "mtp.", "layers.0.", n)
+    roles = (("enorm.weight", "pre_fc_norm_embedding.weight"), ("hnorm.weight", "pre_fc_norm_hidden.weight"),
+             ("norm.weight", "norm.weight"))
+    for role, name in roles:
+        add_norm(view, plan, name, f"{mtp.MTP_PREFIX}0.{role}", arch, dtype, gemma_norm=True)
+    plan[f"{mtp.MTP_PREFIX}0.eh_proj.weight"] = load(view.take("fc.weight", (arch.hidden_size, 2 * arch.hidden_size)),
+                                                     dtype)
+    layer_plan: Plan = {}
+    _add_layer(view.weights, layer_plan, draft, n, dtype)
+    mtp.add_module_layer(plan, layer_plan, n, 0)
+    view.check_all_used()
+    return msgspec.structs.replace(arch, mtp=MtpConfig(num_modules=1, layout="qwen3_next", layer_kinds=["full"],
+                                                       moe_modules=[0] if arch.moe is not None else []))
 
 
 # ---- config reading -----------------------------------------------------------------------------------------

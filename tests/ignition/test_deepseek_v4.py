@@ -102,14 +102,14 @@ def test_the_fused_projection_matches_hf(tiny):
 
 
 def test_the_published_layout_and_config_keys(tiny, tmp_path):
-    """Top-level names (embed.weight, hc_head_fn, no model. prefix), an MTP block, and the published config keys:
+    """Top-level names (embed.weight, hc_head_fn, no model. prefix) and the published config keys:
     compress_ratios (with the MTP layer's entry; its 128 overridden by the legacy compress_rate_hca), num_hash_layers,
     qk_rope_head_dim, a flat yarn rope_scaling."""
     path = shutil.copytree(tiny[0], tmp_path / "published")
     renames = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
                "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
     raw = {renames.get(k, k.removeprefix("model.")): t for k, t in raw_tensors(path).items()}
-    write_tensors(path, {**raw, "mtp.0.eh_proj.weight": torch.zeros(64, 128), "mtp.0.norm.weight": torch.zeros(64)})
+    write_tensors(path, raw)  # MTP blocks: tests/ignition/test_mtp_export.py
     cfg = json.loads((path / "config.json").read_text())
     for key in ("layer_types", "mlp_layer_types", "rope_parameters", "partial_rotary_factor", "compress_rates"):
         cfg.pop(key)
@@ -152,10 +152,12 @@ def test_unsupported_config(tiny, tmp_path, edit, message):
     assert_config_refused(tiny[0], tmp_path, edit, message)
 
 
-def test_mtp_under_model_is_ignored_too(tiny, tmp_path):
+def test_a_fragment_of_an_mtp_block_is_refused(tiny, tmp_path):
+    """MTP blocks are exported (tests/ignition/test_mtp_export.py): a block is whole or refused, under model. too."""
     path = shutil.copytree(tiny[0], tmp_path / "mtp")
     write_tensors(path, {**raw_tensors(path), "model.mtp.0.eh_proj.weight": torch.zeros(64, 128)})
-    assert sorted(convert_all(path)[1]) == sorted(convert_all(tiny[0])[1])
+    with pytest.raises(ExportError, match="MTP module lacks tensor 'model.mtp.0.enorm.weight'"):
+        convert_all(path)
 
 
 def test_unexpected_tensor_and_bad_hash_table(tiny, tmp_path):

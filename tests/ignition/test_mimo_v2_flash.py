@@ -105,7 +105,7 @@ def test_export_is_reproducible(tiny, tmp_path):
 
 def test_a_mimo_v2_release_converts_to_the_same_core(tiny, tmp_path):
     """model_type mimo_v2: remote-code keys, the fused qkv_proj in num_key_value_heads shards, a vision sub-config;
-    its MTP and vision tensors are ignored."""
+    its vision tensors are ignored."""
     src, _ = tiny
     want_arch, want = convert_all(src)
     path = write_mimo_v2(src, tmp_path / "v2")

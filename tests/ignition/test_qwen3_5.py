@@ -58,8 +58,6 @@ _TEXT = {
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
 }
 _VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64)
-# stand-ins for the multi-token-prediction weights real checkpoints carry (ignored until the speculative issue)
-_MTP = {"mtp.fc.weight": (64, 128), "mtp.norm.weight": (64,), "mtp.layers.0.self_attn.q_proj.weight": (128, 64)}
 
 
 def tiny_hf_model(model_type: str, seed: int = 0):
@@ -95,11 +93,10 @@ def tiny_hf_model(model_type: str, seed: int = 0):
 
 
 def build_tiny_hybrid(model_type: str, out_dir: Path, seed: int = 0):
-    """Save the tiny model, MTP stand-ins and a tokenizer to `out_dir`; returns (dir, the HF model)."""
+    """Save the tiny model and a tokenizer to `out_dir` (MTP heads: tests/ignition/test_mtp_export.py); returns (dir,
+    the HF model)."""
     model = tiny_hf_model(model_type, seed)
     model.save_pretrained(out_dir)
-    gen = torch.Generator().manual_seed(seed + 1)
-    rewrite_tensors(out_dir, lambda raw: {**raw, **{n: torch.randn(s, generator=gen) for n, s in _MTP.items()}})
     write_tokenizer(out_dir)
     return out_dir, model
 
