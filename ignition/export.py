@@ -31,7 +31,7 @@ from ignition import archs, recipes
 from ignition.errors import ExportError
 from ignition.prepare.kernels import add_kernels, resolve_target
 from ignition.prepare.plan import graph_plan
-from ignition.prepare.template import probe
+from ignition.prepare.template import probe, probe_native
 from ignition.sources import Checkpoint, open_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -91,6 +91,21 @@ def tokenizer_info(ckpt: Checkpoint, tok: Tokenizer) -> TokenizerInfo:
     )
 
 
+# Recipes whose prompts DeepSeek's own encoder renders, and the native template kind each names.
+NATIVE_TEMPLATES = {"deepseek4": "deepseek_v4", "deepseek41": "deepseek_v41"}
+
+
+def native_template_kind(family: str, recipe: str, chat_template: str | None) -> str | None:
+    """The native encoder a deepseek_v4 checkpoint's prompts use: DeepSeek ships its chat format as a Python
+    script, so a checkpoint without a Jinja template, or one bound to a DeepSeek recipe, gets helios' encoder of it
+    (V4.1 under deepseek41). None: the Jinja template (or none), as for every other family."""
+    if family != "deepseek_v4":
+        return None
+    if recipe in NATIVE_TEMPLATES:
+        return NATIVE_TEMPLATES[recipe]
+    return "deepseek_v4" if not chat_template else None
+
+
 def source_digest(files: list[Path]) -> str:
     """Content digest of the source: file names relative to their common root, and bytes."""
     h = hashlib.sha256()
@@ -127,8 +142,12 @@ def export_core(
         key: _token_str(ckpt.tokenizer_config.get(key))
         for key in ("bos_token", "eos_token", "pad_token", "unk_token")
     }
-    template = probe(ckpt.chat_template, ckpt.tokenizer_json, specials)
-    if template.present:
+    native = native_template_kind(arch.family, recipe_name, ckpt.chat_template)
+    if native is not None:
+        template = probe_native(native, ckpt.tokenizer_json)
+    else:
+        template = probe(ckpt.chat_template, ckpt.tokenizer_json, specials)
+    if template.present and template.kind == "jinja":
         template = msgspec.structs.replace(template, file=layout.TEMPLATE_FILE)
     context = min(arch.max_position_embeddings, options.context_length or arch.max_position_embeddings)
     default_max = min(options.default_max_tokens or DEFAULT_MAX_TOKENS, context)
@@ -166,7 +185,7 @@ def export_core(
         manifest,
         tensors,
         ckpt.tokenizer_json,
-        ckpt.chat_template if template.present else None,
+        ckpt.chat_template if template.file else None,
         DTYPES[dtype_name],
         on_tensor=(lambda name: on_tensor(name, total)) if on_tensor else None,
         force=force,

@@ -515,6 +515,11 @@ class ReasoningSyntax(_S):
     starts_in_reasoning: bool = False  # the generation prompt already opened reasoning
 
 
+# "jinja": the prepared template.jinja; deepseek_v4 / deepseek_v41: helios' native encoder of DeepSeek's published
+# encoding script (helios/core/deepseek_encoding.py), no template file
+TemplateKind = Literal["jinja", "deepseek_v4", "deepseek_v41"]
+
+
 class TemplateCaps(_S):
     """Probe results of the prepared chat template."""
 
@@ -528,6 +533,7 @@ class TemplateCaps(_S):
     generation_prompt: str = ""  # text add_generation_prompt appends
     reasoning: ReasoningSyntax | None = None
     kwargs: list[str] = []  # chat_template_kwargs the template reads (enable_thinking, ...)
+    kind: TemplateKind = "jinja"  # what renders prompts: the template file, or a native encoder
 
 
 class SamplingDefaults(_S):

@@ -6,7 +6,8 @@ becomes a user message wrapped in <system>...</system> when the template cannot 
 Replayed tool calls reach the template with JSON-object arguments as objects (transformers' shape), a tool error
 as the template's own `is_error` field when it reads one, else as a visible "Error: " prefix; a leading
 Claude Code attribution line is dropped (see `drop_attribution`). Rendering goes through
-helios.core.chat_template (sandboxed Jinja). No torch.
+helios.core.chat_template (sandboxed Jinja), or the native encoder a core's template kind names
+(helios.core.deepseek_encoding: DeepSeek V4 / V4.1, which refuse add_generation_prompt=false on requests). No torch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 from msgspec import Struct
 
 from helios.core.chat_template import RENDER_VARIABLES, ChatTemplate, TemplateError
+from helios.core.deepseek_encoding import native_encoder
 from helios.core.manifest import TemplateCaps
 from helios.frontend.sampling import InvalidRequest
 from helios.frontend.tokenizer import Tokenizer
@@ -166,12 +168,17 @@ def lower_messages(messages: list[ChatMessage], caps: TemplateCaps, error_field:
 
 
 class ChatRenderer:
-    """The core's template bound to its tokenizer specials; render() returns text and ids."""
+    """The core's template bound to its tokenizer specials (or the native encoder its caps name); render()
+    returns text and ids."""
 
     def __init__(self, source: str | None, caps: TemplateCaps, tokenizer: Tokenizer):
         self.caps = caps
         self.tokenizer = tokenizer
-        self._template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token) if source else None
+        self._template: Any = None
+        if caps.kind != "jinja":
+            self._template = native_encoder(caps.kind)
+        elif source:
+            self._template = ChatTemplate(source, tokenizer.bos_token, tokenizer.eos_token)
         self._error_field = self._template is not None and self._template.reads_field("is_error")
 
     @property
@@ -180,6 +187,10 @@ class ChatRenderer:
 
     def render(self, messages: list[ChatMessage], **options: Any) -> ChatPrompt:
         """The prompt text (render_text, the same keyword options) and its token ids and token ends."""
+        if self.caps.kind != "jinja" and not options.get("add_generation_prompt", True):
+            # NOTE: the encoder renders without the header for probes and boundaries; a request may not (spec)
+            raise InvalidRequest("the native DeepSeek encoder requires add_generation_prompt: true",
+                                 "add_generation_prompt")
         text = self.render_text(messages, **options)
         # NOTE: the rendered text already carries the template's specials (BOS included), as in HF.
         ids, ends = self.tokenizer.encode_with_ends(text)
@@ -223,7 +234,7 @@ class ChatRenderer:
             # NOTE: a template that joins arguments as text (DeepSeek V3's `+ arguments +`) fails on an object;
             # it gets the text the client sent instead
             if e.raised or not any(m.tool_calls for m in ordered):
-                raise InvalidRequest(str(e), "messages") from None
+                raise InvalidRequest(str(e), getattr(e, "param", "messages")) from None
             try:
                 text = self._template.render(lower_messages(ordered, self.caps, self._error_field, False), **render)
             except TemplateError:

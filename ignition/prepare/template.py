@@ -2,7 +2,8 @@
 
 Owns how TemplateCaps is derived (system roles, tools, continuation, generation prompt, reasoning
 delimiters and their single-token ids, template kwargs). Renders with helios.core.chat_template (the same
-renderer helios serves with), so the probe describes what helios will actually produce.
+renderer helios serves with), or with a native encoder (helios.core.deepseek_encoding) for DeepSeek V4 / V4.1,
+so the probe describes what helios will actually produce.
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 from datetime import datetime
 from os.path import commonprefix
 
+import msgspec
 from tokenizers import Tokenizer
 
 from helios.core.chat_template import ChatTemplate, TemplateError
+from helios.core.deepseek_encoding import DeepseekV4Encoding, native_encoder
 from helios.core.manifest import ReasoningSyntax, TemplateCaps
 from ignition.errors import ExportError
 
@@ -56,6 +59,19 @@ def probe(template_source: str | None, tokenizer_json: str, special_tokens: dict
         template = ChatTemplate(template_source, special_tokens=special_tokens, now=lambda: _PROBE_NOW)
     except TemplateError as e:
         raise ExportError(str(e)) from None
+    return _probe(template, template_source, tokenizer_json)
+
+
+def probe_native(kind: str, tokenizer_json: str) -> TemplateCaps:
+    """TemplateCaps of a native encoder (helios/core/deepseek_encoding.py), probed like a template: the same
+    marker conversations through the encoder helios serves with; no template file."""
+    encoder = native_encoder(kind)
+    caps = _probe(encoder, "".join(encoder.reasoning_delimiters), tokenizer_json)
+    return msgspec.structs.replace(caps, file=None, kind=encoder.kind)
+
+
+def _probe(template: ChatTemplate | DeepseekV4Encoding, source: str, tokenizer_json: str) -> TemplateCaps:
+    """The probe of a ChatTemplate or a native encoder; `source` is the text searched for reasoning delimiters."""
     tokenizer = _load_tokenizer(tokenizer_json)
     user = [{"role": "user", "content": _USER}]
     try:
@@ -74,7 +90,7 @@ def probe(template_source: str | None, tokenizer_json: str, special_tokens: dict
         tools=_tools(template, closed),
         continuation=_continuation(template),
         generation_prompt=generation_prompt,
-        reasoning=_reasoning(template_source, generation_prompt, tokenizer),
+        reasoning=_reasoning(source, generation_prompt, tokenizer),
         kwargs=template.kwargs,
     )
 
@@ -125,7 +141,8 @@ def _default_system(closed: str, with_system: str | None) -> bool:
     """The template injects a system turn when none is given.
 
     With [system S, user U] the text before U is lead + S + tail (tail: system end + user framing).
-    Without a system message, an injected turn shows as lead + <default text> + tail before U.
+    Without a system message, an injected turn shows as lead + <default text> + tail before U; the default text is
+    not empty (a template that frames system text with nothing, as DeepSeek's encoders, renders lead + tail).
     """
     if with_system is None or _SYS not in with_system:
         return False
@@ -133,7 +150,7 @@ def _default_system(closed: str, with_system: str | None) -> bool:
     cut = before_user.index(_SYS)
     lead, tail = before_user[:cut], before_user[cut + len(_SYS) :]
     plain = closed[: closed.index(_USER)] if _USER in closed else ""
-    return len(plain) >= len(lead) + len(tail) and plain.startswith(lead) and plain.endswith(tail)
+    return len(plain) > len(lead) + len(tail) and plain.startswith(lead) and plain.endswith(tail)
 
 
 def _tools(template: ChatTemplate, closed: str) -> bool:
