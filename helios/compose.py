@@ -109,7 +109,8 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         # lazy capture: the smallest and largest buckets now, the rest by the engine loop between steps
         runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,
                                        dtype=dtype, host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir,
-                                       switches=switches, lazy_capture=True, **state_args)
+                                       switches=switches, lazy_capture=True, host_embeddings=config.host_embeddings,
+                                       **state_args)
         num_pages = runner.num_pages
     else:
         num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)
@@ -119,7 +120,7 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
                 min(window_pages, num_pages))
         runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, dtype=dtype,
                              host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir, switches=switches,
-                             **state_args)
+                             host_embeddings=config.host_embeddings, **state_args)
     scheduler = SchedulerConfig(
         max_concurrency=serving.max_concurrency,
         max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency + max(state_chunk - 1, 0)),

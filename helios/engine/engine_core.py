@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import msgspec
 from msgspec import Struct
 
 from helios.engine.config import SchedulerConfig
@@ -103,6 +104,13 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     # the runner's counters (RunnerStats): forward passes by kind, GPU time of graph replays
     graph_launches: dict[str, int] = {}
     replay_gpu_ns: int = 0
+    # host embedding tables' readiness and row caches (RunnerStats; zero without them)
+    replay_readiness_wait_ns: int = 0
+    replay_readiness_samples: int = 0
+    embedding_row_cache_hits: int = 0
+    embedding_row_cache_misses: int = 0
+    embedding_row_cache_evictions: int = 0
+    embedding_row_cache_bytes: int = 0
 
 
 class EngineCore:
@@ -247,8 +255,7 @@ class EngineCore:
             host_bytes_out=host.num_bytes_out if host else 0,
             host_bytes_in=host.num_bytes_in if host else 0,
             host_disk_records=host.num_disk_records if host else 0,
-            graph_launches=stats.graph_launches,
-            replay_gpu_ns=stats.replay_gpu_ns,
+            **msgspec.structs.asdict(stats),  # the runner's counters: every RunnerStats field is one of ours
             **_host_retention([h for h in (host, scheduler.state_host) if h is not None]),
         )
 

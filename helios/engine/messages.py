@@ -216,6 +216,14 @@ class RunnerStats(Struct, frozen=True, kw_only=True):
 
     graph_launches: dict[str, int] = {}  # forward passes by kind: graph (a decode graph's replay), speculative, eager
     replay_gpu_ns: int = 0  # GPU time of completed graph replays (zero on the CPU)
+    # host embedding tables (helios/runner/host_embedding.py; zero without them): the time steps waited for their
+    # rows' copies over the steps prepared, and the device row caches' lookups (rows per step), copies and bytes
+    replay_readiness_wait_ns: int = 0
+    replay_readiness_samples: int = 0
+    embedding_row_cache_hits: int = 0
+    embedding_row_cache_misses: int = 0
+    embedding_row_cache_evictions: int = 0
+    embedding_row_cache_bytes: int = 0
 
 
 class FrontendStats(Struct, frozen=True, kw_only=True):

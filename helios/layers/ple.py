@@ -52,6 +52,30 @@ def ngram_token_ids(
     return torch.stack(columns, dim=1)
 
 
+def hash_constants(config: PleConfig, index: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """The index-th PLE layer's hash constants (int64; not weights): multipliers [n], each head's modulus and table
+    offset [heads]."""
+    sizes = config.head_vocab_sizes[index]
+    num_heads = (config.ngram_size - 1) * config.heads_per_ngram
+    return (torch.tensor(config.multipliers[index], dtype=torch.int64, device=device),
+            torch.tensor(sizes, dtype=torch.int64, device=device),
+            torch.tensor([sum(sizes[:h]) for h in range(num_heads)], dtype=torch.int64, device=device))
+
+
+def ngram_rows(tokens: torch.Tensor, constants: tuple[torch.Tensor, ...], config: PleConfig) -> torch.Tensor:
+    """[T, n] n-gram tokens (ngram_token_ids) -> [T, heads] int64 table rows: per n = 2 .. ngram_size,
+    heads_per_ngram hashes (the XOR of token_j * multiplier_j over its n tokens) modulo each head's prime, plus the
+    head's offset. On the device in the forward, on the host for helios.runner.host_embedding's lookups."""
+    multipliers, moduli, offsets = constants
+    mixed = tokens[:, 0] * multipliers[0]
+    ids = []
+    for n in range(2, config.ngram_size + 1):
+        mixed = torch.bitwise_xor(mixed, tokens[:, n - 1] * multipliers[n - 1])
+        heads = slice((n - 2) * config.heads_per_ngram, (n - 1) * config.heads_per_ngram)
+        ids.append(torch.remainder(mixed[:, None], moduli[heads]) + offsets[heads])
+    return torch.cat(ids, dim=1)
+
+
 class PleLayer(nn.Module):
     """One PLE layer (the p-th of arch.ple.layers). Tensors bound: embed.weight [rows, Dh], key.weight [S*H, E],
     value.weight [H, E], key_norm / query_norm / conv_norm.weight [S*H], conv.weight [S*H, K]."""
@@ -71,11 +95,7 @@ class PleLayer(nn.Module):
         self.query_norm = RMSNorm(width, eps, multiply_in_float32=True)
         self.conv_norm = RMSNorm(width, eps, multiply_in_float32=True)
         self.conv = Stacked(width, config.conv_kernel)
-        # the hash constants (int64; not weights): multipliers [n], each head's modulus and table offset [heads]
-        sizes = config.head_vocab_sizes[index]
-        self.multipliers = torch.tensor(config.multipliers[index], dtype=torch.int64, device=device)
-        self.moduli = torch.tensor(sizes, dtype=torch.int64, device=device)
-        self.offsets = torch.tensor([sum(sizes[:h]) for h in range(num_heads)], dtype=torch.int64, device=device)
+        self.multipliers, self.moduli, self.offsets = hash_constants(config, index, device)
 
     def forward(
         self,
@@ -101,13 +121,7 @@ class PleLayer(nn.Module):
         token_j * multiplier_j over its n tokens) modulo each head's prime, plus the head's offset."""
         c = self.config
         tokens = ngram_token_ids(token_ids, meta.context_token_ids, meta.query_start_loc_cpu, c.reset_token_id)
-        mixed = tokens[:, 0] * self.multipliers[0]
-        ids = []
-        for n in range(2, c.ngram_size + 1):
-            mixed = torch.bitwise_xor(mixed, tokens[:, n - 1] * self.multipliers[n - 1])
-            heads = slice((n - 2) * c.heads_per_ngram, (n - 1) * c.heads_per_ngram)
-            ids.append(torch.remainder(mixed[:, None], self.moduli[heads]) + self.offsets[heads])
-        return torch.cat(ids, dim=1)
+        return ngram_rows(tokens, (self.multipliers, self.moduli, self.offsets), c)
 
     def _dilated_taps(self) -> torch.Tensor:  # [S*H, (K-1)*ngram_size + 1]
         """The dilated conv as a dense causal one: tap j at offset j*ngram_size, zeros between (helios.layers.

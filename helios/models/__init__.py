@@ -76,16 +76,22 @@ def build_model(
     switches: Switches = DEFAULT_SWITCHES,
     norms_folded: bool = False,
     tp=None,
+    replace: dict[str, nn.Module] | None = None,
 ) -> CausalLM:
     """Build the family's module on meta, bind `tensors` (cast/moved only if dtype/device differ). The model picks
     its forward path here, once: from the backend, device, dtype and `switches`; norms_folded says the runner's
     load step folded the norm weights into `tensors` (helios.runner.norm_folding); tp: this rank's
-    helios.layers.parallel.TensorGroup, `tensors` and `arch` then its shard's (helios.runner.parallel)."""
+    helios.layers.parallel.TensorGroup, `tensors` and `arch` then its shard's (helios.runner.parallel). replace:
+    {module name: module} swapped in before binding, their tensors then absent from `tensors` (helios.runner.
+    host_embedding: a table kept in host memory, read through a device row cache)."""
     cls = model_class(arch.family)
     backend = select_attention_backend(attention_backend, device, switches)
     model_dtype = dtype or tensors["embed.weight"].dtype  # the activations' (the path's GEMV rule reads it)
     parallel = {} if tp is None else {"tp": tp}  # only the families that shard take it
     model = cls(arch, backend, device, dtype=model_dtype, switches=switches, norms_folded=norms_folded, **parallel)
+    for name, module in (replace or {}).items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, module)
     bind_tensors(model, tensors, device, dtype)
     return model.eval()
 

@@ -164,6 +164,18 @@ class Gemma4ForCausalLM(nn.Module):
         self.local_rotary = RotaryEmbedding(arch.head_dim, arch.rope_local_theta, None, arch.max_position_embeddings,
                                             device)
 
+    @staticmethod
+    def host_tables(arch: Architecture) -> list[str]:
+        """The tables helios.runner.host_embedding may keep in host memory (a step reads a few rows of each): the
+        PLE table, [ple_vocab_size, L*P], as large as the rest of an E2B/E4B model. Its rows are then read from the
+        device row cache by slot (HostRows stands in for ple.embed; graph-safe)."""
+        return ["ple.embed.weight"] if arch.gemma4.ple_dim else []
+
+    @staticmethod
+    def host_table_rows(arch: Architecture, token_ids: torch.Tensor, context, query_start_loc) -> dict:
+        """The rows of each host table a batch reads, on the host: the PLE table's are the token ids."""
+        return {"ple.embed.weight": token_ids}
+
     def per_layer_inputs(self, token_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # -> [T, L, P]
         """HF's PLE inputs: (norm(proj(x) / sqrt(H)) + table rows * sqrt(P)) / sqrt(2), x the scaled embedding."""
         g, num_tokens = self.arch.gemma4, token_ids.shape[0]

@@ -18,7 +18,7 @@ from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.hyper_connections import HyperConnection, add_to_streams
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.linear_attention import GatedDeltaNet
-from helios.layers.ple import PleLayer
+from helios.layers.ple import PleLayer, hash_constants, ngram_rows, ngram_token_ids
 from helios.layers.qsa import IndexedAttention
 from helios.layers.rotary import RotaryEmbedding
 from helios.models.qwen3_5 import SharedExpertMoe
@@ -90,6 +90,23 @@ class Qwen4ExpForCausalLM(nn.Module):
     @staticmethod
     def folds_norm_weights(arch: Architecture) -> bool:
         return False
+
+    @staticmethod
+    def host_tables(arch: Architecture) -> list[str]:
+        """The tables helios.runner.host_embedding may keep in host memory: each PLE layer's hashed n-gram table (a
+        step reads heads_per_ngram * (ngram_size - 1) rows per token). Its rows are then read from the device row
+        cache by slot (HostRows stands in for the layer's ple.embed)."""
+        return [f"layers.{i}.ple.embed.weight" for i in arch.ple.layers] if arch.ple is not None else []
+
+    @staticmethod
+    def host_table_rows(arch: Architecture, token_ids: torch.Tensor, context: torch.Tensor,
+                        query_start_loc: list[int]) -> dict[str, torch.Tensor]:
+        """The rows of each host table a batch reads, on the host: the hashed n-gram ids PleLayer.ngram_ids
+        computes on the device, from the same tokens and context (AttentionMetadata.context_token_ids' rows)."""
+        ple = arch.ple
+        tokens = ngram_token_ids(token_ids, context, query_start_loc, ple.reset_token_id)
+        return {f"layers.{layer}.ple.embed.weight": ngram_rows(tokens, hash_constants(ple, p), ple)
+                for p, layer in enumerate(ple.layers)}
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
         x = self.embed(token_ids).repeat(1, self.num_streams)  # [T, S*H]

@@ -108,6 +108,11 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     tensor_parallel: Annotated[
         int, Meta(ge=1, le=64, description="Ranks (one GPU each) the model is split over by tensor parallelism: rank 0 in the engine process, the others in worker processes it starts; 1: none.")
     ] = 1
+    host_embeddings: Annotated[
+        Literal["auto", "on", "off"], Meta(description="Row tables a step reads a few rows of (per-layer embeddings) "
+                                       "kept in host memory behind a GPU row cache: auto when the weights would "
+                                       "take most of the free GPU memory (never on the CPU), on: always, off: never.")
+    ] = "auto"
     kv_events: KVEventsConfig = KVEventsConfig()  # KV cache events for a prefix-aware router; off by default
 
 

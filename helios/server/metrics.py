@@ -50,6 +50,10 @@ class Snapshot(Struct, kw_only=True):
     replay_gpu_ns: int = 0
     replay_readiness_wait_ns: int = 0
     replay_readiness_samples: int = 0
+    embedding_row_cache_hits: int = 0
+    embedding_row_cache_misses: int = 0
+    embedding_row_cache_evictions: int = 0
+    embedding_row_cache_bytes: int = 0
     reused_tokens: int = 0
     cached_pages: int = 0
     free_pages: int = 0
@@ -106,6 +110,14 @@ PROMETHEUS = {
     "replay_gpu_ns": ("flare_replay_gpu_nanoseconds_total", "counter", "CUDA graph replay time"),
     "replay_readiness_wait_ns": ("flare_replay_readiness_wait_nanoseconds_total", "counter", "Readiness delay"),
     "replay_readiness_samples": ("flare_replay_readiness_samples_total", "counter", "Graphs with readiness timing"),
+    "embedding_row_cache_hits": ("flare_embedding_row_cache_hits_total", "counter",
+                                 "Host embedding rows a step found in the device row cache"),
+    "embedding_row_cache_misses": ("flare_embedding_row_cache_misses_total", "counter",
+                                   "Host embedding rows copied host -> device"),
+    "embedding_row_cache_evictions": ("flare_embedding_row_cache_evictions_total", "counter",
+                                      "Rows the embedding row cache evicted"),
+    "embedding_row_cache_bytes": ("flare_embedding_row_cache_bytes_total", "counter",
+                                  "Bytes copied host -> device into the embedding row cache"),
     "reused_tokens": ("flare_cache_reused_tokens_total", "counter", "Tokens covered by GPU prefix-cache hits"),
     "cached_pages": ("flare_cached_kv_pages", "gauge", "KV pages owned by immutable checkpoints"),
     "free_pages": ("flare_free_kv_pages", "gauge", "Reusable KV pages"),
