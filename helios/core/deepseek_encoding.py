@@ -144,16 +144,20 @@ class DeepseekV4Encoding:
         # last user turn (tool results count as user turns once merged)
         keep_history = thinking and bool(tools)
         last_user = max((i for i, t in enumerate(turns) if self._opens_reply(i, t)), default=-1)
-        text = BOS
+        text = BOS + self._lead(turns[0], thinking, effort)
         for i, turn in enumerate(turns):
-            if i == 0:
-                text += self._lead(turn, thinking, effort)
             text += self._turn(i, turn, tools if i == 0 else None, thinking and (keep_history or i > last_user))
-            if self._opens_reply(i, turn) and (i + 1 < len(turns) or add_generation_prompt):
-                if i + 1 == len(turns) or turns[i + 1]["role"] == "assistant":
-                    open_thinking = thinking and (keep_history or i >= last_user)
-                    text += ASSISTANT + (THINK_OPEN if open_thinking else THINK_CLOSE)
+            text += self._header(i, turns, add_generation_prompt, thinking and (keep_history or i >= last_user))
         return text
+
+    def _header(self, index: int, turns: list[dict], add_generation_prompt: bool, open_thinking: bool) -> str:
+        """The assistant header after a turn a reply follows, when an assistant turn (or the reply) comes next."""
+        last = index + 1 == len(turns)
+        if not self._opens_reply(index, turns[index]) or (last and not add_generation_prompt):
+            return ""
+        if not last and turns[index + 1]["role"] != "assistant":
+            return ""
+        return ASSISTANT + (THINK_OPEN if open_thinking else THINK_CLOSE)
 
     # --- options -----------------------------------------------------------------------------------------
 
@@ -161,8 +165,8 @@ class DeepseekV4Encoding:
         """(thinking, effort) from the render kwargs; the encoder's own checks of their explicit values."""
         if "drop_thinking" in kwargs:
             raise EncoderRefusal("drop_thinking is not supported by the native DeepSeek encoder (history reasoning "
-                                 "is always dropped before the last user turn, as DeepSeek's encoder does)",
-                                 "chat_template_kwargs")
+                                 "is dropped before the last user turn unless tools are declared, as DeepSeek's "
+                                 "encoder does)", "chat_template_kwargs")
         given = {k: kwargs[k] for k in THINKING_KWARGS if kwargs.get(k) is not None}
         for key, value in given.items():
             if not isinstance(value, bool):

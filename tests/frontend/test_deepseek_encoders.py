@@ -250,3 +250,14 @@ def test_a_later_system_message_is_a_system_user_turn_on_v4_and_inline_on_v41(re
     assert v4.endswith(EOS + USER + "<system>Now in French.</system>\n\nBye" + ASSISTANT + "</think>")
     v41 = _render(renderers, "deepseek_v41", messages, **off).text
     assert v41.endswith(EOS + SYSTEM + "Now in French." + USER + "Bye" + ASSISTANT + "</think>")
+
+
+def test_which_checkpoints_export_a_native_encoder():
+    """deepseek_v4 under a DeepSeek recipe (its default) or without a template; a Jinja template otherwise."""
+    from ignition.export import native_template_kind
+
+    assert native_template_kind("deepseek_v4", "deepseek41", "{{ messages }}") == "deepseek_v41"
+    assert native_template_kind("deepseek_v4", "deepseek4", None) == "deepseek_v4"
+    assert native_template_kind("deepseek_v4", "default", None) == "deepseek_v4"
+    assert native_template_kind("deepseek_v4", "default", "{{ messages }}") is None
+    assert native_template_kind("qwen3", "deepseek41", None) is None  # a recipe alone binds no encoder
