@@ -7,8 +7,10 @@ per-head K/V. The same attention has two forms here:
   per-head k_nope [S, Nq, dn] and v [S, Nq, dv]; k = [k_nope, rope key]; causal SDPA, as HF computes it;
 - absorbed (a sequence with one query token: decode): kv_b's k rows fold into q (q_lat = q_nope W_uk, R wide) and its
   v rows apply after attention, which reads the latent pages as they are: one-head MQA of width R + dr.
-Which form a sequence takes depends on its own query count only, never on the batch around it.
-Imports torch and helios.core only (and helios.layers' linear, norm and rotary).
+Which form a sequence takes depends on its own query count only, never on the batch around it. On the Triton backend
+(the layer built with it) the absorbed form's attention is helios.kernels.mla_decode's kernel over the pages, from
+device-side lengths and tables (CUDA graphs), and the cache write skips padded rows; the expanded form stays torch.
+Imports torch and helios.core only (and helios.layers' linear, norm and rotary; the kernels lazily).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helios.core.manifest import MlaConfig
-from helios.layers.attention import AttentionMetadata
+from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.linear import Linear, linear
 from helios.layers.norm import RMSNorm
 from helios.layers.rotary import apply_rotary
@@ -71,16 +73,58 @@ def mla_absorbed(
     """Attention straight over the latent pages: scores = [q_nope W_uk, q_rope] . [latent, rope key], the output
     latent p . latent goes through W_uv. Masked keys get probability exactly 0, so padding changes no result."""
     c = config
-    num_heads, dn, rank = q.shape[1], c.qk_nope_head_dim, c.kv_lora_rank
-    w = kv_b.view(num_heads, dn + c.v_head_dim, rank)
-    w_uk, w_uv = w[:, :dn], w[:, dn:]  # [Nq, dn, R], [Nq, dv, R]
-    q_lat = torch.matmul(q[..., :dn].transpose(0, 1), w_uk).transpose(0, 1)  # [B, Nq, R]
-    q_abs = torch.cat([q_lat, q[..., dn:]], dim=-1)  # [B, Nq, R + dr]
+    q_abs = absorb_query(q, kv_b, c)  # [B, Nq, R + dr]
     latents = cache[0, blocks].flatten(1, 2).to(q.dtype)  # [B, S, R + dr]
     scores = torch.add(bias, torch.matmul(q_abs, latents.transpose(1, 2)), alpha=c.softmax_scale)  # [B, Nq, S]
     p = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
-    o_lat = torch.matmul(p, latents[..., :rank])  # [B, Nq, R]
-    return torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, Nq, dv]
+    return expand_output(torch.matmul(p, latents[..., : c.kv_lora_rank]), kv_b, c)
+
+
+def _kv_b_heads(kv_b: torch.Tensor, num_heads: int, config: MlaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b's k rows W_uk [Nq, dn, R] and v rows W_uv [Nq, dv, R] (views)."""
+    dn = config.qk_nope_head_dim
+    w = kv_b.view(num_heads, dn + config.v_head_dim, config.kv_lora_rank)
+    return w[:, :dn], w[:, dn:]
+
+
+def absorb_query(
+    q: torch.Tensor,  # [B, Nq, dn + dr]
+    kv_b: torch.Tensor,  # [Nq*(dn + dv), R]
+    config: MlaConfig,
+) -> torch.Tensor:  # [B, Nq, R + dr]
+    """[q_nope W_uk, q_rope] per head: the query of attention straight over the latent rows."""
+    w_uk, _ = _kv_b_heads(kv_b, q.shape[1], config)
+    dn = config.qk_nope_head_dim
+    q_lat = torch.matmul(q[..., :dn].transpose(0, 1), w_uk).transpose(0, 1)  # [B, Nq, R]
+    return torch.cat([q_lat, q[..., dn:]], dim=-1)
+
+
+def expand_output(
+    o_lat: torch.Tensor,  # [B, Nq, R], attention-weighted latents
+    kv_b: torch.Tensor,  # [Nq*(dn + dv), R]
+    config: MlaConfig,
+) -> torch.Tensor:  # [B, Nq, dv]
+    """o_lat W_uv^T per head: the latent-space output back to each head's values."""
+    _, w_uv = _kv_b_heads(kv_b, o_lat.shape[1], config)
+    return torch.matmul(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def mla_absorbed_kernel(
+    q: torch.Tensor,  # [B, Nq, dn + dr], one query token per sequence
+    cache: torch.Tensor,  # [1, num_pages, page_size, R + dr]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32 (0: a padded row, output 0)
+    kv_b: torch.Tensor,  # [Nq*(dn + dv), R]
+    config: MlaConfig,
+    num_splits: int,
+) -> torch.Tensor:  # [B, Nq, dv]
+    """mla_absorbed with the attention in helios.kernels.mla_decode (float32 inside): device tensors only, no host
+    read, so it runs inside a CUDA graph."""
+    from helios.kernels.mla_decode import mla_decode
+
+    q_abs = absorb_query(q, kv_b, config).to(cache.dtype)
+    o_lat = mla_decode(q_abs, cache, block_tables, seq_lens, config.kv_lora_rank, config.softmax_scale, num_splits)
+    return expand_output(o_lat.to(q.dtype), kv_b, config)
 
 
 def decode_latent_layout(
@@ -106,8 +150,13 @@ def mla_attention(
     kv_b: torch.Tensor,  # [Nq*(dn + dv), R]
     meta: AttentionMetadata,
     config: MlaConfig,
+    backend: AttentionBackend | None = None,  # the Triton one: the absorbed attention in its kernel
 ) -> torch.Tensor:  # [T, Nq, dv]
-    """Every one-token sequence in one absorbed pass over its latent pages; each longer one expanded alone."""
+    """Every one-token sequence in one absorbed pass over its latent pages; each longer one expanded alone. With a
+    backend, a decode-only step reads only device tensors (meta's lengths and tables: graph-safe)."""
+    if backend is not None and q.shape[0] == meta.num_seqs:  # every sequence schedules one token
+        splits = _decode_splits(backend, max(meta.seq_lens_cpu, default=0), meta.num_seqs, q)
+        return mla_absorbed_kernel(q, cache, meta.block_tables, meta.seq_lens, kv_b, config, splits)
     page_size = cache.shape[2]
     qsl = meta.query_start_loc_cpu
     lengths = [end - start for start, end in zip(qsl, qsl[1:])]
@@ -115,8 +164,14 @@ def mla_attention(
     singles = [i for i, n in enumerate(lengths) if n == 1]
     if singles:
         rows = torch.tensor([qsl[i] for i in singles], device=q.device)
-        blocks, bias = decode_latent_layout(meta, singles, page_size)
-        out[rows] = mla_absorbed(q[rows], cache, blocks, bias, kv_b, config)
+        if backend is not None:
+            seqs = torch.tensor(singles, device=q.device)
+            splits = _decode_splits(backend, max(meta.seq_lens_cpu[i] for i in singles), len(singles), q)
+            out[rows] = mla_absorbed_kernel(q[rows], cache, meta.block_tables[seqs], meta.seq_lens[seqs], kv_b,
+                                            config, splits)
+        else:
+            blocks, bias = decode_latent_layout(meta, singles, page_size)
+            out[rows] = mla_absorbed(q[rows], cache, blocks, bias, kv_b, config)
     for i, n in enumerate(lengths):
         if n < 2:
             continue
@@ -128,15 +183,30 @@ def mla_attention(
     return out
 
 
+def _decode_splits(backend, max_seq_len: int, num_seqs: int, q: torch.Tensor) -> int:
+    """The kernel's split count: the backend's pinned one (a CUDA graph pins it at capture), else from the lengths."""
+    from helios.kernels.mla_decode import mla_num_splits
+
+    return mla_num_splits(backend.decode_num_splits, max_seq_len, num_seqs, q.shape[1], q.device)
+
+
 class MlaAttention(nn.Module):
     """Tensors bound (helios/core/layout.py, layers.L.mla.*): in_proj.weight [Q + R + dr, H] (rows q or the q latent,
     the kv latent, the rope key), q_a_norm.weight [Rq] and q_b.weight [Nq*(dn + dr), Rq] with a q latent,
-    kv_a_norm.weight [R], kv_b.weight [Nq*(dn + dv), R], o.weight [H, Nq*dv]."""
+    kv_a_norm.weight [R], kv_b.weight [Nq*(dn + dv), R], o.weight [H, Nq*dv].
 
-    def __init__(self, hidden_size: int, num_heads: int, config: MlaConfig, switches: Switches = DEFAULT_SWITCHES):
+    With the Triton backend (`backend`, whose fuses_layers says so) decode attends in helios.kernels.mla_decode and
+    the cache write is a kernel that skips padded rows: the layer's decode step then does device work only around
+    the backend's pinned split count (attends_through_backend, decode_graph_safe: helios.runner.cuda_graphs)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, config: MlaConfig, switches: Switches = DEFAULT_SWITCHES,
+                 backend: AttentionBackend | None = None):
         super().__init__()
         c = config
         self.config = c
+        fused = getattr(backend, "fuses_layers", False)
+        self.backend = backend if fused else None
+        self.attends_through_backend = self.decode_graph_safe = fused
         self.num_heads = num_heads
         self.qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
         self.q_dim = c.q_lora_rank or num_heads * self.qk_head_dim
@@ -166,6 +236,11 @@ class MlaAttention(nn.Module):
             dn = c.qk_nope_head_dim
             q = torch.cat([q[..., :dn], apply_rotary(q[..., dn:], cos, sin)], dim=-1)
             rope_key = apply_rotary(rope_key[:, None], cos, sin)[:, 0]
-        write_latent(cache, self.kv_a_norm(latent), rope_key, meta.slot_mapping)
-        o = mla_attention(q, cache, self.kv_b.weight, meta, c)
+        if self.backend is not None:
+            from helios.kernels.mla_decode import write_latent as write_latent_kernel
+
+            write_latent_kernel(cache, self.kv_a_norm(latent), rope_key, meta.slot_mapping)
+        else:
+            write_latent(cache, self.kv_a_norm(latent), rope_key, meta.slot_mapping)
+        o = mla_attention(q, cache, self.kv_b.weight, meta, c, self.backend)
         return self.o(o.reshape(num_tokens, self.num_heads * c.v_head_dim))

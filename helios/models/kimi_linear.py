@@ -25,7 +25,7 @@ class KimiLinearLayer(nn.Module):
     """One pre-norm block: attn_norm + kda (a linear layer) or mla (a full one), then mlp_norm + mlp or moe."""
 
     def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES,
-                 fused: bool = False) -> None:
+                 fused: bool = False, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
         self.is_linear = arch.layer_types[layer_idx] == "linear"
@@ -33,7 +33,7 @@ class KimiLinearLayer(nn.Module):
         if self.is_linear:
             self.kda = KimiDeltaAttention(h, arch.recurrent, eps, switches, fused=fused)
         else:
-            self.mla = MlaAttention(h, arch.num_heads, arch.mla, switches)
+            self.mla = MlaAttention(h, arch.num_heads, arch.mla, switches, backend)  # Triton: the MLA decode kernel
         self.mlp_norm = RMSNorm(h, eps)
         if moe is None or layer_idx in moe.dense_layers:
             self.ffn_name = "mlp"
@@ -67,7 +67,7 @@ class KimiLinearForCausalLM(nn.Module):
         self.path = "eager"
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
         fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's and the MoE's kernels
-        self.layers = nn.ModuleList(KimiLinearLayer(arch, i, switches, fused) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(KimiLinearLayer(arch, i, switches, fused, backend) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
                                                                     switches=switches)

@@ -319,6 +319,12 @@ def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> st
             return f"recurrent layers ({kinds}): their decode step reads host-side slot lists (no Triton path)"
     if arch.index_dim:
         return "indexed attention layers: their key selection loops over sequences on the host"
+    if arch.mla is not None:  # graphed only where every MLA layer decodes through the Triton kernel
+        from helios.layers.mla import MlaAttention
+
+        layers = [m for m in model.modules() if isinstance(m, MlaAttention)]
+        if not layers or not all(m.decode_graph_safe for m in layers):
+            return "MLA layers decode on the torch path (host-side lengths): graphs need the triton backend"
     names = {b.name for b in attention_backends(model)}
     if names != {"triton"}:
         return f"attention backend {sorted(names)} reads host-side lengths; graphs need the triton backend"

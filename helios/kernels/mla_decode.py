@@ -1,0 +1,264 @@
+"""Multi-head latent attention decode over the paged latent cache (the absorbed form), and the latent cache write.
+
+Each token's page row is its latent c [R] and its rope key k_r [dr] (helios.layers.mla); a decode query per head is
+[q_nope W_uk (R wide), q_rope (dr)], absorbed by the layer before the launch. Scores are q . row, the output is the
+softmax-weighted sum of the latents c (the layer applies W_uv after): one-head MQA of width R + dr whose value is
+the key's first R dims. Program (seq, head block, split) reads each key row once for BLOCK_H query heads, the point
+of MLA decode; splits along the sequence merge in paged_attention's reduce kernel. Lengths and block tables are
+read on the device and the split count is a launch constant, so a captured CUDA graph stays valid.
+Imports torch and helios.kernels only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from helios.kernels._triton import cdiv, check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
+from helios.kernels.paged_attention import choose_num_splits, dot_precision, merge_splits, split_partials
+
+LOG2E = 1.4426950408889634
+
+
+@jit
+def _write_latent_kernel(
+    latent_ptr,  # [num_tokens, R]
+    rope_ptr,  # [num_tokens, dr]
+    cache_ptr,  # [num_pages, page_size, R + dr]
+    slot_mapping_ptr,  # [num_tokens] int64, -1: a padded row (writes nothing)
+    stride_lt,
+    stride_rt,
+    stride_cp,
+    stride_cs,
+    rank,
+    rope_dim,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,  # >= R + dr
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    slot = tl.zeros([BLOCK], dtype=tl.int64) + slot  # as a tile: a scalar mask term trips the interpreter
+    is_latent = d < rank
+    is_rope = (d >= rank) & (d < rank + rope_dim)
+    live = slot >= 0
+    c = tl.load(latent_ptr + t * stride_lt + d, mask=is_latent & live, other=0.0)
+    r = tl.load(rope_ptr + t * stride_rt + (d - rank), mask=is_rope & live, other=0.0)
+    row = tl.where(is_latent, c, r)
+    dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + d
+    tl.store(cache_ptr + dst, row.to(cache_ptr.dtype.element_ty), mask=(is_latent | is_rope) & live)
+
+
+def write_latent(
+    cache: torch.Tensor,  # [1, num_pages, page_size, R + dr], written in place
+    latent: torch.Tensor,  # [T, R], after its norm
+    rope_key: torch.Tensor,  # [T, dr]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+) -> None:
+    """Each token's [latent, rope key] into its slot, in the cache dtype; no concatenated copy, padded rows skip."""
+    require_triton()
+    num_tokens, rank = latent.shape
+    rope_dim = rope_key.shape[1]
+    assert cache.dim() == 4 and cache.shape[0] == 1 and cache.shape[3] == rank + rope_dim, tuple(cache.shape)
+    assert rope_key.shape[0] == num_tokens and slot_mapping.shape == (num_tokens,)
+    assert slot_mapping.dtype == torch.int64
+    for name, t in (("latent", latent), ("rope_key", rope_key), ("cache", cache)):
+        check_last_dim_contiguous(name, t)
+    if num_tokens == 0:
+        return
+    pages = cache[0]
+    _write_latent_kernel[(num_tokens,)](
+        latent, rope_key, pages, slot_mapping, latent.stride(0), rope_key.stride(0), pages.stride(0),
+        pages.stride(1), rank, rope_dim, PAGE_SIZE=cache.shape[2], BLOCK=next_power_of_2(rank + rope_dim),
+        num_warps=4,
+    )
+
+
+def write_latent_ref(cache, latent, rope_key, slot_mapping) -> None:
+    """helios.layers.mla.write_latent, skipping negative slots."""
+    keep = slot_mapping >= 0
+    flat = cache.view(-1, cache.shape[-1])  # [num_slots, R + dr]
+    flat.index_copy_(0, slot_mapping[keep], torch.cat([latent, rope_key], dim=-1)[keep].to(cache.dtype))
+
+
+@jit
+def _mla_decode_kernel(
+    q_ptr,  # [num_seqs, num_heads, R + dr], absorbed queries
+    cache_ptr,  # [num_pages, page_size, R + dr]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # [num_seqs, num_heads, R], written when NUM_SPLITS == 1
+    part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, R] float32, written when NUM_SPLITS > 1
+    part_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2 domain
+    stride_qs,
+    stride_qh,
+    stride_cp,  # cache strides: page, slot in page
+    stride_cs,
+    stride_bt,
+    stride_os,
+    stride_oh,
+    num_heads,
+    rank,
+    rope_dim,
+    scale,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # a split covers whole BLOCK_N blocks; trailing splits of a short sequence (and a padded row, length 0) are empty
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    offs_n = tl.arange(0, BLOCK_N)
+    table = block_tables_ptr + seq * stride_bt
+
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < rank
+    q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_R]
+    e = tl.arange(0, BLOCK_DR)
+    e_mask = e < rope_dim
+    if HAS_ROPE:
+        q_pe = tl.load(q_rows + rank + e[None, :], mask=h_mask[:, None] & e_mask[None, :], other=0.0)
+    qk_scale = scale * 1.4426950408889634  # log2(e): exp2 below is the cheap exponential
+
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], dtype=tl.float32)
+    # the page ids of the first key block; the loop keeps the next block's ids in flight while it computes
+    pos = start + offs_n
+    block = tl.load(table + pos // PAGE_SIZE, mask=pos < end, other=0).to(tl.int64)
+    for start_n in range(start, end, BLOCK_N):
+        pos = start_n + offs_n
+        k_mask = pos < end
+        pos_next = pos + BLOCK_N
+        block_next = tl.load(table + pos_next // PAGE_SIZE, mask=pos_next < end, other=0).to(tl.int64)
+        row = block * stride_cp + (pos % PAGE_SIZE) * stride_cs  # [BLOCK_N]
+        # the latent row, read once for every head of the block: key (with the rope part) and value at once
+        c = tl.load(cache_ptr + row[:, None] + r[None, :], mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        s = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        if HAS_ROPE:
+            k_pe = tl.load(cache_ptr + row[:, None] + rank + e[None, :], mask=k_mask[:, None] & e_mask[None, :],
+                           other=0.0)
+            s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+        s = tl.where(k_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
+        m = m_new
+        block = block_next
+
+    # NOTE: an empty range (an empty split, or a padded row with seq_len 0) leaves l == 0: output 0, lse -inf
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_mask = h_mask[:, None] & r_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + r[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        tl.store(part_out_ptr + part[:, None] * rank + r[None, :], o, mask=o_mask)
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=h_mask)
+
+
+def mla_decode(
+    q: torch.Tensor,  # [num_seqs, num_heads, R + dr], [q_nope W_uk, q_rope] per head
+    cache: torch.Tensor,  # [1, num_pages, page_size, R + dr]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, keys per sequence including this token's (0: a padded row)
+    rank: int,  # R: the latent's width, the output's
+    scale: float,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, R]
+    block_h: int = 16,
+    block_n: int | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, R], the attention-weighted latents (in q's dtype)
+    """num_splits is a launch constant (never read from seq_lens), so a captured CUDA graph stays valid; float32
+    accumulation throughout, the splits merged in float32."""
+    require_triton()
+    num_seqs, num_heads, width = q.shape
+    assert cache.dim() == 4 and cache.shape[0] == 1, f"cache must be [1, num_pages, page_size, R + dr]: {cache.shape}"
+    assert cache.shape[3] == width and 0 < rank <= width, f"q width {width}, cache {tuple(cache.shape)}, rank {rank}"
+    assert q.dtype == cache.dtype, f"q {q.dtype} and cache {cache.dtype} must share a dtype"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
+    assert block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32
+    assert num_splits >= 1 and block_h >= 16, "tl.dot needs at least 16 rows"
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("cache", cache)
+    out = q.new_empty(num_seqs, num_heads, rank) if out is None else out
+    assert out.shape == (num_seqs, num_heads, rank) and out.stride(-1) == 1 and out.dtype == q.dtype
+    if num_seqs == 0:
+        return out
+    pages = cache[0]
+    rope_dim = width - rank
+    block_r = max(16, next_power_of_2(rank))
+    block_n = block_n or (32 if block_r <= 256 else 16)
+    part_out, part_lse = split_partials(out, num_splits)
+    _mla_decode_kernel[(num_seqs, cdiv(num_heads, block_h), num_splits)](
+        q, pages, block_tables, seq_lens, out, part_out, part_lse,
+        q.stride(0), q.stride(1), pages.stride(0), pages.stride(1), block_tables.stride(0), out.stride(0),
+        out.stride(1), num_heads, rank, rope_dim, scale,
+        PAGE_SIZE=cache.shape[2],
+        NUM_SPLITS=num_splits,
+        HAS_ROPE=rope_dim > 0,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        BLOCK_DR=max(16, next_power_of_2(rope_dim)),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4 if block_r <= 256 else 8,
+        num_stages=2,
+    )
+    merge_splits(part_out, part_lse, out, num_splits, False)
+    return out
+
+
+def mla_decode_ref(
+    q: torch.Tensor,  # [num_seqs, num_heads, R + dr]
+    cache: torch.Tensor,  # [1, num_pages, page_size, R + dr]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    rank: int,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, R]
+    """The absorbed attention per sequence in float32 (the truth); a row of length 0 gives zeros."""
+    page_size = cache.shape[2]
+    out = torch.zeros(q.shape[0], q.shape[1], rank, dtype=q.dtype, device=q.device)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            continue
+        pages = block_tables[i, : cdiv(seq_len, page_size)].long()
+        rows = cache[0, pages].flatten(0, 1)[:seq_len].float()  # [S, R + dr]
+        probs = torch.softmax(q[i].float() @ rows.t() * scale, dim=-1)  # [Nq, S]
+        out[i] = (probs @ rows[:, :rank]).to(q.dtype)
+    return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def mla_num_splits(
+    pinned: int | None, max_seq_len: int, num_seqs: int, num_heads: int, device: torch.device, block_h: int = 16
+) -> int:
+    """The split count of an MLA decode launch: `pinned` (a CUDA graph's, TritonAttentionBackend.decode_num_splits)
+    when set, else choose_num_splits' rule over (seq, head block) programs."""
+    if pinned is not None:
+        return pinned
+    return choose_num_splits(max_seq_len, num_seqs, cdiv(num_heads, block_h), _num_sms(device))
