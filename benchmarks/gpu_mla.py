@@ -6,7 +6,8 @@ torch absorbed form the layer runs without the kernel (a gather of the pages, ma
 Shapes: DeepSeek-V3 / Kimi-K2's MLA (rank 512, rope 64; 128 heads, or 64 with --heads 64), 16-token pages on a
 shuffled pool. Each variant is timed as one CUDA graph over a stack of layers (their caches together past the 50 MiB
 L2), replayed (benchmarks/gpu_gated_delta.py's timer); block_h is how many heads one program serves per key row read
-(the kernel reads each row once per head block), splits as the runner picks them eagerly (mla_num_splits).
+(the kernel reads each row once per head block), block_n the keys per loop step, splits as the runner picks them
+eagerly (mla_num_splits).
 Usage: python benchmarks/gpu_mla.py [--batches 1,64] [--context 4096] [--heads 128] [--iters 20]
 """
 
@@ -42,7 +43,8 @@ def layer_inputs(batch: int, context: int, heads: int, num_layers: int) -> list[
     return layers
 
 
-def kernel_time(layers: list[dict], heads: int, context: int, block_h: int, iters: int) -> tuple[float, int]:
+def kernel_time(layers: list[dict], heads: int, context: int, block_h: int, block_n: int | None,
+                iters: int) -> tuple[float, int]:
     """(seconds per layer, the kernel's split count) of mla_decode over the stack."""
     batch = layers[0]["q"].shape[0]
     splits = mla_num_splits(None, context, batch, heads, torch.device("cuda"), block_h)
@@ -51,7 +53,7 @@ def kernel_time(layers: list[dict], heads: int, context: int, block_h: int, iter
     def step():
         for layer, out in zip(layers, outs):
             mla_decode(layer["q"], layer["cache"], layer["block_tables"], layer["seq_lens"], RANK, 0.1, splits,
-                       out=out, block_h=block_h)
+                       out=out, block_h=block_h, block_n=block_n)
 
     return graph_time(step, iters) / len(layers), splits
 
@@ -83,14 +85,15 @@ def main() -> None:
         cache_bytes = batch * args.context * (RANK + ROPE) * 2
         num_layers = max(2, min(61, math.ceil(STACK_BYTES / cache_bytes)))
         layers = layer_inputs(batch, args.context, args.heads, num_layers)
-        for block_h in (16, 32, 64):
+        for block_h, block_n in ((16, None), (16, 32), (32, None), (64, None)):  # None: the launcher's default
             try:
-                seconds, splits = kernel_time(layers, args.heads, args.context, block_h, args.iters)
+                seconds, splits = kernel_time(layers, args.heads, args.context, block_h, block_n, args.iters)
             except Exception as exc:  # noqa: BLE001  (a head block too large for the chip's registers / memory)
-                print(f"b={batch:3d} block_h={block_h:2d}: {type(exc).__name__}: {str(exc)[:200]}")
+                print(f"b={batch:3d} block_h={block_h:2d} block_n={block_n}: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             rate = cache_bytes / seconds / 1e9
-            print(f"b={batch:3d} block_h={block_h:2d} splits={splits:2d}: {seconds * 1e6:8.1f} us/layer, "
+            print(f"b={batch:3d} block_h={block_h:2d} block_n={block_n or 'default'} splits={splits:2d}: "
+                  f"{seconds * 1e6:8.1f} us/layer, "
                   f"{rate:6.0f} GB/s of latents = {100 * rate / copy:5.1f}% of copy ({num_layers} layers)")
         del layers
         torch.cuda.empty_cache()
