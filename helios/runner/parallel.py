@@ -97,6 +97,9 @@ def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: Tens
     runs half-sharded."""
     out = {}
     for name, t in tensors.items():
+        if name.startswith("mtp."):  # draft modules: mapped whole on the host, never bound (ModelRunner.draft_tensors)
+            out[name] = t
+            continue
         layer_key = name.split(".", 2)[-1] if name.startswith("layers.") else name
         out[name] = _shard_one(layer_key, name, t, arch, tp)
     return out

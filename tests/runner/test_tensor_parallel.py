@@ -172,6 +172,9 @@ def test_shards_are_views_where_contiguous_and_cut_right(cores):
     from helios.models import build_model
 
     build_model(local, shard, tp=tp)
+    # a core's multi-token-prediction modules pass through whole: the runner keeps them mapped, never binds them
+    draft = {"mtp.0.enorm.weight": torch.ones(arch.hidden_size)}
+    assert shard_tensors(arch, {**full, **draft}, tp)["mtp.0.enorm.weight"] is draft["mtp.0.enorm.weight"]
 
 
 def test_unsplittable_sizes_and_families_are_refused(cores):
