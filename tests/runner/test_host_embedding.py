@@ -10,6 +10,10 @@ import pytest
 import torch
 
 from helios.core.load import load_core
+from helios.engine.config import SchedulerConfig
+from helios.engine.engine_core import EngineCore
+from helios.kernels._triton import HAS_TRITON, interpret_mode
+from helios.runner.cuda_graphs import GraphRunner
 from helios.runner.host_embedding import HostRows
 from helios.runner.model_runner import ModelRunner
 from tests.models.gemma4_tiny import build_gemma4
@@ -124,3 +128,27 @@ def test_a_served_core_reports_the_row_cache_in_metrics(gemma4_dir, tmp_path):
     for name, value in (("hits", hits), ("misses", misses), ("evictions", 0)):
         assert f"flare_embedding_row_cache_{name}_total {float(value)}" in text
     assert "flare_replay_readiness_samples_total" in text
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpret_mode()), reason="needs the Triton interpreter")
+def test_speculative_decode_steps_keep_the_bound_tables_tokens(gemma4_dir):
+    """Decode overlap on graphed decode steps (GraphRunner(capture=False): the graph's function run eagerly, Triton
+    attention in the interpreter) through a 16-row cache: a speculative step whose sampled ids were resident is kept,
+    one that read an absent row is dropped and rerun; the tokens are the bound table's without overlap."""
+    core = load_core(gemma4_dir)
+    arch = core.manifest.arch
+    reqs = [greedy_request(f"r{i}", prompt(6 + 3 * i, seed=30 + i), 10) for i in range(2)]
+
+    def drive(overlap: bool, **host):
+        runner = ModelRunner(arch, core.tensors, NUM_PAGES, PAGE, attention_backend="triton",
+                             max_model_len=NUM_PAGES * PAGE, decode_overlap=overlap, **host)
+        runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2], max_model_len=NUM_PAGES * PAGE,
+                                    page_size=PAGE, vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads,
+                                    device=runner.device, capture=False, layer_caches=runner.layer_caches)
+        config = SchedulerConfig(max_concurrency=2, max_num_batched_tokens=16, prefill_chunk_size=CHUNK,
+                                 page_size=PAGE, num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE)
+        return generate(EngineCore(config, runner), reqs), runner
+
+    got, runner = drive(True, host_embeddings="on", host_embedding_rows=16)
+    assert got == drive(False)[0]
+    assert runner.overlap_hits > 0 and runner.overlap_misses > 0, (runner.overlap_hits, runner.overlap_misses)
