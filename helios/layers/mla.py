@@ -165,10 +165,9 @@ def mla_attention(
     if singles:
         rows = torch.tensor([qsl[i] for i in singles], device=q.device)
         if backend is not None:
-            seqs = torch.tensor(singles, device=q.device)
+            tables, lens = decode_rows_layout(meta, singles)
             splits = _decode_splits(backend, max(meta.seq_lens_cpu[i] for i in singles), len(singles), q)
-            out[rows] = mla_absorbed_kernel(q[rows], cache, meta.block_tables[seqs], meta.seq_lens[seqs], kv_b,
-                                            config, splits)
+            out[rows] = mla_absorbed_kernel(q[rows], cache, tables, lens, kv_b, config, splits)
         else:
             blocks, bias = decode_latent_layout(meta, singles, page_size)
             out[rows] = mla_absorbed(q[rows], cache, blocks, bias, kv_b, config)
@@ -181,6 +180,16 @@ def mla_attention(
         cached = cache[0, pages].flatten(0, 1)[:seq_len]  # [S, R + dr]
         out[qsl[i] : qsl[i + 1]] = mla_expanded(q[qsl[i] : qsl[i + 1]], cached, kv_b, config)
     return out
+
+
+def decode_rows_layout(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block tables [B, max_blocks] int32 and lengths [B] int32 of the one-token sequences `seqs` of a mixed step
+    (the kernel's inputs), gathered once per step and shared by every MLA layer."""
+    key = ("mla_decode_rows", tuple(seqs))
+    if key not in meta.derived:
+        index = torch.tensor(seqs, device=meta.block_tables.device)
+        meta.derived[key] = (meta.block_tables[index], meta.seq_lens[index])
+    return meta.derived[key]
 
 
 def _decode_splits(backend, max_seq_len: int, num_seqs: int, q: torch.Tensor) -> int:
