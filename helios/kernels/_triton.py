@@ -79,8 +79,9 @@ def use_pdl(t, rows: int) -> bool:
 # A model's decode step runs on `meta` tensors while Triton's compile hook intercepts every launch: the launches'
 # specializations (dtypes, alignment from the views' offsets, constexprs) are the GPU's, and no kernel runs. The
 # few choices the layers make by device (the GEMV, PDL) read `on_gpu`, which counts meta as a GPU of compute
-# capability _TRACE_MAJOR inside `meta_as_gpu`.
+# capability _TRACE_MAJOR inside `meta_as_gpu`, with _TRACE_SMS streaming multiprocessors (`sm_count`).
 _TRACE_MAJOR: int | None = None
+_TRACE_SMS = 132
 
 
 def on_gpu(t) -> bool:
@@ -90,15 +91,27 @@ def on_gpu(t) -> bool:
     return kind == "cuda" or (kind == "meta" and _TRACE_MAJOR is not None)
 
 
+def sm_count(device) -> int:
+    """Streaming multiprocessors of `device`'s GPU, for the launch choices sized by the chip (decode splits): the
+    device's own on CUDA, the traced GPU's on meta inside meta_as_gpu, 132 (an H100 / H200) anywhere else."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _TRACE_SMS if device.type == "meta" and _TRACE_MAJOR is not None else 132
+
+
 @contextmanager
-def meta_as_gpu(major: int) -> Iterator[None]:
-    """Meta tensors stand for a GPU of compute capability `major`.x inside (on_gpu, use_pdl)."""
-    global _TRACE_MAJOR
-    saved, _TRACE_MAJOR = _TRACE_MAJOR, major
+def meta_as_gpu(major: int, num_sms: int = 132) -> Iterator[None]:
+    """Meta tensors stand for a GPU of compute capability `major`.x with num_sms multiprocessors inside (on_gpu,
+    use_pdl, sm_count)."""
+    global _TRACE_MAJOR, _TRACE_SMS
+    saved, _TRACE_MAJOR, _TRACE_SMS = (_TRACE_MAJOR, _TRACE_SMS), major, num_sms
     try:
         yield
     finally:
-        _TRACE_MAJOR = saved
+        _TRACE_MAJOR, _TRACE_SMS = saved
 
 
 _PDL_SCOPE = False  # inside pdl_scope(on): whether one-row launches take PDL

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from helios.kernels._triton import require_triton
+from helios.kernels._triton import require_triton, sm_count
 from helios.kernels.decode_qkv import decode_attention_qkv
 from helios.kernels.gemv import RowNorm, times_rstd_ref
 from helios.kernels.paged_attention import choose_num_splits, paged_decode_attention
@@ -144,6 +144,5 @@ class TritonAttentionBackend:
 
     def _sm_count(self, device: torch.device) -> int:
         if device not in self._num_sms:
-            is_cuda = device.type == "cuda"
-            self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count if is_cuda else 132
+            self._num_sms[device] = sm_count(device)  # the traced GPU's on meta tensors (helios.kernels.aot)
         return self._num_sms[device]

@@ -23,6 +23,7 @@ from helios.kernels._triton import (
     pdl_launch_dependents,
     pdl_wait,
     require_triton,
+    sm_count,
     tl,
     use_pdl,
 )
@@ -214,9 +215,7 @@ def decode_splits(num_rows: int, num_k_heads: int, tiles: int, num_sms: int = 13
 
 
 def _num_sms(t: torch.Tensor) -> int:
-    if t.device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(t.device).multi_processor_count
+    return sm_count(t.device)  # the traced GPU's on meta tensors (helios.kernels.aot)
 
 
 def _arrival_counters(device: torch.device) -> torch.Tensor:

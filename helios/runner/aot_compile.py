@@ -28,8 +28,9 @@ def read_manifest(core_dir: Path | str):
 def load_offline(core_dir: Path, cache_root: Path) -> tuple[int, int]:
     """helios.kernels.aot.load_offline for the core at core_dir (no GPU needed)."""
     manifest = read_manifest(core_dir)
-    major = aot.parse_target(manifest.kernels[0].target) // 10
-    return aot.load_offline(core_dir, manifest, cache_root, trace=decode_tracer(manifest, major=major))
+    arch = aot.parse_target(manifest.kernels[0].target)
+    trace = decode_tracer(manifest, major=arch // 10, num_sms=aot.TARGET_SMS.get(arch, 132))
+    return aot.load_offline(core_dir, manifest, cache_root, trace=trace)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     manifest = decode_manifest(args.manifest.read_bytes())
     arch = aot.parse_target(args.target)
-    shape = aot.shape_from_manifest(manifest, aot.TARGET_SMS.get(arch, 132))
-    index = aot.compile_kernels(shape, args.target, args.out, trace=decode_tracer(manifest, major=arch // 10))
+    num_sms = aot.TARGET_SMS.get(arch, 132)
+    shape = aot.shape_from_manifest(manifest, num_sms)
+    trace = decode_tracer(manifest, major=arch // 10, num_sms=num_sms)
+    index = aot.compile_kernels(shape, args.target, args.out, trace=trace)
     print(json.dumps({"kernels": len(index["kernels"]), "triton_version": index["triton_version"]}))
     return 0
 

@@ -36,10 +36,11 @@ _META = torch.device("meta")
 _NUM_PAGES = 16
 
 
-def decode_tracer(manifest, switches: Switches = DEFAULT_SWITCHES, major: int = 9) -> Callable[[], None] | None:
-    """A call that runs every decode graph of the core (trace_decode), or None for a family listed by hand or a
-    model whose decode step is not captured. major: the compute capability the meta tensors stand for (the
-    kernel target's, or the device's at start)."""
+def decode_tracer(manifest, switches: Switches = DEFAULT_SWITCHES, major: int = 9,
+                  num_sms: int = 132) -> Callable[[], bool] | None:
+    """A call that runs every decode graph of the core (trace_decode), or None for a family listed by hand.
+    major, num_sms: the compute capability and multiprocessors of the GPU the meta tensors stand for (the kernel
+    target's, or the device's at start: decode split counts follow the multiprocessors)."""
     if manifest.arch.family in HAND_LISTED:
         return None
 
@@ -47,7 +48,7 @@ def decode_tracer(manifest, switches: Switches = DEFAULT_SWITCHES, major: int = 
         # NOTE: the kernels are an optimization (helios compiles on first use): a step the trace cannot run on meta
         # tensors (a host sync in a layer's decode path) costs the kernels after it, never the export or the start
         try:
-            return trace_decode(manifest, switches, major)
+            return trace_decode(manifest, switches, major, num_sms)
         except Exception as exc:  # noqa: BLE001
             warnings.warn(f"decode graphs of {manifest.arch.family} not traced for precompiled kernels: "
                           f"{type(exc).__name__}: {exc}", stacklevel=2)
@@ -66,14 +67,14 @@ def meta_model(arch, dtype: torch.dtype, switches: Switches = DEFAULT_SWITCHES) 
     return model.eval()
 
 
-def trace_decode(manifest, switches: Switches = DEFAULT_SWITCHES, major: int = 9) -> bool:
+def trace_decode(manifest, switches: Switches = DEFAULT_SWITCHES, major: int = 9, num_sms: int = 132) -> bool:
     """Run each decode bucket's graphed computation of the core's plan on meta tensors, as ModelRunner builds
     its graphs (no window page group); returns False, running nothing, where the runner would not capture.
     NOTE: only inside a compile hook that skips the launches (helios.kernels.aot): a launch on meta fails."""
     arch, plan = manifest.arch, manifest.graph_plan
     dtype = _DTYPES[manifest.dtype]
     max_model_len = manifest.limits.context_length
-    with meta_as_gpu(major), torch.inference_mode():
+    with meta_as_gpu(major, num_sms), torch.inference_mode():
         model = meta_model(arch, dtype, switches)
         if unsupported_reason(model, arch, torch.device("cuda")) is not None:
             return False

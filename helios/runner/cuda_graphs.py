@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from helios.engine.messages import ScheduledRequest
+from helios.kernels._triton import sm_count
 from helios.kernels.aot_shapes import SHORT_PROGRAMS, graph_decode_splits, short_decode_splits
 from helios.layers.attention import Attention, AttentionMetadata
 from helios.runner.input_batch import BatchLayout, max_table_blocks, round_up
@@ -371,7 +372,7 @@ class GraphRunner:
         self.max_blocks = max_table_blocks(max_model_len, page_size)
         self.buffers = StaticBuffers(self.buckets[-1], self.max_blocks, vocab_size, self.device, window, state_scratch)
         self.backends = attention_backends(model)
-        num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if capture else 132
+        num_sms = sm_count(self.device)  # 132 off a GPU; on meta the traced GPU's (helios.runner.aot_trace)
         self.num_splits = {b: graph_decode_splits(b, num_kv_heads, max_model_len, num_sms) for b in self.buckets}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # fewer splits (one, or a few where decode merges inside its launch), for steps of short sequences
