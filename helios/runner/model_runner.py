@@ -36,7 +36,8 @@ from helios.engine.messages import (
 )
 from helios.layers.attention import attention_backend_name
 from helios.layers.rotary import tabulate_rope
-from helios.models import build_model
+from helios.models import model_class
+from helios.models import build_model, split_draft_tensors
 from helios.runner.cpu_threads import DecodeThreads, same_bits_across_threads
 from helios.runner.decode_overlap import DecodeOverlap, speculable
 from helios.runner.input_batch import (
@@ -49,6 +50,7 @@ from helios.runner.input_batch import (
 )
 from helios.runner.disk_cache import DiskKVStore
 from helios.runner.host_cache import HostKVStore
+from helios.runner.host_embedding import HostEmbeddings, build_host_embeddings, choose_host_tables
 from helios.runner.kv_cache import KVCache
 from helios.runner.state_cache import StateCache
 from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
@@ -78,6 +80,7 @@ class StartupTimes:
     kernels_jit: int = 0  # kernels compiled (or fetched from Triton's cache) during capture
     graphs: str = ""  # why graphs are off, when they are
     weights: str = "as bound"  # the load step's weight rewrite: "norms folded" (helios.runner.norm_folding)
+    num_draft_tensors: int = 0  # the core's MTP draft modules' tensors (Architecture.mtp): mapped, not bound
     path: str = ""  # the forward path the model picked (helios.models.llama: eager, fused, norm_free)
 
     def summary(self) -> str:
@@ -93,6 +96,8 @@ class StartupTimes:
             f"capture {self.capture_s:.2f} s ({graphs})",
             f"weights {self.weights}, {self.path or 'one'} forward path",
         ]
+        if self.num_draft_tensors:
+            parts.append(f"{self.num_draft_tensors} MTP draft tensors mapped, not bound")
         return ", ".join(parts)
 
 
@@ -239,6 +244,8 @@ class ModelRunner:
         host_state_disk_dir: Path | str | None = None,
         window_pages: int = 0,
         tp=None,
+        host_embeddings: str = "off",
+        host_embedding_rows: int = 0,
     ):
         """num_pages=None sizes the pool from free GPU memory (CUDA only). cuda_graphs is ignored off CUDA.
         core_path + kernel_targets: the core's kernels/<target>/ dirs (see ModelRunner.from_core).
@@ -261,7 +268,9 @@ class ModelRunner:
         tensors hold that many pages and their tables arrive as ScheduledRequest.group_block_ids (no host tiers yet);
         0: every layer holds num_pages, one table per request. tp: this rank's helios.layers.parallel.TensorGroup
         under tensor parallelism, `arch` and `tensors` then its shard's (helios.runner.parallel: a worker rank runs
-        execute_shard); no CUDA graphs or decode overlap then (a worker rank mirrors the eager forwards only)."""
+        execute_shard); no CUDA graphs or decode overlap then (a worker rank mirrors the eager forwards only).
+        host_embeddings: auto|on|off, which of the family's row tables (host_tables: PLE) stay in host memory behind a
+        device row cache of host_embedding_rows rows each (0: runner/host_embedding.py's rule); none under tp."""
         self.switches = switches = switches if switches is not None else DEFAULT_SWITCHES
         self.arch = arch
         self.device = torch.device(device)
@@ -271,6 +280,9 @@ class ModelRunner:
         self.startup = StartupTimes()
         is_cuda = self.device.type == "cuda"
 
+        # the MTP draft modules stay mapped on the host for the speculative-decoding issue: nothing binds them yet
+        tensors, self.draft_tensors = split_draft_tensors(tensors)
+        self.startup.num_draft_tensors = len(self.draft_tensors)
         t0 = time.perf_counter()
         kernel_load = None
         if is_cuda and core_path is not None:
@@ -278,6 +290,9 @@ class ModelRunner:
             # (host-compiler launcher stubs, one tiny launch per kernel) runs beside the weights upload below,
             # which compiles nothing: a copy engine's work against a CPU's
             kernel_load = _KernelLoad(Path(core_path), list(kernel_targets), self.device, manifest, switches)
+        self.tp = tp
+        tensors = self._keep_host_tables(tensors, host_embeddings, host_embedding_rows, graph_plan,
+                                         max_num_batched_tokens)
         if is_cuda:
             tensors = move_tensors(tensors, self.device, self.dtype)
         t1 = time.perf_counter()
@@ -296,9 +311,9 @@ class ModelRunner:
             tensors = tensors if is_cuda else dict(tensors)
             fold_norm_weights(arch, tensors)
             self.startup.weights = "norms folded into qkv / gate_up"
-        self.tp = tp
         self.model = build_model(arch, tensors, self.device, self.dtype, attention_backend, switches=switches,
-                                 norms_folded=fold_norms, tp=tp)
+                                 norms_folded=fold_norms, tp=tp,
+                                 replace=self.host_embeddings.modules() if self.host_embeddings else None)
         self.startup.path = getattr(self.model, "path", "")
         del tensors
         if is_cuda and switches.rope_table:
@@ -368,6 +383,35 @@ class ModelRunner:
         kwargs.setdefault("max_model_len", m.limits.context_length)
         return cls(m.arch, core.tensors, num_pages, m.graph_plan.page_size, device, graph_plan=m.graph_plan,
                    core_path=core.path, kernel_targets=list(m.kernels), manifest=m, **kwargs)
+
+    def _keep_host_tables(self, tensors: dict, mode: str, cache_rows: int, graph_plan: GraphPlan | None,
+                          max_tokens: int | None) -> dict:
+        """The tensors to bind, less the row tables that stay in host memory (self.host_embeddings, None if none)."""
+        self.host_embeddings: HostEmbeddings | None = None
+        family = model_class(self.arch.family)
+        candidates = family.host_tables(self.arch) if hasattr(family, "host_tables") else []
+        names = [] if self.tp is not None else choose_host_tables(candidates, tensors, mode, self.device, self.dtype)
+        if not names:
+            return tensors
+        max_tokens = max_tokens or (graph_plan.prefill_chunk_size if graph_plan else 8192)
+        context = self.context_tokens
+        self.host_embeddings = build_host_embeddings(family, self.arch, tensors, names, self.device, self.dtype,
+                                                     cache_rows, max_tokens, context[0] if context else 0)
+        return {k: v for k, v in tensors.items() if k not in names}
+
+    def _ready_host_rows(self, scheduled: list[ScheduledRequest], layout: BatchLayout,
+                         requests: dict[str, RequestState] | None = None) -> None:
+        """Before a forward of this layout is enqueued: the host tables' rows it reads resident in their device
+        caches (runner/host_embedding.py); nothing without host tables."""
+        if self.host_embeddings is None:
+            return
+        context = None
+        if self.context_tokens is not None:
+            count, pad_id = self.context_tokens
+            requests = requests if requests is not None else self.requests
+            rows = [requests[s.req_id].tokens_before(s.num_computed_tokens, count, pad_id) for s in scheduled]
+            context = torch.tensor(rows, dtype=torch.int64).view(len(rows), count)
+        self.host_embeddings.ready(layout.token_ids, layout.query_start_loc, context)
 
     @property
     def num_pages(self) -> int:
@@ -448,7 +492,8 @@ class ModelRunner:
 
     def stats(self) -> RunnerStats:
         """Its counters for /metrics, as data (EngineCore folds them into EngineMetrics)."""
-        return RunnerStats(graph_launches=dict(self.launches), replay_gpu_ns=self.replay_gpu_ns)
+        host = self.host_embeddings.counters() if self.host_embeddings is not None else {}
+        return RunnerStats(graph_launches=dict(self.launches), replay_gpu_ns=self.replay_gpu_ns, **host)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
@@ -477,6 +522,7 @@ class ModelRunner:
         elif overlap is not None and overlap.take(plan, bucket):
             logits = self.graphs.logits_rows(layout, len(plan.scheduled))  # the speculative step's rows
         elif bucket is not None:
+            self._ready_host_rows(plan.scheduled, layout)
             logits = self.graphs.run(plan.scheduled, layout, bucket)  # [N, V] float32, the graph's output rows
             self.launches["graph" if self.graphs.is_captured(bucket) else "eager"] += 1  # eager: a pending bucket
         elif self.decode_threads is not None and layout.is_decode_only:
@@ -491,7 +537,11 @@ class ModelRunner:
         ):
             def speculate(token_ids: torch.Tensor) -> list[int]:
                 self.launches["speculative"] += 1
-                return overlap.launch(plan.scheduled, bucket, token_ids)
+                ids = overlap.launch(plan.scheduled, bucket, token_ids)
+                if self.host_embeddings is not None and not self.host_embeddings.take_speculative(ids):
+                    # it read host rows that were not resident (runner/host_embedding.py): the next plan reruns it
+                    overlap.pending, overlap.num_misses = None, overlap.num_misses + 1
+                return ids
         results = self._postprocess(scheduled, layout.rows, logits, speculate)
         if self.graphs is not None:
             self.replay_gpu_ns = self.graphs.timer.poll()  # this step's replays have completed (its tokens are read)
@@ -541,6 +591,7 @@ class ModelRunner:
         """The eager forward of the prefill rows, then the decode rows' graph; (rows in logits order, their
         layout, logits [N, V] float32: the decode rows' first)."""
         rest_logits = self._forward(rest, layout_batch(rest, self.requests, self.page_size))
+        self._ready_host_rows(decode, decode_layout)
         decode_logits = self.graphs.run(decode, decode_layout, bucket)  # a view of the graph's static rows
         self.launches["graph"] += 1
         scheduled = decode + rest
@@ -617,6 +668,7 @@ class ModelRunner:
         self.launches["eager"] += 1
         batch = prepare_batch(scheduled, self.requests, self.page_size, self.device, layout, self.scratch_slot,
                               self.context_tokens, self.window)
+        self._ready_host_rows(scheduled, layout)
         hidden = self.model.forward(batch.token_ids, batch.meta, self.layer_caches)  # [T, H]
         # float32 logits for the used rows only: sampling and logprobs both read the raw distribution
         rows = hidden if len(layout.logits_indices) == hidden.shape[0] else hidden[batch.logits_indices]
@@ -726,8 +778,10 @@ class ModelRunner:
                 group_block_ids=group_block_ids,
                 sample=False,
             )
-            batch = prepare_batch([chunk], requests, self.page_size, self.device, scratch_slot=self.scratch_slot,
-                                  context=self.context_tokens, window=self.window)
+            layout = layout_batch([chunk], requests, self.page_size)
+            batch = prepare_batch([chunk], requests, self.page_size, self.device, layout, self.scratch_slot,
+                                  self.context_tokens, self.window)
+            self._ready_host_rows([chunk], layout, requests)
             hidden = self.model.forward(batch.token_ids, batch.meta, self.layer_caches)
             out.append(self.model.compute_logits(hidden).float())
         return torch.cat(out)
