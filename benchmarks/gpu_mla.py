@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_gated_delta import copy_bandwidth, graph_time  # noqa: E402
+from helios.kernels.aot_shapes import graph_decode_splits  # noqa: E402
 from helios.kernels.mla_decode import mla_decode, mla_num_splits  # noqa: E402
 
 RANK, ROPE, PAGE = 512, 64, 16
@@ -44,10 +45,10 @@ def layer_inputs(batch: int, context: int, heads: int, num_layers: int) -> list[
 
 
 def kernel_time(layers: list[dict], heads: int, context: int, block_h: int, block_n: int | None,
-                iters: int) -> tuple[float, int]:
-    """(seconds per layer, the kernel's split count) of mla_decode over the stack."""
+                iters: int, splits: int | None = None) -> tuple[float, int]:
+    """(seconds per layer, the kernel's split count) of mla_decode over the stack; splits None: the eager rule's."""
     batch = layers[0]["q"].shape[0]
-    splits = mla_num_splits(None, context, batch, heads, torch.device("cuda"), block_h)
+    splits = splits or mla_num_splits(None, context, batch, heads, torch.device("cuda"), block_h)
     outs = [torch.empty(batch, heads, RANK, **BF16) for _ in layers]
 
     def step():
@@ -95,6 +96,13 @@ def main() -> None:
             print(f"b={batch:3d} block_h={block_h:2d} block_n={block_n or 'default'} splits={splits:2d}: "
                   f"{seconds * 1e6:8.1f} us/layer, "
                   f"{rate:6.0f} GB/s of latents = {100 * rate / copy:5.1f}% of copy ({num_layers} layers)")
+        # a CUDA graph pins the attention backend's split count, sized for (rows x kv heads) programs: for MLA
+        # num_kv_heads = num_heads, so fewer splits than the kernel's (rows x head blocks) want
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        pinned = graph_decode_splits(batch, args.heads, args.context, num_sms)
+        seconds, _ = kernel_time(layers, args.heads, args.context, 16, None, args.iters, pinned)
+        print(f"b={batch:3d} block_h=16 graph-pinned splits={pinned:2d}: {seconds * 1e6:8.1f} us/layer, "
+              f"{100 * cache_bytes / seconds / 1e9 / copy:5.1f}% of copy")
         del layers
         torch.cuda.empty_cache()
         layers = layer_inputs(batch, args.context, args.heads, min(num_layers, 8))
