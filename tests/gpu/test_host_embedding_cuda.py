@@ -58,17 +58,17 @@ def test_gemma4_batched_through_an_evicting_cache_gives_the_bound_tables_tokens(
 
 
 def test_qwen4_exp_hashed_tables_on_the_host_give_the_bound_tables_logits(tmp_path):
-    """forward_logits of a 96-token prompt in 32-token chunks: host tables (a cache of one chunk's rows and a
+    """forward_logits of a 128-token prompt in 64-token chunks: host tables (a cache of one chunk's rows and a
     little more: evictions) = bound tables, on the device in float32."""
     core = export_dtypes(build_qwen4_exp("ple", tmp_path / "hf"), tmp_path, ["float32"])["float32"]
     arch = core.manifest.arch
     ple = arch.ple
-    rows = 32 * (ple.ngram_size - 1) * ple.heads_per_ngram + 16
-    ids = prompt(96, seed=4)
+    rows = 64 * (ple.ngram_size - 1) * ple.heads_per_ngram + 16
+    ids = prompt(128, seed=4)
 
     def logits(**host):
         runner = ModelRunner(arch, core.tensors, 64, 16, device="cuda", num_state_slots=1, **host)
-        return runner, runner.forward_logits(ids, 32)
+        return runner, runner.forward_logits(ids, 64)
 
     bound = logits()[1]
     runner, got = logits(host_embeddings="on", host_embedding_rows=rows)
