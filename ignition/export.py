@@ -93,6 +93,9 @@ def tokenizer_info(ckpt: Checkpoint, tok: Tokenizer) -> TokenizerInfo:
 
 # Recipes whose prompts DeepSeek's own encoder renders, and the native template kind each names.
 NATIVE_TEMPLATES = {"deepseek4": "deepseek_v4", "deepseek41": "deepseek_v41"}
+# The tool parser of each native kind: the DSML spelling its encoder teaches (helios/output/parsers/dsml.py). It
+# replaces the recipe's (V3.2 `dsml`, or none): the prompt teaches these tags whatever the recipe names.
+NATIVE_TOOL_PARSERS = {"deepseek_v4": "dsml_v4", "deepseek_v41": "dsml_v41"}
 
 
 def native_template_kind(family: str, recipe: str, chat_template: str | None) -> str | None:
@@ -145,6 +148,7 @@ def export_core(
     native = native_template_kind(arch.family, recipe_name, ckpt.chat_template)
     if native is not None:
         template = probe_native(native, ckpt.tokenizer_json)
+        recipe = msgspec.structs.replace(recipe, tool_parser=NATIVE_TOOL_PARSERS[native])
     else:
         template = probe(ckpt.chat_template, ckpt.tokenizer_json, specials)
     if template.present and template.kind == "jinja":

@@ -26,6 +26,8 @@ TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "gemma4": ("helios.output.parsers.gemma4", "Gemma4ToolParser"),
     "minimax": ("helios.output.parsers.minimax", "MiniMaxToolParser"),
     "dsml": ("helios.output.parsers.dsml", "DsmlToolParser"),
+    "dsml_v4": ("helios.output.parsers.dsml", "DsmlV4ToolParser"),
+    "dsml_v41": ("helios.output.parsers.dsml", "DsmlV41ToolParser"),
     "kimi": ("helios.output.parsers.kimi", "KimiToolParser"),
     "step": ("helios.output.parsers.step", "StepToolParser"),
 }

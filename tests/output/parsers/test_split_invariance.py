@@ -57,6 +57,18 @@ CASES = {
         "3", "\n", "<think>", "</think>"], [
         f'<think>p</think>a<{B}DSML{B}function_calls>\n<{B}DSML{B}invoke name="f">\n<{B}DSML{B}parameter '
         f'name="x" string="false">3</{B}DSML{B}parameter>\n</{B}DSML{B}invoke>\n</{B}DSML{B}function_calls>z']),
+    "dsml_v4": ("dsml", "<think>", "</think>", [
+        f"<{B}DSML{B}tool_calls>", f"</{B}DSML{B}tool_calls>", f"<{B}DSML{B}function_calls>",
+        f'<{B}DSML{B}invoke name="f">', f"</{B}DSML{B}invoke>", f'<{B}DSML{B}parameter name="x" string="false">',
+        f"</{B}DSML{B}parameter>", "3", "\n", "<think>", "</think>"], [
+        f'<think>p</think>a<{B}DSML{B}tool_calls>\n<{B}DSML{B}invoke name="f">\n<{B}DSML{B}parameter '
+        f'name="x" string="false">3</{B}DSML{B}parameter>\n</{B}DSML{B}invoke>\n</{B}DSML{B}tool_calls>z']),
+    "dsml_v41": ("dsml", "<think>", "</think>", [
+        f"<{B}DSML{B} calls>", f"</{B}DSML{B} calls>", f"<{B}DSML{B}tool_calls>", f'<{B}DSML{B} invoke name="f">',
+        f"</{B}DSML{B} invoke>", f'<{B}DSML{B} parameter name="x" string="false">', f"</{B}DSML{B} parameter>",
+        f'<{B}DSML{B}invoke name="f">', "3", "\n", " ", "<think>", "</think>"], [
+        f'<think>p</think>a<{B}DSML{B} calls>\n<{B}DSML{B} invoke name="f">\n<{B}DSML{B} parameter '
+        f'name="x" string="false">3</{B}DSML{B} parameter>\n</{B}DSML{B} invoke>\n</{B}DSML{B} calls>z']),
     "kimi": ("think", "<think>", "</think>", [
         "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>", "functions.f:0",
         "<|tool_call_argument_begin|>", '{"x": 1}', "<|tool_call_end|>", " "], [
