@@ -362,11 +362,17 @@ class MtpConfig(_S):
     token t + k + 2. The embedding and lm_head are the main model's (no copies are stored)."""
 
     num_modules: PosInt
-    layout: Literal["deepseek_v4", "mimo_v2_flash", "qwen3_next"]  # the family whose MTP math the tensors follow
+    # the family whose MTP math the tensors follow ("step3p7" as "mimo_v2_flash"; "glm5_next": x repeated onto the
+    # mHC streams before the layer and their plain mean taken after it, as its main model does: transformers builds
+    # no GLM MTP to say otherwise)
+    layout: Literal["deepseek_v4", "mimo_v2_flash", "qwen3_next", "step3p7", "glm5_next"]
     # each module's decoder layer: its attention kind (deepseek_v4: sliding / csa / hca as in arch.compressed) and
     # whether its feed-forward is an MoE (arch.moe's, never hash-routed) or a dense MLP (arch.intermediate_size)
     layer_kinds: list[Literal["full", "sliding", "csa", "hca"]]
     moe_modules: list[NonNegInt] = []
+    # per module, the SwiGLU clamps of its routed / dense-or-shared MLP (as arch.swiglu_limits*; [] none; step3p7)
+    swiglu_limits: list[Annotated[float, Meta(ge=0)]] = []
+    swiglu_limits_shared: list[Annotated[float, Meta(ge=0)]] = []
 
 
 class Architecture(_S):

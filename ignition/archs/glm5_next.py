@@ -7,17 +7,19 @@ model_type glm5_next (Glm5NextForConditionalGeneration: its text_config, or the 
 checkpoints keep them; tensors under model.language_model.) or glm5_next_text. Either tensor naming: the released
 one (what transformers saves: self_attn.f_a_proj / dt_bias / A_log, q/k/v_conv1d, hc_attn_fn / _base / _scale,
 experts.N.*) or the one transformers holds in memory (forget_gate.*, conv1d, attn_hc.*, stacked experts).
-NOTE: the vision tower (model.visual.*) is ignored: images are a later issue; so is the MTP block (the layers past
-num_hidden_layers).
+The MTP block (the layers past num_hidden_layers) goes to the core's mtp.{k}.* (ignition/archs/mtp.py, _add_mtp).
+NOTE: the vision tower (model.visual.*) is ignored: images are a later issue.
 """
 
 from __future__ import annotations
 
 import re
 
+import msgspec
+
 from helios.core.layout import layer
-from helios.core.manifest import Architecture, DsaConfig, MhcConfig, MlaConfig, MoeConfig, RecurrentConfig
-from ignition.archs import Plan, Weights, kimi_linear
+from helios.core.manifest import Architecture, DsaConfig, MhcConfig, MlaConfig, MoeConfig, MtpConfig, RecurrentConfig
+from ignition.archs import Plan, Weights, kimi_linear, mtp
 from ignition.archs.llama import load, load_fused
 from ignition.archs.qwen3_moe import add_experts
 from ignition.errors import ExportError
@@ -83,23 +85,66 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
         w.skip("lm_head.weight", root=True)
     else:
         plan["lm_head.weight"] = load(w.take("lm_head.weight", (v, h), root=True), dtype)
-    for i, kind in enumerate(types):
-        for src, dst in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")):
-            plan[layer(i, f"{dst}.weight")] = load(w.take(f"layers.{i}.{src}.weight", (h,)), dtype)
-        for src, dst in (("attn", "attn_hc"), ("ffn", "mlp_hc")):
-            _add_mhc(w, plan, arch, i, src, dst, dtype)
-        if kind == "linear":
-            kimi_linear._add_kda(w, plan, arch, i, dtype)
-        else:
-            kimi_linear._add_mla(w, plan, arch, i, dtype)
-            if i not in arch.dsa.shared_layers:
-                _add_indexer(w, plan, arch, i, dtype)
-        if arch.moe is None or i in arch.moe.dense_layers:
-            kimi_linear._add_dense_mlp(w, plan, arch, i, dtype)
-        else:
-            _add_moe(w, plan, arch, i, dtype)
+    for i in range(num_layers):
+        _add_layer(w, plan, arch, i, dtype)
     w.check_all_used()
-    return arch, plan
+    return _add_mtp(ckpt, cfg, arch, plan, prefixes, dtype), plan
+
+
+def _add_layer(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
+    """Layer i: its two norms and mHC projections, KDA or MLA (+ its DSA indexer unless shared), a dense MLP or the
+    experts."""
+    for src, dst in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")):
+        plan[layer(i, f"{dst}.weight")] = load(w.take(f"layers.{i}.{src}.weight", (arch.hidden_size,)), dtype)
+    for src, dst in (("attn", "attn_hc"), ("ffn", "mlp_hc")):
+        _add_mhc(w, plan, arch, i, src, dst, dtype)
+    if arch.layer_types[i] == "linear":
+        kimi_linear._add_kda(w, plan, arch, i, dtype)
+    else:
+        kimi_linear._add_mla(w, plan, arch, i, dtype)
+        if i not in arch.dsa.shared_layers:
+            _add_indexer(w, plan, arch, i, dtype)
+    if arch.moe is None or i in arch.moe.dense_layers:
+        kimi_linear._add_dense_mlp(w, plan, arch, i, dtype)
+    else:
+        _add_moe(w, plan, arch, i, dtype)
+
+
+def _add_mtp(ckpt: Checkpoint, cfg: dict, arch: Architecture, plan: Plan, prefixes: tuple[str, ...],
+             dtype) -> Architecture:
+    """The MTP block (layers.{N + k}., GLM-5.3-Flash's at 45): enorm, hnorm, eh_proj [H, 2H], shared_head.norm
+    (-> norm) and an MLA layer with its own DSA indexer, its mHC projections and the experts (a dense MLP when it has
+    no router), mapped by _add_layer as layer N + k -> mtp.{k}.*; the embedding / head copies are checked, not stored
+    (mtp.take_copies). A KDA block or one reusing another layer's selection lacks its MLA / indexer tensors: refused.
+    The architecture with Architecture.mtp when the checkpoint has blocks."""
+    n, h = arch.num_layers, arch.hidden_size
+    sources = mtp.layer_modules(ckpt, prefixes, n)
+    if not sources:
+        return arch
+    mtp.check_count(ckpt, cfg, ("num_nextn_predict_layers",), len(sources))
+    if arch.dsa is None:
+        raise ExportError(f"{ckpt.identifier}: an MTP block (an MLA + DSA layer) in a model without MLA layers is not "
+                          "supported")
+    dense = [k for k, src in enumerate(sources) if not any(t.startswith(src + "mlp.gate.") for t in ckpt.tensors)]
+    if arch.moe is None and len(dense) < len(sources):
+        raise ExportError(f"{ckpt.identifier}: an MTP block with experts in a model without them is not supported")
+    moe = arch.moe and msgspec.structs.replace(arch.moe, dense_layers=[*arch.moe.dense_layers, *(n + k for k in dense)])
+    draft = msgspec.structs.replace(arch, num_layers=n + len(sources), layer_types=[*arch.layer_types,
+                                    *["full"] * len(sources)], moe=moe)
+    for k, src in enumerate(sources):
+        view, own = mtp.ModuleView(ckpt, src, "", n + k), f"{mtp.MTP_PREFIX}{k}."
+        for role, name, shape in (("enorm.weight", "enorm.weight", (h,)), ("hnorm.weight", "hnorm.weight", (h,)),
+                                  ("eh_proj.weight", "eh_proj.weight", (h, 2 * h)),
+                                  ("norm.weight", "shared_head.norm.weight", (h,))):
+            plan[own + role] = load(view.take(name, shape), dtype)
+        mtp.take_copies(view, arch.vocab_size, h)
+        layer_plan: Plan = {}
+        _add_layer(view.weights, layer_plan, draft, n + k, dtype)
+        mtp.add_module_layer(plan, layer_plan, n + k, k)
+        view.check_all_used()
+    return msgspec.structs.replace(arch, mtp=MtpConfig(
+        num_modules=len(sources), layout="glm5_next", layer_kinds=["full"] * len(sources),
+        moe_modules=[k for k in range(len(sources)) if k not in dense]))
 
 
 # ---- config reading -----------------------------------------------------------------------------------------

@@ -114,3 +114,32 @@ def add_module_layer(plan: Plan, layer_plan: Plan, index: int, k: int) -> None:
         if not name.startswith(head):
             raise ExportError(f"MTP module {k}: its decoder layer produced {name!r} outside layer {index}")
         plan[f"{MTP_PREFIX}{k}.layer.{name[len(head):]}"] = producer
+
+
+def layer_modules(ckpt: Checkpoint, prefixes: tuple[str, ...], num_layers: int) -> list[str]:
+    """The sources of the MTP modules a checkpoint stores as decoder layers past the main ones (DeepSeek-V3's
+    layout, which GLM and Step publish: `{prefix}layers.{num_layers + k}.`), in order k = 0 .. n-1; [] when there
+    are none. Modules under two prefixes, or not numbered num_layers .. num_layers + n - 1, are an ExportError."""
+    found: dict[int, set[str]] = {}
+    for name in ckpt.tensors:
+        for prefix in prefixes:
+            m = re.match(re.escape(prefix) + r"layers\.(\d+)\.", name)
+            if m:
+                if int(m.group(1)) >= num_layers:
+                    found.setdefault(int(m.group(1)) - num_layers, set()).add(prefix)
+                break
+    if sorted(found) != list(range(len(found))):
+        raise ExportError(f"{ckpt.identifier}: MTP layers {sorted(k + num_layers for k in found)} are not numbered "
+                          f"{num_layers} .. {num_layers + len(found) - 1} (the layers past num_hidden_layers)")
+    if any(len(p) > 1 for p in found.values()):
+        raise ExportError(f"{ckpt.identifier}: an MTP layer is stored under more than one prefix")
+    return [f"{found[k].pop()}layers.{num_layers + k}." for k in range(len(found))]
+
+
+def take_copies(view: ModuleView, vocab_size: int, hidden_size: int) -> None:
+    """A DeepSeek-V3-style module's copies of the embedding and output head (embed_tokens, shared_head.head, Step's
+    shared_head.output), checked by shape and not stored: transformers' MtpModel drafts with the main model's
+    embedding and lm_head and never reads them, and so does the core (docs/core-format.md)."""
+    for name in ("embed_tokens.weight", "shared_head.head.weight", "shared_head.output.weight"):
+        if view.has(name):
+            view.take(name, (vocab_size, hidden_size))

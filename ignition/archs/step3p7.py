@@ -12,20 +12,22 @@ e_score_correction_bias, mlp.experts.gate_up_proj / down_proj, mlp.shared_expert
 release's (num_attention_groups, moe_num_experts, moe_top_k, moe_layers_enum, attention_other_setting, per-layer
 rope_theta / partial_rotary_factors, per-layer lists padded with the MTP layers' entries) or transformers' (its
 Step3p7TextConfig aliases and derivations, per_layer_config, rope_parameters per layer type).
-NOTE: the vision tower and projector are ignored (images are a later issue), and so are the MTP layers (layers.N
-with N >= num_hidden_layers, num_nextn_predict_layers of them: a draft head helios has no use for yet). The config's
-dead MiniMax sparse-attention fields (sparse_attention_config, index_*) are not read, as the modeling code reads none.
+The MTP layers (layers.N with N >= num_hidden_layers, num_nextn_predict_layers of them) go to the core's mtp.{k}.*
+(ignition/archs/mtp.py, _add_mtp). NOTE: the vision tower and projector are ignored (images are a later issue). The
+config's dead MiniMax sparse-attention fields (sparse_attention_config, index_*) are not read, as the modeling code
+reads none.
 """
 
 from __future__ import annotations
 
 import re
 
+import msgspec
 import torch
 
 from helios.core.layout import layer
-from helios.core.manifest import Architecture, MoeConfig, RopeScaling
-from ignition.archs import Plan, Producer, Weights, kimi_linear
+from helios.core.manifest import Architecture, MoeConfig, MtpConfig, RopeScaling
+from ignition.archs import Plan, Producer, Weights, kimi_linear, mtp
 from ignition.archs.llama import (
     add_dense_mlp,
     add_embedding_and_head,
@@ -92,16 +94,99 @@ def build(ckpt: Checkpoint, dtype) -> tuple[Architecture, Plan]:
     plan: Plan = {}
     add_embedding_and_head(w, plan, arch, dtype, gemma_norm=True)
     for i in range(num_layers):
-        add_norm(w, plan, f"layers.{i}.input_layernorm.weight", layer(i, "attn_norm.weight"), arch, dtype, True)
-        add_norm(w, plan, f"layers.{i}.post_attention_layernorm.weight", layer(i, "mlp_norm.weight"), arch, dtype,
-                 True)
-        _add_attention(w, plan, arch, i, dtype)
-        if arch.moe is None or i in arch.moe.dense_layers:
-            add_dense_mlp(w, plan, i, arch.hidden_size, arch.intermediate_size, dtype)
-        else:
-            _add_moe(w, plan, arch, i, dtype)
+        _add_layer(w, plan, arch, i, dtype)
     w.check_all_used()
-    return arch, plan
+    return _add_mtp(ckpt, cfg, arch, plan, dtype), plan
+
+
+def _add_layer(w: Weights, plan: Plan, arch: Architecture, i: int, dtype) -> None:
+    """Layer i: its two norms (1 + w), the gated attention, a dense MLP or the experts with the shared one."""
+    add_norm(w, plan, f"layers.{i}.input_layernorm.weight", layer(i, "attn_norm.weight"), arch, dtype, True)
+    add_norm(w, plan, f"layers.{i}.post_attention_layernorm.weight", layer(i, "mlp_norm.weight"), arch, dtype, True)
+    _add_attention(w, plan, arch, i, dtype)
+    if arch.moe is None or i in arch.moe.dense_layers:
+        add_dense_mlp(w, plan, i, arch.hidden_size, arch.intermediate_size, dtype)
+    else:
+        _add_moe(w, plan, arch, i, dtype)
+
+
+def _add_mtp(ckpt: Checkpoint, cfg: dict, arch: Architecture, plan: Plan, dtype) -> Architecture:
+    """The MTP layers (layers.{N + k}. under model. or model.language_model.): enorm, hnorm, shared_head.norm (all
+    1 + w, -> enorm, hnorm, norm), eh_proj [H, 2H] and a decoder layer mapped by _add_layer as layer N + k of its
+    mtp_layer_types kind with its mtp_mlp_layer_types MLP -> mtp.{k}.*; the embedding / head copies are checked, not
+    stored (mtp.take_copies). Its rope is its type's main layers' (as transformers' get_mtp_config builds it); its
+    SwiGLU clamps are the release's padded lists' MTP entries. The architecture with Architecture.mtp if any."""
+    n, where = arch.num_layers, ckpt.identifier
+    sources = mtp.layer_modules(ckpt, _PREFIXES, n)
+    if not sources:
+        return arch
+    mtp.check_count(ckpt, cfg, ("num_nextn_predict_layers",), len(sources))
+    kinds, dense = _mtp_kinds(ckpt.config, cfg, n, len(sources), where)
+    types = arch.layer_types or ["full"] * n
+    if set(kinds) - set(types) or (arch.moe is None and len(dense) < len(sources)):
+        raise ExportError(f"{where}: MTP layers of kinds {kinds} (MLPs dense at {dense}) need main layers of those "
+                          f"kinds ({sorted(set(types))}) and, for an MoE one, the model's experts")
+    moe = arch.moe and msgspec.structs.replace(arch.moe, dense_layers=[*arch.moe.dense_layers, *(n + k for k in dense)])
+    draft = msgspec.structs.replace(arch, num_layers=n + len(sources), layer_types=[*types, *kinds], moe=moe)
+    h = arch.hidden_size
+    for k, src in enumerate(sources):
+        view, own = mtp.ModuleView(ckpt, src, "", n + k), f"{mtp.MTP_PREFIX}{k}."
+        for role, name in (("enorm.weight", "enorm.weight"), ("hnorm.weight", "hnorm.weight"),
+                           ("norm.weight", "shared_head.norm.weight")):
+            add_norm(view, plan, name, own + role, arch, dtype, True)
+        plan[own + "eh_proj.weight"] = load(view.take("eh_proj.weight", (h, 2 * h)), dtype)
+        mtp.take_copies(view, arch.vocab_size, h)
+        layer_plan: Plan = {}
+        _add_layer(view.weights, layer_plan, draft, n + k, dtype)
+        mtp.add_module_layer(plan, layer_plan, n + k, k)
+        view.check_all_used()
+    limits = {key: _mtp_limits(ckpt.config, key, n, len(sources), where)
+              for key in ("swiglu_limits", "swiglu_limits_shared")}
+    return msgspec.structs.replace(arch, mtp=MtpConfig(
+        num_modules=len(sources), layout="step3p7", layer_kinds=kinds,
+        moe_modules=[k for k in range(len(sources)) if k not in dense], **limits))
+
+
+def _mtp_kinds(top: dict, cfg: dict, n: int, m: int, where: str) -> tuple[list[str], list[int]]:
+    """(the MTP layers' attention kinds, the modules whose MLP is dense), as Step3p7TextConfig splits them off:
+    mtp_layer_types (transformers' saved form) or the release's layer_types padded past n (all full when the config
+    has no layer_types); mtp_mlp_layer_types, the padded mlp_layer_types, or moe_layers_enum read over the padded
+    range (dense by default)."""
+    raw = _raw_text(top)
+    types = cfg.get("mtp_layer_types") or _padded_tail(raw.get("layer_types"), n, m)
+    if types is None and raw.get("layer_types") is None:
+        types = ["full_attention"] * m
+    mlp = cfg.get("mtp_mlp_layer_types") or _padded_tail(raw.get("mlp_layer_types"), n, m)
+    if mlp is None and raw.get("mlp_layer_types") is None:
+        enum = raw.get("moe_layers_enum")
+        items = (enum.split(",") if isinstance(enum, str) else enum) if enum is not None else []
+        mlp = ["sparse" if n + k in {int(i) for i in items if str(i).strip()} else "dense" for k in range(m)]
+    if types is None or mlp is None or len(types) != m or len(mlp) != m or set(mlp) - {"dense", "sparse"}:
+        raise ExportError(f"{where}: the {m} MTP layers' types are not given (mtp_layer_types / mtp_mlp_layer_types, "
+                          f"or layer_types / mlp_layer_types padded with their entries): {types}, {mlp}")
+    kinds = [{"full_attention": "full", "sliding_attention": "sliding"}.get(t) for t in types]
+    if None in kinds:
+        raise ExportError(f"{where}: MTP layer types {types} must be full_attention or sliding_attention")
+    return kinds, [k for k, kind in enumerate(mlp) if kind == "dense"]
+
+
+def _mtp_limits(top: dict, key: str, n: int, m: int, where: str) -> list[float]:
+    """The MTP layers' SwiGLU clamps: the release's `key` list padded past n (transformers drops those entries),
+    0 for none; [] when it has none."""
+    tail = _padded_tail(_raw_text(top).get(key), n, m) or []
+    limits = [float(v or 0) for v in tail]
+    if limits and min(limits) < 0:
+        raise ExportError(f"{where}: {key} has a negative clamp for an MTP layer ({tail})")
+    return limits if any(limits) else []
+
+
+def _raw_text(top: dict) -> dict:
+    """The text config as written (the release's padded lists uncut)."""
+    return top["text_config"] if top["model_type"] == "step3p7" else top
+
+
+def _padded_tail(value, n: int, m: int) -> list | None:
+    return list(value[n:n + m]) if isinstance(value, list) and len(value) == n + m else None
 
 
 # ---- config reading -----------------------------------------------------------------------------------------

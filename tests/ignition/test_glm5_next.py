@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ignition.archs import decode_weight_bytes, num_params
+from ignition.errors import ExportError
 from tests.ignition.checkpoint_tools import (
     assert_config_refused,
     assert_reproducible_export,
@@ -238,17 +239,17 @@ def test_an_unbounded_gate(tiny, tmp_path):
     assert convert_all(path)[0].recurrent.gate_lower_bound == -5.0
 
 
-def test_vision_and_mtp_are_ignored(tiny, tmp_path):
-    """model.visual.* (images are a later issue) and the MTP block stored as the layer past num_hidden_layers."""
+def test_vision_is_ignored_and_a_partial_mtp_block_refused(tiny, tmp_path):
+    """model.visual.* (images are a later issue); the MTP block stored as the layer past num_hidden_layers is exported
+    whole or refused (tests/ignition/test_mtp_export.py exports a whole one): a fragment is an ExportError."""
+    raw = raw_tensors(tiny("base")[0])
+    assert any(k.startswith("model.visual.") for k in raw) and convert_all(tiny("base")[0])[0].mtp is None
     path = shutil.copytree(tiny("base")[0], tmp_path / "mtp")
-    raw = raw_tensors(path)
-    assert any(k.startswith("model.visual.") for k in raw)
     mtp = {f"{PREFIX}layers.4.eh_proj.weight": torch.zeros(64, 128),
            f"{PREFIX}layers.4.shared_head.norm.weight": torch.zeros(64)}
     write_tensors(path, {**raw, **mtp})
-    _, want = convert_all(tiny("base")[0])
-    _, got = convert_all(path)
-    assert sorted(got) == sorted(want)
+    with pytest.raises(ExportError, match=f"MTP module lacks tensor '{PREFIX}layers.4.enorm.weight'"):
+        convert_all(path)
 
 
 def test_decode_weight_bytes(tiny):

@@ -3,7 +3,8 @@ with Architecture.mtp, and the core still serves its main model exactly as witho
 
 transformers neither builds nor saves MTP weights for these families (it drops them on load), so each tiny checkpoint
 gets them written in with the published names (DeepSeek-V4: mtp.{k}.*; MiMo-V2-Flash: model.mtp.layers.{k}.*;
-Qwen3.5 / Qwen3-Next: mtp.fc / pre_fc_norm_* / norm / layers.0.*). A module's decoder layer is a main layer's tensors
+Qwen3.5 / Qwen3-Next: mtp.fc / pre_fc_norm_* / norm / layers.0.*; GLM-5.3-Flash and Step-3.5/3.7-Flash: the layers past
+num_hidden_layers with enorm / hnorm / eh_proj / shared_head.*, and copies of the embedding / head not stored). A module's decoder layer is a main layer's tensors
 doubled (exact in float32), so its core tensors must equal, bit for bit, what the family exports for that layer when
 the checkpoint's main layer holds the doubled tensors instead (the swap checkpoint).
 """
@@ -19,7 +20,8 @@ import torch
 
 from helios.core.manifest import MtpConfig
 from ignition.errors import ExportError
-from tests.ignition.checkpoint_tools import convert_all, core_files, raw_tensors, write_tensors
+from tests.ignition.checkpoint_tools import convert_all, core_files, edit_config, raw_tensors, write_tensors
+from tests.ignition.tiny_models import VOCAB_SIZE
 from tests.models.hybrid_harness import generate, greedy_request, make_engine, prompt
 
 H = 64  # every tiny builder's hidden size
@@ -40,6 +42,17 @@ def _build(family: str, out: Path) -> Path:
 
         # layer 1: sliding with a dense MLP, as every MiMo MTP layer is
         return build_mimo(out, mlp_layer_types=["dense", "dense", "sparse", "sparse"])
+    if family == "step3p7":
+        from tests.models.step3p7_tiny import build_step3p7
+
+        path = build_step3p7(out)  # its MTP layer: full, MoE (the saved mtp_layer_types / mtp_mlp_layer_types)
+        # the release pads the clamp lists with the MTP layer's entry (transformers drops it): it lands in [arch.mtp]
+        edit_config(path, lambda text: {**text, "swiglu_limits": [*text["swiglu_limits"], 0.2]})
+        return path
+    if family == "glm5_next":
+        from tests.models.glm5_next_tiny import build_glm5_next
+
+        return build_glm5_next(out)  # layer 3: MLA + its own DSA indexer + experts, as the published MTP block
     from tests.models.hybrid_tiny import build_hybrid
 
     return build_hybrid("qwen3_5", out)
@@ -60,13 +73,29 @@ _LAYOUTS = {
     "qwen3_5": (3, "model.layers.3.", "mtp.layers.0.", {}, {
         "mtp.pre_fc_norm_embedding.weight": ("enorm.weight", True), "mtp.pre_fc_norm_hidden.weight": ("hnorm.weight", True),
         "mtp.fc.weight": ("eh_proj.weight", False), "mtp.norm.weight": ("norm.weight", True)}),
+    "step3p7": (3, "model.layers.3.", "model.layers.5.", {}, {
+        "enorm.weight": ("enorm.weight", True), "hnorm.weight": ("hnorm.weight", True),
+        "eh_proj.weight": ("eh_proj.weight", False), "shared_head.norm.weight": ("norm.weight", True)}),
+    "glm5_next": (3, "model.language_model.layers.3.", "model.language_model.layers.4.", {}, {
+        "enorm.weight": ("enorm.weight", False), "hnorm.weight": ("hnorm.weight", False),
+        "eh_proj.weight": ("eh_proj.weight", False), "shared_head.norm.weight": ("norm.weight", False)}),
 }
+# the embedding / output-head copies a DeepSeek-V3-style module stores: checked by shape, not exported
+_COPIES = {"step3p7": ("shared_head.output.weight",), "glm5_next": ("embed_tokens.weight", "shared_head.head.weight")}
+# a name that fits no module: refused by the module finder, or (in the layouts that own a whole prefix) left unplaced
+_STRAY = {"qwen3_5": ("mtp.extra.weight", "no place in the mtp."),
+          "deepseek_v4": ("mtp.norm.weight", "not in the published layout"),
+          "mimo_v2_flash": ("model.mtp.norm.weight", "not in the published layout"),
+          "step3p7": ("model.layers.5.extra.weight", "no place in the model.layers.5."),
+          "glm5_next": ("model.language_model.layers.4.mlp.extra", "no place in the model.language_model.layers.4.")}
 _SHAPES = {"e_proj.weight": (H, H), "h_proj.weight": (H, H), "eh_proj.weight": (H, 2 * H), "mtp.fc.weight": (H, 2 * H),
            "hc_head_fn": (2, 2 * H), "hc_head_base": (2,), "hc_head_scale": (1,)}
 _EXPECTED = {
     "deepseek_v4": MtpConfig(num_modules=1, layout="deepseek_v4", layer_kinds=["hca"], moe_modules=[0]),
     "mimo_v2_flash": MtpConfig(num_modules=1, layout="mimo_v2_flash", layer_kinds=["sliding"]),
     "qwen3_5": MtpConfig(num_modules=1, layout="qwen3_next", layer_kinds=["full"]),
+    "step3p7": MtpConfig(num_modules=1, layout="step3p7", layer_kinds=["full"], moe_modules=[0], swiglu_limits=[0.2]),
+    "glm5_next": MtpConfig(num_modules=1, layout="glm5_next", layer_kinds=["full"], moe_modules=[0]),
 }
 
 
@@ -85,7 +114,23 @@ def _module_tensors(family: str, raw: dict[str, torch.Tensor]) -> tuple[dict, di
     own = "" if family == "qwen3_5" else module
     for name in roles:
         mtp[own + name] = torch.randn(_SHAPES.get(name, (H,)), generator=gen)
+    for name in _COPIES.get(family, ()):
+        mtp[module + name] = torch.randn(VOCAB_SIZE, H, generator=gen)
     return mtp, swap
+
+
+def _renumbered(family: str, name: str, k: int) -> str:
+    """`name` of module 0 as module k's."""
+    module = _LAYOUTS[family][2]
+    if family in ("step3p7", "glm5_next"):  # the layer past the main ones: layers.{N + k}.
+        n = int(module.rstrip(".").rsplit(".", 1)[1])
+        return name.replace(f"layers.{n}.", f"layers.{n + k}.", 1)
+    return name.replace(".0.", f".{k}.", 1) if ".0." in name else name
+
+
+def _copied(family: str, mtp: dict, k: int) -> dict:
+    """Module 0's tensors again as module k (its renamed tensors only)."""
+    return {_renumbered(family, n, k): t.clone() for n, t in mtp.items() if _renumbered(family, n, k) != n}
 
 
 @pytest.fixture(scope="module", params=sorted(_LAYOUTS))
@@ -150,35 +195,32 @@ def msgspec_replace(struct, **changes):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda mtp: {n: t for n, t in mtp.items() if not n.endswith(("enorm.weight", "embedding.weight"))},
+    (lambda f, mtp: {n: t for n, t in mtp.items() if not n.endswith(("enorm.weight", "embedding.weight"))},
      "MTP module lacks tensor"),
-    (lambda mtp: {**mtp, next(iter(mtp)).rsplit(".", 1)[0] + ".bias": torch.zeros(1)}, "no place|lacks"),
-    (lambda mtp: {**mtp, **{n.replace(".0.", ".1.", 1): t.clone() for n, t in mtp.items() if ".0." in n}}, "holds 2 MTP|2 lay"),
-    (lambda mtp: {**mtp, **{n.replace(".0.", ".2.", 1): t.clone() for n, t in mtp.items() if ".0." in n}}, "not numbered"),
-    (lambda mtp: {n: t[..., :-1] if t.dim() == 2 else t for n, t in mtp.items()}, "has shape"),
+    (lambda f, mtp: {**mtp, next(iter(mtp)).rsplit(".", 1)[0] + ".bias": torch.zeros(1)}, "no place|lacks"),
+    (lambda f, mtp: {**mtp, **_copied(f, mtp, 1)}, "holds 2 MTP|2 lay"),
+    (lambda f, mtp: {**mtp, **_copied(f, mtp, 2)}, "not numbered"),
+    (lambda f, mtp: {n: t[..., :-1] if t.dim() == 2 else t for n, t in mtp.items()}, "has shape"),
 ])
 def test_a_rejected_layout_names_what_is_wrong(case, tmp_path, edit, message):
     """A module missing a role, with a tensor too many, one more than the config counts (or than qwen's single layer),
     numbered with a gap, or misshapen: each an ExportError saying so."""
-    _, src, _, mtp, *_ = case
+    family, src, _, mtp, *_ = case
     path = shutil.copytree(src, tmp_path / "bad")
     cfg = json.loads((path / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = cfg["mtp_num_hidden_layers"] = 1  # the published configs count their modules
+    if "text_config" in cfg:
+        cfg["text_config"]["num_nextn_predict_layers"] = 1
     (path / "config.json").write_text(json.dumps(cfg))
-    write_tensors(path, {**raw_tensors(src), **edit(mtp)})
+    write_tensors(path, {**raw_tensors(src), **edit(family, mtp)})
     with pytest.raises(ExportError, match=message):
         convert_all(path)
 
 
 def test_a_stray_mtp_name_is_refused(case, tmp_path):
     family, src, _, mtp, *_ = case
-    if family == "qwen3_5":  # every mtp.* name outside mtp.layers. is one of the head's roles or refused by them
-        stray = {"mtp.extra.weight": torch.zeros(H)}
-        message = "no place in the mtp."
-    else:
-        stray = {("model.mtp.norm.weight" if family == "mimo_v2_flash" else "mtp.norm.weight"): torch.zeros(H)}
-        message = "not in the published layout"
+    name, message = _STRAY[family]
     path = shutil.copytree(src, tmp_path / "stray")
-    write_tensors(path, {**raw_tensors(src), **mtp, **stray})
+    write_tensors(path, {**raw_tensors(src), **mtp, name: torch.zeros(H)})
     with pytest.raises(ExportError, match=message):
         convert_all(path)

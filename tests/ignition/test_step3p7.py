@@ -170,18 +170,19 @@ def test_defaults_when_fields_are_absent(tiny, tmp_path):
         convert(open_hf_dir(path), torch.float32)
 
 
-def test_vision_and_mtp_are_ignored(tiny, tmp_path):
-    """The vision tower and projector (images are a later issue) and an MTP layer stored past num_hidden_layers."""
+def test_vision_is_ignored_and_a_partial_mtp_layer_refused(tiny, tmp_path):
+    """The vision tower and projector (images are a later issue); an MTP layer stored past num_hidden_layers is
+    exported whole or refused (tests/ignition/test_mtp_export.py exports a whole one): a fragment is an ExportError."""
     src, _ = tiny("base")
-    path = shutil.copytree(src, tmp_path / "mtp")
-    raw = raw_tensors(path)
+    raw = raw_tensors(src)
     assert any(k.startswith("vision_model.") for k in raw) and "vit_large_projector.weight" in raw
+    assert convert_all(src)[0].mtp is None
+    path = shutil.copytree(src, tmp_path / "mtp")
     mtp = {"model.layers.5.eh_proj.weight": torch.zeros(64, 128), "model.layers.5.moe.gate.weight": torch.zeros(8, 64),
            "model.layers.5.self_attn.q_proj.weight": torch.zeros(64, 64)}
     write_tensors(path, {**raw, **mtp})
-    _, want = convert_all(src)
-    _, got = convert_all(path)
-    assert sorted(got) == sorted(want)
+    with pytest.raises(ExportError, match="MTP module lacks tensor 'model.layers.5.enorm.weight'"):
+        convert_all(path)
 
 
 def test_decode_weight_bytes(tiny):
