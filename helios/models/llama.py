@@ -127,6 +127,10 @@ class LlamaForCausalLM(nn.Module):
     and MLP width (qkv and gate_up are its rows), o and down sum over the ranks, the embedding and the head hold
     its vocabulary rows (compute_logits gathers every rank's columns) and a MoE layer its experts."""
 
+    # every Linear weight is read through helios.layers.linear.linear only (the GEMV paths read some on the GPU):
+    # a 16-bit CPU runner may pack them for oneDNN (pack_cpu_linears)
+    packs_cpu_linears = True
+
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
                  dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
                  tp: TensorGroup | None = None):

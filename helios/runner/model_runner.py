@@ -35,6 +35,7 @@ from helios.engine.messages import (
     ScheduledRequest,
 )
 from helios.layers.attention import attention_backend_name
+from helios.layers.linear import pack_cpu_linears
 from helios.layers.rotary import tabulate_rope
 from helios.models import model_class
 from helios.models import build_model, split_draft_tensors
@@ -194,8 +195,7 @@ class _KernelLoad:
                 # a hybrid or MoE family's decode graphs are traced on meta tensors (helios.runner.aot_trace)
                 trace = None
                 if kernel_targets:
-                    props = torch.cuda.get_device_properties(device)
-                    trace = decode_tracer(manifest, switches, props.major, props.multi_processor_count)
+                    trace = decode_tracer(manifest, switches, torch.cuda.get_device_capability(device)[0])
                 self._summary = load_kernels(
                     core_path, kernel_targets, device, manifest, gemv=switches.gemv,
                     fused_decode=switches.fused_decode, defer_norms=switches.defer_norms, pdl=switches.pdl,
@@ -320,6 +320,8 @@ class ModelRunner:
             # every position a step can address: the graphs' block tables hold max_blocks pages (the speculative
             # next step stays inside a request's pages)
             tabulate_rope(self.model, max_table_blocks(self.max_model_len, page_size) * page_size, self.dtype)
+        if self.device.type == "cpu" and getattr(self.model, "packs_cpu_linears", False):
+            pack_cpu_linears(self.model)  # 16-bit projections in oneDNN's layout, once (float32 ones stay plain)
         t2 = time.perf_counter()
         self.state_cache = (StateCache(arch, max(1, num_state_slots), self.dtype, self.device)
                             if arch.recurrent is not None else None)

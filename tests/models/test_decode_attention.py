@@ -1,5 +1,6 @@
 """The CPU batched decode attention (helios.layers.attention.decode_attention) against a per-sequence eager
-reference: ragged lengths, scattered pages, sliding windows shorter and longer than a page, GQA groups."""
+reference: ragged lengths, scattered pages, sliding windows shorter and longer than a page, GQA groups; float32,
+and bfloat16 (the CPU's bf16 cores: computed in float32, the output rounded once)."""
 
 from __future__ import annotations
 
@@ -22,18 +23,19 @@ def reference(q, kv_cache, block_ids, seq_len, scale, window):  # q [Nq, D] -> [
     return torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), values)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 2, 4, 7])
-def test_decode_matches_per_sequence_reference(window):
+def test_decode_matches_per_sequence_reference(window, dtype):
     g = torch.Generator().manual_seed(0)
     seq_lens = [1, 5, 9, 16, 3, 12]
     pages = torch.randperm(NUM_PAGES, generator=g).tolist()
     tables, width = [], 16
     for n in seq_lens:
         tables.append([pages.pop() for _ in range(-(-n // PAGE))])
-    kv_cache = torch.randn(2, NUM_PAGES, PAGE, NUM_KV_HEADS, HEAD_DIM, generator=g)
-    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=g)
-    k = torch.randn(len(seq_lens), NUM_KV_HEADS, HEAD_DIM, generator=g)
-    v = torch.randn(len(seq_lens), NUM_KV_HEADS, HEAD_DIM, generator=g)
+    kv_cache = torch.randn(2, NUM_PAGES, PAGE, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(len(seq_lens), NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(len(seq_lens), NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
     block_tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     for i, t in enumerate(tables):
         block_tables[i, : len(t)] = torch.tensor(t)
@@ -52,7 +54,10 @@ def test_decode_matches_per_sequence_reference(window):
     flat = kv_cache.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
     torch.testing.assert_close(flat[0, slots], k, atol=0, rtol=0)  # this step's K/V were written first
     torch.testing.assert_close(flat[1, slots], v, atol=0, rtol=0)
+    assert out.dtype == dtype
+    atol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of outputs below 2 in magnitude
     for i, (t, n) in enumerate(zip(tables, seq_lens)):
-        torch.testing.assert_close(out[i], reference(q[i], kv_cache, t, n, scale, window), atol=1e-5, rtol=0)
+        want = reference(q[i].float(), kv_cache.float(), t, n, scale, window)
+        torch.testing.assert_close(out[i].float(), want, atol=atol, rtol=0)
     # a second layer of the same step reuses the derived gather and mask
     assert ("decode", PAGE, window) in meta.derived
