@@ -195,7 +195,8 @@ class _KernelLoad:
                 # a hybrid or MoE family's decode graphs are traced on meta tensors (helios.runner.aot_trace)
                 trace = None
                 if kernel_targets:
-                    trace = decode_tracer(manifest, switches, torch.cuda.get_device_capability(device)[0])
+                    props = torch.cuda.get_device_properties(device)
+                    trace = decode_tracer(manifest, switches, props.major, props.multi_processor_count)
                 self._summary = load_kernels(
                     core_path, kernel_targets, device, manifest, gemv=switches.gemv,
                     fused_decode=switches.fused_decode, defer_norms=switches.defer_norms, pdl=switches.pdl,
