@@ -359,12 +359,12 @@ class GraphRunner:
         short_programs: int = SHORT_PROGRAMS,  # the short graphs' split rule (aot_shapes.short_decode_splits)
         window: int | None = None,  # the model's window page group (ModelRunner.window): its tables are inputs too
         state_scratch: int | None = None,  # a hybrid model's scratch state row: its state slots are inputs too
-        layer_caches: list | None = None,  # what the model's forward takes per layer (None: kv_cache.layers)
+        layer_caches: list | None = None,  # what the model's forward takes per layer (None: kv_cache.layer_caches)
     ):
         assert buckets, "no decode buckets"
         self.model = model
         self.kv_cache = kv_cache
-        self.layer_caches = layer_caches if layer_caches is not None else kv_cache.layers
+        self.layer_caches = layer_caches if layer_caches is not None else kv_cache.layer_caches
         self.buckets = sorted(set(buckets))
         self.max_model_len = max_model_len
         self.page_size = page_size
