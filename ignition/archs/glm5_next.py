@@ -305,7 +305,8 @@ def _moe(cfg: dict, dense: list[int], where: str) -> MoeConfig:
 
 
 def _ignored(ckpt: Checkpoint, prefixes: tuple[str, ...], num_layers: int) -> tuple[str, ...]:
-    """Prefixes of the tensors no rule consumes: the vision tower and the MTP layers (index >= num_layers)."""
+    """Prefixes of the tensors the main model's rules do not consume: the vision tower and the MTP layers (index >=
+    num_layers: _add_mtp maps them)."""
     mtp = set()
     for name in ckpt.tensors:
         for prefix in prefixes:

@@ -394,8 +394,8 @@ def _limits(cfg: dict, key: str, num_layers: int, where: str) -> list[float]:
 
 
 def _ignored(ckpt: Checkpoint, num_layers: int) -> tuple[str, ...]:
-    """Prefixes of the tensors no rule consumes: the vision tower and projector, the MTP layers (index >= the
-    decoder's layers, under either prefix)."""
+    """Prefixes of the tensors the main model's rules do not consume: the vision tower and projector, the MTP layers
+    (index >= the decoder's layers, under either prefix: _add_mtp maps them)."""
     mtp = set()
     for name in ckpt.tensors:
         for prefix in _PREFIXES:
