@@ -96,12 +96,14 @@ def main() -> None:
             print(f"b={batch:3d} block_h={block_h:2d} block_n={block_n or 'default'} splits={splits:2d}: "
                   f"{seconds * 1e6:8.1f} us/layer, "
                   f"{rate:6.0f} GB/s of latents = {100 * rate / copy:5.1f}% of copy ({num_layers} layers)")
-        # a CUDA graph pins the attention backend's split count, sized for (rows x kv heads) programs: for MLA
-        # num_kv_heads = num_heads, so fewer splits than the kernel's (rows x head blocks) want
+        # the split count a CUDA graph pins on the attention backend, sized for (rows x kv heads) programs (an MLA
+        # arch's kv heads = its heads): what the layer would launch if it took the pin as is (it takes at least its
+        # own rule's count, mla_num_splits)
         num_sms = torch.cuda.get_device_properties(0).multi_processor_count
         pinned = graph_decode_splits(batch, args.heads, args.context, num_sms)
         seconds, _ = kernel_time(layers, args.heads, args.context, 16, None, args.iters, pinned)
-        print(f"b={batch:3d} block_h=16 graph-pinned splits={pinned:2d}: {seconds * 1e6:8.1f} us/layer, "
+        print(f"b={batch:3d} block_h=16 the backend's graph pin as is, splits={pinned:2d}: "
+              f"{seconds * 1e6:8.1f} us/layer, "
               f"{100 * cache_bytes / seconds / 1e9 / copy:5.1f}% of copy")
         del layers
         torch.cuda.empty_cache()

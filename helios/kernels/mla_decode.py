@@ -257,8 +257,10 @@ def _num_sms(device: torch.device) -> int:
 def mla_num_splits(
     pinned: int | None, max_seq_len: int, num_seqs: int, num_heads: int, device: torch.device, block_h: int = 16
 ) -> int:
-    """The split count of an MLA decode launch: `pinned` (a CUDA graph's, TritonAttentionBackend.decode_num_splits)
-    when set, else choose_num_splits' rule over (seq, head block) programs."""
-    if pinned is not None:
-        return pinned
-    return choose_num_splits(max_seq_len, num_seqs, cdiv(num_heads, block_h), _num_sms(device))
+    """The split count of an MLA decode launch: choose_num_splits' rule over (seq, head block) programs, at least
+    `pinned` (TritonAttentionBackend.decode_num_splits).
+    NOTE: a CUDA graph pins the backend's count sized for (rows x kv heads) programs, and an MLA arch's kv heads are
+    its query heads (128: 3 splits at batch 1, 24 programs here); capture's metadata says max_model_len for every
+    row, so the rule gives each graph its own constant (graph-safe) sized for this kernel's programs instead."""
+    own = choose_num_splits(max_seq_len, num_seqs, cdiv(num_heads, block_h), _num_sms(device))
+    return max(pinned or 1, own)

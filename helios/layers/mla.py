@@ -193,7 +193,8 @@ def decode_rows_layout(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.
 
 
 def _decode_splits(backend, max_seq_len: int, num_seqs: int, q: torch.Tensor) -> int:
-    """The kernel's split count: the backend's pinned one (a CUDA graph pins it at capture), else from the lengths."""
+    """The kernel's split count from the lengths and heads, at least the backend's pin (mla_decode.mla_num_splits: a
+    graph's count is a constant of its capture metadata)."""
     from helios.kernels.mla_decode import mla_num_splits
 
     return mla_num_splits(backend.decode_num_splits, max_seq_len, num_seqs, q.shape[1], q.device)

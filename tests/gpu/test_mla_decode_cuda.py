@@ -79,9 +79,9 @@ def _decode_meta(seq_lens: list[int], tables: torch.Tensor, page_size: int, buck
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_layer_decode_graph_replay_equals_eager(dtype):
-    """The layer's decode step on static inputs, captured once (pinned splits) and replayed after the lengths, tables
-    and slots change in place (longer sequences, other pages, a padded row): output and cache = an eager run of the
-    same step on the same inputs."""
+    """The layer's decode step on static inputs, captured once (its split count a constant of the capture) and
+    replayed after the lengths, tables and slots change in place (longer sequences, other pages, a padded row): output
+    and cache = an eager run of the same step on the same inputs."""
     from helios.kernels.backend import TritonAttentionBackend
     from helios.layers.mla import MlaAttention
 
@@ -136,7 +136,7 @@ def kimi_cores(tmp_path_factory):
 
 def test_kimi_linear_decode_graphs_equal_eager(kimi_cores):
     """Four requests' 24 greedy tokens through the CUDA engine, decode steps replayed as graphs (MLA through the
-    kernel, splits pinned) = the same engine with graphs off (the kernel eagerly, splits from the lengths)."""
+    kernel, splits fixed at capture) = the same engine with graphs off (the kernel eagerly, splits from the lengths)."""
     from tests.models.hybrid_harness import generate, greedy_request, prompt
 
     core = kimi_cores["float32"]

@@ -189,13 +189,14 @@ def test_layer_decode_on_the_triton_backend_equals_the_torch_path(interpreter, c
     check_layer_decode("cpu", torch.float32, config, num_splits)
 
 
-def test_splits_follow_the_pin_else_the_lengths():
+def test_splits_follow_the_lengths_and_heads_at_least_the_pin():
     from helios.kernels.mla_decode import mla_num_splits
 
     cpu = torch.device("cpu")
-    assert mla_num_splits(5, 100, 1, 128, cpu) == 5  # a graph's pin wins
+    assert mla_num_splits(5, 100, 1, 128, cpu) == 5  # a pin (tests, a graph of short sequences) is a floor
     assert mla_num_splits(None, 200, 1, 128, cpu) == 1  # short: one split
     assert mla_num_splits(None, 8192, 1, 128, cpu) == 16  # 8 head blocks of one sequence: as many as allowed
+    assert mla_num_splits(3, 8192, 1, 128, cpu) == 16  # a batch-1 graph's pin for 128 kv heads: too few here
     assert mla_num_splits(None, 8192, 64, 128, cpu) == 1  # 512 programs already
 
 
