@@ -58,8 +58,10 @@ def decode_tracer(manifest, switches: Switches = DEFAULT_SWITCHES, major: int = 
 
 
 def meta_model(arch, dtype: torch.dtype, switches: Switches = DEFAULT_SWITCHES) -> torch.nn.Module:
-    """The family's model on the Triton backend with every weight a meta tensor of `dtype` (as the runner binds
-    them on CUDA: helios.runner.model_runner.move_tensors casts every tensor to the model dtype)."""
+    """The family's model on the Triton backend with every weight a meta tensor of `dtype`, as the runner binds
+    them on CUDA. NOTE: helios.runner.model_runner.move_tensors casts every tensor to the model dtype, the float32
+    norm multipliers of Architecture.float32_norms too; a change there must be mirrored here (the kernels
+    specialize on the weight's dtype)."""
     backend = select_attention_backend("triton", _META, switches)
     model = model_class(arch.family)(arch, backend, _META, dtype=dtype, switches=switches, norms_folded=False)
     tensors = {name: torch.empty(p.shape, dtype=dtype, device=_META) for name, p in model.named_parameters()}

@@ -1,8 +1,8 @@
 """What the decode-graph trace (helios.runner.aot_trace) launches, run where Triton compiles (the tests' process runs
 it interpreted: TRITON_INTERPRET, tests/conftest.py): `python -m tests.ignition.aot_trace_probe CACHE CORE...`
 prints one JSON object: per core directory, the kernel names its bfloat16 decode graphs launch (None when the
-runner would not capture them); for the first float32 core whether the launch keys of a CPU ModelRunner's own model
-and caches (real memory) equal the meta trace's; for a core with kernels, helios.runner.aot_compile.load_offline's
+runner would not capture them); for the first float32 core, in float32 and bfloat16, whether the launch keys of a
+CPU ModelRunner's own model and caches (real memory) equal the meta trace's; for a core with kernels, helios.runner.aot_compile.load_offline's
 (index entries, compiled) with its cache under CACHE, and what helios.kernels.aot.load_traced puts into Triton's
 in-memory cache (load_traced_check). Every launch goes through Triton's compile hook under a stand-in driver for
 sm90: nothing is run.
@@ -64,25 +64,33 @@ def family_kernels(core: Path) -> list[str] | None:
     return names if ran[0] else None
 
 
-def real_equals_meta(core_dir: Path) -> tuple[int, bool]:
-    """(launch keys, equal?) of the float32 decode graphs on real CPU tensors (a ModelRunner's model and caches on
-    the Triton backend; no GEMV at float32) against the meta trace."""
+def real_equals_meta(core_dir: Path, dtype: str) -> tuple[int, bool]:
+    """(launch keys, equal?) of the decode graphs on real CPU tensors (a ModelRunner's model and caches on the
+    Triton backend) against the meta trace. The CPU runner is given what the CUDA one builds: every tensor cast to
+    `dtype` (model_runner.move_tensors) and the rope tables (tabulate_rope); the GEMV switch is off for both (on the
+    CPU a one-row 16-bit product never takes it, on meta it would, as on the GPU)."""
     import torch
 
+    from helios.layers.rotary import tabulate_rope
     from helios.runner.aot_trace import trace_decode
     from helios.runner.cuda_graphs import GraphRunner
+    from helios.runner.input_batch import max_table_blocks
     from helios.runner.model_runner import ModelRunner
+    from helios.switches import Switches
 
-    core, manifest = load_core(core_dir), cuda_manifest(core_dir)
-    plan, arch = manifest.graph_plan, manifest.arch
-    runner = ModelRunner(arch, core.tensors, 16, plan.page_size, device="cpu", attention_backend="triton",
-                         num_state_slots=max(plan.decode_buckets), max_model_len=CONTEXT)
+    switches = Switches.from_environ({"HELIOS_GEMV": "off"})
+    core, manifest = load_core(core_dir), cuda_manifest(core_dir, dtype)
+    plan, arch, torch_dtype = manifest.graph_plan, manifest.arch, getattr(torch, dtype)
+    tensors = {name: t.to(torch_dtype) for name, t in core.tensors.items()}
+    runner = ModelRunner(arch, tensors, 16, plan.page_size, device="cpu", attention_backend="triton",
+                         num_state_slots=max(plan.decode_buckets), max_model_len=CONTEXT, switches=switches)
+    tabulate_rope(runner.model, max_table_blocks(CONTEXT, plan.page_size) * plan.page_size, torch_dtype)
     graphs = GraphRunner(runner.model, runner.kv_cache, buckets=list(plan.decode_buckets), max_model_len=CONTEXT,
                          page_size=plan.page_size, vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads,
                          device=torch.device("cpu"), capture=False, state_scratch=runner.scratch_slot,
                          layer_caches=runner.layer_caches)
     real = traced(lambda: [graphs.run_variants(b) for b in graphs.buckets])
-    meta = traced(lambda: trace_decode(manifest))
+    meta = traced(lambda: trace_decode(manifest, switches))
     return len(real), sorted(real) == sorted(meta)
 
 
@@ -132,8 +140,8 @@ def main(cache: str, cores: list[str]) -> None:
     warnings.simplefilter("ignore")
     manifests = {c: load_core(Path(c)).manifest for c in cores}
     result = {"families": {c: family_kernels(Path(c)) for c in cores}}
-    first_f32 = next(c for c, m in manifests.items() if m.dtype == "float32")
-    result["real_equals_meta"] = real_equals_meta(Path(first_f32))
+    first_f32 = Path(next(c for c, m in manifests.items() if m.dtype == "float32"))
+    result["real_equals_meta"] = {dtype: real_equals_meta(first_f32, dtype) for dtype in ("float32", "bfloat16")}
     result["load_offline"] = {c: load_offline(Path(c), Path(cache) / Path(c).parent.name)
                               for c, m in manifests.items() if m.kernels}
     # last: it points this process's Triton cache at the installed copy

@@ -90,10 +90,11 @@ def test_kimi_linear_traces_its_kda_kernels_once_graphed(probe):
     assert names is None or {"_gated_delta_step_kernel", "_gated_rms_norm_kernel"} <= set(names), names
 
 
-def test_meta_trace_specializes_as_real_tensors(probe):
-    """The float32 qwen3_5_moe decode graphs through a CPU ModelRunner's own model and caches on the Triton backend
-    (real memory) launch with the keys of the meta trace (offsets, strides, dtypes, constexprs)."""
-    num_keys, equal = probe["real_equals_meta"]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_meta_trace_specializes_as_real_tensors(probe, dtype):
+    """The qwen3_5_moe decode graphs through a CPU ModelRunner's own model and caches on the Triton backend (real
+    memory) launch with the keys of the meta trace (offsets, strides, dtypes, constexprs)."""
+    num_keys, equal = probe["real_equals_meta"][dtype]
     assert num_keys > 10 and equal
 
 
