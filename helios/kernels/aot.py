@@ -387,14 +387,27 @@ def load_offline(core_dir: Path, manifest, cache_root: Path,
     return len(index["kernels"]), len(_kernel_dirs(cache_dir) - before)
 
 
+def _loaded_jit_functions() -> list:
+    """Every JIT function of every loaded module (helios' kernels, and any other package's: fla's, behind their
+    autotuners), each once. Only types are inspected (no attribute of an unknown object is read)."""
+    from triton.runtime.jit import JITFunction, KernelInterface
+
+    found: dict[int, object] = {}
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            while issubclass(type(value), KernelInterface) and not isinstance(value, JITFunction):
+                value = getattr(value, "fn", None)  # an Autotuner / Heuristics wraps the JIT function as .fn
+            if isinstance(value, JITFunction):
+                found[id(value)] = value
+    return list(found.values())
+
+
 @contextmanager
 def _every_launch_missing() -> Iterator[None]:
-    """Inside, each helios kernel holds an empty in-memory cache, so that every launch reaches the compile hook (a
-    kernel an earlier launch compiled would otherwise run); the caches are restored on exit. Kernel modules
+    """Inside, every loaded JIT function holds an empty in-memory cache, so that every launch reaches the compile
+    hook (a kernel an earlier launch compiled would otherwise run); the caches are restored on exit. Modules
     imported inside start with empty caches anyway."""
-    functions = [value for name, module in list(sys.modules.items())
-                 if module is not None and name.startswith("helios.kernels.")
-                 for value in vars(module).values() if isinstance(value, triton.runtime.jit.JITFunction)]
+    functions = _loaded_jit_functions()
     saved = [fn.device_caches for fn in functions]
     for fn in functions:
         fn.device_caches = defaultdict(fn.create_binder)
