@@ -110,6 +110,13 @@ def folds_norm_weights(arch: Architecture) -> bool:
     return bool(rule is not None and rule(arch))
 
 
+def float32_kept(model: nn.Module) -> set[str]:
+    """The parameters bind_tensors leaves in float32 in a 16-bit model: those of modules that keep their weight in
+    float32 (`keep_float32`, set where Architecture.float32_norms says the core holds a norm's multiplier so)."""
+    return {name for name, _ in model.named_parameters()
+            if getattr(model.get_submodule(name.rpartition(".")[0]), "keep_float32", False)}
+
+
 def bind_tensors(
     model: nn.Module,
     tensors: dict[str, torch.Tensor],

@@ -19,7 +19,7 @@ import torch
 from helios.kernels._triton import meta_as_gpu
 from helios.layers.attention import select_attention_backend
 from helios.layers.rotary import tabulate_rope
-from helios.models import bind_tensors, model_class
+from helios.models import bind_tensors, float32_kept, model_class
 from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
 from helios.runner.input_batch import max_table_blocks
 from helios.runner.kv_cache import KVCache
@@ -59,12 +59,15 @@ def decode_tracer(manifest, switches: Switches = DEFAULT_SWITCHES, major: int = 
 
 def meta_model(arch, dtype: torch.dtype, switches: Switches = DEFAULT_SWITCHES) -> torch.nn.Module:
     """The family's model on the Triton backend with every weight a meta tensor of `dtype`, as the runner binds
-    them on CUDA. NOTE: helios.runner.model_runner.move_tensors casts every tensor to the model dtype, the float32
-    norm multipliers of Architecture.float32_norms too; a change there must be mirrored here (the kernels
-    specialize on the weight's dtype)."""
+    them on CUDA: the norm multipliers a module keeps in float32 (Architecture.float32_norms, `keep_float32`) in
+    float32, as helios.runner.model_runner.move_tensors and bind_tensors leave them (the kernels specialize on the
+    weight's dtype: a change there must be mirrored here)."""
     backend = select_attention_backend("triton", _META, switches)
     model = model_class(arch.family)(arch, backend, _META, dtype=dtype, switches=switches, norms_folded=False)
-    tensors = {name: torch.empty(p.shape, dtype=dtype, device=_META) for name, p in model.named_parameters()}
+
+    kept = float32_kept(model)
+    tensors = {name: torch.empty(p.shape, dtype=torch.float32 if name in kept else dtype, device=_META)
+               for name, p in model.named_parameters()}
     bind_tensors(model, tensors, _META, dtype)
     return model.eval()
 

@@ -136,16 +136,20 @@ def pages_from_free_memory(
     return int(num_pages)
 
 
-def move_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Copy each (mmap-backed) host tensor straight to the device, then cast there: no host copy.
+def move_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 float32_norms: bool = False) -> dict[str, torch.Tensor]:
+    """Copy each (mmap-backed) host tensor straight to the device, then cast there: no host copy. float32_norms
+    (Architecture.float32_norms): a 16-bit core's float32 tensors stay float32 (its norm multipliers, kept so on
+    purpose by ignition; bind_tensors casts any its module does not keep).
 
     NOTE: t.to(device) reads the mapped pages directly; casting first would materialize a converted host
     copy, and .contiguous()/.clone() would copy too. Casting per tensor keeps the peak at one extra tensor.
     """
+    keep = float32_norms and any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors.values())
     out = {}
     for name, t in tensors.items():
         t = t.to(device, non_blocking=True)
-        out[name] = t if t.dtype == dtype else t.to(dtype)
+        out[name] = t if t.dtype == dtype or (keep and t.dtype == torch.float32) else t.to(dtype)
     torch.cuda.synchronize(device)
     return out
 
@@ -295,7 +299,7 @@ class ModelRunner:
         tensors = self._keep_host_tables(tensors, host_embeddings, host_embedding_rows, graph_plan,
                                          max_num_batched_tokens)
         if is_cuda:
-            tensors = move_tensors(tensors, self.device, self.dtype)
+            tensors = move_tensors(tensors, self.device, self.dtype, arch.float32_norms)
         t1 = time.perf_counter()
         if kernel_load is not None:
             self.startup.kernels, self.startup.kernels_s = kernel_load.join()

@@ -66,13 +66,16 @@ def family_kernels(core: Path) -> list[str] | None:
 
 def real_equals_meta(core_dir: Path, dtype: str) -> tuple[int, bool]:
     """(launch keys, equal?) of the decode graphs on real CPU tensors (a ModelRunner's model and caches on the
-    Triton backend) against the meta trace. The CPU runner is given what the CUDA one builds: every tensor cast to
-    `dtype` (model_runner.move_tensors) and the rope tables (tabulate_rope); the GEMV switch is off for both (on the
-    CPU a one-row 16-bit product never takes it, on meta it would, as on the GPU)."""
+    Triton backend) against the meta trace. The CPU runner is given what the CUDA one builds from a core exported
+    in `dtype`: every tensor in `dtype` but the norm multipliers such a core keeps in float32 (models.float32_kept;
+    model_runner.move_tensors leaves them), and the rope tables (tabulate_rope); the GEMV switch is off for both (on
+    the CPU a one-row 16-bit product never takes it, on meta it would, as on the GPU)."""
     import torch
 
+    from helios.kernels._triton import meta_as_gpu
     from helios.layers.rotary import tabulate_rope
-    from helios.runner.aot_trace import trace_decode
+    from helios.models import float32_kept
+    from helios.runner.aot_trace import meta_model, trace_decode
     from helios.runner.cuda_graphs import GraphRunner
     from helios.runner.input_batch import max_table_blocks
     from helios.runner.model_runner import ModelRunner
@@ -81,7 +84,9 @@ def real_equals_meta(core_dir: Path, dtype: str) -> tuple[int, bool]:
     switches = Switches.from_environ({"HELIOS_GEMV": "off"})
     core, manifest = load_core(core_dir), cuda_manifest(core_dir, dtype)
     plan, arch, torch_dtype = manifest.graph_plan, manifest.arch, getattr(torch, dtype)
-    tensors = {name: t.to(torch_dtype) for name, t in core.tensors.items()}
+    with meta_as_gpu(9, 132), torch.inference_mode():
+        kept = float32_kept(meta_model(arch, torch_dtype, switches)) if torch_dtype != torch.float32 else set()
+    tensors = {name: t if name in kept else t.to(torch_dtype) for name, t in core.tensors.items()}
     runner = ModelRunner(arch, tensors, 16, plan.page_size, device="cpu", attention_backend="triton",
                          num_state_slots=max(plan.decode_buckets), max_model_len=CONTEXT, switches=switches)
     tabulate_rope(runner.model, max_table_blocks(CONTEXT, plan.page_size) * plan.page_size, torch_dtype)
