@@ -1,11 +1,13 @@
 """End to end with real exported cores for the syntaxes no available model speaks: Qwen XML, GLM, Gemma 4, MiniMax,
 MiMo and DeepSeek DSML tool calls, with their reasoning delimiters.
 
-The speaker is tests/fixtures/scripted_model.py: a tiny llama trained in the fixture to reproduce scripted replies
-for scripted prompts, exported by ignition once per recipe. One real `helios serve` per core (module-scoped,
-parametrized, so one runs at a time); the official openai and anthropic SDKs drive Chat Completions, Messages and
-Responses, buffered and streaming, at temperature 0 (clamped to the recipe's range, top-p 0.95: the scripted
-token is the only one kept). Nothing is mocked: template, tokenizer, engine, sampler, parsers and encoders all run.
+The speakers are tests/fixtures/scripted_model.py's: tiny models trained in the fixture to reproduce scripted
+replies for scripted prompts, exported by ignition once per recipe. MiMo, MiniMax and Gemma 4 are each spoken by a
+tiny model of their recipe's own family (mimo_v2_flash, minimax_m3, gemma4); Qwen XML, GLM and DSML by one llama.
+One real `helios serve` per core (module-scoped, parametrized, so one runs at a time); the official openai and
+anthropic SDKs drive Chat Completions, Messages and Responses, buffered and streaming, at temperature 0 (clamped to
+the recipe's range, top-p 0.95: the scripted token is the only one kept). Nothing is mocked: template, tokenizer,
+engine, sampler, parsers and encoders all run.
 """
 
 from __future__ import annotations
@@ -61,6 +63,19 @@ def served(request, scripted, tmp_path_factory):
             yield Served(tag, scripted.cores[tag], url, oa, an)
     finally:
         _stop(proc)
+
+
+# the family each recipe's served core must be of (the llama speaks the others)
+FAMILIES = {"mimo": "mimo_v2_flash", "minimax": "minimax_m3", "gemma": "gemma4"}
+
+
+def test_served_core_is_of_the_recipes_family(served):
+    """The core served for MiMo, MiniMax and Gemma 4 is of the recipe's own family, under that recipe."""
+    from helios.core.load import read_manifest
+
+    manifest = read_manifest(served.core)
+    assert manifest.recipe.name == SYNTAXES[served.tag].recipe
+    assert manifest.arch.family == FAMILIES.get(served.tag, "llama")
 
 
 # --- request bodies: one builder per API, shared by the prompt check and the SDK calls -----------------------
