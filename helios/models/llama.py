@@ -130,6 +130,10 @@ class LlamaForCausalLM(nn.Module):
     # every Linear weight is read through helios.layers.linear.linear only (the GEMV paths read some on the GPU):
     # a 16-bit CPU runner may pack them for oneDNN (pack_cpu_linears)
     packs_cpu_linears = True
+    # on the CPU a step with prompt rows runs oneDNN projections, SDPA's flash kernel (a row per thread) and
+    # elementwise ops: bits independent of the thread count (tests/runner/test_thread_invariance.py), so the
+    # runner's thread policy (helios.runner.cpu_threads) may time those steps too
+    prompt_steps_thread_exact = True
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
                  dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,

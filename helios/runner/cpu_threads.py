@@ -31,7 +31,7 @@ EMA_WEIGHT = 0.3  # weight of the newest step in the current choice's running co
 
 
 @dataclass
-class _Bucket:
+class _Bucket:  # one kind of step: decode-only at a batch size, or with prompt rows at a batch and token size
     cost: dict[int, float] = field(default_factory=dict)  # threads -> running seconds per step
     best: int = 0
     interval: int = 0  # steps between probes of the other count
@@ -39,16 +39,22 @@ class _Bucket:
 
 
 class DecodeThreads:
-    """Per batch-size bucket (powers of two), the faster of 1 and `max_threads` intra-op threads."""
+    """Per batch-size bucket (powers of two), the faster of 1 and `max_threads` intra-op threads; steps with prompt
+    rows (prefill chunks, alone or beside decodes) in buckets of their own, by token count (powers of two).
+
+    NOTE: the steps with prompt rows are timed too because on a shared CPU they are where two threads lose most
+    (a 2-core machine at load 4-5: a 121-token SmolLM2 prefill took 5-7 s at 2 threads, ~1 s at 1, every
+    elementwise region waiting for the worker whose core another process held; `helios serve` at 8 streams, whose
+    prompts arrive in chunks beside the decodes, gave ITL p50 232 ms at OMP_NUM_THREADS=2 against 74 ms at 1)."""
 
     def __init__(self, max_threads: int, probe_interval: int = 16, max_interval: int = 512):
         assert max_threads >= 1 and 1 <= probe_interval <= max_interval
         self.candidates = sorted({max_threads, 1}, reverse=True)  # the full count is tried first
         self.probe_interval, self.max_interval = probe_interval, max_interval
-        self.buckets: dict[int, _Bucket] = {}
+        self.buckets: dict[int | tuple[str, int], _Bucket] = {}
 
-    def choose(self, num_seqs: int) -> int:
-        b = self._bucket(num_seqs)
+    def choose(self, num_seqs: int, num_tokens: int | None = None) -> int:
+        b = self._bucket(num_seqs, num_tokens)
         untried = [t for t in self.candidates if t not in b.cost]
         if untried:
             return untried[0]
@@ -57,8 +63,8 @@ class DecodeThreads:
             return other
         return b.best
 
-    def record(self, num_seqs: int, threads: int, seconds: float) -> None:
-        b = self._bucket(num_seqs)
+    def record(self, num_seqs: int, threads: int, seconds: float, num_tokens: int | None = None) -> None:
+        b = self._bucket(num_seqs, num_tokens)
         if threads == b.best:
             b.cost[threads] = (1 - EMA_WEIGHT) * b.cost[threads] + EMA_WEIGHT * seconds
             b.since_probe += 1
@@ -73,9 +79,10 @@ class DecodeThreads:
             b.interval = min(2 * b.interval, self.max_interval)
 
     @contextmanager
-    def run(self, num_seqs: int) -> Iterator[int]:
-        """Run the block at the chosen count (restoring the process's count after) and record its time."""
-        threads = self.choose(num_seqs)
+    def run(self, num_seqs: int, num_tokens: int | None = None) -> Iterator[int]:
+        """Run the block at the chosen count (restoring the process's count after) and record its time.
+        num_tokens: the step's tokens when it has prompt rows (None: decode-only)."""
+        threads = self.choose(num_seqs, num_tokens)
         saved = torch.get_num_threads()
         torch.set_num_threads(threads)
         t0 = time.perf_counter()
@@ -84,10 +91,13 @@ class DecodeThreads:
         finally:
             elapsed = time.perf_counter() - t0
             torch.set_num_threads(saved)
-        self.record(num_seqs, threads, elapsed)
+        self.record(num_seqs, threads, elapsed, num_tokens)
 
-    def _bucket(self, num_seqs: int) -> _Bucket:
-        key = 1 << max(0, num_seqs - 1).bit_length()
+    def _bucket(self, num_seqs: int, num_tokens: int | None = None) -> _Bucket:
+        # decode-only steps by batch size; steps with prompt rows by token count alone (their cost follows it, and
+        # every bucket's first try and probes of the full count are what a loaded machine pays for)
+        key: int | tuple[str, int] = (1 << max(0, num_seqs - 1).bit_length() if num_tokens is None
+                                      else ("prompt", 1 << max(0, num_tokens - 1).bit_length()))
         if key not in self.buckets:
             self.buckets[key] = _Bucket(interval=self.probe_interval)
         return self.buckets[key]

@@ -376,6 +376,8 @@ class ModelRunner:
         self.decode_threads = None
         if self.device.type == "cpu" and decode_threads_are_exact(self.model, arch, torch.get_num_threads()):
             self.decode_threads = DecodeThreads(torch.get_num_threads())
+        # steps with prompt rows take the policy too where the family's prefill ops are thread-exact as well
+        self.prompt_threads = getattr(self.model, "prompt_steps_thread_exact", False)
         t4 = time.perf_counter()
         self.startup.kernels_wait_s, self.startup.load_s = t1 - t0 - weights_s, weights_s + t2 - t1
         self.startup.kv_alloc_s = t3 - t2
@@ -532,8 +534,9 @@ class ModelRunner:
             self._ready_host_rows(plan.scheduled, layout)
             logits = self.graphs.run(plan.scheduled, layout, bucket)  # [N, V] float32, the graph's output rows
             self.launches["graph" if self.graphs.is_captured(bucket) else "eager"] += 1  # eager: a pending bucket
-        elif self.decode_threads is not None and layout.is_decode_only:
-            with self.decode_threads.run(len(layout.seq_lens)):
+        elif self.decode_threads is not None and (layout.is_decode_only or self.prompt_threads):
+            num_tokens = None if layout.is_decode_only else sum(len(s.token_ids) for s in scheduled)
+            with self.decode_threads.run(len(layout.seq_lens), num_tokens):
                 logits = self._forward(scheduled, layout)
         else:
             logits = self._forward(scheduled, layout)

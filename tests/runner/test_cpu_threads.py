@@ -66,8 +66,10 @@ def test_runner_decodes_through_the_policy_and_restores_the_thread_count(runner)
         tokens.append(out.results[0].sampled_token_id)
         assert torch.get_num_threads() == saved
     assert tokens == greedy_reference(runner, ids, 5)
-    (bucket,) = runner.decode_threads.buckets.values()
+    bucket = runner.decode_threads.buckets[1]
     assert set(bucket.cost) == {1, saved}  # both counts timed (one on a one-thread machine)
+    # the prefill step: a bucket of its own where the family's prompt steps take the policy too
+    assert set(runner.decode_threads.buckets) == ({1, ("prompt", 16)} if runner.prompt_threads else {1})
 
 
 @pytest.mark.parametrize("num_rows", [1, 8])
@@ -106,3 +108,14 @@ def test_the_start_up_check_catches_thread_count_differences(num_rows):
 def test_the_policy_is_on_only_where_thread_counts_give_the_same_bits(runner):
     exact = decode_threads_are_exact(runner.model, runner.arch, torch.get_num_threads())
     assert (runner.decode_threads is not None) == exact
+
+
+def test_steps_with_prompt_rows_have_buckets_of_their_own():
+    """Keyed by token count alone (powers of two), apart from the decode-only steps of any batch size."""
+    policy = DecodeThreads(2)
+    prompt = policy._bucket(3, 100)
+    assert prompt is policy.buckets[("prompt", 128)] is policy._bucket(8, 120)
+    assert prompt is not policy._bucket(3) and policy._bucket(3) is policy.buckets[4]
+    drive_prompt = [policy.choose(3, 100)]
+    policy.record(3, drive_prompt[0], 1.0, 100)
+    assert policy.choose(3, 100) == 1 and policy.choose(3) == 2  # the prompt bucket's next try; decode untouched

@@ -86,19 +86,22 @@ def _requests(runner: ModelRunner, vocab: int, steps: int = 8) -> list[bytes]:
     return encoded
 
 
-@pytest.fixture(scope="module", params=["smollm2", "qwen2"])
+@pytest.fixture(scope="module", params=["smollm2", "qwen2", "qwen2-bf16"])
 def core(request, tmp_path_factory, default_core_path):
-    """SmolLM2-135M's real shapes, and a tiny qwen2 (qkv bias through oneDNN's biased product)."""
+    """(core, dtype): SmolLM2-135M's real shapes, and a tiny qwen2 (qkv bias through oneDNN's biased product), also
+    run in bfloat16 (its projections packed for oneDNN, helios.layers.linear.pack_cpu_linears)."""
     if request.param == "smollm2":
-        return load_core(default_core_path)
-    return export_tiny("qwen2", tmp_path_factory.mktemp("qwen2"))[1]
+        return load_core(default_core_path), torch.float32
+    tiny = export_tiny("qwen2", tmp_path_factory.mktemp("qwen2"))[1]
+    return tiny, torch.bfloat16 if request.param == "qwen2-bf16" else torch.float32
 
 
 def test_requests_give_the_same_bits_at_one_and_two_threads(core):
+    core, dtype = core
     outputs = []
     for threads in (1, 2):
         with num_threads(threads):
-            runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE)
+            runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE, dtype=dtype)
             runner.decode_threads = None  # the count held fixed for the whole run
             outputs.append(_requests(runner, core.manifest.arch.vocab_size))
     assert outputs[0] == outputs[1]
@@ -108,6 +111,7 @@ def test_requests_give_the_same_bits_at_one_and_two_threads(core):
 def test_the_decode_thread_policy_is_on_where_it_cannot_change_the_numbers(core):
     """With every CPU op thread-invariant the start-up check passes, so decode steps may pick their count by
     timing (speed) without changing a bit."""
+    core, dtype = core
     with num_threads(2):
-        runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE)
-    assert runner.decode_threads is not None
+        runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE, dtype=dtype)
+    assert runner.decode_threads is not None and runner.prompt_threads
