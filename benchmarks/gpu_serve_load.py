@@ -20,7 +20,9 @@ the first three ids of each request are unique (no prefix-cache hit from the ben
 copy whose lm_head rows of tokens without printable text are zero (same shapes and work; its 300-token tokenizer
 covers 0.2% of the 128k vocabulary, and a token without text sends no SSE event to time).
 Usage: python benchmarks/gpu_serve_load.py --device cuda [--core /tmp/serve/core-8b] [--streams 1,16,64,256,512]
-       python benchmarks/gpu_serve_load.py --device cpu   (the default SmolLM2 core, levels 1,4,8)
+       python benchmarks/gpu_serve_load.py --device cpu   (levels 1,4,8; the bfloat16 SmolLM2 core:
+       `.venv/bin/ignition build cores/smollm2-135m-instruct-bf16.toml`; --core cores/build/smollm2-135m-instruct
+       for the float32 one)
 """
 
 from __future__ import annotations
@@ -414,7 +416,8 @@ def main() -> None:
     from helios.core.load import read_manifest
     from helios.frontend.tokenizer import Tokenizer
 
-    core_dir = args.core or (build_8b(args.work, args.target) if gpu else ROOT / "cores/build/smollm2-135m-instruct")
+    cpu_core = ROOT / "cores/build/smollm2-135m-instruct-bf16"
+    core_dir = args.core or (build_8b(args.work, args.target) if gpu else cpu_core)
     manifest = read_manifest(core_dir)
     tokenizer = Tokenizer.from_file(core_dir / manifest.tokenizer.file, manifest.tokenizer, manifest.arch.vocab_size)
     core_dir = text_core(core_dir, args.work / f"{core_dir.name}-text", tokenizer, manifest)

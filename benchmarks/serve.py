@@ -10,8 +10,15 @@ same workload, one server at a time (the other sits idle):
              output tokens/s = content chunks of all requests / phase wall time (one chunk ~ one token).
   max_tokens=1  N concurrent clients sending buffered chat completions with max_tokens 1; requests/s.
 
-Prints a table of ours vs the peer and stops both servers by pid. Needs the `bench` extra
-(`.venv/bin/pip install 'llama-cpp-python[server]'`). Usage:
+Prints a table of ours vs the peer and stops both servers by pid. llama-cpp-python is a benchmark peer only
+(the optional `bench` extra; nothing of helios imports it). On this machine (AMD EPYC, avx512_bf16, no AMX) it
+was built from source into the venv, in about 15 minutes on 2 cores:
+
+  CMAKE_ARGS="-DGGML_AMX=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  -DLLAMA_BUILD_TESTS=OFF" .venv/bin/pip install 'llama-cpp-python[server]==0.3.36'
+
+(an earlier default build segfaulted here). The CPU serving core is the bfloat16 one
+(`.venv/bin/ignition build cores/smollm2-135m-instruct-bf16.toml`); the float32 default core works too. Usage:
 
   .venv/bin/python benchmarks/serve.py [--clients 8] [--rounds 2] [--max-tokens 64] [--requests-1 64]
                                        [--core DIR] [--gguf FILE] [--threads 2]
@@ -207,6 +214,7 @@ def measure(server: Server, args) -> dict:
         "TTFT p50 (ms)": 1000 * pct(ttfts, 0.5),
         "TTFT p99 (ms)": 1000 * pct(ttfts, 0.99),
         "ITL p50 (ms)": 1000 * pct(gaps, 0.5),
+        "ITL p99 (ms)": 1000 * pct(gaps, 0.99),
         "output tokens/s": chunks / wall,
         "tokens/request": statistics.mean(r.chunks for r in results),
         "requests/s (max_tokens=1)": rps,
@@ -219,14 +227,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="streaming requests per client")
     parser.add_argument("--max-tokens", type=int, default=64, help="output budget of the streaming requests")
     parser.add_argument("--requests-1", type=int, default=64, help="max_tokens=1 requests in all")
-    parser.add_argument("--core", type=Path, default=ROOT / "cores/build/smollm2-135m-instruct")
+    parser.add_argument("--core", type=Path, default=ROOT / "cores/build/smollm2-135m-instruct-bf16")
     parser.add_argument("--gguf", type=Path, default=ROOT / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp threads (helios: OMP)")
     parser.add_argument("--n-ctx", type=int, default=8192, help="llama.cpp context (helios: the core's)")
     parser.add_argument("--only", choices=["helios", "llama.cpp"], help="run one server")
     args = parser.parse_args()
     if not (args.core / "core.toml").is_file():
-        sys.exit(f"no core at {args.core}; run `make core`")
+        sys.exit(f"no core at {args.core}; build it: .venv/bin/ignition build cores/smollm2-135m-instruct-bf16.toml "
+                 "(or pass --core cores/build/smollm2-135m-instruct, `make core`)")
     try:
         import llama_cpp.server  # noqa: F401
     except ImportError:
