@@ -4,8 +4,9 @@ Prints decode tokens/s at batch 1 and 8 and prefill tokens/s for a 512-token pro
 peer's, from the same run. The sides alternate repetition by repetition (the order rotating), so load from
 other processes falls on both; each figure is the best of --reps, with the median beside it. At batch 1 the
 peer also runs pinned to one thread and its row takes the better setting (on a shared CPU, one thread).
-The peer computes in the core's dtype (float32 for the default core; a bfloat16 core, e.g. `ignition export
-.cache/models/SmolLM2-135M-Instruct.Q4_1.gguf -o DIR --dtype bfloat16`, gets transformers in bfloat16).
+The peer is loaded with the core's dtype (float32 for the default core; for the bfloat16 one,
+cores/smollm2-135m-instruct-bf16.toml, bfloat16: transformers 5.25 then keeps the GGUF weights packed and its
+kernels compute in float32, casting in and out).
 Usage: .venv/bin/python benchmarks/engine.py [--core DIR] [--tokens N] [--reps N]
 """
 
