@@ -166,14 +166,7 @@ def test_greedy_matches_transformers_through_decode_graphs(exported, dtype):
 @pytest.fixture(scope="module")
 def family_arch(tmp_path_factory):
     """family -> its tiny checkpoint's Architecture (moe_cases.family_arch), built on first use."""
-    root, cache = tmp_path_factory.mktemp("moe-families"), {}
-
-    def get(family: str):
-        if family not in cache:
-            cache[family] = moe_cases.family_arch(family, root / family)
-        return cache[family]
-
-    return get
+    return moe_cases.arch_getter(tmp_path_factory.mktemp("moe-families"))
 
 
 @pytest.mark.parametrize("family", list(moe_cases.family_builders()))

@@ -74,6 +74,19 @@ def family_arch(family: str, out_dir):
     return convert(open_hf_dir(family_builders()[family](out_dir)), torch.float32)[0]
 
 
+def arch_getter(root):
+    """family -> its tiny checkpoint's Architecture (family_arch under root / family), each built on first use: a
+    module fixture's value."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = family_arch(family, root / family)
+        return cache[family]
+
+    return get
+
+
 def unbound_model(arch, backend, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """The family's model on `backend` with its parameters still on meta (a test binds the blocks it runs)."""
     from helios.models import model_class

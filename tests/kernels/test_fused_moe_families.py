@@ -23,14 +23,7 @@ from tests.kernels.moe_cases import MOE_REFUSAL  # noqa: E402
 @pytest.fixture(scope="module")
 def arch_of(tmp_path_factory):
     """family -> its tiny checkpoint's Architecture, built on first use."""
-    root, cache = tmp_path_factory.mktemp("fused-moe-families"), {}
-
-    def get(family: str):
-        if family not in cache:
-            cache[family] = moe_cases.family_arch(family, root / family)
-        return cache[family]
-
-    return get
+    return moe_cases.arch_getter(tmp_path_factory.mktemp("fused-moe-families"))
 
 
 @pytest.mark.parametrize("family", list(moe_cases.family_builders()))
