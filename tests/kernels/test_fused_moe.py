@@ -126,7 +126,7 @@ def test_graphs_admit_moe_only_on_the_fused_path():
 
     from helios.runner.cuda_graphs import unsupported_reason
 
-    arch = SimpleNamespace(moe=sigmoid_config(), recurrent=None, index_dim=0)
+    arch = SimpleNamespace(moe=sigmoid_config(), recurrent=None, index_dim=0, mla=None)
     cuda = torch.device("cuda")  # a device object only: nothing runs
     torch_path, fused = (torch.nn.Sequential(SigmoidMoe(HIDDEN, arch.moe, "silu", fused=f)) for f in (False, True))
     assert unsupported_reason(torch_path, arch, cuda).startswith("MoE routing syncs with the host")
