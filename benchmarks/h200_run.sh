@@ -10,7 +10,11 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 # .whl_tf/, when carried: transformers 5.25 with what it needs (huggingface_hub 2.4, httpx2, tokenizers 0.23, ...),
-# for the families the device image's transformers lacks (gemma4, mimo_v2_flash, minimax_m3, muse_spark, ...).
+# for the families the device image's transformers lacks (gemma4, mimo_v2_flash, minimax_m3, muse_spark, ...). Fill it
+# here with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
+# --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d .whl_tf transformers==5.25.0
+# huggingface_hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0 regex httpx2==2.16.2 httpcore2 h11 anyio truststore
+# hf-xet==1.8.0 kernels==0.19.1 tomlkit click` (the venv's versions; ~26 MB).
 if [ -d .whl_tf ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl_tf/*.whl \
     || exit 1
