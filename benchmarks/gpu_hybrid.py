@@ -258,9 +258,10 @@ def run_family(family: str, batches: list[int], bandwidth: float, matmul: float,
         limit = bandwidth / decode_bytes(arch, t, batch, PROMPT + NEW // 2) * batch
         print(f"helios {family} decode b={batch:3}: {tps:8.1f} tok/s  limit {limit:8.1f}  ({tps / limit:.1%})  "
               f"launches {dict(runner.launches)}", flush=True)
-    tps = timed_prefill(runner, arch, 4096 if not tiny else 256, device)
-    achieved = prefill_flops(arch, t, 4096) * tps / 4096
-    print(f"helios {family} prefill 4096: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
+    n = 256 if tiny else 4096
+    tps = timed_prefill(runner, arch, n, device)
+    achieved = prefill_flops(arch, t, n) * tps / n
+    print(f"helios {family} prefill {n}: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
           f"({achieved / matmul:.1%} of the matmul rate)", flush=True)
     hf_limit = bandwidth / decode_bytes(arch, t, 1, PROMPT + NEW // 2)
     del runner, t
