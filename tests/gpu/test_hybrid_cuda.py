@@ -16,7 +16,7 @@ from helios.engine.engine_core import EngineCore
 from helios.runner.model_runner import ModelRunner
 from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, check_tokens_match_hf, export_dtypes
 from tests.models.hybrid_tiny import build_hybrid
-from tests.models.hybrid_harness import PAGE_SIZE, generate, greedy_request, prompt
+from tests.models.hybrid_harness import PAGE_SIZE, check_batched_equals_alone, generate, greedy_request, prompt
 
 pytestmark = CUDA_MARKS
 
@@ -54,12 +54,10 @@ def check_greedy_on_the_gpu(src, core, hf_class=None) -> None:
 
 
 def check_batched_equals_alone_on_the_gpu(core) -> None:
-    """16 requests together (prompts split into 64-token chunks beside decodes) = each alone."""
-    reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
-    together = generate(cuda_engine(core, budget=128, chunk=64), reqs)
-    single = cuda_engine(core, max_concurrency=1, budget=512, chunk=512)  # one engine: each captures its graphs
-    for r in reqs:
-        assert together[r.req_id] == generate(single, [r])[r.req_id], r.req_id
+    """16 requests together (prompts split into 64-token chunks beside decodes) = each alone (one engine for the
+    alone runs: each engine captures its graphs)."""
+    prompts = [prompt(7 + 23 * i, seed=10 + i) for i in range(16)]
+    check_batched_equals_alone(core, prompts, engine=cuda_engine, one_alone_engine=True)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
