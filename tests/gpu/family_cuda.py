@@ -47,11 +47,11 @@ def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int =
     return window_engine(core, max_concurrency, NUM_PAGES, chunk, budget, device="cuda", **options)
 
 
-def check_greedy_on_cuda(hf_class, src: Path, core, **options) -> EngineCore:
-    """32 greedy tokens of a 150-token prompt through cuda_engine (256-token budget, 128-token chunks; options:
-    window_engine's) = generate of the HF model (hf_class from src, in the core's dtype, on the device; its torch
-    ops). Returns the engine."""
-    engine = cuda_engine(core, **options)
+def check_greedy_on_cuda(hf_class, src: Path, core, engine=None, **options) -> EngineCore:
+    """32 greedy tokens of a 150-token prompt through the engine `engine(core)` builds (default cuda_engine: a
+    256-token budget, 128-token chunks; options: window_engine's) = generate of the HF model (hf_class from src, in
+    the core's dtype, on the device; its torch ops). Returns the engine."""
+    engine = engine(core) if engine is not None else cuda_engine(core, **options)
     ids, num_new = prompt(150, seed=5), 32
     got = generate(engine, [greedy_request("a", ids, num_new)])["a"]
     check_tokens_match_hf(hf_class, src, core.manifest.dtype, ids, got)
