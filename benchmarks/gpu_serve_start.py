@@ -7,8 +7,12 @@ Run on the lent GPU machine (not part of `make test`). Steps, each timed:
 4. `helios serve` on each core, from process start to the first token of a completion over HTTP on 127.0.0.1
    (max_tokens=1, polled until the server answers): with kernels on a fresh runtime cache, again over that
    cache (a restart), and the core without kernels with an empty Triton cache, so it compiles every kernel.
-   The server's own start-up line (open, weights, kernel load, KV, capture) is printed.
-Usage: python benchmarks/gpu_serve_start.py --work /tmp/serve [--keep]
+   The server's own start-up line (open, weights, kernel load, KV, capture) is printed, and each start's split
+   from process start to the first token (python and CLI imports, checks, torch imports, HTTP spawn, load, warm-up,
+   waiting for the HTTP processes, ready, first token: the ready line's timeline plus this client's clock).
+Usage: python benchmarks/gpu_serve_start.py --work /tmp/serve [--skip-bare]
+       python benchmarks/gpu_serve_start.py --core cores/build/smollm2-135m-instruct --repeat 5   (any built core,
+       no checkpoint or export: the CPU's cold start on this machine; the median of the repeats is printed)
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -74,8 +80,57 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(resp.read())
 
 
+_STARTED = re.compile(r" ready: ([\d.]+)s from process start \((.*?)(?:; HTTP up at ([\d.]+)s)?\); load")
+_PART = re.compile(r"([a-zA-Z][\w -]*?) ([\d.]+)s")
+_LOAD = re.compile(r"; load ([\d.]+)s \(open ([\d.]+)s, weights ([\d.]+)s, kernel load ([\d.]+)s.*?KV ([\d.]+)s, "
+                   r"capture ([\d.]+)s \((\d+) graphs")
+
+
+def parse_ready(line: str) -> dict:
+    """The ready line's start-up split: {step: seconds} in the order they ran, `ready` (seconds from process
+    start), `http_up` and the load's own parts (`load_open`, ...); {} for a line without the timeline."""
+    started = _STARTED.search(line)
+    if started is None:
+        return {}
+    split = {name: float(s) for name, s in _PART.findall(started.group(2))}
+    split["ready"] = float(started.group(1))
+    if started.group(3):
+        split["http_up"] = float(started.group(3))
+    load = _LOAD.search(line)
+    if load is not None:
+        for key, value in zip(("open", "weights", "kernels", "kv", "capture", "graphs"), load.groups()[1:]):
+            split[f"load_{key}"] = float(value)
+    return split
+
+
+def print_split(name: str, results: list[dict]) -> None:
+    """One start's split (the median over `results`, each a serve_to_first_token result), as a markdown table."""
+    splits = [r["split"] for r in results if r.get("split") and "first_token_s" in r]
+    if not splits:
+        print(f"{name}: no split (no ready line with the timeline, or no first token)")
+        return
+    print(f"\n{name}: median of {len(splits)} start(s); seconds; load average {results[-1].get('loadavg')}")
+    print("| step | took | ended at |\n| --- | --- | --- |")
+    at = 0.0
+    for key in splits[0]:
+        if key in ("ready", "http_up") or key.startswith("load_"):
+            continue
+        took = statistics.median(s.get(key, 0.0) for s in splits)
+        at += took
+        print(f"| {key} | {took:.2f} | {at:.2f} |")
+    for key in ("load_open", "load_weights", "load_kernels", "load_kv", "load_capture"):
+        if key in splits[0]:
+            print(f"| (load: {key[5:]}) | {statistics.median(s[key] for s in splits):.2f} | |")
+    if "http_up" in splits[0]:
+        print(f"| (HTTP processes up) | | {statistics.median(s['http_up'] for s in splits):.2f} |")
+    ready = statistics.median(s["ready"] for s in splits)
+    first = statistics.median(r["first_token_s"] for r in results if "first_token_s" in r)
+    print(f"| ready line | | {ready:.2f} |\n| first token (client: from Popen) | {first - ready:.2f} | {first:.2f} |")
+
+
 def serve_to_first_token(core: Path, port: int, env: dict, limit_s: float, log: Path) -> dict:
-    """Start `helios serve`, poll a completion until one token comes back; the start-up line and timings."""
+    """Start `helios serve`, poll a completion until one token comes back; the start-up line, its split and
+    timings."""
     t0 = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "helios.cli", "serve", str(core), "--port", str(port)],
@@ -100,7 +155,7 @@ def serve_to_first_token(core: Path, port: int, env: dict, limit_s: float, log: 
                 result["completion_tokens"] = reply.get("usage", {}).get("completion_tokens")
                 break
             except (urllib.error.URLError, ConnectionError, OSError):
-                time.sleep(0.05)
+                time.sleep(0.01)
     finally:
         proc.terminate()
         try:
@@ -109,6 +164,8 @@ def serve_to_first_token(core: Path, port: int, env: dict, limit_s: float, log: 
             proc.kill()
     lines = log.read_text(errors="replace").splitlines()
     result["ready_line"] = next((ln for ln in lines if " ready: " in ln), "")
+    result["split"] = parse_ready(result["ready_line"])
+    result["loadavg"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     result["warnings"] = [ln[:300] for ln in lines if "arning" in ln][:5]
     if "first_token_s" not in result:
         result["log_tail"] = lines[-15:]
@@ -122,7 +179,14 @@ def main() -> None:
     parser.add_argument("--limit", type=float, default=150.0, help="seconds to wait for each server")
     parser.add_argument("--out", type=Path, default=None, help="folder for the server logs")
     parser.add_argument("--skip-bare", action="store_true", help="skip the start that compiles every kernel")
+    parser.add_argument("--core", type=Path, default=None,
+                        help="serve this built core instead (no checkpoint, no export; the CPU's cold start)")
+    parser.add_argument("--repeat", type=int, default=1, help="starts of --core (the split is their median)")
+    parser.add_argument("--port", type=int, default=8231, help="--core: the port")
     args = parser.parse_args()
+    if args.core is not None:
+        serve_core_only(args)
+        return
     work, logs = args.work, args.out or args.work
     logs.mkdir(parents=True, exist_ok=True)
     hf, core, bare = work / "hf-8b", work / "core-8b", work / "core-8b-nokernels"
@@ -157,6 +221,24 @@ def main() -> None:
         print(name, json.dumps(report[name], indent=1), flush=True)
     print(json.dumps(report, indent=1))
     (logs / "serve_start.json").write_text(json.dumps(report, indent=1))
+    for name in report:
+        if isinstance(report[name], dict) and "split" in report[name]:
+            print_split(name, [report[name]])
+
+
+def serve_core_only(args) -> None:
+    """--core: `helios serve` on a built core, --repeat times (the OS's file cache warm after the first), the
+    split of each and their median."""
+    logs = args.out or args.work
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    results = []
+    for i in range(args.repeat):
+        result = serve_to_first_token(args.core.resolve(), args.port, env, args.limit, logs / f"serve_core_{i}.log")
+        print(json.dumps({k: v for k, v in result.items() if k != "ready_line"}), flush=True)
+        results.append(result)
+    print(results[-1]["ready_line"])
+    print_split(args.core.name, results)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,10 @@ def serve(
     log_level: Annotated[str, typer.Option(help="Granian log level.")] = "warning",
 ) -> None:
     """Serve CORE on HTTP: OpenAI Chat Completions, Completions, models, /health and /metrics."""
+    from helios.server.startup import Timeline
+
+    timeline = Timeline()  # the ready line's split, from this process's start
+    timeline.mark("cli")
     import msgspec
 
     from helios.core.manifest import MANIFEST_FILE, decode_manifest
@@ -97,10 +101,12 @@ def serve(
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             _fail(f"--kv-events-config: {e}")
     server = msgspec.structs.replace(server, **overrides)
+    timeline.mark("checks")
 
     from helios.compose import serve as serve_core
 
-    sys.exit(serve_core(core.resolve(), server, switches, log_level=log_level))
+    timeline.mark("compose")
+    sys.exit(serve_core(core.resolve(), server, switches, log_level=log_level, timeline=timeline))
 
 
 class _FetchError(Exception):

@@ -30,6 +30,7 @@ from helios.engine.remote import EngineServer
 from helios.server.app import HeliosApp, ready_line
 from helios.server.config import KVEventsConfig, ServerConfig
 from helios.server.runtime import Runtime, Serving, resolve_serving
+from helios.server.startup import Timeline
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 logger = logging.getLogger("helios.server")
@@ -243,15 +244,18 @@ def http_workers(config: ServerConfig, device: str) -> int:
 
 
 def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES,
-          log_level: str = "warning") -> int:
+          log_level: str = "warning", timeline: Timeline | None = None) -> int:
     """Serve until SIGINT or SIGTERM; the exit status (1 when the start-up failed).
 
     This process owns the engine (core, runner, scheduler, KV pool) and serves it on a Unix socket
     (helios/engine/remote.py); `http_workers` frontend processes each run Granian's embedded server on the one
     port (SO_REUSEPORT: the kernel spreads connections) and prepare, submit and encode requests there. The
     frontends start before the weights load, so their imports and tokenizer load run beside it; they accept
-    connections once the engine is warm. A frontend that dies is started again."""
+    connections once the engine is warm. A frontend that dies is started again. timeline: the CLI's start-up
+    marks (the ready line's split), continued here."""
     from helios.core.load import read_manifest
+
+    timeline = timeline or Timeline()
 
     try:
         port = _claim_port(config.host, config.port)
@@ -272,19 +276,23 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
     try:
         from helios.runner.model_runner import resolve_device
 
+        timeline.mark("imports")
         count = http_workers(config, resolve_device(config.device))
         frontends = [_Frontend(i, count, core_path, config, serving, socket_path, log_level) for i in range(count)]
+        timeline.mark("spawn")
         try:
             # NOTE: this thread builds the runner and runs the step loop (engine.run below): on the CPU, torch's
             # parallel regions from a second thread (a second OpenMP team) made every decode step ~25% slower
             runtime = build_runtime(core_path, config, switches, own_thread=False)
+            timeline.mark("load")
             engine_server.start(runtime.engine)
         except Exception as e:  # one clear line; the frontends are told and exit
             print(f"helios: start-up failed: {e}", file=sys.stderr, flush=True)
             engine_server.mark_ready(error=str(e))
             return 1
         supervisor = threading.Thread(target=_supervise, name="helios-supervisor", daemon=True,
-                                      args=(runtime, engine_server, frontends, stop, status, config, switches))
+                                      args=(runtime, engine_server, frontends, stop, status, config, switches,
+                                            timeline))
         supervisor.start()
         runtime.engine.run()  # until the supervisor shuts the engine down
         supervisor.join()
@@ -304,7 +312,7 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
 
 
 def _supervise(runtime: Runtime, engine_server: EngineServer, frontends: list[_Frontend], stop: threading.Event,
-               status: list[int], config: ServerConfig, switches: Switches) -> None:
+               status: list[int], config: ServerConfig, switches: Switches, timeline: Timeline) -> None:
     """Beside the step loop: warm-up, Ready to the HTTP processes, the ready line once they all serve, then
     restarting any that dies, until SIGINT/SIGTERM (or a failed start: status[0] = 1); stops the engine last."""
     try:
@@ -315,6 +323,7 @@ def _supervise(runtime: Runtime, engine_server: EngineServer, frontends: list[_F
             engine_server.mark_ready(error=str(e))
             status[0] = 1
             return
+        timeline.mark("warmup")
         engine_server.mark_ready()
         count = len(frontends)
         while not stop.is_set() and not engine_server.frontends_up(count, timeout=0.2):
@@ -324,8 +333,12 @@ def _supervise(runtime: Runtime, engine_server: EngineServer, frontends: list[_F
                 return
         if stop.is_set():
             return
+        timeline.mark("http")
+        if engine_server.last_up_at is not None:
+            timeline.at["http_up"] = engine_server.last_up_at - timeline.origin
         print(ready_line(runtime, f"http://{config.host}:{config.port}",
-                         f"{count} HTTP process{'es' if count > 1 else ''}; {switches.describe()}"), flush=True)
+                         f"{count} HTTP process{'es' if count > 1 else ''}; {switches.describe()}",
+                         timeline.describe()), flush=True)
         while not stop.wait(0.5):
             if not runtime.engine.is_healthy:
                 logger.error("helios: the engine failed: %s", runtime.engine.error)

@@ -310,6 +310,7 @@ class EngineServer:
         self._ready: Ready | None = None  # set by mark_ready: sent to every connection, present and future
         self._closed = False
         self._num_up = 0  # connections that reported their counters: their HTTP server is up
+        self.last_up_at: float | None = None  # time.monotonic() of the latest report of a frontend up (start-up split)
         self._up = threading.Condition(self._lock)
         threading.Thread(target=self._accept, name="helios-engine-listener", daemon=True).start()
 
@@ -325,6 +326,7 @@ class EngineServer:
     def _note_up(self) -> None:
         with self._up:
             self._num_up += 1
+            self.last_up_at = time.monotonic()
             self._up.notify_all()
 
     def mark_ready(self, error: str | None = None) -> None:

@@ -282,8 +282,9 @@ class HeliosApp:
             rt.admission.release(1)
 
 
-def ready_line(rt: Runtime, announce: str | None, settings: str | None) -> str:
-    """The start-up split (rt.timings) in one line, the URL it serves on and the execution switches."""
+def ready_line(rt: Runtime, announce: str | None, settings: str | None, started: str | None = None) -> str:
+    """The start-up split (rt.timings) in one line, the URL it serves on and the execution switches; started:
+    the process's own split (helios.server.startup.Timeline.describe), first."""
     t = rt.timings
     later = f", {int(t['pending'])} buckets later between steps" if t.get("pending") else ""
     split = (f"open {t.get('open', 0.0):.2f}s, weights {t.get('weights', 0.0):.2f}s, "
@@ -291,7 +292,8 @@ def ready_line(rt: Runtime, announce: str | None, settings: str | None) -> str:
              f"after them), KV {t.get('kv', 0.0):.2f}s, "
              f"capture {t.get('capture', 0.0):.2f}s ({int(t.get('graphs', 0))} graphs{later}, "
              f"{int(t.get('kernels_jit', 0))} kernels compiled), digests {t.get('verify', 0.0):.2f}s more")
-    return (f"helios: {rt.serving.model_id} ready: load {t.get('load', 0.0):.2f}s ({split}), "
+    return (f"helios: {rt.serving.model_id} ready: {started + '; ' if started else ''}"
+            f"load {t.get('load', 0.0):.2f}s ({split}), "
             f"warm-up {t.get('warmup', 0.0):.2f}s{' on ' + announce if announce else ''}"
             f"{'; ' + settings if settings else ''}")
 
