@@ -17,6 +17,8 @@ from tokenizers import Tokenizer
 
 import ignition
 from helios.core import layout
+from helios.core.kimi_encoding import CONTROL_TOKENS as KIMI_CONTROL_TOKENS
+from helios.core.kimi_encoding import KIND as KIMI_KIND
 from helios.core.manifest import (
     FORMAT_VERSION,
     MAX_TOP_LOGPROBS_LIMIT,
@@ -93,9 +95,11 @@ def tokenizer_info(ckpt: Checkpoint, tok: Tokenizer) -> TokenizerInfo:
 
 # Recipes whose prompts DeepSeek's own encoder renders, and the native template kind each names.
 NATIVE_TEMPLATES = {"deepseek4": "deepseek_v4", "deepseek41": "deepseek_v41"}
-# The tool parser of each native kind: the DSML spelling its encoder teaches (helios/output/parsers/dsml.py). It
-# replaces the recipe's (V3.2 `dsml`, or none): the prompt teaches these tags whatever the recipe names.
-NATIVE_TOOL_PARSERS = {"deepseek_v4": "dsml_v4", "deepseek_v41": "dsml_v41"}
+# The tool parser of each native kind: the DSML spelling its encoder teaches (helios/output/parsers/dsml.py), or
+# XTML for Kimi K3. It replaces the recipe's (V3.2 `dsml`, or none): the prompt teaches these tags whatever the
+# recipe names. Kimi K3's channels need their own reasoning parser as well (helios/output/parsers/xtml.py).
+NATIVE_TOOL_PARSERS = {"deepseek_v4": "dsml_v4", "deepseek_v41": "dsml_v41", KIMI_KIND: "xtml"}
+NATIVE_REASONING_PARSERS = {KIMI_KIND: "xtml"}
 
 
 def native_template_kind(family: str, recipe: str, chat_template: str | None) -> str | None:
@@ -107,6 +111,15 @@ def native_template_kind(family: str, recipe: str, chat_template: str | None) ->
     if recipe in NATIVE_TEMPLATES:
         return NATIVE_TEMPLATES[recipe]
     return "deepseek_v4" if not chat_template else None
+
+
+def kimi_template_kind(tok: Tokenizer, chat_template: str | None) -> str | None:
+    """Kimi K3's native encoder for a checkpoint without a Jinja template whose tokenizer holds XTML's control
+    tokens (<|open|>, <|close|>, <|sep|>, <|end_of_msg|>): K3 ships its chat format as a Python script and no K3
+    family exists to key on. None otherwise (a Jinja template wins)."""
+    if chat_template or any(tok.token_to_id(t) is None for t in KIMI_CONTROL_TOKENS):
+        return None
+    return KIMI_KIND
 
 
 def source_digest(files: list[Path]) -> str:
@@ -145,10 +158,12 @@ def export_core(
         key: _token_str(ckpt.tokenizer_config.get(key))
         for key in ("bos_token", "eos_token", "pad_token", "unk_token")
     }
-    native = native_template_kind(arch.family, recipe_name, ckpt.chat_template)
+    native = native_template_kind(arch.family, recipe_name, ckpt.chat_template) or kimi_template_kind(
+        tok, ckpt.chat_template)
     if native is not None:
         template = probe_native(native, ckpt.tokenizer_json)
-        recipe = msgspec.structs.replace(recipe, tool_parser=NATIVE_TOOL_PARSERS[native])
+        recipe = msgspec.structs.replace(recipe, tool_parser=NATIVE_TOOL_PARSERS[native],
+                                         reasoning_parser=NATIVE_REASONING_PARSERS.get(native, recipe.reasoning_parser))
     else:
         template = probe(ckpt.chat_template, ckpt.tokenizer_json, specials)
     if template.present and template.kind == "jinja":

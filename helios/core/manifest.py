@@ -522,8 +522,8 @@ class ReasoningSyntax(_S):
 
 
 # "jinja": the prepared template.jinja; deepseek_v4 / deepseek_v41: helios' native encoder of DeepSeek's published
-# encoding script (helios/core/deepseek_encoding.py), no template file
-TemplateKind = Literal["jinja", "deepseek_v4", "deepseek_v41"]
+# encoding script (helios/core/deepseek_encoding.py), no template file; kimi_k3: Kimi K3's XTML (kimi_encoding.py)
+TemplateKind = Literal["jinja", "deepseek_v4", "deepseek_v41", "kimi_k3"]
 
 
 class TemplateCaps(_S):

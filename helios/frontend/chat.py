@@ -7,7 +7,8 @@ Replayed tool calls reach the template with JSON-object arguments as objects (tr
 as the template's own `is_error` field when it reads one, else as a visible "Error: " prefix; a leading
 Claude Code attribution line is dropped (see `drop_attribution`). Rendering goes through
 helios.core.chat_template (sandboxed Jinja), or the native encoder a core's template kind names
-(helios.core.deepseek_encoding: DeepSeek V4 / V4.1, which refuse add_generation_prompt=false on requests). No torch.
+(helios.core.native_encoding: DeepSeek V4 / V4.1, Kimi K3; they refuse add_generation_prompt=false on requests).
+No torch.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Any
 from msgspec import Struct
 
 from helios.core.chat_template import RENDER_VARIABLES, ChatTemplate, TemplateError
-from helios.core.deepseek_encoding import native_encoder
 from helios.core.manifest import TemplateCaps
+from helios.core.native_encoding import native_encoder
 from helios.frontend.sampling import InvalidRequest
 from helios.frontend.tokenizer import Tokenizer
 
@@ -189,7 +190,7 @@ class ChatRenderer:
         """The prompt text (render_text, the same keyword options) and its token ids and token ends."""
         if self.caps.kind != "jinja" and not options.get("add_generation_prompt", True):
             # NOTE: the encoder renders without the header for probes and boundaries; a request may not (spec)
-            raise InvalidRequest("the native DeepSeek encoder requires add_generation_prompt: true",
+            raise InvalidRequest("this core's native prompt encoder requires add_generation_prompt: true",
                                  "add_generation_prompt")
         text = self.render_text(messages, **options)
         # NOTE: the rendered text already carries the template's specials (BOS included), as in HF.

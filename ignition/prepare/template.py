@@ -2,7 +2,7 @@
 
 Owns how TemplateCaps is derived (system roles, tools, continuation, generation prompt, reasoning
 delimiters and their single-token ids, template kwargs). Renders with helios.core.chat_template (the same
-renderer helios serves with), or with a native encoder (helios.core.deepseek_encoding) for DeepSeek V4 / V4.1,
+renderer helios serves with), or with a native encoder (helios.core.native_encoding) for DeepSeek V4 / V4.1, Kimi K3,
 so the probe describes what helios will actually produce.
 """
 
@@ -15,13 +15,14 @@ import msgspec
 from tokenizers import Tokenizer
 
 from helios.core.chat_template import ChatTemplate, TemplateError
-from helios.core.deepseek_encoding import DeepseekV4Encoding, native_encoder
+from helios.core.native_encoding import NativeEncoder, native_encoder
 from helios.core.manifest import ReasoningSyntax, TemplateCaps
 from ignition.errors import ExportError
 
 TEMPLATE_FILE = "template.jinja"
 # Reasoning delimiter pairs we recognize, most specific first (so "<think>" never shadows a namespaced one).
 KNOWN_REASONING = (
+    ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),  # Kimi K3's XTML think channel (helios/core/kimi_encoding.py)
     ("<mm:think>", "</mm:think>"),  # MiniMax
     ("<seed:think>", "</seed:think>"),  # Seed-OSS
     ("<|channel>thought", "<channel|>"),  # Gemma 4: the open spans several tokens, the close is one
@@ -63,14 +64,14 @@ def probe(template_source: str | None, tokenizer_json: str, special_tokens: dict
 
 
 def probe_native(kind: str, tokenizer_json: str) -> TemplateCaps:
-    """TemplateCaps of a native encoder (helios/core/deepseek_encoding.py), probed like a template: the same
+    """TemplateCaps of a native encoder (helios/core/native_encoding.py), probed like a template: the same
     marker conversations through the encoder helios serves with; no template file."""
     encoder = native_encoder(kind)
     caps = _probe(encoder, "".join(encoder.reasoning_delimiters), tokenizer_json)
     return msgspec.structs.replace(caps, file=None, kind=encoder.kind)
 
 
-def _probe(template: ChatTemplate | DeepseekV4Encoding, source: str, tokenizer_json: str) -> TemplateCaps:
+def _probe(template: ChatTemplate | NativeEncoder, source: str, tokenizer_json: str) -> TemplateCaps:
     """The probe of a ChatTemplate or a native encoder; `source` is the text searched for reasoning delimiters."""
     tokenizer = _load_tokenizer(tokenizer_json)
     user = [{"role": "user", "content": _USER}]

@@ -21,8 +21,8 @@ from ignition.recipes.table import ALL_RECIPES, DISABLED, RecipeSpec
 __all__ = ["RecipeSpec", "auto_recipe", "get_recipe", "list_recipes", "resolve", "validate"]
 
 TOOL_PARSERS = frozenset({"qwen_xml", "hermes", "glm", "dsml", "dsml_v4", "dsml_v41", "gemma4", "minimax", "mimo",
-                          "kimi", "step"})
-REASONING_PARSERS = frozenset({"think", "glm", "dsml", "gemma4", "minimax"})
+                          "kimi", "step", "xtml"})
+REASONING_PARSERS = frozenset({"think", "glm", "dsml", "gemma4", "minimax", "xtml"})
 # generation_config.json keys that override a from-generation-config recipe's defaults (vLLM reads the
 # same set). NOTE: do_sample is ignored: do_sample=false is mostly a library default, and the sampling
 # fields the author wrote still describe the intended distribution.

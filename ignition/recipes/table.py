@@ -4,11 +4,12 @@ Owns the values only (one RecipeSpec per recipe); validation and lookup live in 
 Imports helios.core.manifest for the Structs it fills, nothing else.
 
 Parser names are keys the output parsers (helios/output) register under:
-  tool:      qwen_xml (Qwen function tags), glm, dsml (DeepSeek DSML/XTML, the official state machine),
-             gemma4, minimax, mimo, kimi (Kimi tool-call section tokens), step (Step tool tags),
+  tool:      qwen_xml (Qwen function tags), glm, dsml (DeepSeek DSML), xtml (Kimi K3's tools channel),
+             gemma4, minimax, mimo, kimi (Kimi K2 tool-call section tokens), step (Step tool tags),
              hermes (<tool_call>{json}</tool_call>: Qwen2.5/Qwen3, Nemotron-H, Muse Spark)
   reasoning: think (<think>...</think>), glm (think tags, answer when none opened), dsml (DeepSeek's own
-             encoder/parser), gemma4 (<|channel>thought ... <channel|>), minimax (<mm:think>...</mm:think>)
+             encoder/parser), gemma4 (<|channel>thought ... <channel|>), minimax (<mm:think>...</mm:think>),
+             xtml (Kimi K3's think / response channels)
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ AUTHOR_RECIPES: tuple[RecipeSpec, ...] = (
             **_DEEPSEEK),
     _author("mimo_v2", "MiMo-V2.6-Pro-MOPD deployment; MiMo-V2.6-Flash-RL deployment", 1.0, 0.95, DISABLED,
             tool_parser="mimo", reasoning_parser="think"),
-    # Kimi K3 always thinks; low/high/max effort, default max (spec).
+    # Kimi K3 always thinks; low/high/max effort, default max (spec). XTML: helios/core/kimi_encoding.py.
     _author("kimi3", "Kimi-K3 single-step/agentic evaluations", 1.0, 1.0, DISABLED,
             ranges=SamplingRanges(top_p=Range(min=0.95, max=1.0)),
-            tool_parser="kimi", reasoning_parser="think",
+            tool_parser="xtml", reasoning_parser="xtml",
             effort_levels=("low", "high", "max"), default_effort="max"),
     # Step 5's card recommends top_k 0, which means disabled.
     _author("step5", "Step-5-Preview-NVFP4 inference recommendations", 1.0, 0.95, DISABLED,
@@ -85,7 +86,7 @@ AUTHOR_RECIPES: tuple[RecipeSpec, ...] = (
     _author("nemotron_h", "Nemotron-3.5-Bolt text recommendations", 1.0, 0.95, DISABLED,
             tool_parser="hermes", reasoning_parser="think"),
     _author("kimi31", "Kimi-K3.1-Pro evaluation settings", 1.0, 0.95, DISABLED,
-            tool_parser="kimi", reasoning_parser="think"),
+            tool_parser="xtml", reasoning_parser="xtml"),
     _author("minimax_m3", "MiniMax-M3.1-Flash usage recommendations", 1.0, 0.95, DISABLED,
             tool_parser="minimax", reasoning_parser="minimax"),
     _author("muse_spark", "Muse-Spark-Open-816B-A42B-NVFP4 model card", 1.0, 1.0, DISABLED,

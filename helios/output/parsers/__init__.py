@@ -30,6 +30,7 @@ TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "dsml_v41": ("helios.output.parsers.dsml", "DsmlV41ToolParser"),
     "kimi": ("helios.output.parsers.kimi", "KimiToolParser"),
     "step": ("helios.output.parsers.step", "StepToolParser"),
+    "xtml": ("helios.output.parsers.xtml", "XtmlToolParser"),
 }
 _REASONING = "helios.output.parsers.reasoning"
 REASONING_PARSERS: dict[str, tuple[str, str]] = {
@@ -38,6 +39,7 @@ REASONING_PARSERS: dict[str, tuple[str, str]] = {
     "minimax": (_REASONING, "MiniMaxReasoningParser"),
     "gemma4": (_REASONING, "Gemma4ReasoningParser"),
     "dsml": (_REASONING, "DsmlReasoningParser"),
+    "xtml": ("helios.output.parsers.xtml", "XtmlReasoningParser"),
 }
 
 

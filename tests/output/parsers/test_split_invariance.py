@@ -80,6 +80,14 @@ CASES = {
         "</steptml:parameter>", "</steptml:invoke>", " "], [
         '<|tool_calls_begin|><|tool_call_begin|>function<|tool_sep|><steptml:invoke name="f"><steptml:parameter'
         ' name="x">1</steptml:parameter></steptml:invoke><|tool_call_end|><|tool_calls_end|>']),
+    "xtml": ("xtml", "<|open|>think<|sep|>", "<|close|>think<|sep|>", [
+        "<|open|>think<|sep|>", "<|close|>think<|sep|>", "<|open|>response<|sep|>", "<|close|>response<|sep|>",
+        "<|open|>tools<|sep|>", "<|close|>tools<|sep|>", '<|open|>call tool="f" index="1"<|sep|>',
+        '<|open|>argument key="x" type="number"<|sep|>', "<|close|>argument<|sep|>", "<|close|>call<|sep|>",
+        "<|close|>message<|sep|>", "<|open|>", "<|close|>", "<|sep|>", "1", " "], [
+        'r<|close|>think<|sep|><|open|>response<|sep|>a<|close|>response<|sep|><|open|>tools<|sep|><|open|>call '
+        'tool="f" index="1"<|sep|><|open|>argument key="x" type="number"<|sep|>1<|close|>argument<|sep|>'
+        '<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>z']),
 }
 
 
