@@ -2,7 +2,10 @@
 only to the key blocks a lightning indexer selects for their index head: the num_blocks best blocks of block_size keys
 by the max of the index scores over each block's visible keys, the query's own (local) blocks always among them
 (helios.core.manifest.MsaConfig). The torch reference on every device: per sequence it gathers the pages and index
-keys, selects, and attends through SDPA with the selection as the mask. Imports torch and helios.layers only.
+keys, selects, and attends through SDPA with the selection as the mask. On the Triton backend a decode-only step
+(one token per sequence) takes helios.kernels.sparse_decode instead: the same selection with lengths and tables read
+on the device, so it is CUDA-graph safe (decode_graph_safe); prefill and mixed steps stay on the torch reference.
+Imports torch and helios.layers (helios.kernels on the Triton backend's decode path).
 
 Cache per layer: (kv [2, P, page, Nkv, D], index [1, P, page, Di]) from helios.runner.kv_cache: each token's normed,
 rotated index key sits in the same page and slot as its K/V, so it is written, kept and freed with them.
@@ -89,8 +92,10 @@ class SparseAttention(Attention):
                          norm_multiply_in_float32=True, rotary_dim=rotary_dim, switches=switches)
         if num_heads % config.num_heads:
             raise ValueError(f"{num_heads} query heads do not split over {config.num_heads} index heads")
-        self.fuses_qkv = False  # the selection runs in torch: no fused backend launch
+        self.fuses_qkv = False  # the selection runs apart from the backend: no fused backend launch
         self.indexer = LightningIndexer(hidden_size, config, eps, switches)
+        # decode-only steps through helios.kernels.sparse_decode: device tensors only (helios.runner.cuda_graphs)
+        self.decode_graph_safe = getattr(backend, "fuses_layers", False)
 
     def forward(
         self,
@@ -106,8 +111,12 @@ class SparseAttention(Attention):
         cos, sin = cos_sin
         q = self._rotate(self.q_norm(q.reshape(num_tokens, self.num_heads, d)), cos, sin)
         k = self._rotate(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, d)), cos, sin)
-        write_kv(kv_cache, k, v.reshape(num_tokens, self.num_kv_heads, d), meta.slot_mapping)
+        v = v.reshape(num_tokens, self.num_kv_heads, d)
         index_q, index_k = self.indexer.project(x, cos, sin)
+        if self.decode_graph_safe and num_tokens == meta.num_seqs:  # every sequence schedules one token
+            o = self._decode(q, k, v, index_q, index_k, kv_cache, index_cache, meta)
+            return self.o(o.reshape(num_tokens, q_size))
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         index_cache.view(-1, index_cache.shape[-1]).index_copy_(0, meta.slot_mapping, index_k.to(index_cache.dtype))
         o = torch.empty(num_tokens, self.num_heads, d, dtype=q.dtype, device=q.device)
         group = self.num_heads // self.indexer.config.num_heads
@@ -116,3 +125,28 @@ class SparseAttention(Attention):
             heads = mask.transpose(0, 1).repeat_interleave(group, dim=0)  # [Nq, L, S]: head h reads index head h // G
             o[start:end] = attend_masked(q[start:end], keys, values, heads, self.scale)
         return self.o(o.reshape(num_tokens, q_size))
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [B, Nq, D], one token per sequence
+        k: torch.Tensor,  # [B, Nkv, D]
+        v: torch.Tensor,  # [B, Nkv, D]
+        index_q: torch.Tensor,  # [B, Ni, Di]
+        index_k: torch.Tensor,  # [B, Di]
+        kv_cache: torch.Tensor,  # [2, P, page, Nkv, D]
+        index_cache: torch.Tensor,  # [1, P, page, Di]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [B, Nq, D]
+        """The decode step in kernels: cache writes that skip padded rows (slot -1), then the block scores, the choice
+        (select's, ties to the earlier block) and the attention over the chosen blocks, from meta's device tensors."""
+        from helios.kernels import sparse_decode as sd
+        from helios.kernels.mla_decode import write_latent
+        from helios.kernels.reshape_and_cache import reshape_and_cache
+
+        c = self.indexer.config
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        write_latent(index_cache, index_k, index_k[:, :0], meta.slot_mapping)  # an index key: a row without rope part
+        scores = sd.block_scores(index_q, index_cache, meta.block_tables, meta.seq_lens, c.block_size)
+        chosen = sd.select_blocks(scores, meta.seq_lens, c.block_size, c.num_blocks, c.local_blocks)
+        return sd.sparse_decode(q, kv_cache, meta.block_tables, meta.seq_lens, chosen, c.block_size, self.scale,
+                                sd.sparse_num_splits(c.num_blocks, c.block_size))

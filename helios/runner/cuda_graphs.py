@@ -318,8 +318,12 @@ def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> st
         if unsafe or not mixers:
             kinds = ", ".join(unsafe) or arch.recurrent.kind
             return f"recurrent layers ({kinds}): their decode step reads host-side slot lists (no Triton path)"
-    if arch.index_dim:
-        return "indexed attention layers: their key selection loops over sequences on the host"
+    if arch.index_dim:  # graphed only where every layer with an indexer selects and attends on the device
+        layers = [m for m in model.modules() if hasattr(m, "indexer")]
+        unsafe = sorted({type(m).__name__ for m in layers if not getattr(m, "decode_graph_safe", False)})
+        if unsafe or not layers:
+            kinds = ", ".join(unsafe) or "none found"
+            return f"indexed attention layers ({kinds}): their key selection loops over sequences on the host"
     if arch.mla is not None:  # graphed only where every MLA layer decodes through the Triton kernel
         from helios.layers.mla import MlaAttention
 

@@ -1,14 +1,20 @@
 """minimax_m3 on the GPU: the tiny random checkpoint (the wrapper variant: sparse, full and sparse layers, a dense MLP
 then experts) exported in float32 and bfloat16, run by the CUDA runner through the engine: the full layers through
-the Triton attention backend, the sparse layers' indexer and block-sparse attention through their torch ops on the
-device (index keys in pages beside the K/V; MoE and the indexer keep CUDA graphs off). greedy tokens (float32, bfloat16) = HF
-transformers' generate on the device; 16 batched = alone (float32) (tests/gpu/family_cuda.py's checks)."""
+the Triton attention backend, the sparse layers' prefill through their torch ops on the device and their decode steps
+through helios.kernels.sparse_decode (index keys in pages beside the K/V), the MoE fused, so decode steps replay CUDA
+graphs. greedy tokens (float32, bfloat16) = HF transformers' generate on the device; 16 batched = alone (float32)
+(tests/gpu/family_cuda.py's checks); graphed decode = eager decode; the sparse decode kernels = their references and
+the layer's torch path (tests/kernels/test_sparse_decode.py's checks on the device)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.gpu.family_cuda import CUDA_MARKS, DTYPES, check_batched_on_cuda, check_greedy_on_cuda, export_family
+import torch
+
+from tests.gpu.family_cuda import (CUDA_MARKS, DTYPES, check_batched_on_cuda, check_greedy_on_cuda, cuda_engine,
+                                   export_family)
+from tests.models.hybrid_harness import generate, greedy_request, prompt
 from tests.models.minimax_m3_tiny import build_minimax_m3
 
 pytestmark = CUDA_MARKS
@@ -31,3 +37,35 @@ def test_greedy_matches_transformers_on_the_gpu(exported, dtype):
 def test_sixteen_requests_together_give_what_each_gives_alone(exported):
     """16 requests together (prompts split into 64-token chunks beside decodes) = each alone."""
     check_batched_on_cuda(exported[1]["float32"])
+
+
+def test_graphed_decode_equals_eager(exported):
+    """Four requests' 24 greedy tokens through the CUDA engine, decode steps replayed as graphs (the sparse layers'
+    selection and attention in helios.kernels.sparse_decode, the MoE fused) = the same engine with graphs off (the
+    same kernels eagerly); prompts of 40 to 151 tokens: 10 to 38 blocks of 4, 4 kept."""
+    core = exported[1]["float32"]
+    reqs = [greedy_request(f"r{i}", prompt(40 + 37 * i, seed=20 + i), 24) for i in range(4)]
+    graphed = cuda_engine(core, max_concurrency=4, cuda_graphs=True)
+    assert graphed.runner.graphs is not None, graphed.runner.startup.graphs
+    got = generate(graphed, reqs)
+    assert graphed.runner.launches["graph"] > 0, graphed.runner.launches
+    assert got == generate(cuda_engine(core, max_concurrency=4, cuda_graphs=False), reqs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sparse_decode_kernels_match_their_references(dtype):
+    """tests/kernels/test_sparse_decode.py's checks compiled: the selection = the layer's (exact, ties to the earlier
+    block), the attention = its reference (float32 1e-5; bfloat16 2e-2: probabilities rounded for the PV dot)."""
+    from tests.kernels.test_sparse_decode import check_selection, check_sparse_decode
+
+    tol = None if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    check_selection("cuda", dtype)
+    check_selection("cuda", dtype, tied=True)
+    check_sparse_decode("cuda", dtype, tol=tol)
+    check_sparse_decode("cuda", dtype, 6, 3, num_splits=2, tol=tol)
+
+
+def test_sparse_layer_decode_on_the_triton_backend_equals_the_torch_path():
+    from tests.kernels.test_sparse_decode import check_layer_decode
+
+    check_layer_decode("cuda", torch.float32, tol=dict(atol=1e-4, rtol=1e-4))
