@@ -8,9 +8,6 @@ A tiny byte-level tokenizer holds K3's control tokens as specials, in the releas
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -54,14 +51,6 @@ def build_kimi_tokenizer() -> tokenizers.Tokenizer:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     return tok
-
-
-def write_kimi_tokenizer(out_dir: Path) -> None:
-    """tokenizer.json and a tokenizer_config.json without a chat template, EOS <|end_of_msg|>, as K3 ships them."""
-    (out_dir / "tokenizer.json").write_text(build_kimi_tokenizer().to_str(), encoding="utf-8")
-    config = {"add_bos_token": False, "add_eos_token": False, "bos_token": None, "eos_token": END_OF_MSG,
-              "tokenizer_class": "PreTrainedTokenizerFast"}
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
 
 
 # --- the format ----------------------------------------------------------------------------------------------
@@ -178,19 +167,11 @@ def test_the_frontend_renders_with_the_recipes_effort_and_single_control_ids(tok
     assert prompt.token_ids.count(ids[END_OF_MSG][0]) == 2
 
 
-def test_export_picks_the_encoder_for_a_tokenizer_with_xtml_tokens(tmp_path, tok_json):
-    from ignition.export import ExportOptions, export_core, kimi_template_kind
-    from helios.core.load import read_manifest
-    from tests.ignition.tiny_models import build_tiny
+def test_export_picks_the_encoder_for_a_tokenizer_with_xtml_tokens(tok_json):
+    """(The whole export, and the core served: tests/server/test_xtml_served.py.)"""
+    from ignition.export import kimi_template_kind
 
     tok = tokenizers.Tokenizer.from_str(tok_json)
     assert kimi_template_kind(tok, None) == "kimi_k3"
     assert kimi_template_kind(tok, "{{ messages }}") is None  # a Jinja template wins
     assert kimi_template_kind(tokenizers.Tokenizer(models.BPE()), None) is None
-    src = build_tiny("qwen3", tmp_path / "hf")
-    write_kimi_tokenizer(src)
-    manifest = read_manifest(export_core(src, tmp_path / "core", ExportOptions(dtype="float32", recipe="kimi3")))
-    assert manifest.template.kind == "kimi_k3" and manifest.template.file is None
-    assert (manifest.recipe.tool_parser, manifest.recipe.reasoning_parser) == ("xtml", "xtml")
-    assert manifest.recipe.default_effort == "max" and manifest.tokenizer.eos_token_ids[0] == 0  # <|end_of_msg|>
-    assert not (tmp_path / "core" / "template.jinja").exists()
