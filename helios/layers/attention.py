@@ -109,9 +109,10 @@ def write_kv(
 class TorchAttentionBackend:
     """Reference backend for CPU (and any device): gather each sequence's pages, then SDPA.
 
-    A decode-only step (one query per sequence, no soft-cap: the CPU serving case) in float32, or in any dtype
-    on the CPU, attends for the whole batch at once over a padded gather (`decode_attention`, in float32);
-    everything else loops over sequences.
+    Decode rows (a sequence with one query token) without a soft-cap, in float32 or in any dtype on the CPU,
+    attend together over one padded gather (`decode_attention`, in float32), in a decode-only step and beside
+    the prompt chunks of a mixed one alike (so a decode token's logits do not depend on what shares its step);
+    the prompt chunks loop over sequences.
     Keys older than the sliding window are not gathered at all, so a sliding layer's cost stays
     bounded by the window rather than the context.
     """
@@ -121,14 +122,21 @@ class TorchAttentionBackend:
     def forward(self, q, k, v, kv_cache, meta, scale, sliding_window, softcap, sinks=None):
         write_kv(kv_cache, k, v, meta.slot_mapping)
         page_size = kv_cache.shape[2]
-        if q.shape[0] == meta.num_seqs and softcap is None and (q.dtype == torch.float32 or q.device.type == "cpu"):
+        batched = softcap is None and (q.dtype == torch.float32 or q.device.type == "cpu")
+        if batched and q.shape[0] == meta.num_seqs:
             blocks, bias = decode_layout(meta, page_size, sliding_window)
             return decode_attention(q, kv_cache, blocks, bias, scale, sinks)
         out = torch.empty_like(q)
         qsl = meta.query_start_loc_cpu
+        rows = decode_rows(meta) if batched else ()
+        if rows:
+            blocks, bias = decode_layout(meta, page_size, sliding_window, rows)
+            tokens = torch.tensor([qsl[i] for i in rows], device=q.device)
+            out.index_copy_(0, tokens, decode_attention(q.index_select(0, tokens), kv_cache, blocks, bias, scale,
+                                                        sinks))
         for i, seq_len in enumerate(meta.seq_lens_cpu):
             start, end = qsl[i], qsl[i + 1]
-            if end == start:
+            if end - start <= (1 if rows else 0):  # no query, or a decode row attended above
                 continue
             first_pos = seq_len - (end - start)  # position of this sequence's first query token
             # keys [key_start, seq_len): everything a query may see (window start of the first query)
@@ -144,25 +152,35 @@ class TorchAttentionBackend:
         return out
 
 
+def decode_rows(meta: AttentionMetadata) -> tuple[int, ...]:
+    """The sequences of a step that decode (exactly one query token), derived once per step."""
+    if "decode_rows" not in meta.derived:
+        qsl = meta.query_start_loc_cpu
+        meta.derived["decode_rows"] = tuple(i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1)
+    return meta.derived["decode_rows"]
+
+
 def decode_layout(
-    meta: AttentionMetadata, page_size: int, sliding_window: int | None
+    meta: AttentionMetadata, page_size: int, sliding_window: int | None, rows: tuple[int, ...] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pages a decode-only step reads and its additive key mask, derived once per step and window.
+    """The pages one query per sequence reads and its additive key mask, derived once per step and window:
+    for every sequence of a decode-only step, or for `rows` (decode_rows) of a mixed one.
 
     Returns blocks [B, nb] int64 (each sequence's pages from the first one its query may see, padded by
     repeating the table's last column) and bias [B, 1, 1, nb * page_size] float32 (0 where the query
     attends, -inf past the sequence's end and before its window).
     """
-    key = ("decode", page_size, sliding_window)
+    key = ("decode", page_size, sliding_window, rows)
     if key not in meta.derived:
-        seq_lens = meta.seq_lens_cpu
+        seq_lens = meta.seq_lens_cpu if rows is None else [meta.seq_lens_cpu[i] for i in rows]
         window = sliding_window
         first = [0 if window is None else max(0, n - window) // page_size for n in seq_lens]
         num_blocks = max(-(-n // page_size) - f for n, f in zip(seq_lens, first))
         width = meta.block_tables.shape[1]
         cols = [[min(f + j, width - 1) for j in range(num_blocks)] for f in first]
         device = meta.block_tables.device
-        blocks = meta.block_tables.gather(1, torch.tensor(cols, device=device)).long()
+        tables = meta.block_tables if rows is None else meta.block_tables[torch.tensor(rows, device=device)]
+        blocks = tables.gather(1, torch.tensor(cols, device=device)).long()
         key_pos = torch.tensor(first)[:, None] * page_size + torch.arange(num_blocks * page_size)  # [B, S]
         lens = torch.tensor(seq_lens)[:, None]
         allowed = key_pos < lens

@@ -60,4 +60,59 @@ def test_decode_matches_per_sequence_reference(window, dtype):
         want = reference(q[i].float(), kv_cache.float(), t, n, scale, window)
         torch.testing.assert_close(out[i].float(), want, atol=atol, rtol=0)
     # a second layer of the same step reuses the derived gather and mask
-    assert ("decode", PAGE, window) in meta.derived
+    assert ("decode", PAGE, window, None) in meta.derived
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 4])
+def test_mixed_step_decode_rows_equal_decode_only(window, dtype):
+    """In a mixed step (prompt chunks beside decode rows), each decode row gives the bits a decode-only step gives
+    it, and the prompt chunks still equal the per-sequence reference (query i sees keys up to its position)."""
+    g = torch.Generator().manual_seed(1)
+    seq_lens, num_queries = [5, 9, 16, 3, 12], [1, 4, 1, 3, 1]  # rows 0, 2, 4 decode; 1 and 3 are prompt chunks
+    pages = torch.randperm(NUM_PAGES, generator=g).tolist()
+    tables = [[pages.pop() for _ in range(-(-n // PAGE))] for n in seq_lens]
+    block_tables = torch.zeros(len(seq_lens), 16, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        block_tables[i, : len(t)] = torch.tensor(t)
+    kv_cache = torch.randn(2, NUM_PAGES, PAGE, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    positions = [p for n, m in zip(seq_lens, num_queries) for p in range(n - m, n)]
+    slots = [t[p // PAGE] * PAGE + p % PAGE for t, n, m in zip(tables, seq_lens, num_queries) for p in range(n - m, n)]
+    qsl = [0]
+    for m in num_queries:
+        qsl.append(qsl[-1] + m)
+    total = qsl[-1]
+    q = torch.randn(total, NUM_HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+
+    def meta_of(rows, starts):
+        pos = [positions[qsl[i] + j] for i in rows for j in range(starts[i])]
+        sl = [slots[qsl[i] + j] for i in rows for j in range(starts[i])]
+        loc = [0]
+        for i in rows:
+            loc.append(loc[-1] + starts[i])
+        return AttentionMetadata(
+            positions=torch.tensor(pos), slot_mapping=torch.tensor(sl),
+            query_start_loc=torch.tensor(loc, dtype=torch.int32),
+            seq_lens=torch.tensor([seq_lens[i] for i in rows], dtype=torch.int32),
+            block_tables=block_tables[list(rows)], query_start_loc_cpu=loc,
+            seq_lens_cpu=[seq_lens[i] for i in rows])
+
+    scale = HEAD_DIM**-0.5
+    mixed = TorchAttentionBackend().forward(q, k, v, kv_cache.clone(), meta_of(range(5), num_queries), scale,
+                                            window, None)
+    decode = [0, 2, 4]
+    index = torch.tensor([qsl[i] for i in decode])
+    alone = TorchAttentionBackend().forward(q[index], k[index], v[index], kv_cache.clone(),
+                                            meta_of(decode, num_queries), scale, window, None)
+    assert torch.equal(mixed[index], alone)
+    atol = 1e-5 if dtype == torch.float32 else 1e-2
+    for i in (1, 3):
+        for j in range(num_queries[i]):
+            n = seq_lens[i] - num_queries[i] + j + 1  # keys this query sees
+            written = kv_cache.clone()
+            flat = written.view(2, -1, NUM_KV_HEADS, HEAD_DIM)
+            flat[0, slots], flat[1, slots] = k, v
+            want = reference(q[qsl[i] + j].float(), written.float(), tables[i], n, scale, window)
+            torch.testing.assert_close(mixed[qsl[i] + j].float(), want, atol=atol, rtol=0)
