@@ -1,6 +1,6 @@
-"""Kimi K3's XTML end to end on a served core: a tiny llama trained here (tests/fixtures/scripted_model.py's `train`)
-to answer scripted prompts in XTML, with a tokenizer holding K3's control tokens and no chat template, exported by
-ignition under the kimi3 recipe (template kind kimi_k3: the native encoder, the xtml parsers), `helios serve` and
+"""Kimi K3's XTML end to end on a served core: a tiny kimi_linear (KDA + MLA, the family nearest K3's hybrid, which
+transformers lacks) trained here (tests/fixtures/scripted_model.py's `train`) to answer scripted prompts in XTML,
+with a tokenizer holding K3's control tokens and no chat template, exported by ignition under the kimi3 recipe (template kind kimi_k3: the native encoder, the xtml parsers), `helios serve` and
 the official openai and anthropic SDKs. The prompts are rendered as the frontend renders them (message lowering,
 then helios/core/kimi_encoding.py at the recipe's default effort max); the served prompt is checked to be exactly
 that render, so the model answers only if the served frontend used the encoder. Sampling at the recipe's fixed
@@ -9,6 +9,7 @@ temperature 1 with top-p 0.95 reproduces the script (every reply token has p > 0
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -66,15 +67,29 @@ def render(messages: list[dict], tools: list[dict] | None) -> str:
     return KimiK3Encoding().render(lowered, tools=tools, reasoning_effort="max")
 
 
+def _kimi_linear_config(vocab_size: int, max_positions: int):
+    """Two dense layers, KDA then MLA (no MoE: the syntax is under test, and it trains in half the steps)."""
+    from transformers import KimiLinearConfig
+
+    return KimiLinearConfig(
+        vocab_size=vocab_size, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=2,
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        intermediate_size=128, moe_intermediate_size=32, num_experts=4, num_experts_per_token=2,
+        first_k_dense_replace=2, model_max_length=max_positions, tie_word_embeddings=False,
+        linear_attn_config={"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4, "kda_layers": [1],
+                            "full_attn_layers": [2]}, bos_token_id=None, eos_token_id=0, pad_token_id=None)
+
+
 def build_checkpoint() -> Path:
     """The trained HF directory (cached by a hash of the scripted texts and the fixture that trains)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from tests.fixtures.scripted_model import LLAMA, train
+    from tests.fixtures.scripted_model import Speaker, train
 
     texts = [(render(m, t), r) for m, t, r in CASES.values()]
-    h = hashlib.sha256(json.dumps(texts).encode() + (ROOT / "tests/fixtures/scripted_model.py").read_bytes())
+    h = hashlib.sha256(json.dumps(texts).encode() + (ROOT / "tests/fixtures/scripted_model.py").read_bytes()
+                       + inspect.getsource(_kimi_linear_config).encode())
     out = CACHE / h.hexdigest()[:16]
     if (out / "model.safetensors").is_file():
         return out
@@ -89,10 +104,10 @@ def build_checkpoint() -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # NOTE: on a shared 2-core machine one thread is much faster (the fixture's rule)
     try:
-        model, _ = train(sequences, tok.get_vocab_size(), sp=LLAMA)
+        speaker = Speaker("kimi_linear", "KimiLinearForCausalLM", _kimi_linear_config)
+        model, _ = train(sequences, tok.get_vocab_size(), sp=speaker)
     finally:
         torch.set_num_threads(threads)
-    model.config.eos_token_id, model.config.bos_token_id, model.config.pad_token_id = eos, None, None
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -144,6 +159,7 @@ def test_the_core_records_the_native_encoder_and_xtml_parsers(core):
     assert manifest.template.kind == "kimi_k3" and not (core / "template.jinja").exists()
     assert (manifest.recipe.name, manifest.recipe.tool_parser, manifest.recipe.reasoning_parser) == (
         "kimi3", "xtml", "xtml")
+    assert manifest.arch.family == "kimi_linear"
     assert manifest.recipe.default_effort == "max" and manifest.template.reasoning.starts_in_reasoning
     assert manifest.tokenizer.eos_token_ids == [0]  # <|end_of_msg|>
 
