@@ -1,10 +1,11 @@
 """Tensor-parallel layers: the collectives a sharded model calls, and the layers whose slice of a weight needs one.
 
 A `TensorGroup` names this rank's place among `world_size` ranks and the process group it reduces over (gloo on the
-CPU, NCCL on GPUs: the same calls). A column-parallel projection (qkv, gate_up) needs no class of its own: a Linear
-bound to this rank's rows. What crosses ranks: `RowParallelLinear`'s sum (o, down), `VocabParallelEmbedding`'s
-masked lookup and sum, the head's vocabulary all-gather (`TensorGroup.gather_vocab`) and `ExpertParallelMoe`'s sum.
-The slices are cut at load time (helios.runner.parallel). Imports torch and layers only.
+CPU, NCCL on GPUs: the same calls). A column-parallel projection (qkv, gate_up, a gated delta rule's in_proj) needs
+no class of its own: a Linear bound to this rank's rows. What crosses ranks: `RowParallelLinear`'s sum (o, down, a
+gated delta rule's out; `row_parallel` swaps one in for a built Linear), `VocabParallelEmbedding`'s masked lookup
+and sum, the head's vocabulary all-gather (`TensorGroup.gather_vocab`) and `ExpertParallelMoe`'s sum. The slices
+are cut at load time (helios.runner.parallel). Imports torch and layers only.
 """
 
 from __future__ import annotations
@@ -83,6 +84,14 @@ class RowParallelLinear(Linear):
         # NOTE: False, so a fused GatedMLP takes its down product through forward (and the sum) rather than its
         # activation-in-the-GEMV shortcut, which would skip the sum
         return False
+
+
+def row_parallel(layer: Linear, tp: TensorGroup) -> RowParallelLinear:
+    """A RowParallelLinear in place of `layer` (unbound, on meta): the same shape and switches, its input features
+    this rank's (the architecture the layer was built from is the rank's)."""
+    if layer.bias is not None:
+        raise ValueError("a row-parallel projection with a bias would add it once per rank")
+    return RowParallelLinear(layer.in_features, layer.out_features, tp, layer.switches)
 
 
 class VocabParallelEmbedding(torch.nn.Module):

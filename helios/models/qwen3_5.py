@@ -6,6 +6,11 @@ Pre-norm blocks: x += mixer(attn_norm(x)); x += ffn(mlp_norm(x)). The zero-centr
 stored shifted (1 + w) and multiply in float32, as HF computes them. On the GPU path (a backend that fuses layers)
 each residual add rides in the next norm's kernel, and at batch 1 the norm rides in the GEMV of the projection
 after it, as in llama's fused path. Forward-only, no weights of its own.
+
+With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's attention
+and KV heads, gated-delta heads and dense MLP width (the column-parallel projections are its rows); attention's o,
+the gated delta rule's out and a dense MLP's down sum over the ranks, a MoE layer's experts split over them (the
+shared expert replicated), the embedding and the head hold its vocabulary rows (compute_logits gathers them).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.linear_attention import GatedDeltaNet
 from helios.layers.moe import SparseMoe
 from helios.layers.norm import RMSNorm
+from helios.layers.parallel import ExpertParallelMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -32,13 +38,41 @@ class SharedExpertMoe(SparseMoe):
         moe = arch.moe
         super().__init__(arch.hidden_size, moe.num_experts, moe.moe_intermediate_size, moe.num_experts_per_tok,
                          moe.norm_topk_prob, arch.hidden_act, switches=switches, fused=fused)
-        self.shared = GatedMLP(arch.hidden_size, moe.shared_expert_intermediate_size, arch.hidden_act,
-                               switches=switches)
-        self.shared_gate = Linear(arch.hidden_size, 1, switches=switches)
+        add_shared_expert(self, arch, switches)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        routed = super().forward(x)
-        return routed + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return plus_shared_expert(self, x, super().forward(x))
+
+
+class ExpertParallelSharedMoe(ExpertParallelMoe):
+    """SharedExpertMoe under tensor parallelism: the routed experts split over the ranks (ExpertParallelMoe, their
+    outputs summed over the ranks), then the shared expert added, on every rank. The same tensor names.
+
+    NOTE: the shared expert and its gate replicated rather than column / row parallel: its products are the single
+    rank's to the bit and it adds no collective (a split one would need its partial sum folded into the experts'
+    all-reduce), for the memory of one expert per layer beside the layer's num_experts / world_size, and every rank
+    computing one expert's rows that a split would share."""
+
+    def __init__(self, arch: Architecture, tp: TensorGroup, switches: Switches = DEFAULT_SWITCHES) -> None:
+        moe = arch.moe
+        super().__init__(arch.hidden_size, moe.num_experts, moe.moe_intermediate_size, moe.num_experts_per_tok,
+                         moe.norm_topk_prob, tp, arch.hidden_act, switches=switches)
+        add_shared_expert(self, arch, switches)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return plus_shared_expert(self, x, super().forward(x))
+
+
+def add_shared_expert(moe: nn.Module, arch: Architecture, switches: Switches) -> None:
+    """The shared expert (`shared`, a GatedMLP) and its gate (`shared_gate` [1, H]) as submodules of `moe`."""
+    moe.shared = GatedMLP(arch.hidden_size, arch.moe.shared_expert_intermediate_size, arch.hidden_act,
+                          switches=switches)
+    moe.shared_gate = Linear(arch.hidden_size, 1, switches=switches)
+
+
+def plus_shared_expert(moe: nn.Module, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:  # [T, H]
+    """The routed experts' output plus the shared expert's, scaled by sigmoid(shared_gate x)."""
+    return routed + torch.sigmoid(moe.shared_gate(x)) * moe.shared(x)
 
 
 class HybridLayer(nn.Module):
@@ -104,22 +138,28 @@ class Qwen3_5ForCausalLM(nn.Module):
     state pair of a linear one (helios.runner.state_cache)."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
-                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
+                 tp: TensorGroup | None = None):
         super().__init__()
         if arch.recurrent is None or arch.recurrent.kind != "gated_delta":
             raise ValueError(f"a {arch.family} architecture needs gated_delta recurrent layers")
         self.arch = arch
         self.switches = switches
+        self.tp = tp
         self.path = "fused" if getattr(backend, "fuses_layers", False) else "eager"  # chosen once, here
-        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
+                      else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
         self.layers = nn.ModuleList(
-            HybridLayer(arch, i, backend, *self._make_ffn(arch, i, switches, fused=self.path == "fused"),
+            HybridLayer(arch, i, backend, *self._make_ffn(arch, i, switches, fused=self.path == "fused", tp=tp),
                         switches=switches)
             for i in range(arch.num_layers)
         )
+        if tp is not None:
+            for layer in self.layers:
+                self._sum_outputs(layer, tp)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
-                                                                    switches=switches)
+        head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
         self.rotary = RotaryEmbedding(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling,
                                       arch.max_position_embeddings, device)
         if arch.float32_norms:  # the core keeps these multipliers in float32: bind_tensors leaves them so
@@ -132,15 +172,34 @@ class Qwen3_5ForCausalLM(nn.Module):
         return False
 
     @staticmethod
-    def _make_ffn(arch: Architecture, layer_idx: int, switches: Switches, fused: bool) -> tuple[nn.Module, str]:
+    def _make_ffn(arch: Architecture, layer_idx: int, switches: Switches, fused: bool,
+                  tp: TensorGroup | None = None) -> tuple[nn.Module, str]:
         moe = arch.moe
         if moe is None or layer_idx in moe.dense_layers:
             return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, fused=fused,
                             switches=switches), "mlp"
+        if tp is not None:  # the experts split over the ranks (see ExpertParallelMoe's NOTE)
+            if moe.shared_expert_intermediate_size:
+                return ExpertParallelSharedMoe(arch, tp, switches), "moe"
+            return (ExpertParallelMoe(arch.hidden_size, moe.num_experts, moe.moe_intermediate_size,
+                                      moe.num_experts_per_tok, moe.norm_topk_prob, tp, arch.hidden_act,
+                                      switches=switches), "moe")
         if moe.shared_expert_intermediate_size:
             return SharedExpertMoe(arch, switches, fused), "moe"
         return SparseMoe(arch.hidden_size, moe.num_experts, moe.moe_intermediate_size, moe.num_experts_per_tok,
                          moe.norm_topk_prob, arch.hidden_act, switches=switches, fused=fused), "moe"
+
+    @staticmethod
+    def _sum_outputs(layer: HybridLayer, tp: TensorGroup) -> None:
+        """Tensor parallel: the mixer's output projection (attention's o, the gated delta rule's out) and a dense
+        MLP's down read this rank's heads / width and sum over the ranks (a MoE layer sums inside itself)."""
+        if layer.is_linear:
+            layer.linear.out = row_parallel(layer.linear.out, tp)
+        else:
+            layer.attn.o = row_parallel(layer.attn.o, tp)
+        ffn = getattr(layer, layer.ffn_name)
+        if isinstance(ffn, GatedMLP):
+            ffn.down = row_parallel(ffn.down, tp)
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
         x = self.embed(token_ids)
@@ -156,4 +215,5 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.switches)
+        logits = linear(hidden, weight, None, self.switches)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.arch.vocab_size)

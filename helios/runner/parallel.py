@@ -8,6 +8,14 @@ receives the plan, runs the same forward on its shard (ModelRunner.execute_shard
 samples from the logits every rank gathers. Weights are cut at load time from the core's full tensors
 (`shard_tensors`): views where a rank's slice is contiguous (vocabulary rows, whole experts), a copy where it is not.
 Nothing about the shards is recorded in the core.
+
+Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe) and the hybrids
+qwen3_5, qwen3_5_moe (helios.models.qwen3_5). Per layer: attention by head (q, k, v and qwen3_5's output gate
+column parallel, o row parallel), a dense MLP by width (gate_up column, down row parallel), a MoE layer by whole
+experts (the router and qwen3_5_moe's shared expert with its gate replicated), the gated delta rule by head (its
+q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and the value
+heads that read it; each rank's recurrent state holds its heads only; out row parallel); the embedding and the head
+by vocabulary rows. A size that does not split raises, naming the architecture field.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from helios.runner.model_runner import ModelRunner
 # NOTE: NVLink multicast (NVLS) stays off in every process of a group and in their children: set before any
 # communicator exists, and inherited by what they spawn
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # helios.models.llama's classes take `tp`
+# the families whose model classes take `tp`: helios.models.llama's and helios.models.qwen3_5's
+SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
 GROUP_TIMEOUT = timedelta(minutes=10)  # a rank waits this long at a collective before giving up
 
 
@@ -71,30 +80,55 @@ def init_ranks(rank: int, world_size: int, address: str, port: int, device: str 
 
 
 def shard_arch(arch: Architecture, tp: TensorGroup) -> Architecture:
-    """The architecture one rank runs: its attention heads, KV heads (its KV cache holds those) and MLP width; the
-    vocabulary and the experts stay whole (their layers slice them by rank). Raises for a family or a size that
-    does not split."""
+    """The architecture one rank runs: its attention heads, KV heads (its KV cache holds those), dense MLP width and
+    gated-delta heads (its recurrent state slots hold those); the vocabulary and the experts stay whole (their layers
+    slice them by rank). Raises for a family or a size that does not split, naming the field."""
     if arch.family not in SHARDED_FAMILIES:
         raise ValueError(f"tensor parallelism covers {', '.join(SHARDED_FAMILIES)}; not {arch.family!r}")
-    for name in ("num_heads", "num_kv_heads", "intermediate_size"):
-        tp.split(getattr(arch, name), name)
-    if arch.moe is not None:
-        tp.split(arch.moe.num_experts, "num_experts")
     w = tp.world_size
-    return msgspec.structs.replace(arch, num_heads=arch.num_heads // w, num_kv_heads=arch.num_kv_heads // w,
-                                   intermediate_size=arch.intermediate_size // w)
+    split = {name: getattr(arch, name) for name in ("num_heads", "num_kv_heads")}
+    if has_dense_mlp(arch):
+        split["intermediate_size"] = arch.intermediate_size
+    for name, size in split.items():
+        tp.split(size, name)
+    if arch.moe is not None:
+        tp.split(arch.moe.num_experts, "moe.num_experts")
+    local = {name: size // w for name, size in split.items()}
+    if arch.recurrent is not None:
+        local["recurrent"] = _shard_recurrent(arch, tp)
+    return msgspec.structs.replace(arch, **local)
 
 
-_REPLICATED = re.compile(r"(norm|attn_norm|mlp_norm|attn\.q_norm|attn\.k_norm|moe\.router)\.weight")
+def has_dense_mlp(arch: Architecture) -> bool:
+    """Whether some layer has a dense MLP of intermediate_size (a MoE family's dense_layers, or no MoE at all)."""
+    return arch.moe is None or bool(arch.moe.dense_layers)
+
+
+def _shard_recurrent(arch: Architecture, tp: TensorGroup):
+    """The gated delta rule's heads of one rank: num_key_heads / world_size q/k heads and the value heads that read
+    them (value head j reads key head j // (num_heads / num_key_heads): contiguous key heads carry contiguous value
+    heads, so each key head stays on one rank with its value heads)."""
+    r = arch.recurrent
+    if r.kind != "gated_delta":
+        raise ValueError(f"tensor parallelism covers gated_delta recurrent layers; not {r.kind!r}")
+    tp.split(r.num_key_heads, "recurrent.num_key_heads (linear_num_key_heads)")
+    tp.split(r.num_heads, "recurrent.num_heads (linear_num_value_heads)")
+    return msgspec.structs.replace(r, num_heads=r.num_heads // tp.world_size,
+                                   num_key_heads=r.num_key_heads // tp.world_size)
+
+
+_REPLICATED = re.compile(r"(norm|attn_norm|mlp_norm|attn\.q_norm|attn\.k_norm|moe\.router|linear\.norm"
+                         r"|moe\.shared\.gate_up|moe\.shared\.down|moe\.shared_gate)\.weight")
 
 
 def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: TensorGroup) -> dict[str, torch.Tensor]:
     """This rank's tensors, named as the core names them, cut from the core's full ones (`arch`: the full one).
 
-    Column parallel (rows split): qkv (its q, k and v heads), gate_up (its gate and up rows); row parallel (input
-    columns split): o, down; vocabulary rows: embed, lm_head; whole experts: a MoE layer's gate_up and down;
-    replicated: norms, q/k norms, the router. An unknown tensor raises, so a layout this does not know never
-    runs half-sharded."""
+    Column parallel (rows split): qkv (its q, k, v and output-gate heads), gate_up (its gate and up rows), the gated
+    delta rule's in_proj (its q, k, v, z, b and a heads), conv (its q, k and v channels), dt_bias and A_log; row
+    parallel (input columns split): o, down, the gated delta rule's out; vocabulary rows: embed, lm_head; whole
+    experts: a MoE layer's gate_up and down; replicated: norms, q/k norms, the gated norm, the router, a shared
+    expert and its gate. An unknown tensor raises, so a layout this does not know never runs half-sharded."""
     out = {}
     for name, t in tensors.items():
         if name.startswith("mtp."):  # draft modules: mapped whole on the host, never bound (ModelRunner.draft_tensors)
@@ -112,27 +146,50 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
     if _REPLICATED.fullmatch(key):
         return t
     if key in ("attn.qkv.weight", "attn.qkv.bias"):
-        d = arch.head_dim
-        q, k = arch.num_heads * d, arch.num_kv_heads * d
-        parts = [(0, arch.num_heads), (q, arch.num_kv_heads), (q + k, arch.num_kv_heads)]
-        return torch.cat([_rows(t, offset, count * d, tp) for offset, count in parts])
+        d, nq, nkv = arch.head_dim, arch.num_heads, arch.num_kv_heads
+        heads = [nq, nkv, nkv] + ([nq] if arch.attn_output_gate else [])  # qwen3_5: the gate rows follow v's
+        return _blocks(t, [n * d for n in heads], tp)
     if key == "mlp.gate_up.weight":
         inter = t.shape[0] // 2
-        return torch.cat([_rows(t, 0, inter, tp), _rows(t, inter, inter, tp)])
-    if key in ("attn.o.weight", "mlp.down.weight"):
+        return _blocks(t, [inter, inter], tp)
+    if key in ("attn.o.weight", "mlp.down.weight", "linear.out.weight"):
         start, end = tp.split(t.shape[1], f"{name} columns")
         # NOTE: a column slice is strided: one copy here rather than one inside every product
         return t[:, start:end].contiguous()
     if key in ("moe.gate_up.weight", "moe.down.weight"):
         start, end = tp.split(t.shape[0], "num_experts")
         return t[start:end]  # whole experts: a view
+    if key.startswith("linear."):
+        return _shard_gated_delta(key, name, t, arch, tp)
     raise ValueError(f"no tensor-parallel rule for core tensor {name}")
 
 
-def _rows(t: torch.Tensor, offset: int, size: int, tp: TensorGroup) -> torch.Tensor:
-    """This rank's share of the `size` rows from `offset`."""
-    start, end = tp.split(size, "rows")
-    return t[offset + start : offset + end]
+def _shard_gated_delta(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:
+    """A gated delta rule layer's column-parallel tensors (helios.layers.linear_attention.GatedDeltaNet's layout):
+    in_proj rows [q, k (Hk*dk each), v, z (Hv*dv each), b, a (Hv each)], conv rows [q, k, v] (its channels), dt_bias
+    and A_log [Hv]: each block cut by head, so every rank holds the same key heads in q, k and its value heads."""
+    r = arch.recurrent
+    key_dim, value_dim = r.num_key_heads * r.key_head_dim, r.num_heads * r.value_head_dim
+    if key == "linear.in_proj.weight":
+        return _blocks(t, [key_dim, key_dim, value_dim, value_dim, r.num_heads, r.num_heads], tp)
+    if key == "linear.conv.weight":
+        return _blocks(t, [key_dim, key_dim, value_dim], tp)
+    if key in ("linear.dt_bias", "linear.A_log"):
+        return _blocks(t, [r.num_heads], tp)
+    raise ValueError(f"no tensor-parallel rule for core tensor {name}")
+
+
+def _blocks(t: torch.Tensor, sizes: list[int], tp: TensorGroup) -> torch.Tensor:
+    """This rank's share of each block of rows (`sizes`, one after another from row 0), side by side (one block:
+    a view; several: a copy)."""
+    if sum(sizes) != t.shape[0]:
+        raise ValueError(f"a tensor of {t.shape[0]} rows does not hold the blocks {sizes}")
+    parts, offset = [], 0
+    for size in sizes:
+        start, end = tp.split(size, "rows")
+        parts.append(t[offset + start : offset + end])
+        offset += size
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def rank_runner(core, tp: TensorGroup, num_pages: int | None, page_size: int | None = None,

@@ -4,29 +4,25 @@ dense family (llama: tied embeddings, so the vocabulary-parallel embedding is al
 
 Both ranks run every sequence's forward_logits (whole and chunked: logits within 1e-5 of TP=1's in float32), then
 rank 0 serves greedy requests through an EngineCore over its TensorParallelRunner while rank 1 runs the worker loop:
-the tokens must be TP=1's, and rank 1 must have run every plan rank 0 did.
+the tokens must be TP=1's, and rank 1 must have run every plan rank 0 did (tests/runner/tp_harness).
 """
 
 from __future__ import annotations
-
-import multiprocessing
-import socket
-from pathlib import Path
 
 import pytest
 import torch
 
 from helios.core.load import load_core
 from helios.engine.config import SchedulerConfig
-from helios.engine.engine_core import EngineCore
 from helios.layers.parallel import TensorGroup
 from helios.runner.model_runner import ModelRunner
-from helios.runner.parallel import MULTICAST_OFF, shard_arch, shard_tensors
+from helios.runner.parallel import shard_arch, shard_tensors
 from tests.models.hybrid_harness import generate, greedy_request, prompt
+from tests.runner.tp_harness import WORLD_SIZE, engine_tokens, float32_cores, single_and_ranked
 
 FAMILIES = ("llama", "qwen3_moe")
 PAGE_SIZE, NUM_PAGES = 4, 64
-WORLD_SIZE = 2
+RUNNER_KWARGS: dict = {}
 NUM_NEW = 12
 CHUNK = 5  # forward_logits' chunked prefill (pages of 4: chunks end mid-page)
 
@@ -41,91 +37,24 @@ def logits_of(runner: ModelRunner) -> dict[str, torch.Tensor]:
     return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=CHUNK)}
 
 
-def greedy_tokens(runner) -> dict[str, list[int]]:
+def greedy_tokens(runner, core=None) -> dict[str, list[int]]:
     """Three greedy requests at once through an engine (chunked prefill beside decodes: mixed steps)."""
     config = SchedulerConfig(max_concurrency=4, max_num_batched_tokens=16, prefill_chunk_size=8, page_size=PAGE_SIZE,
                              num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE_SIZE)
-    engine = EngineCore(config, runner)
-    out = generate(engine, [greedy_request(f"r{i}", ids, NUM_NEW) for i, ids in enumerate(prompts())])
-    assert engine.is_healthy, engine.error
-    return out
-
-
-def _rank_main(rank: int, port: int, cores: dict[str, str], out_dir: str) -> None:
-    """One rank of the group (a spawned process): both ranks compute the logits; rank 0 drives the engine."""
-    import torch.distributed as dist
-
-    from helios.runner.parallel import TensorParallelRunner, init_ranks, rank_runner, worker_loop
-
-    torch.set_num_threads(1)  # two ranks on a two-core machine
-    ranks = init_ranks(rank, WORLD_SIZE, "127.0.0.1", port)
-    try:
-        for family, path in cores.items():
-            runner = rank_runner(load_core(Path(path), verify_digests=False), ranks.tp, NUM_PAGES, PAGE_SIZE)
-            result = {"logits": logits_of(runner)}
-            if ranks.is_driver:
-                driver = TensorParallelRunner(runner, ranks)
-                result["tokens"] = greedy_tokens(driver)
-                result["plans"] = driver.runner.launches["eager"]
-                driver.close()
-            else:
-                result["plans"] = worker_loop(runner, ranks)
-            torch.save(result, Path(out_dir) / f"{family}.rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return engine_tokens(config, runner, prompts(), NUM_NEW)
 
 
 @pytest.fixture(scope="module")
 def cores(tmp_path_factory):
-    from ignition.export import ExportOptions, export_core
     from tests.ignition.tiny_models import build_tiny
 
-    out = {}
-    for family in FAMILIES:
-        root = tmp_path_factory.mktemp(family)
-        out[family] = export_core(build_tiny(family, root / "hf"), root / "core", ExportOptions(dtype="float32"))
-    return out
+    return float32_cores(build_tiny, FAMILIES, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def results(cores, tmp_path_factory, monkeypatch_module):
-    """(TP=1, per rank of TP=2) results per family; the TP=1 ones computed here while the ranks run."""
-    for name, value in MULTICAST_OFF.items():
-        monkeypatch_module.setenv(name, value)
-    out_dir = tmp_path_factory.mktemp("ranks")
-    ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
-    args = {family: str(path) for family, path in cores.items()}
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, args, str(out_dir))) for rank in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    try:
-        single = {}
-        for family, path in cores.items():
-            core = load_core(path)
-            runner = ModelRunner(core.manifest.arch, core.tensors, NUM_PAGES, PAGE_SIZE)
-            single[family] = {"logits": logits_of(runner), "tokens": greedy_tokens(runner),
-                              "plans": runner.launches["eager"]}
-    finally:
-        for p in procs:
-            p.join(timeout=120)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in procs] == [0] * WORLD_SIZE
-    ranked = {f: [torch.load(out_dir / f"{f}.rank{r}.pt") for r in range(WORLD_SIZE)] for f in FAMILIES}
-    return single, ranked
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
+def results(cores, tmp_path_factory):
+    """(TP=1, per rank of TP=2) results per family (tests/runner/tp_harness)."""
+    return single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,0 +1,103 @@
+"""The tensor-parallel tests' harness: a group of gloo ranks on 127.0.0.1 (spawned processes) beside TP=1 in this
+process, over the same cores, running one test module's checks.
+
+The module names them: NUM_PAGES, PAGE_SIZE, RUNNER_KWARGS (the runner's other arguments), `logits_of(runner)` (the
+logits every rank computes at once through forward_logits) and `greedy_tokens(runner, core)` (an engine's tokens:
+rank 0 drives it through its TensorParallelRunner while the other ranks run the worker loop).
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from helios.core.load import load_core
+from helios.engine.config import SchedulerConfig
+from helios.engine.engine_core import EngineCore
+from helios.runner.model_runner import ModelRunner
+from helios.runner.parallel import MULTICAST_OFF, free_port
+from tests.models.hybrid_harness import generate, greedy_request
+
+WORLD_SIZE = 2
+
+
+def rank_main(rank: int, port: int, module_name: str, cores: dict[str, str], out_dir: str) -> None:
+    """One rank of the group (a spawned process): every rank computes the logits; rank 0 drives the engine."""
+    import torch.distributed as dist
+
+    from helios.runner.parallel import TensorParallelRunner, init_ranks, rank_runner, worker_loop
+
+    module = importlib.import_module(module_name)
+    torch.set_num_threads(1)  # two ranks on a two-core machine
+    ranks = init_ranks(rank, WORLD_SIZE, "127.0.0.1", port)
+    try:
+        for family, path in cores.items():
+            core = load_core(Path(path), verify_digests=False)
+            runner = rank_runner(core, ranks.tp, module.NUM_PAGES, module.PAGE_SIZE, **module.RUNNER_KWARGS)
+            result = {"logits": module.logits_of(runner)}
+            if ranks.is_driver:
+                driver = TensorParallelRunner(runner, ranks)
+                result["tokens"] = module.greedy_tokens(driver, core)
+                result["plans"] = driver.runner.launches["eager"]
+                driver.close()
+            else:
+                result["plans"] = worker_loop(runner, ranks)
+            torch.save(result, Path(out_dir) / f"{family}.rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def single_and_ranked(module_name: str, cores: dict[str, Path], out_dir: Path) -> tuple[dict, dict]:
+    """(TP=1's results per family, each rank's results per family), the TP=1 ones computed here while the ranks
+    run: {"logits": logits_of, "tokens": greedy_tokens (rank 0 and TP=1), "plans": eager forwards run}."""
+    module = importlib.import_module(module_name)
+    args = {family: str(path) for family, path in cores.items()}
+    with pytest.MonkeyPatch.context() as mp:  # the children's environment
+        for name, value in MULTICAST_OFF.items():
+            mp.setenv(name, value)
+        ctx, port = multiprocessing.get_context("spawn"), free_port()
+        procs = [ctx.Process(target=rank_main, args=(rank, port, module_name, args, str(out_dir)))
+                 for rank in range(WORLD_SIZE)]
+        for p in procs:
+            p.start()
+    try:
+        single = {}
+        for family, path in cores.items():
+            core = load_core(path)
+            runner = ModelRunner(core.manifest.arch, core.tensors, module.NUM_PAGES, module.PAGE_SIZE,
+                                 **module.RUNNER_KWARGS)
+            single[family] = {"logits": module.logits_of(runner), "tokens": module.greedy_tokens(runner, core),
+                              "plans": runner.launches["eager"]}
+    finally:
+        for p in procs:
+            p.join(timeout=180)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in procs] == [0] * WORLD_SIZE
+    ranked = {f: [torch.load(out_dir / f"{f}.rank{r}.pt") for r in range(WORLD_SIZE)] for f in cores}
+    return single, ranked
+
+
+def float32_cores(build: Callable[[str, Path], Path], families: tuple[str, ...], tmp_path_factory) -> dict[str, Path]:
+    """One float32 export per family of the HF checkpoint `build(family, directory)` writes."""
+    from ignition.export import ExportOptions, export_core
+
+    out = {}
+    for family in families:
+        root = tmp_path_factory.mktemp(family)
+        out[family] = export_core(build(family, root / "hf"), root / "core", ExportOptions(dtype="float32"))
+    return out
+
+
+def engine_tokens(config: SchedulerConfig, runner, prompts: list[list[int]], num_new: int) -> dict[str, list[int]]:
+    """The prompts' greedy tokens (num_new each, requests r0, r1, ..., all at once) through an EngineCore over
+    `runner` (a ModelRunner or rank 0's TensorParallelRunner)."""
+    engine = EngineCore(config, runner)
+    out = generate(engine, [greedy_request(f"r{i}", ids, num_new) for i, ids in enumerate(prompts)])
+    assert engine.is_healthy, engine.error
+    return out
