@@ -1,0 +1,64 @@
+"""Tensor parallelism of the hybrids (qwen3_5, qwen3_5_moe) on two GPUs over NCCL (issue 23): the CPU test's checks
+(tests/runner/test_tensor_parallel_hybrid.py) on the device. Rank 0 in this process on GPU 0, rank 1 in a worker
+process on GPU 1 (start_tensor_parallel, as `helios serve --tensor-parallel 2` starts them); the Triton backend's
+fused path with the gated delta rule's Triton kernels on each rank's heads (one key head and its two value heads of
+the tiny config), eager (no graphs under TP yet). Greedy tokens of batched float32 requests, one prompt prefilled in
+three chunks, must be a one-GPU runner's (CUDA graphs and all). Needs two GPUs; not run yet (no machine of two GPUs
+was lent when it was written)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helios.core.load import load_core
+from helios.engine.config import SchedulerConfig
+from helios.runner.model_runner import ModelRunner
+from tests.gpu.family_cuda import CUDA_MARKS
+from tests.models.hybrid_harness import prompt
+from tests.runner.tp_harness import engine_tokens
+
+pytestmark = [
+    *CUDA_MARKS,
+    pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+PAGE_SIZE, NUM_PAGES = 16, 256
+MAX_CONCURRENCY = 4
+NUM_NEW = 32
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def core(request, tmp_path_factory):
+    from ignition.export import ExportOptions, export_core
+    from tests.models.hybrid_tiny import build_hybrid
+
+    root = tmp_path_factory.mktemp(request.param)
+    return load_core(export_core(build_hybrid(request.param, root / "hf"), root / "core",
+                                 ExportOptions(dtype="float32")))
+
+
+def greedy(runner, core) -> dict[str, list[int]]:
+    """Four greedy requests at once with a state slot each; 64-token prefill chunks (the recurrent grid) beside
+    decodes."""
+    arch = core.manifest.arch
+    config = SchedulerConfig(max_concurrency=MAX_CONCURRENCY, max_num_batched_tokens=128, prefill_chunk_size=64,
+                             page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE_SIZE,
+                             num_state_slots=MAX_CONCURRENCY, state_chunk=arch.recurrent.chunk_size)
+    prompts = [prompt(n, seed=i) for i, n in enumerate((150, 9, 70, 40))]
+    return engine_tokens(config, runner, prompts, NUM_NEW)
+
+
+def test_tp2_greedy_equals_one_gpu(core):
+    from helios.runner.parallel import start_tensor_parallel
+
+    single = greedy(ModelRunner(core.manifest.arch, core.tensors, NUM_PAGES, PAGE_SIZE, device="cuda",
+                                num_state_slots=MAX_CONCURRENCY), core)
+    driver = start_tensor_parallel(core, 2, "cuda", NUM_PAGES, PAGE_SIZE, num_state_slots=MAX_CONCURRENCY)
+    try:
+        assert driver.runner.model.path == "fused" and driver.runner.graphs is None
+        tokens = greedy(driver, core)
+    finally:
+        driver.close()
+    assert tokens == single
+    assert [w.exitcode for w in driver.workers] == [0]
