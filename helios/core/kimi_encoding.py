@@ -20,6 +20,8 @@ non-string values); sglang's KimiK3Detector and rtp-llm's KimiK3Renderer (the ou
   counts 3 fewer prompt tokens. The output parser accepts both (a think opener in reasoning is consumed).
 - Attribute escaping: `&amp;`/`&quot;` (survey, Dynamo, sglang, rtp-llm); one port escapes `"` as `\\"`.
 - Whitespace-only history reasoning renders an empty think channel (Dynamo); unverified against the script.
+Unverified against the script as well: history argument elements in the order the call's arguments give them, and
+a tool result's index counting the results since the last assistant turn (both ports do so).
 The spec overrides the script in one place: K3 always thinks. thinking / enable_thinking are ignored without an
 error (the script would drop the think channel and the effort message), history reasoning is always kept, and the
 generation prompt always opens think. Effort is `reasoning_effort` (what helios' frontend passes, resolved to the
