@@ -82,8 +82,9 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 _STARTED = re.compile(r" ready: ([\d.]+)s from process start \((.*?)(?:; HTTP up at ([\d.]+)s)?\); load")
 _PART = re.compile(r"([a-zA-Z][\w -]*?) ([\d.]+)s")
-_LOAD = re.compile(r"; load ([\d.]+)s \(open ([\d.]+)s, weights ([\d.]+)s, kernel load ([\d.]+)s.*?KV ([\d.]+)s, "
-                   r"capture ([\d.]+)s \((\d+) graphs")
+_LOAD_PARTS = {"open": r"\(open ([\d.]+)s", "beside": r"grammar vocabulary ([\d.]+)s beside",
+               "weights": r"weights ([\d.]+)s", "kernels": r"kernel load ([\d.]+)s", "kv": r"KV ([\d.]+)s",
+               "capture": r"capture ([\d.]+)s", "graphs": r"\((\d+) graphs", "background": r"(\d+) buckets left"}
 
 
 def parse_ready(line: str) -> dict:
@@ -96,10 +97,10 @@ def parse_ready(line: str) -> dict:
     split["ready"] = float(started.group(1))
     if started.group(3):
         split["http_up"] = float(started.group(3))
-    load = _LOAD.search(line)
-    if load is not None:
-        for key, value in zip(("open", "weights", "kernels", "kv", "capture", "graphs"), load.groups()[1:]):
-            split[f"load_{key}"] = float(value)
+    load = line[started.end() - len("; load"):]
+    for key, pattern in _LOAD_PARTS.items():
+        if (found := re.search(pattern, load)) is not None:
+            split[f"load_{key}"] = float(found.group(1))
     return split
 
 
@@ -118,9 +119,12 @@ def print_split(name: str, results: list[dict]) -> None:
         took = statistics.median(s.get(key, 0.0) for s in splits)
         at += took
         print(f"| {key} | {took:.2f} | {at:.2f} |")
-    for key in ("load_open", "load_weights", "load_kernels", "load_kv", "load_capture"):
+    for key in ("load_open", "load_beside", "load_weights", "load_kernels", "load_kv", "load_capture",
+                "load_graphs", "load_background"):
         if key in splits[0]:
-            print(f"| (load: {key[5:]}) | {statistics.median(s[key] for s in splits):.2f} | |")
+            value = statistics.median(s[key] for s in splits)
+            shown = f"{value:g}" if key in ("load_graphs", "load_background") else f"{value:.2f}"
+            print(f"| (load: {key[5:]}) | {shown} | |")
     if "http_up" in splits[0]:
         print(f"| (HTTP processes up) | | {statistics.median(s['http_up'] for s in splits):.2f} |")
     ready = statistics.median(s["ready"] for s in splits)

@@ -6,12 +6,15 @@ this one owns the engine and serves it on a Unix socket (helios/engine/remote.py
 embedded server on the one port, each with its own tokenizer, templates and an EngineClient. Settings
 travel as arguments (a ServerConfig with the CLI's overrides, the execution Switches the CLI read once), never
 through environment variables.
-Imports torch only inside functions (through helios.runner), so `helios top` and config checks stay light.
+Imports torch only inside functions (through helios.runner), so `helios top` and config checks stay light, and
+`serve` starts the HTTP processes before this process imports it. Nor does it import the app (each protocol's
+module): the HTTP processes do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 import multiprocessing
 import os
@@ -22,16 +25,20 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from helios.engine.remote import EngineServer
-from helios.server.app import HeliosApp, ready_line
 from helios.server.config import KVEventsConfig, ServerConfig
 from helios.server.runtime import Runtime, Serving, resolve_serving
-from helios.server.startup import Timeline
+from helios.server.startup import Timeline, ready_line
 from helios.switches import DEFAULT_SWITCHES, Switches
+
+if TYPE_CHECKING:
+    from helios.server.app import HeliosApp
 
 logger = logging.getLogger("helios.server")
 
@@ -170,40 +177,94 @@ def start_kv_events(config: KVEventsConfig, prefix_caching: bool):
 
 
 def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES,
-                  own_thread: bool = True) -> Runtime:
+                  own_thread: bool = True, frontend: bool = True) -> Runtime:
     """Load and verify the core, build the engine; records the start-up split in runtime.timings. The core's
     digests are checked on background threads while the engine builds (the weights upload, kernel load and graph
-    capture): a mismatch fails the start-up before anything is served."""
+    capture): a mismatch fails the start-up before anything is served. The rest of the Runtime (`_runtime_side`)
+    is built on a thread beside the engine. frontend: False for the engine process of `helios serve`, whose HTTP
+    processes hold the tokenizer and templates (Runtime.for_engine)."""
     from helios.core.load import load_core, start_digest_check
     from helios.frontend.constraints import GrammarConstraints
-    from helios.frontend.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
     core = load_core(Path(core_path), verify_digests=False)
     digests_match = start_digest_check(core.path, core.manifest)
-    manifest = core.manifest
-    tokenizer = Tokenizer.from_file(core.tokenizer_path, manifest.tokenizer, manifest.arch.vocab_size)
-    serving = resolve_serving(manifest, config)
-    # the runtime first: its structured-output compiler validates grammars and feeds the engine's constraint owner
-    runtime = Runtime(manifest, tokenizer, core.template_source, None, config, serving)
+    serving = resolve_serving(core.manifest, config)
     t1 = time.perf_counter()
+    interval = sys.getswitchinterval()
+    # NOTE: the runner's build returns to Python between torch calls (a tensor's upload, an allocation) that leave
+    # the interpreter to the thread beside; a short switch interval hands it back sooner (5 ms by default: up to
+    # ~20% more upload time beside a Python-bound thread)
+    sys.setswitchinterval(min(interval, 0.0005))
+    builder = ThreadPoolExecutor(1, thread_name_prefix="helios-runtime-side")
+    side = builder.submit(_runtime_side, core, config, serving, frontend)
+    builder.shutdown(wait=False)
+    engine = None
     try:
-        constraints = GrammarConstraints(runtime.output_grammars.matcher)
-        runtime.engine, runner = build_engine(core, config, serving, constraints, switches, own_thread)
+        # the constraint owner reads the runtime's structured-output compiler, built beside; a structured request
+        # reaches it only once the start-up is done, and the runtime with it
+        constraints = GrammarConstraints(lambda grammar: side.result().output_grammars.matcher(grammar))
+        engine, runner = build_engine(core, config, serving, constraints, switches, own_thread)
         t2 = time.perf_counter()
+        runtime = side.result()
+        runtime.engine = engine
+        t3 = time.perf_counter()
         digests_match()
     except Exception:
-        runtime.shutdown()
-        close_runner(runtime)
+        _discard(side, engine)
         raise
-    t3 = time.perf_counter()
+    finally:
+        sys.setswitchinterval(interval)
+    t4 = time.perf_counter()
     runtime.timings["load"] = time.perf_counter() - t0
     # the runner's own split (weights to the device, kernel load, KV allocation, graph capture)
     st = runner.startup
-    runtime.timings.update(open=t1 - t0, weights=st.load_s, kernels=st.kernels_s, kernels_wait=st.kernels_wait_s,
-                           kv=st.kv_alloc_s, capture=st.capture_s, graphs=st.num_graphs, pending=st.num_pending,
-                           kernels_jit=st.kernels_jit, verify=t3 - t2)
+    runtime.timings.update(open=t1 - t0, side_wait=t3 - t2, weights=st.load_s, kernels=st.kernels_s,
+                           kernels_wait=st.kernels_wait_s, kv=st.kv_alloc_s, capture=st.capture_s,
+                           graphs=st.num_graphs, pending=st.num_pending, kernels_jit=st.kernels_jit, verify=t4 - t3)
     return runtime
+
+
+def _runtime_side(core, config: ServerConfig, serving: Serving, frontend: bool) -> Runtime:
+    """The Runtime without its engine, and structured output's vocabulary built: with the frontend, the
+    tokenizer and chat renderer too (else Runtime.for_engine: the compiler alone, over the core's tokenizer.json).
+    NOTE: Python work beside the runner's build, which is mostly torch's (the weights' upload, the kernel load,
+    the KV pool) and so leaves the interpreter free: on a GPU it hides behind the weights."""
+    import tokenizers
+
+    from helios.frontend.grammar import OutputCompiler
+    from helios.frontend.tokenizer import Tokenizer
+
+    t0 = time.perf_counter()
+    manifest = core.manifest
+    if frontend:
+        tokenizer = Tokenizer.from_file(core.tokenizer_path, manifest.tokenizer, manifest.arch.vocab_size)
+        runtime = Runtime(manifest, tokenizer, core.template_source, None, config, serving)
+    else:
+        # NOTE: the text Tokenizer.to_json gives a frontend (tokenizers' own serialization), not the file's bytes
+        compiler = OutputCompiler(lambda: tokenizers.Tokenizer.from_file(str(core.tokenizer_path)).to_str(),
+                                  manifest.arch.vocab_size, manifest.tokenizer.eos_token_ids)
+        runtime = Runtime.for_engine(manifest, compiler, None, config, serving)
+    runtime.output_grammars.prepare()
+    runtime.timings["side"] = time.perf_counter() - t0
+    return runtime
+
+
+def _discard(frontend: Future, engine) -> None:
+    """A failed build: stop the engine that was built (and its runner's processes), and the runtime's pool once
+    the thread building it is done."""
+    try:
+        runtime = frontend.result()
+    except Exception:
+        runtime = None
+    if runtime is None:
+        if engine is not None:
+            engine.shutdown()
+            close_engine(engine)
+        return
+    runtime.engine = engine
+    runtime.shutdown()
+    close_runner(runtime)
 
 
 async def warm_up(runtime: Runtime) -> None:
@@ -219,14 +280,17 @@ async def warm_up(runtime: Runtime) -> None:
     async for _ in stream:
         pass
     runtime.timings["warmup"] = time.perf_counter() - t0
-    # structured output's vocabulary (~0.3 s for 49k tokens, more for larger ones) off the start-up path
-    runtime.pool.submit(runtime.output_grammars.prepare)
 
 
 def close_runner(runtime: Runtime) -> None:
     """After the engine stopped: a runner with processes of its own (tensor parallelism's ranks) stops them, and
     the KV events publisher sends what is queued and closes its sockets."""
-    core = getattr(runtime.engine, "core", None)
+    close_engine(runtime.engine)
+
+
+def close_engine(engine) -> None:
+    """close_runner's work for an engine (None: nothing)."""
+    core = getattr(engine, "core", None)
     close = getattr(getattr(core, "runner", None), "close", None)
     if close is not None:
         close()
@@ -243,6 +307,19 @@ def http_workers(config: ServerConfig, device: str) -> int:
     return 1 if device == "cpu" else max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
+def device_without_torch(name: str) -> str:
+    """resolve_device's answer without importing torch (the HTTP processes, whose default count depends on it,
+    start before this process imports torch): "auto" is "cuda" where an NVIDIA device node exists and
+    CUDA_VISIBLE_DEVICES does not hide every GPU. NOTE: a CPU-only torch on a GPU machine thus gets a GPU's
+    default HTTP processes (serve warns; `http_workers` sets the count)."""
+    if name != "auto":
+        return name
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return "cpu"
+    return "cuda" if glob.glob("/dev/nvidia[0-9]*") else "cpu"
+
+
 def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES,
           log_level: str = "warning", timeline: Timeline | None = None) -> int:
     """Serve until SIGINT or SIGTERM; the exit status (1 when the start-up failed).
@@ -250,10 +327,10 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
     This process owns the engine (core, runner, scheduler, KV pool) and serves it on a Unix socket
     (helios/engine/remote.py); `http_workers` frontend processes each run Granian's embedded server on the one
     port (SO_REUSEPORT: the kernel spreads connections) and prepare, submit and encode requests there. The
-    frontends start before the weights load, so their imports and tokenizer load run beside it; they accept
-    connections once the engine is warm. A frontend that dies is started again. timeline: the CLI's start-up
-    marks (the ready line's split), continued here."""
-    from helios.core.load import read_manifest
+    frontends start first, before this process imports torch, so their imports and tokenizer load run beside
+    its imports and the load; they accept connections once the engine is warm. A frontend that dies is started
+    again. timeline: the CLI's start-up marks (the ready line's split), continued here."""
+    from helios.core.manifest import MANIFEST_FILE, decode_manifest
 
     timeline = timeline or Timeline()
 
@@ -263,7 +340,8 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
         print(f"helios: cannot listen on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr, flush=True)
         return 1
     config = msgspec.structs.replace(config, port=port)
-    manifest = read_manifest(core_path)
+    # NOTE: decoded only (load_core checks the format version, with the other core errors, in build_runtime)
+    manifest = decode_manifest((Path(core_path) / MANIFEST_FILE).read_bytes())
     serving = resolve_serving(manifest, config)
     workdir = tempfile.mkdtemp(prefix="helios-")
     socket_path = os.path.join(workdir, "engine.sock")
@@ -274,16 +352,20 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
     runtime = None
     status = [0]
     try:
-        from helios.runner.model_runner import resolve_device
-
-        timeline.mark("imports")
-        count = http_workers(config, resolve_device(config.device))
+        device = device_without_torch(config.device)
+        count = http_workers(config, device)
         frontends = [_Frontend(i, count, core_path, config, serving, socket_path, log_level) for i in range(count)]
         timeline.mark("spawn")
+        from helios.runner.model_runner import resolve_device  # torch, triton and the runner, from here on
+
+        timeline.mark("imports")
+        if not config.http_workers and resolve_device(config.device) != device:
+            logger.warning("helios: %d HTTP processes for a %s, but torch runs on %s; set [server] http_workers",
+                           count, device, resolve_device(config.device))
         try:
             # NOTE: this thread builds the runner and runs the step loop (engine.run below): on the CPU, torch's
             # parallel regions from a second thread (a second OpenMP team) made every decode step ~25% slower
-            runtime = build_runtime(core_path, config, switches, own_thread=False)
+            runtime = build_runtime(core_path, config, switches, own_thread=False, frontend=False)
             timeline.mark("load")
             engine_server.start(runtime.engine)
         except Exception as e:  # one clear line; the frontends are told and exit
@@ -406,8 +488,10 @@ def frontend_main(core_path: str, config: ServerConfig, serving: Serving, socket
     """An HTTP process: the core's tokenizer and template (no torch, no weights), request preparation and
     encoding, and an EngineClient to the engine process; exits when the engine's connection ends."""
     from helios.core.manifest import decode_manifest, MANIFEST_FILE
+    from helios.engine.async_engine import EngineUnavailable
     from helios.engine.remote import EngineClient
     from helios.frontend.tokenizer import Tokenizer
+    from helios.server.app import HeliosApp
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until Granian's handlers: a Ctrl-C reaches the parent too
     path = Path(core_path)
@@ -417,10 +501,15 @@ def frontend_main(core_path: str, config: ServerConfig, serving: Serving, socket
     template_source = (path / template.file).read_text(encoding="utf-8") if template.present and template.file else None
     client = EngineClient(socket_path)
     runtime = Runtime(manifest, tokenizer, template_source, client, config, serving)
+    # structured output's vocabulary while the engine loads (after it, it would hold the interpreter under the
+    # first requests)
+    runtime.pool.submit(runtime.output_grammars.prepare)
 
     async def connect(rt: Runtime) -> None:
-        await client.connect()
-        rt.pool.submit(rt.output_grammars.prepare)
+        try:
+            await client.connect()
+        except EngineUnavailable as e:  # the engine's start-up failed, and the engine process said why
+            raise _EngineStartFailed(str(e)) from None
 
     app = HeliosApp(runtime, warm_up=connect, ready_line=False)
 
@@ -448,9 +537,14 @@ async def _report(app: HeliosApp, client) -> None:
             last = stats
 
 
+class _EngineStartFailed(Exception):
+    """An HTTP process's start-up failed because the engine's did (the engine process printed the line)."""
+
+
 class _QuietStartupFailure(logging.Filter):
     """Granian's own lines around a failed start-up (the message again, a traceback, the worker's exit) and its
-    embedded-mode notice: the app already said what failed, in one line."""
+    embedded-mode notice: the app already said what failed, in one line; and the app's line itself when the
+    engine's start-up failed (the engine process said it)."""
 
     _DROPPED = ("Embedded server is experimental", "ASGI lifespan startup failed", "Unexpected exit from worker")
 
@@ -459,6 +553,8 @@ class _QuietStartupFailure(logging.Filter):
         self._app = app
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and record.args and isinstance(record.args[0], _EngineStartFailed):
+            return False
         message = record.getMessage()
         return message != self._app.startup_error and not any(message.startswith(t) for t in self._DROPPED)
 
@@ -475,7 +571,8 @@ async def _serve(app: HeliosApp, config: ServerConfig, log_level: str, on_server
                     log_level=LogLevels(log_level), log_access=False)
     if on_server is not None:
         on_server(server)
-    logging.getLogger("_granian").addFilter(_QuietStartupFailure(app))
+    for name in ("_granian", "helios.server"):
+        logging.getLogger(name).addFilter(_QuietStartupFailure(app))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)

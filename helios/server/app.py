@@ -29,6 +29,7 @@ from helios.server.metrics import PROMETHEUS_CONTENT_TYPE, Snapshot, render_json
 from helios.server.protocols import (anthropic_messages, decisions, ollama, openai_chat, openai_completions,
                                      openai_models, openai_responses, render, systemone)
 from helios.server.runtime import Runtime
+from helios.server.startup import ready_line
 
 logger = logging.getLogger("helios.server")
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -280,22 +281,6 @@ class HeliosApp:
             await request.respond_json(200, result, extra)
         finally:
             rt.admission.release(1)
-
-
-def ready_line(rt: Runtime, announce: str | None, settings: str | None, started: str | None = None) -> str:
-    """The start-up split (rt.timings) in one line, the URL it serves on and the execution switches; started:
-    the process's own split (helios.server.startup.Timeline.describe), first."""
-    t = rt.timings
-    later = f", {int(t['pending'])} buckets later between steps" if t.get("pending") else ""
-    split = (f"open {t.get('open', 0.0):.2f}s, weights {t.get('weights', 0.0):.2f}s, "
-             f"kernel load {t.get('kernels', 0.0):.2f}s beside the weights ({t.get('kernels_wait', 0.0):.2f}s "
-             f"after them), KV {t.get('kv', 0.0):.2f}s, "
-             f"capture {t.get('capture', 0.0):.2f}s ({int(t.get('graphs', 0))} graphs{later}, "
-             f"{int(t.get('kernels_jit', 0))} kernels compiled), digests {t.get('verify', 0.0):.2f}s more")
-    return (f"helios: {rt.serving.model_id} ready: {started + '; ' if started else ''}"
-            f"load {t.get('load', 0.0):.2f}s ({split}), "
-            f"warm-up {t.get('warmup', 0.0):.2f}s{' on ' + announce if announce else ''}"
-            f"{'; ' + settings if settings else ''}")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from msgspec import Struct
 
 from helios.core.manifest import Manifest
 from helios.frontend.context import ModelContext, ModelLimits
+from helios.frontend.grammar import OutputCompiler
 from helios.frontend.tokenizer import Tokenizer
 from helios.server.config import ServerConfig
 from helios.server.errors import bad_request, rate_limited
@@ -103,14 +104,31 @@ def model_limits(serving: Serving) -> ModelLimits:
 
 
 class Runtime:
-    """What the serving process owns; `model` is the frozen ModelContext request preparation reads."""
+    """What the serving process owns; `model` is the frozen ModelContext request preparation reads (None in the
+    engine process of `helios serve`: `for_engine`)."""
 
     def __init__(self, manifest: Manifest, tokenizer: Tokenizer, template_source: str | None, engine: Any,
                  config: ServerConfig, serving: Serving | None = None):
         self.serving = serving or resolve_serving(manifest, config)
         self.model = ModelContext.build(manifest, model_limits(self.serving), tokenizer, template_source)
-        self.manifest, self.tokenizer = manifest, tokenizer
+        self.tokenizer = tokenizer
         self.chat, self.output_grammars = self.model.chat, self.model.output_grammars
+        self._own(manifest, engine, config)
+
+    @classmethod
+    def for_engine(cls, manifest: Manifest, output_grammars: OutputCompiler, engine: Any, config: ServerConfig,
+                   serving: Serving) -> Runtime:
+        """The engine process's Runtime under `helios serve`: no tokenizer, chat renderer or model context (its
+        HTTP processes prepare the requests), only structured output's compiler, which the engine's constraint
+        owner reads."""
+        runtime = cls.__new__(cls)
+        runtime.serving, runtime.model, runtime.tokenizer, runtime.chat = serving, None, None, None
+        runtime.output_grammars = output_grammars
+        runtime._own(manifest, engine, config)
+        return runtime
+
+    def _own(self, manifest: Manifest, engine: Any, config: ServerConfig) -> None:
+        self.manifest = manifest
         self.engine = engine
         self.config = config
         self.admission = Admission(self.serving.admission_slots)
