@@ -116,7 +116,9 @@ def build_checkpoint() -> Path:
     (tmp / "tokenizer_config.json").write_text(json.dumps({
         "add_bos_token": False, "add_eos_token": False, "bos_token": None, "eos_token": END_OF_MSG,
         "tokenizer_class": "PreTrainedTokenizerFast"}))  # no chat_template: K3 ships its encoder as Python
-    shutil.rmtree(out, ignore_errors=True)
+    for stale in CACHE.iterdir():  # checkpoints of earlier scripts or fixture versions
+        if stale != tmp:
+            shutil.rmtree(stale, ignore_errors=True)
     tmp.rename(out)
     return out
 
