@@ -115,10 +115,46 @@ def select_blocks(
     nb = (seq_lens.long() + block_size - 1) // block_size  # [B] the sequence's blocks; its own is nb - 1
     blocks = torch.arange(num_index_blocks, device=scores.device)
     local = (blocks[None, :] < nb[:, None]) & (blocks[None, :] >= (nb - local_blocks)[:, None])  # [B, nb_max]
-    scores = scores.masked_fill(local[:, None, :], float("inf"))
+    scores = scores.masked_fill(local[:, None, :], float("inf")) + 0.0  # -0.0 -> +0.0 (dsa_decode.select_pools)
     kept = min(num_kept, num_index_blocks)
     best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kept]
     return torch.where(best < nb[:, None, None], best, -1).to(torch.int32)
+
+
+@jit
+def online_softmax_tile(s, m, l, acc, v, DOT_PRECISION: tl.constexpr):
+    """One key tile of the online softmax: logits s [BLOCK_H, BLOCK_N] (log2 domain, masked lanes -inf), values v
+    [BLOCK_N, width]; returns the new (max, sum, accumulator). Rows with every key so far masked stay (-inf, 0, 0):
+    their max is kept finite for the exponentials, so no NaN (a block list may start with an empty block)."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@jit
+def store_decode_output(
+    acc, m, l,  # [BLOCK_H, BLOCK_W] float32, [BLOCK_H], [BLOCK_H]: online_softmax_tile's state
+    out_ptr, part_out_ptr, part_lse_ptr,  # as paged_attention.split_partials lays them out
+    seq, heads, h_mask, w, w_mask,  # the program's sequence, head rows [BLOCK_H] and output columns [BLOCK_W]
+    stride_os, stride_oh, num_heads, width, split,
+    NUM_SPLITS: tl.constexpr,
+):
+    """The normalized output (one split) or the split's partial output and log2 log-sum-exp (paged_attention's merge
+    reads them). NOTE: no key (a padded row, an empty split) leaves l == 0: output 0, lse -inf."""
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_mask = h_mask[:, None] & w_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + w[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        tl.store(part_out_ptr + part[:, None] * width + w[None, :], o, mask=o_mask)
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=h_mask)
 
 
 @jit
@@ -195,26 +231,10 @@ def _sparse_decode_kernel(
             k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
             s = tl.where(k_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile so far: no NaN
-            alpha = tl.exp2(m - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
             v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
-
-    # NOTE: no key (a padded row, an empty split) leaves l == 0: output 0, lse -inf
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    o_mask = h_mask[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
-        tl.store(part_out_ptr + part[:, None] * head_dim + d[None, :], o, mask=o_mask)
-        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=h_mask)
+            m, l, acc = online_softmax_tile(s, m, l, acc, v, DOT_PRECISION)
+    store_decode_output(acc, m, l, out_ptr, part_out_ptr, part_lse_ptr, seq, heads, h_mask, d, d_mask, stride_os,
+                        stride_oh, num_heads, head_dim, split, NUM_SPLITS)
 
 
 def sparse_decode(

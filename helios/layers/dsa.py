@@ -2,7 +2,10 @@
 the tokens of the best num_pools pools of pool_size keys (each pool's key a learned softmax mix of its tokens' index
 keys), and the incomplete tail (helios.core.manifest.DsaConfig). The torch reference on every device: per sequence
 it gathers the index rows from their pages and selects; attention is mla.py's, expanded under the selection as a
-mask for prefill, absorbed with it as a bias for decode. Imports torch and helios.layers only.
+mask for prefill, absorbed with it as a bias for decode. On the Triton backend a decode-only step (one token per
+sequence) takes helios.kernels.dsa_decode instead: the same selection and the absorbed attention over the chosen pools
+and the tail, with lengths and tables read on the device, so it is CUDA-graph safe (decode_graph_safe, MLA's); prefill
+and mixed steps stay on the torch reference. Imports torch and helios.layers only (helios.kernels on that path).
 
 Cache per layer: (latent [1, P, page, R + dr], index [1, P, page, 2*Di]) from helios.runner.kv_cache: each token's
 normed index key and pool-gate logits sit in the same page and slot as its latent, so they are written, kept and
@@ -16,12 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from helios.core.manifest import DsaConfig, MlaConfig
-from helios.layers.attention import AttentionMetadata
+from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.linear import Linear, meta_parameter
-from helios.layers.mla import MlaAttention, decode_latent_layout, mla_absorbed, mla_expanded, write_latent
+from helios.layers.mla import (MlaAttention, absorb_query, decode_latent_layout, expand_output, mla_absorbed,
+                               mla_expanded, write_latent)
 from helios.switches import DEFAULT_SWITCHES, Switches
 
-Selection = list  # per sequence of the step: [L, S] bool, the keys each of its L queries attends to (None: empty)
+# per sequence of the step: [L, S] bool, the keys each of its L queries attends to (None: empty); a decode-only step
+# on the Triton backend: dsa_decode.select_pools' [B, K + 1] int32 pool lists instead
+Selection = list | torch.Tensor
 
 
 class DsaIndexer(nn.Module):
@@ -121,13 +127,15 @@ def dsa_attention(
 class DsaAttention(MlaAttention):
     """MLA (always with a q latent: the indexer reads it) plus the DSA indexer, or, in a shared layer, none: its
     selection is the previous layer's. Tensors bound: MlaAttention's (layers.L.mla.*) and DsaIndexer's
-    (layers.L.mla.indexer.*, full layers only)."""
+    (layers.L.mla.indexer.*, full layers only). backend: the Triton one takes decode-only steps through
+    helios.kernels.dsa_decode (decode_graph_safe)."""
 
     def __init__(self, hidden_size: int, num_heads: int, config: MlaConfig, dsa: DsaConfig, shared: bool,
-                 switches: Switches = DEFAULT_SWITCHES) -> None:
+                 switches: Switches = DEFAULT_SWITCHES, backend: AttentionBackend | None = None) -> None:
         if config.q_lora_rank is None:
             raise ValueError("DSA reads the MLA's q latent: q_lora_rank must be set")
-        super().__init__(hidden_size, num_heads, config, switches)
+        super().__init__(hidden_size, num_heads, config, switches, backend)
+        self.dsa = dsa
         self.indexer = None if shared else DsaIndexer(hidden_size, config.q_lora_rank, dsa, switches)
 
     def forward(
@@ -143,15 +151,39 @@ class DsaAttention(MlaAttention):
         q_latent, latent, rope_key = self.in_proj(x).split([self.q_dim, c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
         q_latent = self.q_a_norm(q_latent)
         q = self.q_b(q_latent).reshape(num_tokens, self.num_heads, self.qk_head_dim)
+        if self.indexer is None and previous is None:
+            raise ValueError("a shared DSA layer needs the selection of the layer before it")
+        if self.decode_graph_safe and num_tokens == meta.num_seqs:  # every sequence schedules one token
+            o, selection = self._decode(x, q, q_latent, self.kv_a_norm(latent), rope_key, cache, meta, previous)
+            return self.o(o.reshape(num_tokens, self.num_heads * c.v_head_dim)), selection
         write_latent(latent_cache, self.kv_a_norm(latent), rope_key, meta.slot_mapping)
-        if self.indexer is None:
-            if previous is None:
-                raise ValueError("a shared DSA layer needs the selection of the layer before it")
-            selection = previous
-        else:
-            selection = self._select(x, q_latent, index_cache, meta)
+        selection = previous if self.indexer is None else self._select(x, q_latent, index_cache, meta)
         o = dsa_attention(q, latent_cache, self.kv_b.weight, meta, c, selection)
         return self.o(o.reshape(num_tokens, self.num_heads * c.v_head_dim)), selection
+
+    def _decode(self, x, q, q_latent, latent, rope_key, cache, meta: AttentionMetadata,
+                previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, Nq, dv], pool lists)
+        """The decode step in kernels: cache writes that skip padded rows (slot -1), then (unless shared) the pool
+        scores and select's choice, and the absorbed attention over the chosen pools and the tail, from meta's
+        device tensors."""
+        from helios.kernels import dsa_decode
+        from helios.kernels.mla_decode import write_latent as write_rows
+
+        c, d = self.config, self.dsa
+        latent_cache, index_cache = cache
+        write_rows(latent_cache, latent, rope_key, meta.slot_mapping)
+        pools = previous
+        if self.indexer is not None:
+            index_q, weights, index_rows = self.indexer.project(x, q_latent)
+            write_rows(index_cache, index_rows, index_rows[:, :0], meta.slot_mapping)  # a row without a rope part
+            scores = dsa_decode.pool_scores(index_q, weights, index_cache, self.indexer.pool_bias, meta.block_tables,
+                                            meta.seq_lens)
+            pools = dsa_decode.select_pools(scores, meta.seq_lens, d.pool_size, d.num_pools)
+        q_abs = absorb_query(q, self.kv_b.weight, c).to(latent_cache.dtype)
+        splits = dsa_decode.dsa_num_splits(d.num_pools + 1, d.pool_size)
+        o_lat = dsa_decode.sparse_mla_decode(q_abs, latent_cache, meta.block_tables, meta.seq_lens, pools, d.pool_size,
+                                             c.kv_lora_rank, c.softmax_scale, splits)
+        return expand_output(o_lat.to(q.dtype), self.kv_b.weight, c), pools
 
     def _select(self, x, q_latent, index_cache, meta: AttentionMetadata) -> Selection:
         """Write this step's index rows into their slots, then select per sequence over all of its rows."""

@@ -30,7 +30,7 @@ class Glm5NextLayer(nn.Module):
     """attn_hc, attn_norm and kda (a linear layer) or mla (MLA + DSA, a full one); mlp_hc, mlp_norm and mlp or moe."""
 
     def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES,
-                 fused: bool = False) -> None:
+                 fused: bool = False, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         h, eps, moe, limit = arch.hidden_size, arch.rms_norm_eps, arch.moe, arch.swiglu_limit
         self.is_linear = arch.layer_types[layer_idx] == "linear"
@@ -40,7 +40,7 @@ class Glm5NextLayer(nn.Module):
             self.kda = KimiDeltaAttention(h, arch.recurrent, eps, switches, fused=fused)
         else:
             shared = layer_idx in arch.dsa.shared_layers
-            self.mla = DsaAttention(h, arch.num_heads, arch.mla, arch.dsa, shared, switches)
+            self.mla = DsaAttention(h, arch.num_heads, arch.mla, arch.dsa, shared, switches, backend)
         self.mlp_hc = ManifoldHyperConnection(h, arch.mhc, eps)
         self.mlp_norm = RMSNorm(h, eps)
         if moe is None or layer_idx in moe.dense_layers:
@@ -85,7 +85,7 @@ class Glm5NextForCausalLM(nn.Module):
         self.num_streams = arch.mhc.num_streams
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
         fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's and the MoE's kernels
-        self.layers = nn.ModuleList(Glm5NextLayer(arch, i, switches, fused) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(Glm5NextLayer(arch, i, switches, fused, backend) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
                                                                     switches=switches)

@@ -55,10 +55,11 @@ def test_graphed_decode_equals_eager(exported):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sparse_decode_kernels_match_their_references(dtype):
     """tests/kernels/test_sparse_decode.py's checks compiled: the selection = the layer's (exact, ties to the earlier
-    block), the attention = its reference (float32 1e-5; bfloat16 2e-2: probabilities rounded for the PV dot)."""
+    block), the attention = its reference (float32 1e-4; bfloat16 2e-2: probabilities rounded for the PV dot)."""
     from tests.kernels.test_sparse_decode import check_selection, check_sparse_decode
 
-    tol = None if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    # float32: other reduction orders and exp2 on the device, as tests/gpu/test_mla_decode_cuda.py allows
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     check_selection("cuda", dtype)
     check_selection("cuda", dtype, tied=True)
     check_sparse_decode("cuda", dtype, tol=tol)

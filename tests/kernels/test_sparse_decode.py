@@ -89,7 +89,7 @@ def check_sparse_decode(device, dtype, num_heads=4, num_kv_heads=2, config=CONFI
     from helios.layers.qsa import attend_masked
 
     tables, num_pages = paged_tables(list(SEQ_LENS), page_size, device)
-    _, chosen = check_selection(device, dtype, config, page_size=page_size)
+    _, chosen = check_selection(device, torch.float32, config, page_size=page_size)
     kv_cache = _randn(2, num_pages, page_size, num_kv_heads, head_dim, device=device, dtype=dtype, seed=3)
     q = _randn(len(SEQ_LENS), num_heads, head_dim, device=device, dtype=dtype, seed=4)
     lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=device)
@@ -188,20 +188,24 @@ def test_splits_come_from_the_config_alone():
     assert sparse_num_splits(2, 4096) == 2  # never more splits than blocks
 
 
-def test_graphs_admit_minimax_m3_on_the_triton_backend_and_still_refuse_other_indexers(interpreter, tmp_path):
-    """unsupported_reason: minimax_m3 on the Triton backend (fused MoE, SparseAttention's kernels) is graphed; a
-    sparse layer off its kernel path, or glm5_next's DSA (a host loop still), keeps the indexed-attention refusal."""
+def test_graphs_admit_the_kernel_indexers_and_still_refuse_the_others(interpreter, tmp_path):
+    """unsupported_reason on the Triton backend: minimax_m3 (SparseAttention's kernels, fused MoE) and glm5_next
+    (DsaAttention's kernels, KDA's and the MoE's) are graphed; a sparse layer off its kernel path, or qwen4_exp's QSA
+    (a host loop still), keeps the indexed-attention refusal."""
     from helios.kernels.backend import TritonAttentionBackend
     from helios.layers.msa import SparseAttention
     from helios.runner.cuda_graphs import unsupported_reason
     from tests.kernels.moe_cases import family_arch, unbound_model
 
     cuda = torch.device("cuda")  # a device object only: nothing runs there
-    arch = family_arch("minimax_m3", tmp_path / "minimax_m3")
-    model = unbound_model(arch, TritonAttentionBackend())
-    assert unsupported_reason(model, arch, cuda) is None
+    models = {}
+    for family in ("minimax_m3", "glm5_next", "qwen4_exp"):
+        arch = family_arch(family, tmp_path / family)
+        models[family] = (unbound_model(arch, TritonAttentionBackend()), arch)
+    assert unsupported_reason(*models["minimax_m3"], cuda) is None
+    assert unsupported_reason(*models["glm5_next"], cuda) is None
+    reason = unsupported_reason(*models["qwen4_exp"], cuda)
+    assert reason.startswith("indexed attention layers (IndexedAttention)"), reason
+    model, arch = models["minimax_m3"]
     next(m for m in model.modules() if isinstance(m, SparseAttention)).decode_graph_safe = False
     assert unsupported_reason(model, arch, cuda).startswith("indexed attention layers (SparseAttention)")
-    arch = family_arch("glm5_next", tmp_path / "glm5_next")
-    reason = unsupported_reason(unbound_model(arch, TritonAttentionBackend()), arch, cuda)
-    assert reason.startswith("indexed attention layers (DsaAttention)"), reason
