@@ -250,11 +250,11 @@ def _runtime_side(core, config: ServerConfig, serving: Serving, frontend: bool) 
     return runtime
 
 
-def _discard(frontend: Future, engine) -> None:
+def _discard(side: Future, engine) -> None:
     """A failed build: stop the engine that was built (and its runner's processes), and the runtime's pool once
     the thread building it is done."""
     try:
-        runtime = frontend.result()
+        runtime = side.result()
     except Exception:
         runtime = None
     if runtime is None:
