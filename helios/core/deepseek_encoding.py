@@ -111,6 +111,7 @@ class DeepseekV4Encoding:
     """DeepSeek V4's format; DeepseekV41Encoding overrides the parts V4.1 changed."""
 
     kind: NativeKind = "deepseek_v4"
+    answer_open = answer_release = ""  # the answer follows the single-token reasoning close directly
     calls_tag, invoke_tag, param_tag = "tool_calls", "invoke", "parameter"
     inline_system = False  # V4: a system message only leads
     bos_token, eos_token = BOS, EOS

@@ -110,6 +110,10 @@ class KimiK3Encoding:
     kind = KIND
     bos_token, eos_token = None, END_OF_MSG
     reasoning_delimiters = (THINK_OPEN, THINK_CLOSE)
+    # structured output (helios/frontend/structured.py): the answer is the response channel's text, so the grammar
+    # starts after its opener; the channel's `<|close|>` as the answer's first token (an empty response, the tools
+    # channel next) releases the grammar when tools are parsed
+    answer_open, answer_release = RESPONSE_OPEN, CLOSE
 
     @property
     def kwargs(self) -> list[str]:

@@ -54,13 +54,17 @@ class ConstraintSpec(Struct, frozen=True, kw_only=True):
     """A request's output grammar (structured output) and the envelopes around it, resolved by the frontend.
 
     The grammar constrains the final answer: while the prompt left output inside reasoning it waits for the
-    reasoning close token, and at the answer's first token a single-token tool opener (the tool-call envelope)
-    is allowed as well and releases the request from the grammar. Compiled by the engine's ConstraintOwner.
+    reasoning close token (or, for a close of several tokens, the output's ending with `close_token_ids`), and at
+    the answer's first token a single-token tool opener (the tool-call envelope) is allowed as well and releases
+    the request from the grammar. Compiled by the engine's ConstraintOwner.
     """
 
     grammar: str  # llguidance's serialized grammar (LLMatcher.grammar_from_*), validated by the frontend
-    starts_in_reasoning: bool = False  # output opens inside reasoning: the grammar starts after close_token_id
+    starts_in_reasoning: bool = False  # output opens inside reasoning: the grammar starts after the close
     close_token_id: int | None = None  # the prepared single-token reasoning close delimiter
+    # a close of several tokens, with the answer channel's opener after it where the syntax has one (Kimi K3's
+    # `<|close|>think<|sep|><|open|>response<|sep|>`): the grammar starts once the output ends with these ids
+    close_token_ids: tuple[int, ...] = ()
     tool_open_token_ids: tuple[int, ...] = ()  # single-token tool openers allowed in place of the answer
 
 

@@ -21,21 +21,23 @@ class ConstraintState:
     """Where one request stands against its grammar, from its committed output ids; survives preemption (the
     engine recomputes KV then, it never replays tokens through the grammar)."""
 
-    __slots__ = ("spec", "matcher", "phase", "num_answer_tokens", "error")
+    __slots__ = ("spec", "matcher", "phase", "num_answer_tokens", "error", "tail")
 
     def __init__(self, spec: ConstraintSpec, matcher: Any) -> None:
         self.spec = spec
         self.matcher = matcher  # llguidance.LLMatcher at its start state, this request's own
-        # "reasoning": before the close token (unconstrained); "answer": under the grammar; "released": a tool
-        # call took the answer's place (unconstrained to the end)
-        self.phase = "reasoning" if spec.starts_in_reasoning and spec.close_token_id is not None else "answer"
+        # "reasoning": before the close (unconstrained); "answer": under the grammar; "released": a tool call
+        # took the answer's place (unconstrained to the end)
+        closes = spec.close_token_id is not None or bool(spec.close_token_ids)
+        self.phase = "reasoning" if spec.starts_in_reasoning and closes else "answer"
         self.num_answer_tokens = 0
         self.error: str | None = None
+        self.tail: list[int] = []  # the last reasoning ids, as many as a close of several tokens has
 
     def observe(self, token_id: int) -> None:
         """Fold one appended output token into the state; a token the grammar refuses sets `error`."""
         if self.phase == "reasoning":
-            if token_id == self.spec.close_token_id:
+            if self._closes_reasoning(token_id):
                 self.phase = "answer"
             return
         if self.phase != "answer" or self.error is not None:
@@ -46,6 +48,14 @@ class ConstraintState:
         self.num_answer_tokens += 1
         if not self.matcher.consume_token(token_id):
             self.error = f"the output constraint refused token {token_id}: {_first_line(self.matcher.get_error())}"
+
+    def _closes_reasoning(self, token_id: int) -> bool:
+        sequence = self.spec.close_token_ids
+        if not sequence:
+            return token_id == self.spec.close_token_id
+        self.tail.append(token_id)
+        del self.tail[: -len(sequence)]
+        return tuple(self.tail) == sequence
 
     def token_mask(self) -> bytes | None:
         """The allowed next tokens as a little-endian bitmask of int32 words (bit i of word w: token 32w+i),

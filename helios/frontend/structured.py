@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from helios.core.native_encoding import native_encoder
 from helios.engine.messages import ConstraintSpec
 from helios.frontend.chat import ChatMessage
 from helios.frontend.grammar import OutputSyntax
@@ -208,12 +209,33 @@ def output_constraint(ctx: ModelContext, grammar: str, prompt_ids: list[int] | N
     if not conversational:
         return ConstraintSpec(grammar=grammar)
     syntax = ctx.manifest.template.reasoning
-    starts = (syntax is not None and syntax.close_token_id is not None and prompt_ids is not None
-              and output_starts_in_reasoning(syntax, prompt_ids))
-    return ConstraintSpec(
-        grammar=grammar,
-        starts_in_reasoning=starts,
-        close_token_id=syntax.close_token_id if starts else None,
-        tool_open_token_ids=tool_open_token_ids(ctx, plan is not None and plan.parses_tools),
-    )
+    parses_tools = plan is not None and plan.parses_tools
+    tool_ids = tool_open_token_ids(ctx, parses_tools)
+    if syntax is None or prompt_ids is None or not output_starts_in_reasoning(syntax, prompt_ids):
+        return ConstraintSpec(grammar=grammar, tool_open_token_ids=tool_ids)
+    if syntax.close_token_id is not None:
+        return ConstraintSpec(grammar=grammar, starts_in_reasoning=True, close_token_id=syntax.close_token_id,
+                              tool_open_token_ids=tool_ids)
+    gate = _answer_gate(ctx, syntax.close)
+    if gate is None:  # NOTE: a text close whose ids depend on its neighbours: the grammar applies from the start
+        return ConstraintSpec(grammar=grammar, tool_open_token_ids=tool_ids)
+    close_ids, release_ids = gate
+    return ConstraintSpec(grammar=grammar, starts_in_reasoning=True, close_token_ids=close_ids,
+                          tool_open_token_ids=release_ids if parses_tools else tool_ids)
+
+
+def _answer_gate(ctx: ModelContext, close: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """For a reasoning close of several tokens: the ids after which the answer starts (the close, then the answer
+    channel's opener of a native encoder that has one: Kimi K3's response channel) and the single-token release
+    of that channel (tools follow an empty answer). None unless the text starts and ends with a special token:
+    only then do its ids not depend on what the model wrote around it."""
+    kind = ctx.manifest.template.kind
+    encoder = native_encoder(kind) if kind != "jinja" else None
+    text = close + (encoder.answer_open if encoder is not None else "")
+    ids = tuple(ctx.tokenizer.encode(text, add_special_tokens=False))
+    if not ids or ids[0] not in ctx.tokenizer.special_ids or ids[-1] not in ctx.tokenizer.special_ids:
+        return None
+    release = encoder.answer_release if encoder is not None else ""
+    release_ids = tuple(ctx.tokenizer.encode(release, add_special_tokens=False)) if release else ()
+    return ids, release_ids if len(release_ids) == 1 else ()
 

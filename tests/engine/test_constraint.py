@@ -94,6 +94,18 @@ def test_reasoning_is_free_and_the_grammar_starts_after_the_close():
     assert masked_plans(runner) == [False] * 3 + [True] * 4
 
 
+def test_a_close_of_several_tokens_starts_the_grammar_only_once_whole():
+    """Kimi K3's close (`<|close|>think<|sep|>` then the response opener) is an id sequence: its first ids alone,
+    or all of them interrupted, leave reasoning free; the grammar starts after the whole sequence."""
+    close = (CLOSE, 300, TOOL)
+    script = [CLOSE, 300, 301, CLOSE, 300, TOOL]  # a partial close, then the whole one
+    c = constraint(starts_in_reasoning=True, close_token_ids=close)
+    got, runner = run_one(request("a", max_tokens=16, eos_token_ids=(EOS,), constraint=c), script)
+    tokens = got.tokens["a"]
+    assert tokens[:6] == script and text(tokens[6:]) == b"abc" and tokens[-1] == EOS
+    assert masked_plans(runner) == [False] * 6 + [True] * 4
+
+
 def test_a_tool_opener_takes_the_answers_place_and_releases_the_grammar():
     script = [TOOL, 300, 301, 302]
     c = constraint(tool_open_token_ids=(TOOL,))

@@ -214,3 +214,50 @@ def test_messages_tool_use(served):
     assert r.stop_reason == "tool_use"
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "input", None)) for b in r.content] == [
         ("thinking", "Forecast wanted."), ("tool_use", {"city": "Paris", "days": 3})]
+
+
+def test_structured_output_starts_in_the_response_channel_and_a_closed_empty_one_releases_it(core):
+    """Under an output constraint the K3 answer is the response channel's text: the grammar waits for the whole
+    `<|close|>think<|sep|><|open|>response<|sep|>` (several ids) and, with tools parsed, the channel's `<|close|>`
+    as its first token releases it for the tools channel. Driven with the ids of the scripted replies through the
+    constraint owner's real llguidance state over the core's vocabulary."""
+    from helios.core.load import read_manifest
+    from helios.frontend.constraints import ConstraintState
+    from helios.frontend.context import ModelContext, ModelLimits
+    from helios.frontend.structured import output_constraint
+    from helios.frontend.tokenizer import Tokenizer
+    from helios.frontend.tools import FunctionTool, ToolPlan
+
+    manifest = read_manifest(core)
+    tokenizer = Tokenizer.from_file(core / manifest.tokenizer.file, manifest.tokenizer, manifest.arch.vocab_size)
+    ctx = ModelContext.build(manifest, ModelLimits(max_model_len=512, default_max_tokens=16), tokenizer, None)
+    grammar = ctx.output_grammars.compile("json_schema", {"type": "object", "properties": {"blue": {"type": "boolean"}},
+                                                   "required": ["blue"], "additionalProperties": False})
+    prompt = tokenizer.encode(render(*CASES["think"][:2]), add_special_tokens=False)
+    spec = output_constraint(ctx, grammar, prompt, None)
+    gate = tuple(tokenizer.encode(THINK_CLOSE + RESPONSE_OPEN, add_special_tokens=False))
+    assert spec.starts_in_reasoning and spec.close_token_ids == gate and len(gate) > 2
+    assert spec.tool_open_token_ids == ()
+
+    state = ConstraintState(spec, ctx.output_grammars.matcher(grammar))
+    for token_id in tokenizer.encode("Rayleigh." + THINK_CLOSE, add_special_tokens=False):
+        assert state.token_mask() is None  # reasoning (and a partial close) stay free
+        state.observe(token_id)
+    for token_id in tokenizer.encode(RESPONSE_OPEN, add_special_tokens=False):
+        state.observe(token_id)
+    for token_id in tokenizer.encode('{"blue":true}', add_special_tokens=False):
+        mask = state.token_mask()
+        assert mask is not None and mask[token_id >> 3] >> (token_id & 7) & 1
+        state.observe(token_id)
+    assert state.error is None
+    close = tokenizer.encode("<|close|>", add_special_tokens=False)[0]
+    assert not state.token_mask()[close >> 3] >> (close & 7) & 1  # the grammar ends in EOS, not the channel close
+
+    plan = ToolPlan(tools=[FunctionTool(name="get_weather", parameters=WEATHER["function"]["parameters"])])
+    call_prompt = tokenizer.encode(render(*CASES["call"][:2]), add_special_tokens=False)
+    spec = output_constraint(ctx, grammar, call_prompt, plan)
+    assert spec.tool_open_token_ids == (close,)
+    state = ConstraintState(spec, ctx.output_grammars.matcher(grammar))
+    for token_id in tokenizer.encode(CASES["call"][2], add_special_tokens=False):
+        state.observe(token_id)
+    assert state.phase == "released" and state.error is None
