@@ -263,16 +263,19 @@ class SigmoidMoe(RoutedMoe):
         hit = (assignment.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
         for e in hit:
             slot, token = torch.where(assignment[e])
-            if self.act == "relu2":
-                h = relu2(linear(x[token], self.up.weight[e]))
-            else:
-                h = gated(linear(x[token], self.gate_up.weight[e]), self.act, self.limit, self.clamp_after_act,
-                          alpha=self.alpha)
-            h = linear(h, self.down.weight[e])
-            if self.moe.latent_norms:
-                h = self.expert_norm(h)
-            out.index_add_(0, token, (h * weights[token, slot, None]).to(out.dtype))
+            out.index_add_(0, token, (self._expert(x[token], e) * weights[token, slot, None]).to(out.dtype))
         return out
+
+    def _expert(self, rows: torch.Tensor, e: int) -> torch.Tensor:  # [n, W] -> [n, W]
+        """Expert e's output for the rows routed to it, before their routing weights (e: a row of the bound
+        stacks; helios.layers.parallel's expert-parallel layer binds only its rank's)."""
+        if self.act == "relu2":
+            h = relu2(linear(rows, self.up.weight[e]))
+        else:
+            h = gated(linear(rows, self.gate_up.weight[e]), self.act, self.limit, self.clamp_after_act,
+                      alpha=self.alpha)
+        h = linear(h, self.down.weight[e])
+        return self.expert_norm(h) if self.moe.latent_norms else h
 
     def _experts_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         from helios.kernels import fused_moe

@@ -4,8 +4,9 @@ A `TensorGroup` names this rank's place among `world_size` ranks and the process
 CPU, NCCL on GPUs: the same calls). A column-parallel projection (qkv, gate_up, a gated delta rule's in_proj) needs
 no class of its own: a Linear bound to this rank's rows. What crosses ranks: `RowParallelLinear`'s sum (o, down, a
 gated delta rule's out; `row_parallel` swaps one in for a built Linear), `VocabParallelEmbedding`'s masked lookup
-and sum, the head's vocabulary all-gather (`TensorGroup.gather_vocab`) and `ExpertParallelMoe`'s sum. The slices
-are cut at load time (helios.runner.parallel). Imports torch and layers only.
+and sum, the head's vocabulary all-gather (`TensorGroup.gather_vocab`) and the expert-parallel MoE layers' sums
+(`ExpertParallelMoe`, `ExpertParallelSigmoidMoe`). The slices are cut at load time (helios.runner.parallel). Imports
+torch, layers and the manifest's config types only.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from helios.core.manifest import Activation, MoeConfig
 from helios.layers.activation import gated
 from helios.layers.linear import Linear, Stacked, linear, meta_parameter
-from helios.layers.moe import SparseMoe, route
+from helios.layers.moe import SigmoidMoe, SparseMoe, route
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -65,7 +67,9 @@ class TensorGroup:
         out = logits.new_empty(self.world_size * logits.shape[0], share)
         dist.all_gather_single(out, logits.contiguous(), group=self.group)  # rank-major rows
         rows = logits.shape[0]
-        return out.view(self.world_size, rows, share).permute(1, 0, 2).reshape(rows, -1)[:, :vocab_size]
+        # NOTE: the width named, not -1: a step whose rows all continue a prompt samples none (rows = 0)
+        return out.view(self.world_size, rows, share).permute(1, 0, 2).reshape(rows, self.world_size * share)[
+            :, :vocab_size]
 
 
 class RowParallelLinear(Linear):
@@ -134,14 +138,49 @@ class ExpertParallelMoe(SparseMoe):
         weights, experts = route(self.router(x if router_input is None else router_input), self.top_k,
                                  self.norm_topk_prob)
         out = torch.zeros_like(x)
-        count = self.gate_up.weight.shape[0]
-        local = experts - self.first  # [T, k]: this rank's experts at 0 .. count - 1
-        assignment = F.one_hot(torch.where((local >= 0) & (local < count), local, count),
-                               num_classes=count + 1)[..., :count].permute(2, 1, 0)  # [count, k, T]
-        hit = (assignment.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()
+        assignment, hit = local_assignment(experts, self.first, self.gate_up.weight.shape[0])
         for e in hit:
             slot, token = torch.where(assignment[e])
             h = gated(linear(x[token], self.gate_up.weight[e]), self.act)
             h = linear(h, self.down.weight[e]) * weights[token, slot, None]
             out.index_add_(0, token, h.to(out.dtype))
         return self.tp.all_reduce(out)
+
+
+class ExpertParallelSigmoidMoe(SigmoidMoe):
+    """SigmoidMoe with the experts split over the ranks, as ExpertParallelMoe: the router and its score bias (every
+    token routed over all experts), the latent projections and norms and the shared expert replicated; each rank
+    runs its experts [first, first + count) for the tokens routed to them and the sum over the ranks adds the
+    experts' outputs (before latent_out and the shared expert, which every rank then applies alike). Tensors bound:
+    SigmoidMoe's, with gate_up (or up) and down [E / world_size, ...], a contiguous slice of the core's. The torch
+    expert loop on every device (no fused path)."""
+
+    def __init__(self, hidden_size: int, moe: MoeConfig, act: Activation, tp: TensorGroup,
+                 switches: Switches = DEFAULT_SWITCHES, **options):
+        """options: SigmoidMoe's limit, clamp_after_act, norm_eps and alpha."""
+        super().__init__(hidden_size, moe, act, switches, **options)
+        self.tp = tp
+        self.first, end = tp.split(moe.num_experts, "moe.num_experts")
+        count, width, fm = end - self.first, moe.latent_size or hidden_size, moe.moe_intermediate_size
+        if act == "relu2":
+            self.up = Stacked(count, fm, width)
+        else:
+            self.gate_up = Stacked(count, 2 * fm, width)
+        self.down = Stacked(count, width, fm)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:  # [T, W]
+        out = torch.zeros_like(x)
+        assignment, hit = local_assignment(experts, self.first, self.down.weight.shape[0])
+        for e in hit:
+            slot, token = torch.where(assignment[e])
+            out.index_add_(0, token, (self._expert(x[token], e) * weights[token, slot, None]).to(out.dtype))
+        return self.tp.all_reduce(out)
+
+
+def local_assignment(experts: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, list[int]]:
+    """experts [T, k] (ids over all experts) -> ([count, k, T] one-hot of the slots routed to this rank's experts
+    first .. first + count - 1, renumbered from 0; the local experts hit, ascending: the single-rank loop's order)."""
+    local = experts - first
+    assignment = F.one_hot(torch.where((local >= 0) & (local < count), local, count),
+                           num_classes=count + 1)[..., :count].permute(2, 1, 0)
+    return assignment, (assignment.sum(dim=(1, 2)) > 0).nonzero().flatten().tolist()

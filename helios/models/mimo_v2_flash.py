@@ -6,6 +6,11 @@ zero-padded to head_dim: helios.layers.attention); rotary turns each head's lead
 (attention_value_scale) is folded into the qkv weight by ignition. The feed-forward is a SwiGLU MLP (the dense
 layers) or sigmoid-routed, group-limited experts without a shared expert (helios.layers.moe.SigmoidMoe).
 Forward-only, no weights of its own.
+
+With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's attention
+heads (and their sinks), full and sliding KV heads and dense MLP width; o and down sum over the ranks, the experts
+split over them (helios.layers.parallel.ExpertParallelSigmoidMoe), the embedding and the head hold its vocabulary
+rows (compute_logits gathers them).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from helios.layers.attention import Attention, AttentionBackend, AttentionMetada
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.moe import SigmoidMoe
 from helios.layers.norm import RMSNorm
+from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding
 from helios.models.llama import is_sliding
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -27,7 +33,8 @@ from helios.switches import DEFAULT_SWITCHES, Switches
 class MiMoV2FlashLayer(nn.Module):
     """x += attn(attn_norm(x)); x += mlp or moe(mlp_norm(x))."""
 
-    def __init__(self, arch: Architecture, i: int, backend: AttentionBackend, switches: Switches = DEFAULT_SWITCHES):
+    def __init__(self, arch: Architecture, i: int, backend: AttentionBackend, switches: Switches = DEFAULT_SWITCHES,
+                 tp: TensorGroup | None = None):
         super().__init__()
         h, eps = arch.hidden_size, arch.rms_norm_eps
         sliding = is_sliding(arch, i)
@@ -38,11 +45,17 @@ class MiMoV2FlashLayer(nn.Module):
                               sinks=("sliding" if sliding else "full") in arch.attention_sinks, switches=switches)
         self.mlp_norm = RMSNorm(h, eps)
         self.is_moe = arch.moe is not None and i not in arch.moe.dense_layers
-        if self.is_moe:
+        if self.is_moe and tp is not None:  # the experts split over the ranks
+            self.moe = ExpertParallelSigmoidMoe(h, arch.moe, arch.hidden_act, tp, switches=switches)
+        elif self.is_moe:
             self.moe = SigmoidMoe(h, arch.moe, arch.hidden_act, switches=switches,
                                   fused=getattr(backend, "fuses_layers", False))
         else:
             self.mlp = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
+        if tp is not None:  # o and a dense MLP's down read this rank's heads / width and sum over the ranks
+            self.attn.o = row_parallel(self.attn.o, tp)
+            if not self.is_moe:
+                self.mlp.down = row_parallel(self.mlp.down, tp)
 
     def forward(
         self,
@@ -60,17 +73,20 @@ class MiMoV2FlashForCausalLM(nn.Module):
     """Torch layers around the backend's attention; a sink or narrow-V layer never takes the fused qkv launch."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
-                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
+                 tp: TensorGroup | None = None):
         super().__init__()
         if norms_folded:
             raise ValueError("mimo_v2_flash norm weights are never folded")
         self.arch = arch
         self.switches = switches
-        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(MiMoV2FlashLayer(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.tp = tp
+        self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
+                      else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
+        self.layers = nn.ModuleList(MiMoV2FlashLayer(arch, i, backend, switches, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
-                                                                    switches=switches)
+        head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
         rotary_dim = arch.rotary_dim or arch.head_dim
         self.rotary = RotaryEmbedding(rotary_dim, arch.rope_theta, None, arch.max_position_embeddings, device)
         local_theta = arch.rope_local_theta if arch.rope_local_theta is not None else arch.rope_theta
@@ -91,4 +107,5 @@ class MiMoV2FlashForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.switches)
+        logits = linear(hidden, weight, None, self.switches)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.arch.vocab_size)

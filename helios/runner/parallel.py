@@ -9,13 +9,14 @@ samples from the logits every rank gathers. Weights are cut at load time from th
 (`shard_tensors`): views where a rank's slice is contiguous (vocabulary rows, whole experts), a copy where it is not.
 Nothing about the shards is recorded in the core.
 
-Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe) and the hybrids
-qwen3_5, qwen3_5_moe (helios.models.qwen3_5). Per layer: attention by head (q, k, v and qwen3_5's output gate
-column parallel, o row parallel), a dense MLP by width (gate_up column, down row parallel), a MoE layer by whole
-experts (the router and qwen3_5_moe's shared expert with its gate replicated), the gated delta rule by head (its
-q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and the value
-heads that read it; each rank's recurrent state holds its heads only; out row parallel); the embedding and the head
-by vocabulary rows. A size that does not split raises, naming the architecture field.
+Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe), the hybrids qwen3_5,
+qwen3_5_moe (helios.models.qwen3_5) and mimo_v2_flash. Per layer: attention by head (q, k, v and qwen3_5's output
+gate column parallel, mimo_v2_flash's sinks with their heads, o row parallel; a sliding layer's own KV head count
+split as the full layers'), a dense MLP by width (gate_up column, down row parallel), a MoE layer by whole experts
+(the router, its score bias and qwen3_5_moe's shared expert with its gate replicated), the gated delta rule by head
+(its q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and the
+value heads that read it; each rank's recurrent state holds its heads only; out row parallel); the embedding and the
+head by vocabulary rows. A size that does not split raises, naming the architecture field.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from helios.runner.model_runner import ModelRunner
 # NOTE: NVLink multicast (NVLS) stays off in every process of a group and in their children: set before any
 # communicator exists, and inherited by what they spawn
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# the families whose model classes take `tp`: helios.models.llama's and helios.models.qwen3_5's
-SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe")
+# the families whose model classes take `tp`: helios.models.llama's, qwen3_5's and mimo_v2_flash's
+SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "mimo_v2_flash")
 GROUP_TIMEOUT = timedelta(minutes=10)  # a rank waits this long at a collective before giving up
 
 
@@ -87,6 +88,8 @@ def shard_arch(arch: Architecture, tp: TensorGroup) -> Architecture:
         raise ValueError(f"tensor parallelism covers {', '.join(SHARDED_FAMILIES)}; not {arch.family!r}")
     w = tp.world_size
     split = {name: getattr(arch, name) for name in ("num_heads", "num_kv_heads")}
+    if arch.sliding_num_kv_heads is not None:
+        split["sliding_num_kv_heads"] = arch.sliding_num_kv_heads
     if has_dense_mlp(arch):
         split["intermediate_size"] = arch.intermediate_size
     for name, size in split.items():
@@ -118,17 +121,18 @@ def _shard_recurrent(arch: Architecture, tp: TensorGroup):
 
 
 _REPLICATED = re.compile(r"(norm|attn_norm|mlp_norm|attn\.q_norm|attn\.k_norm|moe\.router|linear\.norm"
-                         r"|moe\.shared\.gate_up|moe\.shared\.down|moe\.shared_gate)\.weight")
+                         r"|moe\.shared\.gate_up|moe\.shared\.down|moe\.shared_gate)\.weight|moe\.router\.bias")
 
 
 def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: TensorGroup) -> dict[str, torch.Tensor]:
     """This rank's tensors, named as the core names them, cut from the core's full ones (`arch`: the full one).
 
-    Column parallel (rows split): qkv (its q, k, v and output-gate heads), gate_up (its gate and up rows), the gated
-    delta rule's in_proj (its q, k, v, z, b and a heads), conv (its q, k and v channels), dt_bias and A_log; row
-    parallel (input columns split): o, down, the gated delta rule's out; vocabulary rows: embed, lm_head; whole
-    experts: a MoE layer's gate_up and down; replicated: norms, q/k norms, the gated norm, the router, a shared
-    expert and its gate. An unknown tensor raises, so a layout this does not know never runs half-sharded."""
+    Column parallel (rows split): qkv (its q, k, v and output-gate heads), attention sinks, gate_up (its gate and up
+    rows), the gated delta rule's in_proj (its q, k, v, z, b and a heads), conv (its q, k and v channels), dt_bias
+    and A_log; row parallel (input columns split): o, down, the gated delta rule's out; vocabulary rows: embed,
+    lm_head; whole experts: a MoE layer's gate_up and down; replicated: norms, q/k norms, the gated norm, the
+    router, a shared expert and its gate, the router's score bias. An unknown tensor raises, so a layout this does
+    not know never runs half-sharded."""
     out = {}
     for name, t in tensors.items():
         if name.startswith("mtp."):  # draft modules: mapped whole on the host, never bound (ModelRunner.draft_tensors)
@@ -146,9 +150,12 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
     if _REPLICATED.fullmatch(key):
         return t
     if key in ("attn.qkv.weight", "attn.qkv.bias"):
-        d, nq, nkv = arch.head_dim, arch.num_heads, arch.num_kv_heads
-        heads = [nq, nkv, nkv] + ([nq] if arch.attn_output_gate else [])  # qwen3_5: the gate rows follow v's
-        return _blocks(t, [n * d for n in heads], tp)
+        d, dv, nq = arch.head_dim, arch.v_head_dim or arch.head_dim, arch.num_heads
+        nkv = arch.layer_kv_heads(int(name.split(".")[1]))  # a sliding layer's own count (mimo_v2_flash)
+        gate = [nq * d] if arch.attn_output_gate else []  # qwen3_5: the gate rows follow v's
+        return _blocks(t, [nq * d, nkv * d, nkv * dv, *gate], tp)
+    if key == "attn.sinks":
+        return _blocks(t, [arch.num_heads], tp)
     if key == "mlp.gate_up.weight":
         inter = t.shape[0] // 2
         return _blocks(t, [inter, inter], tp)
