@@ -82,24 +82,24 @@ def check_selection(device, dtype, config=CONFIG, seq_lens=SEQ_LENS, page_size=4
 
 
 def check_sparse_decode(device, dtype, num_heads=4, num_kv_heads=2, config=CONFIG, num_splits=1, tol=None,
-                        page_size=4, head_dim=16):
+                        page_size=4, head_dim=16, seq_lens=SEQ_LENS):
     """The attention over the chosen blocks = sparse_decode_ref and = the layer's masked SDPA (attend_masked under
     select's mask); the padded row outputs zeros."""
     from helios.kernels.sparse_decode import sparse_decode, sparse_decode_ref
     from helios.layers.qsa import attend_masked
 
-    tables, num_pages = paged_tables(list(SEQ_LENS), page_size, device)
-    _, chosen = check_selection(device, torch.float32, config, page_size=page_size)
+    tables, num_pages = paged_tables(list(seq_lens), page_size, device)
+    _, chosen = check_selection(device, torch.float32, config, seq_lens, page_size=page_size)
     kv_cache = _randn(2, num_pages, page_size, num_kv_heads, head_dim, device=device, dtype=dtype, seed=3)
-    q = _randn(len(SEQ_LENS), num_heads, head_dim, device=device, dtype=dtype, seed=4)
-    lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=device)
+    q = _randn(len(seq_lens), num_heads, head_dim, device=device, dtype=dtype, seed=4)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
     scale = head_dim**-0.5
     tol = tol or dict(atol=1e-5, rtol=1e-5)
     out = sparse_decode(q, kv_cache, tables, lens, chosen, config.block_size, scale, num_splits)
     torch.testing.assert_close(out, sparse_decode_ref(q, kv_cache, tables, lens, chosen, config.block_size, scale),
                                **tol)
     group = num_heads // config.num_heads
-    for i, seq_len in enumerate(SEQ_LENS):
+    for i, seq_len in enumerate(seq_lens):
         if seq_len == 0:
             assert torch.count_nonzero(out[i]) == 0
             continue
