@@ -13,6 +13,8 @@ Imports torch and helios.kernels only.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from helios.kernels._triton import cdiv, check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
@@ -246,7 +248,7 @@ def sparse_decode(
     block_size: int,
     scale: float,
     num_splits: int = 1,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] in q's dtype
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] in the cache's dtype (the model's)
     """Query head h reads the blocks its index head h // (num_heads / num_index_heads) chose, keys j < seq_len; float32
     softmax and accumulation. num_splits (along the chosen blocks) is a launch constant, so a graph stays valid."""
     require_triton()
@@ -264,7 +266,7 @@ def sparse_decode(
     if num_seqs == 0:
         return out
     kv_group, index_group = num_heads // num_kv_heads, num_heads // num_index_heads
-    run = _gcd(kv_group, index_group)
+    run = math.gcd(kv_group, index_group)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     part_out, part_lse = split_partials(out, num_splits)
     _sparse_decode_kernel[(num_seqs, num_heads // run, num_splits)](
@@ -279,12 +281,6 @@ def sparse_decode(
     )
     merge_splits(part_out, part_lse, out, num_splits, False)
     return out
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def sparse_num_splits(num_kept: int, block_size: int) -> int:
