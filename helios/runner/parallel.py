@@ -12,11 +12,12 @@ Nothing about the shards is recorded in the core.
 Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe), the hybrids qwen3_5,
 qwen3_5_moe (helios.models.qwen3_5) and mimo_v2_flash. Per layer: attention by head (q, k, v and qwen3_5's output
 gate column parallel, mimo_v2_flash's sinks with their heads, o row parallel; a sliding layer's own KV head count
-split as the full layers'), a dense MLP by width (gate_up column, down row parallel), a MoE layer by whole experts
-(the router, its score bias and qwen3_5_moe's shared expert with its gate replicated), the gated delta rule by head
-(its q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and the
-value heads that read it; each rank's recurrent state holds its heads only; out row parallel); the embedding and the
-head by vocabulary rows. A size that does not split raises, naming the architecture field.
+split as the full layers'; fewer KV heads than ranks: one on each rank, replicated), a dense MLP by width (gate_up
+column, down row parallel), a MoE layer by whole experts (the router, its score bias and qwen3_5_moe's shared expert
+with its gate replicated), the gated delta rule by head (its q/k/v/z/b/a projection rows, the short convolution's
+channels, dt_bias and A_log split by key head and the value heads that read it; each rank's recurrent state holds
+its heads only; out row parallel); the embedding and the head by vocabulary rows. A size that does not split raises,
+naming the architecture field.
 """
 
 from __future__ import annotations
@@ -81,15 +82,14 @@ def init_ranks(rank: int, world_size: int, address: str, port: int, device: str 
 
 
 def shard_arch(arch: Architecture, tp: TensorGroup) -> Architecture:
-    """The architecture one rank runs: its attention heads, KV heads (its KV cache holds those), dense MLP width and
-    gated-delta heads (its recurrent state slots hold those); the vocabulary and the experts stay whole (their layers
-    slice them by rank). Raises for a family or a size that does not split, naming the field."""
+    """The architecture one rank runs: its attention heads, KV heads (its KV cache holds those; one replicated when
+    there are fewer than ranks: kv_heads_per_rank), dense MLP width and gated-delta heads (its recurrent state slots
+    hold those); the vocabulary and the experts stay whole (their layers slice them by rank). Raises for a family or
+    a size that does not split, naming the field."""
     if arch.family not in SHARDED_FAMILIES:
         raise ValueError(f"tensor parallelism covers {', '.join(SHARDED_FAMILIES)}; not {arch.family!r}")
     w = tp.world_size
-    split = {name: getattr(arch, name) for name in ("num_heads", "num_kv_heads")}
-    if arch.sliding_num_kv_heads is not None:
-        split["sliding_num_kv_heads"] = arch.sliding_num_kv_heads
+    split = {"num_heads": arch.num_heads}
     if has_dense_mlp(arch):
         split["intermediate_size"] = arch.intermediate_size
     for name, size in split.items():
@@ -97,9 +97,34 @@ def shard_arch(arch: Architecture, tp: TensorGroup) -> Architecture:
     if arch.moe is not None:
         tp.split(arch.moe.num_experts, "moe.num_experts")
     local = {name: size // w for name, size in split.items()}
+    for name in ("num_kv_heads", "sliding_num_kv_heads"):
+        if getattr(arch, name) is not None:
+            local[name] = kv_heads_per_rank(getattr(arch, name), tp, name)
     if arch.recurrent is not None:
         local["recurrent"] = _shard_recurrent(arch, tp)
     return msgspec.structs.replace(arch, **local)
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: TensorGroup, what: str) -> int:
+    """KV heads one rank holds: an even share, or with fewer KV heads than ranks (world_size a multiple of them)
+    one, replicated on world_size / num_kv_heads ranks: a rank's num_heads / world_size q heads then all lie in the
+    group of num_heads / num_kv_heads that reads it. Raises naming `what` otherwise."""
+    w = tp.world_size
+    if num_kv_heads % w == 0:
+        return num_kv_heads // w
+    if w % num_kv_heads:
+        raise ValueError(f"{what} = {num_kv_heads} neither splits over {w} ranks nor divides them")
+    return 1
+
+
+def _kv_rows(t: torch.Tensor, offset: int, num_kv_heads: int, size: int, tp: TensorGroup) -> torch.Tensor:
+    """This rank's rows of a k or v block (num_kv_heads heads of `size` rows from `offset`): its share, or its one
+    replicated head (kv_heads_per_rank)."""
+    if num_kv_heads % tp.world_size == 0:
+        start, end = tp.split(num_kv_heads * size, "rows")
+        return t[offset + start : offset + end]
+    head = tp.rank // (tp.world_size // num_kv_heads)
+    return t[offset + head * size : offset + (head + 1) * size]
 
 
 def has_dense_mlp(arch: Architecture) -> bool:
@@ -150,10 +175,7 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
     if _REPLICATED.fullmatch(key):
         return t
     if key in ("attn.qkv.weight", "attn.qkv.bias"):
-        d, dv, nq = arch.head_dim, arch.v_head_dim or arch.head_dim, arch.num_heads
-        nkv = arch.layer_kv_heads(int(name.split(".")[1]))  # a sliding layer's own count (mimo_v2_flash)
-        gate = [nq * d] if arch.attn_output_gate else []  # qwen3_5: the gate rows follow v's
-        return _blocks(t, [nq * d, nkv * d, nkv * dv, *gate], tp)
+        return _shard_qkv(name, t, arch, tp)
     if key == "attn.sinks":
         return _blocks(t, [arch.num_heads], tp)
     if key == "mlp.gate_up.weight":
@@ -169,6 +191,21 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
     if key.startswith("linear."):
         return _shard_gated_delta(key, name, t, arch, tp)
     raise ValueError(f"no tensor-parallel rule for core tensor {name}")
+
+
+def _shard_qkv(name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:
+    """Attention's fused rows [q (Nq*D), k (Nkv*D), v (Nkv*Dv)] and qwen3_5's output gate [Nq*D] after them: this
+    rank's q and gate heads, and its KV heads (its share, or its one replicated head)."""
+    d, dv, nq = arch.head_dim, arch.v_head_dim or arch.head_dim, arch.num_heads
+    nkv = arch.layer_kv_heads(int(name.split(".")[1]))  # a sliding layer's own count (mimo_v2_flash)
+    q = _blocks(t[: nq * d], [nq * d], tp)
+    k = _kv_rows(t, nq * d, nkv, d, tp)
+    v = _kv_rows(t, nq * d + nkv * d, nkv, dv, tp)
+    end = nq * d + nkv * (d + dv)
+    gate = [_blocks(t[end:], [nq * d], tp)] if arch.attn_output_gate else []  # qwen3_5: the gate rows follow v's
+    if end + len(gate) * nq * d != t.shape[0]:
+        raise ValueError(f"{name}: {t.shape[0]} rows, not the heads' {end + len(gate) * nq * d}")
+    return torch.cat([q, k, v, *gate])
 
 
 def _shard_gated_delta(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:

@@ -107,11 +107,15 @@ def test_shards_are_views_where_contiguous_and_cut_right(cores):
 
 
 def test_unsplittable_sizes_and_families_are_refused(cores):
-    arch = load_core(cores["llama"]).manifest.arch
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        shard_arch(arch, TensorGroup(rank=0, world_size=4))
     import msgspec
 
+    arch = load_core(cores["llama"]).manifest.arch
+    with pytest.raises(ValueError, match="num_heads"):
+        shard_arch(arch, TensorGroup(rank=0, world_size=3))
+    with pytest.raises(ValueError, match="num_kv_heads = 3 neither splits"):  # nor divides 2 ranks
+        shard_arch(msgspec.structs.replace(arch, num_heads=6, num_kv_heads=3), TensorGroup(rank=0, world_size=2))
+    # fewer KV heads than ranks: one each, ranks 0-1 KV head 0, ranks 2-3 KV head 1 (their q heads' group)
+    assert shard_arch(arch, TensorGroup(rank=3, world_size=4)).num_kv_heads == 1
     with pytest.raises(ValueError, match="tensor parallelism covers"):
         shard_arch(msgspec.structs.replace(arch, family="gemma3"), TensorGroup(rank=0, world_size=2))
 
