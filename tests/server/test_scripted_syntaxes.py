@@ -2,8 +2,10 @@
 MiMo and DeepSeek DSML tool calls, with their reasoning delimiters.
 
 The speakers are tests/fixtures/scripted_model.py's: tiny models trained in the fixture to reproduce scripted
-replies for scripted prompts, exported by ignition once per recipe. MiMo, MiniMax and Gemma 4 are each spoken by a
-tiny model of their recipe's own family (mimo_v2_flash, minimax_m3, gemma4); Qwen XML, GLM and DSML by one llama.
+replies for scripted prompts, exported by ignition once per recipe. Each syntax is spoken by a tiny model of its
+recipe's own family: Qwen XML (qwen38_dense) by qwen3_5, GLM (glm53) by glm5_next, Gemma 4 by gemma4, MiniMax by
+minimax_m3, MiMo by mimo_v2_flash, DSML (deepseek4) by deepseek_v4, whose prompts DeepSeek V4's native encoder
+renders (no Jinja template) and whose calls are V4's DSML spelling.
 One real `helios serve` per core (module-scoped, parametrized, so one runs at a time); the official openai and
 anthropic SDKs drive Chat Completions, Messages and Responses, buffered and streaming, at temperature 0 (clamped to
 the recipe's range, top-p 0.95: the scripted token is the only one kept). Nothing is mocked: template, tokenizer,
@@ -65,17 +67,23 @@ def served(request, scripted, tmp_path_factory):
         _stop(proc)
 
 
-# the family each recipe's served core must be of (the llama speaks the others)
-FAMILIES = {"mimo": "mimo_v2_flash", "minimax": "minimax_m3", "gemma": "gemma4"}
+# the family each recipe's served core must be of (the llama speaks any other)
+FAMILIES = {"mimo": "mimo_v2_flash", "minimax": "minimax_m3", "gemma": "gemma4", "qwen": "qwen3_5",
+            "glm": "glm5_next", "dsml": "deepseek_v4"}
 
 
 def test_served_core_is_of_the_recipes_family(served):
-    """The core served for MiMo, MiniMax and Gemma 4 is of the recipe's own family, under that recipe."""
+    """The core served for each syntax is of its recipe's own family, under that recipe; DSML's deepseek_v4 core
+    renders its prompts with DeepSeek V4's native encoder and parses V4's DSML spelling."""
     from helios.core.load import read_manifest
 
     manifest = read_manifest(served.core)
     assert manifest.recipe.name == SYNTAXES[served.tag].recipe
     assert manifest.arch.family == FAMILIES.get(served.tag, "llama")
+    native = SYNTAXES[served.tag].native
+    assert manifest.template.kind == (native or "jinja")
+    if native:
+        assert manifest.recipe.tool_parser == "dsml_v4"
 
 
 # --- request bodies: one builder per API, shared by the prompt check and the SDK calls -----------------------
@@ -319,7 +327,8 @@ def test_helios_renders_the_scripted_prompts(served):
 
     manifest = read_manifest(served.core)
     tok = Tokenizer.from_file(served.core / manifest.tokenizer.file, manifest.tokenizer, manifest.arch.vocab_size)
-    runtime = Runtime(manifest, tok, (served.core / "template.jinja").read_text(), None, ServerConfig())
+    jinja = served.core / "template.jinja"  # none for a native encoder (DSML)
+    runtime = Runtime(manifest, tok, jinja.read_text() if jinja.is_file() else None, None, ServerConfig())
     try:
         assert manifest.template.tools and manifest.recipe.name == SYNTAXES[served.tag].recipe
         for c in (c for c in scripted_cases() if c.syntax == served.tag):
