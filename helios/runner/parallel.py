@@ -10,14 +10,14 @@ samples from the logits every rank gathers. Weights are cut at load time from th
 Nothing about the shards is recorded in the core.
 
 Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe), the hybrids qwen3_5,
-qwen3_5_moe (helios.models.qwen3_5) and mimo_v2_flash. Per layer: attention by head (q, k, v and qwen3_5's output
-gate column parallel, mimo_v2_flash's sinks with their heads, o row parallel; a sliding layer's own KV head count
-split as the full layers'; fewer KV heads than ranks: one on each rank, replicated), a dense MLP by width (gate_up
-column, down row parallel), a MoE layer by whole experts (the router, its score bias and qwen3_5_moe's shared expert
-with its gate replicated), the gated delta rule by head (its q/k/v/z/b/a projection rows, the short convolution's
-channels, dt_bias and A_log split by key head and the value heads that read it; each rank's recurrent state holds
-its heads only; out row parallel); the embedding and the head by vocabulary rows. A size that does not split raises,
-naming the architecture field.
+qwen3_5_moe, qwen3_next (helios.models.qwen3_5) and mimo_v2_flash. Per layer: attention by head (q, k, v and
+qwen3_5's output gate column parallel, mimo_v2_flash's sinks with their heads, o row parallel; a sliding layer's own
+KV head count split as the full layers'; fewer KV heads than ranks: one on each rank, replicated), a dense MLP by
+width (gate_up column, down row parallel), a MoE layer by whole experts (the router, its score bias and
+qwen3_5_moe's shared expert with its gate replicated), the gated delta rule by head (its q/k/v/z/b/a projection
+rows, the short convolution's channels, dt_bias and A_log split by key head and the value heads that read it; each
+rank's recurrent state holds its heads only; out row parallel); the embedding and the head by vocabulary rows. A
+size that does not split raises, naming the architecture field.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from helios.runner.model_runner import ModelRunner
 # communicator exists, and inherited by what they spawn
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # the families whose model classes take `tp`: helios.models.llama's, qwen3_5's and mimo_v2_flash's
-SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "mimo_v2_flash")
+SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mimo_v2_flash")
 GROUP_TIMEOUT = timedelta(minutes=10)  # a rank waits this long at a collective before giving up
 
 

@@ -1,8 +1,8 @@
-"""Tensor parallelism of the hybrid families on the CPU: two gloo ranks on 127.0.0.1 against one process (TP=1), on
-tiny random cores of qwen3_5 (a dense MLP) and qwen3_5_moe (experts and a gated shared expert) from
-tests/models/hybrid_tiny: three gated-delta-rule layers (2 key heads serving 4 value heads: one key head and its two
-value heads per rank; each rank's state slots hold its heads only) and one gated full-attention layer (qwen3_5's
-with one KV head, which both ranks hold; qwen3_5_moe's two split).
+"""Tensor parallelism of the hybrid families on the CPU: two gloo ranks on 127.0.0.1 against one process (TP=1), on tiny
+random cores of qwen3_5 (a dense MLP), qwen3_5_moe (experts and a gated shared expert) and qwen3_next (dense and MoE
+layers) from tests/models/hybrid_tiny: three gated-delta-rule layers (2 key heads serving 4 value heads: one key head
+and its two value heads per rank; each rank's state slots hold its heads only) and one gated full-attention layer
+(qwen3_5's with one KV head, which both ranks hold; qwen3_5_moe's two split).
 
 Both ranks run a 150-token prompt's forward_logits whole and in chunks of the recurrent grid (64: three chunks, the
 state carried between them on each rank): the last position's logits within 1e-5 of TP=1's in float32. Then rank 0
@@ -25,9 +25,10 @@ from helios.runner.state_cache import StateCache
 from tests.models.hybrid_harness import prompt
 from tests.runner.tp_harness import engine_tokens, float32_cores, single_and_ranked
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe")
-# the dense model's attention has one KV head: each rank holds it (replicated), the MoE model's two split
-CONFIGS = {"qwen3_5": {"num_key_value_heads": 1}, "qwen3_5_moe": {}}
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# the dense model's attention has one KV head: each rank holds it (replicated), the MoE models' two split; qwen3_next
+# with a dense MLP in every other layer beside the experts
+CONFIGS = {"qwen3_5": {"num_key_value_heads": 1}, "qwen3_5_moe": {}, "qwen3_next": {"decoder_sparse_step": 2}}
 PAGE_SIZE, NUM_PAGES = 16, 32
 MAX_CONCURRENCY = 2
 RUNNER_KWARGS = {"num_state_slots": MAX_CONCURRENCY}
@@ -134,6 +135,9 @@ def test_gated_delta_and_gated_attention_shards_are_cut_by_head(cores):
     assert shard[shared] is full[shared]
     # the state slots of a rank hold its heads: half the bytes
     assert StateCache.bytes_per_slot(local, torch.float32) * 2 == StateCache.bytes_per_slot(arch, torch.float32)
+    # qwen3_next's dense layers beside its experts: their MLP width splits (qwen3_5_moe's shared width stays whole)
+    mixed = load_core(cores["qwen3_next"]).manifest.arch
+    assert mixed.moe.dense_layers and shard_arch(mixed, tp).intermediate_size == mixed.intermediate_size // 2
 
 
 def test_one_kv_head_is_replicated_and_unsplittable_sizes_name_the_field(cores):
