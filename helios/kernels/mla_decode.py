@@ -17,6 +17,7 @@ import torch
 
 from helios.kernels._triton import cdiv, check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
 from helios.kernels.paged_attention import choose_num_splits, dot_precision, merge_splits, split_partials
+from helios.kernels.sparse_decode import online_softmax_tile, store_decode_output
 
 LOG2E = 1.4426950408889634
 
@@ -154,25 +155,12 @@ def _mla_decode_kernel(
                            other=0.0)
             s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         s = tl.where(k_mask[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l, acc = online_softmax_tile(s, m, l, acc, c, DOT_PRECISION)  # the latent row is the value too
         block = block_next
 
     # NOTE: an empty range (an empty split, or a padded row with seq_len 0) leaves l == 0: output 0, lse -inf
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
-    o_mask = h_mask[:, None] & r_mask[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + r[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        part = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
-        tl.store(part_out_ptr + part[:, None] * rank + r[None, :], o, mask=o_mask)
-        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=h_mask)
+    store_decode_output(acc, m, l, out_ptr, part_out_ptr, part_lse_ptr, seq, heads, h_mask, r, r_mask,
+                        stride_os, stride_oh, num_heads, rank, split, NUM_SPLITS)
 
 
 def mla_decode(
