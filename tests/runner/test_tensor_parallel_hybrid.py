@@ -160,3 +160,27 @@ def test_one_kv_head_is_replicated_and_unsplittable_sizes_name_the_field(cores):
         shard_arch(one_key_head, TensorGroup(rank=0, world_size=2))
     with pytest.raises(ValueError, match="linear_num_key_heads"):  # 2 key heads over 4 ranks
         shard_arch(arch, TensorGroup(rank=0, world_size=4))
+
+
+def test_serve_path_runs_a_hybrid_on_two_ranks_without_host_tiers(cores, results, tmp_path):
+    """compose.build_engine with tensor_parallel 2 (`helios serve --tensor-parallel 2`) on qwen3_5 with prefix
+    caching, a host DRAM tier and a disk directory asked for: state slots and checkpoints on both ranks, no host
+    tiers (each rank would write its own shard's records under the same names); the long prompt's greedy tokens are
+    TP=1's, and close() joins the worker."""
+    from helios.compose import build_engine
+    from helios.server.config import ServerConfig
+    from helios.server.runtime import resolve_serving
+    from tests.models.hybrid_harness import generate, greedy_request
+
+    single, _ = results
+    core = load_core(cores["qwen3_5"])
+    config = ServerConfig(device="cpu", tensor_parallel=2, kv_cache_tokens=1024, host_cache_bytes=1 << 24,
+                          host_disk_dir=str(tmp_path), host_disk_bytes=1 << 24)
+    engine, runner = build_engine(core, config, resolve_serving(core.manifest, config), own_thread=False)
+    try:
+        assert runner.state_cache is not None and runner.state_host is None and runner.host_store is None
+        tokens = generate(engine.core, [greedy_request("r0", prompts()[0], NUM_NEW)])
+    finally:
+        runner.close()
+    assert tokens["r0"] == single["qwen3_5"]["tokens"]["r0"]
+    assert [w.exitcode for w in runner.workers] == [0]
