@@ -84,7 +84,8 @@ _STARTED = re.compile(r" ready: ([\d.]+)s from process start \((.*?)(?:; HTTP up
 _PART = re.compile(r"([a-zA-Z][\w -]*?) ([\d.]+)s")
 _LOAD_PARTS = {"open": r"\(open ([\d.]+)s", "beside": r"grammar vocabulary ([\d.]+)s beside",
                "weights": r"weights ([\d.]+)s", "kernels": r"kernel load ([\d.]+)s", "kv": r"KV ([\d.]+)s",
-               "capture": r"capture ([\d.]+)s", "graphs": r"\((\d+) graphs", "background": r"(\d+) buckets left"}
+               "capture": r"capture ([\d.]+)s", "graphs": r"\((\d+) graphs",
+               "background": r"(\d+) more \(\d+ buckets\) left"}
 
 
 def parse_ready(line: str) -> dict:

@@ -91,7 +91,7 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         host_state_records = host_bytes // slot_bytes
         host_state_disk = disk_bytes // slot_bytes if host_state_records and config.host_disk_dir else 0
     if config.tensor_parallel > 1:  # NOTE: no host tiers under tensor parallelism yet (each rank would hold records)
-        host_bytes = disk_bytes = 0
+        host_bytes = disk_bytes = host_state_records = host_state_disk = 0
     host_cache_pages = host_bytes // page_bytes if prefix_caching else 0
     # its disk tier: only behind the DRAM tier; one subdirectory per KV identity (runner/disk_cache.py)
     host_disk_pages = disk_bytes // page_bytes if host_cache_pages and config.host_disk_dir else 0
@@ -221,8 +221,17 @@ def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DE
     st = runner.startup
     runtime.timings.update(open=t1 - t0, side_wait=t3 - t2, weights=st.load_s, kernels=st.kernels_s,
                            kernels_wait=st.kernels_wait_s, kv=st.kv_alloc_s, capture=st.capture_s,
-                           graphs=st.num_graphs, pending=st.num_pending, kernels_jit=st.kernels_jit, verify=t4 - t3)
+                           graphs=st.num_graphs, pending=st.num_pending, pending_graphs=_pending_graphs(runner),
+                           kernels_jit=st.kernels_jit, verify=t4 - t3)
     return runtime
+
+
+def _pending_graphs(runner) -> int:
+    """The decode graphs a lazy capture left for the background (a bucket's own and its short-sequence one)."""
+    graphs = getattr(runner, "graphs", None)
+    if graphs is None:
+        return 0
+    return sum(len(graphs.graph_splits(bucket)) for bucket in graphs.pending)
 
 
 def _runtime_side(core, config: ServerConfig, serving: Serving, frontend: bool) -> Runtime:

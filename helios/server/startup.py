@@ -74,7 +74,8 @@ def ready_line(rt: Runtime, announce: str | None, settings: str | None, started:
     """The start-up split (rt.timings) in one line, the URL it serves on and the execution switches; started:
     the process's own split (Timeline.describe), first."""
     t = rt.timings
-    later = f", {int(t['pending'])} buckets left to capture in the background" if t.get("pending") else ""
+    later = (f", {int(t.get('pending_graphs', 0))} more ({int(t['pending'])} buckets) left to capture in the "
+             f"background" if t.get("pending") else "")
     side = (f"{'tokenizer, templates and ' if rt.tokenizer is not None else ''}grammar vocabulary "
             f"{t['side']:.2f}s beside the runner ({t.get('side_wait', 0.0):.2f}s after it), " if "side" in t else "")
     split = (f"open {t.get('open', 0.0):.2f}s, {side}weights {t.get('weights', 0.0):.2f}s, "
