@@ -5,6 +5,12 @@ scaled) beside an always-on shared expert; per-layer SwiGLU clamps after the act
 
 Pre-norm blocks: x += attn(attn_norm(x)); x += ffn(mlp_norm(x)). The zero-centred norms of the checkpoint are stored
 shifted (1 + w) and multiply in float32, as HF computes them. Forward-only, no weights of its own.
+
+With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's query heads
+(full and sliding: num_heads, sliding_num_heads) with their per-head gates, KV heads and dense MLP width; o and down
+sum over the ranks, the routed experts split over them (helios.layers.parallel.ExpertParallelSigmoidMoe; the router,
+its score bias and the shared expert replicated, each clamped as on one rank), the embedding and the head hold its
+vocabulary rows (compute_logits gathers them).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from helios.layers.attention import Attention, AttentionBackend, AttentionMetada
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.moe import SigmoidMoe
 from helios.layers.norm import RMSNorm
+from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding
 from helios.models.llama import is_sliding
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -36,18 +43,31 @@ class Step3p7Moe(SigmoidMoe):
 
     def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES,
                  fused: bool = False) -> None:
-        h, moe = arch.hidden_size, arch.moe
-        super().__init__(h, moe, arch.hidden_act, switches, limit=_limit(arch.swiglu_limits, layer_idx),
-                         clamp_after_act=True, fused=fused)
-        self.shared = GatedMLP(h, moe.shared_expert_intermediate_size, arch.hidden_act, switches=switches,
-                               limit=_limit(arch.swiglu_limits_shared, layer_idx), clamp_after_act=True)
+        super().__init__(arch.hidden_size, arch.moe, arch.hidden_act, switches,
+                         limit=_limit(arch.swiglu_limits, layer_idx), clamp_after_act=True, fused=fused)
+        self.shared = _shared_expert(arch, layer_idx, switches)
+
+
+def _shared_expert(arch: Architecture, layer_idx: int, switches: Switches) -> GatedMLP:
+    """The always-on shared expert, clamped with the layer's swiglu_limits_shared entry (not the routed experts')."""
+    return GatedMLP(arch.hidden_size, arch.moe.shared_expert_intermediate_size, arch.hidden_act, switches=switches,
+                    limit=_limit(arch.swiglu_limits_shared, layer_idx), clamp_after_act=True)
+
+
+def _expert_parallel_moe(arch: Architecture, layer_idx: int, tp: TensorGroup,
+                         switches: Switches) -> ExpertParallelSigmoidMoe:
+    """Step3p7Moe with the routed experts split whole over the ranks (same clamps; the shared expert replicated)."""
+    moe = ExpertParallelSigmoidMoe(arch.hidden_size, arch.moe, arch.hidden_act, tp, switches=switches,
+                                   limit=_limit(arch.swiglu_limits, layer_idx), clamp_after_act=True)
+    moe.shared = _shared_expert(arch, layer_idx, switches)
+    return moe
 
 
 class Step3p7Layer(nn.Module):
     """attn_norm, attn (gated per head), mlp_norm, then mlp (a dense layer) or moe."""
 
     def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
-                 switches: Switches = DEFAULT_SWITCHES) -> None:
+                 switches: Switches = DEFAULT_SWITCHES, tp: TensorGroup | None = None) -> None:
         super().__init__()
         h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
         sliding = is_sliding(arch, layer_idx)
@@ -63,10 +83,17 @@ class Step3p7Layer(nn.Module):
             self.ffn_name = "mlp"
             ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches,
                            limit=_limit(arch.swiglu_limits_shared, layer_idx), clamp_after_act=True)
+        elif tp is not None:
+            self.ffn_name = "moe"
+            ffn = _expert_parallel_moe(arch, layer_idx, tp, switches)
         else:
             self.ffn_name = "moe"
             ffn = Step3p7Moe(arch, layer_idx, switches, fused=getattr(backend, "fuses_layers", False))
         self.add_module(self.ffn_name, ffn)
+        if tp is not None:  # o and a dense MLP's down read this rank's heads / width and sum over the ranks
+            self.attn.o = row_parallel(self.attn.o, tp)
+            if self.ffn_name == "mlp":
+                self.mlp.down = row_parallel(self.mlp.down, tp)
 
     def forward(
         self,
@@ -84,7 +111,8 @@ class Step3p7ForCausalLM(nn.Module):
     arch.rope_theta (+ rope_scaling) over rotary_dim, the sliding ones with rope_local_theta over sliding_rotary_dim."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
-                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
+                 tp: TensorGroup | None = None):
         super().__init__()
         if norms_folded:
             raise ValueError("step3p7 norm weights are never folded")
@@ -93,11 +121,13 @@ class Step3p7ForCausalLM(nn.Module):
         self.arch = arch
         self.switches = switches
         self.path = "eager"
-        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(Step3p7Layer(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.tp = tp
+        self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
+                      else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
+        self.layers = nn.ModuleList(Step3p7Layer(arch, i, backend, switches, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
-                                                                    switches=switches)
+        head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
         max_pos = arch.max_position_embeddings
         self.rotary = RotaryEmbedding(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling, max_pos,
                                       device)
@@ -124,4 +154,5 @@ class Step3p7ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.switches)
+        logits = linear(hidden, weight, None, self.switches)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.arch.vocab_size)

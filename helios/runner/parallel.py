@@ -10,11 +10,12 @@ samples from the logits every rank gathers. Weights are cut at load time from th
 Nothing about the shards is recorded in the core.
 
 Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe), the hybrids qwen3_5,
-qwen3_5_moe, qwen3_next (helios.models.qwen3_5) and mimo_v2_flash. Per layer: attention by head (q, k, v and
-qwen3_5's output gate column parallel, mimo_v2_flash's sinks with their heads, o row parallel; a sliding layer's own
-KV head count split as the full layers'; fewer KV heads than ranks: one on each rank, replicated), a dense MLP by
-width (gate_up column, down row parallel), a MoE layer by whole experts (the router, its score bias and
-qwen3_5_moe's shared expert with its gate replicated), the gated delta rule by head (its q/k/v/z/b/a projection
+qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash and step3p7. Per layer: attention by head (q, k, v and
+the output gate column parallel: qwen3_5's gate rows and step3p7's one row per head split with their heads,
+mimo_v2_flash's sinks too; o row parallel; a sliding layer's own KV and query head counts split as the full layers';
+fewer KV heads than ranks: one on each rank, replicated), a dense MLP by width (gate_up column, down row parallel;
+per-layer SwiGLU clamps act elementwise, unchanged), a MoE layer by whole experts (the router, its score bias and a
+shared expert with its gate replicated), the gated delta rule by head (its q/k/v/z/b/a projection
 rows, the short convolution's channels, dt_bias and A_log split by key head and the value heads that read it; each
 rank's recurrent state holds its heads only; out row parallel); the embedding and the head by vocabulary rows. A
 size that does not split raises, naming the architecture field.
@@ -43,7 +44,8 @@ from helios.runner.model_runner import ModelRunner
 # communicator exists, and inherited by what they spawn
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # the families whose model classes take `tp`: helios.models.llama's, qwen3_5's and mimo_v2_flash's
-SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mimo_v2_flash")
+SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mimo_v2_flash",
+                    "step3p7")
 GROUP_TIMEOUT = timedelta(minutes=10)  # a rank waits this long at a collective before giving up
 
 
@@ -90,6 +92,8 @@ def shard_arch(arch: Architecture, tp: TensorGroup) -> Architecture:
         raise ValueError(f"tensor parallelism covers {', '.join(SHARDED_FAMILIES)}; not {arch.family!r}")
     w = tp.world_size
     split = {"num_heads": arch.num_heads}
+    if arch.sliding_num_heads is not None:  # step3p7: the sliding layers' own query heads
+        split["sliding_num_heads"] = arch.sliding_num_heads
     if has_dense_mlp(arch):
         split["intermediate_size"] = arch.intermediate_size
     for name, size in split.items():
@@ -177,7 +181,7 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
     if key in ("attn.qkv.weight", "attn.qkv.bias"):
         return _shard_qkv(name, t, arch, tp)
     if key == "attn.sinks":
-        return _blocks(t, [arch.num_heads], tp)
+        return _blocks(t, [layer_q_heads(arch, int(name.split(".")[1]))], tp)
     if key == "mlp.gate_up.weight":
         inter = t.shape[0] // 2
         return _blocks(t, [inter, inter], tp)
@@ -194,18 +198,27 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
 
 
 def _shard_qkv(name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:
-    """Attention's fused rows [q (Nq*D), k (Nkv*D), v (Nkv*Dv)] and qwen3_5's output gate [Nq*D] after them: this
-    rank's q and gate heads, and its KV heads (its share, or its one replicated head)."""
-    d, dv, nq = arch.head_dim, arch.v_head_dim or arch.head_dim, arch.num_heads
-    nkv = arch.layer_kv_heads(int(name.split(".")[1]))  # a sliding layer's own count (mimo_v2_flash)
+    """Attention's fused rows [q (Nq*D), k (Nkv*D), v (Nkv*Dv)] and an output gate after them (qwen3_5's and
+    muse_spark's Nq*D rows, step3p7's one row per head): this rank's q and gate heads, and its KV heads (its share,
+    or its one replicated head)."""
+    i = int(name.split(".")[1])
+    d, dv, nq = arch.head_dim, arch.v_head_dim or arch.head_dim, layer_q_heads(arch, i)
+    nkv = arch.layer_kv_heads(i)  # a sliding layer's own count (mimo_v2_flash)
     q = _blocks(t[: nq * d], [nq * d], tp)
     k = _kv_rows(t, nq * d, nkv, d, tp)
     v = _kv_rows(t, nq * d + nkv * d, nkv, dv, tp)
     end = nq * d + nkv * (d + dv)
-    gate = [_blocks(t[end:], [nq * d], tp)] if arch.attn_output_gate else []  # qwen3_5: the gate rows follow v's
-    if end + len(gate) * nq * d != t.shape[0]:
-        raise ValueError(f"{name}: {t.shape[0]} rows, not the heads' {end + len(gate) * nq * d}")
+    gate_rows = 0 if not arch.attn_output_gate else nq if arch.attn_gate_per_head else nq * d
+    gate = [_blocks(t[end:], [gate_rows], tp)] if gate_rows else []  # the gate rows follow v's
+    if end + gate_rows != t.shape[0]:
+        raise ValueError(f"{name}: {t.shape[0]} rows, not the heads' {end + gate_rows}")
     return torch.cat([q, k, v, *gate])
+
+
+def layer_q_heads(arch: Architecture, i: int) -> int:
+    """Query heads of attention layer i: sliding_num_heads on a sliding layer when set (step3p7), else num_heads."""
+    sliding = arch.layer_types and arch.layer_types[i] == "sliding"
+    return arch.sliding_num_heads if sliding and arch.sliding_num_heads else arch.num_heads
 
 
 def _shard_gated_delta(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:
