@@ -7,6 +7,13 @@ Per layer: x = gate_a(x, norm(attn(attn_norm(x)))); x = gate_m(x, mlp_post_norm(
 gate(r, h) = alpha * r + beta * h in float32 (alpha, beta stored per channel) and the norms are centred (1 + w
 stored, float32 multiply), weightless (after attention) and input-scaled (after the ffn: norm(x * w)).
 Forward-only, torch ops on every device.
+
+With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's query heads
+(with their gate rows) and KV heads and the dense MLP width; o and down sum over the ranks before the weightless
+output norms and the residual gates (replicated, as the centred norms and NoPE layers are), the latent MoE's experts
+split whole over them (helios.layers.parallel.ExpertParallelSigmoidMoe: router, score bias, latent projections and
+norms replicated), the embedding and the head hold its vocabulary rows (compute_logits gathers them, then
+soft-caps).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from helios.layers.attention import Attention, AttentionBackend, AttentionMetada
 from helios.layers.linear import Embedding, Linear, linear, meta_parameter
 from helios.layers.moe import SigmoidMoe
 from helios.layers.norm import RMSNorm, rms_normalize
+from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding, apply_rotary
 from helios.models.llama import is_sliding, softcap_logits
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -72,7 +80,7 @@ class ResidualGate(nn.Module):
 
 class MuseSparkDecoderLayer(nn.Module):
     def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
-                 switches: Switches = DEFAULT_SWITCHES):
+                 switches: Switches = DEFAULT_SWITCHES, tp: TensorGroup | None = None):
         super().__init__()
         h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
         post_eps = arch.post_norm_eps if arch.post_norm_eps is not None else eps
@@ -84,11 +92,18 @@ class MuseSparkDecoderLayer(nn.Module):
         if moe is None or layer_idx in moe.dense_layers:
             self.ffn_name = "mlp"
             ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
+        elif tp is not None:  # the experts split over the ranks
+            self.ffn_name = "moe"
+            ffn = ExpertParallelSigmoidMoe(h, moe, arch.hidden_act, tp, switches, norm_eps=(eps, post_eps))
         else:
             self.ffn_name = "moe"
             ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, norm_eps=(eps, post_eps),
                              fused=getattr(backend, "fuses_layers", False))  # the experts inside the latents
         self.add_module(self.ffn_name, ffn)
+        if tp is not None:  # o and a dense MLP's down read this rank's heads / width and sum over the ranks
+            self.attn.o = row_parallel(self.attn.o, tp)
+            if self.ffn_name == "mlp":
+                self.mlp.down = row_parallel(self.mlp.down, tp)
         self.mlp_post_norm = RMSNorm(h, post_eps, scale_first=True)
         self.mlp_residual = ResidualGate(h)
 
@@ -110,7 +125,8 @@ class MuseSparkForCausalLM(nn.Module):
     folded (centred and input-scaled norms)."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
-                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
+                 tp: TensorGroup | None = None):
         super().__init__()
         if norms_folded:
             raise ValueError("muse_spark norm weights are never folded")
@@ -120,10 +136,14 @@ class MuseSparkForCausalLM(nn.Module):
         self.arch = arch
         self.switches = switches
         self.path = "eager"
-        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(MuseSparkDecoderLayer(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.tp = tp
+        self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
+                      else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
+        self.layers = nn.ModuleList(MuseSparkDecoderLayer(arch, i, backend, switches, tp)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, switches=switches)
+        head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
+        self.lm_head = Linear(arch.hidden_size, head_rows, switches=switches)
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling, arch.max_position_embeddings,
                                       device)
         self.nope = set(arch.nope_layers)
@@ -146,4 +166,6 @@ class MuseSparkForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         logits = linear(hidden, self.lm_head.weight, None, self.switches)
+        if self.tp is not None:  # the cap after the gather, on the whole vocabulary as on one rank
+            logits = self.tp.gather_vocab(logits, self.arch.vocab_size)
         return softcap_logits(logits, self.arch.final_logit_softcapping)

@@ -10,15 +10,17 @@ samples from the logits every rank gathers. Weights are cut at load time from th
 Nothing about the shards is recorded in the core.
 
 Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe), the hybrids qwen3_5,
-qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash and step3p7. Per layer: attention by head (q, k, v and
-the output gate column parallel: qwen3_5's gate rows and step3p7's one row per head split with their heads,
-mimo_v2_flash's sinks too; o row parallel; a sliding layer's own KV and query head counts split as the full layers';
-fewer KV heads than ranks: one on each rank, replicated), a dense MLP by width (gate_up column, down row parallel;
-per-layer SwiGLU clamps act elementwise, unchanged), a MoE layer by whole experts (the router, its score bias and a
-shared expert with its gate replicated), the gated delta rule by head (its q/k/v/z/b/a projection
-rows, the short convolution's channels, dt_bias and A_log split by key head and the value heads that read it; each
-rank's recurrent state holds its heads only; out row parallel); the embedding and the head by vocabulary rows. A
-size that does not split raises, naming the architecture field.
+qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash, step3p7 and muse_spark. Per layer: attention by head (q,
+k, v and the output gate column parallel: qwen3_5's and muse_spark's gate rows and step3p7's one row per head split with
+their heads, mimo_v2_flash's sinks too; o row parallel; a sliding layer's own KV and query head counts split as the full
+layers'; fewer KV heads than ranks: one on each rank, replicated), a dense MLP by width (gate_up column, down row
+parallel; per-layer SwiGLU clamps act elementwise, unchanged), a MoE layer by whole experts (the router, its score bias
+and a shared expert with its gate replicated; muse_spark's latent projections and norms too), the gated delta rule by
+head (its q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and the
+value heads that read it; each rank's recurrent state holds its heads only; out row parallel); the embedding and the
+head by vocabulary rows (a final soft-cap after the gather). What acts per channel of the whole stream (norms,
+muse_spark's residual gates) or per head (q/k norms, NoPE) is replicated or unchanged. A size that does not split
+raises, naming the architecture field.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ from helios.runner.model_runner import ModelRunner
 # NOTE: NVLink multicast (NVLS) stays off in every process of a group and in their children: set before any
 # communicator exists, and inherited by what they spawn
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# the families whose model classes take `tp`: helios.models.llama's, qwen3_5's and mimo_v2_flash's
+# the families whose model classes take `tp`: helios.models.llama's, qwen3_5's, mimo_v2_flash's, step3p7's and
+# muse_spark's
 SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mimo_v2_flash",
-                    "step3p7")
+                    "step3p7", "muse_spark")
 GROUP_TIMEOUT = timedelta(minutes=10)  # a rank waits this long at a collective before giving up
 
 
@@ -150,7 +153,9 @@ def _shard_recurrent(arch: Architecture, tp: TensorGroup):
 
 
 _REPLICATED = re.compile(r"(norm|attn_norm|mlp_norm|attn\.q_norm|attn\.k_norm|moe\.router|linear\.norm"
-                         r"|moe\.shared\.gate_up|moe\.shared\.down|moe\.shared_gate)\.weight|moe\.router\.bias")
+                         r"|moe\.shared\.gate_up|moe\.shared\.down|moe\.shared_gate|mlp_post_norm"
+                         r"|attn_residual|mlp_residual|moe\.latent_(in|out|norm)|moe\.expert_norm)\.weight"
+                         r"|moe\.router\.bias")
 
 
 def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: TensorGroup) -> dict[str, torch.Tensor]:
@@ -160,7 +165,8 @@ def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: Tens
     rows), the gated delta rule's in_proj (its q, k, v, z, b and a heads), conv (its q, k and v channels), dt_bias
     and A_log; row parallel (input columns split): o, down, the gated delta rule's out; vocabulary rows: embed,
     lm_head; whole experts: a MoE layer's gate_up and down; replicated: norms, q/k norms, the gated norm, the
-    router, a shared expert and its gate, the router's score bias. An unknown tensor raises, so a layout this does
+    router, a shared expert and its gate, the router's score bias, muse_spark's residual gates and its latent
+    projections and norms. An unknown tensor raises, so a layout this does
     not know never runs half-sharded."""
     out = {}
     for name, t in tensors.items():

@@ -6,7 +6,9 @@ the tiny config), eager (no graphs under TP yet). Greedy tokens of batched float
 three chunks, must be a one-GPU runner's (CUDA graphs and all). mimo_v2_flash too (tests/runner/
 test_tensor_parallel_mimo.py on the device: sliding layers with their own KV heads and sinks split by head, the
 sigmoid-routed experts whole), and step3p7 (tests/runner/test_tensor_parallel_step3p7.py: sliding layers with their own
-query heads, per-head gates split with them, clamped experts whole). Needs two GPUs; not run yet (no machine of two GPUs was lent when it was written)."""
+query heads, per-head gates split with them, clamped experts whole) and muse_spark (tests/runner/
+test_tensor_parallel_muse_spark.py: residual gates, NoPE layers, the latent MoE's experts whole, soft-capped logits
+after the vocabulary gather). Needs two GPUs; not run yet (no machine of two GPUs was lent when it was written)."""
 
 from __future__ import annotations
 
@@ -34,13 +36,14 @@ def build(family: str, out_dir):
     """The family's tiny random HF checkpoint (tests/models/*_tiny)."""
     from tests.models.hybrid_tiny import build_hybrid
     from tests.models.mimo_v2_flash_tiny import build_mimo
+    from tests.models.muse_spark_tiny import build_muse_spark
     from tests.models.step3p7_tiny import build_step3p7
 
-    builders = {"mimo_v2_flash": build_mimo, "step3p7": build_step3p7}
+    builders = {"mimo_v2_flash": build_mimo, "step3p7": build_step3p7, "muse_spark": build_muse_spark}
     return builders[family](out_dir) if family in builders else build_hybrid(family, out_dir)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "mimo_v2_flash", "step3p7"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "mimo_v2_flash", "step3p7", "muse_spark"])
 def core(request, tmp_path_factory):
     from ignition.export import ExportOptions, export_core
 

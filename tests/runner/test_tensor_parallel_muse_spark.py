@@ -1,0 +1,98 @@
+"""Tensor parallelism of muse_spark on the CPU: two gloo ranks on 127.0.0.1 against one process (TP=1), on the tiny
+random core of tests/models/muse_spark_tiny (full and sliding layers of 4 query heads over 2 KV heads, one per rank,
+the elementwise output gate's rows split with their heads; NoPE layers; the weightless q/k/o norms per head; residual
+gates and centred norms replicated; dense SwiGLU layers split by width; the latent MoE's experts split whole with the
+router, its score bias and the latent projections and norms replicated; soft-capped logits after the vocabulary
+gather).
+
+Both ranks run a 40-token prompt (past the 8-token window) whole and in 8-token chunks: logits within 1e-5 of TP=1's
+in float32; rank 0 serves three greedy requests (32 tokens each) through an EngineCore over its TensorParallelRunner
+while rank 1 runs the worker loop: TP=1's tokens, every plan run on both (tests/runner/tp_harness).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helios.core.load import load_core
+from helios.engine.config import SchedulerConfig
+from helios.layers.parallel import TensorGroup
+from helios.runner.model_runner import ModelRunner
+from helios.runner.parallel import shard_arch, shard_tensors
+from tests.models.hybrid_harness import prompt
+from tests.runner.tp_harness import engine_tokens, float32_cores, single_and_ranked
+
+FAMILIES = ("muse_spark",)
+PAGE_SIZE, NUM_PAGES = 4, 64
+RUNNER_KWARGS: dict = {}
+NUM_NEW = 32
+CHUNK = 8
+
+
+def prompts() -> list[list[int]]:
+    return [prompt(40, seed=1), prompt(9, seed=2), prompt(23, seed=3)]
+
+
+def logits_of(runner: ModelRunner) -> dict[str, torch.Tensor]:
+    """Every position's logits of the first prompt, whole and in chunks."""
+    ids = prompts()[0]
+    return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=CHUNK)}
+
+
+def greedy_tokens(runner, core) -> dict[str, list[int]]:
+    """Three greedy requests at once (8-token prefill chunks beside decodes: mixed steps)."""
+    config = SchedulerConfig(max_concurrency=4, max_num_batched_tokens=16, prefill_chunk_size=CHUNK,
+                             page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE_SIZE)
+    return engine_tokens(config, runner, prompts(), NUM_NEW)
+
+
+@pytest.fixture(scope="module")
+def cores(tmp_path_factory):
+    from tests.models.muse_spark_tiny import build_muse_spark
+
+    return float32_cores(lambda family, out_dir: build_muse_spark(out_dir), FAMILIES, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def results(cores, tmp_path_factory):
+    """(TP=1, per rank of TP=2) results (tests/runner/tp_harness)."""
+    return single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
+
+
+def test_logits_equal_single_rank(results):
+    single, ranked = results
+    for rank_result in ranked["muse_spark"]:  # every rank gathers the whole vocabulary
+        for key in ("whole", "chunked"):
+            torch.testing.assert_close(rank_result["logits"][key], single["muse_spark"]["logits"][key], atol=1e-5,
+                                       rtol=0)
+
+
+def test_greedy_identical_and_workers_ran_every_plan(results):
+    single, ranked = results
+    driver, worker = ranked["muse_spark"]
+    assert driver["tokens"] == single["muse_spark"]["tokens"]
+    assert all(len(t) == NUM_NEW for t in driver["tokens"].values())
+    assert worker["plans"] == driver["plans"] == single["muse_spark"]["plans"] > NUM_NEW
+
+
+def test_gate_rows_split_with_their_heads(cores):
+    """Rank 1 of 2 without a group: a layer's qkv takes its 2 of the 4 q heads, its one of the 2 KV heads' k and v
+    rows and the elementwise gate rows of its q heads (after v); the residual gates, the latent projections and norms
+    and the router's score bias whole, the experts half."""
+    core = load_core(cores["muse_spark"])
+    arch, full = core.manifest.arch, core.tensors
+    tp = TensorGroup(rank=1, world_size=2)
+    shard, local = shard_tensors(arch, full, tp), shard_arch(arch, tp)
+    assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, arch.intermediate_size // 2)
+    d, nq, nkv = arch.head_dim, arch.num_heads, arch.num_kv_heads
+    qkv = full["layers.1.attn.qkv.weight"]
+    q, kv = nq * d, nkv * d
+    want = torch.cat([qkv[q // 2 : q], qkv[q + kv // 2 : q + kv], qkv[q + kv + kv // 2 : q + 2 * kv],
+                      qkv[q + 2 * kv + q // 2 :]])
+    assert torch.equal(shard["layers.1.attn.qkv.weight"], want)
+    moe = next(j for j in range(arch.num_layers) if j not in arch.moe.dense_layers)
+    for name in ("attn_residual.weight", "mlp_residual.weight", "moe.latent_in.weight", "moe.latent_out.weight",
+                 "moe.latent_norm.weight", "moe.expert_norm.weight", "moe.router.bias"):
+        assert shard[f"layers.{moe}.{name}"] is full[f"layers.{moe}.{name}"]
+    assert shard[f"layers.{moe}.moe.down.weight"].shape[0] == arch.moe.num_experts // 2
