@@ -1,6 +1,10 @@
 """deepseek_v4's attention (helios.core.manifest.CompressedAttentionConfig): shared-KV MQA with per-head sinks over a
 sliding window, plus compressed entries (HCA: one per hca_rate tokens; CSA: one per csa_rate tokens from overlapping
-windows, each query keeping the index_topk best by a lightning indexer). The torch reference on every device.
+windows, each query keeping the index_topk best by a lightning indexer). The torch reference on every device; on the
+Triton backend a decode-only step (one token per sequence) takes helios.kernels.csa_decode instead: the entry a token
+completes written by position arithmetic on the device (Compressor.step), CSA's index scores and the reference's
+stable-sort choice, and the sink attention over the window and the entries, lengths and tables read on the device,
+so it is CUDA-graph safe (decode_graph_safe); prefill and mixed steps stay on the torch reference.
 
 Cache per layer (helios.runner.kv_cache): (rows [1, pages, page_size, raw_dim], entries [1, num_pages, page_size,
 entry_row_dim]). Per token its row holds the normed, rotated kv (d values; keys and values alike) and the raw compressor
@@ -11,7 +15,7 @@ window's last entry_rows rows (group 0, every position's page; all in the page o
 page shared through the prefix cache): entries are kept, shared by the prefix cache and freed like
 any page, with no per-request state (a partial window is simply its last < rate rows), and the arithmetic is the same
 whatever the chunking.
-Imports torch and helios.core only (and helios.layers' linear, norm and rotary).
+Imports torch and helios.core only (and helios.layers' linear, norm and rotary; helios.kernels on that path).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 from torch import nn
 
 from helios.core.manifest import CompressedAttentionConfig
-from helios.layers.attention import AttentionMetadata
+from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.linear import Linear, meta_parameter
 from helios.layers.norm import RMSNorm, rms_norm
 from helios.layers.rotary import RotaryEmbedding
@@ -97,9 +101,33 @@ class Compressor(nn.Module):
             kv2[:, m:], gate2[:, m:] = kv[..., d:], gate[..., d:]
             kv2[1:, :m], gate2[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
             kv, gate = kv2[lead:], gate2[lead:]  # the leading window only lends its first halves
+        return self._mix((torch.arange(n - lead, device=kv.device) + first) * m, kv, gate, rope)
+
+    def step(
+        self,
+        kv: torch.Tensor,  # [B, e * rate, w] raw kv rows of window j (with `overlap`: e = 2, window j - 1's first)
+        gate: torch.Tensor,  # [B, e * rate, w] their gate logits
+        windows: torch.Tensor,  # [B] int64: j per row
+        rope: InterleavedRope,
+    ) -> torch.Tensor:  # [B, out_dim]: window j's entry per row, as forward's (window 0: no leading half)
+        """One window per row with static shapes (the decode step: no host branching); forward's arithmetic."""
+        m, d = self.rate, self.out_dim
+        gate = gate.unflatten(1, (-1, m)) + self.position_bias  # [B, e, m, w]
+        kv = kv.unflatten(1, (-1, m))
+        if self.overlap:
+            lead = (windows > 0)[:, None, None]  # window 0's leading places: kv 0, weight 0 (forward's)
+            kv = torch.cat([torch.where(lead, kv[:, 0, :, :d], 0), kv[:, 1, :, d:]], dim=1)  # [B, 2m, d]
+            gate = torch.cat([gate[:, 0, :, :d].masked_fill(~lead, float("-inf")), gate[:, 1, :, d:]], dim=1)
+        else:
+            kv, gate = kv[:, 0], gate[:, 0]
+        return self._mix(windows * m, kv, gate, rope)
+
+    def _mix(self, positions: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
+             rope: InterleavedRope) -> torch.Tensor:  # [n], [n, places, d] x2 -> [n, d]
+        """The softmax over the window's places per channel in float32, the mix in the rows' dtype, the RMSNorm,
+        rope at the window's first position."""
         mixed = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
         entries = rms_norm(mixed, self.norm.weight, self.eps, multiply_in_float32=True)
-        positions = (torch.arange(n - lead, device=kv.device) + first) * m
         return rotate_tail(entries, *rope.cos_sin(positions, entries.dtype))
 
 
@@ -188,8 +216,12 @@ class CompressedAttention(nn.Module):
     sinks [Nh]; compressor.* (hca, csa) and indexer.* (csa)."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, kind: str, config: CompressedAttentionConfig,
-                 eps: float, switches: Switches = DEFAULT_SWITCHES) -> None:
+                 eps: float, switches: Switches = DEFAULT_SWITCHES, backend: AttentionBackend | None = None) -> None:
         super().__init__()
+        # decode-only steps through helios.kernels.csa_decode on the Triton backend: device tensors only
+        # (decode_graph_safe; attends_through_backend: helios.runner.cuda_graphs reads the backend's name)
+        self.backend = backend
+        self.attends_through_backend = self.decode_graph_safe = getattr(backend, "fuses_layers", False)
         c = config
         self.config, self.kind, self.eps = c, kind, eps
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -227,17 +259,71 @@ class CompressedAttention(nn.Module):
         q = rotate_tail(q, cos, sin)
         kv = rotate_tail(self.kv_norm(kv), cos, sin)
         window = meta.for_window(self.config.window)  # the rows' pages: the window group's, or every page
-        rows, entries = (t.flatten(0, 2) for t in cache)  # [slots, raw_dim], [slots, entry_row_dim]
-        rows[window.slot_mapping] = torch.cat([kv, c_kv, c_gate, i_kv, i_gate], dim=-1).to(rows.dtype)
+        raw = torch.cat([kv, c_kv, c_gate, i_kv, i_gate], dim=-1)
         index = None
         if self.kind == "csa":
             index_q = self.indexer.q_b(q_lat).view(num_tokens, self.config.index_num_heads, -1)
             index = (rotate_tail(index_q, *compress_rope.cos_sin(meta.positions, x.dtype)),
                      i_w.float() * self.config.index_num_heads**-0.5)
         page_size = cache[0].shape[2]
+        if self.decode_graph_safe and num_tokens == meta.num_seqs:  # every sequence schedules one token
+            out = self._decode(q, raw, cache, meta, window, index, compress_rope)
+        else:
+            rows, entries = (t.flatten(0, 2) for t in cache)  # [slots, raw_dim], [slots, entry_row_dim]
+            rows[window.slot_mapping] = raw.to(rows.dtype)
+            out = self._attend_all(q, rows, entries, meta, window, page_size, index, compress_rope)
         # K = V carried the keys' rotation: the output turns back by the query's
-        out = rotate_tail(self._attend_all(q, rows, entries, meta, window, page_size, index, compress_rope), cos, -sin)
+        out = rotate_tail(out.to(q.dtype), cos, -sin)
         return self.o_b(self._grouped_o_a(out.reshape(num_tokens, -1)))
+
+    def _decode(self, q: torch.Tensor, raw: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, window: AttentionMetadata, index,
+                compress_rope: InterleavedRope) -> torch.Tensor:  # q [B, Nh, d] -> [B, Nh, d]
+        """The decode step in kernels, from meta's device tensors: the row written (padded rows, slot -1, skip), the
+        entry of a window this token completes written (masked by position arithmetic, no host branch), then (CSA)
+        the index scores and select's choice, and the sink attention over the window and the entries."""
+        from helios.kernels import csa_decode
+        from helios.kernels.mla_decode import write_latent
+
+        c = self.config
+        rows, entries = cache
+        write_latent(rows, raw, raw[:, :0], window.slot_mapping)
+        r = c.entry_rows(self.kind, rows.shape[2]) if self.rate else 0
+        if self.rate:
+            self._decode_entries(rows, entries, meta, window, r, compress_rope)
+        chosen = None
+        if self.kind == "csa":
+            scores = csa_decode.index_scores(index[0], index[1], entries, meta.block_tables, meta.seq_lens,
+                                             self.rate, r, self.head_dim)
+            chosen = csa_decode.select_entries(scores, meta.seq_lens, self.rate, c.index_topk)
+        splits = csa_decode.compressed_num_splits(c.index_topk if chosen is not None else None, c.window)
+        return csa_decode.compressed_decode(q, rows, entries, window.block_tables, meta.block_tables, meta.seq_lens,
+                                            self.sinks, c.window, self.rate, r, chosen, splits if self.rate else 1)
+
+    def _decode_entries(self, rows: torch.Tensor, entries: torch.Tensor, meta: AttentionMetadata,
+                        window: AttentionMetadata, r: int, rope: InterleavedRope) -> None:
+        """The entry (CSA: and index key) of window j = p // rate for every row, from its rows (CSA: and window
+        j - 1's), written over its entry rows only where the token at p completes it ((p + 1) % rate == 0, a real
+        row): other rows' slots are -1, which write_latent skips."""
+        from helios.kernels.mla_decode import write_latent
+
+        m, d, w, page_size = self.rate, self.head_dim, self.width, rows.shape[2]
+        positions = meta.positions
+        windows = positions // m
+        lead = 1 if self.kind == "csa" else 0
+        at = ((windows - lead) * m)[:, None] + torch.arange((1 + lead) * m, device=positions.device)
+        raw = rows.flatten(0, 2)[token_slots(window.block_tables, at.clamp(min=0), page_size)]  # [B, (1+e)m, raw]
+        new = [self.compressor.step(raw[..., d : d + w], raw[..., d + w : d + 2 * w], windows, rope)]
+        if self.kind == "csa":
+            at, wi = d + 2 * w, 2 * self.config.index_head_dim
+            new.append(self.indexer.compressor.step(raw[..., at : at + wi], raw[..., at + wi : at + 2 * wi], windows,
+                                                    rope))
+        e = entries.shape[-1]
+        new = torch.nn.functional.pad(torch.cat(new, dim=-1), (0, r * e - self.entry_dim)).view(-1, e)  # [B*r, e]
+        complete = ((positions + 1) % m == 0) & (meta.seq_lens > 0)
+        entry_at = self._entry_positions(torch.where(complete, windows, 0), r)  # [B, r]
+        slots = torch.where(complete[:, None], token_slots(meta.block_tables, entry_at, page_size), -1)
+        write_latent(entries, new, new[:, :0], slots.flatten())
 
     def _attend_all(self, q: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, meta: AttentionMetadata,
                     window: AttentionMetadata, page_size: int, index,

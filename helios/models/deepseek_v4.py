@@ -77,13 +77,13 @@ class DeepseekV4Layer(nn.Module):
     """attn_hc, attn_norm, attn (CompressedAttention of the layer's kind); mlp_hc, mlp_norm, moe."""
 
     def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES,
-                 fused: bool = False) -> None:
+                 fused: bool = False, backend: AttentionBackend | None = None) -> None:
         super().__init__()
         h, eps, c = arch.hidden_size, arch.rms_norm_eps, arch.compressed
         self.kind = c.layer_kinds[layer_idx]
         self.attn_hc = ManifoldHyperConnection(h, arch.mhc, eps)
         self.attn_norm = RMSNorm(h, eps, multiply_in_float32=True)
-        self.attn = CompressedAttention(h, arch.num_heads, arch.head_dim, self.kind, c, eps, switches)
+        self.attn = CompressedAttention(h, arch.num_heads, arch.head_dim, self.kind, c, eps, switches, backend)
         self.mlp_hc = ManifoldHyperConnection(h, arch.mhc, eps)
         self.mlp_norm = RMSNorm(h, eps, multiply_in_float32=True)
         self.moe = DeepseekV4Moe(h, arch.moe, arch.vocab_size, layer_idx in arch.moe.hash_layers, arch.hidden_act,
@@ -121,8 +121,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                                         arch.max_position_embeddings, device),
         }
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: the MoE's kernels
-        self.layers = nn.ModuleList(DeepseekV4Layer(arch, i, switches, fused) for i in range(arch.num_layers))
+        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: the MoE's and attention's kernels
+        self.layers = nn.ModuleList(DeepseekV4Layer(arch, i, switches, fused, backend)
+                                    for i in range(arch.num_layers))
         self.hc_head = HyperHead(arch.hidden_size, self.num_streams, arch.rms_norm_eps, arch.mhc.eps)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,

@@ -318,7 +318,9 @@ def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> st
         if unsafe or not mixers:
             kinds = ", ".join(unsafe) or arch.recurrent.kind
             return f"recurrent layers ({kinds}): their decode step reads host-side slot lists (no Triton path)"
-    if arch.index_dim:  # graphed only where every layer with an indexer selects and attends on the device
+    compressed = getattr(arch, "compressed", None)  # deepseek_v4's CSA layers have an indexer too
+    if arch.index_dim or (compressed is not None and "csa" in compressed.layer_kinds):
+        # graphed only where every layer with an indexer selects and attends on the device
         layers = [m for m in model.modules() if hasattr(m, "indexer")]
         unsafe = sorted({type(m).__name__ for m in layers if not getattr(m, "decode_graph_safe", False)})
         if unsafe or not layers:
