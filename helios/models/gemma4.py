@@ -4,6 +4,14 @@ layers, KV-shared layers reading an earlier layer's pages, double-wide MLPs, the
 per-layer embeddings (PLE) gating a branch after the feed-forward, a scalar on every layer's output.
 
 Norm weights are the multiplier itself (gemma4 has no 1 + w), multiplied in float32 as HF does.
+
+With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's query heads,
+its KV heads of each layer kind (num_kv_heads, full_num_kv_heads: a share, or one replicated) and its MLP width (a
+double-wide MLP's too); a KV-shared layer reads its source layer's pages on the same rank, which hold the KV heads its
+query heads read. o and down sum over the ranks, the MoE block's experts split whole over them
+(helios.layers.parallel.ExpertParallelMoe, its router replicated), the embedding and the tied head hold its
+vocabulary rows (compute_logits gathers them, then soft-caps). The per-layer embeddings (ple.*, each layer's
+ple_gate / ple_proj), the norms and the layer scalars are replicated: every rank computes the same PLE branch.
 """
 
 from __future__ import annotations
@@ -14,13 +22,14 @@ from torch import nn
 from helios.core.manifest import Architecture, RopeScaling
 from helios.layers.activation import ACTIVATIONS, GatedMLP
 from helios.layers.attention import AttentionBackend, AttentionMetadata
-from helios.layers.linear import Embedding, Linear, meta_parameter
+from helios.layers.linear import Embedding, Linear, linear, meta_parameter
 from helios.layers.moe import SparseMoe
 from helios.layers.norm import RMSNorm
 from helios.layers.norm_free import pdl_launches
+from helios.layers.parallel import ExpertParallelMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding, apply_rotary
 from helios.models.gemma3 import Gemma3ForCausalLM
-from helios.models.llama import is_sliding
+from helios.models.llama import is_sliding, softcap_logits
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -88,7 +97,7 @@ class Gemma4Attention(nn.Module):
 
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
-                 switches: Switches = DEFAULT_SWITCHES):
+                 switches: Switches = DEFAULT_SWITCHES, tp: TensorGroup | None = None):
         super().__init__()
         h, eps, g = arch.hidden_size, arch.rms_norm_eps, arch.gemma4
         self.eps = eps
@@ -104,8 +113,13 @@ class Gemma4DecoderLayer(nn.Module):
             m = arch.moe
             self.mlp_post_norm_1 = RMSNorm(h, eps, multiply_in_float32=True)
             self.moe_norm = RMSNorm(h, eps, multiply_in_float32=True)
-            self.moe = SparseMoe(h, m.num_experts, m.moe_intermediate_size, m.num_experts_per_tok, m.norm_topk_prob,
-                                 arch.hidden_act, switches, fused=getattr(backend, "fuses_layers", False))
+            if tp is not None:  # the experts split over the ranks
+                self.moe = ExpertParallelMoe(h, m.num_experts, m.moe_intermediate_size, m.num_experts_per_tok,
+                                             m.norm_topk_prob, tp, arch.hidden_act, switches)
+            else:
+                self.moe = SparseMoe(h, m.num_experts, m.moe_intermediate_size, m.num_experts_per_tok,
+                                     m.norm_topk_prob, arch.hidden_act, switches,
+                                     fused=getattr(backend, "fuses_layers", False))
             self.moe_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
         self.act = ACTIVATIONS[arch.hidden_act]
         if g.ple_dim:
@@ -113,6 +127,9 @@ class Gemma4DecoderLayer(nn.Module):
             self.ple_proj = Linear(g.ple_dim, h, switches=switches)
             self.ple_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
         self.layer_scalar = meta_parameter(1)
+        if tp is not None:  # o and down read this rank's heads / width and sum over the ranks
+            self.attn.o = row_parallel(self.attn.o, tp)
+            self.mlp.down = row_parallel(self.mlp.down, tp)
 
     def forward(
         self,
@@ -139,22 +156,25 @@ class Gemma4ForCausalLM(nn.Module):
     Triton backend, helios.kernels.fused_moe; norms never fold)."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
-                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
+                 tp: TensorGroup | None = None):
         super().__init__()
         if norms_folded:
             raise ValueError("gemma4 norm weights are never folded")
         g = arch.gemma4
-        self.arch, self.switches, self.pdl = arch, switches, switches.pdl is True
-        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.arch, self.switches, self.pdl, self.tp = arch, switches, switches.pdl is True, tp
+        self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
+                      else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
         if g.ple_dim:
             self.ple = nn.Module()
             self.ple.embed = Embedding(g.ple_vocab_size, arch.num_layers * g.ple_dim)
             self.ple.proj = Linear(arch.hidden_size, arch.num_layers * g.ple_dim, switches=switches)
             self.ple.norm = RMSNorm(g.ple_dim, arch.rms_norm_eps, multiply_in_float32=True)
-        self.layers = nn.ModuleList(Gemma4DecoderLayer(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(arch, i, backend, switches, tp)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
-                                                                    switches=switches)
+        head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
         full_dim = arch.full_head_dim or arch.head_dim
         scaling = None
         if g.rope_factor != 1.0:  # the proportional rope's factor divides every frequency, as linear scaling does
@@ -200,5 +220,11 @@ class Gemma4ForCausalLM(nn.Module):
                 x = layer(x, layer_ple, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
         return self.norm(x)
 
-    # the tied (or own) lm_head, then the final soft-cap: gemma3's, over the same attributes
-    compute_logits = Gemma3ForCausalLM.compute_logits
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        """The tied (or own) lm_head, then the final soft-cap (gemma3's, over the same attributes); under tensor
+        parallelism the vocabulary gathered before the cap."""
+        if self.tp is None:
+            return Gemma3ForCausalLM.compute_logits(self, hidden)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = self.tp.gather_vocab(linear(hidden, weight, None, self.switches), self.arch.vocab_size)
+        return softcap_logits(logits, self.arch.final_logit_softcapping)

@@ -10,17 +10,19 @@ samples from the logits every rank gathers. Weights are cut at load time from th
 Nothing about the shards is recorded in the core.
 
 Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe), the hybrids qwen3_5,
-qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash, step3p7 and muse_spark. Per layer: attention by head (q,
-k, v and the output gate column parallel: qwen3_5's and muse_spark's gate rows and step3p7's one row per head split with
-their heads, mimo_v2_flash's sinks too; o row parallel; a sliding layer's own KV and query head counts split as the full
-layers'; fewer KV heads than ranks: one on each rank, replicated), a dense MLP by width (gate_up column, down row
-parallel; per-layer SwiGLU clamps act elementwise, unchanged), a MoE layer by whole experts (the router, its score bias
-and a shared expert with its gate replicated; muse_spark's latent projections and norms too), the gated delta rule by
-head (its q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and the
-value heads that read it; each rank's recurrent state holds its heads only; out row parallel); the embedding and the
-head by vocabulary rows (a final soft-cap after the gather). What acts per channel of the whole stream (norms,
-muse_spark's residual gates) or per head (q/k norms, NoPE) is replicated or unchanged. A size that does not split
-raises, naming the architecture field.
+qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash, step3p7, muse_spark and gemma4. Per layer: attention by
+head (q, k, v and the output gate column parallel: qwen3_5's and muse_spark's gate rows and step3p7's one row per head
+split with their heads, mimo_v2_flash's sinks too; o row parallel; a sliding layer's own KV and query head counts and a
+full layer's own KV heads and head dim (gemma4; its k = v layers without v rows) split as the others; a KV-shared
+layer's q heads read its source layer's pages on the same rank; fewer KV heads than ranks: one on each rank,
+replicated), a dense MLP by width (gate_up column, down row parallel; per-layer SwiGLU clamps act elementwise,
+unchanged), a MoE layer by whole experts (the router, its score bias and a shared expert with its gate replicated;
+muse_spark's latent projections and norms too), the gated delta rule by head (its q/k/v/z/b/a projection rows, the short
+convolution's channels, dt_bias and A_log split by key head and the value heads that read it; each rank's recurrent
+state holds its heads only; out row parallel); the embedding and the head by vocabulary rows (a final soft-cap after the
+gather). What acts per channel of the whole stream (norms, muse_spark's residual gates, gemma4's layer scalars and
+per-layer embeddings) or per head (q/k norms, NoPE) is replicated or unchanged. A size that does not split raises,
+naming the architecture field.
 """
 
 from __future__ import annotations
@@ -45,10 +47,10 @@ from helios.runner.model_runner import ModelRunner
 # NOTE: NVLink multicast (NVLS) stays off in every process of a group and in their children: set before any
 # communicator exists, and inherited by what they spawn
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-# the families whose model classes take `tp`: helios.models.llama's, qwen3_5's, mimo_v2_flash's, step3p7's and
-# muse_spark's
+# the families whose model classes take `tp`: helios.models.llama's, qwen3_5's, mimo_v2_flash's, step3p7's,
+# muse_spark's and gemma4's
 SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mimo_v2_flash",
-                    "step3p7", "muse_spark")
+                    "step3p7", "muse_spark", "gemma4")
 GROUP_TIMEOUT = timedelta(minutes=10)  # a rank waits this long at a collective before giving up
 
 
@@ -87,10 +89,11 @@ def init_ranks(rank: int, world_size: int, address: str, port: int, device: str 
 
 
 def shard_arch(arch: Architecture, tp: TensorGroup) -> Architecture:
-    """The architecture one rank runs: its attention heads, KV heads (its KV cache holds those; one replicated when
-    there are fewer than ranks: kv_heads_per_rank), dense MLP width and gated-delta heads (its recurrent state slots
-    hold those); the vocabulary and the experts stay whole (their layers slice them by rank). Raises for a family or
-    a size that does not split, naming the field."""
+    """The architecture one rank runs: its attention heads (sliding_num_heads too), KV heads (sliding_num_kv_heads
+    and full_num_kv_heads too; its KV cache holds those; one replicated when there are fewer than ranks:
+    kv_heads_per_rank), dense MLP width and gated-delta heads (its recurrent state slots hold those); the
+    vocabulary and the experts stay whole (their layers slice them by rank). Raises for a family or a size that does
+    not split, naming the field."""
     if arch.family not in SHARDED_FAMILIES:
         raise ValueError(f"tensor parallelism covers {', '.join(SHARDED_FAMILIES)}; not {arch.family!r}")
     w = tp.world_size
@@ -104,7 +107,7 @@ def shard_arch(arch: Architecture, tp: TensorGroup) -> Architecture:
     if arch.moe is not None:
         tp.split(arch.moe.num_experts, "moe.num_experts")
     local = {name: size // w for name, size in split.items()}
-    for name in ("num_kv_heads", "sliding_num_kv_heads"):
+    for name in ("num_kv_heads", "sliding_num_kv_heads", "full_num_kv_heads"):
         if getattr(arch, name) is not None:
             local[name] = kv_heads_per_rank(getattr(arch, name), tp, name)
     if arch.recurrent is not None:
@@ -135,8 +138,9 @@ def _kv_rows(t: torch.Tensor, offset: int, num_kv_heads: int, size: int, tp: Ten
 
 
 def has_dense_mlp(arch: Architecture) -> bool:
-    """Whether some layer has a dense MLP of intermediate_size (a MoE family's dense_layers, or no MoE at all)."""
-    return arch.moe is None or bool(arch.moe.dense_layers)
+    """Whether some layer has a dense MLP of intermediate_size (a MoE family's dense_layers, no MoE at all, or
+    gemma4's MLP beside the MoE block in every layer)."""
+    return arch.moe is None or bool(arch.moe.dense_layers) or arch.gemma4 is not None
 
 
 def _shard_recurrent(arch: Architecture, tp: TensorGroup):
@@ -154,8 +158,9 @@ def _shard_recurrent(arch: Architecture, tp: TensorGroup):
 
 _REPLICATED = re.compile(r"(norm|attn_norm|mlp_norm|attn\.q_norm|attn\.k_norm|moe\.router|linear\.norm"
                          r"|moe\.shared\.gate_up|moe\.shared\.down|moe\.shared_gate|mlp_post_norm"
-                         r"|attn_residual|mlp_residual|moe\.latent_(in|out|norm)|moe\.expert_norm)\.weight"
-                         r"|moe\.router\.bias")
+                         r"|attn_residual|mlp_residual|moe\.latent_(in|out|norm)|moe\.expert_norm"
+                         r"|attn_post_norm|mlp_post_norm_1|moe_norm|moe_post_norm|ple_gate|ple_proj|ple_post_norm"
+                         r"|ple\.embed|ple\.proj|ple\.norm)\.weight|moe\.router\.bias|layer_scalar")
 
 
 def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: TensorGroup) -> dict[str, torch.Tensor]:
@@ -166,7 +171,7 @@ def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: Tens
     and A_log; row parallel (input columns split): o, down, the gated delta rule's out; vocabulary rows: embed,
     lm_head; whole experts: a MoE layer's gate_up and down; replicated: norms, q/k norms, the gated norm, the
     router, a shared expert and its gate, the router's score bias, muse_spark's residual gates and its latent
-    projections and norms. An unknown tensor raises, so a layout this does
+    projections and norms, gemma4's per-layer embeddings (ple.*, ple_gate / ple_proj) and layer scalars. An unknown tensor raises, so a layout this does
     not know never runs half-sharded."""
     out = {}
     for name, t in tensors.items():
@@ -206,19 +211,32 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
 def _shard_qkv(name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:
     """Attention's fused rows [q (Nq*D), k (Nkv*D), v (Nkv*Dv)] and an output gate after them (qwen3_5's and
     muse_spark's Nq*D rows, step3p7's one row per head): this rank's q and gate heads, and its KV heads (its share,
-    or its one replicated head)."""
+    or its one replicated head). The layer's own shapes: a sliding layer's KV and q head counts (mimo_v2_flash,
+    step3p7), a full layer's KV heads and head dim (gemma4, whose k = v full layers have no v rows and whose KV-shared
+    layers only q rows)."""
     i = int(name.split(".")[1])
-    d, dv, nq = arch.head_dim, arch.v_head_dim or arch.head_dim, layer_q_heads(arch, i)
-    nkv = arch.layer_kv_heads(i)  # a sliding layer's own count (mimo_v2_flash)
-    q = _blocks(t[: nq * d], [nq * d], tp)
-    k = _kv_rows(t, nq * d, nkv, d, tp)
-    v = _kv_rows(t, nq * d + nkv * d, nkv, dv, tp)
-    end = nq * d + nkv * (d + dv)
+    nkv, d = arch.kv_shape(i)
+    nq = layer_q_heads(arch, i)
+    parts, offset = [_blocks(t[: nq * d], [nq * d], tp)], nq * d
+    for size in _kv_head_rows(arch, i, d):  # k's rows per head, then v's
+        parts.append(_kv_rows(t, offset, nkv, size, tp))
+        offset += nkv * size
     gate_rows = 0 if not arch.attn_output_gate else nq if arch.attn_gate_per_head else nq * d
-    gate = [_blocks(t[end:], [gate_rows], tp)] if gate_rows else []  # the gate rows follow v's
-    if end + gate_rows != t.shape[0]:
-        raise ValueError(f"{name}: {t.shape[0]} rows, not the heads' {end + gate_rows}")
-    return torch.cat([q, k, v, *gate])
+    if gate_rows:  # the gate rows follow v's
+        parts.append(_blocks(t[offset:], [gate_rows], tp))
+    if offset + gate_rows != t.shape[0]:
+        raise ValueError(f"{name}: {t.shape[0]} rows, not the heads' {offset + gate_rows}")
+    return torch.cat(parts)
+
+
+def _kv_head_rows(arch: Architecture, i: int, d: int) -> list[int]:
+    """Rows per KV head of the k and v blocks in layer i's qkv: [D, Dv]; gemma4's full k = v layers [D] (v is k's
+    projection), its KV-shared layers none (they read their source layer's pages)."""
+    if arch.kv_sources and arch.kv_sources[i] != i:
+        return []
+    if arch.gemma4 is not None and arch.gemma4.k_eq_v and arch.layer_types[i] == "full":
+        return [d]
+    return [d, arch.v_head_dim or d]
 
 
 def layer_q_heads(arch: Architecture, i: int) -> int:

@@ -8,7 +8,9 @@ test_tensor_parallel_mimo.py on the device: sliding layers with their own KV hea
 sigmoid-routed experts whole), and step3p7 (tests/runner/test_tensor_parallel_step3p7.py: sliding layers with their own
 query heads, per-head gates split with them, clamped experts whole) and muse_spark (tests/runner/
 test_tensor_parallel_muse_spark.py: residual gates, NoPE layers, the latent MoE's experts whole, soft-capped logits
-after the vocabulary gather). Needs two GPUs; not run yet (no machine of two GPUs was lent when it was written)."""
+after the vocabulary gather) and gemma4's "moe" variant (tests/runner/test_tensor_parallel_gemma4.py: per-layer KV
+shapes, a replicated full-layer KV head, KV-shared layers, PLE replicated, the MoE block's experts whole). Needs two
+GPUs; not run yet (no machine of two GPUs was lent when it was written)."""
 
 from __future__ import annotations
 
@@ -34,16 +36,18 @@ NUM_NEW = 32
 
 def build(family: str, out_dir):
     """The family's tiny random HF checkpoint (tests/models/*_tiny)."""
+    from tests.models.gemma4_tiny import build_gemma4
     from tests.models.hybrid_tiny import build_hybrid
     from tests.models.mimo_v2_flash_tiny import build_mimo
     from tests.models.muse_spark_tiny import build_muse_spark
     from tests.models.step3p7_tiny import build_step3p7
 
-    builders = {"mimo_v2_flash": build_mimo, "step3p7": build_step3p7, "muse_spark": build_muse_spark}
+    builders = {"mimo_v2_flash": build_mimo, "step3p7": build_step3p7, "muse_spark": build_muse_spark,
+                "gemma4": lambda out: build_gemma4(out, "moe")}
     return builders[family](out_dir) if family in builders else build_hybrid(family, out_dir)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "mimo_v2_flash", "step3p7", "muse_spark"])
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "mimo_v2_flash", "step3p7", "muse_spark", "gemma4"])
 def core(request, tmp_path_factory):
     from ignition.export import ExportOptions, export_core
 

@@ -16,35 +16,30 @@ import pytest
 import torch
 
 from helios.core.load import load_core
-from helios.engine.config import SchedulerConfig
 from helios.layers.parallel import TensorGroup
-from helios.runner.model_runner import ModelRunner
 from helios.runner.parallel import shard_arch, shard_tensors
-from tests.models.hybrid_harness import prompt
-from tests.runner.tp_harness import engine_tokens, float32_cores, single_and_ranked
+from tests.runner.tp_harness import (
+    WINDOW_NUM_PAGES,
+    WINDOW_PAGE_SIZE,
+    assert_ranks_match_single,
+    float32_cores,
+    single_and_ranked,
+    window_greedy,
+    window_logits,
+)
 
 FAMILIES = ("muse_spark",)
-PAGE_SIZE, NUM_PAGES = 4, 64
+PAGE_SIZE, NUM_PAGES = WINDOW_PAGE_SIZE, WINDOW_NUM_PAGES  # the harness's runners: every page kept, no window group
 RUNNER_KWARGS: dict = {}
 NUM_NEW = 32
-CHUNK = 8
 
 
-def prompts() -> list[list[int]]:
-    return [prompt(40, seed=1), prompt(9, seed=2), prompt(23, seed=3)]
-
-
-def logits_of(runner: ModelRunner) -> dict[str, torch.Tensor]:
-    """Every position's logits of the first prompt, whole and in chunks."""
-    ids = prompts()[0]
-    return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=CHUNK)}
+def logits_of(runner) -> dict[str, torch.Tensor]:
+    return window_logits(runner)
 
 
 def greedy_tokens(runner, core) -> dict[str, list[int]]:
-    """Three greedy requests at once (8-token prefill chunks beside decodes: mixed steps)."""
-    config = SchedulerConfig(max_concurrency=4, max_num_batched_tokens=16, prefill_chunk_size=CHUNK,
-                             page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE_SIZE)
-    return engine_tokens(config, runner, prompts(), NUM_NEW)
+    return window_greedy(runner, NUM_NEW)
 
 
 @pytest.fixture(scope="module")
@@ -54,26 +49,11 @@ def cores(tmp_path_factory):
     return float32_cores(lambda family, out_dir: build_muse_spark(out_dir), FAMILIES, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def results(cores, tmp_path_factory):
-    """(TP=1, per rank of TP=2) results (tests/runner/tp_harness)."""
-    return single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
-
-
-def test_logits_equal_single_rank(results):
-    single, ranked = results
-    for rank_result in ranked["muse_spark"]:  # every rank gathers the whole vocabulary
-        for key in ("whole", "chunked"):
-            torch.testing.assert_close(rank_result["logits"][key], single["muse_spark"]["logits"][key], atol=1e-5,
-                                       rtol=0)
-
-
-def test_greedy_identical_and_workers_ran_every_plan(results):
-    single, ranked = results
-    driver, worker = ranked["muse_spark"]
-    assert driver["tokens"] == single["muse_spark"]["tokens"]
-    assert all(len(t) == NUM_NEW for t in driver["tokens"].values())
-    assert worker["plans"] == driver["plans"] == single["muse_spark"]["plans"] > NUM_NEW
+def test_tp2_logits_and_greedy_equal_single_rank(cores, tmp_path_factory):
+    """Every position within 1e-5 of TP=1's on both ranks, whole and chunked; 32 greedy tokens of each request
+    identical; the worker ran every plan (tests/runner/tp_harness)."""
+    single, ranked = single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
+    assert_ranks_match_single(single, ranked, "muse_spark", NUM_NEW)
 
 
 def test_gate_rows_split_with_their_heads(cores):

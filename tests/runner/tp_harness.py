@@ -21,7 +21,7 @@ from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.runner.model_runner import ModelRunner
 from helios.runner.parallel import MULTICAST_OFF, free_port
-from tests.models.hybrid_harness import generate, greedy_request
+from tests.models.hybrid_harness import generate, greedy_request, prompt
 
 WORLD_SIZE = 2
 
@@ -101,3 +101,40 @@ def engine_tokens(config: SchedulerConfig, runner, prompts: list[list[int]], num
     out = generate(engine, [greedy_request(f"r{i}", ids, num_new) for i, ids in enumerate(prompts)])
     assert engine.is_healthy, engine.error
     return out
+
+
+# --- the sliding-window families' checks (step3p7, muse_spark, gemma4: an 8-token window, 4-token pages) ------------
+
+WINDOW_PAGE_SIZE, WINDOW_NUM_PAGES, WINDOW_CHUNK = 4, 64, 8
+
+
+def window_prompts() -> list[list[int]]:
+    """Three prompts: the first (40 tokens) far past an 8-token window and over five 8-token chunks."""
+    return [prompt(40, seed=1), prompt(9, seed=2), prompt(23, seed=3)]
+
+
+def window_logits(runner) -> dict[str, torch.Tensor]:
+    """Every position's logits of the first prompt, whole and in 8-token chunks (a module's logits_of)."""
+    ids = window_prompts()[0]
+    return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=WINDOW_CHUNK)}
+
+
+def window_greedy(runner, num_new: int) -> dict[str, list[int]]:
+    """The three prompts' greedy tokens at once (8-token prefill chunks beside decodes: mixed steps; every page kept,
+    no window group) through an EngineCore over `runner` (a module's greedy_tokens)."""
+    config = SchedulerConfig(max_concurrency=4, max_num_batched_tokens=16, prefill_chunk_size=WINDOW_CHUNK,
+                             page_size=WINDOW_PAGE_SIZE, num_pages=WINDOW_NUM_PAGES,
+                             max_model_len=WINDOW_NUM_PAGES * WINDOW_PAGE_SIZE)
+    return engine_tokens(config, runner, window_prompts(), num_new)
+
+
+def assert_ranks_match_single(single: dict, ranked: dict, family: str, num_new: int, atol: float = 1e-5) -> None:
+    """Every rank's logits (each gathers the whole vocabulary) within atol of TP=1's at every position, whole and
+    chunked; rank 0's greedy tokens TP=1's, num_new each; the worker ran every plan rank 0 ran, as many as TP=1."""
+    for rank_result in ranked[family]:
+        for key in ("whole", "chunked"):
+            torch.testing.assert_close(rank_result["logits"][key], single[family]["logits"][key], atol=atol, rtol=0)
+    driver, worker = ranked[family]
+    assert driver["tokens"] == single[family]["tokens"]
+    assert all(len(t) == num_new for t in driver["tokens"].values())
+    assert worker["plans"] == driver["plans"] == single[family]["plans"] > num_new

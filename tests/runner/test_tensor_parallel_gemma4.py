@@ -1,0 +1,83 @@
+"""Tensor parallelism of gemma4 on the CPU: two gloo ranks on 127.0.0.1 against one process (TP=1), on the tiny
+random core of tests/models/gemma4_tiny's "moe" variant, which holds every per-layer peculiarity: sliding layers of 2
+KV heads of 16 (one per rank) and full layers of their own single KV head of 32 (replicated on both ranks) with
+k = v (no v rows); the last two layers KV-shared (only q rows: they read their source layer's pages on the same rank)
+with double-wide MLPs split by width; per-layer embeddings, norms and layer scalars replicated; the MoE block's
+experts split whole beside every MLP, its router replicated; the tied head's vocabulary gathered before the final
+soft-cap.
+
+Both ranks run a 40-token prompt (past the 8-token window) whole and in 8-token chunks: logits within 1e-5 of TP=1's
+in float32; rank 0 serves three greedy requests (32 tokens each) through an EngineCore over its TensorParallelRunner
+while rank 1 runs the worker loop: TP=1's tokens, every plan run on both (tests/runner/tp_harness).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helios.core.load import load_core
+from helios.layers.parallel import TensorGroup
+from helios.runner.parallel import shard_arch, shard_tensors
+from tests.runner.tp_harness import (
+    WINDOW_NUM_PAGES,
+    WINDOW_PAGE_SIZE,
+    assert_ranks_match_single,
+    float32_cores,
+    single_and_ranked,
+    window_greedy,
+    window_logits,
+)
+
+FAMILIES = ("gemma4",)
+PAGE_SIZE, NUM_PAGES = WINDOW_PAGE_SIZE, WINDOW_NUM_PAGES  # the harness's runners: every page kept, no window group
+RUNNER_KWARGS: dict = {}
+NUM_NEW = 32
+
+
+def logits_of(runner) -> dict[str, torch.Tensor]:
+    return window_logits(runner)
+
+
+def greedy_tokens(runner, core) -> dict[str, list[int]]:
+    return window_greedy(runner, NUM_NEW)
+
+
+@pytest.fixture(scope="module")
+def cores(tmp_path_factory):
+    from tests.models.gemma4_tiny import build_gemma4
+
+    return float32_cores(lambda family, out_dir: build_gemma4(out_dir, "moe"), FAMILIES, tmp_path_factory)
+
+
+def test_tp2_logits_and_greedy_equal_single_rank(cores, tmp_path_factory):
+    """Every position within 1e-5 of TP=1's on both ranks, whole and chunked; 32 greedy tokens of each request
+    identical; the worker ran every plan (tests/runner/tp_harness)."""
+    single, ranked = single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
+    assert_ranks_match_single(single, ranked, "gemma4", NUM_NEW)
+
+
+def test_per_layer_kv_shapes_cut_by_head(cores):
+    """Rank 1 of 2 without a group: a full layer's qkv takes its 2 of the 4 q heads of 32 and its one (replicated) KV
+    head's k rows (k = v: no v rows); a KV-shared layer's only its q rows; a double-wide MLP half its width; the PLE
+    tables, the layer scalars and the router whole, the experts half."""
+    core = load_core(cores["gemma4"])
+    arch, full = core.manifest.arch, core.tensors
+    tp = TensorGroup(rank=1, world_size=2)
+    shard, local = shard_tensors(arch, full, tp), shard_arch(arch, tp)
+    assert (local.num_heads, local.num_kv_heads, local.full_num_kv_heads) == (2, 1, 1)
+    i = arch.layer_types.index("full")
+    nq, d = arch.num_heads, arch.full_head_dim
+    qkv = full[f"layers.{i}.attn.qkv.weight"]
+    assert qkv.shape[0] == (nq + 1) * d  # q and k: v is k's projection
+    assert torch.equal(shard[f"layers.{i}.attn.qkv.weight"], torch.cat([qkv[nq * d // 2 : nq * d], qkv[nq * d :]]))
+    shared = next(j for j, source in enumerate(arch.kv_sources) if source != j)
+    qkv = full[f"layers.{shared}.attn.qkv.weight"]
+    assert torch.equal(shard[f"layers.{shared}.attn.qkv.weight"], qkv[qkv.shape[0] // 2 :])
+    wide = full[f"layers.{shared}.mlp.down.weight"]
+    assert wide.shape[1] == 2 * arch.intermediate_size
+    assert torch.equal(shard[f"layers.{shared}.mlp.down.weight"], wide[:, arch.intermediate_size :])
+    for name in ("ple.embed.weight", "ple.proj.weight", f"layers.{i}.layer_scalar", f"layers.{i}.ple_gate.weight",
+                 f"layers.{i}.moe.router.weight"):
+        assert shard[name] is full[name]
+    assert shard[f"layers.{i}.moe.down.weight"].shape[0] == arch.moe.num_experts // 2
