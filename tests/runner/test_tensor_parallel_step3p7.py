@@ -76,3 +76,11 @@ def test_sliding_heads_and_their_gates_split_together(cores):
     assert shard[f"layers.{moe}.moe.shared.down.weight"] is full[f"layers.{moe}.moe.shared.down.weight"]
     assert shard[f"layers.{moe}.moe.down.weight"].shape[0] == arch.moe.num_experts // 2
     assert all(shard[n] is t for n, t in full.items() if n.startswith("mtp."))
+
+
+def test_sliding_heads_that_do_not_split_name_their_field(cores):
+    """Four ranks split the full layers' 4 query heads and replicate the 2 KV heads, but not the sliding layers' 6
+    query heads: refused, naming sliding_num_heads."""
+    arch = load_core(cores["step3p7"]).manifest.arch
+    with pytest.raises(ValueError, match="sliding_num_heads = 6 does not split over 4 ranks"):
+        shard_arch(arch, TensorGroup(rank=0, world_size=4))
