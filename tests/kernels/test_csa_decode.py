@@ -184,19 +184,3 @@ def test_splits_come_from_the_config_alone():
     assert compressed_num_splits(3, 8) == 1
     assert compressed_num_splits(512, 128) == 2  # V4-Flash's CSA: 640 keys
     assert compressed_num_splits(None, 128) == 4  # HCA: every entry, a count that grows
-
-
-def test_graphs_admit_deepseek_v4_on_the_triton_backend(interpreter, tmp_path):
-    """unsupported_reason: deepseek_v4 on the Triton backend (csa_decode's kernels, the fused MoE) is graphed; a CSA
-    layer off its kernel path keeps the indexed-attention refusal."""
-    from helios.kernels.backend import TritonAttentionBackend
-    from helios.layers.compressed_attention import CompressedAttention
-    from helios.runner.cuda_graphs import unsupported_reason
-    from tests.kernels.moe_cases import family_arch, unbound_model
-
-    cuda = torch.device("cuda")  # a device object only: nothing runs there
-    arch = family_arch("deepseek_v4", tmp_path / "deepseek_v4")
-    model = unbound_model(arch, TritonAttentionBackend())
-    assert unsupported_reason(model, arch, cuda) is None
-    next(m for m in model.modules() if isinstance(m, CompressedAttention) and m.kind == "csa").decode_graph_safe = False
-    assert unsupported_reason(model, arch, cuda).startswith("indexed attention layers (CompressedAttention)")
