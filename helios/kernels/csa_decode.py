@@ -203,7 +203,10 @@ def _compressed_decode_kernel(
         m, l, acc = online_softmax_tile(s, m, l, acc, kv, DOT_PRECISION)
     # the entries: the listed ones, or every complete window
     num_entries = seq_len // RATE
-    count = num_listed if HAS_LIST else num_entries
+    if HAS_LIST:
+        count = num_listed
+    else:
+        count = num_entries
     per_split = tl.cdiv(count, NUM_SPLITS)
     c_start = split * per_split
     c_end = tl.minimum(c_start + per_split, count)
@@ -245,9 +248,8 @@ def compressed_decode(
     entries) is a launch constant, so a captured graph stays valid."""
     require_triton()
     num_seqs, num_heads, head_dim = q.shape
-    if rate == 0:  # a sliding layer: the window alone (an empty list; the rows stand in for the absent entries)
-        entries, rate, entry_rows = rows, 1, 1
-        chosen = torch.empty(num_seqs, 0, dtype=torch.int32, device=q.device)
+    if rate == 0:  # a sliding layer: the window alone (an empty list; real tensors stand in for the absent ones)
+        entries, rate, entry_rows, chosen = rows, 1, 1, block_tables[:, :0]
     else:
         _check_entries(entries, block_tables, seq_lens, num_seqs)
     assert rows.dim() == 4 and rows.shape[0] == 1 and rows.shape[3] >= head_dim

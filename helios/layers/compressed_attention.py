@@ -312,7 +312,9 @@ class CompressedAttention(nn.Module):
         windows = positions // m
         lead = 1 if self.kind == "csa" else 0
         at = ((windows - lead) * m)[:, None] + torch.arange((1 + lead) * m, device=positions.device)
-        raw = rows.flatten(0, 2)[token_slots(window.block_tables, at.clamp(min=0), page_size)]  # [B, (1+e)m, raw]
+        # within 0 .. p: a row that completes no window reads its own rows instead (never used), never past its table
+        at = torch.minimum(at.clamp(min=0), positions[:, None])
+        raw = rows.flatten(0, 2)[token_slots(window.block_tables, at, page_size)]  # [B, (1 + e) m, raw]
         new = [self.compressor.step(raw[..., d : d + w], raw[..., d + w : d + 2 * w], windows, rope)]
         if self.kind == "csa":
             at, wi = d + 2 * w, 2 * self.config.index_head_dim

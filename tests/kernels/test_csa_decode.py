@@ -141,13 +141,18 @@ def check_layer_decode(device, dtype, tol=None, page_size=4, hidden=32, num_head
                 _randn(1, 40, page_size, c.entry_row_dim(kind, HEAD_DIM, page_size), device=device, dtype=dtype,
                        seed=9 + j)) for j, kind in enumerate(c.layer_kinds)] for _ in stacks]
     tol = tol or dict(atol=1e-5, rtol=1e-5)
+    lengths = [0] * len(LENGTHS)
     for chunks in STEPS:
         is_real = [seq >= 0 for seq, a, b in chunks for _ in range(max(b - a, 1))]
         real = [r for r, keep in enumerate(is_real) if keep]
         x = torch.cat([xs[seq][a:b] if seq >= 0 else torch.zeros(1, hidden, device=device, dtype=dtype)
                        for seq, a, b in chunks])
-        meta = step_meta(tables, chunks, page_size, device)
-        real_meta = step_meta(tables, [ch for ch in chunks if ch[0] >= 0], page_size, device)
+        for seq, _, end in chunks:
+            lengths[seq] = end if seq >= 0 else lengths[seq]
+        # each table as long as its sequence needs now (as the runner's): nothing may read past it
+        now = [t[: max(1, -(-n // page_size))] for t, n in zip(tables, lengths)]
+        meta = step_meta(now, chunks, page_size, device)
+        real_meta = step_meta(now, [ch for ch in chunks if ch[0] >= 0], page_size, device)
         with torch.inference_mode():
             for ref, ours, ref_cache, our_cache in zip(*stacks, *caches):
                 want = ref(x[real], ref_cache, real_meta, rope, compress_rope)
