@@ -63,22 +63,26 @@ def _index_scores_kernel(
     """Program (seq, tile of entries): sum_h w_h relu(q_h . k_j) Di^-0.5 in float32 for entries j < seq_len // RATE
     (the complete windows a query at seq_len - 1 sees), -inf past them."""
     seq = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.program_id(1) * BLOCK_N
+    j = start + tl.arange(0, BLOCK_N)
     num_entries = tl.load(seq_lens_ptr + seq) // RATE
-    heads = tl.arange(0, BLOCK_H)
-    h_mask = heads < num_heads
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < index_dim
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
     e_mask = j < num_entries
-    base = _entry_base(block_tables_ptr + seq * stride_bt, j, RATE, ROWS, PAGE_SIZE, stride_ep, stride_es, e_mask)
-    k = tl.load(entries_ptr + base[:, None] + key_offset + d[None, :], mask=e_mask[:, None] & d_mask[None, :],
-                other=0.0)
-    s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), 0.0) * scale  # [BLOCK_H, BLOCK_N]
-    w = tl.load(w_ptr + seq * stride_ws + heads, mask=h_mask, other=0.0)
-    score = tl.sum(s * w[:, None], axis=0)
-    tl.store(out_ptr + seq * stride_os + j, tl.where(e_mask, score, float("-inf")), mask=j < max_entries)
+    score = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    if start < num_entries:  # a tile past the sequence's windows (most of a graph bucket's table) reads nothing
+        heads = tl.arange(0, BLOCK_H)
+        h_mask = heads < num_heads
+        d = tl.arange(0, BLOCK_D)
+        d_mask = d < index_dim
+        q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        base = _entry_base(block_tables_ptr + seq * stride_bt, j, RATE, ROWS, PAGE_SIZE, stride_ep, stride_es,
+                           e_mask)
+        k = tl.load(entries_ptr + base[:, None] + key_offset + d[None, :], mask=e_mask[:, None] & d_mask[None, :],
+                    other=0.0)
+        s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), 0.0) * scale  # [BLOCK_H, BLOCK_N]
+        w = tl.load(w_ptr + seq * stride_ws + heads, mask=h_mask, other=0.0)
+        score = tl.where(e_mask, tl.sum(s * w[:, None], axis=0), float("-inf"))
+    tl.store(out_ptr + seq * stride_os + j, score, mask=j < max_entries)
 
 
 def index_scores(

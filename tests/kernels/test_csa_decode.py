@@ -168,6 +168,7 @@ def check_layer_decode(device, dtype, tol=None, page_size=4, hidden=32, num_head
 
 def test_selection_is_the_layers(interpreter):
     check_selection("cpu", torch.float32)
+    check_selection("cpu", torch.float32, seq_lens=(150, 3, 70))  # several score tiles; tiles past a length skip
 
 
 def test_tied_entries_go_to_the_earlier_one_in_both(interpreter):
