@@ -4,6 +4,12 @@ feed-forward: a dense MLP (arch.moe.dense_layers) or sigmoid-routed experts (sco
 shared expert. Every norm is zero-centred in the checkpoint, stored 1 + w and multiplied in float32, as HF does.
 
 Block: x += attn(attn_norm(x)); x += ffn(mlp_norm(x)). Forward-only, no weights of its own.
+
+With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's query and KV
+heads, its index heads (arch.msa.num_heads: the ones its query heads read, split with them or one replicated) and its
+dense MLP width; o and down sum over the ranks, the experts split over them (ExpertParallelSigmoidMoe: the router, its
+score bias and the shared expert replicated), the embedding and the head hold its vocabulary rows (compute_logits
+gathers them).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.moe import SigmoidMoe
 from helios.layers.msa import SparseAttention
 from helios.layers.norm import RMSNorm
+from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -26,7 +33,7 @@ class MiniMaxM3Layer(nn.Module):
     """attn_norm, attn (Attention, or SparseAttention in a sparse layer), mlp_norm, then mlp or moe."""
 
     def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
-                 switches: Switches = DEFAULT_SWITCHES) -> None:
+                 switches: Switches = DEFAULT_SWITCHES, tp: TensorGroup | None = None) -> None:
         super().__init__()
         h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
         self.is_sparse = arch.msa is not None and layer_idx in arch.msa.layers
@@ -43,11 +50,18 @@ class MiniMaxM3Layer(nn.Module):
         if moe is None or layer_idx in moe.dense_layers:
             self.ffn_name = "mlp"
             ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches, limit=limit, alpha=alpha)
+        elif tp is not None:  # the experts split over the ranks
+            self.ffn_name = "moe"
+            ffn = ExpertParallelSigmoidMoe(h, moe, arch.hidden_act, tp, switches, limit=limit, alpha=alpha)
         else:
             self.ffn_name = "moe"
             ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, limit=limit, alpha=alpha,
                              fused=getattr(backend, "fuses_layers", False))
         self.add_module(self.ffn_name, ffn)
+        if tp is not None:  # o and a dense MLP's down read this rank's heads / width and sum over the ranks
+            self.attn.o = row_parallel(self.attn.o, tp)
+            if self.ffn_name == "mlp":
+                ffn.down = row_parallel(ffn.down, tp)
 
     def forward(self, x: torch.Tensor, cos_sin, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
         """cache: the layer's (KV, index keys) pages (its KV alone in a model without sparse layers); a full layer
@@ -64,7 +78,8 @@ class MiniMaxM3ForCausalLM(nn.Module):
     arch.msa is None (no sparse layers)."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
-                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
+                 tp: TensorGroup | None = None):
         super().__init__()
         if arch.swiglu_alpha is None or arch.swiglu_limit is None or not arch.qk_norm:
             raise ValueError("a minimax_m3 architecture has q/k norms and a clamped SwiGLU-OAI")
@@ -73,13 +88,15 @@ class MiniMaxM3ForCausalLM(nn.Module):
         self.arch = arch
         self.switches = switches
         self.path = "eager"
-        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.tp = tp
+        self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
+                      else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
         self.rotary = RotaryEmbedding(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling,
                                       arch.max_position_embeddings, device)
-        self.layers = nn.ModuleList(MiniMaxM3Layer(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(MiniMaxM3Layer(arch, i, backend, switches, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
-                                                                    switches=switches)
+        head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
         if arch.float32_norms:  # the core keeps the norms' 1 + w in float32: bind_tensors leaves them so
             for module in self.modules():
                 if isinstance(module, RMSNorm):
@@ -98,4 +115,5 @@ class MiniMaxM3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.switches)
+        logits = linear(hidden, weight, None, self.switches)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.arch.vocab_size)

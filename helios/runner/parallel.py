@@ -10,19 +10,20 @@ samples from the logits every rank gathers. Weights are cut at load time from th
 Nothing about the shards is recorded in the core.
 
 Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe), the hybrids qwen3_5,
-qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash, step3p7, muse_spark and gemma4. Per layer: attention by
-head (q, k, v and the output gate column parallel: qwen3_5's and muse_spark's gate rows and step3p7's one row per head
-split with their heads, mimo_v2_flash's sinks too; o row parallel; a sliding layer's own KV and query head counts and a
-full layer's own KV heads and head dim (gemma4; its k = v layers without v rows) split as the others; a KV-shared
-layer's q heads read its source layer's pages on the same rank; fewer KV heads than ranks: one on each rank,
-replicated), a dense MLP by width (gate_up column, down row parallel; per-layer SwiGLU clamps act elementwise,
-unchanged), a MoE layer by whole experts (the router, its score bias and a shared expert with its gate replicated;
-muse_spark's latent projections and norms too), the gated delta rule by head (its q/k/v/z/b/a projection rows, the short
-convolution's channels, dt_bias and A_log split by key head and the value heads that read it; each rank's recurrent
-state holds its heads only; out row parallel); the embedding and the head by vocabulary rows (a final soft-cap after the
-gather). What acts per channel of the whole stream (norms, muse_spark's residual gates, gemma4's layer scalars and
-per-layer embeddings) or per head (q/k norms, NoPE) is replicated or unchanged. A size that does not split raises,
-naming the architecture field.
+qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash, step3p7, muse_spark, gemma4 and minimax_m3. Per layer:
+attention by head (q, k, v and the output gate column parallel: qwen3_5's and muse_spark's gate rows and step3p7's one
+row per head split with their heads, mimo_v2_flash's sinks too; o row parallel; a sliding layer's own KV and query head
+counts and a full layer's own KV heads and head dim (gemma4; its k = v layers without v rows) split as the others; a
+KV-shared layer's q heads read its source layer's pages on the same rank; fewer KV heads than ranks: one on each rank,
+replicated; minimax_m3's lightning indexer's query heads split with the query heads they select for, one replicated
+when fewer than ranks, its one index key whole on every rank), a dense MLP by width (gate_up column, down row parallel;
+per-layer SwiGLU clamps act elementwise, unchanged), a MoE layer by whole experts (the router, its score bias and a
+shared expert with its gate replicated; muse_spark's latent projections and norms too), the gated delta rule by head
+(its q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and the value
+heads that read it; each rank's recurrent state holds its heads only; out row parallel); the embedding and the head by
+vocabulary rows (a final soft-cap after the gather). What acts per channel of the whole stream (norms, muse_spark's
+residual gates, gemma4's layer scalars and per-layer embeddings) or per head (q/k norms, NoPE) is replicated or
+unchanged. A size that does not split raises, naming the architecture field.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
 # the families whose model classes take `tp`: helios.models.llama's, qwen3_5's, mimo_v2_flash's, step3p7's,
 # muse_spark's and gemma4's
 SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mimo_v2_flash",
-                    "step3p7", "muse_spark", "gemma4")
+                    "step3p7", "muse_spark", "gemma4", "minimax_m3")
 GROUP_TIMEOUT = timedelta(minutes=10)  # a rank waits this long at a collective before giving up
 
 
@@ -112,6 +113,9 @@ def shard_arch(arch: Architecture, tp: TensorGroup) -> Architecture:
             local[name] = kv_heads_per_rank(getattr(arch, name), tp, name)
     if arch.recurrent is not None:
         local["recurrent"] = _shard_recurrent(arch, tp)
+    if arch.msa is not None:  # minimax_m3's index heads: split with the query heads that read them (_shard_indexer)
+        local["msa"] = msgspec.structs.replace(
+            arch.msa, num_heads=kv_heads_per_rank(arch.msa.num_heads, tp, "msa.num_heads (index_n_heads)"))
     return msgspec.structs.replace(arch, **local)
 
 
@@ -160,7 +164,8 @@ _REPLICATED = re.compile(r"(norm|attn_norm|mlp_norm|attn\.q_norm|attn\.k_norm|mo
                          r"|moe\.shared\.gate_up|moe\.shared\.down|moe\.shared_gate|mlp_post_norm"
                          r"|attn_residual|mlp_residual|moe\.latent_(in|out|norm)|moe\.expert_norm"
                          r"|attn_post_norm|mlp_post_norm_1|moe_norm|moe_post_norm|ple_gate|ple_proj|ple_post_norm"
-                         r"|ple\.embed|ple\.proj|ple\.norm)\.weight|moe\.router\.bias|layer_scalar")
+                         r"|ple\.embed|ple\.proj|ple\.norm|attn\.indexer\.q_norm|attn\.indexer\.k_norm)\.weight"
+                         r"|moe\.router\.bias|layer_scalar")
 
 
 def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: TensorGroup) -> dict[str, torch.Tensor]:
@@ -171,7 +176,8 @@ def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: Tens
     and A_log; row parallel (input columns split): o, down, the gated delta rule's out; vocabulary rows: embed,
     lm_head; whole experts: a MoE layer's gate_up and down; replicated: norms, q/k norms, the gated norm, the
     router, a shared expert and its gate, the router's score bias, muse_spark's residual gates and its latent
-    projections and norms, gemma4's per-layer embeddings (ple.*, ple_gate / ple_proj) and layer scalars. An unknown tensor raises, so a layout this does
+    projections and norms, gemma4's per-layer embeddings (ple.*, ple_gate / ple_proj) and layer scalars; minimax_m3's
+    indexer qk by index head (_shard_indexer), its norms replicated. An unknown tensor raises, so a layout this does
     not know never runs half-sharded."""
     out = {}
     for name, t in tensors.items():
@@ -205,6 +211,8 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
         return t[start:end]  # whole experts: a view
     if key.startswith("linear."):
         return _shard_gated_delta(key, name, t, arch, tp)
+    if key == "attn.indexer.qk.weight":
+        return _shard_indexer(t, arch, tp)
     raise ValueError(f"no tensor-parallel rule for core tensor {name}")
 
 
@@ -243,6 +251,19 @@ def layer_q_heads(arch: Architecture, i: int) -> int:
     """Query heads of attention layer i: sliding_num_heads on a sliding layer when set (step3p7), else num_heads."""
     sliding = arch.layer_types and arch.layer_types[i] == "sliding"
     return arch.sliding_num_heads if sliding and arch.sliding_num_heads else arch.num_heads
+
+
+def _shard_indexer(t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:
+    """minimax_m3's lightning indexer qk rows [index queries (Ni*Di), the index key (Di)]: this rank's index heads'
+    query rows and the one key whole (every index head scores against it; each rank pages it beside its K/V).
+
+    NOTE: split, not replicated: index head h chooses the blocks of query heads h*G .. (h+1)*G - 1 only (G =
+    num_heads / Ni; helios.layers.msa.SparseAttention), and its scores read nothing but its own query and the shared
+    key, so a rank's contiguous query heads need just the index heads they read, computed as on one rank. With fewer
+    index heads than ranks (world_size a multiple of them) a rank's query heads lie in one head's group: that head,
+    replicated (kv_heads_per_rank, as the KV heads of the real config: 4 index heads = 4 KV heads over 64 q heads)."""
+    m = arch.msa
+    return torch.cat([_kv_rows(t, 0, m.num_heads, m.head_dim, tp), t[m.num_heads * m.head_dim :]])
 
 
 def _shard_gated_delta(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:

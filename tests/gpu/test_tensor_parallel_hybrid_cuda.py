@@ -9,8 +9,10 @@ sigmoid-routed experts whole), and step3p7 (tests/runner/test_tensor_parallel_st
 query heads, per-head gates split with them, clamped experts whole) and muse_spark (tests/runner/
 test_tensor_parallel_muse_spark.py: residual gates, NoPE layers, the latent MoE's experts whole, soft-capped logits
 after the vocabulary gather) and gemma4's "moe" variant (tests/runner/test_tensor_parallel_gemma4.py: per-layer KV
-shapes, a replicated full-layer KV head, KV-shared layers, PLE replicated, the MoE block's experts whole). Needs two
-GPUs; not run yet (no machine of two GPUs was lent when it was written)."""
+shapes, a replicated full-layer KV head, KV-shared layers, PLE replicated, the MoE block's experts whole) and
+minimax_m3's "wrapper" variant (tests/runner/test_tensor_parallel_minimax_m3.py: the lightning indexer's heads split
+with their query heads, the sparse decode kernel on each rank's heads). Needs two GPUs; not run yet (no machine of
+two GPUs was lent when it was written)."""
 
 from __future__ import annotations
 
@@ -39,15 +41,19 @@ def build(family: str, out_dir):
     from tests.models.gemma4_tiny import build_gemma4
     from tests.models.hybrid_tiny import build_hybrid
     from tests.models.mimo_v2_flash_tiny import build_mimo
+    from tests.models.minimax_m3_tiny import build_minimax_m3
     from tests.models.muse_spark_tiny import build_muse_spark
     from tests.models.step3p7_tiny import build_step3p7
 
     builders = {"mimo_v2_flash": build_mimo, "step3p7": build_step3p7, "muse_spark": build_muse_spark,
-                "gemma4": lambda out: build_gemma4(out, "moe")}
+                "gemma4": lambda out: build_gemma4(out, "moe"), "minimax_m3": build_minimax_m3}
     return builders[family](out_dir) if family in builders else build_hybrid(family, out_dir)
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe", "mimo_v2_flash", "step3p7", "muse_spark", "gemma4"])
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "mimo_v2_flash", "step3p7", "muse_spark", "gemma4", "minimax_m3")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def core(request, tmp_path_factory):
     from ignition.export import ExportOptions, export_core
 

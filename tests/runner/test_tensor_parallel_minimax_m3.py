@@ -1,0 +1,77 @@
+"""Tensor parallelism of minimax_m3 on the CPU: two gloo ranks on 127.0.0.1 against one process (TP=1), on the tiny
+random "wrapper" core of tests/models/minimax_m3_tiny (sparse, full, sparse layers of 4 query heads over 2 KV heads,
+one per rank; 2 index heads, one per rank with the query heads it selects for, the index key whole on both; 4-token
+blocks, 4 kept: a 16-token budget; a dense SwiGLU-OAI first layer split by width; sigmoid-routed experts whole per
+rank with the router, its score bias and the shared expert replicated).
+
+Both ranks run a 40-token prompt (far past the indexer's budget, so most blocks are dropped, each rank choosing for its
+own heads) whole and in 8-token chunks: logits within 1e-5 of TP=1's in float32; rank 0 serves three greedy requests
+(32 tokens each) through an EngineCore over its TensorParallelRunner while rank 1 runs the worker loop: TP=1's tokens,
+every plan run on both (tests/runner/tp_harness).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helios.core.load import load_core
+from helios.layers.parallel import TensorGroup
+from helios.runner.parallel import shard_arch, shard_tensors
+from tests.runner.tp_harness import (
+    WINDOW_NUM_PAGES,
+    WINDOW_PAGE_SIZE,
+    assert_ranks_match_single,
+    float32_cores,
+    single_and_ranked,
+    window_greedy,
+    window_logits,
+)
+
+FAMILIES = ("minimax_m3",)
+PAGE_SIZE, NUM_PAGES = WINDOW_PAGE_SIZE, WINDOW_NUM_PAGES
+RUNNER_KWARGS: dict = {}
+NUM_NEW = 32
+
+
+def logits_of(runner) -> dict[str, torch.Tensor]:
+    return window_logits(runner)
+
+
+def greedy_tokens(runner, core) -> dict[str, list[int]]:
+    return window_greedy(runner, NUM_NEW)
+
+
+@pytest.fixture(scope="module")
+def cores(tmp_path_factory):
+    from tests.models.minimax_m3_tiny import build_minimax_m3
+
+    return float32_cores(lambda family, out_dir: build_minimax_m3(out_dir, "wrapper"), FAMILIES, tmp_path_factory)
+
+
+def test_tp2_logits_and_greedy_equal_single_rank(cores, tmp_path_factory):
+    """Every position within 1e-5 of TP=1's on both ranks, whole and chunked; 32 greedy tokens of each request
+    identical; the worker ran every plan (tests/runner/tp_harness)."""
+    single, ranked = single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
+    assert_ranks_match_single(single, ranked, "minimax_m3", NUM_NEW)
+
+
+def test_index_heads_split_with_their_query_heads(cores):
+    """Rank 1 of 2 without a group: a sparse layer's indexer keeps its one of the 2 index query heads and the index
+    key whole; with 1 index head (4 ranks over 2 index heads: each of ranks 2, 3 holds head 1, replicated) the heads
+    its query heads read; the index norms whole."""
+    core = load_core(cores["minimax_m3"])
+    arch, full = core.manifest.arch, core.tensors
+    tp = TensorGroup(rank=1, world_size=2)
+    shard, local = shard_tensors(arch, full, tp), shard_arch(arch, tp)
+    assert (local.num_heads, local.num_kv_heads, local.msa.num_heads) == (2, 1, 1)
+    di, i = arch.msa.head_dim, arch.msa.layers[0]
+    qk = full[f"layers.{i}.attn.indexer.qk.weight"]
+    assert torch.equal(shard[f"layers.{i}.attn.indexer.qk.weight"], torch.cat([qk[di : 2 * di], qk[2 * di :]]))
+    for name in ("attn.indexer.q_norm.weight", "attn.indexer.k_norm.weight", "moe.router.bias"):
+        key = f"layers.{arch.num_layers - 1}.{name}"
+        assert shard[key] is full[key]
+    four = TensorGroup(rank=3, world_size=4)
+    assert shard_arch(arch, four).msa.num_heads == 1
+    assert torch.equal(shard_tensors(arch, full, four)[f"layers.{i}.attn.indexer.qk.weight"],
+                       torch.cat([qk[di : 2 * di], qk[2 * di :]]))
