@@ -3,6 +3,12 @@ state, no KV), attention without position embeddings (`full`: paged KV), or (`ff
 relu2 MoE with a shared expert and optional latent projections.
 
 x += sublayer(norm(x)) per block; norms multiply in float32 (NemotronHRMSNorm). Forward-only, no weights of its own.
+
+With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's attention and
+KV heads, Mamba-2 heads and B/C groups (arch.recurrent: its state slots hold those heads) and dense MLP width; o, the
+mixer's out and the MLP's down sum over the ranks, the experts split over them (ExpertParallelSigmoidMoe: the router,
+its score bias, the latent projections and the shared expert replicated), the embedding and the head hold its
+vocabulary rows (compute_logits gathers them).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.mamba import Mamba2Mixer
 from helios.layers.moe import Relu2MLP, SigmoidMoe
 from helios.layers.norm import RMSNorm
+from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -42,7 +49,7 @@ class NemotronHBlock(nn.Module):
     """One block: attn_norm + mamba / attn (a mixer layer), or mlp_norm + mlp / moe (an ffn layer)."""
 
     def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend,
-                 switches: Switches = DEFAULT_SWITCHES) -> None:
+                 switches: Switches = DEFAULT_SWITCHES, tp: TensorGroup | None = None) -> None:
         super().__init__()
         kind, moe = arch.layer_types[layer_idx], arch.moe
         h, eps = arch.hidden_size, arch.rms_norm_eps
@@ -57,6 +64,9 @@ class NemotronHBlock(nn.Module):
         elif moe is None or layer_idx in moe.dense_layers:
             self.sublayer_name = "mlp"
             sublayer = Relu2MLP(h, arch.intermediate_size, switches)
+        elif tp is not None:  # the experts split over the ranks
+            self.sublayer_name = "moe"
+            sublayer = ExpertParallelSigmoidMoe(h, moe, arch.hidden_act, tp, switches)
         else:
             self.sublayer_name = "moe"
             sublayer = SigmoidMoe(h, moe, arch.hidden_act, switches, fused=getattr(backend, "fuses_layers", False))
@@ -64,6 +74,9 @@ class NemotronHBlock(nn.Module):
         self.norm_name = "mlp_norm" if kind == "ffn" else "attn_norm"
         self.add_module(self.norm_name, RMSNorm(h, eps, multiply_in_float32=True))
         self.add_module(self.sublayer_name, sublayer)
+        output = {"attn": "o", "mamba": "out", "mlp": "down"}.get(self.sublayer_name)  # the experts sum themselves
+        if tp is not None and output:  # it reads this rank's heads / width and sums over the ranks
+            setattr(sublayer, output, row_parallel(getattr(sublayer, output), tp))
 
     def forward(self, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
         h = getattr(self, self.norm_name)(x)
@@ -76,7 +89,8 @@ class NemotronHForCausalLM(nn.Module):
     pair of a Mamba-2 one (helios.runner.state_cache), None for an ffn layer."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
-                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
+                 tp: TensorGroup | None = None):
         super().__init__()
         if arch.recurrent is not None and arch.recurrent.kind != "mamba2":
             raise ValueError(f"a nemotron_h architecture has mamba2 recurrent layers, not {arch.recurrent.kind}")
@@ -85,11 +99,13 @@ class NemotronHForCausalLM(nn.Module):
         self.arch = arch
         self.switches = switches
         self.path = "eager"
-        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(NemotronHBlock(arch, i, backend, switches) for i in range(arch.num_layers))
+        self.tp = tp
+        self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
+                      else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
+        self.layers = nn.ModuleList(NemotronHBlock(arch, i, backend, switches, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
-                                                                    switches=switches)
+        head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
 
     @staticmethod
     def folds_norm_weights(arch: Architecture) -> bool:
@@ -103,4 +119,5 @@ class NemotronHForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.switches)
+        logits = linear(hidden, weight, None, self.switches)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.arch.vocab_size)

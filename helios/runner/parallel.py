@@ -10,20 +10,22 @@ samples from the logits every rank gathers. Weights are cut at load time from th
 Nothing about the shards is recorded in the core.
 
 Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe), the hybrids qwen3_5,
-qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash, step3p7, muse_spark, gemma4 and minimax_m3. Per layer:
-attention by head (q, k, v and the output gate column parallel: qwen3_5's and muse_spark's gate rows and step3p7's one
-row per head split with their heads, mimo_v2_flash's sinks too; o row parallel; a sliding layer's own KV and query head
-counts and a full layer's own KV heads and head dim (gemma4; its k = v layers without v rows) split as the others; a
-KV-shared layer's q heads read its source layer's pages on the same rank; fewer KV heads than ranks: one on each rank,
-replicated; minimax_m3's lightning indexer's query heads split with the query heads they select for, one replicated
-when fewer than ranks, its one index key whole on every rank), a dense MLP by width (gate_up column, down row parallel;
-per-layer SwiGLU clamps act elementwise, unchanged), a MoE layer by whole experts (the router, its score bias and a
-shared expert with its gate replicated; muse_spark's latent projections and norms too), the gated delta rule by head
-(its q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and the value
-heads that read it; each rank's recurrent state holds its heads only; out row parallel); the embedding and the head by
-vocabulary rows (a final soft-cap after the gather). What acts per channel of the whole stream (norms, muse_spark's
-residual gates, gemma4's layer scalars and per-layer embeddings) or per head (q/k norms, NoPE) is replicated or
-unchanged. A size that does not split raises, naming the architecture field.
+qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash, step3p7, muse_spark, gemma4, minimax_m3 and nemotron_h.
+Per layer: attention by head (q, k, v and the output gate column parallel: qwen3_5's and muse_spark's gate rows and
+step3p7's one row per head split with their heads, mimo_v2_flash's sinks too; o row parallel; a sliding layer's own KV
+and query head counts and a full layer's own KV heads and head dim (gemma4; its k = v layers without v rows) split as
+the others; a KV-shared layer's q heads read its source layer's pages on the same rank; fewer KV heads than ranks: one
+on each rank, replicated; minimax_m3's lightning indexer's query heads split with the query heads they select for, one
+replicated when fewer than ranks, its one index key whole on every rank), a dense MLP by width (gate_up column, down row
+parallel; per-layer SwiGLU clamps act elementwise, unchanged), a MoE layer by whole experts (the router, its score bias
+and a shared expert with its gate replicated; muse_spark's latent projections and norms too), the gated delta rule by
+head (its q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and the
+value heads that read it; each rank's recurrent state holds its heads only; out row parallel), a Mamba-2 mixer alike
+(its z/x/B/C/dt rows, the conv's x/B/C channels, dt_bias, A_log, D and the gated norm split by B/C group and the heads
+that read it; out row parallel); the embedding and the head by vocabulary rows (a final soft-cap after the gather). What
+acts per channel of the whole stream (norms, muse_spark's residual gates, gemma4's layer scalars and per-layer
+embeddings) or per head (q/k norms, NoPE) is replicated or unchanged. A size that does not split raises, naming the
+architecture field.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ from helios.runner.model_runner import ModelRunner
 # communicator exists, and inherited by what they spawn
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # the families whose model classes take `tp`: helios.models.llama's, qwen3_5's, mimo_v2_flash's, step3p7's,
-# muse_spark's and gemma4's
+# muse_spark's, gemma4's, minimax_m3's and nemotron_h's
 SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mimo_v2_flash",
-                    "step3p7", "muse_spark", "gemma4", "minimax_m3")
+                    "step3p7", "muse_spark", "gemma4", "minimax_m3", "nemotron_h")
 GROUP_TIMEOUT = timedelta(minutes=10)  # a rank waits this long at a collective before giving up
 
 
@@ -148,20 +150,28 @@ def has_dense_mlp(arch: Architecture) -> bool:
 
 
 def _shard_recurrent(arch: Architecture, tp: TensorGroup):
-    """The gated delta rule's heads of one rank: num_key_heads / world_size q/k heads and the value heads that read
-    them (value head j reads key head j // (num_heads / num_key_heads): contiguous key heads carry contiguous value
-    heads, so each key head stays on one rank with its value heads)."""
+    """The recurrent heads of one rank: the gated delta rule's num_key_heads / world_size q/k heads and the value
+    heads that read them (value head j reads key head j // (num_heads / num_key_heads): contiguous key heads carry
+    contiguous value heads, so each key head stays on one rank with its value heads); Mamba-2's B/C groups and the
+    heads that read them alike (its gated norm's groups, one per B/C group, stay whole on their rank)."""
     r = arch.recurrent
-    if r.kind != "gated_delta":
-        raise ValueError(f"tensor parallelism covers gated_delta recurrent layers; not {r.kind!r}")
-    tp.split(r.num_key_heads, "recurrent.num_key_heads (linear_num_key_heads)")
-    tp.split(r.num_heads, "recurrent.num_heads (linear_num_value_heads)")
+    if r.kind == "mamba2":  # nemotron_h: head h reads B/C group h // (num_heads / n_groups), as GDN's key heads
+        tp.split(r.num_key_heads, "recurrent.num_key_heads (n_groups)")
+        tp.split(r.num_heads, "recurrent.num_heads (mamba_num_heads)")
+        group = r.norm_group_size or r.value_head_dim
+        if (r.num_heads // tp.world_size * r.value_head_dim) % group:
+            raise ValueError(f"recurrent.norm_group_size = {group} straddles the ranks' mamba heads")
+    elif r.kind == "gated_delta":
+        tp.split(r.num_key_heads, "recurrent.num_key_heads (linear_num_key_heads)")
+        tp.split(r.num_heads, "recurrent.num_heads (linear_num_value_heads)")
+    else:
+        raise ValueError(f"tensor parallelism covers gated_delta and mamba2 recurrent layers; not {r.kind!r}")
     return msgspec.structs.replace(r, num_heads=r.num_heads // tp.world_size,
                                    num_key_heads=r.num_key_heads // tp.world_size)
 
 
 _REPLICATED = re.compile(r"(norm|attn_norm|mlp_norm|attn\.q_norm|attn\.k_norm|moe\.router|linear\.norm"
-                         r"|moe\.shared\.gate_up|moe\.shared\.down|moe\.shared_gate|mlp_post_norm"
+                         r"|moe\.shared\.gate_up|moe\.shared\.up|moe\.shared\.down|moe\.shared_gate|mlp_post_norm"
                          r"|attn_residual|mlp_residual|moe\.latent_(in|out|norm)|moe\.expert_norm"
                          r"|attn_post_norm|mlp_post_norm_1|moe_norm|moe_post_norm|ple_gate|ple_proj|ple_post_norm"
                          r"|ple\.embed|ple\.proj|ple\.norm|attn\.indexer\.q_norm|attn\.indexer\.k_norm)\.weight"
@@ -172,13 +182,14 @@ def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: Tens
     """This rank's tensors, named as the core names them, cut from the core's full ones (`arch`: the full one).
 
     Column parallel (rows split): qkv (its q, k, v and output-gate heads), attention sinks, gate_up (its gate and up
-    rows), the gated delta rule's in_proj (its q, k, v, z, b and a heads), conv (its q, k and v channels), dt_bias
-    and A_log; row parallel (input columns split): o, down, the gated delta rule's out; vocabulary rows: embed,
-    lm_head; whole experts: a MoE layer's gate_up and down; replicated: norms, q/k norms, the gated norm, the
-    router, a shared expert and its gate, the router's score bias, muse_spark's residual gates and its latent
-    projections and norms, gemma4's per-layer embeddings (ple.*, ple_gate / ple_proj) and layer scalars; minimax_m3's
-    indexer qk by index head (_shard_indexer), its norms replicated. An unknown tensor raises, so a layout this does
-    not know never runs half-sharded."""
+    rows), the gated delta rule's in_proj (its q, k, v, z, b and a heads), conv (its q, k and v channels), dt_bias and
+    A_log; row parallel (input columns split): o, down, the gated delta rule's out; vocabulary rows: embed, lm_head;
+    whole experts: a MoE layer's gate_up and down; replicated: norms, q/k norms, the gated norm, the router, a shared
+    expert and its gate, the router's score bias, muse_spark's residual gates and its latent projections and norms,
+    gemma4's per-layer embeddings (ple.*, ple_gate / ple_proj) and layer scalars; minimax_m3's indexer qk by index head
+    (_shard_indexer), its norms replicated; a Mamba-2 mixer's in_proj, conv, dt_bias, A_log, D and gated norm by head
+    and group (_shard_mamba), its out row parallel; a relu2 MLP's up column parallel. An unknown tensor raises, so a
+    layout this does not know never runs half-sharded."""
     out = {}
     for name, t in tensors.items():
         if name.startswith("mtp."):  # draft modules: mapped whole on the host, never bound (ModelRunner.draft_tensors)
@@ -202,17 +213,21 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
     if key == "mlp.gate_up.weight":
         inter = t.shape[0] // 2
         return _blocks(t, [inter, inter], tp)
-    if key in ("attn.o.weight", "mlp.down.weight", "linear.out.weight"):
+    if key == "mlp.up.weight":  # a relu2 MLP (nemotron_h)
+        return _blocks(t, [t.shape[0]], tp)
+    if key in ("attn.o.weight", "mlp.down.weight", "linear.out.weight", "mamba.out.weight"):
         start, end = tp.split(t.shape[1], f"{name} columns")
         # NOTE: a column slice is strided: one copy here rather than one inside every product
         return t[:, start:end].contiguous()
-    if key in ("moe.gate_up.weight", "moe.down.weight"):
+    if key in ("moe.gate_up.weight", "moe.up.weight", "moe.down.weight"):
         start, end = tp.split(t.shape[0], "num_experts")
         return t[start:end]  # whole experts: a view
     if key.startswith("linear."):
         return _shard_gated_delta(key, name, t, arch, tp)
     if key == "attn.indexer.qk.weight":
         return _shard_indexer(t, arch, tp)
+    if key.startswith("mamba."):
+        return _shard_mamba(key, name, t, arch, tp)
     raise ValueError(f"no tensor-parallel rule for core tensor {name}")
 
 
@@ -278,6 +293,22 @@ def _shard_gated_delta(key: str, name: str, t: torch.Tensor, arch: Architecture,
         return _blocks(t, [key_dim, key_dim, value_dim], tp)
     if key in ("linear.dt_bias", "linear.A_log"):
         return _blocks(t, [r.num_heads], tp)
+    raise ValueError(f"no tensor-parallel rule for core tensor {name}")
+
+
+def _shard_mamba(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:
+    """A Mamba-2 mixer's column-parallel tensors (helios.layers.mamba.Mamba2Mixer's layout): in_proj rows [z, x
+    (I = Hm*P each), B, C (G*N each), dt (Hm)], the conv's channels (and bias) [x, B, C], dt_bias, A_log, D [Hm] and
+    the gated norm's weight [I]: each block cut by head or group, so a rank's x heads, the B/C groups they read, their
+    gates and their norm groups are the same heads in every tensor."""
+    r = arch.recurrent
+    inner, groups = r.num_heads * r.value_head_dim, r.num_key_heads * r.key_head_dim
+    if key == "mamba.in_proj.weight":
+        return _blocks(t, [inner, inner, groups, groups, r.num_heads], tp)
+    if key in ("mamba.conv.weight", "mamba.conv.bias"):
+        return _blocks(t, [inner, groups, groups], tp)
+    if key in ("mamba.dt_bias", "mamba.A_log", "mamba.D", "mamba.norm.weight"):
+        return _blocks(t, [t.shape[0]], tp)
     raise ValueError(f"no tensor-parallel rule for core tensor {name}")
 
 

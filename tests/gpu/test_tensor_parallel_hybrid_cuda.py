@@ -11,7 +11,9 @@ test_tensor_parallel_muse_spark.py: residual gates, NoPE layers, the latent MoE'
 after the vocabulary gather) and gemma4's "moe" variant (tests/runner/test_tensor_parallel_gemma4.py: per-layer KV
 shapes, a replicated full-layer KV head, KV-shared layers, PLE replicated, the MoE block's experts whole) and
 minimax_m3's "wrapper" variant (tests/runner/test_tensor_parallel_minimax_m3.py: the lightning indexer's heads split
-with their query heads, the sparse decode kernel on each rank's heads). Needs two GPUs; not run yet (no machine of
+with their query heads, the sparse decode kernel on each rank's heads) and nemotron_h's "latent" variant (tests/runner/
+test_tensor_parallel_nemotron_h.py: Mamba-2 heads split with their B/C groups through the Triton conv and scan, the
+latent MoE's experts whole). Needs two GPUs; not run yet (no machine of
 two GPUs was lent when it was written)."""
 
 from __future__ import annotations
@@ -43,14 +45,17 @@ def build(family: str, out_dir):
     from tests.models.mimo_v2_flash_tiny import build_mimo
     from tests.models.minimax_m3_tiny import build_minimax_m3
     from tests.models.muse_spark_tiny import build_muse_spark
+    from tests.models.nemotron_h_tiny import build_nemotron_h
     from tests.models.step3p7_tiny import build_step3p7
 
     builders = {"mimo_v2_flash": build_mimo, "step3p7": build_step3p7, "muse_spark": build_muse_spark,
-                "gemma4": lambda out: build_gemma4(out, "moe"), "minimax_m3": build_minimax_m3}
+                "gemma4": lambda out: build_gemma4(out, "moe"), "minimax_m3": build_minimax_m3,
+                "nemotron_h": lambda out: build_nemotron_h(out, "latent")}
     return builders[family](out_dir) if family in builders else build_hybrid(family, out_dir)
 
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "mimo_v2_flash", "step3p7", "muse_spark", "gemma4", "minimax_m3")
+FAMILIES = ("qwen3_5", "qwen3_5_moe", "mimo_v2_flash", "step3p7", "muse_spark", "gemma4", "minimax_m3",
+            "nemotron_h")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

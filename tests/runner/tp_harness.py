@@ -138,3 +138,29 @@ def assert_ranks_match_single(single: dict, ranked: dict, family: str, num_new: 
     assert driver["tokens"] == single[family]["tokens"]
     assert all(len(t) == num_new for t in driver["tokens"].values())
     assert worker["plans"] == driver["plans"] == single[family]["plans"] > num_new
+
+
+# --- the recurrent families' checks (nemotron_h, kimi_linear): prompts over several chunks of the recurrent grid ----
+
+RECURRENT_PAGE_SIZE, RECURRENT_NUM_PAGES, RECURRENT_SLOTS = 16, 32, 4
+
+
+def recurrent_logits(runner, chunk: int) -> dict[str, torch.Tensor]:
+    """Every position's logits of the first window prompt (40 tokens), whole and in `chunk`-token chunks (the
+    recurrent grid: each rank carries its heads' state across them)."""
+    ids = window_prompts()[0]
+    return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=chunk)}
+
+
+def recurrent_greedy(runner, core, num_new: int) -> dict[str, list[int]]:
+    """The three window prompts' greedy tokens at once, each with a state slot, prefilled in chunks of the recurrent
+    grid beside the others' decodes (mixed steps) through an EngineCore over `runner`."""
+    from helios.runner.state_cache import StateCache
+
+    arch, chunk = core.manifest.arch, core.manifest.arch.recurrent.chunk_size
+    config = SchedulerConfig(max_concurrency=RECURRENT_SLOTS, max_num_batched_tokens=2 * chunk,
+                             prefill_chunk_size=chunk, page_size=RECURRENT_PAGE_SIZE, num_pages=RECURRENT_NUM_PAGES,
+                             max_model_len=RECURRENT_NUM_PAGES * RECURRENT_PAGE_SIZE, num_state_slots=RECURRENT_SLOTS,
+                             state_chunk=chunk, enable_prefix_caching=False,
+                             state_slot_bytes=StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype))
+    return engine_tokens(config, runner, window_prompts(), num_new)
