@@ -3,6 +3,12 @@ multi-head latent attention layers without position embeddings (`full`: paged la
 SwiGLU MLP (arch.moe.dense_layers) or DeepSeek-style sigmoid-routed experts with an ungated shared expert.
 
 Pre-norm blocks: x += mixer(attn_norm(x)); x += ffn(mlp_norm(x)). Forward-only, no weights of its own.
+
+With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's KDA heads
+(arch.recurrent: its state slots hold those), MLA heads (q / q_b and kv_b rows; the latents, their norms and the rope
+key whole, so every rank pages the same latents) and dense MLP width; KDA's out, MLA's o and down sum over the ranks,
+the experts split over them (ExpertParallelSigmoidMoe: the router, its score bias and the shared experts replicated),
+the embedding and the head hold its vocabulary rows (compute_logits gathers them).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.mla import MlaAttention
 from helios.layers.moe import SigmoidMoe
 from helios.layers.norm import RMSNorm
+from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -25,7 +32,7 @@ class KimiLinearLayer(nn.Module):
     """One pre-norm block: attn_norm + kda (a linear layer) or mla (a full one), then mlp_norm + mlp or moe."""
 
     def __init__(self, arch: Architecture, layer_idx: int, switches: Switches = DEFAULT_SWITCHES,
-                 fused: bool = False, backend: AttentionBackend | None = None) -> None:
+                 fused: bool = False, backend: AttentionBackend | None = None, tp: TensorGroup | None = None) -> None:
         super().__init__()
         h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
         self.is_linear = arch.layer_types[layer_idx] == "linear"
@@ -38,10 +45,19 @@ class KimiLinearLayer(nn.Module):
         if moe is None or layer_idx in moe.dense_layers:
             self.ffn_name = "mlp"
             ffn = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
+        elif tp is not None:  # the experts split over the ranks
+            self.ffn_name = "moe"
+            ffn = ExpertParallelSigmoidMoe(h, moe, arch.hidden_act, tp, switches)
         else:
             self.ffn_name = "moe"
             ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, fused=fused)
         self.add_module(self.ffn_name, ffn)
+        if tp is not None:  # KDA's out, MLA's o and a dense MLP's down read this rank's heads / width, summed
+            mixer = self.kda if self.is_linear else self.mla
+            output = "out" if self.is_linear else "o"
+            setattr(mixer, output, row_parallel(getattr(mixer, output), tp))
+            if self.ffn_name == "mlp":
+                ffn.down = row_parallel(ffn.down, tp)
 
     def forward(self, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
         h = self.attn_norm(x)
@@ -54,7 +70,8 @@ class KimiLinearForCausalLM(nn.Module):
     the (conv, recurrent) state pair of a KDA one (helios.runner.state_cache)."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
-                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
+                 dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
+                 tp: TensorGroup | None = None):
         super().__init__()
         if arch.recurrent is not None and arch.recurrent.kind != "kimi_delta":
             raise ValueError(f"a kimi_linear architecture has kimi_delta recurrent layers, not {arch.recurrent.kind}")
@@ -65,12 +82,15 @@ class KimiLinearForCausalLM(nn.Module):
         self.arch = arch
         self.switches = switches
         self.path = "eager"
-        self.embed = Embedding(arch.vocab_size, arch.hidden_size)
+        self.tp = tp
+        self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
+                      else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
         fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's and the MoE's kernels
-        self.layers = nn.ModuleList(KimiLinearLayer(arch, i, switches, fused, backend) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(KimiLinearLayer(arch, i, switches, fused, backend, tp)
+                                    for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
-                                                                    switches=switches)
+        head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
 
     @staticmethod
     def folds_norm_weights(arch: Architecture) -> bool:
@@ -84,4 +104,5 @@ class KimiLinearForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.switches)
+        logits = linear(hidden, weight, None, self.switches)
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.arch.vocab_size)

@@ -10,22 +10,24 @@ samples from the logits every rank gathers. Weights are cut at load time from th
 Nothing about the shards is recorded in the core.
 
 Families (SHARDED_FAMILIES): llama, qwen2, qwen3, qwen3_moe (helios.models.llama / qwen3_moe), the hybrids qwen3_5,
-qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash, step3p7, muse_spark, gemma4, minimax_m3 and nemotron_h.
-Per layer: attention by head (q, k, v and the output gate column parallel: qwen3_5's and muse_spark's gate rows and
-step3p7's one row per head split with their heads, mimo_v2_flash's sinks too; o row parallel; a sliding layer's own KV
-and query head counts and a full layer's own KV heads and head dim (gemma4; its k = v layers without v rows) split as
-the others; a KV-shared layer's q heads read its source layer's pages on the same rank; fewer KV heads than ranks: one
-on each rank, replicated; minimax_m3's lightning indexer's query heads split with the query heads they select for, one
-replicated when fewer than ranks, its one index key whole on every rank), a dense MLP by width (gate_up column, down row
-parallel; per-layer SwiGLU clamps act elementwise, unchanged), a MoE layer by whole experts (the router, its score bias
-and a shared expert with its gate replicated; muse_spark's latent projections and norms too), the gated delta rule by
-head (its q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and the
-value heads that read it; each rank's recurrent state holds its heads only; out row parallel), a Mamba-2 mixer alike
-(its z/x/B/C/dt rows, the conv's x/B/C channels, dt_bias, A_log, D and the gated norm split by B/C group and the heads
-that read it; out row parallel); the embedding and the head by vocabulary rows (a final soft-cap after the gather). What
-acts per channel of the whole stream (norms, muse_spark's residual gates, gemma4's layer scalars and per-layer
-embeddings) or per head (q/k norms, NoPE) is replicated or unchanged. A size that does not split raises, naming the
-architecture field.
+qwen3_5_moe, qwen3_next (helios.models.qwen3_5), mimo_v2_flash, step3p7, muse_spark, gemma4, minimax_m3, nemotron_h and
+kimi_linear. Per layer: attention by head (q, k, v and the output gate column parallel: qwen3_5's and muse_spark's gate
+rows and step3p7's one row per head split with their heads, mimo_v2_flash's sinks too; o row parallel; a sliding layer's
+own KV and query head counts and a full layer's own KV heads and head dim (gemma4; its k = v layers without v rows)
+split as the others; a KV-shared layer's q heads read its source layer's pages on the same rank; fewer KV heads than
+ranks: one on each rank, replicated; minimax_m3's lightning indexer's query heads split with the query heads they select
+for, one replicated when fewer than ranks, its one index key whole on every rank), a dense MLP by width (gate_up column,
+down row parallel; per-layer SwiGLU clamps act elementwise, unchanged), a MoE layer by whole experts (the router, its
+score bias and a shared expert with its gate replicated; muse_spark's latent projections and norms too), the gated delta
+rule by head (its q/k/v/z/b/a projection rows, the short convolution's channels, dt_bias and A_log split by key head and
+the value heads that read it; each rank's recurrent state holds its heads only; out row parallel), Kimi delta attention
+alike (q, k, v, b, the conv's channels, f_b / g_b rows, dt_bias and A_log by head; the low-rank gate inputs f_a / g_a
+whole), a Mamba-2 mixer alike (its z/x/B/C/dt rows, the conv's x/B/C channels, dt_bias, A_log, D and the gated norm
+split by B/C group and the heads that read it; out row parallel), MLA by head (q or q_b and kv_b rows; the kv latent,
+its norm and the rope key whole, so every rank pages the same latents; o row parallel); the embedding and the head by
+vocabulary rows (a final soft-cap after the gather). What acts per channel of the whole stream (norms, muse_spark's
+residual gates, gemma4's layer scalars and per-layer embeddings) or per head (q/k norms, NoPE) is replicated or
+unchanged. A size that does not split raises, naming the architecture field.
 """
 
 from __future__ import annotations
@@ -51,9 +53,9 @@ from helios.runner.model_runner import ModelRunner
 # communicator exists, and inherited by what they spawn
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # the families whose model classes take `tp`: helios.models.llama's, qwen3_5's, mimo_v2_flash's, step3p7's,
-# muse_spark's, gemma4's, minimax_m3's and nemotron_h's
+# muse_spark's, gemma4's, minimax_m3's, nemotron_h's and kimi_linear's
 SHARDED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "mimo_v2_flash",
-                    "step3p7", "muse_spark", "gemma4", "minimax_m3", "nemotron_h")
+                    "step3p7", "muse_spark", "gemma4", "minimax_m3", "nemotron_h", "kimi_linear")
 GROUP_TIMEOUT = timedelta(minutes=10)  # a rank waits this long at a collective before giving up
 
 
@@ -161,11 +163,14 @@ def _shard_recurrent(arch: Architecture, tp: TensorGroup):
         group = r.norm_group_size or r.value_head_dim
         if (r.num_heads // tp.world_size * r.value_head_dim) % group:
             raise ValueError(f"recurrent.norm_group_size = {group} straddles the ranks' mamba heads")
+    elif r.kind == "kimi_delta":  # kimi_linear's KDA: q, k, v and the state share one head count
+        tp.split(r.num_heads, "recurrent.num_heads (linear_attn_config.num_heads)")
     elif r.kind == "gated_delta":
         tp.split(r.num_key_heads, "recurrent.num_key_heads (linear_num_key_heads)")
         tp.split(r.num_heads, "recurrent.num_heads (linear_num_value_heads)")
     else:
-        raise ValueError(f"tensor parallelism covers gated_delta and mamba2 recurrent layers; not {r.kind!r}")
+        raise ValueError(f"tensor parallelism covers gated_delta, mamba2 and kimi_delta recurrent layers; not "
+                         f"{r.kind!r}")
     return msgspec.structs.replace(r, num_heads=r.num_heads // tp.world_size,
                                    num_key_heads=r.num_key_heads // tp.world_size)
 
@@ -174,7 +179,8 @@ _REPLICATED = re.compile(r"(norm|attn_norm|mlp_norm|attn\.q_norm|attn\.k_norm|mo
                          r"|moe\.shared\.gate_up|moe\.shared\.up|moe\.shared\.down|moe\.shared_gate|mlp_post_norm"
                          r"|attn_residual|mlp_residual|moe\.latent_(in|out|norm)|moe\.expert_norm"
                          r"|attn_post_norm|mlp_post_norm_1|moe_norm|moe_post_norm|ple_gate|ple_proj|ple_post_norm"
-                         r"|ple\.embed|ple\.proj|ple\.norm|attn\.indexer\.q_norm|attn\.indexer\.k_norm)\.weight"
+                         r"|ple\.embed|ple\.proj|ple\.norm|attn\.indexer\.q_norm|attn\.indexer\.k_norm"
+                         r"|kda\.norm|mla\.q_a_norm|mla\.kv_a_norm)\.weight"
                          r"|moe\.router\.bias|layer_scalar")
 
 
@@ -188,8 +194,9 @@ def shard_tensors(arch: Architecture, tensors: dict[str, torch.Tensor], tp: Tens
     expert and its gate, the router's score bias, muse_spark's residual gates and its latent projections and norms,
     gemma4's per-layer embeddings (ple.*, ple_gate / ple_proj) and layer scalars; minimax_m3's indexer qk by index head
     (_shard_indexer), its norms replicated; a Mamba-2 mixer's in_proj, conv, dt_bias, A_log, D and gated norm by head
-    and group (_shard_mamba), its out row parallel; a relu2 MLP's up column parallel. An unknown tensor raises, so a
-    layout this does not know never runs half-sharded."""
+    and group (_shard_mamba), its out row parallel; a relu2 MLP's up column parallel; Kimi delta attention by head
+    (_shard_kda) and MLA by head (_shard_mla), the latents and their norms replicated, their out / o row parallel. An
+    unknown tensor raises, so a layout this does not know never runs half-sharded."""
     out = {}
     for name, t in tensors.items():
         if name.startswith("mtp."):  # draft modules: mapped whole on the host, never bound (ModelRunner.draft_tensors)
@@ -215,7 +222,8 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
         return _blocks(t, [inter, inter], tp)
     if key == "mlp.up.weight":  # a relu2 MLP (nemotron_h)
         return _blocks(t, [t.shape[0]], tp)
-    if key in ("attn.o.weight", "mlp.down.weight", "linear.out.weight", "mamba.out.weight"):
+    if key in ("attn.o.weight", "mlp.down.weight", "linear.out.weight", "mamba.out.weight", "kda.out.weight",
+               "mla.o.weight"):
         start, end = tp.split(t.shape[1], f"{name} columns")
         # NOTE: a column slice is strided: one copy here rather than one inside every product
         return t[:, start:end].contiguous()
@@ -228,6 +236,10 @@ def _shard_one(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: Ten
         return _shard_indexer(t, arch, tp)
     if key.startswith("mamba."):
         return _shard_mamba(key, name, t, arch, tp)
+    if key.startswith("kda."):
+        return _shard_kda(key, name, t, arch, tp)
+    if key.startswith("mla."):
+        return _shard_mla(key, name, t, arch, tp)
     raise ValueError(f"no tensor-parallel rule for core tensor {name}")
 
 
@@ -309,6 +321,43 @@ def _shard_mamba(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: T
         return _blocks(t, [inner, groups, groups], tp)
     if key in ("mamba.dt_bias", "mamba.A_log", "mamba.D", "mamba.norm.weight"):
         return _blocks(t, [t.shape[0]], tp)
+    raise ValueError(f"no tensor-parallel rule for core tensor {name}")
+
+
+def _shard_kda(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:
+    """Kimi delta attention's column-parallel tensors (helios.layers.kda.KimiDeltaAttention's layout) cut by head as
+    the gated delta rule's: in_proj rows [q, k, v (H*d each), f_a, g_a (d each), b (H)] with q, k, v and b by head
+    and the low-rank gate inputs f_a, g_a whole (every head's f_b / g_b rows read all d of them), the conv's q, k, v
+    channels, f_b / g_b rows and dt_bias [H*d] by head, A_log [H]. The per-head output norm is replicated."""
+    r = arch.recurrent
+    inner, d = r.num_heads * r.key_head_dim, r.key_head_dim
+    if key == "kda.in_proj.weight":
+        if t.shape[0] != 3 * inner + 2 * d + r.num_heads:
+            raise ValueError(f"{name}: {t.shape[0]} rows, not KDA's {3 * inner + 2 * d + r.num_heads}")
+        return torch.cat([_blocks(t[: 3 * inner], [inner] * 3, tp), t[3 * inner : 3 * inner + 2 * d],
+                          _blocks(t[3 * inner + 2 * d :], [r.num_heads], tp)])
+    if key == "kda.conv.weight":
+        return _blocks(t, [inner] * 3, tp)
+    if key in ("kda.f_b.weight", "kda.g_b.weight", "kda.dt_bias", "kda.A_log"):
+        return _blocks(t, [t.shape[0]], tp)
+    raise ValueError(f"no tensor-parallel rule for core tensor {name}")
+
+
+def _shard_mla(key: str, name: str, t: torch.Tensor, arch: Architecture, tp: TensorGroup) -> torch.Tensor:
+    """Multi-head latent attention's column-parallel tensors (helios.layers.mla.MlaAttention's layout) by head:
+    in_proj rows [q (Nq*(dn + dr)) or the q latent (Rq), the kv latent (R), the rope key (dr)] with q's rows split by
+    head and the latents and the rope key whole (every rank writes the same latent pages: each head up-projects the
+    whole latent), q_b's rows [Nq*(dn + dr)] and kv_b's [Nq*(dn + dv)] by head; the latents' norms replicated."""
+    m, nq = arch.mla, arch.num_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if key == "mla.in_proj.weight":
+        if m.q_lora_rank is not None:  # the q latent: every rank's q_b reads all of it
+            return t
+        return torch.cat([_blocks(t[: nq * qk], [nq * qk], tp), t[nq * qk :]])
+    if key == "mla.q_b.weight":
+        return _blocks(t, [nq * qk], tp)
+    if key == "mla.kv_b.weight":
+        return _blocks(t, [nq * (m.qk_nope_head_dim + m.v_head_dim)], tp)
     raise ValueError(f"no tensor-parallel rule for core tensor {name}")
 
 

@@ -13,8 +13,9 @@ shapes, a replicated full-layer KV head, KV-shared layers, PLE replicated, the M
 minimax_m3's "wrapper" variant (tests/runner/test_tensor_parallel_minimax_m3.py: the lightning indexer's heads split
 with their query heads, the sparse decode kernel on each rank's heads) and nemotron_h's "latent" variant (tests/runner/
 test_tensor_parallel_nemotron_h.py: Mamba-2 heads split with their B/C groups through the Triton conv and scan, the
-latent MoE's experts whole). Needs two GPUs; not run yet (no machine of
-two GPUs was lent when it was written)."""
+latent MoE's experts whole) and kimi_linear's "grouped" variant (tests/runner/test_tensor_parallel_kimi_linear.py:
+KDA heads through the Triton KDA kernels, MLA by head through the MLA decode kernel, the latents replicated). Needs
+two GPUs; not run yet (no machine of two GPUs was lent when it was written)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def build(family: str, out_dir):
     """The family's tiny random HF checkpoint (tests/models/*_tiny)."""
     from tests.models.gemma4_tiny import build_gemma4
     from tests.models.hybrid_tiny import build_hybrid
+    from tests.models.kimi_linear_tiny import build_kimi_linear
     from tests.models.mimo_v2_flash_tiny import build_mimo
     from tests.models.minimax_m3_tiny import build_minimax_m3
     from tests.models.muse_spark_tiny import build_muse_spark
@@ -50,12 +52,13 @@ def build(family: str, out_dir):
 
     builders = {"mimo_v2_flash": build_mimo, "step3p7": build_step3p7, "muse_spark": build_muse_spark,
                 "gemma4": lambda out: build_gemma4(out, "moe"), "minimax_m3": build_minimax_m3,
-                "nemotron_h": lambda out: build_nemotron_h(out, "latent")}
+                "nemotron_h": lambda out: build_nemotron_h(out, "latent"),
+                "kimi_linear": lambda out: build_kimi_linear(out, "grouped")}
     return builders[family](out_dir) if family in builders else build_hybrid(family, out_dir)
 
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "mimo_v2_flash", "step3p7", "muse_spark", "gemma4", "minimax_m3",
-            "nemotron_h")
+            "nemotron_h", "kimi_linear")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -145,16 +145,21 @@ def assert_ranks_match_single(single: dict, ranked: dict, family: str, num_new: 
 RECURRENT_PAGE_SIZE, RECURRENT_NUM_PAGES, RECURRENT_SLOTS = 16, 32, 4
 
 
+def recurrent_prompts(chunk: int) -> list[list[int]]:
+    """Three prompts for a recurrent grid of `chunk` tokens: the first 2.5 chunks long (three prefill chunks)."""
+    return [prompt(2 * chunk + chunk // 2, seed=1), prompt(9, seed=2), prompt(chunk // 2 + 7, seed=3)]
+
+
 def recurrent_logits(runner, chunk: int) -> dict[str, torch.Tensor]:
-    """Every position's logits of the first window prompt (40 tokens), whole and in `chunk`-token chunks (the
-    recurrent grid: each rank carries its heads' state across them)."""
-    ids = window_prompts()[0]
+    """Every position's logits of the first recurrent prompt, whole and in `chunk`-token chunks (the recurrent grid:
+    each rank carries its heads' state across the three)."""
+    ids = recurrent_prompts(chunk)[0]
     return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=chunk)}
 
 
 def recurrent_greedy(runner, core, num_new: int) -> dict[str, list[int]]:
-    """The three window prompts' greedy tokens at once, each with a state slot, prefilled in chunks of the recurrent
-    grid beside the others' decodes (mixed steps) through an EngineCore over `runner`."""
+    """The three recurrent prompts' greedy tokens at once, each with a state slot, prefilled in chunks of the
+    recurrent grid beside the others' decodes (mixed steps) through an EngineCore over `runner`."""
     from helios.runner.state_cache import StateCache
 
     arch, chunk = core.manifest.arch, core.manifest.arch.recurrent.chunk_size
@@ -163,4 +168,4 @@ def recurrent_greedy(runner, core, num_new: int) -> dict[str, list[int]]:
                              max_model_len=RECURRENT_NUM_PAGES * RECURRENT_PAGE_SIZE, num_state_slots=RECURRENT_SLOTS,
                              state_chunk=chunk, enable_prefix_caching=False,
                              state_slot_bytes=StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype))
-    return engine_tokens(config, runner, window_prompts(), num_new)
+    return engine_tokens(config, runner, recurrent_prompts(chunk), num_new)
