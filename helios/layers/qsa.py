@@ -1,7 +1,10 @@
 """QSA (qwen4_exp): gated attention whose queries attend only to the tokens an indexer selects: the tokens of the
 top blocks of block_size keys by sum_h relu(q_h . k_block), and the incomplete tail (helios.core.manifest.
 IndexerConfig). The torch reference on every device: it gathers each sequence's pages and index keys, selects, and
-attends through SDPA with the selection as the mask. Imports torch and helios.layers only.
+attends through SDPA with the selection as the mask. On the Triton backend a decode-only step (one token per
+sequence) takes helios.kernels.qsa_decode instead: the same selection with lengths and tables read on the device, so
+it is CUDA-graph safe (decode_graph_safe); prefill and mixed steps stay on the torch reference. Imports torch and
+helios.layers only (helios.kernels on the Triton backend's decode path).
 
 Cache per layer: (kv [2, P, page, Nkv, D], index [1, P, page, Di]) from helios.runner.kv_cache: the raw index key
 of every token sits in the same page and slot as its K/V, so it is written, kept and freed with them.
@@ -16,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helios.core.manifest import IndexerConfig
-from helios.layers.attention import AttentionMetadata, write_kv
+from helios.layers.attention import AttentionBackend, AttentionMetadata, write_kv
 from helios.layers.linear import Linear
 from helios.layers.norm import RMSNorm
 from helios.layers.recurrent import sigmoid
@@ -52,6 +55,14 @@ class Indexer(nn.Module):
         q = self.q_norm(q.view(x.shape[0], c.num_heads, c.head_dim))
         return rotate_leading(q, cos, sin), k
 
+    def block_keys(self, groups: torch.Tensor) -> torch.Tensor:  # [nb, block_size, Di] raw keys -> [nb, Di]
+        """Block b's key: its raw keys' float32 mean in their dtype, k-normed, turned at its first position b *
+        block_size."""
+        num_blocks, block_size = groups.shape[:2]
+        block_keys = self.k_norm(groups.float().mean(dim=1).to(groups.dtype))
+        cos, sin = self.rotary.cos_sin(torch.arange(num_blocks, device=groups.device) * block_size, groups.dtype)
+        return rotate_leading(block_keys[:, None, :], cos, sin)[:, 0]
+
     def select(
         self,
         q: torch.Tensor,  # [L, Ni, Di] the sequence's queries of this step
@@ -60,54 +71,49 @@ class Indexer(nn.Module):
     ) -> torch.Tensor:  # [L, S] bool: which keys each query attends to (causal included)
         """As Qwen4ExpTextQSAIndexer._select_tokens for a causal sequence: a query at position p sees nb = (p+1) //
         block_size complete blocks; it keeps the best num_blocks of them (all when nb <= num_blocks) and the tail
-        nb * block_size .. p. NOTE: each query's top-k runs on exactly the scores of its nb visible blocks, in a
-        batch of the queries with the same nb, so ties (relu makes exact zeros common) break as in HF's loop."""
+        nb * block_size .. p. NOTE: relu makes exact zero scores common (every index head negative), so the tie
+        rule matters: ties go to the earlier block, by a stable sort over the blocks the last query sees (blocks a
+        query does not see score -inf, after all it sees), so a query's choice depends on its own scores only, never
+        on the chunk, batch or device around it (helios.kernels.qsa_decode chooses alike). HF's torch.topk breaks ties
+        by its own, device-dependent rule; the two agree where no tie straddles the cut."""
         c = self.config
         num_queries, seq_len = q.shape[0], keys.shape[0]
         device = q.device
         positions = torch.arange(first_pos, first_pos + num_queries, device=device)
         key_pos = torch.arange(seq_len, device=device)
         causal = key_pos[None, :] <= positions[:, None]
-        visible = [(p + 1) // c.block_size for p in range(first_pos, first_pos + num_queries)]
-        if visible[-1] <= c.num_blocks:
+        num_blocks = (first_pos + num_queries) // c.block_size  # the complete blocks the last query sees
+        if num_blocks <= c.num_blocks:
             return causal
-        num_blocks = visible[-1]
-        pooled = keys[: num_blocks * c.block_size].view(num_blocks, c.block_size, -1).float().mean(dim=1)
-        block_keys = self.k_norm(pooled.to(keys.dtype))
-        starts = torch.arange(num_blocks, device=device) * c.block_size
-        cos, sin = self.rotary.cos_sin(starts, keys.dtype)
-        block_keys = rotate_leading(block_keys[:, None, :], cos, sin)[:, 0]  # [nb, Di]
+        visible = (positions + 1) // c.block_size  # [L]
+        block_keys = self.block_keys(keys[: num_blocks * c.block_size].view(num_blocks, c.block_size, -1))
         scores = torch.matmul(q.float(), block_keys.float().t())  # [L, Ni, nb]
         scores = torch.relu(scores).sum(dim=1) / math.sqrt(c.head_dim)  # [L, nb]
-        chosen = torch.zeros(num_queries, num_blocks, dtype=torch.bool, device=device)
-        first = 0
-        while first < num_queries:  # runs of queries that see the same blocks
-            nb = visible[first]
-            last = first
-            while last + 1 < num_queries and visible[last + 1] == nb:
-                last += 1
-            rows = slice(first, last + 1)
-            if nb <= c.num_blocks:
-                chosen[rows, :nb] = True
-            else:
-                best = scores[rows, :nb].topk(c.num_blocks, dim=-1).indices
-                chosen[rows] = chosen[rows].scatter(1, best, True)
-            first = last + 1
+        seen = torch.arange(num_blocks, device=device)[None, :] < visible[:, None]  # [L, nb]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : c.num_blocks]
+        chosen = torch.zeros_like(seen).scatter_(1, best, True) & seen
         in_block = chosen.repeat_interleave(c.block_size, dim=1)  # [L, nb * block_size]
         mask = torch.zeros(num_queries, seq_len, dtype=torch.bool, device=device)
         mask[:, : in_block.shape[1]] = in_block
-        tail_start = torch.tensor(visible, device=device) * c.block_size
+        tail_start = visible * c.block_size
         return mask | (causal & (key_pos[None, :] >= tail_start[:, None]))
 
 
 class IndexedAttention(nn.Module):
     """qwen3_5's gated attention (per-head q/k norms, partial rotary, sigmoid output gate) over the keys the
     Indexer selects. Tensors bound: qkv.weight [(2*Nq + 2*Nkv)*D, H] (rows q, k, v, gate), q_norm / k_norm.weight
-    [D], o.weight [H, Nq*D], and the Indexer's."""
+    [D], o.weight [H, Nq*D], and the Indexer's. backend: the Triton one takes decode-only steps through
+    helios.kernels.qsa_decode (decode_graph_safe)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, config: IndexerConfig,
-                 eps: float, rotary: RotaryEmbedding, switches: Switches = DEFAULT_SWITCHES) -> None:
+                 eps: float, rotary: RotaryEmbedding, switches: Switches = DEFAULT_SWITCHES,
+                 backend: AttentionBackend | None = None) -> None:
         super().__init__()
+        self.backend = backend
+        # decode-only steps through helios.kernels.qsa_decode: device tensors only (decode_graph_safe;
+        # attends_through_backend: helios.runner.cuda_graphs reads the backend's name)
+        self.attends_through_backend = self.decode_graph_safe = getattr(backend, "fuses_layers", False)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.qkv = Linear(hidden_size, (2 * num_heads + 2 * num_kv_heads) * head_dim, switches=switches)
@@ -130,15 +136,55 @@ class IndexedAttention(nn.Module):
         cos, sin = cos_sin
         q = rotate_leading(self.q_norm(q.reshape(num_tokens, self.num_heads, d)), cos, sin)
         k = rotate_leading(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, d)), cos, sin)
-        write_kv(kv_cache, k, v.reshape(num_tokens, self.num_kv_heads, d), meta.slot_mapping)
+        v = v.reshape(num_tokens, self.num_kv_heads, d)
         index_q, index_k = self.indexer.project(x, cos, sin)
-        index_cache.view(-1, index_cache.shape[-1]).index_copy_(0, meta.slot_mapping, index_k.to(index_cache.dtype))
-        o = torch.empty(num_tokens, self.num_heads, d, dtype=q.dtype, device=q.device)
-        for start, end, keys, values, index_keys in indexed_sequences(meta, kv_cache, index_cache):
-            mask = self.indexer.select(index_q[start:end], index_keys, keys.shape[0] - (end - start))
-            o[start:end] = attend_masked(q[start:end], keys, values, mask, self.scale)
+        if self.decode_graph_safe and num_tokens == meta.num_seqs:  # every sequence schedules one token
+            o = self._decode(q, k, v, index_q, index_k, kv_cache, index_cache, meta).to(q.dtype)
+        else:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+            index_cache.view(-1, index_cache.shape[-1]).index_copy_(0, meta.slot_mapping,
+                                                                  index_k.to(index_cache.dtype))
+            o = torch.empty(num_tokens, self.num_heads, d, dtype=q.dtype, device=q.device)
+            for start, end, keys, values, index_keys in indexed_sequences(meta, kv_cache, index_cache):
+                mask = self.indexer.select(index_q[start:end], index_keys, keys.shape[0] - (end - start))
+                o[start:end] = attend_masked(q[start:end], keys, values, mask, self.scale)
         o = o.reshape(num_tokens, q_size) * sigmoid(gate)  # exp-based: the same bits at every row offset
         return self.o(o)
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [B, Nq, D], one token per sequence
+        k: torch.Tensor,  # [B, Nkv, D]
+        v: torch.Tensor,  # [B, Nkv, D]
+        index_q: torch.Tensor,  # [B, Ni, Di]
+        index_k: torch.Tensor,  # [B, Di] raw
+        kv_cache: torch.Tensor,  # [2, P, page, Nkv, D]
+        index_cache: torch.Tensor,  # [1, P, page, Di]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [B, Nq, D] in the cache's dtype
+        """The decode step in kernels: cache writes that skip padded rows (slot -1), then the block scores, select's
+        choice (ties to the earlier block) plus the tail, and the attention over them, from meta's device tensors."""
+        from helios.kernels import qsa_decode
+        from helios.kernels.mla_decode import write_latent
+        from helios.kernels.reshape_and_cache import reshape_and_cache
+
+        indexer, c = self.indexer, self.indexer.config
+        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        write_latent(index_cache, index_k, index_k[:, :0], meta.slot_mapping)  # an index key: a row without rope part
+        num_blocks = qsa_decode.block_count(meta.block_tables.shape[1], index_cache.shape[2], c.block_size)
+        cos, sin = indexer.rotary.cos_sin(block_starts(indexer.rotary, num_blocks, c.block_size, q.device),
+                                          index_cache.dtype)
+        scores = qsa_decode.block_scores(index_q, index_cache, indexer.k_norm.weight, indexer.k_norm.eps, cos, sin,
+                                         meta.block_tables, meta.seq_lens, c.block_size)
+        blocks = qsa_decode.select_blocks(scores, meta.seq_lens, c.block_size, c.num_blocks)
+        return qsa_decode.qsa_decode(q, kv_cache, meta.block_tables, meta.seq_lens, blocks, c.block_size, self.scale)
+
+
+def block_starts(rotary: RotaryEmbedding, num_blocks: int, block_size: int, device) -> torch.Tensor:  # [nb] int64
+    """Each block's first position, for a step's static block count (its table's width): positions past the rotary
+    table (blocks no sequence completes; their scores are -inf) read its last row instead of out of range."""
+    starts = torch.arange(num_blocks, device=device) * block_size
+    return starts if rotary.table is None else starts.clamp(max=rotary.table.shape[0] - 1)
 
 
 def indexed_sequences(meta: AttentionMetadata, kv_cache: torch.Tensor, index_cache: torch.Tensor):

@@ -44,7 +44,7 @@ class Qwen4ExpLayer(nn.Module):
                                         switches=switches)
         else:
             self.attn = IndexedAttention(h, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.indexer, eps,
-                                         rotary, switches)
+                                         rotary, switches, backend)
         self.mlp_hc = HyperConnection(h, hc, eps, switches=switches)
         self.moe = SharedExpertMoe(arch, switches, fused=getattr(backend, "fuses_layers", False))
 

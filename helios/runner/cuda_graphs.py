@@ -318,6 +318,8 @@ def unsupported_reason(model: torch.nn.Module, arch, device: torch.device) -> st
         if unsafe or not mixers:
             kinds = ", ".join(unsafe) or arch.recurrent.kind
             return f"recurrent layers ({kinds}): their decode step reads host-side slot lists (no Triton path)"
+    if getattr(arch, "ple", None) is not None:  # qwen4_exp's PleLayer: its conv and n-gram ids read host lists
+        return "PLE layers: their decode step reads host-side state slots and query starts"
     compressed = getattr(arch, "compressed", None)  # deepseek_v4's CSA layers have an indexer too
     if arch.index_dim or (compressed is not None and "csa" in compressed.layer_kinds):
         # graphed only where every layer with an indexer selects and attends on the device

@@ -116,3 +116,52 @@ def hf_torch_path(model):
             if callable(value) and unwrapped(value) is not value:
                 setattr(owner, name, unwrapped(value))
     return model
+
+
+def check_layer_step_replay(layer, rotary, caches: tuple, dtype: torch.dtype, hidden: int, page_size: int = 16,
+                            bucket: int = 4, width: int = 24) -> None:
+    """A layer's decode step `layer(x, cos_sin, caches, meta)` on static inputs (tests/gpu/test_mla_decode_cuda.py's
+    construction: 3 sequences in a bucket of 4), captured once and replayed after the lengths, tables, slots and
+    hidden rows change in place (longer sequences, other pages, a padded row): output and caches = an eager run of
+    the same step on the same inputs. caches: the layer's page tensors on the device, holding >= 64 pages."""
+    from helios.layers.attention import AttentionMetadata
+    from tests.gpu.test_mla_decode_cuda import _decode_meta
+    from tests.kernels.test_mla_decode import _randn, paged_tables
+
+    num_pages = caches[0].shape[1]
+    first, _ = paged_tables([5, 40, 17], page_size, "cpu")
+    static = {k: v.to("cuda") for k, v in _decode_meta([5, 40, 17], first, page_size, bucket, width).items()}
+    x = _randn(bucket, hidden, device="cuda", dtype=dtype, seed=6)
+
+    def step(cache):  # the *_cpu lists are capture's (as cuda_graphs.StaticBuffers.metadata)
+        meta = AttentionMetadata(query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device="cuda"),
+                                 query_start_loc_cpu=list(range(bucket + 1)), seq_lens_cpu=[1024] * bucket, **static)
+        return layer(x, rotary.cos_sin(static["positions"], dtype), cache, meta)
+
+    with torch.inference_mode():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(tuple(c.clone() for c in caches))  # warm-up: compiles
+        torch.cuda.current_stream().wait_stream(side)
+        replayed = tuple(c.clone() for c in caches)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(replayed)
+        lens = [300, 2, 77]  # a new step: other lengths and pages, one row padded
+        tables, _ = paged_tables(lens, page_size, "cpu", seed=9, spare=num_pages - 26)
+        for name, t in _decode_meta(lens, tables, page_size, bucket, width).items():
+            static[name].copy_(t)
+        x.copy_(_randn(bucket, hidden, device="cuda", dtype=dtype, seed=7))
+        for ours, original in zip(replayed, caches):
+            ours.copy_(original)
+        eager = tuple(c.clone() for c in caches)
+        graph.replay()
+        want = step(eager)
+    torch.cuda.synchronize()
+    # the same kernels on the same inputs; the projections' cuBLAS may pick another algorithm under capture
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, want, **tol)
+    for ours, theirs in zip(replayed, eager):
+        torch.testing.assert_close(ours, theirs, **tol)
+    assert torch.count_nonzero(out[3]) == 0  # the padded row

@@ -12,8 +12,8 @@ import pytest
 
 import torch
 
-from tests.gpu.family_cuda import (CUDA_MARKS, DTYPES, check_batched_on_cuda, check_greedy_on_cuda, cuda_engine,
-                                   export_family)
+from tests.gpu.family_cuda import (CUDA_MARKS, DTYPES, check_batched_on_cuda, check_greedy_on_cuda,
+                                   check_layer_step_replay, cuda_engine, export_family)
 from tests.models.hybrid_harness import generate, greedy_request, prompt
 from tests.models.minimax_m3_tiny import build_minimax_m3
 
@@ -93,52 +93,15 @@ def test_sparse_layer_decode_graph_replay_equals_eager(dtype):
     once and replayed after the lengths, tables, slots and hidden rows change in place (longer sequences, other
     pages, a padded row): output and both caches = an eager run of the same step on the same inputs."""
     from helios.kernels.backend import TritonAttentionBackend
-    from helios.layers.attention import AttentionMetadata
     from helios.layers.msa import SparseAttention
     from helios.layers.rotary import RotaryEmbedding
-    from tests.gpu.test_mla_decode_cuda import _decode_meta
-    from tests.kernels.test_mla_decode import _bind_random, _randn, paged_tables
+    from tests.kernels.test_mla_decode import _bind_random, _randn
     from tests.kernels.test_sparse_decode import CONFIG
 
-    page_size, bucket, hidden, num_pages, width = 16, 4, 64, 64, 24
+    page_size, hidden, num_pages = 16, 64, 64
     layer = SparseAttention(hidden, 4, 2, 16, TritonAttentionBackend(), CONFIG, 1e-6, 8)
     _bind_random([layer], "cuda", dtype)
     rotary = RotaryEmbedding(8, 10000.0, device="cuda")
     caches = (_randn(2, num_pages, page_size, 2, 16, device="cuda", dtype=dtype, seed=4),
               _randn(1, num_pages, page_size, CONFIG.head_dim, device="cuda", dtype=dtype, seed=5))
-    first, _ = paged_tables([5, 40, 17], page_size, "cpu")
-    static = {k: v.to("cuda") for k, v in _decode_meta([5, 40, 17], first, page_size, bucket, width).items()}
-    x = _randn(bucket, hidden, device="cuda", dtype=dtype, seed=6)
-
-    def step(cache):  # the *_cpu lists are capture's (as cuda_graphs.StaticBuffers.metadata)
-        meta = AttentionMetadata(query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device="cuda"),
-                                 query_start_loc_cpu=list(range(bucket + 1)), seq_lens_cpu=[1024] * bucket, **static)
-        return layer(x, rotary.cos_sin(static["positions"], dtype), cache, meta)
-
-    with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step(tuple(c.clone() for c in caches))  # warm-up: compiles
-        torch.cuda.current_stream().wait_stream(side)
-        replayed = tuple(c.clone() for c in caches)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step(replayed)
-        lens = [300, 2, 77]  # a new step: other lengths and pages, one row padded
-        tables, _ = paged_tables(lens, page_size, "cpu", seed=9, spare=num_pages - 26)
-        for name, t in _decode_meta(lens, tables, page_size, bucket, width).items():
-            static[name].copy_(t)
-        x.copy_(_randn(bucket, hidden, device="cuda", dtype=dtype, seed=7))
-        for ours, original in zip(replayed, caches):
-            ours.copy_(original)
-        eager = tuple(c.clone() for c in caches)
-        graph.replay()
-        want = step(eager)
-    torch.cuda.synchronize()
-    # the same kernels on the same inputs; the projections' cuBLAS may pick another algorithm under capture
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out, want, **tol)
-    for ours, theirs in zip(replayed, eager):
-        torch.testing.assert_close(ours, theirs, **tol)
-    assert torch.count_nonzero(out[3]) == 0  # the padded row
+    check_layer_step_replay(layer, rotary, caches, dtype, hidden, page_size)

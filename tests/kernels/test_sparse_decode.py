@@ -189,11 +189,12 @@ def test_splits_come_from_the_config_alone():
 
 
 def test_graphs_admit_the_kernel_indexers_and_still_refuse_the_others(interpreter, tmp_path):
-    """unsupported_reason on the Triton backend: minimax_m3 (SparseAttention's kernels, fused MoE) and glm5_next
-    (DsaAttention's kernels, KDA's and the MoE's) are graphed; a sparse layer off its kernel path, or qwen4_exp's QSA
-    (a host loop still), keeps the indexed-attention refusal."""
+    """unsupported_reason on the Triton backend: minimax_m3 (SparseAttention's kernels, fused MoE), glm5_next
+    (DsaAttention's kernels, KDA's and the MoE's) and qwen4_exp (IndexedAttention's qsa_decode, GDN's and the MoE's)
+    are graphed; a sparse or QSA layer off its kernel path keeps the indexed-attention refusal."""
     from helios.kernels.backend import TritonAttentionBackend
     from helios.layers.msa import SparseAttention
+    from helios.layers.qsa import IndexedAttention
     from helios.runner.cuda_graphs import unsupported_reason
     from tests.kernels.moe_cases import family_arch, unbound_model
 
@@ -204,7 +205,10 @@ def test_graphs_admit_the_kernel_indexers_and_still_refuse_the_others(interprete
         models[family] = (unbound_model(arch, TritonAttentionBackend()), arch)
     assert unsupported_reason(*models["minimax_m3"], cuda) is None
     assert unsupported_reason(*models["glm5_next"], cuda) is None
-    reason = unsupported_reason(*models["qwen4_exp"], cuda)
+    assert unsupported_reason(*models["qwen4_exp"], cuda) is None
+    model, arch = models["qwen4_exp"]
+    next(m for m in model.modules() if isinstance(m, IndexedAttention)).decode_graph_safe = False
+    reason = unsupported_reason(model, arch, cuda)
     assert reason.startswith("indexed attention layers (IndexedAttention)"), reason
     model, arch = models["minimax_m3"]
     next(m for m in model.modules() if isinstance(m, SparseAttention)).decode_graph_safe = False

@@ -2,7 +2,12 @@
 embeddings) against HF transformers on tiny random checkpoints, through the real path: an HF directory, ignition's
 float32 export, helios.core.load, the ModelRunner with its paged KV (+ index keys) and state slots (+ PLE conv
 state), and the engine. Prompts run past indexer_budget (8 tokens), so QSA drops blocks; the PLE prompts carry EOS
-tokens, which restart the n-gram context."""
+tokens, which restart the n-gram context.
+
+The checkpoints here have 8 index heads (TIE_FREE), not the builder's 2: a block scores exactly 0 when every index
+head's product is negative (relu), so with 2 heads a quarter of the blocks tie at 0, and where such a tie straddles
+the cut HF's torch.topk keeps blocks by its own, device-dependent order while helios keeps the earlier ones
+(helios.layers.qsa.Indexer.select); with 8 heads (2^-8 per block) no tie decides a choice in these prompts."""
 
 from __future__ import annotations
 
@@ -28,13 +33,16 @@ from tests.models.hybrid_harness import (
 )
 
 
+TIE_FREE = dict(indexer_n_heads=8)  # the module docstring says why
+
+
 def export_qwen4_exp(variant: str, root: Path):
     """(HF model, LoadedCore) of the variant's tiny checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from ignition.export import ExportOptions, export_core
 
-    src = build_qwen4_exp(variant, root / "hf")
+    src = build_qwen4_exp(variant, root / "hf", **TIE_FREE)
     core = load_core(export_core(src, root / "core", ExportOptions(dtype="float32", prompt_logprobs=True)))
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     return hf, core

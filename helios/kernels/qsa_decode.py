@@ -1,0 +1,165 @@
+"""QSA decode (qwen4_exp, helios.layers.qsa): the indexer's block scores over the paged raw index keys, the top
+blocks and the tail, and the attention over them, for one query token per sequence with every length and page read
+on the device (no host sync, no data-dependent shape: CUDA-graph safe).
+
+As helios.kernels.sparse_decode does for minimax_m3 and dsa_decode for glm5_next: the cost that grows with the
+context, reading every index key, is a Triton kernel that stops at each sequence's complete blocks; it pools, norms
+and turns each block's key where it reads it, so no [B, max blocks, Di] block keys reach memory. The choice is
+dsa_decode.select_pools on the [B, max blocks] float32 scores (the stable torch sort: ties, relu's common zeros, to
+the earlier block, as Indexer.select; the incomplete tail block listed last), and the attention is
+sparse_decode.sparse_decode with one index head: every query head reads the same block list, each block clamped to
+the length. Imports torch and helios.kernels only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from helios.kernels._triton import check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
+from helios.kernels.dsa_decode import select_pools
+from helios.kernels.sparse_decode import sparse_decode, sparse_num_splits
+
+
+@jit
+def _block_scores_kernel(
+    q_ptr,  # [num_seqs, num_index_heads, Di], the index queries (normed, turned)
+    index_ptr,  # [num_pages, page_size, Di], the raw index keys
+    norm_ptr,  # [Di], the indexer's k_norm weight
+    cos_ptr,  # [num_blocks, rotary_dim], at each block's first position
+    sin_ptr,  # [num_blocks, rotary_dim]
+    block_tables_ptr,  # [num_seqs, max_pages] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    out_ptr,  # [num_seqs, num_blocks] float32
+    stride_qs,
+    stride_qh,
+    stride_ip,  # index cache strides: page, slot in page
+    stride_is,
+    stride_cb,  # cos / sin row stride
+    stride_bt,
+    stride_os,
+    num_heads,
+    index_dim,
+    rotary_dim,
+    eps,
+    root,  # sqrt(Di), divided as the reference divides
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # the indexer's block of keys
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Program (seq, block): the block's key as Indexer.block_keys makes it (the float32 mean of its raw keys in
+    their dtype, k_norm in float32, rotate-half rotary at its first position, each product rounded to the dtype as the
+    reference's), then sum_h relu(q_h . key) / sqrt(Di) in float32; -inf unless the block is complete (block < seq_len //
+    BLOCK_SIZE). Rotate-half pairs dim d with d +- rotary_dim / 2: the program reads the keys at both columns."""
+    seq = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < index_dim
+    half = rotary_dim // 2
+    turned = d < rotary_dim
+    partner = tl.where(turned, tl.where(d < half, d + half, d - half), d)
+    n = tl.arange(0, BLOCK_N)
+    complete = tl.zeros([BLOCK_N], dtype=tl.int32) + blk < seq_len // BLOCK_SIZE  # as a tile (the interpreter)
+    table = block_tables_ptr + seq * stride_bt
+    total = tl.zeros([BLOCK_D], dtype=tl.float32)
+    total_p = tl.zeros([BLOCK_D], dtype=tl.float32)  # the same sums at the partner columns
+    for n0 in range(0, BLOCK_SIZE, BLOCK_N):
+        pos = blk * BLOCK_SIZE + n0 + n
+        row_mask = (n0 + n < BLOCK_SIZE) & complete
+        page = tl.load(table + pos // PAGE_SIZE, mask=row_mask, other=0).to(tl.int64)
+        rows = index_ptr + page * stride_ip + (pos % PAGE_SIZE) * stride_is
+        tile = row_mask[:, None] & d_mask[None, :]
+        keys = tl.load(rows[:, None] + d[None, :], mask=tile, other=0.0)
+        total += tl.sum(keys.to(tl.float32), axis=0)
+        total_p += tl.sum(tl.load(rows[:, None] + partner[None, :], mask=tile, other=0.0).to(tl.float32), axis=0)
+    dt = index_ptr.dtype.element_ty
+    mean = (total / BLOCK_SIZE).to(dt).to(tl.float32)
+    mean_p = (total_p / BLOCK_SIZE).to(dt).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(mean * mean, axis=0) / index_dim + eps)
+    w = tl.load(norm_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    w_p = tl.load(norm_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)
+    normed = (mean * inv * w).to(dt).to(tl.float32)
+    normed_p = (mean_p * inv * w_p).to(dt).to(tl.float32)
+    r_mask = turned & d_mask
+    cos = tl.load(cos_ptr + blk * stride_cb + d, mask=r_mask, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + blk * stride_cb + d, mask=r_mask, other=0.0).to(tl.float32)
+    rotated = tl.where(d < half, -normed_p, normed_p)
+    key = ((normed * cos).to(dt).to(tl.float32) + (rotated * sin).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    key = tl.where(turned, key, normed)
+    heads = tl.arange(0, BLOCK_H)
+    h_mask = heads < num_heads
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    s = tl.maximum(tl.sum(q * key[None, :], axis=1), 0.0)  # [BLOCK_H], relu; masked heads 0
+    score = tl.sum(s, axis=0) / root
+    is_complete = blk < seq_len // BLOCK_SIZE
+    tl.store(out_ptr + seq * stride_os + blk, tl.where(is_complete, score, float("-inf")))
+
+
+def block_scores(
+    q: torch.Tensor,  # [num_seqs, num_index_heads, Di]
+    index_cache: torch.Tensor,  # [1, num_pages, page_size, Di], raw index keys
+    norm_weight: torch.Tensor,  # [Di], Indexer.k_norm's
+    eps: float,
+    cos: torch.Tensor,  # [num_blocks, rotary_dim] at positions 0, block_size, 2 * block_size, ... (block_starts)
+    sin: torch.Tensor,  # [num_blocks, rotary_dim], same strides as cos
+    block_tables: torch.Tensor,  # [num_seqs, max_pages] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, keys per sequence including this token's
+    block_size: int,
+) -> torch.Tensor:  # [num_seqs, num_blocks] float32, -inf past the complete blocks
+    """Every complete block's score; the block count comes from the table's width, never from the lengths (a
+    graph's shapes are its bucket's)."""
+    require_triton()
+    num_seqs, num_heads, index_dim = q.shape
+    page_size = index_cache.shape[2]
+    num_blocks = block_count(block_tables.shape[1], page_size, block_size)
+    rotary_dim = cos.shape[-1]
+    assert index_cache.dim() == 4 and index_cache.shape[0] == 1 and index_cache.shape[3] == index_dim
+    assert norm_weight.shape == (index_dim,) and norm_weight.is_contiguous()
+    assert cos.shape == sin.shape == (num_blocks, rotary_dim) and cos.stride() == sin.stride()
+    assert rotary_dim % 2 == 0 and rotary_dim <= index_dim and cos.stride(1) == 1
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
+    assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32
+    check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("index_cache", index_cache)
+    out = torch.empty(num_seqs, num_blocks, dtype=torch.float32, device=q.device)
+    if num_seqs == 0 or num_blocks == 0:
+        return out
+    pages = index_cache[0]
+    _block_scores_kernel[(num_seqs, num_blocks)](
+        q, pages, norm_weight, cos, sin, block_tables, seq_lens, out, q.stride(0), q.stride(1), pages.stride(0),
+        pages.stride(1), cos.stride(0), block_tables.stride(0), out.stride(0), num_heads, index_dim, rotary_dim,
+        eps, index_dim**0.5, PAGE_SIZE=page_size, BLOCK_SIZE=block_size,
+        BLOCK_N=max(16, min(64, next_power_of_2(block_size))), BLOCK_H=max(16, next_power_of_2(num_heads)),
+        BLOCK_D=max(16, next_power_of_2(index_dim)), num_warps=4,
+    )
+    return out
+
+
+def block_count(max_pages: int, page_size: int, block_size: int) -> int:
+    """Complete blocks a table of max_pages pages can hold: the static score width of a step."""
+    return max_pages * page_size // block_size
+
+
+def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_kept: int) -> torch.Tensor:
+    """[num_seqs, min(num_kept, num_blocks) + 1] int32: the best num_kept complete blocks (ties to the earlier
+    block), -1 past the sequence's complete blocks, then the tail block (seq_len // block_size, maybe empty; -1 for a
+    padded row): dsa_decode.select_pools, whose pools are QSA's blocks."""
+    return select_pools(scores, seq_lens, block_size, num_kept)
+
+
+def qsa_decode(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_pages, page_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_pages] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32 (0: a padded row, output 0)
+    blocks: torch.Tensor,  # [num_seqs, K + 1] int32, select_blocks'
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim] in the cache's dtype
+    """Every query head over the listed blocks' keys j < seq_len (sparse_decode with one index head); the split count
+    from the config alone (sparse_num_splits), so eager and graphed steps round alike."""
+    splits = sparse_num_splits(blocks.shape[1], block_size)
+    return sparse_decode(q, kv_cache, block_tables, seq_lens, blocks[:, None, :], block_size, scale, splits)
