@@ -1,12 +1,12 @@
 """Tensor-parallel layers: the collectives a sharded model calls, and the layers whose slice of a weight needs one.
 
-A `TensorGroup` names this rank's place among `world_size` ranks and the process group it reduces over (gloo on the
-CPU, NCCL on GPUs: the same calls). A column-parallel projection (qkv, gate_up, a gated delta rule's in_proj) needs
-no class of its own: a Linear bound to this rank's rows. What crosses ranks: `RowParallelLinear`'s sum (o, down, a
-gated delta rule's out; `row_parallel` swaps one in for a built Linear), `VocabParallelEmbedding`'s masked lookup
-and sum, the head's vocabulary all-gather (`TensorGroup.gather_vocab`) and the expert-parallel MoE layers' sums
-(`ExpertParallelMoe`, `ExpertParallelSigmoidMoe`). The slices are cut at load time (helios.runner.parallel). Imports
-torch, layers and the manifest's config types only.
+A `TensorGroup` names this rank's place among `world_size` ranks and the process group it reduces over (gloo on the CPU,
+NCCL on GPUs: the same calls). A column-parallel projection (qkv, gate_up, a gated delta rule's in_proj) needs no class
+of its own: a Linear bound to this rank's rows. What crosses ranks: `RowParallelLinear`'s sum (o, down, a gated delta
+rule's, KDA's or Mamba-2 mixer's out, MLA's o; `row_parallel` swaps one in for a built Linear),
+`VocabParallelEmbedding`'s masked lookup and sum, the head's vocabulary all-gather (`TensorGroup.gather_vocab`) and the
+expert-parallel MoE layers' sums (`ExpertParallelMoe`, `ExpertParallelSigmoidMoe`). The slices are cut at load time
+(helios.runner.parallel). Imports torch, layers and the manifest's config types only.
 """
 
 from __future__ import annotations

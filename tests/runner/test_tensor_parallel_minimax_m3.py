@@ -12,6 +12,7 @@ every plan run on both (tests/runner/tp_harness).
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 
@@ -75,3 +76,6 @@ def test_index_heads_split_with_their_query_heads(cores):
     assert shard_arch(arch, four).msa.num_heads == 1
     assert torch.equal(shard_tensors(arch, full, four)[f"layers.{i}.attn.indexer.qk.weight"],
                        torch.cat([qk[di : 2 * di], qk[2 * di :]]))
+    three = msgspec.structs.replace(arch, msa=msgspec.structs.replace(arch.msa, num_heads=3))
+    with pytest.raises(ValueError, match=r"msa\.num_heads \(index_n_heads\) = 3"):
+        shard_arch(three, tp)
