@@ -50,24 +50,27 @@ def _block_scores_kernel(
 ):
     """Program (seq, block): the block's key as Indexer.block_keys makes it (the float32 mean of its raw keys in
     their dtype, k_norm in float32, rotate-half rotary at its first position, each product rounded to the dtype as the
-    reference's), then sum_h relu(q_h . key) / sqrt(Di) in float32; -inf unless the block is complete (block < seq_len //
-    BLOCK_SIZE). Rotate-half pairs dim d with d +- rotary_dim / 2: the program reads the keys at both columns."""
+    reference's), then sum_h relu(q_h . key) / sqrt(Di) in float32; -inf unless the block is complete (block <
+    seq_len // BLOCK_SIZE), stored without reading a key. Rotate-half pairs dim d with d +- rotary_dim / 2: the
+    program reads the keys at both columns."""
     seq = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    if blk >= seq_len // BLOCK_SIZE:  # incomplete, past the end or a padded row: most of a graph bucket's width
+        tl.store(out_ptr + seq * stride_os + blk, float("-inf"))
+        return
     d = tl.arange(0, BLOCK_D)
     d_mask = d < index_dim
     half = rotary_dim // 2
     turned = d < rotary_dim
     partner = tl.where(turned, tl.where(d < half, d + half, d - half), d)
     n = tl.arange(0, BLOCK_N)
-    complete = tl.zeros([BLOCK_N], dtype=tl.int32) + blk < seq_len // BLOCK_SIZE  # as a tile (the interpreter)
     table = block_tables_ptr + seq * stride_bt
     total = tl.zeros([BLOCK_D], dtype=tl.float32)
     total_p = tl.zeros([BLOCK_D], dtype=tl.float32)  # the same sums at the partner columns
     for n0 in range(0, BLOCK_SIZE, BLOCK_N):
         pos = blk * BLOCK_SIZE + n0 + n
-        row_mask = (n0 + n < BLOCK_SIZE) & complete
+        row_mask = n0 + n < BLOCK_SIZE
         page = tl.load(table + pos // PAGE_SIZE, mask=row_mask, other=0).to(tl.int64)
         rows = index_ptr + page * stride_ip + (pos % PAGE_SIZE) * stride_is
         tile = row_mask[:, None] & d_mask[None, :]
@@ -93,9 +96,7 @@ def _block_scores_kernel(
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
     s = tl.maximum(tl.sum(q * key[None, :], axis=1), 0.0)  # [BLOCK_H], relu; masked heads 0
-    score = tl.sum(s, axis=0) / root
-    is_complete = blk < seq_len // BLOCK_SIZE
-    tl.store(out_ptr + seq * stride_os + blk, tl.where(is_complete, score, float("-inf")))
+    tl.store(out_ptr + seq * stride_os + blk, tl.sum(s, axis=0) / root)
 
 
 def block_scores(
