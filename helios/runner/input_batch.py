@@ -187,6 +187,9 @@ def _state_slots(scheduled: list[ScheduledRequest], device, scratch_slot: int | 
     if scratch_slot is None:
         return {}
     slots = [s.state_slot if s.state_slot >= 0 else scratch_slot for s in scheduled]
+    if slots.count(scratch_slot) > 1:  # NOTE: they would read and write one state row: wrong tokens, no error
+        raise ValueError("several requests of one step have no recurrent state slot (the scheduler assigns one to "
+                         "each request of a hybrid model: SchedulerConfig.num_state_slots)")
     return {"state_slots": torch.tensor(slots, dtype=torch.int32, device=device), "state_slots_cpu": slots}
 
 
