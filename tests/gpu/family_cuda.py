@@ -120,10 +120,21 @@ def hf_torch_path(model):
 
 def check_layer_step_replay(layer, rotary, caches: tuple, dtype: torch.dtype, hidden: int, page_size: int = 16,
                             bucket: int = 4, width: int = 24) -> None:
-    """A layer's decode step `layer(x, cos_sin, caches, meta)` on static inputs (tests/gpu/test_mla_decode_cuda.py's
-    construction: 3 sequences in a bucket of 4), captured once and replayed after the lengths, tables, slots and
-    hidden rows change in place (longer sequences, other pages, a padded row): output and caches = an eager run of
-    the same step on the same inputs. caches: the layer's page tensors on the device, holding >= 64 pages."""
+    """check_step_replay for one layer called `layer(x, cos_sin, caches, meta)`."""
+
+    def forward(x, caches_now, meta):
+        return [layer(x, rotary.cos_sin(meta.positions, dtype), caches_now, meta)]
+
+    check_step_replay(forward, caches, dtype, hidden, page_size, bucket, width)
+
+
+def check_step_replay(forward, caches: tuple, dtype: torch.dtype, hidden: int, page_size: int = 16, bucket: int = 4,
+                      width: int = 24, lens: tuple[int, ...] = (300, 2, 77)) -> None:
+    """A decode step `forward(x, caches, meta)` -> [outputs] of one or more layers on static inputs
+    (tests/gpu/test_mla_decode_cuda.py's construction: 3 sequences in a bucket of 4), captured once and replayed
+    after the lengths (to `lens`), tables, slots and hidden rows change in place (other pages, a padded row): every
+    output and cache = an eager run of the same step on the same inputs. caches: the page tensors on the device, each
+    holding >= 64 pages, in the order `forward` reads them."""
     from helios.layers.attention import AttentionMetadata
     from tests.gpu.test_mla_decode_cuda import _decode_meta
     from tests.kernels.test_mla_decode import _randn, paged_tables
@@ -133,35 +144,39 @@ def check_layer_step_replay(layer, rotary, caches: tuple, dtype: torch.dtype, hi
     static = {k: v.to("cuda") for k, v in _decode_meta([5, 40, 17], first, page_size, bucket, width).items()}
     x = _randn(bucket, hidden, device="cuda", dtype=dtype, seed=6)
 
-    def step(cache):  # the *_cpu lists are capture's (as cuda_graphs.StaticBuffers.metadata)
+    def step(caches_now):  # the *_cpu lists are capture's (as cuda_graphs.StaticBuffers.metadata)
         meta = AttentionMetadata(query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device="cuda"),
                                  query_start_loc_cpu=list(range(bucket + 1)), seq_lens_cpu=[1024] * bucket, **static)
-        return layer(x, rotary.cos_sin(static["positions"], dtype), cache, meta)
+        return forward(x, caches_now, meta)
+
+    def copies():
+        return tuple(c.clone() for c in caches)
 
     with torch.inference_mode():
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step(tuple(c.clone() for c in caches))  # warm-up: compiles
+            step(copies())  # warm-up: compiles
         torch.cuda.current_stream().wait_stream(side)
-        replayed = tuple(c.clone() for c in caches)
+        replayed = copies()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = step(replayed)
-        lens = [300, 2, 77]  # a new step: other lengths and pages, one row padded
-        tables, _ = paged_tables(lens, page_size, "cpu", seed=9, spare=num_pages - 26)
-        for name, t in _decode_meta(lens, tables, page_size, bucket, width).items():
+            outs = step(replayed)
+        used = sum(-(-n // page_size) for n in lens)  # a new step: other lengths and pages, one row padded
+        tables, _ = paged_tables(list(lens), page_size, "cpu", seed=9, spare=num_pages - 1 - used)
+        for name, t in _decode_meta(list(lens), tables, page_size, bucket, width).items():
             static[name].copy_(t)
         x.copy_(_randn(bucket, hidden, device="cuda", dtype=dtype, seed=7))
         for ours, original in zip(replayed, caches):
             ours.copy_(original)
-        eager = tuple(c.clone() for c in caches)
+        eager = copies()
         graph.replay()
-        want = step(eager)
+        wants = step(eager)
     torch.cuda.synchronize()
     # the same kernels on the same inputs; the projections' cuBLAS may pick another algorithm under capture
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out, want, **tol)
+    for out, want in zip(outs, wants, strict=True):
+        torch.testing.assert_close(out, want, **tol)
+        assert torch.count_nonzero(out[3]) == 0  # the padded row
     for ours, theirs in zip(replayed, eager):
         torch.testing.assert_close(ours, theirs, **tol)
-    assert torch.count_nonzero(out[3]) == 0  # the padded row

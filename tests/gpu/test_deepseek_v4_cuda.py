@@ -86,11 +86,10 @@ def test_compressed_layers_decode_graph_replay_equals_eager(dtype):
     completes a CSA window, CSA's window 0 and an HCA window): outputs and both caches = an eager run of the same step
     on the same inputs."""
     from helios.kernels.backend import TritonAttentionBackend
-    from helios.layers.attention import AttentionMetadata
     from helios.layers.compressed_attention import CompressedAttention, InterleavedRope
-    from tests.gpu.test_mla_decode_cuda import _decode_meta
+    from tests.gpu.family_cuda import check_step_replay
     from tests.kernels.test_csa_decode import CONFIG, HEAD_DIM
-    from tests.kernels.test_mla_decode import _bind_random, _randn, paged_tables
+    from tests.kernels.test_mla_decode import _bind_random, _randn
 
     c, page_size, bucket, hidden, num_pages, width = CONFIG, 16, 4, 32, 64, 24
     layers = [CompressedAttention(hidden, 4, HEAD_DIM, kind, c, 1e-6, backend=TritonAttentionBackend())
@@ -102,45 +101,9 @@ def test_compressed_layers_decode_graph_replay_equals_eager(dtype):
     caches = [(_randn(1, num_pages, page_size, c.raw_dim(kind, HEAD_DIM), device="cuda", dtype=dtype, seed=4 + j),
                _randn(1, num_pages, page_size, c.entry_row_dim(kind, HEAD_DIM, page_size), device="cuda",
                       dtype=dtype, seed=9 + j)) for j, kind in enumerate(c.layer_kinds)]
-    first, _ = paged_tables([5, 40, 17], page_size, "cpu")
-    static = {k: v.to("cuda") for k, v in _decode_meta([5, 40, 17], first, page_size, bucket, width).items()}
-    x = _randn(bucket, hidden, device="cuda", dtype=dtype, seed=6)
+    def forward(x, flat, meta):
+        return [layer(x, flat[2 * j : 2 * j + 2], meta, rope, compress_rope) for j, layer in enumerate(layers)]
 
-    def step(caches_now):  # the *_cpu lists are capture's (as cuda_graphs.StaticBuffers.metadata)
-        meta = AttentionMetadata(query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device="cuda"),
-                                 query_start_loc_cpu=list(range(bucket + 1)), seq_lens_cpu=[1024] * bucket, **static)
-        return [layer(x, cache, meta, rope, compress_rope) for layer, cache in zip(layers, caches_now)]
-
-    def copies():
-        return [tuple(t.clone() for t in pair) for pair in caches]
-
-    with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step(copies())  # warm-up: compiles
-        torch.cuda.current_stream().wait_stream(side)
-        replayed = copies()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step(replayed)
-        lens = [296, 4, 77]  # a new step: other lengths and pages, one row padded
-        tables, _ = paged_tables(lens, page_size, "cpu", seed=9, spare=num_pages - 25)
-        for name, t in _decode_meta(lens, tables, page_size, bucket, width).items():
-            static[name].copy_(t)
-        x.copy_(_randn(bucket, hidden, device="cuda", dtype=dtype, seed=7))
-        for ours, original in zip(replayed, caches):
-            for a, b in zip(ours, original):
-                a.copy_(b)
-        eager = copies()
-        graph.replay()
-        wants = step(eager)
-    torch.cuda.synchronize()
-    # the same kernels on the same inputs; the projections' cuBLAS may pick another algorithm under capture
-    tol = F32_DEVICE if dtype == torch.float32 else BF16
-    for out, want in zip(outs, wants):
-        torch.testing.assert_close(out, want, **tol)
-        assert torch.count_nonzero(out[3]) == 0  # the padded row
-    for ours, theirs in zip(replayed, eager):
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a, b, **tol)
+    # lengths whose token completes a CSA window, CSA's window 0 and an HCA window
+    check_step_replay(forward, tuple(t for pair in caches for t in pair), dtype, hidden, page_size, bucket, width,
+                      lens=(296, 4, 77))

@@ -69,11 +69,10 @@ def test_dsa_layers_decode_graph_replay_equals_eager(dtype):
     slots and hidden rows change in place (longer sequences, other pages, a padded row): outputs and every cache = an
     eager run of the same step on the same inputs."""
     from helios.kernels.backend import TritonAttentionBackend
-    from helios.layers.attention import AttentionMetadata
     from helios.layers.dsa import DsaAttention
-    from tests.gpu.test_mla_decode_cuda import _decode_meta
+    from tests.gpu.family_cuda import check_step_replay
     from tests.kernels.test_dsa_decode import DSA, NOPE
-    from tests.kernels.test_mla_decode import _bind_random, _randn, paged_tables
+    from tests.kernels.test_mla_decode import _bind_random, _randn
 
     page_size, bucket, hidden, num_pages, width = 16, 4, 32, 64, 24
     layers = [DsaAttention(hidden, 4, NOPE, DSA, shared, backend=TritonAttentionBackend()) for shared in (False, True)]
@@ -82,46 +81,8 @@ def test_dsa_layers_decode_graph_replay_equals_eager(dtype):
     caches = [(_randn(1, num_pages, page_size, NOPE.cache_dim, device="cuda", dtype=dtype, seed=4 + 2 * j),
                _randn(1, num_pages, page_size, DSA.cache_dim, device="cuda", dtype=dtype, seed=5 + 2 * j))
               for j in (0, 1)]
-    first, _ = paged_tables([5, 40, 17], page_size, "cpu")
-    static = {k: v.to("cuda") for k, v in _decode_meta([5, 40, 17], first, page_size, bucket, width).items()}
-    x = _randn(bucket, hidden, device="cuda", dtype=dtype, seed=6)
+    def forward(x, flat, meta):  # the shared layer reads the full one's pool lists inside the graph
+        y, pools = layers[0](x, flat[0:2], meta)
+        return [y, layers[1](x, flat[2:4], meta, pools)[0]]
 
-    def step(pairs):  # the *_cpu lists are capture's (as cuda_graphs.StaticBuffers.metadata)
-        meta = AttentionMetadata(query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device="cuda"),
-                                 query_start_loc_cpu=list(range(bucket + 1)), seq_lens_cpu=[1024] * bucket, **static)
-        y, pools = layers[0](x, pairs[0], meta)
-        return y, layers[1](x, pairs[1], meta, pools)[0]
-
-    def copies():
-        return [tuple(t.clone() for t in pair) for pair in caches]
-
-    with torch.inference_mode():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step(copies())  # warm-up: compiles
-        torch.cuda.current_stream().wait_stream(side)
-        replayed = copies()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step(replayed)
-        lens = [300, 2, 77]  # a new step: other lengths and pages, one row padded
-        tables, _ = paged_tables(lens, page_size, "cpu", seed=9, spare=num_pages - 26)
-        for name, t in _decode_meta(lens, tables, page_size, bucket, width).items():
-            static[name].copy_(t)
-        x.copy_(_randn(bucket, hidden, device="cuda", dtype=dtype, seed=7))
-        for ours, original in zip(replayed, caches):
-            for a, b in zip(ours, original):
-                a.copy_(b)
-        eager = copies()
-        graph.replay()
-        wants = step(eager)
-    torch.cuda.synchronize()
-    # the same kernels on the same inputs; the projections' cuBLAS may pick another algorithm under capture
-    tol = F32_DEVICE if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    for out, want in zip(outs, wants):
-        torch.testing.assert_close(out, want, **tol)
-        assert torch.count_nonzero(out[3]) == 0  # the padded row
-    for ours, theirs in zip(replayed, eager):
-        for a, b in zip(ours, theirs):
-            torch.testing.assert_close(a, b, **tol)
+    check_step_replay(forward, tuple(t for pair in caches for t in pair), dtype, hidden, page_size, bucket, width)
