@@ -47,6 +47,18 @@ def cuda_engine(core, max_concurrency: int = 16, budget: int = 256, chunk: int =
     return window_engine(core, max_concurrency, NUM_PAGES, chunk, budget, device="cuda", **options)
 
 
+def check_graphed_equals_eager(engine, prompt_step: int = 37) -> None:
+    """Four requests' 24 greedy tokens (prompts of 40, 40 + prompt_step, ... tokens) through `engine(True)`, decode
+    steps replayed as graphs (asserted: graphs built and launched) = through `engine(False)`, the same engine with
+    graphs off (the same kernels eagerly)."""
+    reqs = [greedy_request(f"r{i}", prompt(40 + prompt_step * i, seed=20 + i), 24) for i in range(4)]
+    graphed = engine(True)
+    assert graphed.runner.graphs is not None, graphed.runner.startup.graphs
+    got = generate(graphed, reqs)
+    assert graphed.runner.launches["graph"] > 0, graphed.runner.launches
+    assert got == generate(engine(False), reqs)
+
+
 def check_greedy_on_cuda(hf_class, src: Path, core, engine=None, **options) -> EngineCore:
     """32 greedy tokens of a 150-token prompt through the engine `engine(core)` builds (default cuda_engine: a
     256-token budget, 128-token chunks; options: window_engine's) = generate of the HF model (hf_class from src, in

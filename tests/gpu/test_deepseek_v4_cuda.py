@@ -66,16 +66,10 @@ def test_layer_decode_on_the_triton_backend_equals_the_torch_path():
 def test_graphed_decode_equals_eager(exported):
     """Four requests' 24 greedy tokens (prompts of 40 to 151 tokens: many CSA entries dropped, windows completing on
     decode steps), decode steps replayed as graphs = the same engine with graphs off (the same kernels eagerly)."""
-    from tests.gpu.family_cuda import cuda_engine
-    from tests.models.hybrid_harness import generate, greedy_request, prompt
+    from tests.gpu.family_cuda import check_graphed_equals_eager, cuda_engine
 
     core = exported[1]["float32"]
-    reqs = [greedy_request(f"r{i}", prompt(40 + 37 * i, seed=20 + i), 24) for i in range(4)]
-    graphed = cuda_engine(core, prefix_caching=False, cuda_graphs=True)
-    assert graphed.runner.graphs is not None, graphed.runner.startup.graphs
-    got = generate(graphed, reqs)
-    assert graphed.runner.launches["graph"] > 0, graphed.runner.launches
-    assert got == generate(cuda_engine(core, prefix_caching=False, cuda_graphs=False), reqs)
+    check_graphed_equals_eager(lambda graphs: cuda_engine(core, prefix_caching=False, cuda_graphs=graphs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.family_cuda import CUDA_MARKS, export_dtypes
-from tests.models.hybrid_harness import generate, greedy_request, prompt
+from tests.gpu.family_cuda import CUDA_MARKS, check_graphed_equals_eager, export_dtypes
 
 pytestmark = CUDA_MARKS
 
@@ -54,12 +53,7 @@ def test_graphed_decode_equals_eager(core):
     graphs = the same engine with graphs off (the same kernels eagerly)."""
     from tests.gpu.test_mla_decode_cuda import hybrid_engine
 
-    reqs = [greedy_request(f"r{i}", prompt(40 + 37 * i, seed=20 + i), 24) for i in range(4)]
-    graphed = hybrid_engine(core, cuda_graphs=True)
-    assert graphed.runner.graphs is not None, graphed.runner.startup.graphs
-    got = generate(graphed, reqs)
-    assert graphed.runner.launches["graph"] > 0, graphed.runner.launches
-    assert got == generate(hybrid_engine(core, cuda_graphs=False), reqs)
+    check_graphed_equals_eager(lambda graphs: hybrid_engine(core, cuda_graphs=graphs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

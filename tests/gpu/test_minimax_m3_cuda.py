@@ -12,9 +12,8 @@ import pytest
 
 import torch
 
-from tests.gpu.family_cuda import (CUDA_MARKS, DTYPES, check_batched_on_cuda, check_greedy_on_cuda,
-                                   check_layer_step_replay, cuda_engine, export_family)
-from tests.models.hybrid_harness import generate, greedy_request, prompt
+from tests.gpu.family_cuda import (CUDA_MARKS, DTYPES, check_batched_on_cuda, check_graphed_equals_eager,
+                                   check_greedy_on_cuda, check_layer_step_replay, cuda_engine, export_family)
 from tests.models.minimax_m3_tiny import build_minimax_m3
 
 pytestmark = CUDA_MARKS
@@ -44,12 +43,7 @@ def test_graphed_decode_equals_eager(exported):
     selection and attention in helios.kernels.sparse_decode, the MoE fused) = the same engine with graphs off (the
     same kernels eagerly); prompts of 40 to 151 tokens: 10 to 38 blocks of 4, 4 kept."""
     core = exported[1]["float32"]
-    reqs = [greedy_request(f"r{i}", prompt(40 + 37 * i, seed=20 + i), 24) for i in range(4)]
-    graphed = cuda_engine(core, max_concurrency=4, cuda_graphs=True)
-    assert graphed.runner.graphs is not None, graphed.runner.startup.graphs
-    got = generate(graphed, reqs)
-    assert graphed.runner.launches["graph"] > 0, graphed.runner.launches
-    assert got == generate(cuda_engine(core, max_concurrency=4, cuda_graphs=False), reqs)
+    check_graphed_equals_eager(lambda graphs: cuda_engine(core, max_concurrency=4, cuda_graphs=graphs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

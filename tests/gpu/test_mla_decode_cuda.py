@@ -137,15 +137,10 @@ def kimi_cores(tmp_path_factory):
 def test_kimi_linear_decode_graphs_equal_eager(kimi_cores):
     """Four requests' 24 greedy tokens through the CUDA engine, decode steps replayed as graphs (MLA through the
     kernel, splits fixed at capture) = the same engine with graphs off (the kernel eagerly, splits from the lengths)."""
-    from tests.models.hybrid_harness import generate, greedy_request, prompt
+    from tests.gpu.family_cuda import check_graphed_equals_eager
 
     core = kimi_cores["float32"]
-    reqs = [greedy_request(f"r{i}", prompt(40 + 61 * i, seed=20 + i), 24) for i in range(4)]
-    graphed = hybrid_engine(core, cuda_graphs=True)
-    assert graphed.runner.graphs is not None, graphed.runner.startup.graphs
-    got = generate(graphed, reqs)
-    assert graphed.runner.launches["graph"] > 0, graphed.runner.launches
-    assert got == generate(hybrid_engine(core, cuda_graphs=False), reqs)
+    check_graphed_equals_eager(lambda graphs: hybrid_engine(core, cuda_graphs=graphs), prompt_step=61)
 
 
 def hybrid_engine(core, cuda_graphs: bool, max_concurrency: int = 4):
