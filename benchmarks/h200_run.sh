@@ -23,10 +23,21 @@ export PYTHONUNBUFFERED=1 FLARE_RUN_CUDA_TESTS=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 PARTS=${PARTS:-tests,bench,serve}
-if [[ $PARTS == *tests* ]]; then
+if [[ ,$PARTS, == *,tests,* ]]; then
   timeout ${TESTS_S:-170} python3 -m pytest -q -rfE -p no:cacheprovider -o faulthandler_timeout=${TEST_HANG_S:-150} \
     ${TEST_ARGS:-} ${TEST_PATHS:-tests/gpu tests/runner/test_cuda_graphs.py tests/ignition/test_aot.py} > "$OUT/tests.log" 2>&1
   echo "== tests"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -${TESTS_TAIL:-15}
+fi
+if [[ $PARTS == *ptests* ]]; then  # correctness only: a pytest process per group, side by side on the one GPU
+  IFS=';' read -ra groups <<< "${PTEST_GROUPS:-tests/gpu}"
+  i=0
+  for g in "${groups[@]}"; do
+    i=$((i + 1))
+    timeout ${PTESTS_S:-400} python3 -m pytest -v --tb=short -rfE --durations=8 -p no:cacheprovider \
+      -o faulthandler_timeout=${TEST_HANG_S:-300} $g > "$OUT/ptests$i.log" 2>&1 &
+  done
+  wait
+  echo "== ptests"; grep -hE "^(FAILED|ERROR)|passed|failed|no tests ran" "$OUT"/ptests*.log
 fi
 if [[ $PARTS == *serve* ]]; then
   timeout ${SERVE_S:-230} python3 benchmarks/gpu_serve_start.py --work /tmp/serve --out "$OUT" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1
