@@ -410,8 +410,8 @@ def engine_variants(graphed, arch, prompt_len: int, limit: float, variants: dict
     return lines
 
 
-def profile_graph(graphed, ctx: int, env: dict[str, str], label: str, rows: int = 24) -> list[str]:
-    """Kernel time inside the b=1 decode graph captured under `env` (torch.profiler over 5 replays), summed per
+def profile_graph(graphed, ctx: int, env: dict[str, str], label: str, rows: int = 24, batch: int = 1) -> list[str]:
+    """Kernel time inside the b=`batch` decode graph captured under `env` (torch.profiler over 5 replays), summed per
     kernel name and grid (so each projection's GEMV is its own row). Run with HELIOS_PDL=0: under PDL a
     kernel's span starts at its early launch and includes the wait for the kernel before it."""
     import json
@@ -421,9 +421,9 @@ def profile_graph(graphed, ctx: int, env: dict[str, str], label: str, rows: int 
 
     from helios.runner.cuda_graphs import prepare_decode_inputs
 
-    gr = capture_under(graphed, [1], env)
-    gr.buffers.load(prepare_decode_inputs(decode_inputs(1, ctx, gr.page_size), gr.page_size, 1))
-    graph = gr.graph_for(1, ctx + 1)
+    gr = capture_under(graphed, [batch], env)
+    gr.buffers.load(prepare_decode_inputs(decode_inputs(batch, ctx, gr.page_size), gr.page_size, batch))
+    graph = gr.graph_for(batch, ctx + 1)
     graph.replay()
     torch.cuda.synchronize()
     reps = 5
@@ -446,7 +446,7 @@ def profile_graph(graphed, ctx: int, env: dict[str, str], label: str, rows: int 
     total = sum(s[0] for s in stats)
     spans.sort()
     wall = (spans[-1][1] - spans[0][0]) / reps if spans else 0.0
-    lines = [f"profile b=1 graph, {label}: {sum(s[1] for s in stats)} kernels/step, {total / 1e3:.3f} ms of kernel "
+    lines = [f"profile b={batch} graph, {label}: {sum(s[1] for s in stats)} kernels/step, {total / 1e3:.3f} ms of kernel "
              f"time/step, first start to last end {wall / 1e3:.3f} ms/step (gaps {(wall - total) / 1e3:.3f} ms)"]
     for us, count, (name, grid) in stats[:rows]:
         lines.append(f"  {us:8.1f} us  x{count:4}  {us / max(count, 1):6.1f} us each  grid {grid:14} {name}")
@@ -663,6 +663,8 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
             "narrow_pdl": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "narrow", "HELIOS_PDL": "0"},
                                                   "GEMV for o/down only, PDL off"),
             "profile": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
+            "profile256": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0"}, "PDL off", rows=30, batch=256),
+            "profile64": lambda: profile_graph(graphed, ctx, {"HELIOS_PDL": "0"}, "PDL off", rows=20, batch=64),
             "profile_norm4": lambda: profile_graph(graphed, ctx, {"kernels.rmsnorm.WIDE_ROW_WARPS": "4"},
                                                    "4096-wide norm on 4 warps"),
             "profile_splits": lambda: profile_graph(graphed, ctx, {"graphs.short_seq_len": "0"},
