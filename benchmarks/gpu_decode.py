@@ -455,7 +455,7 @@ def profile_graph(graphed, ctx: int, env: dict[str, str], label: str, rows: int 
     return lines
 
 
-def engine_timeline(runner, arch, prompt_len: int, steps: int = 16) -> list[str]:
+def engine_timeline(runner, arch, prompt_len: int, steps: int = 16, batch: int = 1) -> list[str]:
     """Where a batch-1 engine step's time goes (graphs and the speculative next step on): the host's waits in
     CUDA event syncs per step, then torch.profiler over `steps` engine steps: the GPU ops outside the decode
     graph (those seen about once a step), the idle gaps between GPU ops, and the CUDA runtime calls' host time."""
@@ -476,25 +476,26 @@ def engine_timeline(runner, arch, prompt_len: int, steps: int = 16) -> list[str]
     torch.cuda.Event.synchronize = timed_sync
     try:
         t0 = time.perf_counter()
-        tps = timed_decode(runner, arch, 1, prompt_len, 64)
+        tps = timed_decode(runner, arch, batch, prompt_len, 64) / batch
         wall = time.perf_counter() - t0
     finally:
         torch.cuda.Event.synchronize = original
-    lines = [f"timeline b=1: engine {tps:.1f} tok/s = {1e3 / tps:.3f} ms/step; event syncs {len(waits)} waiting "
+    lines = [f"timeline b={batch}: engine {tps * batch:.1f} tok/s = {1e3 / tps:.3f} ms/step; event syncs {len(waits)} waiting "
              f"{sum(waits) * 1e3:.1f} ms of {wall * 1e3:.0f} ms (mean {sum(waits) / max(len(waits), 1) * 1e3:.3f} ms, "
              f"min {min(waits, default=0) * 1e3:.3f})"]
     from helios.engine.config import SchedulerConfig
     from helios.engine.engine_core import EngineCore
 
     page = runner.page_size
-    config = SchedulerConfig(max_concurrency=1, max_num_batched_tokens=2048, prefill_chunk_size=2048,
+    config = SchedulerConfig(max_concurrency=batch, max_num_batched_tokens=max(2048, batch), prefill_chunk_size=2048,
                              page_size=page, num_pages=runner.num_pages, max_model_len=4096)
     runner.requests.clear()
     engine = EngineCore(config, runner)
-    ids = [(31 + j) % 30000 + 10 for j in range(prompt_len)]
-    engine.add_request(EngineRequest(req_id="timeline", prompt_token_ids=ids,
-                                     sampling=SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)))
-    for _ in range(4):  # prefill and the first decode steps
+    for r in range(batch):
+        ids = [(31 * (r + 1) + j) % 30000 + 10 for j in range(prompt_len)]
+        engine.add_request(EngineRequest(req_id=f"timeline{r}", prompt_token_ids=ids, sampling=SamplingParams(
+            temperature=0.0, max_tokens=steps + 8 + batch // 16, ignore_eos=True)))
+    for _ in range(4 + batch // 16):  # prefill and the first decode steps
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -534,7 +535,7 @@ def engine_timeline(runner, arch, prompt_len: int, steps: int = 16) -> list[str]
     counts: dict[str, list[float]] = {}
     for s0, e0, name in gpu:
         counts.setdefault(name, []).append(e0 - s0)
-    lines.append(f"timeline b=1 under the profiler: {steps} steps, GPU span {span / 1e3:.3f} ms = "
+    lines.append(f"timeline b={batch} under the profiler: {steps} steps, GPU span {span / 1e3:.3f} ms = "
                  f"{span / steps / 1e3:.3f} ms/step, busy {busy / steps / 1e3:.3f} ms/step, idle "
                  f"{(span - busy) / steps / 1e3:.3f} ms/step, {len(gpu) / steps:.0f} GPU ops/step")
     lines.append("  GPU ops seen <= 3 times a step (outside the graph's per-layer kernels):")
@@ -654,6 +655,7 @@ def decode_8b(bandwidth: float, matmul: float, hf_compile: bool, eager: bool = T
         one = {1: limits[1]}
         parts = {
             "timeline": lambda: engine_timeline(graphed, arch, prompt_len),
+            "timeline256": lambda: engine_timeline(graphed, arch, prompt_len, batch=256),
             "graphs": lambda: long_replay() + graph_replays(graphed, limits, ctx),
             "pdl": lambda: variant_replays(graphed, limits, ctx, {"HELIOS_PDL": "0"}, "PDL off"),
             "gemv": lambda: variant_replays(graphed, one, ctx, {"HELIOS_GEMV": "all"}, "GEMV for all"),
