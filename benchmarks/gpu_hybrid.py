@@ -17,7 +17,7 @@ the step's tokens route to: the active experts of one token at b=1, all of them 
 each request's recurrent state read and written (float32). Prefill: 2 x active params x tokens + attention FLOPs
 (causal: n^2 x heads x (qk + v dims); sliding: 2 n W heads (qk + v)) over the measured bf16 matmul rate.
 Usage: python benchmarks/gpu_hybrid.py [--families qwen3_5,qwen3_5_moe,mimo_v2_flash,kimi_linear] [--batches 1,64]
-       [--skip-hf] [--tiny --device cpu]
+       [--skip-hf] [--profile 1,64] [--tiny --device cpu]
 """
 
 from __future__ import annotations
@@ -166,6 +166,56 @@ def timed_decode(runner, arch, batch: int, device: str = "cuda") -> float:
     return batch * steps / (time.perf_counter() - t0)
 
 
+def profile_decode(runner, arch, batch: int, steps: int = 8, rows: int = 25) -> list[str]:
+    """Kernels of `steps` engine decode steps at `batch` under torch.profiler: per step, GPU span and busy time,
+    then the kernels by total time (count per step, mean duration). Graph replays show their kernels one by one."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = engine(runner, arch, batch)
+    vocab = min(30000, arch.vocab_size - 10)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
+    for r in range(batch):
+        eng.add_request(EngineRequest(req_id=f"p{batch}-{r}", prompt_token_ids=[(r * 37 + j) % vocab + 10
+                                                                                for j in range(PROMPT)],
+                                      sampling=params))
+    for _ in range(8):
+        eng.step()
+    sync("cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            eng.step()
+        sync("cuda")
+    while eng.has_unfinished_requests():
+        eng.step()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    kernels = sorted((float(e["ts"]), float(e.get("dur", 0)), e["name"]) for e in trace.get("traceEvents", [])
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not kernels:
+        return ["profile: no GPU events traced"]
+    span = kernels[-1][0] + kernels[-1][1] - kernels[0][0]
+    busy, cur_s, cur_e = 0.0, kernels[0][0], kernels[0][0] + kernels[0][1]
+    for ts, dur, _ in kernels[1:]:
+        if ts > cur_e:
+            busy, cur_s, cur_e = busy + cur_e - cur_s, ts, ts + dur
+        else:
+            cur_e = max(cur_e, ts + dur)
+    busy += cur_e - cur_s
+    groups: dict[str, list[float]] = {}
+    for _, dur, name in kernels:
+        groups.setdefault(name[:90], []).append(dur)
+    lines = [f"profile b={batch}: {len(kernels) / steps:.0f} GPU ops/step, span {span / steps:.1f} us/step, busy "
+             f"{busy / steps:.1f} us/step"]
+    for name, durs in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        lines.append(f"  {sum(durs) / steps:8.1f} us/step  x{len(durs) / steps:5.1f}  {sum(durs) / len(durs):6.1f} us  "
+                     f"{name}")
+    return lines
+
+
 def timed_prefill(runner, arch, n: int = 4096, device: str = "cuda") -> float:
     best = 0.0
     vocab = min(30000, arch.vocab_size - 10)
@@ -240,7 +290,7 @@ def build_runner(arch, t: dict, batches: list[int], device: str):
 
 
 def run_family(family: str, batches: list[int], bandwidth: float, matmul: float, hf: bool, device: str = "cuda",
-               tiny: bool = False) -> None:
+               tiny: bool = False, profile_batches: tuple[int, ...] = ()) -> None:
     t0 = time.perf_counter()
     model, cfg = hf_model(family, device, tiny)
     arch, t = helios_tensors(model, cfg, device)
@@ -258,6 +308,8 @@ def run_family(family: str, batches: list[int], bandwidth: float, matmul: float,
         limit = bandwidth / decode_bytes(arch, t, batch, PROMPT + NEW // 2) * batch
         print(f"helios {family} decode b={batch:3}: {tps:8.1f} tok/s  limit {limit:8.1f}  ({tps / limit:.1%})  "
               f"launches {dict(runner.launches)}", flush=True)
+        if batch in profile_batches and device == "cuda":
+            print("\n".join(profile_decode(runner, arch, batch)), flush=True)
     n = 256 if tiny else 4096
     tps = timed_prefill(runner, arch, n, device)
     achieved = prefill_flops(arch, t, n) * tps / n
@@ -281,6 +333,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs of the same families (a plumbing check)")
+    parser.add_argument("--profile", default="", help="batches whose decode steps get a kernel profile (comma list)")
     args = parser.parse_args()
     if args.device == "cuda":
         bandwidth, matmul = copy_bandwidth(), matmul_rate()
@@ -290,7 +343,7 @@ def main() -> None:
         bandwidth, matmul = 1e9, 1e12
     for family in args.families.split(","):
         run_family(family, [int(b) for b in args.batches.split(",")], bandwidth, matmul, not args.skip_hf,
-                   args.device, args.tiny)
+                   args.device, args.tiny, tuple(int(b) for b in args.profile.split(",") if b))
 
 
 if __name__ == "__main__":
