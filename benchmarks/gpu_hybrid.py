@@ -166,12 +166,40 @@ def timed_decode(runner, arch, batch: int, device: str = "cuda") -> float:
     return batch * steps / (time.perf_counter() - t0)
 
 
-def profile_decode(runner, arch, batch: int, steps: int = 8, rows: int = 25) -> list[str]:
-    """Kernels of `steps` engine decode steps at `batch` under torch.profiler: per step, GPU span and busy time,
-    then the kernels by total time (count per step, mean duration). Graph replays show their kernels one by one."""
+def kernel_table(prof, steps: int, label: str, rows: int = 25) -> list[str]:
+    """A torch.profiler run's GPU ops per step: span and busy time, then the kernels by total time (count per step,
+    mean duration). Graph replays show their kernels one by one."""
     import json
     import tempfile
 
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    kernels = sorted((float(e["ts"]), float(e.get("dur", 0)), e["name"]) for e in trace.get("traceEvents", [])
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not kernels:
+        return [f"profile {label}: no GPU events traced"]
+    span = kernels[-1][0] + kernels[-1][1] - kernels[0][0]
+    busy, cur_s, cur_e = 0.0, kernels[0][0], kernels[0][0] + kernels[0][1]
+    for ts, dur, _ in kernels[1:]:
+        if ts > cur_e:
+            busy, cur_s, cur_e = busy + cur_e - cur_s, ts, ts + dur
+        else:
+            cur_e = max(cur_e, ts + dur)
+    busy += cur_e - cur_s
+    groups: dict[str, list[float]] = {}
+    for _, dur, name in kernels:
+        groups.setdefault(name[:90], []).append(dur)
+    lines = [f"profile {label}: {len(kernels) / steps:.0f} GPU ops/step, span {span / steps:.1f} us/step, busy "
+             f"{busy / steps:.1f} us/step"]
+    for name, durs in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:rows]:
+        lines.append(f"  {sum(durs) / steps:9.1f} us/step  x{len(durs) / steps:5.1f}  {sum(durs) / len(durs):7.1f} us  "
+                     f"{name}")
+    return lines
+
+
+def profile_decode(runner, arch, batch: int, steps: int = 8) -> list[str]:
+    """Kernels of `steps` engine decode steps at `batch` under torch.profiler (kernel_table)."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = engine(runner, arch, batch)
@@ -190,30 +218,23 @@ def profile_decode(runner, arch, batch: int, steps: int = 8, rows: int = 25) -> 
         sync("cuda")
     while eng.has_unfinished_requests():
         eng.step()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.loads(Path(f.name).read_text())
-    kernels = sorted((float(e["ts"]), float(e.get("dur", 0)), e["name"]) for e in trace.get("traceEvents", [])
-                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
-    if not kernels:
-        return ["profile: no GPU events traced"]
-    span = kernels[-1][0] + kernels[-1][1] - kernels[0][0]
-    busy, cur_s, cur_e = 0.0, kernels[0][0], kernels[0][0] + kernels[0][1]
-    for ts, dur, _ in kernels[1:]:
-        if ts > cur_e:
-            busy, cur_s, cur_e = busy + cur_e - cur_s, ts, ts + dur
-        else:
-            cur_e = max(cur_e, ts + dur)
-    busy += cur_e - cur_s
-    groups: dict[str, list[float]] = {}
-    for _, dur, name in kernels:
-        groups.setdefault(name[:90], []).append(dur)
-    lines = [f"profile b={batch}: {len(kernels) / steps:.0f} GPU ops/step, span {span / steps:.1f} us/step, busy "
-             f"{busy / steps:.1f} us/step"]
-    for name, durs in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:rows]:
-        lines.append(f"  {sum(durs) / steps:8.1f} us/step  x{len(durs) / steps:5.1f}  {sum(durs) / len(durs):6.1f} us  "
-                     f"{name}")
-    return lines
+    return kernel_table(prof, steps, f"decode b={batch}")
+
+
+def profile_prefill(runner, arch, n: int = 4096) -> list[str]:
+    """Kernels of one n-token prefill (after timed_prefill's warm-up) under torch.profiler (kernel_table)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    vocab = min(30000, arch.vocab_size - 10)
+    eng = engine(runner, arch, 1)
+    eng.add_request(EngineRequest(req_id="prof", prompt_token_ids=[(11 * j + 5) % vocab + 10 for j in range(n)],
+                                  sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)))
+    sync("cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while eng.has_unfinished_requests():
+            eng.step()
+        sync("cuda")
+    return kernel_table(prof, 1, f"prefill {n}", rows=30)
 
 
 def timed_prefill(runner, arch, n: int = 4096, device: str = "cuda") -> float:
@@ -315,6 +336,8 @@ def run_family(family: str, batches: list[int], bandwidth: float, matmul: float,
     achieved = prefill_flops(arch, t, n) * tps / n
     print(f"helios {family} prefill {n}: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
           f"({achieved / matmul:.1%} of the matmul rate)", flush=True)
+    if profile_batches and device == "cuda":
+        print("\n".join(profile_prefill(runner, arch, n)), flush=True)
     hf_limit = bandwidth / decode_bytes(arch, t, 1, PROMPT + NEW // 2)
     del runner, t
     free(device)
