@@ -56,6 +56,12 @@ def partial_tail(buf: str, markers: tuple[str, ...]) -> int:
     return 0
 
 
+def hold_partial(buf: str, markers: tuple[str, ...]) -> tuple[str, str]:
+    """`buf` holding no whole marker -> (the text to pass on now, the tail held back: it may still become one)."""
+    cut = len(buf) - partial_tail(buf, markers)
+    return buf[:cut], buf[cut:]
+
+
 def arguments_from_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """Named argument values -> the arguments object; names must be nonempty and unique."""
     args: dict[str, Any] = {}
@@ -145,10 +151,9 @@ class BaseToolParser:
         buf = self._buf
         pos = earliest(buf, self.text_markers)
         if pos < 0:
-            hold = partial_tail(buf, self.text_markers)
-            if len(buf) > hold:
-                out.append(buf[: len(buf) - hold])
-            self._buf = buf[len(buf) - hold:]
+            ready, self._buf = hold_partial(buf, self.text_markers)
+            if ready:
+                out.append(ready)
             return False
         if pos:
             out.append(buf[:pos])
@@ -179,8 +184,7 @@ class BaseToolParser:
                 self._state = "text"  # NOTE: the whitespace before the text stays text
                 return True
             if pos < 0:  # discard text inside the block, keep what may begin a marker
-                hold = partial_tail(rest, self.block_markers)
-                self._buf = rest[len(rest) - hold:]
+                _, self._buf = hold_partial(rest, self.block_markers)
                 return False
             self._buf = rest[pos:]
             return True

@@ -36,7 +36,7 @@ from helios.core.kimi_encoding import (ARGUMENT_CLOSE, CALL_CLOSE, CALL_OPEN, CL
                                        RESPONSE_CLOSE, RESPONSE_OPEN, THINK_CLOSE, THINK_OPEN, TOOLS_CLOSE, TOOLS_OPEN,
                                        unescape_attr)
 from helios.core.manifest import ReasoningSyntax
-from helios.output.parsers.base import CallError, arguments_from_pairs, earliest, partial_tail
+from helios.output.parsers.base import CallError, arguments_from_pairs, earliest, hold_partial
 from helios.output.parsers.reasoning import DelimiterReasoningParser, Piece
 from helios.output.parsers.sections import SectionToolParser
 from helios.output.tool_schema import ToolSchemas
@@ -74,10 +74,9 @@ class XtmlReasoningParser(DelimiterReasoningParser):
             actions = _ACTIONS[self.region]
             i = earliest(buf, tuple(actions))
             if i < 0:
-                hold = partial_tail(buf, tuple(actions))
-                if len(buf) > hold:
-                    out.append((self.region, buf[: len(buf) - hold]))
-                self._held = buf[len(buf) - hold:]
+                ready, self._held = hold_partial(buf, tuple(actions))
+                if ready:
+                    out.append((self.region, ready))
                 return out
             if i:
                 out.append((self.region, buf[:i]))
