@@ -28,6 +28,9 @@ _FINISH_REASONS: dict[RequestStatus, FinishReason] = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+# NOTE: a tuple, not the dict: membership by identity skips Enum's Python-level __hash__ (is_finished runs for every
+# request of every step)
+_FINISHED = tuple(_FINISH_REASONS)
 
 
 class Request:
@@ -127,11 +130,11 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in _FINISH_REASONS
+        return self.status in _FINISHED
 
     @property
     def finish_reason(self) -> FinishReason | None:
-        return _FINISH_REASONS.get(self.status)
+        return _FINISH_REASONS[self.status] if self.status in _FINISHED else None
 
     @property
     def forced_token_id(self) -> int | None:
@@ -161,12 +164,13 @@ class Request:
         if (not sampling.ignore_eos and last in sampling.eos_token_ids) or last in sampling.stop_token_ids:
             self.finish(RequestStatus.FINISHED_STOPPED, stop_token=last)
             return True
+        outputs = self.output_token_ids
         for sequence in sampling.stop_token_sequences:
             n = len(sequence)
-            if 0 < n <= self.num_output_tokens and tuple(self.output_token_ids[-n:]) == tuple(sequence):
+            if 0 < n <= len(outputs) and tuple(outputs[-n:]) == tuple(sequence):
                 self.finish(RequestStatus.FINISHED_STOPPED, stop_token=list(sequence))
                 return True
-        if self.num_output_tokens >= sampling.max_tokens or self.num_tokens >= max_model_len:
+        if len(outputs) >= sampling.max_tokens or len(self.all_token_ids) >= max_model_len:
             self.finish(RequestStatus.FINISHED_LENGTH)
             return True
         return False

@@ -172,14 +172,27 @@ class Scheduler:
         # Running requests first, in admission order. NOTE: each keeps one token of budget for every
         # running request after it (max_num_batched_tokens >= max_concurrency), so a long prefill never
         # stalls the decodes admitted after it.
+        running = self.running
+        page_size = pool.block_size
         i = 0
-        while i < len(self.running):
-            req = self.running[i]
+        while i < len(running):
+            req = running[i]
+            reserve = len(running) - i - 1
+            # NOTE: the fast path of a request in pure decode (one token left to feed) whose position lies in the
+            # pages it holds (usually taken by the look-ahead): exactly what the general path below decides for it
+            # (it fits the pool, _chunk_size keeps its one token, it needs no page and preempts nothing), minus
+            # the calls that find so; at batch 256 this loop is most of schedule()'s host time
+            n = req.num_computed_tokens
+            is_decode = len(req.all_token_ids) == n + 1
+            if is_decode and budget > reserve and (n + page_size) // page_size == len(req.block_ids):
+                scheduled.append(self._schedule_chunk(req, 1))
+                budget -= 1
+                i += 1
+                continue
             if self._exceeds_page_capacity(req):
                 self.running.pop(i)
                 self._finish_now(req, RequestStatus.FINISHED_LENGTH)
                 continue
-            reserve = len(self.running) - i - 1
             num_left = req.num_tokens - req.num_computed_tokens
             num_new = self._chunk_size(req, min(num_left, config.prefill_chunk_size, budget - reserve,
                                                 max(prompt_budget, 0) if num_left > 1 else 1))
@@ -308,23 +321,29 @@ class Scheduler:
         """
         outputs = self.take_pending_outputs()
         results = {result.req_id: result for result in runner_output.results}
+        requests, prefix_cache, groups = self._scheduled, self.prefix_cache, self.window_groups
+        page_size = self.block_pool.block_size
         num_rounds = 0
         for chunk in plan.scheduled:
-            req = self._scheduled.get(chunk.req_id)
+            req = requests.get(chunk.req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted (or reset) while the step ran
             result = results.get(chunk.req_id)
             req.num_computed_tokens += len(chunk.token_ids)
-            if self.prefix_cache is not None and result is not None:  # only KV the runner reported computing
-                self.prefix_cache.publish(req)
+            num_computed = req.num_computed_tokens
+            if prefix_cache is not None and result is not None:  # only KV the runner reported computing
+                if num_computed // page_size > req.num_published_pages:  # a page filled (else publish is a no-op)
+                    prefix_cache.publish(req)
                 if self.checkpoints is not None:
                     self._capture(req)
-            for group, table in zip(self.window_groups, req.group_block_ids):
-                group.release_before_window(table, req.num_computed_tokens)
+            if groups:
+                for group, table in zip(groups, req.group_block_ids):
+                    group.release_before_window(table, num_computed)
             if chunk.want_prompt_logprobs and result is not None and result.prompt_logprobs:
                 req.prompt_logprobs.extend(result.prompt_logprobs)
             prompt_logprobs = None
-            if req.is_prefill_done:
+            is_prefill_done = num_computed >= len(req.prompt_token_ids)
+            if is_prefill_done:
                 if not req.is_prefill_counted:
                     req.is_prefill_counted = True
                     # reuse < prompt here: nothing is generated before the prefill completes
@@ -346,23 +365,24 @@ class Scheduler:
                     # request's first sample)
                     num_rounds += req.is_decoding
                     req.is_decoding = True
-                    new_token_ids = [result.sampled_token_id]
+                    token_id = result.sampled_token_id
+                    new_token_ids = [token_id]
                     logprobs = [result.logprobs] if result.logprobs is not None and not is_forced else None
-                    req.append_output_token(result.sampled_token_id)
+                    req.append_output_token(token_id)
                     if is_forced:
                         self.num_reasoning_budget_cuts += 1
-                    constraint_error = (self.constraints.observe(req.req_id, result.sampled_token_id)
-                                        if req.has_constraint else None)
+                    constraint_error = self.constraints.observe(req.req_id, token_id) if req.has_constraint else None
                     if constraint_error is not None:
                         req.finish(RequestStatus.FINISHED_ERROR, error=constraint_error)
                     else:
                         req.check_stop(self.config.max_model_len)
-            elif req.sampling.max_tokens == 0 and req.is_prefill_done:
+            elif req.sampling.max_tokens == 0 and is_prefill_done:
                 req.finish(RequestStatus.FINISHED_LENGTH)  # prompt scoring: zero generated tokens
-            if new_token_ids or prompt_logprobs is not None or req.is_finished:
+            is_finished = req.is_finished
+            if new_token_ids or prompt_logprobs is not None or is_finished:
                 outputs.append(self._output(req, new_token_ids, logprobs, prompt_logprobs,
                                             is_forced and bool(new_token_ids)))
-            if req.is_finished:
+            if is_finished:
                 self.running.remove(req)
                 self._release(req)
         self._scheduled = {}
@@ -607,13 +627,14 @@ class Scheduler:
         the next decode step before this one's ids are read (helios/runner/decode_overlap.py needs that page in
         hand). The request would take it at its next step anyway; without it, at a high concurrency some
         request of nearly every step sits at a page boundary and no step is ever speculated."""
-        pool = self.block_pool
+        page_size = self.block_pool.block_size
+        requests = self._scheduled
         for j, s in enumerate(scheduled):
-            req = self._scheduled[s.req_id]
+            if len(s.token_ids) != 1 or not s.sample:
+                continue
+            req = requests[s.req_id]
             if (
-                len(s.token_ids) == 1
-                and s.sample
-                and pool.num_blocks_for(s.num_computed_tokens + 2) > len(req.block_ids)
+                (s.num_computed_tokens + 1 + page_size) // page_size > len(req.block_ids)  # pages for position + 2
                 and all(p.num_free_blocks > len(self.running) for p in self.pools)
             ):
                 self._allocate(req, 1)
@@ -623,17 +644,19 @@ class Scheduler:
     def _schedule_chunk(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         end = start + num_new
-        self._scheduled[req.req_id] = req
-        sample = end == req.num_tokens and req.sampling.max_tokens > 0
-        forced_token_id = req.forced_token_id if sample else None
+        req_id = req.req_id
+        self._scheduled[req_id] = req
+        token_ids = req.all_token_ids
+        sample = end == len(token_ids) and req.sampling.max_tokens > 0
+        forced_token_id = req.reasoning.forced_token_id() if sample and req.reasoning is not None else None
         return ScheduledRequest(
-            req_id=req.req_id,
-            token_ids=req.all_token_ids[start:end],
+            req_id=req_id,
+            token_ids=token_ids[start:end],
             num_computed_tokens=start,
             block_ids=list(req.block_ids),
-            group_block_ids=[list(t) for t in req.group_block_ids],
+            group_block_ids=[list(t) for t in req.group_block_ids] if req.group_block_ids else [],
             sample=sample,
-            want_prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens,
+            want_prompt_logprobs=start < len(req.prompt_token_ids) and req.wants_prompt_logprobs,
             state_slot=req.state_slot,
             # NOTE: a running request is never finished here, so the forced token fits the output limit
             forced_token_id=forced_token_id,
@@ -720,14 +743,15 @@ class Scheduler:
         prompt_logprobs: list[PositionLogprobs] | None = None,
         is_forced: bool = False,
     ) -> EngineOutput:
+        finish_reason = req.finish_reason
         return EngineOutput(
             req_id=req.req_id,
             new_token_ids=new_token_ids or [],
             logprobs=logprobs,
             is_forced=is_forced,
             prompt_logprobs=prompt_logprobs,
-            finished=req.is_finished,
-            finish_reason=req.finish_reason,
+            finished=finish_reason is not None,  # every finished status has a reason (request.py)
+            finish_reason=finish_reason,
             stop_token=req.stop_token,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
