@@ -17,7 +17,7 @@ the step's tokens route to: the active experts of one token at b=1, all of them 
 each request's recurrent state read and written (float32). Prefill: 2 x active params x tokens + attention FLOPs
 (causal: n^2 x heads x (qk + v dims); sliding: 2 n W heads (qk + v)) over the measured bf16 matmul rate.
 Usage: python benchmarks/gpu_hybrid.py [--families qwen3_5,qwen3_5_moe,mimo_v2_flash,kimi_linear] [--batches 1,64]
-       [--skip-hf] [--profile 1,64] [--tiny --device cpu]
+       [--skip-hf] [--profile 1,64] [--dump-fla OUT.json] [--tiny --device cpu]
 """
 
 from __future__ import annotations
@@ -356,6 +356,8 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny configs of the same families (a plumbing check)")
+    parser.add_argument("--dump-fla", type=Path, help="write fla's tuned choices here after the runs "
+                        "(helios.kernels.fla_tuning; the table to carry is helios/kernels/fla_<device>.json)")
     parser.add_argument("--profile", default="", help="batches whose decode steps get a kernel profile (comma list)")
     args = parser.parse_args()
     if args.device == "cuda":
@@ -367,6 +369,15 @@ def main() -> None:
     for family in args.families.split(","):
         run_family(family, [int(b) for b in args.batches.split(",")], bandwidth, matmul, not args.skip_hf,
                    args.device, args.tiny, tuple(int(b) for b in args.profile.split(",") if b))
+    if args.dump_fla and args.device == "cuda":
+        import fla
+        import triton
+
+        from helios.kernels import fla_tuning
+
+        n = fla_tuning.dump(args.dump_fla, torch.cuda.get_device_name(), {
+            "fla-core": fla.__version__, "triton": triton.__version__, "torch": torch.__version__.split("+")[0]})
+        print(f"fla choices written: {n} to {args.dump_fla}", flush=True)
 
 
 if __name__ == "__main__":

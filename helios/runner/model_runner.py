@@ -83,6 +83,7 @@ class StartupTimes:
     weights: str = "as bound"  # the load step's weight rewrite: "norms folded" (helios.runner.norm_folding)
     num_draft_tensors: int = 0  # the core's MTP draft modules' tensors (Architecture.mtp): mapped, not bound
     path: str = ""  # the forward path the model picked (helios.models.llama: eager, fused, norm_free)
+    fla_seeded: int = 0  # fla autotuner choices put back from this device's table (helios.kernels.fla_tuning)
 
     def summary(self) -> str:
         total = self.kernels_wait_s + self.load_s + self.kv_alloc_s + self.capture_s
@@ -99,6 +100,8 @@ class StartupTimes:
         ]
         if self.num_draft_tensors:
             parts.append(f"{self.num_draft_tensors} MTP draft tensors mapped, not bound")
+        if self.fla_seeded:
+            parts.append(f"{self.fla_seeded} fla kernel choices from this device's table")
         return ", ".join(parts)
 
 
@@ -321,6 +324,10 @@ class ModelRunner:
                                  replace=self.host_embeddings.modules() if self.host_embeddings else None)
         self.startup.path = getattr(self.model, "path", "")
         del tensors
+        if is_cuda and arch.recurrent is not None:  # fla's chunked prefill: its tuned choices, not a first-prompt tune
+            from helios.kernels.fla_tuning import seed_for_device
+
+            self.startup.fla_seeded = seed_for_device(torch.cuda.get_device_name(self.device))
         if is_cuda and switches.rope_table:
             # every position a step can address: the graphs' block tables hold max_blocks pages (the speculative
             # next step stays inside a request's pages)
