@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from helios.engine.messages import SamplingParams, ScheduledRequest
@@ -43,9 +44,10 @@ class RequestState:
         return [pad_id] * (count - len(window)) + window
 
 
-@dataclass(frozen=True)
-class RequestRows:
-    """Where one scheduled request's outputs live in the step's logits tensor."""
+class RequestRows(msgspec.Struct, frozen=True):
+    """Where one scheduled request's outputs live in the step's logits tensor.
+    NOTE: a Struct, not a frozen dataclass: one per request per step, and a frozen dataclass's __init__ costs
+    ~0.6 us (5 x object.__setattr__), a sixth of a b=256 layout."""
 
     req_id: str
     logits_start: int  # first logits row of this request
@@ -105,13 +107,14 @@ def layout_batch(
     seq_lens: list[int] = []
     logits_indices: list[int] = []
     rows: list[RequestRows] = []
+    first_row = 0  # query_start_loc[-1]
     for s in scheduled:
         num_tokens = len(s.token_ids)
         if num_tokens == 0:
             raise ValueError(f"request {s.req_id}: scheduled with no tokens")
-        first_row = query_start_loc[-1]
-        token_ids.extend(s.token_ids)
-        query_start_loc.append(first_row + num_tokens)
+        token_ids += s.token_ids
+        end_row = first_row + num_tokens
+        query_start_loc.append(end_row)
         seq_len = s.num_computed_tokens + num_tokens
         if (seq_len + page_size - 1) // page_size > len(s.block_ids):
             raise ValueError(f"request {s.req_id}: {seq_len} tokens do not fit in {len(s.block_ids)} blocks")
@@ -121,14 +124,15 @@ def layout_batch(
         if s.want_prompt_logprobs:
             prompt = requests[s.req_id].prompt_token_ids
             next_ids = prompt[s.num_computed_tokens + 1 : seq_len + 1]
-            logits_indices.extend(range(first_row, first_row + num_tokens))
-            sample_row = logits_start + num_tokens - 1 if s.sample else None
+            logits_indices.extend(range(first_row, end_row))
+            rows.append(RequestRows(s.req_id, logits_start, num_tokens,
+                                    logits_start + num_tokens - 1 if s.sample else None, next_ids))
         elif s.sample:
-            logits_indices.append(first_row + num_tokens - 1)
-            sample_row = logits_start
+            logits_indices.append(end_row - 1)
+            rows.append(RequestRows(s.req_id, logits_start, 1, logits_start, next_ids))
         else:
-            sample_row = None
-        rows.append(RequestRows(s.req_id, logits_start, len(logits_indices) - logits_start, sample_row, next_ids))
+            rows.append(RequestRows(s.req_id, logits_start, 0, None, next_ids))
+        first_row = end_row
     return BatchLayout(token_ids, query_start_loc, seq_lens, logits_indices, rows)
 
 

@@ -714,7 +714,8 @@ class ModelRunner:
         sampled: dict[str, int] = {}
         position_logprobs: dict[str, PositionLogprobs | None] = {}
         if sampling_rows:
-            states = [self.requests[r.req_id] for r in sampling_rows]
+            requests = self.requests
+            states = [requests[r.req_id] for r in sampling_rows]
             sample_rows = [r.sample_row for r in sampling_rows]
             # a view when every row samples: an index list would copy to the device and sync the stream
             sample_logits = logits if sample_rows == list(range(logits.shape[0])) else logits[sample_rows]  # [B, V]
@@ -723,7 +724,8 @@ class ModelRunner:
             forced_ids = [forced.get(r.req_id) for r in sampling_rows] if forced else None
             # logit_bias and structured output's masks, in a copy the draw alone reads
             masks = {s.req_id: s.token_mask for s in scheduled if s.token_mask is not None}
-            biased = draw_logits(sample_logits, [masks.get(r.req_id) for r in sampling_rows],
+            biased = draw_logits(sample_logits,
+                                 [masks.get(r.req_id) for r in sampling_rows] if masks else [None] * len(states),
                                  [st.sampling.logit_bias for st in states])
             # NOTE: sample() leaves its input untouched, so logprobs below read the raw distribution.
             sampler_states = [st.sampler_state for st in states]
@@ -731,9 +733,9 @@ class ModelRunner:
                 token_ids = speculate(sample_device(biased, sampler_states))
             else:
                 token_ids = sample(biased, sampler_states, forced_ids)
-            for row, state, token_id in zip(sampling_rows, states, token_ids):
-                sampled[row.req_id] = int(token_id)
-                state.sampler_state.append(int(token_id))
+            for row, state, token_id in zip(sampling_rows, sampler_states, token_ids):
+                sampled[row.req_id] = token_id = int(token_id)
+                state.append(token_id)
             want = [i for i, st in enumerate(states) if st.wants_logprobs and st.req_id not in forced]
             if want:
                 records = logprobs_for(
@@ -746,6 +748,7 @@ class ModelRunner:
                     position_logprobs[states[i].req_id] = record
 
         results = []
+        get_token, get_logprobs = sampled.get, position_logprobs.get
         for s, rows in zip(scheduled, batch_rows):
             prompt_records = None
             if s.want_prompt_logprobs:
@@ -760,8 +763,8 @@ class ModelRunner:
             results.append(
                 RequestResult(
                     req_id=s.req_id,
-                    sampled_token_id=sampled.get(s.req_id),
-                    logprobs=position_logprobs.get(s.req_id),
+                    sampled_token_id=get_token(s.req_id),
+                    logprobs=get_logprobs(s.req_id),
                     prompt_logprobs=prompt_records,
                 )
             )
