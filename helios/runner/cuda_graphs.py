@@ -28,7 +28,7 @@ from helios.engine.messages import ScheduledRequest
 from helios.kernels._triton import sm_count
 from helios.kernels.aot_shapes import SHORT_PROGRAMS, graph_decode_splits, short_decode_splits
 from helios.layers.attention import Attention, AttentionMetadata
-from helios.runner.input_batch import BatchLayout, max_table_blocks, round_up
+from helios.runner.input_batch import BatchLayout, max_table_blocks, padded_table, round_up
 
 # rows of the packed int64 input buffer (one host->device copy per step instead of four); a model with a window
 # page group has a fifth: the group's KV slots; a hybrid model's last row holds each sequence's state slot
@@ -152,19 +152,11 @@ def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, buc
         num_rows += 1
     packed = torch.frombuffer(array("q", packed), dtype=torch.int64).view(num_rows, bucket)
     width = max(needed)
-    block_tables = _padded_table([s.block_ids for s in scheduled], needed, width)
+    block_tables = padded_table([s.block_ids for s in scheduled], needed, width)
     window_tables = None
     if is_window:  # entries before the window (-1) become page 0: decode attention starts at the window
-        window_tables = _padded_table([s.group_block_ids[0] for s in scheduled], needed, width).clamp_(min=0)
+        window_tables = padded_table([s.group_block_ids[0] for s in scheduled], needed, width).clamp_(min=0)
     return DecodeInputs(bucket, num_seqs, packed, block_tables, max(positions) + 1, window_tables)
-
-
-def _padded_table(tables: list[list[int]], needed: list[int], width: int) -> torch.Tensor:  # [n, width] int32
-    """Row i: the first needed[i] entries of tables[i], zeros after (prepare_decode_inputs' block tables)."""
-    flat = array("i", bytes(4 * len(tables) * width))
-    for i, (table, n) in enumerate(zip(tables, needed)):
-        flat[i * width : i * width + n] = array("i", table if len(table) == n else table[:n])
-    return torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width)
 
 
 class StagingRing:
