@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from array import array
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +27,7 @@ from helios.engine.messages import ScheduledRequest
 from helios.kernels._triton import sm_count
 from helios.kernels.aot_shapes import SHORT_PROGRAMS, graph_decode_splits, short_decode_splits
 from helios.layers.attention import Attention, AttentionMetadata
-from helios.runner.input_batch import BatchLayout, max_table_blocks, padded_table, round_up
+from helios.runner.input_batch import BatchLayout, int_tensor, max_table_blocks, padded_table, round_up
 
 # rows of the packed int64 input buffer (one host->device copy per step instead of four); a model with a window
 # page group has a fifth: the group's KV slots; a hybrid model's last row holds each sequence's state slot
@@ -123,9 +122,9 @@ def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, buc
     in the static table are never read: decode attention stops at seq_len). state_scratch: a hybrid model's
     scratch state row (its sequences' state slots become the last row; padded rows and slotless ones get it).
 
-    NOTE: the tensors are built from array.array buffers (torch.frombuffer): torch.tensor of Python lists costs
-    ~50 ns an element, the array ~15, and at batch 256 the tables are 256 x (context / page size) elements (3.7 ms
-    a step at 2k-token contexts through torch.tensor). At batch 1 the host side of a step is on the critical path."""
+    NOTE: the tensors are built through input_batch.int_tensor (a seventh of torch.tensor's cost per element): at
+    batch 256 the tables are 256 x (context / page size) elements; at batch 1 the host side of a step is on the
+    critical path."""
     num_seqs = len(scheduled)
     assert 0 < num_seqs <= bucket, f"{num_seqs} sequences do not fit bucket {bucket}"
     pad = bucket - num_seqs
@@ -150,7 +149,7 @@ def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, buc
         packed += [s.state_slot if s.state_slot >= 0 else state_scratch for s in scheduled]
         packed += [state_scratch] * pad
         num_rows += 1
-    packed = torch.frombuffer(array("q", packed), dtype=torch.int64).view(num_rows, bucket)
+    packed = int_tensor(packed, torch.int64).view(num_rows, bucket)
     width = max(needed)
     block_tables = padded_table([s.block_ids for s in scheduled], needed, width)
     window_tables = None
