@@ -13,76 +13,24 @@ import pytest
 import torch
 
 from helios.core.load import load_core
-from helios.engine.config import SchedulerConfig
 from helios.layers.parallel import TensorGroup
-from helios.runner.model_runner import ModelRunner
 from helios.runner.parallel import shard_arch, shard_tensors
-from tests.models.hybrid_harness import generate, greedy_request, prompt
-from tests.runner.tp_harness import WORLD_SIZE, engine_tokens, float32_cores, single_and_ranked
+from tests.ignition.tiny_models import build_tiny
+from tests.models.hybrid_harness import generate, greedy_request
+from tests.runner.tp_harness import RANK1, WORLD_SIZE, TpCase, Workload, parity_tests, rank1_cut
 
-FAMILIES = ("llama", "qwen3_moe")
-PAGE_SIZE, NUM_PAGES = 4, 64
-RUNNER_KWARGS: dict = {}
-NUM_NEW = 12
-CHUNK = 5  # forward_logits' chunked prefill (pages of 4: chunks end mid-page)
-
-
-def prompts() -> list[list[int]]:
-    return [prompt(20, seed=1), prompt(7, seed=2), prompt(13, seed=3)]
-
-
-def logits_of(runner: ModelRunner) -> dict[str, torch.Tensor]:
-    """Every position's logits of the first prompt, whole and in chunks."""
-    ids = prompts()[0]
-    return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=CHUNK)}
-
-
-def greedy_tokens(runner, core=None) -> dict[str, list[int]]:
-    """Three greedy requests at once through an engine (chunked prefill beside decodes: mixed steps)."""
-    config = SchedulerConfig(max_concurrency=4, max_num_batched_tokens=16, prefill_chunk_size=8, page_size=PAGE_SIZE,
-                             num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE_SIZE)
-    return engine_tokens(config, runner, prompts(), NUM_NEW)
-
-
-@pytest.fixture(scope="module")
-def cores(tmp_path_factory):
-    from tests.ignition.tiny_models import build_tiny
-
-    return float32_cores(build_tiny, FAMILIES, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def results(cores, tmp_path_factory):
-    """(TP=1, per rank of TP=2) results per family (tests/runner/tp_harness)."""
-    return single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_logits_equal_single_rank(results, family):
-    single, ranked = results
-    for rank_result in ranked[family]:  # every rank gathers the whole vocabulary
-        for key in ("whole", "chunked"):
-            torch.testing.assert_close(rank_result["logits"][key], single[family]["logits"][key], atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_identical_and_workers_ran_every_plan(results, family):
-    single, ranked = results
-    driver, worker = ranked[family]
-    assert driver["tokens"] == single[family]["tokens"]
-    assert all(len(t) == NUM_NEW for t in driver["tokens"].values())
-    # one eager forward per engine step on every rank (forward_logits bypasses execute: not counted)
-    assert worker["plans"] == driver["plans"] == single[family]["plans"] > 0
+# three prompts, the first's forward_logits in 5-token chunks (pages of 4: chunks end mid-page); the engine's 8-token
+# prefill chunks beside decodes (mixed steps); one eager forward per engine step on every rank (forward_logits
+# bypasses execute: not counted)
+CASE = TpCase(labels=("llama", "qwen3_moe"), build=build_tiny,
+              workload=Workload(prompt_lens=(20, 7, 13), chunk=5, num_new=12), min_plans=1)
+cores, results, test_tp2_logits_and_greedy_equal_single_rank = parity_tests(CASE)
 
 
 def test_shards_are_views_where_contiguous_and_cut_right(cores):
     """Rank 1 of 2 without a group: vocabulary rows and whole experts are views of the mapped core; qkv takes its
     q, k and v heads; o and down their input columns; the shapes bind as the rank's architecture says."""
-    core = load_core(cores["qwen3_moe"])
-    arch, full = core.manifest.arch, core.tensors
-    tp = TensorGroup(rank=1, world_size=2)
-    shard = shard_tensors(arch, full, tp)
-    local = shard_arch(arch, tp)
+    arch, full, shard, local = rank1_cut(cores["qwen3_moe"])
     assert (local.num_heads, local.num_kv_heads) == (arch.num_heads // 2, arch.num_kv_heads // 2)
     v = arch.vocab_size // 2
     assert shard["embed.weight"].data_ptr() == full["embed.weight"][v:].data_ptr()
@@ -100,10 +48,10 @@ def test_shards_are_views_where_contiguous_and_cut_right(cores):
     # a whole model of rank 1's shapes binds them (bind_tensors is strict about shapes and names)
     from helios.models import build_model
 
-    build_model(local, shard, tp=tp)
+    build_model(local, shard, tp=RANK1)
     # a core's multi-token-prediction modules pass through whole: the runner keeps them mapped, never binds them
     draft = {"mtp.0.enorm.weight": torch.ones(arch.hidden_size)}
-    assert shard_tensors(arch, {**full, **draft}, tp)["mtp.0.enorm.weight"] is draft["mtp.0.enorm.weight"]
+    assert shard_tensors(arch, {**full, **draft}, RANK1)["mtp.0.enorm.weight"] is draft["mtp.0.enorm.weight"]
 
 
 def test_unsplittable_sizes_and_families_are_refused(cores):
@@ -133,7 +81,7 @@ def test_serve_path_starts_ranks_and_matches_single_rank(cores, results):
     config = ServerConfig(device="cpu", tensor_parallel=WORLD_SIZE, kv_cache_tokens=1024, prefix_caching=False)
     engine, runner = build_engine(core, config, resolve_serving(core.manifest, config), own_thread=False)
     try:
-        tokens = generate(engine.core, [greedy_request("r0", prompts()[0], NUM_NEW)])
+        tokens = generate(engine.core, [greedy_request("r0", CASE.workload.prompts()[0], CASE.workload.num_new)])
     finally:
         runner.close()
     assert tokens["r0"] == single["llama"]["tokens"]["r0"]

@@ -13,58 +13,21 @@ while rank 1 runs the worker loop: TP=1's tokens, every plan run on both (tests/
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from helios.core.load import load_core
-from helios.layers.parallel import TensorGroup
-from helios.runner.parallel import shard_arch, shard_tensors
-from tests.runner.tp_harness import (
-    WINDOW_NUM_PAGES,
-    WINDOW_PAGE_SIZE,
-    assert_ranks_match_single,
-    float32_cores,
-    single_and_ranked,
-    window_greedy,
-    window_logits,
-)
+from tests.models.gemma4_tiny import build_gemma4
+from tests.runner.tp_harness import TpCase, parity_tests, rank1_cut, window_workload
 
-FAMILIES = ("gemma4",)
-PAGE_SIZE, NUM_PAGES = WINDOW_PAGE_SIZE, WINDOW_NUM_PAGES  # the harness's runners: every page kept, no window group
-RUNNER_KWARGS: dict = {}
-NUM_NEW = 32
-
-
-def logits_of(runner) -> dict[str, torch.Tensor]:
-    return window_logits(runner)
-
-
-def greedy_tokens(runner, core) -> dict[str, list[int]]:
-    return window_greedy(runner, NUM_NEW)
-
-
-@pytest.fixture(scope="module")
-def cores(tmp_path_factory):
-    from tests.models.gemma4_tiny import build_gemma4
-
-    return float32_cores(lambda family, out_dir: build_gemma4(out_dir, "moe"), FAMILIES, tmp_path_factory)
-
-
-def test_tp2_logits_and_greedy_equal_single_rank(cores, tmp_path_factory):
-    """Every position within 1e-5 of TP=1's on both ranks, whole and chunked; 32 greedy tokens of each request
-    identical; the worker ran every plan (tests/runner/tp_harness)."""
-    single, ranked = single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
-    assert_ranks_match_single(single, ranked, "gemma4", NUM_NEW)
+CASE = TpCase(labels=("gemma4",), build=lambda label, out_dir: build_gemma4(out_dir, "moe"),
+              workload=window_workload())
+cores, results, test_tp2_logits_and_greedy_equal_single_rank = parity_tests(CASE)
 
 
 def test_per_layer_kv_shapes_cut_by_head(cores):
     """Rank 1 of 2 without a group: a full layer's qkv takes its 2 of the 4 q heads of 32 and its one (replicated) KV
     head's k rows (k = v: no v rows); a KV-shared layer's only its q rows; a double-wide MLP half its width; the PLE
     tables, the layer scalars and the router whole, the experts half."""
-    core = load_core(cores["gemma4"])
-    arch, full = core.manifest.arch, core.tensors
-    tp = TensorGroup(rank=1, world_size=2)
-    shard, local = shard_tensors(arch, full, tp), shard_arch(arch, tp)
+    arch, full, shard, local = rank1_cut(cores["gemma4"])
     assert (local.num_heads, local.num_kv_heads, local.full_num_kv_heads) == (2, 1, 1)
     i = arch.layer_types.index("full")
     nq, d = arch.num_heads, arch.full_head_dim

@@ -17,86 +17,29 @@ import pytest
 import torch
 
 from helios.core.load import load_core
-from helios.engine.config import SchedulerConfig
 from helios.layers.parallel import TensorGroup
-from helios.runner.model_runner import ModelRunner
 from helios.runner.parallel import shard_arch, shard_tensors
 from helios.runner.state_cache import StateCache
-from tests.models.hybrid_harness import prompt
-from tests.runner.tp_harness import engine_tokens, float32_cores, single_and_ranked
+from tests.models.hybrid_tiny import build_hybrid
+from tests.runner.tp_harness import RANK1, TpCase, Workload, parity_tests, rank1_cut
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # the dense model's attention has one KV head: each rank holds it (replicated), the MoE models' two split; qwen3_next
 # with a dense MLP in every other layer beside the experts
 CONFIGS = {"qwen3_5": {"num_key_value_heads": 1}, "qwen3_5_moe": {}, "qwen3_next": {"decoder_sparse_step": 2}}
-PAGE_SIZE, NUM_PAGES = 16, 32
-MAX_CONCURRENCY = 2
-RUNNER_KWARGS = {"num_state_slots": MAX_CONCURRENCY}
-NUM_NEW = 32
-CHUNK = 64  # the recurrent grid (RecurrentConfig.chunk_size): forward_logits' and the engine's prefill chunks
-
-
-def prompts() -> list[list[int]]:
-    return [prompt(150, seed=1), prompt(40, seed=2)]
-
-
-def logits_of(runner: ModelRunner) -> dict[str, torch.Tensor]:
-    """Every position's logits of the long prompt, whole and in chunks of the recurrent grid."""
-    ids = prompts()[0]
-    return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=CHUNK)}
-
-
-def greedy_tokens(runner, core) -> dict[str, list[int]]:
-    """Both prompts' greedy tokens through an engine with a state slot each (64-token prefill chunks beside the
-    other request's decodes: mixed steps)."""
-    arch = core.manifest.arch
-    config = SchedulerConfig(max_concurrency=MAX_CONCURRENCY, max_num_batched_tokens=2 * CHUNK,
-                             prefill_chunk_size=CHUNK, page_size=PAGE_SIZE, num_pages=NUM_PAGES,
-                             max_model_len=NUM_PAGES * PAGE_SIZE, num_state_slots=MAX_CONCURRENCY,
-                             state_chunk=arch.recurrent.chunk_size, enable_prefix_caching=False,
-                             state_slot_bytes=StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype))
-    return engine_tokens(config, runner, prompts(), NUM_NEW)
-
-
-@pytest.fixture(scope="module")
-def cores(tmp_path_factory):
-    from tests.models.hybrid_tiny import build_hybrid
-
-    return float32_cores(lambda family, out_dir: build_hybrid(family, out_dir, **CONFIGS[family]), FAMILIES,
-                         tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def results(cores, tmp_path_factory):
-    """(TP=1, per rank of TP=2) results per family (tests/runner/tp_harness)."""
-    return single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_logits_equal_single_rank(results, family):
-    """The last position within 1e-5 of TP=1, whole and chunked (the state carried across three chunks on each
-    rank); every position within 1e-4. NOTE: not every position within 1e-5: the row-parallel sums round the
-    two halves of o, out and down apart, and the recurrence amplifies those ulps (up to 3e-5 over the 150
-    positions here, logits of scale 4, the last 5e-6; a one-process TP=1 runner whose o, out and down add their
-    input halves' products apart differed from TP=1 by exactly as much)."""
-    single, ranked = results
-    want = single[family]["logits"]
-    for rank_result in ranked[family]:  # every rank gathers the whole vocabulary
-        got = rank_result["logits"]
-        for key in ("whole", "chunked"):
-            torch.testing.assert_close(got[key][-1], want[key][-1], atol=1e-5, rtol=0)
-            torch.testing.assert_close(got[key], want[key], atol=1e-4, rtol=0)
-        torch.testing.assert_close(got["chunked"], got["whole"], atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_identical_and_workers_ran_every_plan(results, family):
-    single, ranked = results
-    driver, worker = ranked[family]
-    assert driver["tokens"] == single[family]["tokens"]
-    assert all(len(t) == NUM_NEW for t in driver["tokens"].values())
-    # the long prompt took three prefill chunks; one eager forward per engine step on every rank
-    assert worker["plans"] == driver["plans"] == single[family]["plans"] >= NUM_NEW + 2
+# Two prompts with a state slot each: the long one in chunks of the recurrent grid (64, RecurrentConfig.chunk_size:
+# forward_logits' and the engine's prefill chunks) beside the other's decodes; it takes three prefill chunks, so the
+# engine runs at least 32 + 2 eager forwards. NOTE: the last position within 1e-5 of TP=1 and each rank's chunked
+# logits within 1e-5 of its whole ones, but not every position within 1e-5 (1e-4): the row-parallel sums round the
+# two halves of o, out and down apart, and the recurrence amplifies those ulps (up to 3e-5 over the 150 positions here,
+# logits of scale 4, the last 5e-6; a one-process TP=1 runner whose o, out and down add their input halves' products
+# apart differed from TP=1 by exactly as much).
+CASE = TpCase(labels=("qwen3_5", "qwen3_5_moe", "qwen3_next"),
+              build=lambda family, out_dir: build_hybrid(family, out_dir, **CONFIGS[family]),
+              workload=Workload(prompt_lens=(150, 40), chunk=64, num_new=32, prefill_chunk=64,
+                                max_num_batched_tokens=128, max_concurrency=2, page_size=16, num_pages=32,
+                                num_state_slots=2),
+              atol=1e-4, last_atol=1e-5, chunked_atol=1e-5, min_plans=32 + 2)
+cores, results, test_tp2_logits_and_greedy_equal_single_rank = parity_tests(CASE)
 
 
 def test_gated_delta_and_gated_attention_shards_are_cut_by_head(cores):
@@ -104,10 +47,7 @@ def test_gated_delta_and_gated_attention_shards_are_cut_by_head(cores):
     heads' v, z, b and a rows; conv its q, k and v channels; dt_bias / A_log its value heads; out its value heads'
     columns; gated attention's qkv its q, k, v and gate heads; the shared expert whole; the rank's architecture
     says so (and its state slots hold its heads)."""
-    core = load_core(cores["qwen3_5_moe"])
-    arch, full = core.manifest.arch, core.tensors
-    tp = TensorGroup(rank=1, world_size=2)
-    shard, local = shard_tensors(arch, full, tp), shard_arch(arch, tp)
+    arch, full, shard, local = rank1_cut(cores["qwen3_5_moe"])
     r = arch.recurrent
     assert (local.recurrent.num_key_heads, local.recurrent.num_heads) == (r.num_key_heads // 2, r.num_heads // 2)
     assert local.recurrent.conv_dim == r.conv_dim // 2 and local.intermediate_size == arch.intermediate_size
@@ -137,7 +77,7 @@ def test_gated_delta_and_gated_attention_shards_are_cut_by_head(cores):
     assert StateCache.bytes_per_slot(local, torch.float32) * 2 == StateCache.bytes_per_slot(arch, torch.float32)
     # qwen3_next's dense layers beside its experts: their MLP width splits (qwen3_5_moe's shared width stays whole)
     mixed = load_core(cores["qwen3_next"]).manifest.arch
-    assert mixed.moe.dense_layers and shard_arch(mixed, tp).intermediate_size == mixed.intermediate_size // 2
+    assert mixed.moe.dense_layers and shard_arch(mixed, RANK1).intermediate_size == mixed.intermediate_size // 2
 
 
 def test_one_kv_head_is_replicated_and_unsplittable_sizes_name_the_field(cores):
@@ -179,7 +119,7 @@ def test_serve_path_runs_a_hybrid_on_two_ranks_without_host_tiers(cores, results
     engine, runner = build_engine(core, config, resolve_serving(core.manifest, config), own_thread=False)
     try:
         assert runner.state_cache is not None and runner.state_host is None and runner.host_store is None
-        tokens = generate(engine.core, [greedy_request("r0", prompts()[0], NUM_NEW)])
+        tokens = generate(engine.core, [greedy_request("r0", CASE.workload.prompts()[0], CASE.workload.num_new)])
     finally:
         runner.close()
     assert tokens["r0"] == single["qwen3_5"]["tokens"]["r0"]

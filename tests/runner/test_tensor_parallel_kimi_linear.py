@@ -9,68 +9,24 @@ and the shared experts replicated.
 
 Both ranks run a 160-token prompt whole and in 64-token chunks of the recurrent grid (three chunks, the state carried
 across them on each rank): the last position's logits within 1e-5 of TP=1's in float32 (every position within 1e-4:
-see test_tp2_logits_and_greedy_equal_single_rank); rank 0 serves three greedy requests (32 tokens each, a state slot
-each) through an EngineCore over its TensorParallelRunner while rank 1 runs the worker loop: TP=1's tokens, every plan
-run on both (tests/runner/tp_harness).
+see CASE); rank 0 serves three greedy requests (32 tokens each, a state slot each) through an EngineCore over its
+TensorParallelRunner while rank 1 runs the worker loop: TP=1's tokens, every plan run on both (tests/runner/tp_harness).
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from helios.core.load import load_core
-from helios.layers.parallel import TensorGroup
-from helios.runner.parallel import shard_arch, shard_tensors
-from tests.runner.tp_harness import (
-    RECURRENT_NUM_PAGES,
-    RECURRENT_PAGE_SIZE,
-    RECURRENT_SLOTS,
-    float32_cores,
-    recurrent_greedy,
-    recurrent_logits,
-    single_and_ranked,
-)
+from tests.models.kimi_linear_tiny import build_kimi_linear
+from tests.runner.tp_harness import TpCase, parity_tests, rank1_cut, recurrent_workload
 
-FAMILIES = ("base", "grouped")  # the harness's labels: the tiny variants
-PAGE_SIZE, NUM_PAGES = RECURRENT_PAGE_SIZE, RECURRENT_NUM_PAGES
-RUNNER_KWARGS = {"num_state_slots": RECURRENT_SLOTS}
-NUM_NEW = 32
-CHUNK = 64  # KDA's recurrent grid (chunk_size)
-
-
-def logits_of(runner) -> dict[str, torch.Tensor]:
-    return recurrent_logits(runner, CHUNK)
-
-
-def greedy_tokens(runner, core) -> dict[str, list[int]]:
-    return recurrent_greedy(runner, core, NUM_NEW)
-
-
-@pytest.fixture(scope="module")
-def cores(tmp_path_factory):
-    from tests.models.kimi_linear_tiny import build_kimi_linear
-
-    return float32_cores(lambda variant, out_dir: build_kimi_linear(out_dir, variant), FAMILIES, tmp_path_factory)
-
-
-def test_tp2_logits_and_greedy_equal_single_rank(cores, tmp_path_factory):
-    """The last position within 1e-5 of TP=1's on both ranks, whole and in three chunks; 32 greedy tokens of each
-    request identical; the worker ran every plan. NOTE: every position only within 1e-4, as the gated delta rule's
-    (tests/runner/test_tensor_parallel_hybrid): the row-parallel sums round the two halves of out, o and down apart
-    in float32 and the recurrence carries those ulps along the prompt (1.5e-5 at a few middle positions here, logits
-    of scale ~0.1-1; the last within 1e-5)."""
-    single, ranked = single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
-    for variant in FAMILIES:
-        want = single[variant]["logits"]
-        for rank_result in ranked[variant]:
-            for key in ("whole", "chunked"):
-                torch.testing.assert_close(rank_result["logits"][key][-1], want[key][-1], atol=1e-5, rtol=0)
-                torch.testing.assert_close(rank_result["logits"][key], want[key], atol=1e-4, rtol=0)
-        driver, worker = ranked[variant]
-        assert driver["tokens"] == single[variant]["tokens"]
-        assert all(len(t) == NUM_NEW for t in driver["tokens"].values())
-        assert worker["plans"] == driver["plans"] == single[variant]["plans"] > NUM_NEW
+# NOTE: the last position within 1e-5, every position only within 1e-4, as the gated delta rule's
+# (tests/runner/test_tensor_parallel_hybrid): the row-parallel sums round the two halves of out, o and down apart in
+# float32 and the recurrence carries those ulps along the prompt (1.5e-5 at a few middle positions here, logits of
+# scale ~0.1-1; the last within 1e-5). KDA's recurrent grid (chunk_size) is 64 tokens.
+CASE = TpCase(labels=("base", "grouped"), build=lambda variant, out_dir: build_kimi_linear(out_dir, variant),
+              workload=recurrent_workload(64), atol=1e-4, last_atol=1e-5)
+cores, results, test_tp2_logits_and_greedy_equal_single_rank = parity_tests(CASE)
 
 
 def test_kda_and_mla_cut_by_head(cores):
@@ -78,10 +34,7 @@ def test_kda_and_mla_cut_by_head(cores):
     its q, k, v channels, f_b / dt_bias / A_log its heads; MLA's in_proj (no q latent) its heads' q rows and the kv
     latent and rope key whole, kv_b its heads' rows; with a q latent in_proj and its norm whole, q_b by head; the
     rank's recurrent config counts its heads."""
-    tp = TensorGroup(rank=1, world_size=2)
-    core = load_core(cores["base"])
-    arch, full = core.manifest.arch, core.tensors
-    shard, local = shard_tensors(arch, full, tp), shard_arch(arch, tp)
+    arch, full, shard, local = rank1_cut(cores["base"])
     r, m = arch.recurrent, arch.mla
     assert (local.num_heads, local.recurrent.num_heads) == (arch.num_heads // 2, r.num_heads // 2)
     d, inner, half = r.key_head_dim, r.num_heads * r.key_head_dim, r.num_heads * r.key_head_dim // 2
@@ -100,9 +53,7 @@ def test_kda_and_mla_cut_by_head(cores):
     assert torch.equal(shard[f"layers.{j}.mla.in_proj.weight"], torch.cat([w[q // 2 : q], w[q:]]))
     kv_b = full[f"layers.{j}.mla.kv_b.weight"]
     assert torch.equal(shard[f"layers.{j}.mla.kv_b.weight"], kv_b[kv_b.shape[0] // 2 :])
-    core = load_core(cores["grouped"])
-    arch, full = core.manifest.arch, core.tensors
-    shard = shard_tensors(arch, full, tp)
+    arch, full, shard, _ = rank1_cut(cores["grouped"])
     j = arch.layer_types.index("full")
     for name in ("in_proj.weight", "q_a_norm.weight", "kv_a_norm.weight"):
         assert shard[f"layers.{j}.mla.{name}"] is full[f"layers.{j}.mla.{name}"]

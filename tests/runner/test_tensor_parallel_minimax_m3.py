@@ -16,55 +16,21 @@ import msgspec
 import pytest
 import torch
 
-from helios.core.load import load_core
 from helios.layers.parallel import TensorGroup
 from helios.runner.parallel import shard_arch, shard_tensors
-from tests.runner.tp_harness import (
-    WINDOW_NUM_PAGES,
-    WINDOW_PAGE_SIZE,
-    assert_ranks_match_single,
-    float32_cores,
-    single_and_ranked,
-    window_greedy,
-    window_logits,
-)
+from tests.models.minimax_m3_tiny import build_minimax_m3
+from tests.runner.tp_harness import RANK1, TpCase, parity_tests, rank1_cut, window_workload
 
-FAMILIES = ("minimax_m3",)
-PAGE_SIZE, NUM_PAGES = WINDOW_PAGE_SIZE, WINDOW_NUM_PAGES
-RUNNER_KWARGS: dict = {}
-NUM_NEW = 32
-
-
-def logits_of(runner) -> dict[str, torch.Tensor]:
-    return window_logits(runner)
-
-
-def greedy_tokens(runner, core) -> dict[str, list[int]]:
-    return window_greedy(runner, NUM_NEW)
-
-
-@pytest.fixture(scope="module")
-def cores(tmp_path_factory):
-    from tests.models.minimax_m3_tiny import build_minimax_m3
-
-    return float32_cores(lambda family, out_dir: build_minimax_m3(out_dir, "wrapper"), FAMILIES, tmp_path_factory)
-
-
-def test_tp2_logits_and_greedy_equal_single_rank(cores, tmp_path_factory):
-    """Every position within 1e-5 of TP=1's on both ranks, whole and chunked; 32 greedy tokens of each request
-    identical; the worker ran every plan (tests/runner/tp_harness)."""
-    single, ranked = single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
-    assert_ranks_match_single(single, ranked, "minimax_m3", NUM_NEW)
+CASE = TpCase(labels=("minimax_m3",), build=lambda label, out_dir: build_minimax_m3(out_dir, "wrapper"),
+              workload=window_workload())
+cores, results, test_tp2_logits_and_greedy_equal_single_rank = parity_tests(CASE)
 
 
 def test_index_heads_split_with_their_query_heads(cores):
     """Rank 1 of 2 without a group: a sparse layer's indexer keeps its one of the 2 index query heads and the index
     key whole; with 1 index head (4 ranks over 2 index heads: each of ranks 2, 3 holds head 1, replicated) the heads
     its query heads read; the index norms whole."""
-    core = load_core(cores["minimax_m3"])
-    arch, full = core.manifest.arch, core.tensors
-    tp = TensorGroup(rank=1, world_size=2)
-    shard, local = shard_tensors(arch, full, tp), shard_arch(arch, tp)
+    arch, full, shard, local = rank1_cut(cores["minimax_m3"])
     assert (local.num_heads, local.num_kv_heads, local.msa.num_heads) == (2, 1, 1)
     di, i = arch.msa.head_dim, arch.msa.layers[0]
     qk = full[f"layers.{i}.attn.indexer.qk.weight"]
@@ -78,4 +44,4 @@ def test_index_heads_split_with_their_query_heads(cores):
                        torch.cat([qk[di : 2 * di], qk[2 * di :]]))
     three = msgspec.structs.replace(arch, msa=msgspec.structs.replace(arch.msa, num_heads=3))
     with pytest.raises(ValueError, match=r"msa\.num_heads \(index_n_heads\) = 3"):
-        shard_arch(three, tp)
+        shard_arch(three, RANK1)

@@ -12,58 +12,21 @@ while rank 1 runs the worker loop: TP=1's tokens, every plan run on both (tests/
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from helios.core.load import load_core
-from helios.layers.parallel import TensorGroup
-from helios.runner.parallel import shard_arch, shard_tensors
-from tests.runner.tp_harness import (
-    WINDOW_NUM_PAGES,
-    WINDOW_PAGE_SIZE,
-    assert_ranks_match_single,
-    float32_cores,
-    single_and_ranked,
-    window_greedy,
-    window_logits,
-)
+from tests.models.muse_spark_tiny import build_muse_spark
+from tests.runner.tp_harness import TpCase, parity_tests, rank1_cut, window_workload
 
-FAMILIES = ("muse_spark",)
-PAGE_SIZE, NUM_PAGES = WINDOW_PAGE_SIZE, WINDOW_NUM_PAGES  # the harness's runners: every page kept, no window group
-RUNNER_KWARGS: dict = {}
-NUM_NEW = 32
-
-
-def logits_of(runner) -> dict[str, torch.Tensor]:
-    return window_logits(runner)
-
-
-def greedy_tokens(runner, core) -> dict[str, list[int]]:
-    return window_greedy(runner, NUM_NEW)
-
-
-@pytest.fixture(scope="module")
-def cores(tmp_path_factory):
-    from tests.models.muse_spark_tiny import build_muse_spark
-
-    return float32_cores(lambda family, out_dir: build_muse_spark(out_dir), FAMILIES, tmp_path_factory)
-
-
-def test_tp2_logits_and_greedy_equal_single_rank(cores, tmp_path_factory):
-    """Every position within 1e-5 of TP=1's on both ranks, whole and chunked; 32 greedy tokens of each request
-    identical; the worker ran every plan (tests/runner/tp_harness)."""
-    single, ranked = single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
-    assert_ranks_match_single(single, ranked, "muse_spark", NUM_NEW)
+CASE = TpCase(labels=("muse_spark",), build=lambda label, out_dir: build_muse_spark(out_dir),
+              workload=window_workload())
+cores, results, test_tp2_logits_and_greedy_equal_single_rank = parity_tests(CASE)
 
 
 def test_gate_rows_split_with_their_heads(cores):
     """Rank 1 of 2 without a group: a layer's qkv takes its 2 of the 4 q heads, its one of the 2 KV heads' k and v
     rows and the elementwise gate rows of its q heads (after v); the residual gates, the latent projections and norms
     and the router's score bias whole, the experts half."""
-    core = load_core(cores["muse_spark"])
-    arch, full = core.manifest.arch, core.tensors
-    tp = TensorGroup(rank=1, world_size=2)
-    shard, local = shard_tensors(arch, full, tp), shard_arch(arch, tp)
+    arch, full, shard, local = rank1_cut(cores["muse_spark"])
     assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (2, 1, arch.intermediate_size // 2)
     d, nq, nkv = arch.head_dim, arch.num_heads, arch.num_kv_heads
     qkv = full["layers.1.attn.qkv.weight"]

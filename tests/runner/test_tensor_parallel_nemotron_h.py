@@ -17,57 +17,21 @@ import msgspec
 import pytest
 import torch
 
-from helios.core.load import load_core
-from helios.layers.parallel import TensorGroup
-from helios.runner.parallel import shard_arch, shard_tensors
-from tests.runner.tp_harness import (
-    RECURRENT_NUM_PAGES,
-    RECURRENT_PAGE_SIZE,
-    RECURRENT_SLOTS,
-    assert_ranks_match_single,
-    float32_cores,
-    recurrent_greedy,
-    recurrent_logits,
-    single_and_ranked,
-)
+from helios.runner.parallel import shard_arch
+from tests.models.nemotron_h_tiny import build_nemotron_h
+from tests.runner.tp_harness import RANK1, TpCase, parity_tests, rank1_cut, recurrent_workload
 
-FAMILIES = ("nemotron_h",)
-PAGE_SIZE, NUM_PAGES = RECURRENT_PAGE_SIZE, RECURRENT_NUM_PAGES
-RUNNER_KWARGS = {"num_state_slots": RECURRENT_SLOTS}
-NUM_NEW = 32
-CHUNK = 16  # the latent variant's recurrent grid (chunk_size)
-
-
-def logits_of(runner) -> dict[str, torch.Tensor]:
-    return recurrent_logits(runner, CHUNK)
-
-
-def greedy_tokens(runner, core) -> dict[str, list[int]]:
-    return recurrent_greedy(runner, core, NUM_NEW)
-
-
-@pytest.fixture(scope="module")
-def cores(tmp_path_factory):
-    from tests.models.nemotron_h_tiny import build_nemotron_h
-
-    return float32_cores(lambda family, out_dir: build_nemotron_h(out_dir, "latent"), FAMILIES, tmp_path_factory)
-
-
-def test_tp2_logits_and_greedy_equal_single_rank(cores, tmp_path_factory):
-    """Every position within 1e-5 of TP=1's on both ranks, whole and in three chunks; 32 greedy tokens of each
-    request identical; the worker ran every plan (tests/runner/tp_harness)."""
-    single, ranked = single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
-    assert_ranks_match_single(single, ranked, "nemotron_h", NUM_NEW)
+# the latent variant's recurrent grid (chunk_size) is 16 tokens
+CASE = TpCase(labels=("nemotron_h",), build=lambda label, out_dir: build_nemotron_h(out_dir, "latent"),
+              workload=recurrent_workload(16))
+cores, results, test_tp2_logits_and_greedy_equal_single_rank = parity_tests(CASE)
 
 
 def test_mamba_heads_split_with_their_groups(cores):
     """Rank 1 of 2 without a group: the mixer's in_proj takes its heads' z, x and dt rows and its groups' B and C
     rows, the conv its x, B and C channels, dt_bias / A_log / D / the gated norm its heads; the rank's recurrent
     config counts its heads and groups (its state slots hold them); the experts half, the latent projections whole."""
-    core = load_core(cores["nemotron_h"])
-    arch, full = core.manifest.arch, core.tensors
-    tp = TensorGroup(rank=1, world_size=2)
-    shard, local = shard_tensors(arch, full, tp), shard_arch(arch, tp)
+    arch, full, shard, local = rank1_cut(cores["nemotron_h"])
     r = arch.recurrent
     assert (local.recurrent.num_heads, local.recurrent.num_key_heads) == (r.num_heads // 2, r.num_key_heads // 2)
     assert local.recurrent.conv_dim == r.conv_dim // 2
@@ -91,4 +55,4 @@ def test_mamba_heads_split_with_their_groups(cores):
         assert shard[f"layers.{moe}.{name}"] is full[f"layers.{moe}.{name}"]
     one_group = msgspec.structs.replace(arch, recurrent=msgspec.structs.replace(r, num_key_heads=1))
     with pytest.raises(ValueError, match=r"recurrent\.num_key_heads \(n_groups\) = 1"):
-        shard_arch(one_group, tp)
+        shard_arch(one_group, RANK1)

@@ -16,53 +16,20 @@ import torch
 
 from helios.core.load import load_core
 from helios.layers.parallel import TensorGroup
-from helios.runner.parallel import shard_arch, shard_tensors
-from tests.runner.tp_harness import (
-    WINDOW_NUM_PAGES,
-    WINDOW_PAGE_SIZE,
-    assert_ranks_match_single,
-    float32_cores,
-    single_and_ranked,
-    window_greedy,
-    window_logits,
-)
+from helios.runner.parallel import shard_arch
+from tests.models.step3p7_tiny import build_step3p7
+from tests.runner.tp_harness import TpCase, parity_tests, rank1_cut, window_workload
 
-FAMILIES = ("step3p7",)
-PAGE_SIZE, NUM_PAGES = WINDOW_PAGE_SIZE, WINDOW_NUM_PAGES  # the harness's runners: every page kept, no window group
-RUNNER_KWARGS: dict = {}
-NUM_NEW = 32
-
-
-def logits_of(runner) -> dict[str, torch.Tensor]:
-    return window_logits(runner)
-
-
-def greedy_tokens(runner, core) -> dict[str, list[int]]:
-    return window_greedy(runner, NUM_NEW)
-
-
-@pytest.fixture(scope="module")
-def cores(tmp_path_factory):
-    from tests.models.step3p7_tiny import build_step3p7
-
-    return float32_cores(lambda family, out_dir: build_step3p7(out_dir), FAMILIES, tmp_path_factory)
-
-
-def test_tp2_logits_and_greedy_equal_single_rank(cores, tmp_path_factory):
-    """Every position within 1e-5 of TP=1's on both ranks, whole and chunked; 32 greedy tokens of each request
-    identical; the worker ran every plan (tests/runner/tp_harness)."""
-    single, ranked = single_and_ranked(__name__, cores, tmp_path_factory.mktemp("ranks"))
-    assert_ranks_match_single(single, ranked, "step3p7", NUM_NEW)
+CASE = TpCase(labels=("step3p7",), build=lambda label, out_dir: build_step3p7(out_dir),
+              workload=window_workload())
+cores, results, test_tp2_logits_and_greedy_equal_single_rank = parity_tests(CASE)
 
 
 def test_sliding_heads_and_their_gates_split_together(cores):
     """Rank 1 of 2 without a group: a sliding layer's qkv takes its 3 of the 6 sliding q heads, its one of the 2 KV
     heads' k and v rows and the gate rows of its q heads (one per head, last); the shared expert and the router's
     score bias whole, the experts half; the MTP layer's tensors whole."""
-    core = load_core(cores["step3p7"])
-    arch, full = core.manifest.arch, core.tensors
-    tp = TensorGroup(rank=1, world_size=2)
-    shard, local = shard_tensors(arch, full, tp), shard_arch(arch, tp)
+    arch, full, shard, local = rank1_cut(cores["step3p7"])
     assert (local.num_heads, local.sliding_num_heads, local.num_kv_heads) == (2, 3, 1)
     i = arch.layer_types.index("sliding")
     d, nq, nkv = arch.head_dim, arch.sliding_num_heads, arch.num_kv_heads

@@ -1,78 +1,152 @@
 """The tensor-parallel tests' harness: a group of gloo ranks on 127.0.0.1 (spawned processes) beside TP=1 in this
-process, over the same cores, running one test module's checks.
+process, over the same cores, running one test module's case.
 
-The module names them: NUM_PAGES, PAGE_SIZE, RUNNER_KWARGS (the runner's other arguments), `logits_of(runner)` (the
-logits every rank computes at once through forward_logits) and `greedy_tokens(runner, core)` (an engine's tokens:
-rank 0 drives it through its TensorParallelRunner while the other ranks run the worker loop).
+A module declares its `TpCase` (the cores to build, the workload, the tolerances) and takes its fixtures and its
+parity test from `parity_tests(case)`; its own tests check the family's shard cuts (`rank1_cut`). Every rank computes
+the workload's logits at once through forward_logits; rank 0 drives an engine through its TensorParallelRunner while
+the other ranks run the worker loop.
 """
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from helios.core.load import load_core
+from helios.core.manifest import Architecture
 from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
+from helios.layers.parallel import TensorGroup
 from helios.runner.model_runner import ModelRunner
-from helios.runner.parallel import MULTICAST_OFF, free_port
+from helios.runner.parallel import MULTICAST_OFF, free_port, shard_arch, shard_tensors
 from tests.models.hybrid_harness import generate, greedy_request, prompt
 
 WORLD_SIZE = 2
+RANK1 = TensorGroup(rank=1, world_size=WORLD_SIZE)  # the shard checks' rank: the second, without a process group
 
 
-def rank_main(rank: int, port: int, module_name: str, cores: dict[str, str], out_dir: str) -> None:
+@dataclass(frozen=True)
+class Workload:
+    """What TP=1 and every rank run on each core; plain data, pickled to the spawned ranks."""
+
+    prompt_lens: tuple[int, ...]  # prompt(n, seed=i + 1) each; the first one's logits are compared at every position
+    chunk: int  # forward_logits' chunked prefill of the first prompt
+    num_new: int  # greedy tokens per request
+    prefill_chunk: int = 8  # the engine's prefill chunks (beside the other requests' decodes: mixed steps)
+    max_num_batched_tokens: int = 16
+    max_concurrency: int = 4
+    page_size: int = 4
+    num_pages: int = 64
+    num_state_slots: int = 0  # > 0: a recurrent family; runner and scheduler hold this many state slots
+
+    @property
+    def runner_kwargs(self) -> dict:
+        """The runner's arguments besides arch, tensors, num_pages and page_size."""
+        return {"num_state_slots": self.num_state_slots} if self.num_state_slots else {}
+
+    def prompts(self) -> list[list[int]]:
+        return [prompt(n, seed=i + 1) for i, n in enumerate(self.prompt_lens)]
+
+    def logits(self, runner) -> dict[str, torch.Tensor]:
+        """Every position's logits of the first prompt, whole and in `chunk`-token chunks."""
+        ids = self.prompts()[0]
+        return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=self.chunk)}
+
+    def greedy(self, runner, core) -> dict[str, list[int]]:
+        """The prompts' greedy tokens at once through an EngineCore over `runner` (a ModelRunner or rank 0's
+        TensorParallelRunner); a recurrent family's requests take a state slot each, prefix caching off."""
+        states: dict = {}
+        if self.num_state_slots:
+            from helios.runner.state_cache import StateCache
+
+            arch = core.manifest.arch
+            states = {"num_state_slots": self.num_state_slots, "state_chunk": arch.recurrent.chunk_size,
+                      "enable_prefix_caching": False,
+                      "state_slot_bytes": StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype)}
+        config = SchedulerConfig(max_concurrency=self.max_concurrency,
+                                 max_num_batched_tokens=self.max_num_batched_tokens,
+                                 prefill_chunk_size=self.prefill_chunk, page_size=self.page_size,
+                                 num_pages=self.num_pages, max_model_len=self.num_pages * self.page_size, **states)
+        return engine_tokens(config, runner, self.prompts(), self.num_new)
+
+
+def window_workload(num_new: int = 32) -> Workload:
+    """The sliding-window families' (an 8-token window): three prompts, the first (40 tokens) far past the window and
+    over five 8-token chunks; 4-token pages, every page kept (no window group)."""
+    return Workload(prompt_lens=(40, 9, 23), chunk=8, num_new=num_new)
+
+
+def recurrent_workload(chunk: int, num_new: int = 32) -> Workload:
+    """The recurrent families' for a grid of `chunk` tokens: three prompts, the first 2.5 chunks long (three chunks,
+    each rank carrying its heads' state across them), prefilled in chunks of the grid; a state slot each."""
+    return Workload(prompt_lens=(2 * chunk + chunk // 2, 9, chunk // 2 + 7), chunk=chunk, num_new=num_new,
+                    prefill_chunk=chunk, max_num_batched_tokens=2 * chunk, page_size=16, num_pages=32,
+                    num_state_slots=4)
+
+
+@dataclass(frozen=True)
+class TpCase:
+    """One module's TP=2 against TP=1 parity case."""
+
+    labels: tuple[str, ...]  # the cores: families, or one family's tiny variants (the parity test's ids)
+    build: Callable[[str, Path], Path]  # (label, directory) -> the tiny random HF checkpoint written there
+    workload: Workload
+    atol: float = 1e-5  # every rank's logits against TP=1's at every position, whole and chunked
+    last_atol: float | None = None  # a tighter bound at the last position (where the recurrence carries ulps)
+    chunked_atol: float | None = None  # each rank's chunked logits against its own whole ones
+    min_plans: int | None = None  # the fewest eager forwards an engine run takes; None: num_new + 1
+
+
+def rank_main(rank: int, port: int, work: Workload, cores: dict[str, str], out_dir: str) -> None:
     """One rank of the group (a spawned process): every rank computes the logits; rank 0 drives the engine."""
     import torch.distributed as dist
 
     from helios.runner.parallel import TensorParallelRunner, init_ranks, rank_runner, worker_loop
 
-    module = importlib.import_module(module_name)
     torch.set_num_threads(1)  # two ranks on a two-core machine
     ranks = init_ranks(rank, WORLD_SIZE, "127.0.0.1", port)
     try:
-        for family, path in cores.items():
+        for label, path in cores.items():
             core = load_core(Path(path), verify_digests=False)
-            runner = rank_runner(core, ranks.tp, module.NUM_PAGES, module.PAGE_SIZE, **module.RUNNER_KWARGS)
-            result = {"logits": module.logits_of(runner)}
+            runner = rank_runner(core, ranks.tp, work.num_pages, work.page_size, **work.runner_kwargs)
+            result = {"logits": work.logits(runner)}
             if ranks.is_driver:
                 driver = TensorParallelRunner(runner, ranks)
-                result["tokens"] = module.greedy_tokens(driver, core)
+                result["tokens"] = work.greedy(driver, core)
                 result["plans"] = driver.runner.launches["eager"]
                 driver.close()
             else:
                 result["plans"] = worker_loop(runner, ranks)
-            torch.save(result, Path(out_dir) / f"{family}.rank{rank}.pt")
+            torch.save(result, Path(out_dir) / f"{label}.rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def single_and_ranked(module_name: str, cores: dict[str, Path], out_dir: Path) -> tuple[dict, dict]:
-    """(TP=1's results per family, each rank's results per family), the TP=1 ones computed here while the ranks
-    run: {"logits": logits_of, "tokens": greedy_tokens (rank 0 and TP=1), "plans": eager forwards run}."""
-    module = importlib.import_module(module_name)
-    args = {family: str(path) for family, path in cores.items()}
+def single_and_ranked(work: Workload, cores: dict[str, Path], out_dir: Path) -> tuple[dict, dict]:
+    """(TP=1's results per label, each rank's results per label), the TP=1 ones computed here while the ranks
+    run: {"logits": work.logits, "tokens": work.greedy (rank 0 and TP=1), "plans": eager forwards run}."""
+    args = {label: str(path) for label, path in cores.items()}
     with pytest.MonkeyPatch.context() as mp:  # the children's environment
         for name, value in MULTICAST_OFF.items():
             mp.setenv(name, value)
         ctx, port = multiprocessing.get_context("spawn"), free_port()
-        procs = [ctx.Process(target=rank_main, args=(rank, port, module_name, args, str(out_dir)))
+        procs = [ctx.Process(target=rank_main, args=(rank, port, work, args, str(out_dir)))
                  for rank in range(WORLD_SIZE)]
         for p in procs:
             p.start()
     try:
         single = {}
-        for family, path in cores.items():
+        for label, path in cores.items():
             core = load_core(path)
-            runner = ModelRunner(core.manifest.arch, core.tensors, module.NUM_PAGES, module.PAGE_SIZE,
-                                 **module.RUNNER_KWARGS)
-            single[family] = {"logits": module.logits_of(runner), "tokens": module.greedy_tokens(runner, core),
-                              "plans": runner.launches["eager"]}
+            runner = ModelRunner(core.manifest.arch, core.tensors, work.num_pages, work.page_size,
+                                 **work.runner_kwargs)
+            single[label] = {"logits": work.logits(runner), "tokens": work.greedy(runner, core),
+                             "plans": runner.launches["eager"]}
     finally:
         for p in procs:
             p.join(timeout=180)
@@ -83,14 +157,14 @@ def single_and_ranked(module_name: str, cores: dict[str, Path], out_dir: Path) -
     return single, ranked
 
 
-def float32_cores(build: Callable[[str, Path], Path], families: tuple[str, ...], tmp_path_factory) -> dict[str, Path]:
-    """One float32 export per family of the HF checkpoint `build(family, directory)` writes."""
+def float32_cores(case: TpCase, tmp_path_factory) -> dict[str, Path]:
+    """One float32 export per label of the HF checkpoint `case.build(label, directory)` writes."""
     from ignition.export import ExportOptions, export_core
 
     out = {}
-    for family in families:
-        root = tmp_path_factory.mktemp(family)
-        out[family] = export_core(build(family, root / "hf"), root / "core", ExportOptions(dtype="float32"))
+    for label in case.labels:
+        root = tmp_path_factory.mktemp(label)
+        out[label] = export_core(case.build(label, root / "hf"), root / "core", ExportOptions(dtype="float32"))
     return out
 
 
@@ -103,69 +177,50 @@ def engine_tokens(config: SchedulerConfig, runner, prompts: list[list[int]], num
     return out
 
 
-# --- the sliding-window families' checks (step3p7, muse_spark, gemma4: an 8-token window, 4-token pages) ------------
-
-WINDOW_PAGE_SIZE, WINDOW_NUM_PAGES, WINDOW_CHUNK = 4, 64, 8
-
-
-def window_prompts() -> list[list[int]]:
-    """Three prompts: the first (40 tokens) far past an 8-token window and over five 8-token chunks."""
-    return [prompt(40, seed=1), prompt(9, seed=2), prompt(23, seed=3)]
-
-
-def window_logits(runner) -> dict[str, torch.Tensor]:
-    """Every position's logits of the first prompt, whole and in 8-token chunks (a module's logits_of)."""
-    ids = window_prompts()[0]
-    return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=WINDOW_CHUNK)}
-
-
-def window_greedy(runner, num_new: int) -> dict[str, list[int]]:
-    """The three prompts' greedy tokens at once (8-token prefill chunks beside decodes: mixed steps; every page kept,
-    no window group) through an EngineCore over `runner` (a module's greedy_tokens)."""
-    config = SchedulerConfig(max_concurrency=4, max_num_batched_tokens=16, prefill_chunk_size=WINDOW_CHUNK,
-                             page_size=WINDOW_PAGE_SIZE, num_pages=WINDOW_NUM_PAGES,
-                             max_model_len=WINDOW_NUM_PAGES * WINDOW_PAGE_SIZE)
-    return engine_tokens(config, runner, window_prompts(), num_new)
-
-
-def assert_ranks_match_single(single: dict, ranked: dict, family: str, num_new: int, atol: float = 1e-5) -> None:
-    """Every rank's logits (each gathers the whole vocabulary) within atol of TP=1's at every position, whole and
-    chunked; rank 0's greedy tokens TP=1's, num_new each; the worker ran every plan rank 0 ran, as many as TP=1."""
-    for rank_result in ranked[family]:
+def assert_ranks_match_single(case: TpCase, results: tuple[dict, dict], label: str) -> None:
+    """Every rank's logits (each gathers the whole vocabulary) within the case's bounds of TP=1's, whole and chunked;
+    rank 0's greedy tokens TP=1's, num_new each; the worker ran every plan rank 0 ran, as many as TP=1."""
+    single, ranked = results
+    want, num_new = single[label], case.workload.num_new
+    for rank_result in ranked[label]:
+        got = rank_result["logits"]
         for key in ("whole", "chunked"):
-            torch.testing.assert_close(rank_result["logits"][key], single[family]["logits"][key], atol=atol, rtol=0)
-    driver, worker = ranked[family]
-    assert driver["tokens"] == single[family]["tokens"]
+            if case.last_atol is not None:
+                torch.testing.assert_close(got[key][-1], want["logits"][key][-1], atol=case.last_atol, rtol=0)
+            torch.testing.assert_close(got[key], want["logits"][key], atol=case.atol, rtol=0)
+        if case.chunked_atol is not None:
+            torch.testing.assert_close(got["chunked"], got["whole"], atol=case.chunked_atol, rtol=0)
+    driver, worker = ranked[label]
+    assert driver["tokens"] == want["tokens"]
     assert all(len(t) == num_new for t in driver["tokens"].values())
-    assert worker["plans"] == driver["plans"] == single[family]["plans"] > num_new
+    min_plans = num_new + 1 if case.min_plans is None else case.min_plans
+    assert worker["plans"] == driver["plans"] == want["plans"] >= min_plans
 
 
-# --- the recurrent families' checks (nemotron_h, kimi_linear): prompts over several chunks of the recurrent grid ----
-
-RECURRENT_PAGE_SIZE, RECURRENT_NUM_PAGES, RECURRENT_SLOTS = 16, 32, 4
-
-
-def recurrent_prompts(chunk: int) -> list[list[int]]:
-    """Three prompts for a recurrent grid of `chunk` tokens: the first 2.5 chunks long (three prefill chunks)."""
-    return [prompt(2 * chunk + chunk // 2, seed=1), prompt(9, seed=2), prompt(chunk // 2 + 7, seed=3)]
+def rank1_cut(path: Path) -> tuple[Architecture, dict[str, torch.Tensor], dict[str, torch.Tensor], Architecture]:
+    """The core at `path` as RANK1 holds it: (its arch, its mapped tensors, rank 1's shards, rank 1's arch)."""
+    core = load_core(path)
+    arch, full = core.manifest.arch, core.tensors
+    return arch, full, shard_tensors(arch, full, RANK1), shard_arch(arch, RANK1)
 
 
-def recurrent_logits(runner, chunk: int) -> dict[str, torch.Tensor]:
-    """Every position's logits of the first recurrent prompt, whole and in `chunk`-token chunks (the recurrent grid:
-    each rank carries its heads' state across the three)."""
-    ids = recurrent_prompts(chunk)[0]
-    return {"whole": runner.forward_logits(ids), "chunked": runner.forward_logits(ids, chunk_size=chunk)}
+def parity_tests(case: TpCase) -> tuple[Callable, Callable, Callable]:
+    """A module's `cores` fixture (one float32 export per label), its `results` fixture (TP=1 and each rank of TP=2
+    on them, once per module) and its parity test, parametrized by label. A module binds all three at top level:
+    `cores, results, test_tp2_logits_and_greedy_equal_single_rank = parity_tests(CASE)`."""
 
+    @pytest.fixture(scope="module")
+    def cores(tmp_path_factory) -> dict[str, Path]:
+        return float32_cores(case, tmp_path_factory)
 
-def recurrent_greedy(runner, core, num_new: int) -> dict[str, list[int]]:
-    """The three recurrent prompts' greedy tokens at once, each with a state slot, prefilled in chunks of the
-    recurrent grid beside the others' decodes (mixed steps) through an EngineCore over `runner`."""
-    from helios.runner.state_cache import StateCache
+    @pytest.fixture(scope="module")
+    def results(cores, tmp_path_factory) -> tuple[dict, dict]:
+        return single_and_ranked(case.workload, cores, tmp_path_factory.mktemp("ranks"))
 
-    arch, chunk = core.manifest.arch, core.manifest.arch.recurrent.chunk_size
-    config = SchedulerConfig(max_concurrency=RECURRENT_SLOTS, max_num_batched_tokens=2 * chunk,
-                             prefill_chunk_size=chunk, page_size=RECURRENT_PAGE_SIZE, num_pages=RECURRENT_NUM_PAGES,
-                             max_model_len=RECURRENT_NUM_PAGES * RECURRENT_PAGE_SIZE, num_state_slots=RECURRENT_SLOTS,
-                             state_chunk=chunk, enable_prefix_caching=False,
-                             state_slot_bytes=StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype))
-    return engine_tokens(config, runner, recurrent_prompts(chunk), num_new)
+    @pytest.mark.parametrize("label", case.labels)
+    def test_tp2_logits_and_greedy_equal_single_rank(results, label):
+        """Both ranks' logits within the case's bounds of TP=1's, whole and chunked; every request's greedy tokens
+        identical; the worker ran every plan (tests/runner/tp_harness)."""
+        assert_ranks_match_single(case, results, label)
+
+    return cores, results, test_tp2_logits_and_greedy_equal_single_rank
