@@ -12,8 +12,8 @@ published shape, so that HF's model and helios' copies fit one H200 together):
                 14 of 27 layers                                                                          [issue 21]
 
 Limits (per step, over the copy bandwidth measured in this run): decode reads the weights once (a MoE: the experts
-the step's tokens route to: the active experts of one token at b=1, all of them at b=64, where 64 tokens x top-8 of
-256 touch nearly all), the KV of the attention layers (a sliding layer's at most its window; MLA's latent rows), and
+the step's tokens route to: the active experts of one token at b=1, at b=64 the expected distinct share under
+uniform routing, 1 - (1 - k/E)^b: 87% for 64 tokens x top-8 of 256), the KV of the attention layers (a sliding layer's at most its window; MLA's latent rows), and
 each request's recurrent state read and written (float32). Prefill: 2 x active params x tokens + attention FLOPs
 (causal: n^2 x heads x (qk + v dims); sliding: 2 n W heads (qk + v)) over the measured bf16 matmul rate.
 Usage: python benchmarks/gpu_hybrid.py [--families qwen3_5,qwen3_5_moe,mimo_v2_flash,kimi_linear] [--batches 1,64]
@@ -120,7 +120,9 @@ def decode_bytes(arch, t: dict, batch: int, ctx: int) -> float:
     dense = sum(v.numel() * v.element_size() for k, v in t.items() if k != "embed.weight" and not is_expert(k, v))
     moe = arch.moe
     if moe is not None:
-        share = 1.0 if batch >= 64 else min(1.0, batch * moe.num_experts_per_tok / moe.num_experts)
+        # the expected share of experts `batch` tokens touch, routing uniform (b=1: top-k of E exactly; b=64, top-8
+        # of 256: 87%); a skewed routing touches fewer, so this counts at least the bytes a real step reads
+        share = 1.0 - (1.0 - moe.num_experts_per_tok / moe.num_experts) ** batch
         expert_bytes *= share
     state = 2 * batch * StateCache.bytes_per_slot(arch, torch.bfloat16) if arch.recurrent is not None else 0
     return dense + expert_bytes + kv_bytes(arch, batch, ctx) + state + batch * arch.hidden_size * 2
@@ -369,15 +371,19 @@ def main() -> None:
     for family in args.families.split(","):
         run_family(family, [int(b) for b in args.batches.split(",")], bandwidth, matmul, not args.skip_hf,
                    args.device, args.tiny, tuple(int(b) for b in args.profile.split(",") if b))
-    if args.dump_fla and args.device == "cuda":
-        import fla
-        import triton
+        if args.dump_fla and args.device == "cuda":  # after each family: a run cut short keeps what it tuned
+            dump_fla(args.dump_fla)
 
-        from helios.kernels import fla_tuning
 
-        n = fla_tuning.dump(args.dump_fla, torch.cuda.get_device_name(), {
-            "fla-core": fla.__version__, "triton": triton.__version__, "torch": torch.__version__.split("+")[0]})
-        print(f"fla choices written: {n} to {args.dump_fla}", flush=True)
+def dump_fla(path: Path) -> None:
+    import fla
+    import triton
+
+    from helios.kernels import fla_tuning
+
+    n = fla_tuning.dump(path, torch.cuda.get_device_name(), {
+        "fla-core": fla.__version__, "triton": triton.__version__, "torch": torch.__version__.split("+")[0]})
+    print(f"fla choices written: {n} to {path}", flush=True)
 
 
 if __name__ == "__main__":

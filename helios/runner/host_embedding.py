@@ -57,7 +57,8 @@ class HostEmbedding:
         if self.is_cuda:
             self.stream = torch.cuda.Stream(self.device)
             self.staging = torch.empty(self.cache_rows, self.width, dtype=dtype, pin_memory=True)
-            self.index_staging = torch.empty(3 * self.cache_rows, dtype=torch.int64, pin_memory=True)
+            # chosen (k), then index and value (n = evicted + missing <= 2k each), k <= cache_rows
+            self.index_staging = torch.empty(5 * self.cache_rows, dtype=torch.int64, pin_memory=True)
 
     def is_resident(self, rows: torch.Tensor) -> bool:
         return bool((self.slot_of[rows.flatten()] >= 0).all())

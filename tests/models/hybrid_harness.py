@@ -36,11 +36,13 @@ def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: in
 def window_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64, budget: int = 128,
                   device: str = "cpu", page_size: int = PAGE_SIZE, window: bool = True, prefix_caching: bool = True,
                   **runner_options) -> EngineCore:
-    """An attention-only model's engine (on `device`): the pages of its sliding layers (beside full ones) in a window
-    group (helios/engine/kv_groups.py) with room for every slot's window and chunk, as compose sizes it; window=False:
-    every layer in one group. runner_options go to the ModelRunner (cuda_graphs)."""
+    """A model's engine (on `device`): the pages of its sliding layers (beside full ones) in a window group
+    (helios/engine/kv_groups.py) with room for every slot's window and chunk, as compose sizes it; window=False:
+    every layer in one group; a state slot per request for a model with recurrent layers (no checkpoints: prefix
+    caching then covers attention-only models). runner_options go to the ModelRunner (cuda_graphs)."""
     from helios.engine.kv_groups import window_pages_per_request
     from helios.runner.kv_cache import KVCache
+    from helios.runner.state_cache import StateCache
 
     arch = core.manifest.arch
     window_pages = 0
@@ -48,6 +50,11 @@ def window_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: 
     if window and KVCache.window_layers(arch):
         window_pages = max_concurrency * window_pages_per_request(arch.sliding_window, page_size, chunk)
         groups = dict(sliding_window=arch.sliding_window, window_pages=window_pages)
+    if arch.recurrent is not None:
+        groups.update(num_state_slots=max_concurrency, state_chunk=arch.recurrent.chunk_size,
+                      state_slot_bytes=StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype))
+        runner_options = dict(runner_options, num_state_slots=max_concurrency)
+        prefix_caching = False
     config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
                              prefill_chunk_size=chunk, page_size=page_size, num_pages=num_pages,
                              max_model_len=num_pages * page_size, enable_prefix_caching=prefix_caching, **groups)

@@ -1,0 +1,106 @@
+"""H200 sweep of helios.kernels.fused_moe's grouped GEMM tiles for prefill-sized batches (not `make test`): the routed
+experts' two GEMMs (align, gate_up with the activation, down) of a 4096-token prompt at three published MoE shapes,
+each tile config timed (CUDA events, best of several tries after a warm-up) and checked against the default config's
+output, printed as TFLOP/s of the two GEMMs (2 x entries x (gate_up + down) weights per entry) against the measured
+bf16 matmul rate. BLOCK_K stays 128 in every candidate: an entry's products then sum their K chunks in one order at
+every batch size (fused_moe.gemm_config's note).
+Usage: python benchmarks/gpu_moe_prefill.py [--tokens 4096] [--out PATH] (writes each line to PATH as it goes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from helios.kernels import fused_moe  # noqa: E402
+
+# (name, experts, top-k, hidden, moe_intermediate)
+SHAPES = [("qwen3_5_moe", 256, 8, 2048, 512), ("kimi_linear", 256, 8, 2304, 1024), ("mimo_v2_flash", 256, 8, 4096, 2048)]
+CANDIDATES = [(64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 3),
+              (128, 64, 128, 8, 3), (128, 128, 128, 8, 2), (64, 64, 128, 4, 4), (64, 128, 128, 8, 2),
+              (128, 128, 128, 4, 2)]
+
+
+def matmul_rate() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        a @ b
+    e.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3)
+
+
+def timed(fn, tries: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(tries):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        best = min(best, s.elapsed_time(e) / 1e3)
+    return best
+
+
+def run(config, x, topk_ids, w_in, w_down):
+    align = fused_moe.moe_align(topk_ids, w_in.shape[0], config["BLOCK_M"])
+    n = topk_ids.numel()
+    h = fused_moe.expert_gemm(x, w_in, align, n, topk_ids.shape[1], "silu", config=config)
+    return fused_moe.expert_gemm(h, w_down, align, n, 1, config=config)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    out = args.out.open("w") if args.out else None
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+    rate = matmul_rate()
+    say(f"{torch.cuda.get_device_name()}: bf16 matmul {rate / 1e12:.0f} TFLOP/s; default prefill config "
+        f"{fused_moe.gemm_config(args.tokens * 8)}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, experts, k, hidden, inter in SHAPES:
+        x = torch.randn(args.tokens, hidden, generator=g, device="cuda", dtype=torch.bfloat16)
+        w_in = torch.randn(experts, 2 * inter, hidden, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+        w_down = torch.randn(experts, hidden, inter, generator=g, device="cuda", dtype=torch.bfloat16) * 0.02
+        logits = torch.randn(args.tokens, experts, generator=g, device="cuda")
+        topk_ids = logits.topk(k, dim=-1).indices.to(torch.int32)
+        flops = 2.0 * topk_ids.numel() * (2 * inter * hidden + hidden * inter)
+        reference = None
+        for bm, bn, bk, warps, stages in CANDIDATES:
+            config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+            label = f"{name:14} {bm:3}x{bn:3}x{bk:3} w{warps} s{stages}"
+            try:
+                y = run(config, x, topk_ids, w_in, w_down)
+                seconds = timed(lambda: run(config, x, topk_ids, w_in, w_down))
+            except Exception as exc:  # a config the device cannot hold (shared memory): say so, go on
+                say(f"{label}: failed {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            reference = y if reference is None else reference
+            same = torch.equal(y, reference)
+            say(f"{label}: {seconds * 1e3:7.3f} ms  {flops / seconds / 1e12:6.1f} TFLOP/s "
+                f"({flops / seconds / rate:.1%})  output {'= default' if same else 'differs from default'}")
+        del x, w_in, w_down
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
