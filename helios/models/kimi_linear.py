@@ -64,6 +64,16 @@ class KimiLinearLayer(nn.Module):
         x = x + (self.kda(h, cache, meta) if self.is_linear else self.mla(h, cache, meta))
         return x + getattr(self, self.ffn_name)(self.mlp_norm(x))
 
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cache,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # (output, stream before it)
+        """forward() on the GPU path: each residual add and the norm after it in one launch (RMSNorm.forward_add)
+        instead of five or six torch kernels; x is the previous layer's output and residual the stream before its
+        add (None for the first layer). Same adds and norms, so the same values as forward()."""
+        h, residual = self.attn_norm.forward_add(x, residual, fused=True)
+        a = self.kda(h, cache, meta) if self.is_linear else self.mla(h, cache, meta)
+        h, residual = self.mlp_norm.forward_add(a, residual, fused=True)
+        return getattr(self, self.ffn_name)(h), residual
+
 
 class KimiLinearForCausalLM(nn.Module):
     """forward's `caches` holds one entry per layer: the latent page tensor of an MLA layer (helios.runner.kv_cache),
@@ -81,11 +91,11 @@ class KimiLinearForCausalLM(nn.Module):
             raise ValueError("a kimi_linear architecture's attention has no position embeddings")
         self.arch = arch
         self.switches = switches
-        self.path = "eager"
+        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's, the MoE's and the norms' kernels
+        self.path = "fused" if fused else "eager"  # chosen once, here
         self.tp = tp
         self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
                       else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
-        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's and the MoE's kernels
         self.layers = nn.ModuleList(KimiLinearLayer(arch, i, switches, fused, backend, tp)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -98,9 +108,14 @@ class KimiLinearForCausalLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
         x = self.embed(token_ids)
+        if self.path == "eager":
+            for layer, cache in zip(self.layers, caches):
+                x = layer(x, cache, meta)
+            return self.norm(x)
+        residual = None
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, cache, meta)
-        return self.norm(x)
+            x, residual = layer.forward_fused(x, residual, cache, meta)
+        return self.norm.forward_add(x, residual, fused=True)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
