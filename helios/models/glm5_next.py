@@ -50,19 +50,21 @@ class Glm5NextLayer(nn.Module):
             self.ffn_name = "moe"
             ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, limit=limit, fused=fused)
         self.add_module(self.ffn_name, ffn)
+        self.fused_norms = fused  # the GPU path: each norm one Triton launch instead of five or six torch kernels
 
     def forward(self, x: torch.Tensor, cache, meta: AttentionMetadata,
                 selection: Selection | None) -> tuple[torch.Tensor, Selection | None]:
         """x [T, S, H] -> ([T, S, H], this layer's DSA selection, None after a KDA layer)."""
         post, comb, h = self.attn_hc(x)
-        h = self.attn_norm(h)
+        h = self.attn_norm.forward_add(h, None, fused=self.fused_norms)[0]
         if self.is_linear:
             y, selection = self.kda(h, cache, meta), None
         else:
             y, selection = self.mla(h, cache, meta, selection)
         x = expand_streams(x, y, post, comb)
         post, comb, h = self.mlp_hc(x)
-        return expand_streams(x, getattr(self, self.ffn_name)(self.mlp_norm(h)), post, comb), selection
+        h = self.mlp_norm.forward_add(h, None, fused=self.fused_norms)[0]
+        return expand_streams(x, getattr(self, self.ffn_name)(h), post, comb), selection
 
 
 class Glm5NextForCausalLM(nn.Module):

@@ -146,3 +146,18 @@ def test_index_rows_travel_with_their_pages_through_host_dram_and_disk(glm, tmp_
     if variant != "base":
         pytest.skip("one variant covers the tiers")
     check_tiers(core, tmp_path)
+
+def test_the_fused_norms_give_the_eager_paths_logits(glm):
+    """The GPU path's norms (one Triton launch each, in the interpreter here; Glm5NextLayer.fused_norms) over the same
+    mixers, streams and experts: every position's float32 logits = the torch norms' within the parity bound."""
+    from tests.kernels.interpreter import require_interpreter
+
+    require_interpreter()
+    _, _, core = glm
+    runner = ModelRunner(core.manifest.arch, core.tensors, 16, PAGE_SIZE, num_state_slots=1, attention_backend="torch")
+    ids = prompt(20, seed=3)
+    assert not any(layer.fused_norms for layer in runner.model.layers)
+    eager = runner.forward_logits(ids)
+    for layer in runner.model.layers:  # what the Triton backend sets
+        layer.fused_norms = True
+    torch.testing.assert_close(runner.forward_logits(ids), eager, atol=1e-4, rtol=1e-4)
