@@ -83,6 +83,14 @@ class NemotronHBlock(nn.Module):
         sublayer = getattr(self, self.sublayer_name)
         return x + (sublayer(h) if self.kind == "ffn" else sublayer(h, cache, meta))
 
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cache,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # (output, stream before it)
+        """forward() on the GPU path: the residual add and the norm after it in one launch (RMSNorm.forward_add);
+        x is the previous block's output and residual the stream before its add (None for the first block)."""
+        h, residual = getattr(self, self.norm_name).forward_add(x, residual, fused=True)
+        sublayer = getattr(self, self.sublayer_name)
+        return (sublayer(h) if self.kind == "ffn" else sublayer(h, cache, meta)), residual
+
 
 class NemotronHForCausalLM(nn.Module):
     """forward's `caches` holds one entry per layer: the paged KV tensor of an attention layer, the (conv, ssm) state
@@ -98,7 +106,7 @@ class NemotronHForCausalLM(nn.Module):
             raise ValueError("a nemotron_h architecture has positionless attention, one sublayer per block and relu2")
         self.arch = arch
         self.switches = switches
-        self.path = "eager"
+        self.path = "fused" if getattr(backend, "fuses_layers", False) else "eager"  # chosen once, here
         self.tp = tp
         self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
                       else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
@@ -113,9 +121,14 @@ class NemotronHForCausalLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
         x = self.embed(token_ids)
+        if self.path == "eager":
+            for layer, cache in zip(self.layers, caches):
+                x = layer(x, cache, meta)
+            return self.norm(x)
+        residual = None
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, cache, meta)
-        return self.norm(x)
+            x, residual = layer.forward_fused(x, residual, cache, meta)
+        return self.norm.forward_add(x, residual, fused=True)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -40,12 +40,13 @@ DENSE = {"_rms_norm_kernel", "_gemv_kernel", "_decode_kernel", "_reshape_and_cac
 GDN = {"_gated_delta_step_kernel", "_gated_rms_norm_kernel", "_rotary_kernel", "_gated_kernel"}
 MOE = {"_route_kernel", "_align_kernel", "_expert_gemm_kernel", "_combine_kernel"}
 # what each family's decode graphs launch (qwen3_5's attention: q/k norms and partial rotary as their own launches,
-# the sigmoid gate keeps it off decode_qkv; nemotron_h: the Mamba-2 mixer through the varlen conv and the scan)
+# the sigmoid gate keeps it off decode_qkv; nemotron_h: the Mamba-2 mixer through the varlen conv and the scan, each
+# residual add and norm in one launch)
 EXPECTED = {
     "qwen3_5": DENSE | GDN,
     "qwen3_5_moe": (DENSE | GDN | MOE) - {"_gated_kernel"},
     "nemotron_h": {"_causal_conv_kernel", "_conv_state_kernel", "_mamba2_scan_kernel", "_gemv_kernel",
-                   "_decode_kernel", "_reshape_and_cache_kernel"} | MOE,
+                   "_decode_kernel", "_reshape_and_cache_kernel", "_rms_norm_kernel"} | MOE,
 }
 
 
