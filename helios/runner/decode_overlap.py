@@ -56,34 +56,44 @@ class Speculation:
     """The step n+1 the GPU has run: what a plan must say for its logits to be used."""
 
     bucket: int
-    req_ids: list[str]
-    positions: list[int]  # num_computed_tokens of each request in step n+1
-    blocks: list[list[int]]  # the block ids step n+1 read, per request
+    # step n+1 as launched (next_step): req_id and num_computed_tokens per request, and as block_ids step n's plan
+    # tables themselves, not copies (a plan's lists are never changed once it is made: the scheduler copies each
+    # request's tables into every plan); it read the first blocks_needed entries of each
+    steps: list[ScheduledRequest]
     token_ids: list[int]  # the ids sampled at step n: step n+1's inputs
+    page_size: int
     num_loads: int  # StaticBuffers.num_loads right after its load: no other load may come in between
     # per request the window group's table as the plan of step n+1 holds it: step n+1's pages from its window on,
     # -1 before (what update(n) leaves); empty lists without a window group
     window_blocks: list[list[int]] = field(default_factory=list)
 
     def matches(self, plan: SchedulerOutput, bucket: int | None, num_loads: int) -> bool:
-        if bucket != self.bucket or num_loads != self.num_loads or len(plan.scheduled) != len(self.req_ids):
+        scheduled = plan.scheduled
+        if bucket != self.bucket or num_loads != self.num_loads or len(scheduled) != len(self.steps):
             return False
-        if any(new.req_id in self.req_ids for new in plan.new_requests):  # re-sent: fresh state
-            return False
-        window_blocks = self.window_blocks or [[]] * len(self.req_ids)
-        for s, req_id, position, blocks, token_id, window in zip(
-            plan.scheduled, self.req_ids, self.positions, self.blocks, self.token_ids, window_blocks
-        ):
+        if plan.new_requests:  # re-sent: fresh state
+            req_ids = {step.req_id for step in self.steps}
+            if any(new.req_id in req_ids for new in plan.new_requests):
+                return False
+        page_size = self.page_size
+        for s, step, token_id in zip(scheduled, self.steps, self.token_ids):
+            position = step.num_computed_tokens
             if (
-                s.req_id != req_id
+                s.req_id != step.req_id
                 or s.num_computed_tokens != position
                 or s.token_ids != [token_id]
                 or not s.sample
                 or s.forced_token_id is not None
                 or s.want_prompt_logprobs
-                or s.block_ids[: len(blocks)] != blocks
-                or (window and s.group_block_ids[0][: len(window)] != window)
             ):
+                return False
+            table, read = s.block_ids, step.block_ids
+            if table != read:  # a page more (or another table): compare the entries step n+1 read
+                needed = (position + page_size) // page_size  # blocks_needed of a one-token step
+                if table[:needed] != read[:needed]:
+                    return False
+        for s, window in zip(scheduled, self.window_blocks):
+            if window and s.group_block_ids[0][: len(window)] != window:
                 return False
         return True
 
@@ -144,10 +154,9 @@ class DecodeOverlap:
             ids = token_ids.tolist()
         self.pending = Speculation(
             bucket=bucket,
-            req_ids=[s.req_id for s in after],
-            positions=[s.num_computed_tokens for s in after],
-            blocks=[list(s.block_ids[: blocks_needed(s, self.page_size)]) for s in after],
+            steps=after,
             token_ids=ids,
+            page_size=self.page_size,
             num_loads=self.graphs.buffers.num_loads,
             window_blocks=[self._window_blocks(s) for s in after] if self.window is not None else [],
         )

@@ -183,6 +183,24 @@ def test_a_plan_other_than_the_speculated_step_is_a_miss(core):
     assert (on.overlap_hits, on.overlap_misses) == (2, 3)
 
 
+def test_a_plan_with_another_page_where_the_step_read_is_a_miss():
+    """Speculation.matches compares the table entries step n+1 read (blocks_needed of it), not the table's
+    object: a plan's own copy with a page more matches, one with another page among those entries at the same
+    table length does not, nor does one too short to hold position p+1's page."""
+    from helios.runner.decode_overlap import Speculation, next_step
+
+    launched = ScheduledRequest(req_id="a", token_ids=[5], num_computed_tokens=7, block_ids=[3, 9, 4], sample=True)
+    spec = Speculation(bucket=1, steps=next_step([launched]), token_ids=[11], page_size=PAGE_SIZE, num_loads=1)
+
+    def step(blocks):  # position 8 opens the third page: step n+1 read pages 3, 9, 4
+        return plan([ScheduledRequest(req_id="a", token_ids=[11], num_computed_tokens=8, block_ids=blocks,
+                                      sample=True)])
+
+    assert spec.matches(step([3, 9, 4]), 1, 1) and spec.matches(step([3, 9, 4, 6]), 1, 1)
+    assert not spec.matches(step([3, 9, 5]), 1, 1) and not spec.matches(step([3, 8, 4]), 1, 1)
+    assert not spec.matches(step([3, 9]), 1, 1) and not spec.matches(step([3, 9, 5, 6]), 1, 1)
+
+
 def test_switch(core):
     args = (core.manifest.arch, core.tensors, 8, PAGE_SIZE)
     assert ModelRunner(*args).decode_overlap is False  # CPU: off unless asked for
