@@ -173,7 +173,6 @@ class Scheduler:
         # running request after it (max_num_batched_tokens >= max_concurrency), so a long prefill never
         # stalls the decodes admitted after it.
         running = self.running
-        page_size = pool.block_size
         i = 0
         while i < len(running):
             req = running[i]
@@ -183,8 +182,7 @@ class Scheduler:
             # (it fits the pool, _chunk_size keeps its one token, it needs no page and preempts nothing), minus
             # the calls that find so; at batch 256 this loop is most of schedule()'s host time
             n = req.num_computed_tokens
-            is_decode = len(req.all_token_ids) == n + 1
-            if is_decode and budget > reserve and (n + page_size) // page_size == len(req.block_ids):
+            if req.num_tokens == n + 1 and budget > reserve and pool.num_blocks_for(n + 1) == len(req.block_ids):
                 scheduled.append(self._schedule_chunk(req, 1))
                 budget -= 1
                 i += 1
@@ -322,7 +320,6 @@ class Scheduler:
         outputs = self.take_pending_outputs()
         results = {result.req_id: result for result in runner_output.results}
         requests, prefix_cache, groups = self._scheduled, self.prefix_cache, self.window_groups
-        page_size = self.block_pool.block_size
         num_rounds = 0
         for chunk in plan.scheduled:
             req = requests.get(chunk.req_id)
@@ -330,19 +327,16 @@ class Scheduler:
                 continue  # aborted (or reset) while the step ran
             result = results.get(chunk.req_id)
             req.num_computed_tokens += len(chunk.token_ids)
-            num_computed = req.num_computed_tokens
             if prefix_cache is not None and result is not None:  # only KV the runner reported computing
-                if num_computed // page_size > req.num_published_pages:  # a page filled (else publish is a no-op)
-                    prefix_cache.publish(req)
+                prefix_cache.publish(req)
                 if self.checkpoints is not None:
                     self._capture(req)
-            if groups:
-                for group, table in zip(groups, req.group_block_ids):
-                    group.release_before_window(table, num_computed)
+            for group, table in zip(groups, req.group_block_ids):
+                group.release_before_window(table, req.num_computed_tokens)
             if chunk.want_prompt_logprobs and result is not None and result.prompt_logprobs:
                 req.prompt_logprobs.extend(result.prompt_logprobs)
             prompt_logprobs = None
-            is_prefill_done = num_computed >= len(req.prompt_token_ids)
+            is_prefill_done = req.is_prefill_done
             if is_prefill_done:
                 if not req.is_prefill_counted:
                     req.is_prefill_counted = True
@@ -627,14 +621,14 @@ class Scheduler:
         the next decode step before this one's ids are read (helios/runner/decode_overlap.py needs that page in
         hand). The request would take it at its next step anyway; without it, at a high concurrency some
         request of nearly every step sits at a page boundary and no step is ever speculated."""
-        page_size = self.block_pool.block_size
+        pool = self.block_pool
         requests = self._scheduled
         for j, s in enumerate(scheduled):
             if len(s.token_ids) != 1 or not s.sample:
                 continue
             req = requests[s.req_id]
             if (
-                (s.num_computed_tokens + 1 + page_size) // page_size > len(req.block_ids)  # pages for position + 2
+                pool.num_blocks_for(s.num_computed_tokens + 2) > len(req.block_ids)
                 and all(p.num_free_blocks > len(self.running) for p in self.pools)
             ):
                 self._allocate(req, 1)
@@ -648,15 +642,15 @@ class Scheduler:
         self._scheduled[req_id] = req
         token_ids = req.all_token_ids
         sample = end == len(token_ids) and req.sampling.max_tokens > 0
-        forced_token_id = req.reasoning.forced_token_id() if sample and req.reasoning is not None else None
+        forced_token_id = req.forced_token_id if sample else None
         return ScheduledRequest(
             req_id=req_id,
             token_ids=token_ids[start:end],
             num_computed_tokens=start,
             block_ids=list(req.block_ids),
-            group_block_ids=[list(t) for t in req.group_block_ids] if req.group_block_ids else [],
+            group_block_ids=[list(t) for t in req.group_block_ids],
             sample=sample,
-            want_prompt_logprobs=start < len(req.prompt_token_ids) and req.wants_prompt_logprobs,
+            want_prompt_logprobs=req.wants_prompt_logprobs and start < req.num_prompt_tokens,
             state_slot=req.state_slot,
             # NOTE: a running request is never finished here, so the forced token fits the output limit
             forced_token_id=forced_token_id,

@@ -129,7 +129,7 @@ def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, buc
     assert 0 < num_seqs <= bucket, f"{num_seqs} sequences do not fit bucket {bucket}"
     pad = bucket - num_seqs
     positions = [s.num_computed_tokens for s in scheduled]
-    needed = [-(-(p + len(s.token_ids)) // page_size) for s, p in zip(scheduled, positions)]  # blocks_needed
+    needed = [blocks_needed(s, page_size) for s in scheduled]
     packed = [s.token_ids[0] for s in scheduled]
     packed += [0] * pad
     packed += positions

@@ -89,7 +89,7 @@ class Speculation:
                 return False
             table, read = s.block_ids, step.block_ids
             if table != read:  # a page more (or another table): compare the entries step n+1 read
-                needed = (position + page_size) // page_size  # blocks_needed of a one-token step
+                needed = blocks_needed(step, page_size)
                 if table[:needed] != read[:needed]:
                     return False
         for s, window in zip(scheduled, self.window_blocks):
