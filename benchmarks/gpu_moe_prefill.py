@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_decode import matmul_rate  # noqa: E402
 from helios.kernels import fused_moe  # noqa: E402
 
 # (name, experts, top-k, hidden, moe_intermediate)
@@ -24,20 +25,6 @@ SHAPES = [("qwen3_5_moe", 256, 8, 2048, 512), ("kimi_linear", 256, 8, 2304, 1024
 CANDIDATES = [(64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 3),
               (128, 64, 128, 8, 3), (128, 128, 128, 8, 2), (64, 64, 128, 4, 4), (64, 128, 128, 8, 2),
               (128, 128, 128, 4, 2)]
-
-
-def matmul_rate() -> float:
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        a @ b
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        a @ b
-    e.record()
-    torch.cuda.synchronize()
-    return 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3)
 
 
 def timed(fn, tries: int = 5) -> float:

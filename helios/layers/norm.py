@@ -78,3 +78,18 @@ class RMSNorm(nn.Module):
             return fused_add_rms_norm(x, residual, self.weight, self.eps, self.multiply_in_float32)
         x = x if residual is None else x + residual
         return self(x), x
+
+
+def pre_norm_stack(x: torch.Tensor, layers, caches: list, meta, norm: RMSNorm, fused: bool, *inputs) -> torch.Tensor:
+    """x through a stack of pre-norm blocks and the final norm: each `layer(x, *inputs, cache, meta)` returning its
+    output with the residual added (eager), or, with `fused`, `layer.forward_fused(x, residual, *inputs, cache,
+    meta)` returning (its output, the stream before the add), each add then taken with the next norm in one launch
+    (RMSNorm.forward_add). inputs: what every layer reads besides its cache (a rotary table)."""
+    if not fused:
+        for layer, cache in zip(layers, caches):
+            x = layer(x, *inputs, cache, meta)
+        return norm(x)
+    residual = None
+    for layer, cache in zip(layers, caches):
+        x, residual = layer.forward_fused(x, residual, *inputs, cache, meta)
+    return norm.forward_add(x, residual, fused=True)[0]

@@ -23,7 +23,7 @@ from helios.layers.kda import KimiDeltaAttention
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.mla import MlaAttention
 from helios.layers.moe import SigmoidMoe
-from helios.layers.norm import RMSNorm
+from helios.layers.norm import RMSNorm, pre_norm_stack
 from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -107,15 +107,7 @@ class KimiLinearForCausalLM(nn.Module):
         return False
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
-        x = self.embed(token_ids)
-        if self.path == "eager":
-            for layer, cache in zip(self.layers, caches):
-                x = layer(x, cache, meta)
-            return self.norm(x)
-        residual = None
-        for layer, cache in zip(self.layers, caches):
-            x, residual = layer.forward_fused(x, residual, cache, meta)
-        return self.norm.forward_add(x, residual, fused=True)[0]
+        return pre_norm_stack(self.embed(token_ids), self.layers, caches, meta, self.norm, self.path == "fused")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -21,7 +21,7 @@ from helios.layers.attention import Attention, AttentionBackend, AttentionMetada
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.mamba import Mamba2Mixer
 from helios.layers.moe import Relu2MLP, SigmoidMoe
-from helios.layers.norm import RMSNorm
+from helios.layers.norm import RMSNorm, pre_norm_stack
 from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -120,15 +120,7 @@ class NemotronHForCausalLM(nn.Module):
         return False
 
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
-        x = self.embed(token_ids)
-        if self.path == "eager":
-            for layer, cache in zip(self.layers, caches):
-                x = layer(x, cache, meta)
-            return self.norm(x)
-        residual = None
-        for layer, cache in zip(self.layers, caches):
-            x, residual = layer.forward_fused(x, residual, cache, meta)
-        return self.norm.forward_add(x, residual, fused=True)[0]
+        return pre_norm_stack(self.embed(token_ids), self.layers, caches, meta, self.norm, self.path == "fused")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

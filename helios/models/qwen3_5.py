@@ -24,7 +24,7 @@ from helios.layers.attention import Attention, AttentionBackend, AttentionMetada
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.linear_attention import GatedDeltaNet
 from helios.layers.moe import SparseMoe
-from helios.layers.norm import RMSNorm
+from helios.layers.norm import RMSNorm, pre_norm_stack
 from helios.layers.parallel import ExpertParallelMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -204,14 +204,7 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
         x = self.embed(token_ids)
         cos_sin = self.rotary.cos_sin(meta.positions, x.dtype)
-        if self.path == "eager":
-            for layer, cache in zip(self.layers, caches):
-                x = layer(x, cos_sin, cache, meta)
-            return self.norm(x)
-        residual = None
-        for layer, cache in zip(self.layers, caches):
-            x, residual = layer.forward_fused(x, residual, cos_sin, cache, meta)
-        return self.norm.forward_add(x, residual, fused=True)[0]
+        return pre_norm_stack(x, self.layers, caches, meta, self.norm, self.path == "fused", cos_sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

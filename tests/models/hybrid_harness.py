@@ -17,29 +17,19 @@ PAGE_SIZE = 16
 def make_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64,
                 budget: int = 128, checkpoints: int = 0) -> EngineCore:
     """checkpoints: state checkpoint slots (prefix reuse through them); 0: no prefix cache. A model without
-    recurrent layers gets window_engine's."""
-    from helios.runner.state_cache import StateCache
-
-    arch = core.manifest.arch
-    if arch.recurrent is None:
-        return window_engine(core, max_concurrency, num_pages, chunk, budget)
-    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
-                             prefill_chunk_size=chunk, page_size=PAGE_SIZE, num_pages=num_pages,
-                             max_model_len=num_pages * PAGE_SIZE, num_state_slots=max_concurrency,
-                             state_chunk=arch.recurrent.chunk_size, enable_prefix_caching=checkpoints > 0,
-                             state_checkpoint_slots=checkpoints,
-                             state_slot_bytes=StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype))
-    runner = ModelRunner(arch, core.tensors, num_pages, PAGE_SIZE, num_state_slots=max_concurrency + checkpoints)
-    return EngineCore(config, runner)
+    recurrent layers gets window_engine's; a recurrent one its pages in one group."""
+    recurrent = core.manifest.arch.recurrent is not None
+    return window_engine(core, max_concurrency, num_pages, chunk, budget, window=not recurrent,
+                         checkpoints=checkpoints)
 
 
 def window_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: int = 64, budget: int = 128,
                   device: str = "cpu", page_size: int = PAGE_SIZE, window: bool = True, prefix_caching: bool = True,
-                  **runner_options) -> EngineCore:
+                  checkpoints: int = 0, **runner_options) -> EngineCore:
     """A model's engine (on `device`): the pages of its sliding layers (beside full ones) in a window group
     (helios/engine/kv_groups.py) with room for every slot's window and chunk, as compose sizes it; window=False:
-    every layer in one group; a state slot per request for a model with recurrent layers (no checkpoints: prefix
-    caching then covers attention-only models). runner_options go to the ModelRunner (cuda_graphs)."""
+    every layer in one group; a state slot per request for a model with recurrent layers, and `checkpoints` state
+    checkpoint slots (its prefix reuse: none without them). runner_options go to the ModelRunner (cuda_graphs)."""
     from helios.engine.kv_groups import window_pages_per_request
     from helios.runner.kv_cache import KVCache
     from helios.runner.state_cache import StateCache
@@ -52,9 +42,10 @@ def window_engine(core, max_concurrency: int = 16, num_pages: int = 256, chunk: 
         groups = dict(sliding_window=arch.sliding_window, window_pages=window_pages)
     if arch.recurrent is not None:
         groups.update(num_state_slots=max_concurrency, state_chunk=arch.recurrent.chunk_size,
+                      state_checkpoint_slots=checkpoints,
                       state_slot_bytes=StateCache.bytes_per_slot(arch, core.tensors["embed.weight"].dtype))
-        runner_options = dict(runner_options, num_state_slots=max_concurrency)
-        prefix_caching = False
+        runner_options = dict(runner_options, num_state_slots=max_concurrency + checkpoints)
+        prefix_caching = checkpoints > 0
     config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=budget,
                              prefill_chunk_size=chunk, page_size=page_size, num_pages=num_pages,
                              max_model_len=num_pages * page_size, enable_prefix_caching=prefix_caching, **groups)
@@ -135,6 +126,24 @@ def check_logits_and_prompt_logprobs(hf, core, ids: list[int], chunk_size: int =
     chunked = runner.forward_logits(ids, chunk_size=chunk_size)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=0)
     torch.testing.assert_close(torch.log_softmax(chunked, -1), torch.log_softmax(ref, -1), atol=1e-4, rtol=0)
+
+
+def check_fused_loop_equals_eager(core, fuse, is_fused) -> None:
+    """The GPU path's norms (each residual add and norm as one Triton launch, in the interpreter here) over the same
+    mixers and experts: a torch-backend model, switched by `fuse(model)` (what the Triton backend picks; `is_fused`
+    tells), gives every position's float32 logits of its eager loop within the parity bound (the kernel sums the
+    squares in another order: 2e-5 measured). The mixers keep their torch path: KDA's chunked prefill runs fla's
+    kernels, CUDA only."""
+    from tests.kernels.interpreter import require_interpreter
+
+    require_interpreter()
+    runner = ModelRunner(core.manifest.arch, core.tensors, 16, PAGE_SIZE, num_state_slots=1, attention_backend="torch")
+    ids = prompt(20, seed=3)
+    assert not is_fused(runner.model)
+    eager = runner.forward_logits(ids)
+    fuse(runner.model)
+    assert is_fused(runner.model)
+    torch.testing.assert_close(runner.forward_logits(ids), eager, atol=1e-4, rtol=1e-4)
 
 
 def check_greedy_matches_generate(hf, core, ids: list[int], num_new: int = 32, engine=make_engine,

@@ -15,6 +15,7 @@ from helios.layers.moe import route_sigmoid
 from tests.models.nemotron_h_tiny import VARIANTS, build_nemotron_h
 from tests.models.hybrid_harness import (
     check_batched_equals_alone,
+    check_fused_loop_equals_eager,
     check_greedy_matches_generate,
     check_logits_and_prompt_logprobs,
     prompt,
@@ -88,18 +89,7 @@ def test_sigmoid_router_matches_hf(num_groups, num_topk_groups, norm_topk_prob):
 
 
 def test_the_fused_path_gives_the_eager_paths_logits(nemotron):
-    """The GPU path's block loop (NemotronHBlock.forward_fused: each residual add and the norm after it as one Triton
-    launch, in the interpreter here) over the same mixers and experts: every position's float32 logits = the eager
-    loop's within the parity bound. (The mixers keep their torch path here.)"""
-    from helios.runner.model_runner import ModelRunner
-    from tests.kernels.interpreter import require_interpreter
-    from tests.models.hybrid_harness import PAGE_SIZE
+    """The GPU path's layer loop (NemotronHBlock.forward_fused through pre_norm_stack) = the eager loop's logits."""
+    check_fused_loop_equals_eager(nemotron[2], fuse=lambda model: setattr(model, "path", "fused"),
+                                  is_fused=lambda model: model.path == "fused")
 
-    require_interpreter()
-    _, _, core = nemotron
-    runner = ModelRunner(core.manifest.arch, core.tensors, 16, PAGE_SIZE, num_state_slots=1, attention_backend="torch")
-    ids = prompt(20, seed=3)
-    assert runner.model.path == "eager"
-    eager = runner.forward_logits(ids)
-    runner.model.path = "fused"  # what the Triton backend picks
-    torch.testing.assert_close(runner.forward_logits(ids), eager, atol=1e-4, rtol=1e-4)
