@@ -203,15 +203,16 @@ def decode_attention(
     """Attention of a decode-only batch in a handful of ops: one gather of every sequence's pages, then
     batched matmuls in which the query heads sharing a kv head are the rows of one group (GQA without
     repeating K/V). Masked keys get probability exactly 0, so padding never changes a result. Sinks: one more
-    score column per head, dropped after the softmax. 16-bit inputs are computed in float32 (as SDPA's CPU kernels
-    accumulate) and the output rounded once to q's dtype.
+    score column per head, dropped after the softmax. 16-bit inputs without sinks go to SDPA's CPU flash kernel
+    (`_decode_attention_16bit`); 16-bit ones with sinks are computed in float32 and the output rounded once.
 
     NOTE: the gather is one index_select over the flattened tables (advanced indexing `kv_cache[:, blocks]`, the
-    same copy, took ~6x longer on the CPU). 16-bit pages are converted and laid out [B, Nkv, S, D] in one copy
-    (~35% less time than converting, then letting matmul copy each operand); float32 ones keep the strided views
-    whose copies matmul makes, so the float32 bits stay those of the first version."""
+    same copy, took ~6x longer on the CPU). Float32 pages keep the strided views whose copies matmul makes, so
+    the float32 bits stay those of the first version."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv_cache.shape[3]
+    if q.device.type == "cpu" and q.dtype != torch.float32 and q.dtype == kv_cache.dtype and sinks is None:
+        return _decode_attention_16bit(q, kv_cache, blocks, bias, scale)
     kv = kv_cache.index_select(1, blocks.flatten()).view(2, num_seqs, -1, num_kv_heads, head_dim)  # [2, B, S, Nkv, D]
     if kv.dtype == torch.float32:
         keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Nkv, S, D]
@@ -225,6 +226,41 @@ def decode_attention(
         sink = sinks.to(scores.dtype).view(1, num_kv_heads, -1, 1).expand(num_seqs, -1, -1, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs, values).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+# keys per SDPA decode gather are rounded up to a multiple of this (see _decode_attention_16bit)
+_FLASH_KEY_MULTIPLE = 16
+
+
+def _decode_attention_16bit(
+    q: torch.Tensor,  # [B, Nq, D] 16-bit
+    kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D], q's dtype
+    blocks: torch.Tensor,  # [B, nb] int64
+    bias: torch.Tensor,  # [B, 1, 1, nb * page_size] float32
+    scale: float,
+) -> torch.Tensor:  # [B, Nq, D]
+    """decode_attention for 16-bit pages: SDPA's CPU flash kernel reads the gathered pages in place ([B, S, Nkv, D]
+    seen as [B, Nkv, S, D]; GQA without repeats) and accumulates in float32; the probabilities meet V rounded to
+    q's dtype, and the output is rounded once. No float32 copy of K/V (that copy and its matmuls were ~2/3 of a
+    b=8 SmolLM2 decode attention).
+
+    NOTE: batch invariance. The kernel splits the keys into blocks of 512 and, inside a block, vectorizes its exp
+    sums and scalings 16 floats at a time with a scalar tail (a tail element gets another exp): a key count that is
+    a multiple of 16 keeps every real key in the same lane at any padding, and a block of masked keys adds exact
+    zeros (its max is the running one, so the rescale is exp(0) = 1). Each (sequence, head) row is one thread's,
+    so the bits do not depend on the thread count. tests/models/test_decode_attention.py checks both."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, page_size = kv_cache.shape[3], kv_cache.shape[2]
+    more = 0  # whole pages more, repeating the last column, masked
+    while (blocks.shape[1] + more) * page_size % _FLASH_KEY_MULTIPLE:
+        more += 1
+    if more:
+        blocks = torch.cat([blocks, blocks[:, -1:].expand(-1, more)], dim=1)
+        bias = F.pad(bias, (0, more * page_size), value=float("-inf"))
+    kv = kv_cache.index_select(1, blocks.flatten()).view(2, num_seqs, -1, num_kv_heads, head_dim)  # [2, B, S, Nkv, D]
+    o = F.scaled_dot_product_attention(q[:, :, None], kv[0].transpose(1, 2), kv[1].transpose(1, 2), attn_mask=bias,
+                                       scale=scale, enable_gqa=num_heads > num_kv_heads)  # [B, Nq, 1, D]
+    return o.reshape(num_seqs, num_heads, head_dim)
 
 
 def _mask(
