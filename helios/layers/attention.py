@@ -145,8 +145,9 @@ class TorchAttentionBackend:
             num_blocks = (seq_len + page_size - 1) // page_size - first_block
             blocks = meta.block_tables[i, first_block : first_block + num_blocks].long()
             base = first_block * page_size
-            keys = kv_cache[0, blocks].flatten(0, 1)[key_start - base : seq_len - base]  # [S, Nkv, D]
-            values = kv_cache[1, blocks].flatten(0, 1)[key_start - base : seq_len - base]
+            # index_select, not kv_cache[0, blocks]: the same copy, ~2x faster on the CPU at a chunk's ~10 pages
+            keys = kv_cache[0].index_select(0, blocks).flatten(0, 1)[key_start - base : seq_len - base]  # [S, Nkv, D]
+            values = kv_cache[1].index_select(0, blocks).flatten(0, 1)[key_start - base : seq_len - base]
             mask = _mask(first_pos, end - start, key_start, seq_len, sliding_window, q.device)
             out[start:end] = _attend(q[start:end], keys, values, mask, scale, softcap, sinks)
         return out
