@@ -56,7 +56,7 @@ from helios.kernels.aot_shapes import (  # noqa: F401  (re-exported: the runtime
 
 INDEX_FILE = "index.json"
 KERNEL_MODULES = ("_triton", "activation", "csa_decode", "decode_qkv", "dsa_decode", "fused_moe", "gated_delta",
-                  "gated_norm", "gemv", "kda", "mamba", "mla_decode", "paged_attention", "prefetch", "prefill_attention",
+                  "gated_norm", "gemv", "kda", "mamba", "mhc", "mla_decode", "paged_attention", "prefetch", "prefill_attention",
                   "qsa_decode", "reshape_and_cache", "rmsnorm", "rotary", "rotary_cache", "sampling", "sparse_decode")
 
 

@@ -17,10 +17,10 @@ from helios.core.manifest import Architecture, MoeConfig
 from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.compressed_attention import CompressedAttention, InterleavedRope
 from helios.layers.linear import Embedding, Linear, linear, meta_parameter
-from helios.layers.mhc import ManifoldHyperConnection, expand_streams, weighted_sum
+from helios.kernels.mhc import hyper_head, hyper_head_ref
+from helios.layers.mhc import ManifoldHyperConnection
 from helios.layers.moe import SigmoidMoe, router_scores
 from helios.layers.norm import RMSNorm
-from helios.layers.recurrent import sigmoid
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -55,22 +55,21 @@ class DeepseekV4Moe(SigmoidMoe):
 
 class HyperHead(nn.Module):
     """HF's DeepseekV4HyperHead: the streams' weighted sum, weights sigmoid(scale * proj(unit-RMS streams) + bias)
-    + eps. Tensors bound: hc_head.proj.weight [S, S*H], hc_head.bias [S], hc_head.scale [1]."""
+    + eps. Tensors bound: hc_head.proj.weight [S, S*H], hc_head.bias [S], hc_head.scale [1]. fused:
+    helios.kernels.mhc.hyper_head (two launches) instead of the torch ops."""
 
-    def __init__(self, hidden_size: int, num_streams: int, eps: float, hc_eps: float) -> None:
+    def __init__(self, hidden_size: int, num_streams: int, eps: float, hc_eps: float, fused: bool = False) -> None:
         super().__init__()
         self.eps, self.hc_eps = eps, hc_eps
+        self.fused = fused
         self.proj = nn.Module()
         self.proj.weight = meta_parameter(num_streams, num_streams * hidden_size)
         self.bias = meta_parameter(num_streams)
         self.scale = meta_parameter(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, S, H] -> [T, H]
-        flat = x.reshape(x.shape[0], -1).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.eps)
-        mixes = linear(flat, self.proj.weight.float())
-        pre = sigmoid(mixes * self.scale.float() + self.bias.float()) + self.hc_eps
-        return weighted_sum(pre, x).to(x.dtype)
+        args = (x, self.proj.weight, self.bias, self.scale, self.eps, self.hc_eps)
+        return hyper_head(*args) if self.fused else hyper_head_ref(*args, linear=linear)
 
 
 class DeepseekV4Layer(nn.Module):
@@ -81,10 +80,10 @@ class DeepseekV4Layer(nn.Module):
         super().__init__()
         h, eps, c = arch.hidden_size, arch.rms_norm_eps, arch.compressed
         self.kind = c.layer_kinds[layer_idx]
-        self.attn_hc = ManifoldHyperConnection(h, arch.mhc, eps)
+        self.attn_hc = ManifoldHyperConnection(h, arch.mhc, eps, fused)
         self.attn_norm = RMSNorm(h, eps, multiply_in_float32=True)
         self.attn = CompressedAttention(h, arch.num_heads, arch.head_dim, self.kind, c, eps, switches, backend)
-        self.mlp_hc = ManifoldHyperConnection(h, arch.mhc, eps)
+        self.mlp_hc = ManifoldHyperConnection(h, arch.mhc, eps, fused)
         self.mlp_norm = RMSNorm(h, eps, multiply_in_float32=True)
         self.moe = DeepseekV4Moe(h, arch.moe, arch.vocab_size, layer_idx in arch.moe.hash_layers, arch.hidden_act,
                                  switches, arch.swiglu_limit, fused)
@@ -93,9 +92,9 @@ class DeepseekV4Layer(nn.Module):
                 meta: AttentionMetadata, ropes: dict[str, InterleavedRope]) -> torch.Tensor:  # [T, S, H] -> same
         post, comb, h = self.attn_hc(x)
         rope = ropes["main" if self.kind == "sliding" else "compress"]
-        x = expand_streams(x, self.attn(self.attn_norm(h), cache, meta, rope, ropes["compress"]), post, comb)
+        x = self.attn_hc.expand(x, self.attn(self.attn_norm(h), cache, meta, rope, ropes["compress"]), post, comb)
         post, comb, h = self.mlp_hc(x)
-        return expand_streams(x, self.moe(self.mlp_norm(h), token_ids), post, comb)
+        return self.mlp_hc.expand(x, self.moe(self.mlp_norm(h), token_ids), post, comb)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -121,10 +120,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                                         arch.max_position_embeddings, device),
         }
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: the MoE's and attention's kernels
+        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: the MoE's, attention's and mHC's kernels
         self.layers = nn.ModuleList(DeepseekV4Layer(arch, i, switches, fused, backend)
                                     for i in range(arch.num_layers))
-        self.hc_head = HyperHead(arch.hidden_size, self.num_streams, arch.rms_norm_eps, arch.mhc.eps)
+        self.hc_head = HyperHead(arch.hidden_size, self.num_streams, arch.rms_norm_eps, arch.mhc.eps, fused)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
                                                                     switches=switches)

@@ -20,7 +20,7 @@ from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.dsa import DsaAttention, Selection
 from helios.layers.kda import KimiDeltaAttention
 from helios.layers.linear import Embedding, Linear, linear
-from helios.layers.mhc import ManifoldHyperConnection, expand_streams
+from helios.layers.mhc import ManifoldHyperConnection
 from helios.layers.moe import SigmoidMoe
 from helios.layers.norm import RMSNorm
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -34,14 +34,14 @@ class Glm5NextLayer(nn.Module):
         super().__init__()
         h, eps, moe, limit = arch.hidden_size, arch.rms_norm_eps, arch.moe, arch.swiglu_limit
         self.is_linear = arch.layer_types[layer_idx] == "linear"
-        self.attn_hc = ManifoldHyperConnection(h, arch.mhc, eps)
+        self.attn_hc = ManifoldHyperConnection(h, arch.mhc, eps, fused)
         self.attn_norm = RMSNorm(h, eps)
         if self.is_linear:
             self.kda = KimiDeltaAttention(h, arch.recurrent, eps, switches, fused=fused)
         else:
             shared = layer_idx in arch.dsa.shared_layers
             self.mla = DsaAttention(h, arch.num_heads, arch.mla, arch.dsa, shared, switches, backend)
-        self.mlp_hc = ManifoldHyperConnection(h, arch.mhc, eps)
+        self.mlp_hc = ManifoldHyperConnection(h, arch.mhc, eps, fused)
         self.mlp_norm = RMSNorm(h, eps)
         if moe is None or layer_idx in moe.dense_layers:
             self.ffn_name = "mlp"
@@ -61,10 +61,10 @@ class Glm5NextLayer(nn.Module):
             y, selection = self.kda(h, cache, meta), None
         else:
             y, selection = self.mla(h, cache, meta, selection)
-        x = expand_streams(x, y, post, comb)
+        x = self.attn_hc.expand(x, y, post, comb)
         post, comb, h = self.mlp_hc(x)
         h = self.mlp_norm.forward_add(h, None, fused=self.fused_norms)[0]
-        return expand_streams(x, getattr(self, self.ffn_name)(h), post, comb), selection
+        return self.mlp_hc.expand(x, getattr(self, self.ffn_name)(h), post, comb), selection
 
 
 class Glm5NextForCausalLM(nn.Module):
@@ -86,7 +86,7 @@ class Glm5NextForCausalLM(nn.Module):
         self.path = "eager"
         self.num_streams = arch.mhc.num_streams
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
-        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's and the MoE's kernels
+        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: KDA's, the MoE's and mHC's kernels
         self.layers = nn.ModuleList(Glm5NextLayer(arch, i, switches, fused, backend) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
