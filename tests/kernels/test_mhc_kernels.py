@@ -21,8 +21,8 @@ def interpreter():
     require_interpreter()
 
 
-def tolerance(dtype: torch.dtype) -> dict:
-    return F32 if dtype == torch.float32 else BF16
+def tolerance(dtype: torch.dtype, f32: dict = F32) -> dict:
+    return f32 if dtype == torch.float32 else BF16
 
 
 def hyper_connection(num_streams: int, hidden: int, dtype: torch.dtype, device: str, iterations: int = 20,
@@ -46,7 +46,7 @@ def streams(num_tokens: int, num_streams: int, hidden: int, dtype: torch.dtype, 
 
 
 def check_pre_matches_the_layer(device: str, dtype: torch.dtype, num_tokens: int, num_streams: int = 4,
-                                hidden: int = 300, iterations: int = 20) -> None:
+                                hidden: int = 300, iterations: int = 20, f32: dict = F32) -> None:
     hc = hyper_connection(num_streams, hidden, dtype, device, iterations)
     x = streams(num_tokens, num_streams, hidden, dtype, device)
     want = hc(x)
@@ -55,15 +55,15 @@ def check_pre_matches_the_layer(device: str, dtype: torch.dtype, num_tokens: int
     names = ("post", "comb", "collapsed")
     for name, g, w in zip(names, got, want):
         assert g.shape == w.shape and g.dtype == w.dtype, name
-    torch.testing.assert_close(got[0], want[0], **F32)  # post and comb are float32 from float32 sums
-    torch.testing.assert_close(got[1], want[1], **F32)
-    torch.testing.assert_close(got[2], want[2], **tolerance(dtype))
+    torch.testing.assert_close(got[0], want[0], **f32)  # post and comb are float32 from float32 sums
+    torch.testing.assert_close(got[1], want[1], **f32)
+    torch.testing.assert_close(got[2], want[2], **tolerance(dtype, f32))
     columns = got[1].double().sum(-2)  # Sinkhorn ends on the columns: each sums to 1 (to its eps)
     torch.testing.assert_close(columns, torch.ones_like(columns), atol=1e-4, rtol=0)
 
 
 def check_expand_matches_the_layer(device: str, dtype: torch.dtype, num_tokens: int, num_streams: int = 4,
-                                   hidden: int = 300) -> None:
+                                   hidden: int = 300, f32: dict = F32) -> None:
     from helios.layers.mhc import expand_streams
 
     hc = hyper_connection(num_streams, hidden, dtype, device)
@@ -74,7 +74,7 @@ def check_expand_matches_the_layer(device: str, dtype: torch.dtype, num_tokens: 
     hc.fused = True
     got = hc.expand(x, y, post, comb)
     assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
-    torch.testing.assert_close(got, want, **tolerance(dtype))
+    torch.testing.assert_close(got, want, **tolerance(dtype, f32))
 
 
 def head_weights(num_streams: int, hidden: int, dtype: torch.dtype, device: str):
@@ -85,14 +85,14 @@ def head_weights(num_streams: int, hidden: int, dtype: torch.dtype, device: str)
 
 
 def check_head_matches_the_reference(device: str, dtype: torch.dtype, num_tokens: int, num_streams: int = 4,
-                                     hidden: int = 300) -> None:
+                                     hidden: int = 300, f32: dict = F32) -> None:
     from helios.kernels.mhc import hyper_head, hyper_head_ref
 
     x = streams(num_tokens, num_streams, hidden, dtype, device)
     args = (x, *head_weights(num_streams, hidden, dtype, device), 1e-6, 1e-6)
     got = hyper_head(*args)
     assert got.shape == (num_tokens, hidden) and got.dtype == dtype
-    torch.testing.assert_close(got, hyper_head_ref(*args), **tolerance(dtype))
+    torch.testing.assert_close(got, hyper_head_ref(*args), **tolerance(dtype, f32))
 
 
 def check_batched_equals_alone(device: str, dtype: torch.dtype, num_tokens: int = 6, num_streams: int = 4,
