@@ -110,9 +110,9 @@ class TorchAttentionBackend:
     """Reference backend for CPU (and any device): gather each sequence's pages, then SDPA.
 
     Decode rows (a sequence with one query token) without a soft-cap, in float32 or in any dtype on the CPU,
-    attend together over one padded gather (`decode_attention`, in float32), in a decode-only step and beside
-    the prompt chunks of a mixed one alike (so a decode token's logits do not depend on what shares its step);
-    the prompt chunks loop over sequences.
+    attend together over one padded gather (`decode_attention`: in float32, or SDPA's flash kernel for 16-bit
+    pages on the CPU), in a decode-only step and beside the prompt chunks of a mixed one alike (so a decode
+    token's logits do not depend on what shares its step); the prompt chunks loop over sequences.
     Keys older than the sliding window are not gathered at all, so a sliding layer's cost stays
     bounded by the window rather than the context.
     """
