@@ -1,8 +1,8 @@
 """Manifold-constrained hyper-connections (mHC) for the GPU path: the ~150 torch kernels around each sublayer as three
 launches, graph-safe (no host sync, buffers sized from shapes). `mhc_pre`: `_mix_kernel` (split-K products of the
 flat streams with the projection, any weight dtype read as float32, and the split's sum of squares), then
-`_pre_kernel` (per token: the fixed-order reduce of the splits, the RMS factor, the sigmoids, the softmax, the
-Sinkhorn iterations on the S x S matrix in registers, the collapse of the streams); `hyper_head` is the same pair
+`_pre_kernel` (per token and block of H: the fixed-order reduce of the splits, the RMS factor, the sigmoids; in the
+first block the softmax and the Sinkhorn iterations on the S x S matrix in registers; the block's collapse); `hyper_head` is the same pair
 without post and comb (deepseek_v4's head); `mhc_expand` (post * y + comb^T x). Every token's values come from its
 own row in an order fixed by the shapes (never the batch): batched tokens give each one's bits alone.
 Imports torch and helios.kernels._triton only; the `*_ref` functions are the torch path helios.layers.mhc runs.
@@ -26,7 +26,7 @@ from helios.kernels._triton import (
 MIX_BLOCK_T = 4  # tokens per mix program: fixed, so a token's sums never depend on the batch
 MIX_CHUNK = 256  # flat columns per split (S*H = 16384: 64 splits at one token)
 MIX_BLOCK_K = 32
-EXPAND_BLOCK_H = 512
+COLUMN_BLOCK = 512  # hidden columns per collapse / expand program
 
 
 @jit
@@ -96,7 +96,7 @@ def _pre_kernel(
     scale_ptr,  # [3] (pre, post, comb), or [1] without HAS_MIX
     post_ptr,  # [T, S] float32 out (HAS_MIX)
     comb_ptr,  # [T, S, S] float32 out (HAS_MIX)
-    out_ptr,  # [T, H] out: sum_s pre_s x_s in the out dtype
+    out_ptr,  # [T, H] out: sum_s pre_s x_s in the out dtype (this program's BLOCK_H columns)
     num_splits,
     H,
     stride_x,
@@ -115,7 +115,6 @@ def _pre_kernel(
     t = tl.program_id(0).to(tl.int64)
     ps = tl.arange(0, SPLITS_PAD)
     i = tl.arange(0, S_PAD)
-    j = tl.arange(0, S_PAD)
     split_mask = ps < num_splits
     stream_mask = i < S
     base = partial_ptr + t * num_splits * BLOCK_N + ps * BLOCK_N  # [SPLITS_PAD] each split's row
@@ -129,33 +128,45 @@ def _pre_kernel(
                    axis=0)
     pre = _sigmoid(pre_w * r * scale_pre + pre_b) + hc_eps  # [S_PAD]
     if HAS_MIX:
-        post_w = tl.sum(tl.load(base[:, None] + S + i[None, :], mask=split_mask[:, None] & stream_mask[None, :],
-                                other=0.0), axis=0)
-        post_b = tl.load(bias_ptr + S + i, mask=stream_mask, other=0.0).to(tl.float32)
-        post = 2.0 * _sigmoid(post_w * r * tl.load(scale_ptr + 1).to(tl.float32) + post_b)
-        tl.store(post_ptr + t * S + i, post, mask=stream_mask)
-        ij = i[:, None] * S + j[None, :]  # [S_PAD, S_PAD] comb[i, j]'s column among the comb logits
-        valid = stream_mask[:, None] & (j < S)[None, :]
-        comb_w = tl.sum(tl.load(base[:, None, None] + 2 * S + ij[None, :, :],
-                                mask=split_mask[:, None, None] & valid[None, :, :], other=0.0), axis=0)
-        comb_b = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0).to(tl.float32)
-        logits = tl.where(valid, comb_w * r * tl.load(scale_ptr + 2).to(tl.float32) + comb_b, -1.0e30)
-        e = tl.where(valid, tl.exp(logits - tl.max(logits, axis=1)[:, None]), 0.0)
-        comb = tl.where(valid, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
+        if tl.program_id(1) == 0:  # post and comb once per token; every H block recomputes pre (S sums)
+            _post_and_comb(base, split_mask, bias_ptr, scale_ptr, post_ptr, comb_ptr, t, r, hc_eps, num_iters, S,
+                           S_PAD)
+    # the collapse of this H block in stream order, as helios.kernels.mhc.weighted_sum_ref chains it
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = hs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for m in tl.static_range(S):
+        w_m = tl.sum(tl.where(i == m, pre, 0.0), axis=0)
+        acc += w_m * tl.load(x_ptr + t * stride_x + m * H + hs, mask=h_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + hs, _round(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=h_mask)
+
+
+@jit
+def _post_and_comb(base, split_mask, bias_ptr, scale_ptr, post_ptr, comb_ptr, t, r, hc_eps, num_iters,
+                   S: tl.constexpr, S_PAD: tl.constexpr):
+    """A token's post (2 sigmoid) and comb (softmax rows, then Sinkhorn: columns, then rows and columns per
+    iteration) from its splits' sums (`base`: [SPLITS_PAD] pointers to each split's row) times the RMS factor r."""
+    i = tl.arange(0, S_PAD)
+    j = tl.arange(0, S_PAD)
+    stream_mask = i < S
+    post_w = tl.sum(tl.load(base[:, None] + S + i[None, :], mask=split_mask[:, None] & stream_mask[None, :],
+                            other=0.0), axis=0)
+    post_b = tl.load(bias_ptr + S + i, mask=stream_mask, other=0.0).to(tl.float32)
+    post = 2.0 * _sigmoid(post_w * r * tl.load(scale_ptr + 1).to(tl.float32) + post_b)
+    tl.store(post_ptr + t * S + i, post, mask=stream_mask)
+    ij = i[:, None] * S + j[None, :]  # [S_PAD, S_PAD] comb[i, j]'s column among the comb logits
+    valid = stream_mask[:, None] & (j < S)[None, :]
+    comb_w = tl.sum(tl.load(base[:, None, None] + 2 * S + ij[None, :, :],
+                            mask=split_mask[:, None, None] & valid[None, :, :], other=0.0), axis=0)
+    comb_b = tl.load(bias_ptr + 2 * S + ij, mask=valid, other=0.0).to(tl.float32)
+    logits = tl.where(valid, comb_w * r * tl.load(scale_ptr + 2).to(tl.float32) + comb_b, -1.0e30)
+    e = tl.where(valid, tl.exp(logits - tl.max(logits, axis=1)[:, None]), 0.0)
+    comb = tl.where(valid, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(num_iters - 1):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        for _ in range(num_iters - 1):
-            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-            comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-        tl.store(comb_ptr + t * S * S + ij, comb, mask=valid)
-    # the collapse in stream order, as helios.layers.mhc.weighted_sum chains it
-    for h0 in range(0, H, BLOCK_H):
-        hs = h0 + tl.arange(0, BLOCK_H)
-        h_mask = hs < H
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for m in tl.static_range(S):
-            w_m = tl.sum(tl.where(i == m, pre, 0.0), axis=0)
-            acc += w_m * tl.load(x_ptr + t * stride_x + m * H + hs, mask=h_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * H + hs, _round(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=h_mask)
+    tl.store(comb_ptr + t * S * S + ij, comb, mask=valid)
 
 
 @jit
@@ -218,8 +229,8 @@ def _collapse(x, weight, bias, scale, eps, hc_eps, num_iters, has_mix):
     _mix_kernel[(cdiv(t, MIX_BLOCK_T), num_splits)](
         x, weight, partials, t, k, n, num_splits, x.stride(0), weight.stride(0), BLOCK_T=MIX_BLOCK_T,
         BLOCK_N=block_n, BLOCK_K=MIX_BLOCK_K, CHUNK=MIX_CHUNK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
-    block_h = min(next_power_of_2(h), 1024)
-    _pre_kernel[(t,)](
+    block_h = min(next_power_of_2(h), COLUMN_BLOCK)
+    _pre_kernel[(t, cdiv(h, block_h))](
         x, partials, bias, scale, post, comb, out, num_splits, h, x.stride(0), eps, hc_eps, num_iters, S=s, N_COLS=n,
         S_PAD=max(2, next_power_of_2(s)), SPLITS_PAD=max(2, next_power_of_2(num_splits)), BLOCK_N=block_n,
         BLOCK_H=block_h, HAS_MIX=has_mix, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
@@ -263,7 +274,7 @@ def mhc_expand(
     out = torch.empty(t, s, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    block_h = min(next_power_of_2(h), EXPAND_BLOCK_H)
+    block_h = min(next_power_of_2(h), COLUMN_BLOCK)
     pdl = use_pdl(x, t)
     _expand_kernel[(t, cdiv(h, block_h))](x, y, post, comb, out, h, x.stride(0), y.stride(0), S=s, BLOCK_H=block_h,
                                           USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
