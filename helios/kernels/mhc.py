@@ -2,10 +2,11 @@
 launches, graph-safe (no host sync, buffers sized from shapes). `mhc_pre`: `_mix_kernel` (split-K products of the
 flat streams with the projection, any weight dtype read as float32, and the split's sum of squares), then
 `_pre_kernel` (per token and block of H: the fixed-order reduce of the splits, the RMS factor, the sigmoids; in the
-first block the softmax and the Sinkhorn iterations on the S x S matrix in registers; the block's collapse); `hyper_head` is the same pair
-without post and comb (deepseek_v4's head); `mhc_expand` (post * y + comb^T x). Every token's values come from its
-own row in an order fixed by the shapes (never the batch): batched tokens give each one's bits alone.
-Imports torch and helios.kernels._triton only; the `*_ref` functions are the torch path helios.layers.mhc runs.
+first block the softmax and the Sinkhorn iterations on the S x S matrix in registers; the block's collapse);
+`hyper_head` is the same pair without post and comb (deepseek_v4's head); `mhc_expand` (post * y + comb^T x). Every
+token's values come from its own row in an order fixed by the shapes (never the batch): batched tokens give each
+one's bits alone. Imports torch and helios.kernels._triton only; the `*_ref` functions are the torch path
+helios.layers.mhc runs.
 """
 
 from __future__ import annotations

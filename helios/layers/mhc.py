@@ -1,11 +1,10 @@
-"""Manifold-constrained hyper-connections (mHC, glm5_next): the residual stream is S streams of the hidden size,
-[T, S, H]; before a sublayer one projection of the normed streams gives per token the collapse weights (pre), the
-expansion weights (post) and a doubly stochastic mix of the streams (comb, Sinkhorn); after it the streams become
-post * y + comb^T x (helios.core.manifest.MhcConfig). The torch path is helios.kernels.mhc's references; `fused`
-(the Triton backend) takes its kernels: three launches per sublayer instead of ~150 torch kernels. qwen4_exp's gated
-residual (hyper_connections.py) is another scheme: no mix matrix, no Sinkhorn. Imports torch, helios.layers and
-helios.kernels.mhc only.
-"""
+"""Manifold-constrained hyper-connections (mHC: glm5_next, deepseek_v4): the residual stream is S streams of the
+hidden size, [T, S, H]; before a sublayer one projection of the normed streams gives per token the collapse weights
+(pre), the expansion weights (post) and a doubly stochastic mix of the streams (comb, Sinkhorn); after it the streams
+become post * y + comb^T x (helios.core.manifest.MhcConfig). The torch path is helios.kernels.mhc's references;
+`fused` (the Triton backend) takes its kernels: three launches per sublayer instead of ~150 torch kernels. qwen4_exp's
+gated residual (hyper_connections.py) is another scheme: no mix matrix, no Sinkhorn. Imports torch, helios.core,
+helios.layers and helios.kernels.mhc only."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ from torch import nn
 
 from helios.core.manifest import MhcConfig
 from helios.kernels import mhc as mhc_kernels
-from helios.kernels.mhc import mhc_expand_ref as expand_streams  # noqa: F401  (the torch path's expansion)
-from helios.kernels.mhc import weighted_sum_ref as weighted_sum  # noqa: F401  (also deepseek_v4's head)
 from helios.layers.linear import linear, meta_parameter
 
 
@@ -52,4 +49,4 @@ class ManifoldHyperConnection(nn.Module):
         comb: torch.Tensor,  # [T, S, S] float32
     ) -> torch.Tensor:  # [T, S, H] in x's dtype
         """Stream n becomes post_n y + sum_m comb_mn x_m (helios.kernels.mhc.mhc_expand_ref)."""
-        return (mhc_kernels.mhc_expand if self.fused else expand_streams)(x, y, post, comb)
+        return (mhc_kernels.mhc_expand if self.fused else mhc_kernels.mhc_expand_ref)(x, y, post, comb)

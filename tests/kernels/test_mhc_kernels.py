@@ -64,13 +64,13 @@ def check_pre_matches_the_layer(device: str, dtype: torch.dtype, num_tokens: int
 
 def check_expand_matches_the_layer(device: str, dtype: torch.dtype, num_tokens: int, num_streams: int = 4,
                                    hidden: int = 300, f32: dict = F32) -> None:
-    from helios.layers.mhc import expand_streams
+    from helios.kernels.mhc import mhc_expand_ref
 
     hc = hyper_connection(num_streams, hidden, dtype, device)
     x = streams(num_tokens, num_streams, hidden, dtype, device)
     post, comb, _ = hc(x)
     y = streams(num_tokens, 1, hidden, dtype, device, seed=2)[:, 0]
-    want = expand_streams(x, y, post, comb)
+    want = mhc_expand_ref(x, y, post, comb)
     hc.fused = True
     got = hc.expand(x, y, post, comb)
     assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
