@@ -149,6 +149,8 @@ def count(family: str, batch: int) -> tuple[Counter, Counter]:
                 mode.kinds[id(layer)] = layer_kind(arch, layer, i)
                 layers_by_kind[mode.kinds[id(layer)]] += 1
             graphs.buffers.pad_all()
+            graphs._forward(batch, graphs.graph_splits(batch)[0])  # the warm-up a capture runs first (it makes
+            mode.counts.clear()  # the layers' cached constants), then the computation it records
             with mode:
                 graphs._forward(batch, graphs.graph_splits(batch)[0])
     finally:

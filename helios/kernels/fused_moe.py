@@ -226,6 +226,26 @@ def moe_align(
     return sorted_ids, block_experts, num_rows
 
 
+_ONE_TOKEN_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def one_token_align(topk_ids: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align's three tensors for one token without a launch: its k experts are distinct, so each entry is its
+    own expert's run (block j holds entry j, its expert ids[j]); the rows and the row count are constants of
+    (k, block_m), made once per device (at a graph's warm-up, before its capture), and the block experts are a
+    view of the ids. The GEMMs then read what moe_align would have given them (same rows, so the same values)."""
+    assert topk_ids.shape[0] == 1, "one token's ids [1, k]"
+    top_k, device = topk_ids.shape[1], topk_ids.device
+    key = (device, top_k, block_m)
+    if key not in _ONE_TOKEN_LAYOUTS:
+        sorted_ids = torch.full((top_k, block_m), top_k, dtype=torch.int32, device=device)
+        sorted_ids[:, 0] = torch.arange(top_k, dtype=torch.int32, device=device)
+        _ONE_TOKEN_LAYOUTS[key] = (sorted_ids.flatten(), torch.full((1,), top_k * block_m, dtype=torch.int32,
+                                                                     device=device))
+    sorted_ids, num_rows = _ONE_TOKEN_LAYOUTS[key]
+    return sorted_ids, topk_ids.reshape(-1).to(torch.int32), num_rows
+
+
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """moe_align in torch (a stable sort, counts by scatter-add: no host sync either); the same three tensors."""
     flat = topk_ids.reshape(-1).long()
@@ -417,7 +437,10 @@ def expert_outputs(
     if num_entries == 0:
         return x.new_empty(0, w_down.shape[1])
     cfg = gemm_config(num_entries)
-    align = moe_align(topk_ids, w_in.shape[0], cfg["BLOCK_M"])
+    if topk_ids.shape[0] == 1:  # batch-1 decode: no sort to do, one launch fewer
+        align = one_token_align(topk_ids, cfg["BLOCK_M"])
+    else:
+        align = moe_align(topk_ids, w_in.shape[0], cfg["BLOCK_M"])
     h = expert_gemm(x, w_in, align, num_entries, topk_ids.shape[1], act, limit, clamp_after_act, alpha, cfg)
     return expert_gemm(h, w_down, align, num_entries, 1, config=cfg)
 
@@ -455,10 +478,16 @@ def _combine_kernel(
     y_ptr,  # [T*k, W]
     weights_ptr,  # [T, k]
     ids_ptr,  # [T, k] expert ids
+    shared_ptr,  # [T, W] the shared expert's output (read with HAS_SHARED)
+    gate_ptr,  # [T, 1] its gate's logit (read with SHARED_GATED)
     out_ptr,  # [T, W] out
     width,
+    stride_shared,
+    stride_gate,
     TOP_K: tl.constexpr,
     K_POW2: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    SHARED_GATED: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -474,6 +503,13 @@ def _combine_kernel(
         y = tl.load(y_ptr + (t * TOP_K + j) * width + cols, mask=mask, other=0.0).to(tl.float32)
         acc = _round(acc + _round(w * y, out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
         ids = tl.where(k == j, 2**30, ids)
+    if HAS_SHARED:  # routed + shared, or routed + sigmoid(gate) * shared: each op rounded as torch's
+        shared = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
+        if SHARED_GATED:
+            g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
+            scale = _round(1.0 / (1.0 + tl.exp(-g)), out_ptr.dtype.element_ty)
+            shared = _round(scale * shared, out_ptr.dtype.element_ty)
+        acc = _round(acc + shared, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -481,23 +517,37 @@ def moe_combine(
     y: torch.Tensor,  # [T*k, W] contiguous
     weights: torch.Tensor,  # [T, k]
     topk_ids: torch.Tensor,  # [T, k]
+    shared: torch.Tensor | None = None,  # [T, W] in y's dtype: a shared expert's output every token adds
+    shared_gate: torch.Tensor | None = None,  # [T, 1]: its gate's logit (shared scaled by sigmoid of it)
 ) -> torch.Tensor:  # [T, W] in y's dtype
     """out[t] = the sum over slots j of weights[t, j] * y[t*k + j], as helios.layers.moe's torch loop (and HF's) adds
-    it: slots in expert-id order, each product and each partial sum rounded to y's dtype (exact in float32)."""
+    it: slots in expert-id order, each product and each partial sum rounded to y's dtype (exact in float32); then
+    `+ shared` or `+ sigmoid(shared_gate) * shared` in the same launch, each op rounded as torch rounds it."""
     require_triton()
     num_tokens, top_k = weights.shape
     width = y.shape[1]
     assert y.is_contiguous() and y.shape[0] == num_tokens * top_k, f"y {tuple(y.shape)}, weights {tuple(weights.shape)}"
+    assert shared is not None or shared_gate is None, "a shared gate needs the shared expert's output"
+    if shared is not None:
+        assert shared.shape == (num_tokens, width) and shared.dtype == y.dtype, f"shared {tuple(shared.shape)}"
+        check_last_dim_contiguous("shared", shared)
+    if shared_gate is not None:
+        assert shared_gate.shape == (num_tokens, 1), f"shared_gate {tuple(shared_gate.shape)}"
     out = torch.empty(num_tokens, width, dtype=y.dtype, device=y.device)
     if num_tokens == 0:
         return out
     block_w = min(1024, next_power_of_2(width))
-    _combine_kernel[(num_tokens, cdiv(width, block_w))](y, weights.contiguous(), topk_ids.contiguous(), out, width,
-                                                        TOP_K=top_k, K_POW2=next_power_of_2(top_k), BLOCK_W=block_w)
+    _combine_kernel[(num_tokens, cdiv(width, block_w))](
+        y, weights.contiguous(), topk_ids.contiguous(), shared if shared is not None else y,
+        shared_gate if shared_gate is not None else y, out, width,
+        shared.stride(0) if shared is not None else 0, shared_gate.stride(0) if shared_gate is not None else 0,
+        TOP_K=top_k, K_POW2=next_power_of_2(top_k), HAS_SHARED=shared is not None,
+        SHARED_GATED=shared_gate is not None, BLOCK_W=block_w)
     return out
 
 
-def moe_combine_ref(y: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def moe_combine_ref(y: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,
+                    shared: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None) -> torch.Tensor:
     num_tokens, top_k = weights.shape
     order = topk_ids.long().argsort(dim=1)
     terms = (y.float().view(num_tokens, top_k, -1) * weights.float()[..., None]).to(y.dtype)
@@ -505,4 +555,6 @@ def moe_combine_ref(y: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tens
     out = torch.zeros(num_tokens, y.shape[1], dtype=y.dtype, device=y.device)
     for j in range(top_k):
         out = out + terms[:, j]
+    if shared is not None:
+        out = out + (shared if shared_gate is None else torch.sigmoid(shared_gate) * shared)
     return out

@@ -93,15 +93,17 @@ class SparseMoe(RoutedMoe):
             out.index_add_(0, token, h.to(out.dtype))
         return out
 
-    def _forward_fused(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
+    def _forward_fused(self, x: torch.Tensor, logits: torch.Tensor, shared: torch.Tensor | None = None,
+                       shared_gate: torch.Tensor | None = None) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
         """route's choice and weights (rounded to the logits' dtype, as route returns them) in one launch, then
-        the experts' products and their weighted sum (float32) on the device."""
+        the experts' products and their weighted sum (float32) on the device; a shared expert's output (scaled by
+        sigmoid(shared_gate)) added by the same combine launch."""
         from helios.kernels import fused_moe
 
         weights, experts = fused_moe.moe_route(logits, self.top_k, renorm=self.norm_topk_prob,
                                                weights_dtype=logits.dtype)
         y = fused_moe.expert_outputs(x.contiguous(), experts, self.gate_up.weight, self.down.weight, self.act)
-        return fused_moe.moe_combine(y, weights, experts)
+        return fused_moe.moe_combine(y, weights, experts, shared, shared_gate)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -228,6 +230,8 @@ class SigmoidMoe(RoutedMoe):
         h = self.latent_in(x) if m.latent_size else x
         if m.latent_norms:
             h = self.latent_norm(h)
+        if self.fused and self.shared is not None and not m.latent_size:  # the shared add rides in the combine
+            return self._experts_fused(h, weights, experts, self.shared(x))
         routed = self._experts(h, weights, experts)
         if m.latent_size:
             routed = self.latent_out(routed)
@@ -277,7 +281,8 @@ class SigmoidMoe(RoutedMoe):
         h = linear(h, self.down.weight[e])
         return self.expert_norm(h) if self.moe.latent_norms else h
 
-    def _experts_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _experts_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                       shared: torch.Tensor | None = None) -> torch.Tensor:  # shared: [T, W] added by the combine
         from helios.kernels import fused_moe
 
         w_in = self.up.weight if self.act == "relu2" else self.gate_up.weight
@@ -285,4 +290,4 @@ class SigmoidMoe(RoutedMoe):
                                      self.clamp_after_act, self.alpha)  # [T*k, W]
         if self.moe.latent_norms:  # each expert's output is normed before its weight applies
             y = self.expert_norm(y)
-        return fused_moe.moe_combine(y, weights, experts)
+        return fused_moe.moe_combine(y, weights, experts, shared)

@@ -35,7 +35,10 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., dim]
 class RMSNorm(nn.Module):
     """Holds `weight` [dim] (bound from the core) and applies `rms_norm`; with scale_first, norm(x * weight) instead
     (muse_spark's input-scaled norm: the product in float32, rounded to x's dtype, then normalized; forward only,
-    the fused forward_add kernels do not know this order)."""
+    the fused forward_add kernels do not know this order). With `kernel` (helios.models.use_layer_kernels: a model on
+    the Triton backend) forward runs helios.kernels.rmsnorm's one launch where its output is torch's dtype, else torch's five."""
+
+    kernel = False
 
     def __init__(self, dim: int, eps: float, multiply_in_float32: bool = False, scale_first: bool = False):
         super().__init__()
@@ -48,7 +51,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
         if self.scale_first:
             return rms_normalize((x.float() * self.weight.float()).to(x.dtype), self.eps)
+        if self.kernel and self._kernel_takes(x):
+            from helios.kernels.rmsnorm import rms_norm as rms_norm_kernel
+
+            return rms_norm_kernel(x, self.weight, self.eps, self.multiply_in_float32)
         return rms_norm(x, self.weight, self.eps, self.multiply_in_float32)
+
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        """Whether the kernel gives what rms_norm gives: rows of a 2-d or 3-d tensor with unit last stride, and an
+        output in x's dtype (torch's 16-bit x times a float32 weight, unless multiplied in float32, is float32)."""
+        return (x.dim() in (2, 3) and x.stride(-1) == 1 and self.weight.is_contiguous()
+                and (self.multiply_in_float32 or self.weight.dtype == x.dtype))
 
     def forward_add_gemv(
         self,

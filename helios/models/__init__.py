@@ -15,6 +15,8 @@ from torch import nn
 
 from helios.core.manifest import Architecture
 from helios.layers.attention import AttentionMetadata, select_attention_backend
+from helios.layers.activation import GatedMLP
+from helios.layers.norm import RMSNorm
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 # family -> "module:Class"
@@ -89,11 +91,27 @@ def build_model(
     model_dtype = dtype or tensors["embed.weight"].dtype  # the activations' (the path's GEMV rule reads it)
     parallel = {} if tp is None else {"tp": tp}  # only the families that shard take it
     model = cls(arch, backend, device, dtype=model_dtype, switches=switches, norms_folded=norms_folded, **parallel)
+    use_layer_kernels(model, getattr(backend, "fuses_layers", False))
     for name, module in (replace or {}).items():
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, module)
     bind_tensors(model, tensors, device, dtype)
     return model.eval()
+
+
+def use_layer_kernels(model: nn.Module, on: bool) -> None:
+    """On the Triton backend (on), every RMSNorm and gated MLP of the model, whoever built it, takes its Triton
+    launch: the norm's one kernel for torch's five, the MLP's activation inside its down GEMV (batch 1) or one
+    act-and-mul kernel, not two torch ops (a decode graph's kernel count is what a batch-1 GPU step pays for:
+    benchmarks/decode_launches.py). Same values (each module's docstring). Off leaves the modules as built."""
+    if not on:
+        return
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = True
+        elif isinstance(module, GatedMLP):
+            # its constructor's rule; the kernels know silu and gelu_tanh
+            module.fused = module.limit is None and module.alpha is None and module.act in ("silu", "gelu_tanh")
 
 
 def model_class(family: str) -> type:

@@ -41,6 +41,8 @@ class SharedExpertMoe(SparseMoe):
         add_shared_expert(self, arch, switches)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        if self.fused:  # the gated shared expert added by the experts' combine launch (same roundings)
+            return self._forward_fused(x, self.router(x), self.shared(x), self.shared_gate(x))
         return plus_shared_expert(self, x, super().forward(x))
 
 

@@ -19,7 +19,7 @@ import torch
 from helios.kernels._triton import meta_as_gpu
 from helios.layers.attention import select_attention_backend
 from helios.layers.rotary import tabulate_rope
-from helios.models import bind_tensors, float32_kept, model_class
+from helios.models import bind_tensors, float32_kept, model_class, use_layer_kernels
 from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
 from helios.runner.input_batch import max_table_blocks
 from helios.runner.kv_cache import KVCache
@@ -64,6 +64,7 @@ def meta_model(arch, dtype: torch.dtype, switches: Switches = DEFAULT_SWITCHES) 
     weight's dtype: a change there must be mirrored here)."""
     backend = select_attention_backend("triton", _META, switches)
     model = model_class(arch.family)(arch, backend, _META, dtype=dtype, switches=switches, norms_folded=False)
+    use_layer_kernels(model, getattr(backend, "fuses_layers", False))  # as helios.models.build_model
 
     kept = float32_kept(model)
     tensors = {name: torch.empty(p.shape, dtype=torch.float32 if name in kept else dtype, device=_META)

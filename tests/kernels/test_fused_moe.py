@@ -143,3 +143,45 @@ def test_a_prefill_batch_takes_the_wide_blocks():
     w_down = torch.randn(8, HIDDEN, INTER, generator=g) / INTER**0.5
     got = fused_moe.expert_outputs(x, ids, w_in, w_down, "silu")
     torch.testing.assert_close(got, fused_moe.expert_outputs_ref(x, ids, w_in, w_down, "silu"), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_combine_adds_a_shared_expert_as_torch_does(dtype, gated):
+    """moe_combine's shared term (SigmoidMoe's `routed + shared`, qwen3_5_moe's `routed + sigmoid(gate) * shared`)
+    in the combine launch: torch's result with each op rounded as torch rounds it (bf16: the same bits)."""
+    num_tokens, top_k = 5, 3
+    gen = torch.Generator().manual_seed(7)
+    y = torch.randn(num_tokens * top_k, HIDDEN, generator=gen).to(dtype)
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(num_tokens)]).to(torch.int32)
+    shared = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
+    gate = torch.randn(num_tokens, 1, generator=gen).to(dtype) if gated else None
+    got = fused_moe.moe_combine(y, weights, ids, shared, gate)
+    want = fused_moe.moe_combine_ref(y, weights, ids, shared, gate)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    without = fused_moe.moe_combine(y, weights, ids)
+    assert not torch.allclose(got, without)  # the shared term is there
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_takes_no_sort_and_the_sorted_path_values(dtype):
+    """Batch-1 decode skips moe_align (one_token_align: each entry its own block, constants and a view of the ids):
+    the experts' outputs are the sorted layout's, bit for bit, and the constants are made once."""
+    num_experts, top_k = 8, 3
+    gen = torch.Generator().manual_seed(3)
+    x = inputs(1, dtype)
+    w_in = (torch.randn(num_experts, 2 * INTER, HIDDEN, generator=gen) / HIDDEN ** 0.5).to(dtype)
+    w_down = (torch.randn(num_experts, HIDDEN, INTER, generator=gen) / INTER ** 0.5).to(dtype)
+    ids = torch.tensor([[6, 1, 4]], dtype=torch.int32)
+    cfg = fused_moe.gemm_config(top_k)
+    sorted_layout = fused_moe.moe_align(ids, num_experts, cfg["BLOCK_M"])
+    h = fused_moe.expert_gemm(x, w_in, sorted_layout, top_k, top_k, "silu", config=cfg)
+    want = fused_moe.expert_gemm(h, w_down, sorted_layout, top_k, 1, config=cfg)
+    assert torch.equal(fused_moe.expert_outputs(x, ids, w_in, w_down, "silu"), want)
+    first = fused_moe.one_token_align(ids, cfg["BLOCK_M"])
+    again = fused_moe.one_token_align(torch.tensor([[2, 0, 7]], dtype=torch.int32), cfg["BLOCK_M"])
+    assert first[0] is again[0] and first[2] is again[2] and again[1].tolist() == [2, 0, 7]
