@@ -18,6 +18,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -58,6 +59,9 @@ from helios.runner.logprobs import logprobs_for, prompt_logprobs_for
 from helios.runner.norm_folding import fold_norm_weights, foldable, should_fold
 from helios.runner.sampler import SamplerState, draw_logits, sample, sample_device
 from helios.switches import DEFAULT_SWITCHES, Switches
+
+if TYPE_CHECKING:  # imported where graphs are built, as before
+    from helios.runner.cuda_graphs import GraphRunner
 
 
 DEFAULT_DECODE_BUCKETS = [1, 2, 4, 8] + list(range(16, 257, 16))  # when no graph plan is given
@@ -466,6 +470,28 @@ class ModelRunner:
         self.background_kernels_jit += len(jit.names)
         return self.has_pending_captures
 
+    def make_graphs(self, buckets: list[int], *, lazy: bool = False, capture: bool = True) -> GraphRunner:
+        """A GraphRunner over this runner's model, caches, limits, window group and state scratch row: the one
+        construction, so a test's graphs are the ones start-up builds. capture=False records nothing (its `run`
+        calls the captured function eagerly: CPU tests attach it as `graphs`); lazy: see GraphRunner."""
+        from helios.runner.cuda_graphs import GraphRunner
+
+        return GraphRunner(
+            self.model,
+            self.kv_cache,
+            buckets=buckets,
+            max_model_len=self.max_model_len,
+            page_size=self.page_size,
+            vocab_size=self.arch.vocab_size,
+            num_kv_heads=self.arch.num_kv_heads,
+            device=self.device,
+            capture=capture,
+            lazy=lazy,
+            window=self.window,
+            state_scratch=self.scratch_slot,
+            layer_caches=self.layer_caches,
+        )
+
     def _build_graphs(self, graph_plan: GraphPlan | None, cuda_graphs: bool, lazy: bool):
         if self.device.type != "cuda":
             self.startup.graphs = "CPU"
@@ -477,7 +503,7 @@ class ModelRunner:
             self.startup.graphs = "tensor parallel"
             return None
         from helios.kernels.aot import JitCounter
-        from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
+        from helios.runner.cuda_graphs import unsupported_reason
 
         reason = unsupported_reason(self.model, self.arch, self.device)
         if reason is not None:
@@ -485,20 +511,7 @@ class ModelRunner:
             warnings.warn(f"CUDA graphs off: {reason}", stacklevel=3)
             return None
         with JitCounter() as jit:
-            graphs = GraphRunner(
-                self.model,
-                self.kv_cache,
-                buckets=graph_plan.decode_buckets if graph_plan else DEFAULT_DECODE_BUCKETS,
-                max_model_len=self.max_model_len,
-                page_size=self.page_size,
-                vocab_size=self.arch.vocab_size,
-                num_kv_heads=self.arch.num_kv_heads,
-                device=self.device,
-                lazy=lazy,
-                window=self.window,
-                state_scratch=self.scratch_slot,
-                layer_caches=self.layer_caches,
-            )
+            graphs = self.make_graphs(graph_plan.decode_buckets if graph_plan else DEFAULT_DECODE_BUCKETS, lazy=lazy)
         self.startup.num_graphs = graphs.num_graphs
         self.startup.num_pending = len(graphs.pending)
         self.startup.kernels_jit = len(jit.names)

@@ -76,7 +76,6 @@ def real_equals_meta(core_dir: Path, dtype: str) -> tuple[int, bool]:
     from helios.layers.rotary import tabulate_rope
     from helios.models import float32_kept
     from helios.runner.aot_trace import meta_model, trace_decode
-    from helios.runner.cuda_graphs import GraphRunner
     from helios.runner.input_batch import max_table_blocks
     from helios.runner.model_runner import ModelRunner
     from helios.switches import Switches
@@ -90,10 +89,7 @@ def real_equals_meta(core_dir: Path, dtype: str) -> tuple[int, bool]:
     runner = ModelRunner(arch, tensors, 16, plan.page_size, device="cpu", attention_backend="triton",
                          num_state_slots=max(plan.decode_buckets), max_model_len=CONTEXT, switches=switches)
     tabulate_rope(runner.model, max_table_blocks(CONTEXT, plan.page_size) * plan.page_size, torch_dtype)
-    graphs = GraphRunner(runner.model, runner.kv_cache, buckets=list(plan.decode_buckets), max_model_len=CONTEXT,
-                         page_size=plan.page_size, vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads,
-                         device=torch.device("cpu"), capture=False, state_scratch=runner.scratch_slot,
-                         layer_caches=runner.layer_caches)
+    graphs = runner.make_graphs(list(plan.decode_buckets), capture=False)
     real = traced(lambda: [graphs.run_variants(b) for b in graphs.buckets])
     meta = traced(lambda: trace_decode(manifest, switches))
     return len(real), sorted(real) == sorted(meta)

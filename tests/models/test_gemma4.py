@@ -196,17 +196,13 @@ def test_graphed_decode_on_the_triton_backend_gives_the_eager_tokens(base):
     """The GPU path on the CPU: the Triton attention backend (interpreter) under the decode graphs' function
     (GraphRunner(capture=False), the runner's per-layer caches: KV-shared layers read their source's pages inside it)
     with the speculative next step and the window group = the eager torch engine's tokens."""
-    from helios.runner.cuda_graphs import GraphRunner
-
     _, core = base
     arch, window_pages = core.manifest.arch, 3 * window_pages_per_request(WINDOW, PAGE, 16)
     config = SchedulerConfig(max_concurrency=3, max_num_batched_tokens=16, prefill_chunk_size=16, page_size=PAGE,
                              num_pages=96, max_model_len=256, sliding_window=WINDOW, window_pages=window_pages)
     runner = ModelRunner(arch, core.tensors, 96, PAGE, max_model_len=256, attention_backend="triton",
                          decode_overlap=True, window_pages=window_pages)
-    runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2, 4], max_model_len=256, page_size=PAGE,
-                                vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads, device=runner.device,
-                                capture=False, window=runner.window, layer_caches=runner.layer_caches)
+    runner.graphs = runner.make_graphs([1, 2, 4], capture=False)
     reqs = [greedy_request(f"r{i}", prompt(n, seed=i), 10) for i, n in enumerate((5, 11, 17))]
     got = generate(EngineCore(config, runner), reqs)
     assert got == generate(make_engine(core, window=False), reqs)

@@ -19,7 +19,6 @@ from helios.runner.cuda_graphs import (
     SHORT_SEQ_LEN,
     SLOT_MAPPING,
     TOKEN_IDS,
-    GraphRunner,
     StaticBuffers,
     pick_bucket,
     prepare_decode_inputs,
@@ -29,6 +28,7 @@ from helios.runner.model_runner import ModelRunner
 from tests.models.test_parity import export_tiny, prompt
 
 PAGE_SIZE = 4
+MAX_MODEL_LEN = 64  # the graphed CPU runners': their graphs' static block tables hold 16 pages
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
@@ -134,15 +134,10 @@ def core(tmp_path_factory):
     return core
 
 
-def graph_runner(runner: ModelRunner, buckets=(1, 2, 4, 8)) -> GraphRunner:
-    return GraphRunner(runner.model, runner.kv_cache, buckets=list(buckets), max_model_len=64,
-                       page_size=PAGE_SIZE, vocab_size=runner.arch.vocab_size,
-                       num_kv_heads=runner.arch.num_kv_heads, device=runner.device, capture=False)
-
-
 def test_bucket_for_only_takes_decode_steps_that_fit(core):
-    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE)
-    graphs = graph_runner(runner, buckets=(1, 2, 4))
+    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE,
+                         max_model_len=MAX_MODEL_LEN)
+    graphs = runner.make_graphs([1, 2, 4], capture=False)
     decodes = [decode_step(r, 5, 3, [i]) for i, r in enumerate("abc")]
     assert graphs.bucket_for(decodes, layout_batch(decodes, {}, PAGE_SIZE)) == 4
     five = [decode_step(r, 5, 3, [i]) for i, r in enumerate("abcde")]
@@ -265,8 +260,9 @@ def test_padded_graph_function_matches_eager_on_cpu(core):
     eager = ModelRunner(core.manifest.arch, core.tensors, num_pages=32, page_size=PAGE_SIZE)
     expected = _greedy_decode(eager, prompts, steps=5)
     graphed = ModelRunner(core.manifest.arch, core.tensors, num_pages=32, page_size=PAGE_SIZE,
-                          attention_backend="triton")
-    graphed.graphs = graph_runner(graphed)  # three sequences replay the bucket of 4 (one padded row)
+                          attention_backend="triton", max_model_len=MAX_MODEL_LEN)
+    # three sequences replay the bucket of 4 (one padded row)
+    graphed.graphs = graphed.make_graphs([1, 2, 4, 8], capture=False)
     assert _greedy_decode(graphed, prompts, steps=5) == expected
     assert graphed.graphs.num_replays == 5
 
@@ -299,8 +295,8 @@ def test_mixed_steps_replay_their_decode_rows_beside_an_eager_prefill(core, monk
 
     expected = run(ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE))
     split = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE,
-                        attention_backend="triton")
-    split.graphs = graph_runner(split)
+                        attention_backend="triton", max_model_len=MAX_MODEL_LEN)
+    split.graphs = split.make_graphs([1, 2, 4, 8], capture=False)
     splits = []
     run_split = split._run_split
     monkeypatch.setattr(split, "_run_split", lambda *a: splits.append(len(a[0])) or run_split(*a))
@@ -325,12 +321,9 @@ def test_lazy_capture_captures_a_pending_bucket_at_its_first_step_with_the_same_
     expected = _greedy_decode(ModelRunner(core.manifest.arch, core.tensors, num_pages=32, page_size=PAGE_SIZE),
                               prompts, steps=4)
     lazy = ModelRunner(core.manifest.arch, core.tensors, num_pages=32, page_size=PAGE_SIZE,
-                       attention_backend="triton", decode_overlap=True)
+                       attention_backend="triton", decode_overlap=True, max_model_len=MAX_MODEL_LEN)
     assert not lazy.has_pending_captures and lazy.capture_pending() is False  # no graphs on the CPU
-    lazy.graphs = graphs = GraphRunner(lazy.model, lazy.kv_cache, buckets=[1, 2, 4, 8], max_model_len=64,
-                                       page_size=PAGE_SIZE, vocab_size=lazy.arch.vocab_size,
-                                       num_kv_heads=lazy.arch.num_kv_heads, device=lazy.device, capture=False,
-                                       lazy=True)
+    lazy.graphs = graphs = lazy.make_graphs([1, 2, 4, 8], lazy=True, capture=False)
     assert graphs.pending == [2, 4] and lazy.has_pending_captures
     assert [graphs.is_captured(b) for b in (1, 2, 4, 8)] == [True, False, False, True]
     assert _greedy_decode(lazy, prompts, steps=4) == expected
@@ -344,8 +337,9 @@ def test_lazy_capture_captures_a_pending_bucket_at_its_first_step_with_the_same_
 def test_capture_pending_refuses_another_thread(core):
     import threading
 
-    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=32, page_size=PAGE_SIZE)
-    runner.graphs = graph_runner(runner)
+    runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=32, page_size=PAGE_SIZE,
+                         max_model_len=MAX_MODEL_LEN)
+    runner.graphs = runner.make_graphs([1, 2, 4, 8], capture=False)
     runner.graphs.pending = [2, 4]
     runner._step_thread = threading.get_ident() + 1  # as if execute ran on another thread
     with pytest.raises(RuntimeError, match="thread that runs execute"):
@@ -373,7 +367,7 @@ def test_norm_free_layers_match_eager_on_cpu(core, monkeypatch):
     layer_forward = DecoderLayer.forward_norm_free
     monkeypatch.setattr(DecoderLayer, "forward_norm_free",
                         lambda self, *a: calls.append(pdl_allowed()) or layer_forward(self, *a))
-    kw = dict(num_pages=32, page_size=PAGE_SIZE, attention_backend="triton")
+    kw = dict(num_pages=32, page_size=PAGE_SIZE, attention_backend="triton", max_model_len=MAX_MODEL_LEN)
     assert not ModelRunner(arch, core.tensors, **kw).model.norms_folded  # on the CPU only when asked for
     for graphed, switches in ((False, Switches()), (True, Switches()), (False, Switches(pdl=False))):
         runner = ModelRunner(arch, core.tensors, fold_norms=True, switches=switches, **kw)
@@ -382,7 +376,7 @@ def test_norm_free_layers_match_eager_on_cpu(core, monkeypatch):
         assert not (core.tensors["layers.0.attn_norm.weight"] == 1).all()  # the core's tensors are untouched
         assert runner.startup.weights.startswith("norms folded") and "norm_free" in runner.startup.summary()
         if graphed:
-            runner.graphs = graph_runner(runner, buckets=(1,))
+            runner.graphs = runner.make_graphs([1], capture=False)
         calls.clear()
         assert _greedy_decode(runner, prompts, steps=5) == expected
         assert len(calls) == 5 * arch.num_layers and all(c == (switches.pdl is not False) for c in calls)
@@ -418,10 +412,9 @@ def test_short_steps_take_the_one_split_graph_and_match_eager(core):
     """A long-context graph pins several decode splits; a step whose sequences all have <= SHORT_SEQ_LEN keys
     replays the variant with fewer splits instead. Decoding across that boundary gives the eager runner's tokens."""
     arch = core.manifest.arch
-    graphed = ModelRunner(arch, core.tensors, num_pages=160, page_size=PAGE_SIZE, attention_backend="triton")
-    graphed.graphs = GraphRunner(graphed.model, graphed.kv_cache, buckets=[1, 2], max_model_len=4096,
-                                 page_size=PAGE_SIZE, vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads,
-                                 device=graphed.device, capture=False)
+    graphed = ModelRunner(arch, core.tensors, num_pages=160, page_size=PAGE_SIZE, attention_backend="triton",
+                          max_model_len=4096)
+    graphed.graphs = graphed.make_graphs([1, 2], capture=False)
     graphs = graphed.graphs
     assert graphs.num_splits[1] > 1
     # fewer splits for the short graph (one here: head_dim < 32 decodes through paged_attention, whose splits

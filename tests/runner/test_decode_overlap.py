@@ -16,7 +16,7 @@ from helios.engine.engine_core import EngineCore
 from helios.engine.messages import EngineRequest, NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.switches import Switches
-from helios.runner.cuda_graphs import GraphRunner, prepare_decode_inputs
+from helios.runner.cuda_graphs import prepare_decode_inputs
 from helios.runner.model_runner import ModelRunner
 from tests.models.engine_harness import run, tokens
 from tests.models.test_parity import export_tiny, prompt
@@ -37,9 +37,7 @@ def core(tmp_path_factory):
 def graphed_runner(core, decode_overlap: bool) -> ModelRunner:
     runner = ModelRunner(core.manifest.arch, core.tensors, NUM_PAGES, PAGE_SIZE, attention_backend="triton",
                          max_model_len=MAX_MODEL_LEN, decode_overlap=decode_overlap)
-    runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2, 4], max_model_len=MAX_MODEL_LEN,
-                                page_size=PAGE_SIZE, vocab_size=runner.arch.vocab_size,
-                                num_kv_heads=runner.arch.num_kv_heads, device=runner.device, capture=False)
+    runner.graphs = runner.make_graphs([1, 2, 4], capture=False)
     return runner
 
 

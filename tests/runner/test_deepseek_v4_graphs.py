@@ -15,7 +15,7 @@ from helios.engine.kv_groups import window_pages_per_request
 from helios.engine.messages import EngineRequest, SamplingParams
 from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.layers.compressed_attention import CompressedAttention
-from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
+from helios.runner.cuda_graphs import unsupported_reason
 from helios.runner.model_runner import ModelRunner
 from tests.models.hybrid_harness import prompt
 from tests.models.test_deepseek_v4 import export_deepseek_v4
@@ -41,10 +41,7 @@ def run(core, graphed: bool) -> tuple[dict, ModelRunner]:
     runner = ModelRunner(core.manifest.arch, core.tensors, NUM_PAGES, PAGE, max_model_len=MAX_MODEL_LEN,
                          attention_backend="triton" if graphed else None, window_pages=window_pages)
     if graphed:
-        runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2, 4], max_model_len=MAX_MODEL_LEN,
-                                    page_size=PAGE, vocab_size=runner.arch.vocab_size,
-                                    num_kv_heads=runner.arch.num_kv_heads, device=runner.device, capture=False,
-                                    window=runner.window, layer_caches=runner.layer_caches)
+        runner.graphs = runner.make_graphs([1, 2, 4], capture=False)
     engine = EngineCore(config, runner)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for i, n in enumerate((2, 9, 13)):

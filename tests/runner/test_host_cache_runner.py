@@ -13,7 +13,6 @@ from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.engine.messages import EngineRequest
 from helios.kernels._triton import HAS_TRITON, interpret_mode
-from helios.runner.cuda_graphs import GraphRunner
 from helios.runner.host_cache import HostKVStore
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
@@ -35,9 +34,7 @@ def engine(core, num_pages: int, host_cache_pages: int, graphed: bool = False, d
                          attention_backend="triton" if graphed else "torch", max_model_len=MAX_MODEL_LEN,
                          decode_overlap=graphed, host_cache_pages=host_cache_pages)
     if graphed and device == "cpu":  # the captured function run eagerly: the graph path without CUDA
-        runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2, 4], max_model_len=MAX_MODEL_LEN,
-                                    page_size=PAGE_SIZE, vocab_size=runner.arch.vocab_size,
-                                    num_kv_heads=runner.arch.num_kv_heads, device=runner.device, capture=False)
+        runner.graphs = runner.make_graphs([1, 2, 4], capture=False)
     page_bytes = KVCache.bytes_per_page(core.manifest.arch, PAGE_SIZE, torch.float32)
     config = SchedulerConfig(max_concurrency=2, max_num_batched_tokens=64, prefill_chunk_size=64,
                              page_size=PAGE_SIZE, num_pages=num_pages, max_model_len=MAX_MODEL_LEN,

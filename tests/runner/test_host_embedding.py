@@ -13,7 +13,6 @@ from helios.core.load import load_core
 from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.kernels._triton import HAS_TRITON, interpret_mode
-from helios.runner.cuda_graphs import GraphRunner
 from helios.runner.host_embedding import HostRows
 from helios.runner.model_runner import ModelRunner
 from tests.models.gemma4_tiny import build_gemma4
@@ -142,9 +141,7 @@ def test_speculative_decode_steps_keep_the_bound_tables_tokens(gemma4_dir):
     def drive(overlap: bool, **host):
         runner = ModelRunner(arch, core.tensors, NUM_PAGES, PAGE, attention_backend="triton",
                              max_model_len=NUM_PAGES * PAGE, decode_overlap=overlap, **host)
-        runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2], max_model_len=NUM_PAGES * PAGE,
-                                    page_size=PAGE, vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads,
-                                    device=runner.device, capture=False, layer_caches=runner.layer_caches)
+        runner.graphs = runner.make_graphs([1, 2], capture=False)
         config = SchedulerConfig(max_concurrency=2, max_num_batched_tokens=16, prefill_chunk_size=CHUNK,
                                  page_size=PAGE, num_pages=NUM_PAGES, max_model_len=NUM_PAGES * PAGE)
         return generate(EngineCore(config, runner), reqs), runner

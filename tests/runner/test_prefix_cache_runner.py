@@ -15,7 +15,6 @@ from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.engine.messages import EngineRequest, SamplingParams, SchedulerOutput
 from helios.kernels._triton import HAS_TRITON, interpret_mode
-from helios.runner.cuda_graphs import GraphRunner
 from helios.runner.model_runner import ModelRunner
 from tests.models.engine_harness import greedy, make_engine, run, tokens
 from tests.models.test_parity import export_tiny, prompt
@@ -118,9 +117,7 @@ def tiny_engine(core, enable_prefix_caching: bool, graphed: bool, device: str = 
                          dtype=torch.float32, attention_backend=backend, max_model_len=MAX_MODEL_LEN,
                          decode_overlap=graphed)
     if graphed and device == "cpu":  # the captured function run eagerly: the graph path without CUDA
-        runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2, 4], max_model_len=MAX_MODEL_LEN,
-                                    page_size=PAGE_SIZE, vocab_size=runner.arch.vocab_size,
-                                    num_kv_heads=runner.arch.num_kv_heads, device=runner.device, capture=False)
+        runner.graphs = runner.make_graphs([1, 2, 4], capture=False)
     config = SchedulerConfig(max_concurrency=4, max_num_batched_tokens=64, prefill_chunk_size=64,
                              page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_model_len=MAX_MODEL_LEN,
                              enable_prefix_caching=enable_prefix_caching)

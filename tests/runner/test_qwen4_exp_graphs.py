@@ -15,7 +15,7 @@ from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import EngineCore
 from helios.engine.messages import EngineRequest, SamplingParams
 from helios.kernels._triton import HAS_TRITON, interpret_mode
-from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
+from helios.runner.cuda_graphs import unsupported_reason
 from helios.runner.model_runner import ModelRunner
 from helios.runner.state_cache import StateCache
 from tests.models.qwen4_exp_tiny import build_qwen4_exp
@@ -50,10 +50,7 @@ def run(core, graphed: bool) -> tuple[dict, ModelRunner]:
     runner = ModelRunner(arch, core.tensors, NUM_PAGES, PAGE, max_model_len=MAX_MODEL_LEN, num_state_slots=3,
                          attention_backend="triton" if graphed else None)
     if graphed:
-        runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2, 4], max_model_len=MAX_MODEL_LEN,
-                                    page_size=PAGE, vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads,
-                                    device=runner.device, capture=False, state_scratch=runner.scratch_slot,
-                                    layer_caches=runner.layer_caches)
+        runner.graphs = runner.make_graphs([1, 2, 4], capture=False)
     engine = EngineCore(config, runner)
     tokens: dict[str, list[int]] = {}
     step = 0

@@ -13,7 +13,7 @@ from helios.engine.engine_core import EngineCore
 from helios.engine.kv_groups import window_pages_per_request
 from helios.engine.messages import EngineRequest, SamplingParams, ScheduledRequest
 from helios.kernels._triton import HAS_TRITON, interpret_mode
-from helios.runner.cuda_graphs import SLOT_MAPPING, WINDOW_SLOTS, GraphRunner, StaticBuffers, prepare_decode_inputs
+from helios.runner.cuda_graphs import SLOT_MAPPING, WINDOW_SLOTS, StaticBuffers, prepare_decode_inputs
 from helios.runner.model_runner import ModelRunner
 from tests.models.test_parity import FAMILIES, export_tiny, prompt
 
@@ -64,10 +64,7 @@ def run(core, graphed: bool, decode_overlap: bool = False) -> tuple[dict, ModelR
                          attention_backend="triton" if graphed else None, decode_overlap=decode_overlap,
                          window_pages=window_pages)
     if graphed:
-        runner.graphs = GraphRunner(runner.model, runner.kv_cache, buckets=[1, 2, 4], max_model_len=MAX_MODEL_LEN,
-                                    page_size=PAGE, vocab_size=runner.arch.vocab_size,
-                                    num_kv_heads=runner.arch.num_kv_heads, device=runner.device, capture=False,
-                                    window=runner.window)
+        runner.graphs = runner.make_graphs([1, 2, 4], capture=False)
     engine = EngineCore(config, runner)
     greedy = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     for i, n in enumerate((5, 11, 17)):
