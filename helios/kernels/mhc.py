@@ -209,7 +209,7 @@ def _check_streams(x: torch.Tensor) -> None:
 
 
 def _collapse(x, weight, bias, scale, eps, hc_eps, num_iters, has_mix):
-    """(post, comb, collapsed) of mhc_pre / hyper_head: the split-K mix, then one program per token."""
+    """(post, comb, collapsed) of mhc_pre / hyper_head: the split-K mix, then a program per token and block of H."""
     require_triton()
     _check_streams(x)
     t, s, h = x.shape
