@@ -50,3 +50,22 @@ class ManifoldHyperConnection(nn.Module):
     ) -> torch.Tensor:  # [T, S, H] in x's dtype
         """Stream n becomes post_n y + sum_m comb_mn x_m (helios.kernels.mhc.mhc_expand_ref)."""
         return (mhc_kernels.mhc_expand if self.fused else mhc_kernels.mhc_expand_ref)(x, y, post, comb)
+
+
+class HyperHead(nn.Module):
+    """deepseek_v4's head over the streams (HF's DeepseekV4HyperHead): the streams' weighted sum, weights sigmoid(scale * proj(unit-RMS streams) + bias)
+    + eps. Tensors bound: hc_head.proj.weight [S, S*H], hc_head.bias [S], hc_head.scale [1]. fused:
+    helios.kernels.mhc.hyper_head (two launches) instead of the torch ops."""
+
+    def __init__(self, hidden_size: int, num_streams: int, eps: float, hc_eps: float, fused: bool = False) -> None:
+        super().__init__()
+        self.eps, self.hc_eps = eps, hc_eps
+        self.fused = fused
+        self.proj = nn.Module()
+        self.proj.weight = meta_parameter(num_streams, num_streams * hidden_size)
+        self.bias = meta_parameter(num_streams)
+        self.scale = meta_parameter(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, S, H] -> [T, H]
+        args = (x, self.proj.weight, self.bias, self.scale, self.eps, self.hc_eps)
+        return mhc_kernels.hyper_head(*args) if self.fused else mhc_kernels.hyper_head_ref(*args, linear=linear)

@@ -17,8 +17,7 @@ from helios.core.manifest import Architecture, MoeConfig
 from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.compressed_attention import CompressedAttention, InterleavedRope
 from helios.layers.linear import Embedding, Linear, linear, meta_parameter
-from helios.kernels.mhc import hyper_head, hyper_head_ref
-from helios.layers.mhc import ManifoldHyperConnection
+from helios.layers.mhc import HyperHead, ManifoldHyperConnection
 from helios.layers.moe import SigmoidMoe, router_scores
 from helios.layers.norm import RMSNorm
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -51,25 +50,6 @@ class DeepseekV4Moe(SigmoidMoe):
         weights = scores.gather(1, experts)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * m.routed_scaling_factor
         return self._experts(x, weights, experts) + self.shared(x)
-
-
-class HyperHead(nn.Module):
-    """HF's DeepseekV4HyperHead: the streams' weighted sum, weights sigmoid(scale * proj(unit-RMS streams) + bias)
-    + eps. Tensors bound: hc_head.proj.weight [S, S*H], hc_head.bias [S], hc_head.scale [1]. fused:
-    helios.kernels.mhc.hyper_head (two launches) instead of the torch ops."""
-
-    def __init__(self, hidden_size: int, num_streams: int, eps: float, hc_eps: float, fused: bool = False) -> None:
-        super().__init__()
-        self.eps, self.hc_eps = eps, hc_eps
-        self.fused = fused
-        self.proj = nn.Module()
-        self.proj.weight = meta_parameter(num_streams, num_streams * hidden_size)
-        self.bias = meta_parameter(num_streams)
-        self.scale = meta_parameter(1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, S, H] -> [T, H]
-        args = (x, self.proj.weight, self.bias, self.scale, self.eps, self.hc_eps)
-        return hyper_head(*args) if self.fused else hyper_head_ref(*args, linear=linear)
 
 
 class DeepseekV4Layer(nn.Module):

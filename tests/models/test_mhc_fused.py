@@ -57,12 +57,8 @@ def test_the_fused_hyper_connections_give_the_eager_paths_logits(family_core, mo
 
         return call
 
-    for name in ("mhc_pre", "mhc_expand"):
+    for name in ("mhc_pre", "mhc_expand", "hyper_head"):
         monkeypatch.setattr(mhc_kernels, name, counted(name, getattr(mhc_kernels, name)))
-    if family == "deepseek_v4":
-        import helios.models.deepseek_v4 as module
-
-        monkeypatch.setattr(module, "hyper_head", counted("hyper_head", module.hyper_head))
 
     def fuse(model):
         for hc in hyper_connections(model) + heads(model):
