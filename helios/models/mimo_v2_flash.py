@@ -23,7 +23,7 @@ from helios.layers.activation import GatedMLP
 from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.moe import SigmoidMoe
-from helios.layers.norm import RMSNorm
+from helios.layers.norm import RMSNorm, pre_norm_stack
 from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding
 from helios.models.llama import is_sliding
@@ -38,6 +38,7 @@ class MiMoV2FlashLayer(nn.Module):
         super().__init__()
         h, eps = arch.hidden_size, arch.rms_norm_eps
         sliding = is_sliding(arch, i)
+        self.rope_index = 1 if sliding else 0  # which of the model's (rope, local rope) its attention turns by
         self.attn_norm = RMSNorm(h, eps)
         self.attn = Attention(h, arch.num_heads, arch.layer_kv_heads(i), arch.head_dim, backend,
                               sliding_window=arch.sliding_window if sliding else None, rotary_dim=arch.rotary_dim,
@@ -60,13 +61,22 @@ class MiMoV2FlashLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, rotary_dim]
+        ropes: tuple,  # the model's (rope, local rope) cos/sin pairs, each [T, rotary_dim]
         kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv of this layer, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        x = x + self.attn(self.attn_norm(x), cos_sin, kv_cache, meta)
+        x = x + self.attn(self.attn_norm(x), ropes[self.rope_index], kv_cache, meta)
         h = self.mlp_norm(x)
         return x + (self.moe(h) if self.is_moe else self.mlp(h))
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, ropes: tuple, kv_cache: torch.Tensor,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # (output, stream before it)
+        """forward() on the GPU path: each residual add taken by the norm after it in one launch
+        (RMSNorm.forward_add); x is the previous layer's output, residual the stream before its add (None first)."""
+        h, residual = self.attn_norm.forward_add(x, residual, fused=True)
+        a = self.attn(h, ropes[self.rope_index], kv_cache, meta)
+        h, residual = self.mlp_norm.forward_add(a, residual, fused=True)
+        return (self.moe(h) if self.is_moe else self.mlp(h)), residual
 
 
 class MiMoV2FlashForCausalLM(nn.Module):
@@ -81,6 +91,7 @@ class MiMoV2FlashForCausalLM(nn.Module):
         self.arch = arch
         self.switches = switches
         self.tp = tp
+        self.path = "fused" if getattr(backend, "fuses_layers", False) else "eager"  # chosen once, here
         self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
                       else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
         self.layers = nn.ModuleList(MiMoV2FlashLayer(arch, i, backend, switches, tp) for i in range(arch.num_layers))
@@ -99,11 +110,8 @@ class MiMoV2FlashForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_pages, page_size, Nkv of the layer, D]
     ) -> torch.Tensor:  # [T, H]
         x = self.embed(token_ids)
-        rope = self.rotary.cos_sin(meta.positions, x.dtype)
-        local_rope = self.local_rotary.cos_sin(meta.positions, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
-        return self.norm(x)
+        ropes = (self.rotary.cos_sin(meta.positions, x.dtype), self.local_rotary.cos_sin(meta.positions, x.dtype))
+        return pre_norm_stack(x, self.layers, kv_caches, meta, self.norm, self.path == "fused", ropes)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

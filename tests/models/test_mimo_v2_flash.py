@@ -15,6 +15,7 @@ from helios.runner.model_runner import ModelRunner
 from tests.models.hybrid_harness import (
     PAGE_SIZE,
     check_batched_equals_alone,
+    check_fused_loop_equals_eager,
     check_greedy_matches_generate,
     check_logits_and_prompt_logprobs,
     export_float32,
@@ -87,3 +88,10 @@ def test_greedy_matches_generate(mimo):
 def test_sixteen_requests_together_give_what_each_gives_alone(mimo):
     _, core = mimo
     check_batched_equals_alone(core, [prompt(5 + 7 * i, seed=10 + i) for i in range(16)])
+
+
+def test_the_fused_path_gives_the_eager_paths_logits(mimo):
+    """The GPU path's layer loop (MiMoV2FlashLayer.forward_fused through pre_norm_stack: each residual add taken by
+    the next norm's launch, each layer turning by its own rope) = the eager loop's logits."""
+    check_fused_loop_equals_eager(mimo[1], fuse=lambda model: setattr(model, "path", "fused"),
+                                  is_fused=lambda model: model.path == "fused")
