@@ -182,6 +182,21 @@ def tanh(y):
     return tl.where(y >= 0, t, -t)
 
 
+@jit
+def round_to(x, DT: tl.constexpr):
+    """x (float32) rounded to DT, to nearest even, and back to float32: where a torch path holds a 16-bit tensor.
+    NOTE: bf16 by its bits, since the interpreter's conversion truncates (the CPU tests would drift)."""
+    if DT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        y = bits.to(tl.float32, bitcast=True)
+    elif DT == tl.float32:
+        y = x
+    else:
+        y = x.to(DT).to(tl.float32)
+    return y
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

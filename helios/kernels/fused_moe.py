@@ -20,6 +20,7 @@ from helios.kernels._triton import (
     jit,
     next_power_of_2,
     require_triton,
+    round_to,
     tanh,
     tl,
 )
@@ -105,7 +106,7 @@ def _route_kernel(
         choice = tl.where(e == best, float("-inf"), choice)
     if RENORM:
         top_weights = top_weights / (tl.sum(top_weights, axis=0) + renorm_eps)
-    top_weights = _round(top_weights * scaling, weights_ptr.dtype.element_ty)  # to nearest, then an exact store
+    top_weights = round_to(top_weights * scaling, weights_ptr.dtype.element_ty)  # to nearest, then an exact store
     tl.store(weights_ptr + t * TOP_K + k, top_weights.to(weights_ptr.dtype.element_ty), mask=k < TOP_K)
     tl.store(ids_ptr + t * TOP_K + k, top_ids, mask=k < TOP_K)
 
@@ -319,7 +320,7 @@ def _expert_gemm_kernel(
         if GATED:  # the up rows sit n_out rows below the gate rows
             w_up = tl.load(w_ptrs + n_out * stride_wn + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc_up = _dot(a, w_up, acc_up, IEEE_DOT)
-    y = _round(_epilogue(acc, acc_up, limit, alpha, ACT, CLAMP, HAS_ALPHA, out_ptr.dtype.element_ty),
+    y = round_to(_epilogue(acc, acc_up, limit, alpha, ACT, CLAMP, HAS_ALPHA, out_ptr.dtype.element_ty),
                out_ptr.dtype.element_ty)  # the store is then exact
     out_ptrs = out_ptr + entry.to(tl.int64)[:, None] * stride_out + n[None, :]
     tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=is_row[:, None] & n_ok[None, :])
@@ -335,21 +336,6 @@ def _dot(a, w, acc, IEEE_DOT: tl.constexpr):
 
 
 @jit
-def _round(x, DT: tl.constexpr):
-    """x (float32) rounded to DT, to nearest even, and back to float32: where the torch path holds a 16-bit tensor.
-    NOTE: bf16 by its bits, since the interpreter's conversion truncates (the CPU tests would drift)."""
-    if DT == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        y = bits.to(tl.float32, bitcast=True)
-    elif DT == tl.float32:
-        y = x
-    else:
-        y = x.to(DT).to(tl.float32)
-    return y
-
-
-@jit
 def _epilogue(g, u, limit, alpha, ACT: tl.constexpr, CLAMP: tl.constexpr, HAS_ALPHA: tl.constexpr,
               DT: tl.constexpr):
     """helios.layers.activation.gated (ACT 1, 2: act(gate) * up, with its clamps and SwiGLU-OAI) or relu2 (3) of
@@ -357,25 +343,25 @@ def _epilogue(g, u, limit, alpha, ACT: tl.constexpr, CLAMP: tl.constexpr, HAS_AL
     (and HF's expert loop) holds a tensor of that dtype: a 16-bit model's tokens then follow HF's more closely."""
     y = g
     if ACT == 3:
-        r = tl.maximum(_round(g, DT), 0.0)
+        r = tl.maximum(round_to(g, DT), 0.0)
         y = r * r
     elif ACT != 0:
-        g = _round(g, DT)
-        u = _round(u, DT)
+        g = round_to(g, DT)
+        u = round_to(u, DT)
         if CLAMP == 1:
-            g = _round(tl.minimum(g, limit), DT)
+            g = round_to(tl.minimum(g, limit), DT)
         if CLAMP != 0:
-            u = _round(tl.minimum(tl.maximum(u, -limit), limit), DT)
+            u = round_to(tl.minimum(tl.maximum(u, -limit), limit), DT)
         if HAS_ALPHA:
-            y = _round(u + 1.0, DT) * _round(g * _round(1.0 / (1.0 + tl.exp(-(g * alpha))), DT), DT)
+            y = round_to(u + 1.0, DT) * round_to(g * round_to(1.0 / (1.0 + tl.exp(-(g * alpha))), DT), DT)
         else:
             if ACT == 2:
                 act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
             else:
                 act = g / (1.0 + tl.exp(-g))
-            act = _round(act, DT)
+            act = round_to(act, DT)
             if CLAMP == 2:
-                act = _round(tl.minimum(act, limit), DT)
+                act = round_to(tl.minimum(act, limit), DT)
             y = act * u
     return y
 
@@ -501,15 +487,15 @@ def _combine_kernel(
         j = tl.argmin(ids, axis=0)
         w = tl.sum(tl.where(k == j, weights, 0.0), axis=0)
         y = tl.load(y_ptr + (t * TOP_K + j) * width + cols, mask=mask, other=0.0).to(tl.float32)
-        acc = _round(acc + _round(w * y, out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
+        acc = round_to(acc + round_to(w * y, out_ptr.dtype.element_ty), out_ptr.dtype.element_ty)
         ids = tl.where(k == j, 2**30, ids)
     if HAS_SHARED:  # routed + shared, or routed + sigmoid(gate) * shared: each op rounded as torch's
         shared = tl.load(shared_ptr + t * stride_shared + cols, mask=mask, other=0.0).to(tl.float32)
         if SHARED_GATED:
             g = tl.load(gate_ptr + t * stride_gate).to(tl.float32)
-            scale = _round(1.0 / (1.0 + tl.exp(-g)), out_ptr.dtype.element_ty)
-            shared = _round(scale * shared, out_ptr.dtype.element_ty)
-        acc = _round(acc + shared, out_ptr.dtype.element_ty)
+            scale = round_to(1.0 / (1.0 + tl.exp(-g)), out_ptr.dtype.element_ty)
+            shared = round_to(scale * shared, out_ptr.dtype.element_ty)
+        acc = round_to(acc + shared, out_ptr.dtype.element_ty)
     tl.store(out_ptr + t * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

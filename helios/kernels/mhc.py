@@ -20,6 +20,7 @@ from helios.kernels._triton import (
     pdl_launch_dependents,
     pdl_wait,
     require_triton,
+    round_to,
     tl,
     use_pdl,
 )
@@ -75,21 +76,6 @@ def _sigmoid(x):
 
 
 @jit
-def _round(x, DT: tl.constexpr):
-    """x (float32) rounded to DT, to nearest even, and back to float32: where the torch path holds a 16-bit tensor.
-    NOTE: bf16 by its bits, since the interpreter's conversion truncates (as helios.kernels.fused_moe._round)."""
-    if DT == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        y = bits.to(tl.float32, bitcast=True)
-    elif DT == tl.float32:
-        y = x
-    else:
-        y = x.to(DT).to(tl.float32)
-    return y
-
-
-@jit
 def _pre_kernel(
     x_ptr,  # [T, S, H] the streams, last two dims contiguous
     partial_ptr,  # [T, num_splits, BLOCK_N] float32 (_mix_kernel's)
@@ -139,7 +125,7 @@ def _pre_kernel(
     for m in tl.static_range(S):
         w_m = tl.sum(tl.where(i == m, pre, 0.0), axis=0)
         acc += w_m * tl.load(x_ptr + t * stride_x + m * H + hs, mask=h_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * H + hs, _round(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=h_mask)
+    tl.store(out_ptr + t * H + hs, round_to(acc, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
 @jit
@@ -194,12 +180,12 @@ def _expand_kernel(
     for n in tl.static_range(S):
         # NOTE: post and comb rounded to the streams' dtype first, each product and the sum rounded where the torch
         # path (HF's) rounds them
-        post_n = _round(tl.load(post_ptr + t * S + n), dtype)
+        post_n = round_to(tl.load(post_ptr + t * S + n), dtype)
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for m in tl.static_range(S):
-            c = _round(tl.load(comb_ptr + t * S * S + m * S + n), dtype)
+            c = round_to(tl.load(comb_ptr + t * S * S + m * S + n), dtype)
             acc += c * tl.load(x_ptr + t * stride_x + m * H + hs, mask=mask, other=0.0).to(tl.float32)
-        out = _round(_round(post_n * y, dtype) + _round(acc, dtype), dtype)
+        out = round_to(round_to(post_n * y, dtype) + round_to(acc, dtype), dtype)
         tl.store(out_ptr + (t * S + n) * H + hs, out.to(dtype), mask=mask)
 
 
