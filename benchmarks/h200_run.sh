@@ -1,6 +1,6 @@
 #!/bin/bash
 # One call on the lent H200 (device tool): carried wheels, GPU tests, serve cold start, decode benchmark.
-# PARTS picks among tests,hybrid,bench,serve,load,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
+# PARTS picks among tests,ptests,hybrid,moeprefill,bench,serve,load,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
 # HELIOS_* execution switches (helios/switches.py) set here reach gpu_decode.py's runners: it reads them once at start.
 # .whl/ holds what the device lacks, for cp312 manylinux (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 ...): msgspec granian llguidance gguf tomli_w zstandard brotli prometheus-client.
@@ -51,6 +51,11 @@ fi
 if [[ $PARTS == *hybrid* ]]; then  # issue 20's hybrid bars (a dense and a MoE gated-delta hybrid, HF beside)
   timeout ${HYBRID_S:-240} python3 benchmarks/gpu_hybrid.py ${HYBRID_ARGS:-} > "$OUT/hybrid.log" 2>&1
   echo "== hybrid rc $?"; grep -v "Warn\|warn" "$OUT/hybrid.log" | tail -30
+fi
+if [[ $PARTS == *moeprefill* ]]; then  # the MoE prefill tile sweep (helios.kernels.fused_moe.gemm_config's prefill row)
+  timeout ${MOEPREFILL_S:-200} python3 benchmarks/gpu_moe_prefill.py --out "$OUT/moe_prefill.log" ${MOEPREFILL_ARGS:-} \
+    > "$OUT/moe_prefill.stdout" 2>&1
+  echo "== moeprefill rc $?"; grep -v "Warn\|warn" "$OUT/moe_prefill.stdout" | tail -30
 fi
 if [[ $PARTS == *bench* ]]; then
   timeout ${BENCH_S:-260} python3 benchmarks/gpu_decode.py ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
