@@ -1,9 +1,10 @@
 """Kimi delta attention (KDA: kimi_linear, glm5_next) on the GPU: the slot-indexed fused decode step and the chunked
 prefill through flash-linear-attention's chunk_kda (fla-core, imported on first use only).
 
-Batch layout, state layout ([S, H, dk, dv] float32, in place by slot), the conv and graph-safety are
-helios.kernels.gated_delta's: the decode step is its kernel with the decay per key channel (PER_CHANNEL), from
-f = f_b(f_a(x)) [B, H*dk]: kimi_linear's g = -exp(A_log) softplus(f + dt_bias), or glm5_next's safe gate
+Batch layout, state layout ([S, H, dk, dv] float32, in place by slot), the conv, split programs and graph-safety are
+helios.kernels.gated_delta's: the decode step is its fused step specialised to KDA (one value head per key head, a
+decay per key channel), from f = f_b(f_a(x)) [B, H*dk] (or f_a and f_b's weight: each program makes its head's f):
+kimi_linear's g = -exp(A_log) softplus(f + dt_bias), or glm5_next's safe gate
 g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)); beta = sigmoid(b). q, k, v and the state share one head count.
 Imports torch, helios.kernels.gated_delta / _triton and (lazily, prefill only) fla; nothing else.
 """
@@ -14,25 +15,139 @@ import functools
 
 import torch
 
-from helios.kernels._triton import check_last_dim_contiguous, require_triton
+from helios.kernels._triton import (
+    check_last_dim_contiguous,
+    jit,
+    next_power_of_2,
+    pdl_launch_dependents,
+    pdl_wait,
+    require_triton,
+    tl,
+    use_pdl,
+)
 from helios.kernels.gated_delta import (
+    _COUNTER_SLOTS,
+    NUM_STAGES,
+    NUM_WARPS,
+    _arrival_counters,
     _check_state,
+    _conv_step,
+    _l2norm_scaled,
+    _softplus_kimi,
+    _splits,
+    _tile_args,
     causal_conv_ref,
     check_conv,
     chunked_by_slot,
-    fused_delta_step,
     gated_delta_rule_ref,
     recurrent_step,
 )
 
 FLA_CHUNK_SIZES = (32, 64)  # chunk_kda's
+FOLD_BLOCK = 32  # f_b's input columns per step of the folded product ([dk, 32] weight tiles in registers)
+
+
+@jit
+def _kda_decode_kernel(
+    x_ptr,  # [B, C] conv input: q [H*DK] | k [H*DK] | v [H*DV]
+    conv_w_ptr,  # [C, K]
+    conv_state_ptr,  # [S, K-1, C], in place
+    f_ptr,  # FOLD: f_a [B, DF]; else f [B, H*DK]
+    f_w_ptr,  # [H*DK, DF] f_b's weight (FOLD)
+    b_ptr,  # [B, H] raw: beta = sigmoid(b)
+    A_log_ptr,  # [H]
+    dt_bias_ptr,  # [H*DK]
+    state_ptr,  # [S, H, DK, DV] float32, in place
+    out_ptr,  # [B, H, DV] contiguous
+    slots_ptr,  # [B]
+    starts_ptr,  # [B]
+    counter_ptr,  # [>= B * H] int32, zero (SPLIT > 1)
+    stride_x, stride_f, stride_b,
+    C,
+    scale,
+    lower_bound,  # SAFE_GATE: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
+    HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    SPLIT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, DF: tl.constexpr, BF: tl.constexpr, FB: tl.constexpr,
+    FOLD: tl.constexpr, SAFE_GATE: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # program (split, head, row): the head's q, k and gate, then TILES [DK, BV] state tiles (columns t * BV)
+    NV: tl.constexpr = (DV + BV - 1) // BV
+    TILES: tl.constexpr = NV // SPLIT
+    split = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    ok = tl.arange(0, BK)
+    ov = tl.arange(0, BV)
+    mk = ok < DK
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    start = tl.load(starts_ptr + row)
+    live_k = (tl.zeros([BK, 1], dtype=tl.int32) + start) > 0  # as tiles: a scalar mask term trips the interpreter
+    x_row = x_ptr + row * stride_x
+    cs_row = conv_state_ptr + slot * (K - 1) * C
+    live_c = (tl.zeros([KP, 1], dtype=tl.int32) + start) > 0
+    r = tl.arange(0, KP)[:, None]
+    q, q_next = _conv_step(x_row, conv_w_ptr, conv_w_ptr, cs_row, h * DK + ok, mk, live_c, C, K, KP, False, True)
+    k, k_next = _conv_step(x_row, conv_w_ptr, conv_w_ptr, cs_row, (HK + h) * DK + ok, mk, live_c, C, K, KP, False,
+                           True)
+    # NOTE: the conv-state rows shift and every store waits behind a barrier after the loads; with SPLIT > 1 the last
+    # of the head's programs to arrive writes q/k's (helios.kernels.gated_delta's fused step says more)
+    tl.debug_barrier()
+    write_qk = True
+    if SPLIT > 1:
+        counter = counter_ptr + row * HK + h
+        write_qk = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    if write_qk:
+        qk_mask = (r < K - 1) & mk[None, :]
+        tl.store(cs_row + r * C + (h * DK + ok)[None, :], q_next, mask=qk_mask)
+        tl.store(cs_row + r * C + ((HK + h) * DK + ok)[None, :], k_next, mask=qk_mask)
+        if SPLIT > 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+    q = _l2norm_scaled(q, scale)
+    k = _l2norm_scaled(k, 1.0)
+    if FOLD:  # f = f_b.weight[h*DK:(h+1)*DK] @ f_a in float32, rounded to f_a's dtype as f_b's product would be
+        f = tl.zeros([BK], dtype=tl.float32)
+        for j0 in tl.static_range(0, BF, FB):
+            j = j0 + tl.arange(0, FB)
+            mj = j < DF
+            f_a = tl.load(f_ptr + row * stride_f + j, mask=mj, other=0.0).to(tl.float32)
+            w = tl.load(f_w_ptr + (h * DK + ok)[:, None] * DF + j[None, :], mask=mk[:, None] & mj[None, :],
+                        other=0.0).to(tl.float32)
+            f += tl.sum(w * f_a[None, :], axis=1)
+        f = f.to(f_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        f = tl.load(f_ptr + row * stride_f + h * DK + ok, mask=mk, other=0.0).to(tl.float32)
+    f += tl.load(dt_bias_ptr + h * DK + ok, mask=mk, other=0.0).to(tl.float32)
+    rate = tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    if SAFE_GATE:
+        g = lower_bound * tl.sigmoid(rate * f)
+    else:
+        g = -rate * _softplus_kimi(f)
+    decay = tl.exp(g)[:, None]  # [BK, 1]
+    beta = tl.sigmoid(tl.load(b_ptr + row * stride_b + h).to(tl.float32))
+    for t in tl.range(split * TILES, split * TILES + TILES):
+        cols = t * BV + ov
+        mv = cols < DV
+        tile = state_ptr + (slot * HK + h) * DK * DV + ok[:, None] * DV + cols[None, :]
+        tile_mask = mk[:, None] & mv[None, :]
+        v, v_next = _conv_step(x_row, conv_w_ptr, conv_w_ptr, cs_row, 2 * HK * DK + h * DV + cols, mv, live_c, C, K,
+                               KP, False, True)
+        tl.debug_barrier()  # this tile's channels are this program's alone; its rows shift as above
+        tl.store(cs_row + r * C + (2 * HK * DK + h * DV + cols)[None, :], v_next, mask=(r < K - 1) & mv[None, :])
+        s = tl.load(tile, mask=tile_mask & live_k, other=0.0) * decay
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+        s += k[:, None] * delta[None, :]
+        tl.store(tile, s, mask=tile_mask)
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(out_ptr + (row * HK + h) * DV + cols, o.to(out_ptr.dtype.element_ty), mask=mv)
 
 
 def kda_decode(
     mixed_qkv: torch.Tensor,  # [B, C] the conv input rows: q [H*dk] | k [H*dk] | v [H*dv]
     conv_weight: torch.Tensor,  # [C, K]
     conv_state: torch.Tensor,  # [S, K-1, C], in place
-    f: torch.Tensor,  # [B, H*dk] the forget gate's projection f_b(f_a(x))
+    f: torch.Tensor,  # [B, H*dk] the forget gate's projection f_b(f_a(x)); with f_b_weight: f_a(x) [B, df]
     b: torch.Tensor,  # [B, H] the b projection: beta = sigmoid(b)
     A_log: torch.Tensor,  # [H]
     dt_bias: torch.Tensor,  # [H*dk]
@@ -41,24 +156,53 @@ def kda_decode(
     starts: torch.Tensor,  # [B] int32 (device); 0 = fresh
     lower_bound: float | None = None,  # glm5_next's safe gate; None: kimi_linear's softplus gate
     num_splits: int | None = None,
+    f_b_weight: torch.Tensor | None = None,  # [H*dk, df]: f is f_a, and each program makes its head's f
 ) -> torch.Tensor:  # [B, H, dv] in mixed_qkv's dtype
     """One decode token per sequence, one launch: the conv step (+ silu) and its conv-state update, q/k l2norm, the
-    per-channel gate and beta, the delta-rule update of state[slot] and its output (gated_delta_decode's kernel).
-    The first call with num_splits > 1 allocates the arrival counters: not inside a graph capture."""
+    per-channel gate and beta, the delta-rule update of state[slot] and its output (gated_delta_decode's step, one
+    value head per key head). With f_b_weight the launch also makes f = f_a f_b^T (float32 sums, rounded to f_a's
+    dtype as f_b's own product is), one head's [dk, df] slice per program: f_b's launch folded in (batch-1 decode
+    counts launches). The first call with num_splits > 1 allocates the arrival counters: not inside a graph capture."""
     require_triton()
     num_rows, channels = mixed_qkv.shape
     num_slots, num_heads, dk, dv = state.shape
     check_conv(conv_weight, conv_state, num_slots, channels)
     assert channels == num_heads * (2 * dk + dv), f"C={channels} vs H={num_heads}, dk={dk}, dv={dv}"
-    assert f.shape == (num_rows, num_heads * dk) and b.shape == (num_rows, num_heads)
+    if f_b_weight is None:
+        assert f.shape == (num_rows, num_heads * dk), f"f {tuple(f.shape)} vs [{num_rows}, {num_heads * dk}]"
+    else:
+        assert f.dim() == 2 and f.shape[0] == num_rows and f_b_weight.shape == (num_heads * dk, f.shape[1])
+        assert f_b_weight.is_contiguous() and f_b_weight.dtype == f.dtype, "f_b_weight: contiguous, f_a's dtype"
+    assert b.shape == (num_rows, num_heads)
     assert A_log.numel() == num_heads and dt_bias.numel() == num_heads * dk
     assert A_log.is_contiguous() and dt_bias.is_contiguous()
     assert lower_bound is None or lower_bound < 0, f"lower_bound {lower_bound} must be negative"
     _check_state(state, slots, starts, num_rows, num_heads)
     for name, t in (("mixed_qkv", mixed_qkv), ("f", f), ("b", b)):
         check_last_dim_contiguous(name, t)
-    return fused_delta_step(mixed_qkv, conv_weight, conv_state, f, b, A_log, dt_bias, state, slots, starts,
-                            num_heads, num_splits=num_splits, per_channel=True, lower_bound=lower_bound)
+    out = torch.empty(num_rows, num_heads, dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
+    if num_rows == 0:
+        return out
+    splits = _splits(num_rows, num_heads, state, num_splits)
+    counters = None
+    if splits > 1:
+        assert num_rows * num_heads <= _COUNTER_SLOTS, "more (row, head) groups than arrival counters"
+        counters = _arrival_counters(mixed_qkv.device)
+    width = conv_weight.shape[1]
+    tiles = _tile_args(num_heads, state, splits)
+    fold_cols = f.shape[1] if f_b_weight is not None else 1
+    pdl = use_pdl(mixed_qkv, num_rows)
+    _kda_decode_kernel[(splits, num_heads, num_rows)](
+        mixed_qkv, conv_weight, conv_state, f, f_b_weight if f_b_weight is not None else f, b, A_log, dt_bias, state,
+        out, slots, starts, counters, mixed_qkv.stride(0), f.stride(0), b.stride(0), channels, dk**-0.5,
+        0.0 if lower_bound is None else float(lower_bound),
+        HK=num_heads, DK=dk, DV=dv, BK=tiles["BK"], BV=tiles["BV"], SPLIT=splits, K=width,
+        KP=next_power_of_2(width - 1), DF=fold_cols, BF=next_power_of_2(fold_cols),
+        FB=min(FOLD_BLOCK, next_power_of_2(fold_cols)), FOLD=f_b_weight is not None,
+        SAFE_GATE=lower_bound is not None, USE_PDL=pdl,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
+    )
+    return out
 
 
 def kda_rule(
@@ -121,8 +265,11 @@ def kda_gates_ref(f, b, A_log, dt_bias, lower_bound=None):  # -> g [T, H, dk] fl
 
 
 def kda_decode_ref(mixed_qkv, conv_weight, conv_state, f, b, A_log, dt_bias, state, slots, starts,
-                   lower_bound=None, num_splits=None):
-    """causal_conv_ref (silu), kda_gates_ref, then gated_delta_rule_ref with the per-channel decay."""
+                   lower_bound=None, num_splits=None, f_b_weight=None):
+    """causal_conv_ref (silu), kda_gates_ref, then gated_delta_rule_ref with the per-channel decay; with f_b_weight,
+    f = f_b's product of f (f_a) first, in float32 and rounded to f's dtype."""
+    if f_b_weight is not None:
+        f = torch.nn.functional.linear(f.float(), f_b_weight.float()).to(f.dtype)
     num_rows = mixed_qkv.shape[0]
     _, num_heads, dk, dv = state.shape
     qsl = torch.arange(num_rows + 1, dtype=torch.int32)

@@ -6,6 +6,8 @@ softmax-weighted sum of the latents c (the layer applies W_uv after): one-head M
 the key's first R dims. Program (seq, head block, split) reads each key row once for BLOCK_H query heads, the point
 of MLA decode; splits along the sequence merge in paged_attention's reduce kernel. Lengths and block tables are
 read on the device and the split count is a launch constant, so a captured CUDA graph stays valid.
+mla_decode_absorbed is the whole absorbed form in three launches (a batch-1 decode step counts them): the query
+absorption and rope concat in one (absorb_query), the attention, and the split merge with W_uv's up-projection in one.
 Imports torch and helios.kernels only.
 """
 
@@ -174,9 +176,11 @@ def mla_decode(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, R]
     block_h: int = 16,
     block_n: int | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,  # split_partials(out, num_splits): left unmerged
 ) -> torch.Tensor:  # [num_seqs, num_heads, R], the attention-weighted latents (in q's dtype)
     """num_splits is a launch constant (never read from seq_lens), so a captured CUDA graph stays valid; float32
-    accumulation throughout, the splits merged in float32."""
+    accumulation throughout, the splits merged in float32. Given `partials`, the splits' partial outputs stay there
+    for the caller's merge (mla_decode_absorbed's) and `out` is written only with one split."""
     require_triton()
     num_seqs, num_heads, width = q.shape
     assert cache.dim() == 4 and cache.shape[0] == 1, f"cache must be [1, num_pages, page_size, R + dr]: {cache.shape}"
@@ -196,7 +200,7 @@ def mla_decode(
     rope_dim = width - rank
     block_r = max(16, next_power_of_2(rank))
     block_n = block_n or (32 if block_r <= 256 else 16)
-    part_out, part_lse = split_partials(out, num_splits)
+    part_out, part_lse = partials or split_partials(out, num_splits)
     _mla_decode_kernel[(num_seqs, cdiv(num_heads, block_h), num_splits)](
         q, pages, block_tables, seq_lens, out, part_out, part_lse,
         q.stride(0), q.stride(1), pages.stride(0), pages.stride(1), block_tables.stride(0), out.stride(0),
@@ -212,7 +216,153 @@ def mla_decode(
         num_warps=4 if block_r <= 256 else 8,
         num_stages=2,
     )
-    merge_splits(part_out, part_lse, out, num_splits, False)
+    if partials is None:
+        merge_splits(part_out, part_lse, out, num_splits, False)
+    return out
+
+
+@jit
+def _absorb_query_kernel(
+    q_ptr,  # [num_seqs, num_heads, dn + dr]
+    kv_b_ptr,  # [num_heads * (dn + dv), R]: per head dn W_uk rows, then dv W_uv rows
+    out_ptr,  # [num_seqs, num_heads, R + dr] contiguous
+    stride_qs,
+    stride_qh,
+    num_heads,
+    nope_dim,
+    v_dim,
+    rank,
+    rope_dim,
+    BLOCK_DN: tl.constexpr,  # >= dn
+    BLOCK_R: tl.constexpr,  # the latent columns of one program
+    BLOCK_DR: tl.constexpr,  # >= dr
+):
+    # program (seq, head, latent block): q_lat[r] = sum_i q_nope[i] W_uk[i, r] in float32, rounded to q's dtype (as
+    # the bmm it replaces rounds), then stored in the output's; latent block 0 also copies the rope part
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = r < rank
+    i = tl.arange(0, BLOCK_DN)
+    i_mask = i < nope_dim
+    q_row = q_ptr + seq * stride_qs + head * stride_qh
+    q_nope = tl.load(q_row + i, mask=i_mask, other=0.0)
+    w_uk = tl.load(kv_b_ptr + (head * (nope_dim + v_dim) + i)[:, None] * rank + r[None, :],
+                   mask=i_mask[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_DN, BLOCK_R]
+    q_lat = tl.sum(q_nope.to(tl.float32)[:, None] * w_uk.to(tl.float32), axis=0).to(q_nope.dtype)
+    out_row = out_ptr + (seq * num_heads + head) * (rank + rope_dim)
+    tl.store(out_row + r, q_lat.to(out_ptr.dtype.element_ty), mask=r_mask)
+    if tl.program_id(2) == 0:
+        e = tl.arange(0, BLOCK_DR)
+        e_mask = e < rope_dim
+        q_pe = tl.load(q_row + nope_dim + e, mask=e_mask, other=0.0)
+        tl.store(out_row + rank + e, q_pe.to(out_ptr.dtype.element_ty), mask=e_mask)
+
+
+def absorb_query(
+    q: torch.Tensor,  # [num_seqs, num_heads, dn + dr]
+    kv_b: torch.Tensor,  # [num_heads * (dn + dv), R]
+    rank: int,
+    v_dim: int,
+    dtype: torch.dtype,  # the output's (the latent cache's)
+) -> torch.Tensor:  # [num_seqs, num_heads, R + dr]
+    """helios.layers.mla.absorb_query (then .to(dtype)) in one launch: [q_nope W_uk, q_rope] per head, q_nope W_uk
+    summed in float32 and rounded to q's dtype first."""
+    require_triton()
+    num_seqs, num_heads, width = q.shape
+    nope_dim = kv_b.shape[0] // num_heads - v_dim
+    rope_dim = width - nope_dim
+    assert kv_b.shape == (num_heads * (nope_dim + v_dim), rank) and kv_b.is_contiguous() and 0 <= rope_dim
+    check_last_dim_contiguous("q", q)
+    out = torch.empty(num_seqs, num_heads, rank + rope_dim, dtype=dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    block_r = min(64, next_power_of_2(rank))
+    _absorb_query_kernel[(num_seqs, num_heads, cdiv(rank, block_r))](
+        q, kv_b, out, q.stride(0), q.stride(1), num_heads, nope_dim, v_dim, rank, rope_dim,
+        BLOCK_DN=next_power_of_2(nope_dim), BLOCK_R=block_r, BLOCK_DR=max(2, next_power_of_2(rope_dim)), num_warps=4,
+    )
+    return out
+
+
+@jit
+def _merge_expand_kernel(
+    lat_ptr,  # [num_seqs, num_heads, R] the attention's latent output (NUM_SPLITS == 1)
+    part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, R] float32 (NUM_SPLITS > 1)
+    part_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2 domain
+    kv_b_ptr,  # [num_heads * (dn + dv), R]
+    out_ptr,  # [num_seqs, num_heads, dv] contiguous
+    num_heads,
+    nope_dim,
+    v_dim,
+    rank,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # >= NUM_SPLITS
+    BLOCK_V: tl.constexpr,  # the value columns of one program
+    BLOCK_R: tl.constexpr,  # latent columns per step
+):
+    # program (seq, head, value block): the latent output o_lat (the splits merged as paged_attention's reduce does,
+    # rounded to lat's dtype as that reduce stores it), then out[j] = sum_r W_uv[j, r] o_lat[r] in float32, rounded
+    # to out's dtype
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    j = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    j_mask = j < v_dim
+    w_rows = kv_b_ptr + (head * (nope_dim + v_dim) + nope_dim + j)[:, None] * rank
+    row = seq * num_heads + head
+    if NUM_SPLITS > 1:
+        splits = tl.arange(0, BLOCK_S)
+        s_mask = splits < NUM_SPLITS
+        lse = tl.load(part_lse_ptr + row * NUM_SPLITS + splits, mask=s_mask, other=float("-inf"))
+        g = tl.max(lse, axis=0)
+        g = tl.where(g == float("-inf"), 0.0, g)
+        w = tl.exp2(lse - g)  # [BLOCK_S]; 0 for empty splits
+        den = tl.sum(w, axis=0)
+        den = tl.where(den > 0, den, 1.0)
+    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = r < rank
+        if NUM_SPLITS > 1:
+            parts = tl.load(part_out_ptr + (row * NUM_SPLITS + splits)[:, None] * rank + r[None, :],
+                            mask=s_mask[:, None] & r_mask[None, :], other=0.0)
+            o_lat = (tl.sum(w[:, None] * parts, axis=0) / den).to(lat_ptr.dtype.element_ty)
+        else:
+            o_lat = tl.load(lat_ptr + row * rank + r, mask=r_mask, other=0.0)
+        o_lat = o_lat.to(out_ptr.dtype.element_ty).to(tl.float32)
+        w_uv = tl.load(w_rows + r[None, :], mask=j_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w_uv * o_lat[None, :], axis=1)
+    tl.store(out_ptr + row * v_dim + j, acc.to(out_ptr.dtype.element_ty), mask=j_mask)
+
+
+def mla_decode_absorbed(
+    q: torch.Tensor,  # [num_seqs, num_heads, dn + dr], one query token per sequence
+    kv_b: torch.Tensor,  # [num_heads * (dn + dv), R]: per head dn W_uk rows, then dv W_uv rows
+    cache: torch.Tensor,  # [1, num_pages, page_size, R + dr]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32 (0: a padded row, output 0)
+    v_dim: int,
+    scale: float,
+    num_splits: int = 1,
+) -> torch.Tensor:  # [num_seqs, num_heads, dv] in q's dtype
+    """helios.layers.mla's absorbed decode in three launches: absorb_query (the absorbed query in the cache's dtype),
+    the attention over the latent pages (mla_decode's kernel), then the split merge and W_uv's up-projection per
+    (seq, head). Each row's values depend on its own sequence only; graph-safe as mla_decode."""
+    num_seqs, num_heads, _ = q.shape
+    rank = kv_b.shape[1]
+    q_abs = absorb_query(q, kv_b, rank, v_dim, cache.dtype)
+    o_lat = q_abs.new_empty(num_seqs, num_heads, rank)
+    part_out, part_lse = split_partials(o_lat, num_splits)
+    mla_decode(q_abs, cache, block_tables, seq_lens, rank, scale, num_splits, out=o_lat, partials=(part_out, part_lse))
+    out = q.new_empty(num_seqs, num_heads, v_dim)
+    if num_seqs == 0:
+        return out
+    nope_dim = kv_b.shape[0] // num_heads - v_dim
+    block_v = min(32, next_power_of_2(v_dim))
+    _merge_expand_kernel[(num_seqs, num_heads, cdiv(v_dim, block_v))](
+        o_lat, part_out, part_lse, kv_b, out, num_heads, nope_dim, v_dim, rank, NUM_SPLITS=num_splits,
+        BLOCK_S=next_power_of_2(num_splits), BLOCK_V=block_v, BLOCK_R=min(128, next_power_of_2(rank)), num_warps=4,
+    )
     return out
 
 

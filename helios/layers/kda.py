@@ -5,7 +5,8 @@ per-channel forget gate g = -exp(A_log) softplus(f_b f_a x + dt_bias) (glm5_next
 RecurrentConfig.gate_lower_bound: lower_bound * sigmoid(exp(A_log) (f_b f_a x + dt_bias))) and beta = sigmoid(b); the
 Kimi delta rule with its state per request in a state slot; the output's per-head RMSNorm times sigmoid(g_b g_a x);
 out. The ops are helios.layers.recurrent's torch references on every device, or on the fused (GPU) path the Triton
-kernels of helios.kernels.kda (imported there only). Imports torch only.
+kernels of helios.kernels.kda (imported there only); there a decode step folds f_b into the KDA step's launch and g_b
+into the gated norm's. Imports torch only.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ class KimiDeltaAttention(RecurrentMixer):
         num_tokens = x.shape[0]
         mixed, f_a, g_a, b = self.in_proj(x).split([c.conv_dim, d, d, c.num_heads], dim=-1)
         conv_state, recurrent_state = state
+        if self.fused and num_tokens == meta.num_seqs:
+            return self._decode_fused(mixed, f_a, g_a, b, conv_state, recurrent_state, meta)
         if self.fused:
             o = self._mix_fused(mixed, self.f_b(f_a), b, conv_state, recurrent_state, meta)
         else:
@@ -71,16 +74,27 @@ class KimiDeltaAttention(RecurrentMixer):
         return (t.reshape(mixed.shape[0], self.config.num_heads, self.head_dim)
                 for t in mixed.split([self.inner] * 3, dim=-1))
 
+    def _decode_fused(self, mixed, f_a, g_a, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:
+        """A decode step (one token per sequence) on the Triton path in three launches besides in_proj and out: the
+        KDA step with f_b's product folded in (helios.kernels.kda), the gated norm with g_b's (gated_norm), from
+        device-side slots and starts (graph-safe). Values: f_b's and g_b's products in float32, rounded as theirs."""
+        from helios.kernels import kda
+        from helios.kernels.gated_norm import gated_rms_norm
+
+        c, d = self.config, self.head_dim
+        o = kda.kda_decode(mixed, self.conv.weight, conv_state, f_a, b, self.A_log, self.dt_bias, recurrent_state,
+                           meta.state_slots, sequence_starts_device(meta), c.gate_lower_bound,
+                           f_b_weight=self.f_b.weight)
+        o = gated_rms_norm(o.reshape(-1, d), g_a, self.norm.weight, self.eps, activation="sigmoid",
+                           multiply_in_float32=True, z_weight=self.g_b.weight)
+        return self.out(o.reshape(mixed.shape[0], self.inner))
+
     def _mix_fused(self, mixed, f, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:
-        """The Triton path (helios.kernels.kda): a decode step (one token per sequence) in one launch from
-        device-side slots and starts (graph-safe); otherwise the varlen conv kernel and fla's chunk_kda."""
+        """The Triton path's prefill or mixed step (helios.kernels.kda): the varlen conv kernel and fla's chunk_kda."""
         from helios.kernels import gated_delta, kda
 
         c = self.config
         qsl, starts = meta.query_start_loc, sequence_starts_device(meta)
-        if mixed.shape[0] == meta.num_seqs:
-            return kda.kda_decode(mixed, self.conv.weight, conv_state, f, b, self.A_log, self.dt_bias,
-                                  recurrent_state, meta.state_slots, starts, c.gate_lower_bound)
         mixed = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts)
         q, k, v = self._heads(mixed)
         g, beta = ops.kimi_delta_gates(f, b, self.A_log, self.dt_bias, c.gate_lower_bound)

@@ -118,13 +118,12 @@ def mla_absorbed_kernel(
     config: MlaConfig,
     num_splits: int,
 ) -> torch.Tensor:  # [B, Nq, dv]
-    """mla_absorbed with the attention in helios.kernels.mla_decode (float32 inside): device tensors only, no host
-    read, so it runs inside a CUDA graph."""
-    from helios.kernels.mla_decode import mla_decode
+    """mla_absorbed in helios.kernels.mla_decode's three launches (the query absorption, the attention in float32,
+    the split merge with W_uv): device tensors only, no host read, so it runs inside a CUDA graph."""
+    from helios.kernels.mla_decode import mla_decode_absorbed
 
-    q_abs = absorb_query(q, kv_b, config).to(cache.dtype)
-    o_lat = mla_decode(q_abs, cache, block_tables, seq_lens, config.kv_lora_rank, config.softmax_scale, num_splits)
-    return expand_output(o_lat.to(q.dtype), kv_b, config)
+    return mla_decode_absorbed(q, kv_b, cache, block_tables, seq_lens, config.v_head_dim, config.softmax_scale,
+                               num_splits)
 
 
 def decode_latent_layout(

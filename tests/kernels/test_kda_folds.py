@@ -1,0 +1,89 @@
+"""KDA's decode launches with their small per-head projections folded in (Triton interpreter): kda_decode with
+f_b's weight = kda_decode of f_b's product, gated_rms_norm with g_b's weight = gated_rms_norm of g_b's product, and
+each row's result independent of the rows beside it (bit for bit).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels.test_gated_delta import _randn, make_batch
+from tests.kernels.test_recurrent_kernels import _kda_decode_inputs
+
+
+@pytest.fixture
+def interpreter():
+    from tests.kernels.interpreter import require_interpreter
+
+    require_interpreter()
+
+
+def _inputs(dtype, starts, num_heads=2, dk=32, dv=64, df=32):
+    """A decode batch, kda_decode's inputs but f, and f_a [B, df], f_b's weight [H*dk, df]."""
+    batch = make_batch([1] * len(starts), list(starts), "cpu")
+    inputs = _kda_decode_inputs("cpu", dtype, num_heads, dk, dv, 4, batch)
+    inputs.pop("f")
+    f_a = _randn(len(starts), df, device="cpu", seed=40, dtype=dtype)
+    f_b = _randn(num_heads * dk, df, device="cpu", seed=41, dtype=dtype, scale=df**-0.5)
+    return batch, inputs, f_a, f_b
+
+
+def _decode(inputs, rows, slots, starts, f, **kwargs):
+    """kda_decode of `rows` of the batch on copies of its states: (output, conv state, state)."""
+    from helios.kernels.kda import kda_decode
+
+    args = {k: v.clone() if k in ("conv_state", "state") else v[rows] if k in ("mixed_qkv", "b") else v
+            for k, v in inputs.items()}
+    o = kda_decode(**args, f=f[rows], slots=slots[rows], starts=starts[rows], **kwargs)
+    return o, args["conv_state"], args["state"]
+
+
+@pytest.mark.parametrize("lower_bound, num_splits", [(None, 1), (-5.0, 2)])
+def test_kda_decode_folds_f_b(interpreter, lower_bound, num_splits):
+    """float32: the folded f (its own sums) = F.linear's within float32 rounding, so every output and state too."""
+    batch, inputs, f_a, f_b = _inputs(torch.float32, (0, 5, 1, 130))
+    rows, kw = slice(None), dict(lower_bound=lower_bound, num_splits=num_splits)
+    folded = _decode(inputs, rows, batch.slots, batch.starts, f_a, f_b_weight=f_b, **kw)
+    unfolded = _decode(inputs, rows, batch.slots, batch.starts, F.linear(f_a, f_b), **kw)
+    live = batch.slots.long()
+    for name, a, b in zip(("output", "conv state", "state"), folded, unfolded):
+        if name != "output":
+            a, b = a[live], b[live]
+        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6, msg=name)
+
+
+def test_kda_decode_fold_bf16_rows_alone(interpreter):
+    """bf16: the folded step = the unfolded one within bf16's rounding of f, and each row alone = the row in the
+    batch bit for bit (no cross-row reduction)."""
+    batch, inputs, f_a, f_b = _inputs(torch.bfloat16, (3, 0, 7))
+    together = _decode(inputs, slice(None), batch.slots, batch.starts, f_a, f_b_weight=f_b)[0]
+    unfolded = _decode(inputs, slice(None), batch.slots, batch.starts, F.linear(f_a, f_b))[0]
+    torch.testing.assert_close(together.float(), unfolded.float(), atol=3e-2, rtol=3e-2)
+    for i in range(3):
+        alone = _decode(inputs, slice(i, i + 1), batch.slots, batch.starts, f_a, f_b_weight=f_b)[0]
+        assert torch.equal(alone, together[i : i + 1]), f"row {i}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gated_norm_folds_the_gate_projection(interpreter, dtype):
+    """z_weight: row token * heads + head's gate is that head's rows of the weight times the token's z_in; = the norm
+    of the projected gate (float32: within its rounding; bf16: the rounded gates may differ by an ulp), and each
+    token alone = the token in the batch bit for bit."""
+    from helios.kernels.gated_norm import gated_rms_norm
+
+    tokens, heads, d, dz = 3, 4, 48, 40
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens * heads, d, generator=gen).to(dtype)
+    z_in = torch.randn(tokens, dz, generator=gen).to(dtype)
+    z_weight = (torch.randn(heads * d, dz, generator=gen) / dz**0.5).to(dtype)
+    weight = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
+    kimi = dict(activation="sigmoid", multiply_in_float32=True)
+    got = gated_rms_norm(x, z_in, weight, 1e-6, z_weight=z_weight, **kimi)
+    want = gated_rms_norm(x, F.linear(z_in, z_weight).reshape(tokens * heads, d), weight, 1e-6, **kimi)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got, want, **tol)
+    for t in range(tokens):
+        alone = gated_rms_norm(x[t * heads : (t + 1) * heads], z_in[t : t + 1], weight, 1e-6, z_weight=z_weight, **kimi)
+        assert torch.equal(alone, got[t * heads : (t + 1) * heads]), f"token {t}"

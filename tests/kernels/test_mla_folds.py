@@ -1,0 +1,86 @@
+"""helios.kernels.mla_decode's absorbed decode in three launches (absorb_query, the attention, the split merge with
+W_uv) against the unfused computation it replaces (helios.layers.mla's absorb_query and expand_output around
+mla_decode), in Triton's CPU interpreter: float32 within its rounding, and each row alone = the row in a batch bit
+for bit (bf16).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.kernels.test_mla_decode import NOPE, ROPE, _randn, paged_tables
+
+# the interpreter (numpy) warns on exp overflow / log(0) where the GPU quietly gives inf / -inf
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+SEQ_LENS = (37, 5, 70, 0, 1)  # a padded row (length 0) among them
+PAGE_SIZE = 4
+
+
+@pytest.fixture
+def interpreter():
+    from tests.kernels.interpreter import require_interpreter
+
+    require_interpreter()
+
+
+def _inputs(config, dtype, num_heads=20, seq_lens=SEQ_LENS):
+    c = config
+    tables, num_pages = paged_tables(list(seq_lens), PAGE_SIZE, "cpu")
+    width = c.kv_lora_rank + c.qk_rope_head_dim
+    cache = _randn(1, num_pages, PAGE_SIZE, width, device="cpu", dtype=dtype, seed=1)
+    q = _randn(len(seq_lens), num_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, device="cpu", dtype=dtype, seed=2)
+    kv_b = _randn(num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, device="cpu", dtype=dtype, seed=3,
+                  scale=c.kv_lora_rank**-0.5)
+    return q, kv_b, cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def _unfused(q, kv_b, cache, tables, lens, config, num_splits):
+    """The layer's former kernel path: torch's absorption and concat, mla_decode (its own merge), torch's W_uv."""
+    from helios.kernels.mla_decode import mla_decode
+    from helios.layers.mla import absorb_query, expand_output
+
+    q_abs = absorb_query(q, kv_b, config).to(cache.dtype)
+    o_lat = mla_decode(q_abs, cache, tables, lens, config.kv_lora_rank, config.softmax_scale, num_splits)
+    return expand_output(o_lat.to(q.dtype), kv_b, config)
+
+
+@pytest.mark.parametrize("config", [ROPE, NOPE], ids=["rope", "nope"])
+def test_absorb_query_kernel_is_the_torch_absorption(interpreter, config):
+    from helios.kernels.mla_decode import absorb_query
+    from helios.layers.mla import absorb_query as absorb_query_torch
+
+    q, kv_b, *_ = _inputs(config, torch.float32)
+    got = absorb_query(q, kv_b, config.kv_lora_rank, config.v_head_dim, torch.float32)
+    torch.testing.assert_close(got, absorb_query_torch(q, kv_b, config), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("config", [ROPE, NOPE], ids=["rope", "nope"])
+def test_mla_decode_absorbed_is_the_unfused_path(interpreter, config, num_splits):
+    """float32: the fused merge and up-projection = mla_decode's merge then torch's bmm within float32 rounding;
+    the padded row gives zeros."""
+    from helios.kernels.mla_decode import mla_decode_absorbed
+
+    q, kv_b, cache, tables, lens = _inputs(config, torch.float32)
+    got = mla_decode_absorbed(q, kv_b, cache, tables, lens, config.v_head_dim, config.softmax_scale, num_splits)
+    want = _unfused(q, kv_b, cache, tables, lens, config, num_splits)
+    assert got.shape == want.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.count_nonzero(got[3]) == 0
+
+
+def test_mla_decode_absorbed_bf16_rows_alone(interpreter):
+    """bf16: = the unfused path within bf16 rounding; each sequence alone = its row in the batch, bit for bit."""
+    from helios.kernels.mla_decode import mla_decode_absorbed
+
+    c = NOPE
+    q, kv_b, cache, tables, lens = _inputs(c, torch.bfloat16)
+    together = mla_decode_absorbed(q, kv_b, cache, tables, lens, c.v_head_dim, c.softmax_scale, 2)
+    want = _unfused(q, kv_b, cache, tables, lens, c, 2)
+    torch.testing.assert_close(together.float(), want.float(), atol=3e-2, rtol=3e-2)
+    for i in range(len(SEQ_LENS)):
+        alone = mla_decode_absorbed(q[i : i + 1], kv_b, cache, tables[i : i + 1], lens[i : i + 1], c.v_head_dim,
+                                    c.softmax_scale, 2)
+        assert torch.equal(alone, together[i : i + 1]), f"row {i}"
