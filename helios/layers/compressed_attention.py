@@ -1,10 +1,11 @@
 """deepseek_v4's attention (helios.core.manifest.CompressedAttentionConfig): shared-KV MQA with per-head sinks over a
 sliding window, plus compressed entries (HCA: one per hca_rate tokens; CSA: one per csa_rate tokens from overlapping
 windows, each query keeping the index_topk best by a lightning indexer). The torch reference on every device; on the
-Triton backend a decode-only step (one token per sequence) takes helios.kernels.csa_decode instead: the entry a token
-completes written by position arithmetic on the device (Compressor.step), CSA's index scores and the reference's
-stable-sort choice, and the sink attention over the window and the entries, lengths and tables read on the device,
-so it is CUDA-graph safe (decode_graph_safe); prefill and mixed steps stay on the torch reference.
+Triton backend a decode-only step (one token per sequence) takes helios.kernels instead: the ropes in one launch each
+(interleaved_rope, reading the tabulated rows), the entry a token completes written by position arithmetic on the
+device (csa_compress), CSA's index scores and the reference's stable-sort choice, and the sink attention over the
+window and the entries (csa_decode), lengths and tables read on the device, so it is CUDA-graph safe
+(decode_graph_safe); prefill and mixed steps stay on the torch reference.
 
 Cache per layer (helios.runner.kv_cache): (rows [1, pages, page_size, raw_dim], entries [1, num_pages, page_size,
 entry_row_dim]). Per token its row holds the normed, rotated kv (d values; keys and values alike) and the raw compressor
@@ -34,16 +35,43 @@ from helios.switches import DEFAULT_SWITCHES, Switches
 class InterleavedRope:
     """deepseek_v4's rope: one frequency per (2i, 2i+1) pair of a head's trailing rope_dim dims (HF's
     DeepseekV4RotaryEmbedding + apply_rotary_pos_emb); the frequencies are helios.layers.rotary's (default or
-    yarn), with no attention factor (deepseek_v4 forces it to 1)."""
+    yarn), with no attention factor (deepseek_v4 forces it to 1). `rotary` holds them: the model exposes it, so
+    tabulate_rope makes its (cos, sin) table, whose first rope_dim / 2 columns are this rope's rows."""
 
     def __init__(self, rope_dim: int, theta: float, scaling=None, max_positions: int = 0,
                  device: torch.device | str = "cpu"):
-        self.inv_freq = RotaryEmbedding(rope_dim, theta, scaling, max_positions, device).inv_freq  # [r/2] float32
+        self.rotary = RotaryEmbedding(rope_dim, theta, scaling, max_positions, device)
+        self.rotary.attention_scaling = 1.0  # its table's cos/sin then are cos_sin's, bit for bit
+        self.inv_freq = self.rotary.inv_freq  # [r/2] float32
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] -> (cos, sin) each [N, r/2] in dtype (HF casts them to the activations' dtype)."""
         freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+    def table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) [num_positions, r/2] views of the tabulated rows in dtype (no launch), or None (no table)."""
+        table = self.rotary.table
+        if table is None or table.dtype != dtype:
+            return None
+        half = self.inv_freq.shape[0]
+        return table[:, 0, :half], table[:, 1, :half]
+
+
+def step_rope(meta: AttentionMetadata, rope: InterleavedRope, dtype: torch.dtype, rate: int = 0):
+    """The rope rows helios.kernels' decode launches read, derived once per step and shared by every layer: (cos, sin,
+    positions) of the table with the tokens' positions, or, without a table, (cos, sin, None) computed per token.
+    rate > 0: for the entry a token's window completes (position p // rate * rate); with a table the kernel finds that
+    row itself (positions None is never read)."""
+    key = ("interleaved_rope", id(rope), dtype, rate)
+    if key not in meta.derived:
+        rows = rope.table(dtype)
+        if rows is not None:
+            meta.derived[key] = (*rows, meta.positions if rate == 0 else None)
+        else:
+            positions = meta.positions if rate == 0 else meta.positions // rate * rate
+            meta.derived[key] = (*rope.cos_sin(positions, dtype), None)
+    return meta.derived[key]
 
 
 def rotate_tail(
@@ -102,25 +130,6 @@ class Compressor(nn.Module):
             kv2[1:, :m], gate2[1:, :m] = kv[:-1, :, :d], gate[:-1, :, :d]
             kv, gate = kv2[lead:], gate2[lead:]  # the leading window only lends its first halves
         return self._mix((torch.arange(n - lead, device=kv.device) + first) * m, kv, gate, rope)
-
-    def step(
-        self,
-        kv: torch.Tensor,  # [B, e * rate, w] raw kv rows of window j (with `overlap`: e = 2, window j - 1's first)
-        gate: torch.Tensor,  # [B, e * rate, w] their gate logits
-        windows: torch.Tensor,  # [B] int64: j per row
-        rope: InterleavedRope,
-    ) -> torch.Tensor:  # [B, out_dim]: window j's entry per row, as forward's (window 0: no leading half)
-        """One window per row with static shapes (the decode step: no host branching); forward's arithmetic."""
-        m, d = self.rate, self.out_dim
-        gate = gate.unflatten(1, (-1, m)) + self.position_bias  # [B, e, m, w]
-        kv = kv.unflatten(1, (-1, m))
-        if self.overlap:
-            lead = (windows > 0)[:, None, None]  # window 0's leading places: kv 0, weight 0 (forward's)
-            kv = torch.cat([torch.where(lead, kv[:, 0, :, :d], 0), kv[:, 1, :, d:]], dim=1)  # [B, 2m, d]
-            gate = torch.cat([gate[:, 0, :, :d].masked_fill(~lead, float("-inf")), gate[:, 1, :, d:]], dim=1)
-        else:
-            kv, gate = kv[:, 0], gate[:, 0]
-        return self._mix(windows * m, kv, gate, rope)
 
     def _mix(self, positions: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
              rope: InterleavedRope) -> torch.Tensor:  # [n], [n, places, d] x2 -> [n, d]
@@ -251,6 +260,8 @@ class CompressedAttention(nn.Module):
         rope: InterleavedRope,  # this layer's: main (sliding) or compress
         compress_rope: InterleavedRope,
     ) -> torch.Tensor:  # [T, H]
+        if self.decode_graph_safe and x.shape[0] == meta.num_seqs:  # every sequence schedules one token
+            return self._decode_step(x, cache, meta, rope, compress_rope)
         num_tokens, d = x.shape[0], self.head_dim
         q_lat, kv, c_kv, c_gate, i_kv, i_gate, i_w = self.in_proj(x).split(self.splits, dim=-1)
         q_lat = self.q_a_norm(q_lat)
@@ -265,23 +276,44 @@ class CompressedAttention(nn.Module):
             index_q = self.indexer.q_b(q_lat).view(num_tokens, self.config.index_num_heads, -1)
             index = (rotate_tail(index_q, *compress_rope.cos_sin(meta.positions, x.dtype)),
                      i_w.float() * self.config.index_num_heads**-0.5)
-        page_size = cache[0].shape[2]
-        if self.decode_graph_safe and num_tokens == meta.num_seqs:  # every sequence schedules one token
-            out = self._decode(q, raw, cache, meta, window, index, compress_rope)
-        else:
-            rows, entries = (t.flatten(0, 2) for t in cache)  # [slots, raw_dim], [slots, entry_row_dim]
-            rows[window.slot_mapping] = raw.to(rows.dtype)
-            out = self._attend_all(q, rows, entries, meta, window, page_size, index, compress_rope)
+        rows, entries = (t.flatten(0, 2) for t in cache)  # [slots, raw_dim], [slots, entry_row_dim]
+        rows[window.slot_mapping] = raw.to(rows.dtype)
+        out = self._attend_all(q, rows, entries, meta, window, cache[0].shape[2], index, compress_rope)
         # K = V carried the keys' rotation: the output turns back by the query's
         out = rotate_tail(out.to(q.dtype), cos, -sin)
+        return self.o_b(self._grouped_o_a(out.reshape(num_tokens, -1)))
+
+    def _decode_step(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                     rope: InterleavedRope, compress_rope: InterleavedRope) -> torch.Tensor:  # [B, H] -> [B, H]
+        """forward's arithmetic for a decode-only step in kernels (helios.kernels.interleaved_rope: unit_rms and the
+        rope of q in one launch, the kv's rope written into the projection's own columns, which then are the raw row
+        the cache keeps; the output's rope back), rope rows and positions derived once per step (step_rope)."""
+        from helios.kernels.interleaved_rope import interleaved_rope
+
+        c, num_tokens, d = self.config, x.shape[0], self.head_dim
+        projected = self.in_proj(x)
+        q_lat, kv, _, _, _, _, i_w = projected.split(self.splits, dim=-1)
+        q_lat = self.q_a_norm(q_lat)
+        turn = step_rope(meta, rope, x.dtype)
+        q = interleaved_rope(self.q_b(q_lat).view(num_tokens, self.num_heads, d), *turn, unit_rms_eps=self.eps)
+        raw = projected[:, c.q_lora_rank : c.q_lora_rank + self.raw_dim]  # kv, then the compressors' kv and gate
+        interleaved_rope(self.kv_norm(kv)[:, None], *turn, out=raw[:, None, :d])
+        index = None
+        if self.kind == "csa":
+            index_q = self.indexer.q_b(q_lat).view(num_tokens, c.index_num_heads, -1)
+            index = (interleaved_rope(index_q, *step_rope(meta, compress_rope, x.dtype)),
+                     i_w.float() * c.index_num_heads**-0.5)
+        out = self._decode(q, raw, cache, meta, meta.for_window(c.window), index, compress_rope)
+        # K = V carried the keys' rotation: the output turns back by the query's
+        out = interleaved_rope(out.to(q.dtype), *turn, inverse=True)
         return self.o_b(self._grouped_o_a(out.reshape(num_tokens, -1)))
 
     def _decode(self, q: torch.Tensor, raw: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, window: AttentionMetadata, index,
                 compress_rope: InterleavedRope) -> torch.Tensor:  # q [B, Nh, d] -> [B, Nh, d]
         """The decode step in kernels, from meta's device tensors: the row written (padded rows, slot -1, skip), the
-        entry of a window this token completes written (masked by position arithmetic, no host branch), then (CSA)
-        the index scores and select's choice, and the sink attention over the window and the entries."""
+        entry of a window this token completes written (by position arithmetic in the kernel, no host branch), then
+        (CSA) the index scores and select's choice, and the sink attention over the window and the entries."""
         from helios.kernels import csa_decode
         from helios.kernels.mla_decode import write_latent
 
@@ -302,30 +334,23 @@ class CompressedAttention(nn.Module):
 
     def _decode_entries(self, rows: torch.Tensor, entries: torch.Tensor, meta: AttentionMetadata,
                         window: AttentionMetadata, r: int, rope: InterleavedRope) -> None:
-        """The entry (CSA: and index key) of window j = p // rate for every row, from its rows (CSA: and window
-        j - 1's), written over its entry rows only where the token at p completes it ((p + 1) % rate == 0, a real
-        row): other rows' slots are -1, which write_latent skips."""
-        from helios.kernels.mla_decode import write_latent
+        """The entry (CSA: and index key) of window j = p // rate for every row whose token at p completes it ((p + 1)
+        % rate == 0, a real row), from its rows (CSA: and window j - 1's), written over its entry rows: one
+        helios.kernels.csa_compress launch per compressor; other rows write nothing."""
+        from helios.kernels.csa_compress import compress_step
 
-        m, d, w, page_size = self.rate, self.head_dim, self.width, rows.shape[2]
-        positions = meta.positions
-        windows = positions // m
-        lead = 1 if self.kind == "csa" else 0
-        at = ((windows - lead) * m)[:, None] + torch.arange((1 + lead) * m, device=positions.device)
-        # within 0 .. p: a row that completes no window reads its own rows instead (never used), never past its table
-        at = torch.minimum(at.clamp(min=0), positions[:, None])
-        raw = rows.flatten(0, 2)[token_slots(window.block_tables, at, page_size)]  # [B, (1 + e) m, raw]
-        new = [self.compressor.step(raw[..., d : d + w], raw[..., d + w : d + 2 * w], windows, rope)]
+        d, w = self.head_dim, self.width
+        cos, sin, _ = step_rope(meta, rope, rows.dtype, self.rate)
+        shared = dict(table=rope.table(rows.dtype) is not None, rate=self.rate, entry_rows=r)
+        tensors = (rows, entries, window.block_tables, meta.block_tables, meta.positions, meta.seq_lens)
+        compressors = [(self.compressor, d, 0)]
         if self.kind == "csa":
-            at, wi = d + 2 * w, 2 * self.config.index_head_dim
-            new.append(self.indexer.compressor.step(raw[..., at : at + wi], raw[..., at + wi : at + 2 * wi], windows,
-                                                    rope))
-        e = entries.shape[-1]
-        new = torch.nn.functional.pad(torch.cat(new, dim=-1), (0, r * e - self.entry_dim)).view(-1, e)  # [B*r, e]
-        complete = ((positions + 1) % m == 0) & (meta.seq_lens > 0)
-        entry_at = self._entry_positions(torch.where(complete, windows, 0), r)  # [B, r]
-        slots = torch.where(complete[:, None], token_slots(meta.block_tables, entry_at, page_size), -1)
-        write_latent(entries, new, new[:, :0], slots.flatten())
+            compressors.append((self.indexer.compressor, d + 2 * w, d))
+        for i, (compressor, kv_col, out_col) in enumerate(compressors):
+            last = i == len(compressors) - 1
+            compress_step(*tensors, compressor.position_bias, compressor.norm.weight, cos, sin, kv_col=kv_col,
+                          out_col=out_col, overlap=compressor.overlap, eps=compressor.eps,
+                          pad_from=self.entry_dim if last else None, **shared)
 
     def _attend_all(self, q: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, meta: AttentionMetadata,
                     window: AttentionMetadata, page_size: int, index,

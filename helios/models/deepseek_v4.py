@@ -99,6 +99,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             "compress": InterleavedRope(c.rope_dim, c.compress_rope_theta, c.compress_rope_scaling,
                                         arch.max_position_embeddings, device),
         }
+        # the ropes' frequencies where helios.layers.rotary.tabulate_rope finds them: the runner tabulates them once,
+        # and a decode step's rope launches read the table (no cos/sin launches)
+        self.main_rotary, self.compress_rotary = self.ropes["main"].rotary, self.ropes["compress"].rotary
         self.embed = Embedding(arch.vocab_size, arch.hidden_size)
         fused = getattr(backend, "fuses_layers", False)  # the Triton backend: the MoE's, attention's and mHC's kernels
         self.layers = nn.ModuleList(DeepseekV4Layer(arch, i, switches, fused, backend)
