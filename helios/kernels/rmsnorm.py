@@ -2,8 +2,11 @@
 
 Numerics follow helios.layers.norm (HF): y = x * rsqrt(mean(x^2) + eps) * w with the statistics in float32;
 llama/qwen round the normalized value to the input dtype before the weight multiply, gemma multiplies in
-float32 (`multiply_in_float32`). The fused variant first forms residual = x + residual in x.dtype (the one
-rounding torch's add does) and normalizes that. Imports torch and helios.kernels._triton only.
+float32 (`multiply_in_float32`); a weightless norm (weight None) rounds x / rms(x) to x's dtype; `scale_first`
+(muse_spark) normalizes x * w rounded to x's dtype. The fused variant first forms residual = x + residual in x.dtype
+(the one rounding torch's add does) and normalizes that; `norm_add_norm` is a sandwich layer's tail in one launch:
+a post-norm of the sublayer's output, the residual add (or a float32 gate alpha * r + beta * h), a scalar, the next
+pre-norm. Imports torch and helios.kernels._triton only.
 """
 
 from __future__ import annotations
@@ -24,12 +27,41 @@ from helios.kernels._triton import (
 # warps of a program over a row of 2048-4096 (a decode step's norms at batch 1: latency; gpu_decode.py tries others)
 WIDE_ROW_WARPS = 8
 
+# how a norm's weight applies (the WEIGHT constexpr)
+UNIT, WEIGHT_AFTER, SCALE_FIRST = 0, 1, 2
+
+
+@jit
+def _normalize(
+    x,  # [BLOCK] a row (masked lanes 0), any float dtype
+    w,  # [BLOCK] float32 weight (unread with UNIT)
+    dim,
+    eps,
+    WEIGHT: tl.constexpr,  # UNIT, WEIGHT_AFTER or SCALE_FIRST
+    MULTIPLY_IN_FLOAT32: tl.constexpr,
+):
+    """The normed row in float32, to be rounded once to the output dtype."""
+    if WEIGHT == 2:  # SCALE_FIRST: norm(x * w), the product rounded to x's dtype as torch's .to(x.dtype)
+        x = (x.to(tl.float32) * w).to(x.dtype)
+    h = x.to(tl.float32)
+    mean_square = tl.sum(h * h, axis=0) / dim
+    h = h * tl.rsqrt(mean_square + eps)
+    if WEIGHT == 1:
+        if MULTIPLY_IN_FLOAT32:
+            h = h * w
+        else:
+            # HF: weight * h.to(input_dtype); the float32 product of two 16-bit floats is exact, so one
+            # rounding after reproduces torch's 16-bit multiply bit for bit.
+            h = h.to(x.dtype).to(tl.float32) * w
+    return h
+
 
 @jit
 def _rms_norm_kernel(
     x_ptr,  # [num_rows, dim] (rows addressed as (i, j) of a 2- or 3-d tensor)
     residual_ptr,  # [num_rows, dim], read only with HAS_RESIDUAL
-    weight_ptr,  # [dim]
+    weight_ptr,  # [dim], unread with WEIGHT == UNIT
+    gate_ptr,  # [num_rows, dim] rows addressed as x's, read only with HAS_GATE
     out_ptr,  # [num_rows, dim] contiguous
     residual_out_ptr,  # [num_rows, dim] contiguous, written only with HAS_RESIDUAL
     inner_rows,  # size of the second leading dimension (1 for a 2-d input)
@@ -37,19 +69,25 @@ def _rms_norm_kernel(
     stride_x1,
     stride_r0,
     stride_r1,
+    stride_g0,
+    stride_g1,
     dim,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     MULTIPLY_IN_FLOAT32: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
+    WEIGHT: tl.constexpr,  # UNIT, WEIGHT_AFTER or SCALE_FIRST
+    HAS_GATE: tl.constexpr,  # the normed row (rounded) times sigmoid(gate) (rounded), rounded
 ):
     row = tl.program_id(0).to(tl.int64)
     i = row // inner_rows
     j = row % inner_rows
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel writes it
+    w = 0.0
+    if WEIGHT != 0:
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: no kernel writes it
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     x = tl.load(x_ptr + i * stride_x0 + j * stride_x1 + cols, mask=mask, other=0.0)
@@ -57,16 +95,71 @@ def _rms_norm_kernel(
         r = tl.load(residual_ptr + i * stride_r0 + j * stride_r1 + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(residual_out_ptr + row * dim + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    mean_square = tl.sum(h * h, axis=0) / dim
-    h = h * tl.rsqrt(mean_square + eps)
-    if MULTIPLY_IN_FLOAT32:
-        y = h * w
-    else:
-        # HF: weight * h.to(input_dtype); the float32 product of two 16-bit floats is exact, so one
-        # rounding below reproduces torch's 16-bit multiply bit for bit.
-        y = h.to(x.dtype).to(tl.float32) * w
+    y = _normalize(x, w, dim, eps, WEIGHT, MULTIPLY_IN_FLOAT32)
+    if HAS_GATE:  # torch: norm(x) * torch.sigmoid(gate), each op rounded to x's dtype
+        g = tl.load(gate_ptr + i * stride_g0 + j * stride_g1 + cols, mask=mask, other=0.0)
+        g = tl.sigmoid(g.to(tl.float32)).to(x.dtype).to(tl.float32)
+        y = y.to(x.dtype).to(tl.float32) * g
     tl.store(out_ptr + row * dim + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@jit
+def _norm_add_norm_kernel(
+    h_ptr,  # [num_rows, dim] a sublayer's output, row stride stride_h
+    residual_ptr,  # [num_rows, dim] the stream, row stride stride_r; read only with HAS_RESIDUAL
+    post_w_ptr,  # [dim] the post-norm's weight, unread with POST_WEIGHT == UNIT
+    gate_ptr,  # [2, dim] contiguous: alpha, beta; read only with HAS_GATE
+    scale_ptr,  # [1] the stream's scalar, read only with HAS_SCALE
+    pre_w_ptr,  # [dim] the next pre-norm's weight, read only with HAS_PRE
+    stream_out_ptr,  # [num_rows, dim] contiguous
+    normed_out_ptr,  # [num_rows, dim] contiguous, written only with HAS_PRE
+    stride_h,
+    stride_r,
+    dim,
+    post_eps,
+    pre_eps,
+    POST_WEIGHT: tl.constexpr,  # UNIT, WEIGHT_AFTER or SCALE_FIRST
+    POST_MULTIPLY_IN_FLOAT32: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_PRE: tl.constexpr,
+    PRE_MULTIPLY_IN_FLOAT32: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    # weights first (no kernel writes them), then wait for the kernels that wrote h and the stream
+    w_post = 0.0
+    if POST_WEIGHT != 0:
+        w_post = tl.load(post_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    w_pre = 0.0
+    if HAS_PRE:
+        w_pre = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        alpha = tl.load(gate_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        beta = tl.load(gate_ptr + dim + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+    dtype = h.dtype
+    s = _normalize(h, w_post, dim, post_eps, POST_WEIGHT, POST_MULTIPLY_IN_FLOAT32).to(dtype)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:  # muse_spark's residual gate: alpha * r + beta * h in float32, rounded once
+            s = (alpha * r + beta * s.to(tl.float32)).to(dtype)
+        else:
+            s = (r + s.to(tl.float32)).to(dtype)
+    if HAS_SCALE:
+        s = (s.to(tl.float32) * scale).to(dtype)
+    tl.store(stream_out_ptr + row * dim + cols, s, mask=mask)
+    if HAS_PRE:
+        y = _normalize(s, w_pre, dim, pre_eps, 1, PRE_MULTIPLY_IN_FLOAT32)
+        tl.store(normed_out_ptr + row * dim + cols, y.to(dtype), mask=mask)
 
 
 @jit
@@ -111,12 +204,24 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
     return x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
 
 
-def _launch(x, residual, weight, eps, multiply_in_float32):
+def _weight_mode(weight: torch.Tensor | None, scale_first: bool) -> int:
+    if weight is None:
+        assert not scale_first, "scale_first needs a weight"
+        return UNIT
+    return SCALE_FIRST if scale_first else WEIGHT_AFTER
+
+
+def _check_weight(weight: torch.Tensor | None, dim: int) -> None:
+    if weight is not None:
+        assert weight.shape == (dim,), f"weight {tuple(weight.shape)} does not match dim {dim}"
+        assert weight.is_contiguous()
+
+
+def _launch(x, residual, weight, eps, multiply_in_float32, scale_first=False, gate=None):
     require_triton()
     dim = x.shape[-1]
-    assert weight.shape == (dim,), f"weight {tuple(weight.shape)} does not match dim {dim}"
+    _check_weight(weight, dim)
     check_last_dim_contiguous("x", x)
-    assert weight.is_contiguous()
     num_rows, inner, sx0, sx1 = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if residual is not None:
@@ -127,6 +232,12 @@ def _launch(x, residual, weight, eps, multiply_in_float32):
     else:
         sr0 = sr1 = 0
         residual_out = out  # never written
+    if gate is not None:
+        assert gate.shape == x.shape and gate.dtype == x.dtype, "gate must match x"
+        check_last_dim_contiguous("gate", gate)
+        _, _, sg0, sg1 = _rows(gate)
+    else:
+        sg0 = sg1 = 0
     if num_rows == 0:
         return out, residual_out
     block = next_power_of_2(dim)
@@ -134,7 +245,8 @@ def _launch(x, residual, weight, eps, multiply_in_float32):
     _rms_norm_kernel[(num_rows,)](
         x,
         residual if residual is not None else x,
-        weight,
+        weight if weight is not None else x,
+        gate if gate is not None else x,
         out,
         residual_out,
         inner,
@@ -142,12 +254,16 @@ def _launch(x, residual, weight, eps, multiply_in_float32):
         sx1,
         sr0,
         sr1,
+        sg0,
+        sg1,
         dim,
         eps,
         HAS_RESIDUAL=residual is not None,
         MULTIPLY_IN_FLOAT32=multiply_in_float32,
         BLOCK=block,
         USE_PDL=use_pdl(x, num_rows),
+        WEIGHT=_weight_mode(weight, scale_first),
+        HAS_GATE=gate is not None,
         num_warps=num_warps,
         launch_pdl=use_pdl(x, num_rows),
     )
@@ -156,11 +272,14 @@ def _launch(x, residual, weight, eps, multiply_in_float32):
 
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, dim] or [num_tokens, num_heads, dim]; rows may be strided
-    weight: torch.Tensor,  # [dim]
+    weight: torch.Tensor | None,  # [dim]; None: a weightless norm, x / rms(x)
     eps: float,
     multiply_in_float32: bool = False,
+    *,
+    scale_first: bool = False,  # norm(x * weight), the product rounded to x's dtype (muse_spark)
+    sigmoid_gate: torch.Tensor | None = None,  # same shape as x (rows may be strided): the result * sigmoid(gate)
 ) -> torch.Tensor:  # same shape as x, contiguous, x.dtype
-    return _launch(x, None, weight, eps, multiply_in_float32)[0]
+    return _launch(x, None, weight, eps, multiply_in_float32, scale_first, sigmoid_gate)[0]
 
 
 def fused_add_rms_norm(
@@ -173,16 +292,105 @@ def fused_add_rms_norm(
     return _launch(x, residual, weight, eps, multiply_in_float32)
 
 
-def rms_norm_ref(x, weight, eps, multiply_in_float32=False):
-    """helios.layers.norm.rms_norm, restated so the kernels package depends on no layer."""
+def norm_add_norm(
+    h: torch.Tensor,  # [num_tokens, dim] a sublayer's output; rows may be strided
+    residual: torch.Tensor | None,  # [num_tokens, dim], h's dtype; None: the stream is post(h)
+    post_weight: torch.Tensor | None,  # [dim]; None: a weightless post-norm
+    post_eps: float,
+    pre_weight: torch.Tensor | None,  # [dim]; None: no pre-norm (normed is None)
+    pre_eps: float = 0.0,
+    *,
+    post_multiply_in_float32: bool = False,
+    post_scale_first: bool = False,
+    pre_multiply_in_float32: bool = False,
+    gate: torch.Tensor | None = None,  # [2, dim] (alpha, beta): stream = alpha * residual + beta * post(h), float32
+    scale: torch.Tensor | None = None,  # [1], h's dtype: the stream times scale
+) -> tuple[torch.Tensor | None, torch.Tensor]:  # (pre(stream) or None, stream), each [num_tokens, dim] contiguous
+    """stream = residual + post(h) (or the gate's sum), times scale; then pre(stream): one launch for a sandwich
+    layer's post-norm, residual add and the next layer's norm. Each step rounded to h's dtype as torch's ops are."""
+    require_triton()
+    assert h.dim() == 2, f"expected [num_tokens, dim], got {tuple(h.shape)}"
+    num_rows, dim = h.shape
+    check_last_dim_contiguous("h", h)
+    _check_weight(post_weight, dim)
+    _check_weight(pre_weight, dim)
+    if residual is not None:
+        assert residual.shape == h.shape and residual.dtype == h.dtype, "residual must match h"
+        check_last_dim_contiguous("residual", residual)
+    else:
+        assert gate is None, "a gate needs a residual"
+    if gate is not None:
+        assert gate.shape == (2, dim) and gate.is_contiguous(), f"gate {tuple(gate.shape)}: [2, {dim}] contiguous"
+    if scale is not None:
+        assert scale.numel() == 1 and scale.dtype == h.dtype, "scale: one value of h's dtype"
+    stream = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    normed = torch.empty_like(stream) if pre_weight is not None else None
+    if num_rows == 0:
+        return normed, stream
+    block = next_power_of_2(dim)
+    pdl = use_pdl(h, num_rows)
+    _norm_add_norm_kernel[(num_rows,)](
+        h,
+        residual if residual is not None else h,
+        post_weight if post_weight is not None else h,
+        gate if gate is not None else h,
+        scale if scale is not None else h,
+        pre_weight if pre_weight is not None else h,
+        stream,
+        normed if normed is not None else stream,
+        h.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        dim,
+        post_eps,
+        pre_eps,
+        POST_WEIGHT=_weight_mode(post_weight, post_scale_first),
+        POST_MULTIPLY_IN_FLOAT32=post_multiply_in_float32,
+        HAS_RESIDUAL=residual is not None,
+        HAS_GATE=gate is not None,
+        HAS_SCALE=scale is not None,
+        HAS_PRE=pre_weight is not None,
+        PRE_MULTIPLY_IN_FLOAT32=pre_multiply_in_float32,
+        BLOCK=block,
+        USE_PDL=pdl,
+        num_warps=_row_warps(block),
+        launch_pdl=pdl,
+    )
+    return normed, stream
+
+
+def rms_norm_ref(x, weight, eps, multiply_in_float32=False, *, scale_first=False, sigmoid_gate=None):
+    """helios.layers.norm's torch norms (rms_norm, rms_normalize, RMSNorm's scale_first), restated so the kernels
+    package depends on no layer; with sigmoid_gate, times torch.sigmoid(gate) as muse_spark's attention does."""
     input_dtype = x.dtype
+    if scale_first:
+        x = (x.float() * weight.float()).to(input_dtype)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if multiply_in_float32:
-        return (h * weight.to(torch.float32)).to(input_dtype)
-    return (weight * h.to(input_dtype)).to(input_dtype)
+    if weight is None or scale_first:
+        y = h.to(input_dtype)
+    elif multiply_in_float32:
+        y = (h * weight.to(torch.float32)).to(input_dtype)
+    else:
+        y = (weight * h.to(input_dtype)).to(input_dtype)
+    return y if sigmoid_gate is None else y * torch.sigmoid(sigmoid_gate)
 
 
 def fused_add_rms_norm_ref(x, residual, weight, eps, multiply_in_float32=False):
     new_residual = x + residual
     return rms_norm_ref(new_residual, weight, eps, multiply_in_float32), new_residual
+
+
+def norm_add_norm_ref(h, residual, post_weight, post_eps, pre_weight, pre_eps=0.0, *, post_multiply_in_float32=False,
+                      post_scale_first=False, pre_multiply_in_float32=False, gate=None, scale=None):
+    """norm_add_norm in torch ops: the post-norm, the add (muse_spark's ResidualGate with a gate), the scalar (gemma4's
+    layer_scalar), the pre-norm."""
+    s = rms_norm_ref(h, post_weight, post_eps, post_multiply_in_float32, scale_first=post_scale_first)
+    if residual is not None and gate is not None:
+        alpha, beta = gate.float()
+        s = (alpha * residual.float() + beta * s.float()).to(residual.dtype)
+    elif residual is not None:
+        s = residual + s
+    if scale is not None:
+        s = s * scale
+    normed = None if pre_weight is None else rms_norm_ref(s, pre_weight, pre_eps, pre_multiply_in_float32)
+    return normed, s

@@ -2,7 +2,9 @@
 
 Two orders of the final multiply exist upstream and differ only below float32 (bf16/fp16):
 llama/qwen cast the normalized value back to the input dtype before multiplying by the weight;
-gemma multiplies in float32 and casts afterwards. `multiply_in_float32` picks the gemma order.
+gemma multiplies in float32 and casts afterwards. `multiply_in_float32` picks the gemma order. Weightless and
+input-scaled (muse_spark) norms are RMSNorm modules too, so the Triton backend's switch (`kernel`) reaches them;
+`post_norm_add` is a sandwich block's post-norm, residual add and next norm, one launch on the Triton path.
 """
 
 from __future__ import annotations
@@ -34,34 +36,61 @@ def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., dim]
 
 class RMSNorm(nn.Module):
     """Holds `weight` [dim] (bound from the core) and applies `rms_norm`; with scale_first, norm(x * weight) instead
-    (muse_spark's input-scaled norm: the product in float32, rounded to x's dtype, then normalized; forward only,
-    the fused forward_add kernels do not know this order). With `kernel` (helios.models.use_layer_kernels: a model on
-    the Triton backend) forward runs helios.kernels.rmsnorm's one launch where its output is torch's dtype, else torch's five."""
+    (muse_spark's input-scaled norm: the product in float32, rounded to x's dtype, then normalized); without a weight
+    (has_weight False: HF's weightless norms) x / rms(x) rounded to x's dtype (`rms_normalize`). With `kernel`
+    (helios.models.use_layer_kernels: a model on the Triton backend) forward runs helios.kernels.rmsnorm's one launch
+    where its output is torch's dtype, else torch's five."""
 
     kernel = False
 
-    def __init__(self, dim: int, eps: float, multiply_in_float32: bool = False, scale_first: bool = False):
+    def __init__(self, dim: int, eps: float, multiply_in_float32: bool = False, scale_first: bool = False,
+                 has_weight: bool = True):
         super().__init__()
+        if scale_first and not has_weight:
+            raise ValueError("an input-scaled norm has a weight")
         self.eps = eps
         self.multiply_in_float32 = multiply_in_float32
         self.scale_first = scale_first
-        # NOTE: meta until the model binds the core's tensor; never allocated here.
-        self.weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
+        if has_weight:
+            # NOTE: meta until the model binds the core's tensor; never allocated here.
+            self.weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
+        else:
+            self.register_parameter("weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        if self.kernel and self._kernel_takes(x):
+            return self._kernel(x)
+        if self.weight is None:
+            return rms_normalize(x, self.eps)
         if self.scale_first:
             return rms_normalize((x.float() * self.weight.float()).to(x.dtype), self.eps)
-        if self.kernel and self._kernel_takes(x):
-            from helios.kernels.rmsnorm import rms_norm as rms_norm_kernel
-
-            return rms_norm_kernel(x, self.weight, self.eps, self.multiply_in_float32)
         return rms_norm(x, self.weight, self.eps, self.multiply_in_float32)
 
+    def forward_gated(
+        self,
+        x: torch.Tensor,  # [T, N, dim] or [T, dim]
+        gate: torch.Tensor,  # x's shape and dtype; rows may be strided
+        fused: bool,
+    ) -> torch.Tensor:  # self(x) * torch.sigmoid(gate), x's shape
+        """The norm times a sigmoid gate (muse_spark's attention output); `fused`: one Triton launch, same roundings."""
+        if fused and self._kernel_takes(x) and gate.shape == x.shape and gate.dtype == x.dtype and gate.stride(-1) == 1:
+            return self._kernel(x, sigmoid_gate=gate)
+        return self(x) * torch.sigmoid(gate)
+
+    def _kernel(self, x: torch.Tensor, sigmoid_gate: torch.Tensor | None = None) -> torch.Tensor:
+        from helios.kernels.rmsnorm import rms_norm as rms_norm_kernel
+
+        return rms_norm_kernel(x, self.weight, self.eps, self.multiply_in_float32, scale_first=self.scale_first,
+                               sigmoid_gate=sigmoid_gate)
+
     def _kernel_takes(self, x: torch.Tensor) -> bool:
-        """Whether the kernel gives what rms_norm gives: rows of a 2-d or 3-d tensor with unit last stride, and an
-        output in x's dtype (torch's 16-bit x times a float32 weight, unless multiplied in float32, is float32)."""
-        return (x.dim() in (2, 3) and x.stride(-1) == 1 and self.weight.is_contiguous()
-                and (self.multiply_in_float32 or self.weight.dtype == x.dtype))
+        """Whether the kernel gives what forward's torch ops give: rows of a 2-d or 3-d tensor with unit last stride,
+        and an output in x's dtype (torch's 16-bit x times a float32 weight, unless multiplied in float32, is
+        float32; a weightless or input-scaled norm's is always x's)."""
+        w = self.weight
+        return (x.dim() in (2, 3) and x.stride(-1) == 1
+                and (w is None or (w.is_contiguous()
+                                   and (self.scale_first or self.multiply_in_float32 or w.dtype == x.dtype))))
 
     def forward_add_gemv(
         self,
@@ -84,10 +113,11 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(x + residual), x + residual)
         """The residual add and the norm; `fused` runs both in one Triton kernel (GPU path), same values."""
         if fused:
-            from helios.kernels.rmsnorm import fused_add_rms_norm, rms_norm as rms_norm_kernel
+            from helios.kernels.rmsnorm import fused_add_rms_norm
 
             if residual is None:
-                return rms_norm_kernel(x, self.weight, self.eps, self.multiply_in_float32), x
+                return self._kernel(x), x
+            assert self.weight is not None and not self.scale_first, "the fused add knows the weighted norms only"
             return fused_add_rms_norm(x, residual, self.weight, self.eps, self.multiply_in_float32)
         x = x if residual is None else x + residual
         return self(x), x
@@ -106,3 +136,47 @@ def pre_norm_stack(x: torch.Tensor, layers, caches: list, meta, norm: RMSNorm, f
     for layer, cache in zip(layers, caches):
         x, residual = layer.forward_fused(x, residual, *inputs, cache, meta)
     return norm.forward_add(x, residual, fused=True)[0]
+
+
+def post_norm_add(
+    h: torch.Tensor,  # [T, dim] a sublayer's output
+    residual: torch.Tensor | None,  # [T, dim] the stream; None: the stream is post(h)
+    post: RMSNorm,
+    pre: RMSNorm | None,  # the next block's norm of the stream (a weighted one); None: none
+    fused: bool,
+    *,
+    gate: torch.Tensor | None = None,  # [2, dim] (alpha, beta): alpha * residual + beta * post(h) in float32
+    scale: torch.Tensor | None = None,  # [1]: the stream times it (gemma4's layer scalar)
+) -> tuple[torch.Tensor | None, torch.Tensor]:  # (pre(stream) or None, stream)
+    """A sandwich block's tail: stream = residual + post(h) (with `gate`, muse_spark's residual gate, rounded once),
+    times `scale`, then the next block's pre(stream). `fused` (the Triton path): one launch
+    (helios.kernels.rmsnorm.norm_add_norm) where it gives torch's dtypes, else each step as below."""
+    if fused and _one_launch_takes(h, residual, post, pre, gate, scale):
+        from helios.kernels.rmsnorm import norm_add_norm
+
+        return norm_add_norm(h, residual, post.weight, post.eps, pre.weight if pre is not None else None,
+                             pre.eps if pre is not None else 0.0, post_multiply_in_float32=post.multiply_in_float32,
+                             post_scale_first=post.scale_first,
+                             pre_multiply_in_float32=pre is not None and pre.multiply_in_float32, gate=gate,
+                             scale=scale)
+    s = post(h)
+    if residual is not None and gate is not None:
+        alpha, beta = gate.float()
+        s = (alpha * residual.float() + beta * s.float()).to(residual.dtype)
+    elif residual is not None:
+        s = residual + s
+    if scale is not None:
+        s = s * scale
+    return (pre(s) if pre is not None else None), s
+
+
+def _one_launch_takes(h, residual, post: RMSNorm, pre: RMSNorm | None, gate, scale) -> bool:
+    """Whether norm_add_norm gives post_norm_add's torch values and dtypes: 2-d rows of one dtype with unit last
+    stride, norms whose kernel keeps that dtype, a weighted pre-norm, a contiguous [2, dim] gate, a scalar of h's
+    dtype (a float32 one would promote the stream)."""
+    return (h.dim() == 2 and h.stride(-1) == 1 and post._kernel_takes(h)
+            and (residual is None or (residual.shape == h.shape and residual.dtype == h.dtype
+                                      and residual.stride(-1) == 1))
+            and (pre is None or (pre.weight is not None and not pre.scale_first and pre._kernel_takes(h)))
+            and (gate is None or (residual is not None and gate.shape == (2, h.shape[1]) and gate.is_contiguous()))
+            and (scale is None or (scale.numel() == 1 and scale.dtype == h.dtype)))

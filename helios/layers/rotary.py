@@ -137,3 +137,18 @@ def apply_rotary(
     cos = cos.unsqueeze(1)
     sin = sin.unsqueeze(1)
     return x * cos + _rotate_half(x) * sin
+
+
+def apply_rotary_inplace(
+    q: torch.Tensor,  # [T, num_heads, head_dim], rotated in place
+    k: torch.Tensor | None,  # [T, num_kv_heads, head_dim], rotated in place; None: q alone
+    cos: torch.Tensor,  # [T, head_dim]
+    sin: torch.Tensor,  # [T, head_dim]
+) -> None:
+    """apply_rotary on q and k as one Triton launch (helios.kernels.rotary: the Triton backend's path, for a model
+    module, which may not import helios.kernels). The rotation is done in float32 and rounded once (apply_rotary
+    rounds each product, as HF does): equal in float32 within its rounding. q and k must be tensors of their own
+    (a norm's output), not views another reader holds."""
+    from helios.kernels.rotary import rotary_embedding
+
+    rotary_embedding(q, k if k is not None else q[:, :0], cos, sin)

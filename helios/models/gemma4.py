@@ -3,7 +3,9 @@ with their own head dim, kv heads and proportional rope, a weightless v norm and
 layers, KV-shared layers reading an earlier layer's pages, double-wide MLPs, the MoE block beside the MLP,
 per-layer embeddings (PLE) gating a branch after the feed-forward, a scalar on every layer's output.
 
-Norm weights are the multiplier itself (gemma4 has no 1 + w), multiplied in float32 as HF does.
+Norm weights are the multiplier itself (gemma4 has no 1 + w), multiplied in float32 as HF does. On the Triton backend
+(path "fused") q and k rotate in one launch and each post-norm, residual add (and layer scalar) and the norm after it
+are one launch (helios.layers.norm.post_norm_add).
 
 With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's query heads,
 its KV heads of each layer kind (num_kv_heads, full_num_kv_heads: a share, or one replicated) and its MLP width (a
@@ -24,19 +26,13 @@ from helios.layers.activation import ACTIVATIONS, GatedMLP
 from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, linear, meta_parameter
 from helios.layers.moe import SparseMoe
-from helios.layers.norm import RMSNorm
+from helios.layers.norm import RMSNorm, post_norm_add
 from helios.layers.norm_free import pdl_launches
 from helios.layers.parallel import ExpertParallelMoe, TensorGroup, VocabParallelEmbedding, row_parallel
-from helios.layers.rotary import RotaryEmbedding, apply_rotary
+from helios.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_inplace
 from helios.models.gemma3 import Gemma3ForCausalLM
 from helios.models.llama import is_sliding, softcap_logits
 from helios.switches import DEFAULT_SWITCHES, Switches
-
-
-def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:  # [..., D]
-    """HF's weightless Gemma4RMSNorm (v_norm, the router's norm): x / rms(x) in float32, back to x's dtype."""
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def reads_shared_kv(arch: Architecture, layer_idx: int) -> bool:
@@ -45,7 +41,8 @@ def reads_shared_kv(arch: Architecture, layer_idx: int) -> bool:
 
 
 class Gemma4Attention(nn.Module):
-    """q (and, keeping its own KV, k and v) from one projection; q/k RMSNorms, rotary, v's weightless RMSNorm; scale 1.
+    """q (and, keeping its own KV, k and v) from one projection; q/k RMSNorms, rotary, v's weightless RMSNorm (HF's
+    Gemma4RMSNorm without a weight); scale 1. With `fused` (the Triton path) q and k rotate in place in one launch.
 
     Tensors bound: qkv.weight [(Nq + Nkv*(2, or 1 with k = v, or 0 when KV-shared))*D, H], q_norm.weight [D],
     k_norm.weight [D] (own KV only), o.weight [H, Nq*D]. A KV-shared layer reads the pages its source layer wrote this
@@ -59,7 +56,7 @@ class Gemma4Attention(nn.Module):
         super().__init__()
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.num_kv_heads, self.head_dim = arch.kv_shape(layer_idx)
-        self.num_heads, self.eps, self.backend = arch.num_heads, eps, backend
+        self.num_heads, self.backend = arch.num_heads, backend
         self.shared = reads_shared_kv(arch, layer_idx)
         self.k_eq_v = arch.gemma4.k_eq_v and not is_sliding(arch, layer_idx)
         self.sliding_window = arch.sliding_window if is_sliding(arch, layer_idx) else None
@@ -67,6 +64,7 @@ class Gemma4Attention(nn.Module):
         self.qkv = Linear(h, self.num_heads * self.head_dim + kv_rows, switches=switches)
         self.q_norm = RMSNorm(self.head_dim, eps, multiply_in_float32=True)
         self.k_norm = None if self.shared else RMSNorm(self.head_dim, eps, multiply_in_float32=True)
+        self.v_norm = None if self.shared else RMSNorm(self.head_dim, eps, has_weight=False)
         self.o = Linear(self.num_heads * self.head_dim, h, switches=switches)
 
     def forward(
@@ -75,13 +73,14 @@ class Gemma4Attention(nn.Module):
         cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [T, D]
         kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]: its own, or its source layer's
         meta: AttentionMetadata,
+        fused: bool = False,
     ) -> torch.Tensor:  # [T, H]
         num_tokens, d = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         meta = meta.for_window(self.sliding_window)
         cos, sin = cos_sin
         qkv = self.qkv(x)
-        q = apply_rotary(self.q_norm(qkv[:, :q_size].reshape(num_tokens, self.num_heads, d)), cos, sin)
+        q = self.q_norm(qkv[:, :q_size].reshape(num_tokens, self.num_heads, d))
         if self.shared:
             # NOTE: the backends write K/V, then attend; a shared layer hands them the rows its source layer wrote
             # at these slots this step, so the write changes nothing and every backend serves it unchanged
@@ -90,7 +89,12 @@ class Gemma4Attention(nn.Module):
         else:
             raw_k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, self.num_kv_heads, d)
             raw_v = raw_k if self.k_eq_v else qkv[:, q_size + kv_size :].reshape(num_tokens, self.num_kv_heads, d)
-            k, v = apply_rotary(self.k_norm(raw_k), cos, sin), unit_rms(raw_v, self.eps)
+            k, v = self.k_norm(raw_k), self.v_norm(raw_v)
+        if fused:  # the norms' outputs: tensors of their own (a shared layer's k is its source's: not rotated again)
+            apply_rotary_inplace(q, None if self.shared else k, cos, sin)
+        else:
+            q = apply_rotary(q, cos, sin)
+            k = k if self.shared else apply_rotary(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache, meta, 1.0, self.sliding_window, None)
         return self.o(o.reshape(num_tokens, q_size))
 
@@ -100,7 +104,6 @@ class Gemma4DecoderLayer(nn.Module):
                  switches: Switches = DEFAULT_SWITCHES, tp: TensorGroup | None = None):
         super().__init__()
         h, eps, g = arch.hidden_size, arch.rms_norm_eps, arch.gemma4
-        self.eps = eps
         self.attn_norm = RMSNorm(h, eps, multiply_in_float32=True)
         self.attn = Gemma4Attention(arch, layer_idx, backend, switches)
         self.attn_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
@@ -121,6 +124,7 @@ class Gemma4DecoderLayer(nn.Module):
                                      m.norm_topk_prob, arch.hidden_act, switches,
                                      fused=getattr(backend, "fuses_layers", False))
             self.moe_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
+            self.router_norm = RMSNorm(h, eps, has_weight=False)  # its scale is folded into the router
         self.act = ACTIVATIONS[arch.hidden_act]
         if g.ple_dim:
             self.ple_gate = Linear(h, g.ple_dim, switches=switches)
@@ -142,18 +146,42 @@ class Gemma4DecoderLayer(nn.Module):
         x = x + self.attn_post_norm(self.attn(self.attn_norm(x), cos_sin, kv_cache, meta))
         y = self.mlp(self.mlp_norm(x))
         if self.moe is not None:
-            # the router reads the stream RMS-normed without a weight (its scale is folded into the router)
-            moe = self.moe(self.moe_norm(x), router_input=unit_rms(x, self.eps))
+            moe = self.moe(self.moe_norm(x), router_input=self.router_norm(x))
             y = self.mlp_post_norm_1(y) + self.moe_post_norm(moe)
         x = x + self.mlp_post_norm(y)
         if ple is not None:
             x = x + self.ple_post_norm(self.ple_proj(self.act(self.ple_gate(x)) * ple))
         return x * self.layer_scalar
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H] the stream
+        h: torch.Tensor,  # [T, H] attn_norm(x), from the launch that wrote x
+        next_norm: RMSNorm,  # the next layer's attn_norm, or the final norm
+        ple: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (next_norm(x'), x') of forward's output x'
+        """forward() on the Triton path: each post-norm, residual add (the last with the layer scalar) and the norm
+        after it in one launch."""
+        a = self.attn(h, cos_sin, kv_cache, meta, fused=True)
+        h, x = post_norm_add(a, x, self.attn_post_norm, self.mlp_norm, True)
+        y = self.mlp(h)
+        if self.moe is not None:
+            moe = self.moe(self.moe_norm(x), router_input=self.router_norm(x))
+            _, y = post_norm_add(moe, self.mlp_post_norm_1(y), self.moe_post_norm, None, True)
+        if ple is None:
+            return post_norm_add(y, x, self.mlp_post_norm, next_norm, True, scale=self.layer_scalar)
+        _, x = post_norm_add(y, x, self.mlp_post_norm, None, True)
+        p = self.ple_proj(self.act(self.ple_gate(x)) * ple)
+        return post_norm_add(p, x, self.ple_post_norm, next_norm, True, scale=self.layer_scalar)
+
 
 class Gemma4ForCausalLM(nn.Module):
-    """One forward path: torch layers around the backend's attention (no fused layer kernels but the MoE block's on the
-    Triton backend, helios.kernels.fused_moe; norms never fold)."""
+    """The eager forward path (torch layers around the backend's attention), or on the Triton backend the fused one
+    (Gemma4DecoderLayer.forward_fused, the MoE block's helios.kernels.fused_moe: the same values within float32
+    rounding); norms never fold."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
                  dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
@@ -163,6 +191,7 @@ class Gemma4ForCausalLM(nn.Module):
             raise ValueError("gemma4 norm weights are never folded")
         g = arch.gemma4
         self.arch, self.switches, self.pdl, self.tp = arch, switches, switches.pdl is True, tp
+        self.path = "fused" if getattr(backend, "fuses_layers", False) else "eager"  # chosen once, here
         self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
                       else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
         if g.ple_dim:
@@ -214,11 +243,22 @@ class Gemma4ForCausalLM(nn.Module):
         ple = self.per_layer_inputs(token_ids, x) if self.arch.gemma4.ple_dim else None
         rope = self.rotary.cos_sin(meta.positions, x.dtype)
         local_rope = self.local_rotary.cos_sin(meta.positions, x.dtype)
+        ropes = [local_rope if is_sliding(self.arch, i) else rope for i in range(len(self.layers))]
+        ples = [ple[:, i] if ple is not None else None for i in range(len(self.layers))]
         with pdl_launches(self.pdl):
-            for i, layer in enumerate(self.layers):
-                layer_ple = ple[:, i] if ple is not None else None
-                x = layer(x, layer_ple, local_rope if is_sliding(self.arch, i) else rope, kv_caches[i], meta)
+            if self.path == "fused":
+                return self._forward_fused(x, ples, ropes, kv_caches, meta)
+            for layer, layer_ple, cos_sin, kv_cache in zip(self.layers, ples, ropes, kv_caches):
+                x = layer(x, layer_ple, cos_sin, kv_cache, meta)
         return self.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, ples: list, ropes: list, kv_caches: list, meta: AttentionMetadata):
+        """The layers on the Triton path: each layer's last launch writes the stream and the next norm of it."""
+        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
+        h = self.layers[0].attn_norm(x)
+        for layer, next_norm, layer_ple, cos_sin, kv_cache in zip(self.layers, norms, ples, ropes, kv_caches):
+            h, x = layer.forward_fused(x, h, next_norm, layer_ple, cos_sin, kv_cache, meta)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         """The tied (or own) lm_head, then the final soft-cap (gemma3's, over the same attributes); under tensor

@@ -6,7 +6,8 @@ soft-capped (ignition folded output_multiplier into lm_head and the routers).
 Per layer: x = gate_a(x, norm(attn(attn_norm(x)))); x = gate_m(x, mlp_post_norm(ffn(mlp_norm(x)))), where
 gate(r, h) = alpha * r + beta * h in float32 (alpha, beta stored per channel) and the norms are centred (1 + w
 stored, float32 multiply), weightless (after attention) and input-scaled (after the ffn: norm(x * w)).
-Forward-only, torch ops on every device.
+Forward-only. On the Triton backend (path "fused") each norm is one launch, q and k rotate in one, the output norm
+takes the sigmoid gate, and each post-norm, residual gate and the next norm are one (helios.layers.norm.post_norm_add).
 
 With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's query heads
 (with their gate rows) and KV heads and the dense MLP width; o and down sum over the ranks before the weightless
@@ -26,9 +27,9 @@ from helios.layers.activation import GatedMLP
 from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, linear, meta_parameter
 from helios.layers.moe import SigmoidMoe
-from helios.layers.norm import RMSNorm, rms_normalize
+from helios.layers.norm import RMSNorm, post_norm_add
 from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
-from helios.layers.rotary import RotaryEmbedding, apply_rotary
+from helios.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_inplace
 from helios.models.llama import is_sliding, softcap_logits
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -36,13 +37,16 @@ from helios.switches import DEFAULT_SWITCHES, Switches
 class MuseSparkAttention(Attention):
     """GQA with weightless per-head RMSNorms on q and k (the query's qk_scale_factor is in arch.query_scale), rotary
     only when given cos/sin (None: a NoPE layer), a weightless per-head RMSNorm over the attention output, then
-    o *= sigmoid(gate x) elementwise (the gate rows follow v's in qkv, as qwen3_5's output_gate) and o."""
+    o *= sigmoid(gate x) elementwise (the gate rows follow v's in qkv, as qwen3_5's output_gate) and o. With `fused`
+    (the Triton path) q and k (adjacent in qkv: one norm launch) rotate in place in one launch and the output norm
+    takes the gate in its launch."""
 
     def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend, switches: Switches):
         super().__init__(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, backend,
                          scale=arch.query_scale, output_gate=True, switches=switches,
                          sliding_window=arch.sliding_window if is_sliding(arch, layer_idx) else None)
-        self.norm_eps = arch.rms_norm_eps
+        self.qk_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, has_weight=False)  # per head, q's and k's
+        self.o_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, has_weight=False)
 
     def forward(
         self,
@@ -50,19 +54,21 @@ class MuseSparkAttention(Attention):
         cos_sin: tuple[torch.Tensor, torch.Tensor] | None,  # each [T, D]; None: no rotary
         kv_cache: torch.Tensor,  # [2, num_pages, page_size, Nkv, D]
         meta: AttentionMetadata,
+        fused: bool = False,
     ) -> torch.Tensor:  # [T, H]
-        num_tokens, d = x.shape[0], self.head_dim
-        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        q, k, v, gate = self.qkv(x).split([q_size, kv_size, kv_size, q_size], dim=-1)
-        q = rms_normalize(q.reshape(num_tokens, self.num_heads, d), self.norm_eps)
-        k = rms_normalize(k.reshape(num_tokens, self.num_kv_heads, d), self.norm_eps)
-        if cos_sin is not None:
+        num_tokens, d, nq, nkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        qk_size, kv_size = (nq + nkv) * d, nkv * d
+        qk, v, gate = self.qkv(x).split([qk_size, kv_size, nq * d], dim=-1)
+        q, k = self.qk_norm(qk.view(num_tokens, nq + nkv, d)).split([nq, nkv], dim=1)
+        if cos_sin is not None and fused:
+            apply_rotary_inplace(q, k, *cos_sin)  # the norm's output: a tensor of its own
+        elif cos_sin is not None:
             q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, d)
+        v = v.reshape(num_tokens, nkv, d)
         o = self.backend.forward(q, k, v, kv_cache, meta.for_window(self.sliding_window), self.scale,
                                  self.sliding_window, None)
-        o = rms_normalize(o, self.norm_eps).reshape(num_tokens, q_size)
-        return self.o(o * torch.sigmoid(gate))
+        o = self.o_norm.forward_gated(o, gate.view(num_tokens, nq, d), fused)
+        return self.o(o.reshape(num_tokens, nq * d))
 
 
 class ResidualGate(nn.Module):
@@ -84,9 +90,9 @@ class MuseSparkDecoderLayer(nn.Module):
         super().__init__()
         h, eps, moe = arch.hidden_size, arch.rms_norm_eps, arch.moe
         post_eps = arch.post_norm_eps if arch.post_norm_eps is not None else eps
-        self.post_eps = post_eps
         self.attn_norm = RMSNorm(h, eps, multiply_in_float32=True)
         self.attn = MuseSparkAttention(arch, layer_idx, backend, switches)
+        self.attn_post_norm = RMSNorm(h, post_eps, has_weight=False)
         self.attn_residual = ResidualGate(h)
         self.mlp_norm = RMSNorm(h, eps, multiply_in_float32=True)
         if moe is None or layer_idx in moe.dense_layers:
@@ -115,14 +121,30 @@ class MuseSparkDecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         a = self.attn(self.attn_norm(x), cos_sin, kv_cache, meta)
-        x = self.attn_residual(x, rms_normalize(a, self.post_eps))
+        x = self.attn_residual(x, self.attn_post_norm(a))
         f = getattr(self, self.ffn_name)(self.mlp_norm(x))
         return self.mlp_residual(x, self.mlp_post_norm(f))
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H] the stream
+        h: torch.Tensor,  # [T, H] attn_norm(x), from the launch that wrote x
+        next_norm: RMSNorm,  # the next layer's attn_norm, or the final norm
+        cos_sin: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (next_norm(x'), x') of forward's output x'
+        """forward() on the Triton path: each post-norm, residual gate and the norm after it in one launch."""
+        a = self.attn(h, cos_sin, kv_cache, meta, fused=True)
+        h, x = post_norm_add(a, x, self.attn_post_norm, self.mlp_norm, True, gate=self.attn_residual.weight)
+        f = getattr(self, self.ffn_name)(h)
+        return post_norm_add(f, x, self.mlp_post_norm, next_norm, True, gate=self.mlp_residual.weight)
+
 
 class MuseSparkForCausalLM(nn.Module):
-    """One eager forward path (torch layers around the backend's attention) on every device; norm weights are never
-    folded (centred and input-scaled norms)."""
+    """The eager forward path (torch layers around the backend's attention), or on the Triton backend the fused one
+    (MuseSparkDecoderLayer.forward_fused: the same values within float32 rounding); norm weights are never folded
+    (centred and input-scaled norms)."""
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
                  dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,
@@ -135,10 +157,11 @@ class MuseSparkForCausalLM(nn.Module):
             raise ValueError("a muse_spark architecture has gated attention and a sigmoid-routed MoE with normed latents")
         self.arch = arch
         self.switches = switches
-        self.path = "eager"
+        self.path = "fused" if getattr(backend, "fuses_layers", False) else "eager"  # chosen once, here
         self.tp = tp
         self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
                       else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
+        self.embed_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, has_weight=False)  # HF's normed embedding
         self.layers = nn.ModuleList(MuseSparkDecoderLayer(arch, i, backend, switches, tp)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
@@ -158,11 +181,22 @@ class MuseSparkForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],  # per layer [2, num_pages, page_size, Nkv, D]
     ) -> torch.Tensor:  # [T, H]
-        x = rms_normalize(self.embed(token_ids), self.arch.rms_norm_eps)  # HF's normed embedding
+        x = self.embed(token_ids)
         rope = self.rotary.cos_sin(meta.positions, x.dtype)
+        if self.path == "fused":
+            return self._forward_fused(x, rope, kv_caches, meta)
+        x = self.embed_norm(x)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, None if i in self.nope else rope, kv_cache, meta)
         return self.norm(x)
+
+    def _forward_fused(self, x: torch.Tensor, rope, kv_caches: list[torch.Tensor], meta: AttentionMetadata):
+        """The layers on the Triton path: each layer's last launch writes the stream and the next norm of it."""
+        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
+        h, x = post_norm_add(x, None, self.embed_norm, self.layers[0].attn_norm, True)
+        for i, (layer, kv_cache, next_norm) in enumerate(zip(self.layers, kv_caches, norms)):
+            h, x = layer.forward_fused(x, h, next_norm, None if i in self.nope else rope, kv_cache, meta)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         logits = linear(hidden, self.lm_head.weight, None, self.switches)

@@ -20,7 +20,14 @@ from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
 from tests.models.gemma4_tiny import WINDOW, build_gemma4
-from tests.models.hybrid_harness import export_float32, greedy_request, hf_logits, prompt, window_engine
+from tests.models.hybrid_harness import (
+    check_fused_loop_equals_eager,
+    export_float32,
+    greedy_request,
+    hf_logits,
+    prompt,
+    window_engine,
+)
 
 PAGE, CHUNK, NUM_PAGES = 4, 8, 640
 
@@ -207,3 +214,21 @@ def test_graphed_decode_on_the_triton_backend_gives_the_eager_tokens(base):
     got = generate(EngineCore(config, runner), reqs)
     assert got == generate(make_engine(core, window=False), reqs)
     assert runner.launches["graph"] > 0 and runner.overlap_hits > 0, (runner.launches, runner.overlap_hits)
+
+
+def use_triton_path(model) -> None:
+    """What the Triton backend picks for a gemma4 model: every norm module as its kernel, the fused layer loop."""
+    from helios.models import use_layer_kernels
+
+    use_layer_kernels(model, True)
+    model.path = "fused"
+
+
+@pytest.mark.parametrize("variant", ["base", "moe"])
+def test_the_fused_path_gives_the_eager_paths_logits(variant, request):
+    """The Triton path's layer loop (interpreter) over the torch backend's attention: q and k rotated in one launch
+    (a KV-shared layer's q alone), v's weightless norm a kernel, each post-norm, residual add, layer scalar and next
+    norm in one launch (Gemma4DecoderLayer.forward_fused; the PLE branch and the MoE block's sum between) = the eager
+    loop's logits."""
+    _, core = request.getfixturevalue(variant)
+    check_fused_loop_equals_eager(core, fuse=use_triton_path, is_fused=lambda model: model.path == "fused")

@@ -12,10 +12,12 @@ import torch
 
 from helios.engine.engine_core import EngineCore
 from helios.engine.kv_groups import window_pages_per_request
+from helios.layers.norm import RMSNorm
 from helios.runner.kv_cache import KVCache
 from helios.runner.model_runner import ModelRunner
 from tests.models.hybrid_harness import (
     check_batched_equals_alone,
+    check_fused_loop_equals_eager,
     check_greedy_matches_generate,
     export_float32,
     hf_logits,
@@ -81,3 +83,38 @@ def test_sixteen_requests_together_give_what_each_gives_alone(muse):
     _, core = muse
     prompts = [prompt(5 + 7 * i, seed=10 + i) for i in range(16)]
     check_batched_equals_alone(core, prompts, make_engine, budget=64, chunk=CHUNK, alone_budget=256, alone_chunk=128)
+
+
+def use_triton_path(model) -> None:
+    """What the Triton backend picks for a muse_spark model: every norm module as its kernel, the fused layer loop."""
+    from helios.models import use_layer_kernels
+
+    use_layer_kernels(model, True)
+    model.path = "fused"
+
+
+def test_the_fused_path_gives_the_eager_paths_logits(muse):
+    """The Triton path's layer loop (interpreter) over the torch backend's attention: the weightless and input-scaled
+    norms as kernels (the output norm with its sigmoid gate), q and k rotated in one launch, each post-norm, residual
+    gate and next norm in one launch (MuseSparkDecoderLayer.forward_fused), NoPE and rotary layers, dense and MoE
+    ffns = the eager loop's logits."""
+    check_fused_loop_equals_eager(muse[1], fuse=use_triton_path, is_fused=lambda model: model.path == "fused")
+
+
+def test_on_the_triton_backend_every_norm_is_a_kernel_and_the_logits_are_torchs(muse):
+    """A model built for the Triton backend (its attention in the interpreter) takes the fused path, every norm
+    module (weightless, input-scaled, the latents') a kernel, and gives the torch backend's logits."""
+    from tests.kernels.interpreter import require_interpreter
+
+    require_interpreter()
+    arch = muse[1].manifest.arch
+    runners = {name: ModelRunner(arch, muse[1].tensors, 32, PAGE, attention_backend=name)
+               for name in ("torch", "triton")}
+    model = runners["triton"].model
+    assert model.path == "fused" and runners["torch"].model.path == "eager"
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert {(m.weight is None, m.scale_first) for m in norms} == {(True, False), (False, True), (False, False)}
+    assert all(m.kernel for m in norms)
+    ids = prompt(12, seed=7)
+    torch.testing.assert_close(runners["triton"].forward_logits(ids), runners["torch"].forward_logits(ids),
+                               atol=1e-4, rtol=1e-4)
