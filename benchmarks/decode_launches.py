@@ -14,6 +14,7 @@ Usage: python benchmarks/decode_launches.py [--families qwen3_5,qwen3_5_moe,mimo
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -174,13 +175,28 @@ def report(family: str, batch: int, rows: int) -> None:
         print(f"  {where}: {sum(kernels.values()) / per:g} a {'layer' if where in layers else 'step'} ({top})")
 
 
+def summary(family: str, batch: int) -> dict:
+    """{"total": kernels a step, "layers": {kind: kernels a layer of that kind}, "step": the rest}."""
+    counts, layers = count(family, batch)
+    by_where = Counter()
+    for (where, _), n in counts.items():
+        by_where[where] += n
+    return {"total": sum(counts.values()), "step": by_where.get("model", 0),
+            "layers": {kind: by_where[kind] / n for kind, n in layers.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--families", default="qwen3_5,qwen3_5_moe,mimo_v2_flash,kimi_linear")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rows", type=int, default=12, help="kernels listed per layer kind")
+    parser.add_argument("--json", action="store_true", help="one JSON line: each family's summary()")
     args = parser.parse_args()
-    for family in args.families.split(","):
+    families = args.families.split(",")
+    if args.json:
+        print(json.dumps({family: summary(family, args.batch) for family in families}))
+        return
+    for family in families:
         report(family, args.batch, args.rows)
 
 
