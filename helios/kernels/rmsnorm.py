@@ -6,7 +6,8 @@ float32 (`multiply_in_float32`); a weightless norm (weight None) rounds x / rms(
 (muse_spark) normalizes x * w rounded to x's dtype. The fused variant first forms residual = x + residual in x.dtype
 (the one rounding torch's add does) and normalizes that; `norm_add_norm` is a sandwich layer's tail in one launch:
 a post-norm of the sublayer's output, the residual add (or a float32 gate alpha * r + beta * h), a scalar, the next
-pre-norm. Imports torch and helios.kernels._triton only.
+pre-norm; `rms_norm_rope` the q and k heads' norms and their rotary in one. Imports torch and helios.kernels._triton
+only.
 """
 
 from __future__ import annotations
@@ -160,6 +161,76 @@ def _norm_add_norm_kernel(
     if HAS_PRE:
         y = _normalize(s, w_pre, dim, pre_eps, 1, PRE_MULTIPLY_IN_FLOAT32)
         tl.store(normed_out_ptr + row * dim + cols, y.to(dtype), mask=mask)
+
+
+@jit
+def _rms_norm_rope_kernel(
+    x_ptr,  # [num_tokens, num_heads, head_dim] rows addressed as (t, j)
+    weight_ptr,  # [head_dim] the first num_first heads' weight, unread with WEIGHT == UNIT
+    weight2_ptr,  # [head_dim] the other heads' weight, unread with WEIGHT == UNIT
+    cos_ptr,  # [num_tokens, head_dim] rows of stride_cos, read only with ROTARY
+    sin_ptr,  # [num_tokens, head_dim] rows of stride_sin
+    out_ptr,  # [num_tokens, num_heads, head_dim] contiguous
+    num_heads,
+    num_first,  # heads (from 0) normed with weight_ptr
+    stride_x0,
+    stride_x1,
+    stride_cos,
+    stride_sin,
+    half,  # head_dim // 2
+    eps,
+    WEIGHT: tl.constexpr,  # UNIT or WEIGHT_AFTER
+    MULTIPLY_IN_FLOAT32: tl.constexpr,
+    ROTARY: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    t = row // num_heads
+    j = row % num_heads
+    cols = tl.arange(0, BLOCK_HALF)
+    mask = cols < half
+    w1 = 0.0
+    w2 = 0.0
+    if WEIGHT != 0:  # weights: no kernel writes them; the row's head picks one of the two
+        first = j < num_first
+        w1 = tl.where(first, tl.load(weight_ptr + cols, mask=mask, other=0.0),
+                      tl.load(weight2_ptr + cols, mask=mask, other=0.0)).to(tl.float32)
+        w2 = tl.where(first, tl.load(weight_ptr + half + cols, mask=mask, other=0.0),
+                      tl.load(weight2_ptr + half + cols, mask=mask, other=0.0)).to(tl.float32)
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    x_row = x_ptr + t * stride_x0 + j * stride_x1
+    x1 = tl.load(x_row + cols, mask=mask, other=0.0)
+    x2 = tl.load(x_row + half + cols, mask=mask, other=0.0)
+    dtype = x1.dtype
+    h1 = x1.to(tl.float32)
+    h2 = x2.to(tl.float32)
+    inv = tl.rsqrt((tl.sum(h1 * h1, axis=0) + tl.sum(h2 * h2, axis=0)) / (2 * half) + eps)
+    h1 = h1 * inv
+    h2 = h2 * inv
+    if WEIGHT != 0:
+        if MULTIPLY_IN_FLOAT32:
+            h1 = h1 * w1
+            h2 = h2 * w2
+        else:  # weight * h.to(dtype), as _normalize
+            h1 = h1.to(dtype).to(tl.float32) * w1
+            h2 = h2.to(dtype).to(tl.float32) * w2
+    # the norm's output rounded to x's dtype, then rotated in float32 and rounded once (helios.kernels.rotary)
+    h1 = h1.to(dtype).to(tl.float32)
+    h2 = h2.to(dtype).to(tl.float32)
+    if ROTARY:
+        cos1 = tl.load(cos_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + t * stride_cos + half + cols, mask=mask, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + t * stride_sin + cols, mask=mask, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + t * stride_sin + half + cols, mask=mask, other=0.0).to(tl.float32)
+        r1 = h1 * cos1 - h2 * sin1
+        r2 = h2 * cos2 + h1 * sin2
+        h1 = r1
+        h2 = r2
+    out_row = out_ptr + row * (2 * half)
+    tl.store(out_row + cols, h1.to(dtype), mask=mask)
+    tl.store(out_row + half + cols, h2.to(dtype), mask=mask)
 
 
 @jit
@@ -358,6 +429,66 @@ def norm_add_norm(
     return normed, stream
 
 
+def rms_norm_rope(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]; rows may be strided (heads of a projection's output)
+    weight: torch.Tensor | None,  # [head_dim] the first `num_first` heads' weight; None: weightless norms
+    eps: float,
+    multiply_in_float32: bool = False,
+    *,
+    weight2: torch.Tensor | None = None,  # [head_dim] the other heads' weight (k_norm's beside q_norm's)
+    num_first: int | None = None,  # heads normed with `weight` (default all)
+    cos: torch.Tensor | None = None,  # [num_tokens, head_dim] rotary rows (rows may be strided); None: no rotary
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] contiguous, x.dtype
+    """Per-head RMSNorms (q's and k's, adjacent in a projection's output) and the rotary of every head, in one launch:
+    rms_norm's values rounded to x's dtype, then helios.kernels.rotary's rotation (float32, rounded once)."""
+    require_triton()
+    assert x.dim() == 3, f"expected [num_tokens, num_heads, head_dim], got {tuple(x.shape)}"
+    num_tokens, num_heads, head_dim = x.shape
+    assert head_dim % 2 == 0, "rotary halves need an even head_dim"
+    check_last_dim_contiguous("x", x)
+    num_first = num_heads if num_first is None else num_first
+    _check_weight(weight, head_dim)
+    if num_first < num_heads and weight is not None:
+        _check_weight(weight2, head_dim)
+        assert weight2 is not None and weight2.dtype == weight.dtype
+    assert (cos is None) == (sin is None), "cos and sin together"
+    if cos is not None:
+        assert cos.shape == sin.shape == (num_tokens, head_dim), f"cos/sin {tuple(cos.shape)}: [T, {head_dim}]"
+        check_last_dim_contiguous("cos", cos)
+        check_last_dim_contiguous("sin", sin)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_rows = num_tokens * num_heads
+    if num_rows == 0:
+        return out
+    half = head_dim // 2
+    pdl = use_pdl(x, num_rows)
+    _rms_norm_rope_kernel[(num_rows,)](
+        x,
+        weight if weight is not None else x,
+        weight2 if weight2 is not None else (weight if weight is not None else x),
+        cos if cos is not None else x,
+        sin if sin is not None else x,
+        out,
+        num_heads,
+        num_first,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0) if cos is not None else 0,
+        sin.stride(0) if sin is not None else 0,
+        half,
+        eps,
+        WEIGHT=_weight_mode(weight, False),
+        MULTIPLY_IN_FLOAT32=multiply_in_float32,
+        ROTARY=cos is not None,
+        BLOCK_HALF=next_power_of_2(half),
+        USE_PDL=pdl,
+        num_warps=_row_warps(next_power_of_2(half)),
+        launch_pdl=pdl,
+    )
+    return out
+
+
 def rms_norm_ref(x, weight, eps, multiply_in_float32=False, *, scale_first=False, sigmoid_gate=None):
     """helios.layers.norm's torch norms (rms_norm, rms_normalize, RMSNorm's scale_first), restated so the kernels
     package depends on no layer; with sigmoid_gate, times torch.sigmoid(gate) as muse_spark's attention does."""
@@ -394,3 +525,17 @@ def norm_add_norm_ref(h, residual, post_weight, post_eps, pre_weight, pre_eps=0.
         s = s * scale
     normed = None if pre_weight is None else rms_norm_ref(s, pre_weight, pre_eps, pre_multiply_in_float32)
     return normed, s
+
+
+def rms_norm_rope_ref(x, weight, eps, multiply_in_float32=False, *, weight2=None, num_first=None, cos=None,
+                      sin=None):
+    """rms_norm_rope as rms_norm_ref per head group, then helios.layers.rotary.apply_rotary's torch ops (each product
+    rounded: equal in float32 within rounding)."""
+    num_first = x.shape[1] if num_first is None else num_first
+    first = rms_norm_ref(x[:, :num_first], weight, eps, multiply_in_float32)
+    rest = rms_norm_ref(x[:, num_first:], weight2 if weight is not None else None, eps, multiply_in_float32)
+    y = torch.cat([first, rest], dim=1)
+    if cos is None:
+        return y
+    y1, y2 = y.chunk(2, dim=-1)
+    return y * cos.unsqueeze(1) + torch.cat((-y2, y1), dim=-1) * sin.unsqueeze(1)

@@ -4,13 +4,16 @@ Two orders of the final multiply exist upstream and differ only below float32 (b
 llama/qwen cast the normalized value back to the input dtype before multiplying by the weight;
 gemma multiplies in float32 and casts afterwards. `multiply_in_float32` picks the gemma order. Weightless and
 input-scaled (muse_spark) norms are RMSNorm modules too, so the Triton backend's switch (`kernel`) reaches them;
-`post_norm_add` is a sandwich block's post-norm, residual add and next norm, one launch on the Triton path.
+`post_norm_add` is a sandwich block's post-norm, residual add and next norm, `norm_rotate_heads` the q and k heads'
+norms and rotary, each one launch on the Triton path.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from helios.layers.rotary import apply_rotary, apply_rotary_inplace
 
 
 def rms_norm(
@@ -180,3 +183,46 @@ def _one_launch_takes(h, residual, post: RMSNorm, pre: RMSNorm | None, gate, sca
             and (pre is None or (pre.weight is not None and not pre.scale_first and pre._kernel_takes(h)))
             and (gate is None or (residual is not None and gate.shape == (2, h.shape[1]) and gate.is_contiguous()))
             and (scale is None or (scale.numel() == 1 and scale.dtype == h.dtype)))
+
+
+def norm_rotate_heads(
+    x: torch.Tensor,  # [T, Nq + Nk, D]: q's heads, then k's (adjacent in the projection's output; rows may be strided)
+    num_q_heads: int,
+    q_norm: RMSNorm,
+    k_norm: RMSNorm | None,  # None: x holds q's heads only
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None,  # each [T, D]; None: no rotary
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (q [T, Nq, D], k [T, Nk, D]), each normed and rotated
+    """q_norm over the first num_q_heads heads, k_norm over the rest, then the rotary of both (apply_rotary). `fused`
+    (the Triton path): one launch (helios.kernels.rmsnorm.rms_norm_rope: the rotation in float32, rounded once, as
+    apply_rotary_inplace) where both norms are of one kind and keep x's dtype, else each norm as its module and the
+    rotation in place."""
+    norms = [q_norm] if k_norm is None else [q_norm, k_norm]
+    if fused and _rope_launch_takes(x, norms, cos_sin):
+        from helios.kernels.rmsnorm import rms_norm_rope
+
+        cos, sin = cos_sin if cos_sin is not None else (None, None)
+        out = rms_norm_rope(x, q_norm.weight, q_norm.eps, q_norm.multiply_in_float32, weight2=norms[-1].weight,
+                            num_first=num_q_heads, cos=cos, sin=sin)
+        return out[:, :num_q_heads], out[:, num_q_heads:]
+    q = q_norm(x[:, :num_q_heads])
+    k = k_norm(x[:, num_q_heads:]) if k_norm is not None else x[:, num_q_heads:]
+    if cos_sin is None:
+        return q, k
+    if fused:  # the norms' outputs: tensors of their own
+        apply_rotary_inplace(q, k if k_norm is not None else None, *cos_sin)
+        return q, k
+    return apply_rotary(q, *cos_sin), (apply_rotary(k, *cos_sin) if k_norm is not None else k)
+
+
+def _rope_launch_takes(x: torch.Tensor, norms: list[RMSNorm], cos_sin) -> bool:
+    """Whether rms_norm_rope gives norm_rotate_heads' torch values and dtypes: 3-d rows of unit last stride and even
+    width, norms of one kind (weightless, or weights of one dtype multiplied alike; one eps) whose kernel keeps x's
+    dtype, cos/sin rows [T, D] of x's dtype."""
+    first = norms[0]
+    same = all(n.eps == first.eps and not n.scale_first and (n.weight is None) == (first.weight is None)
+               and n.multiply_in_float32 == first.multiply_in_float32
+               and (n.weight is None or (n.weight.dtype == first.weight.dtype and n._kernel_takes(x))) for n in norms)
+    rope_ok = cos_sin is None or all(t.shape == (x.shape[0], x.shape[2]) and t.dtype == x.dtype
+                                     and t.stride(-1) == 1 for t in cos_sin)
+    return x.dim() == 3 and x.stride(-1) == 1 and x.shape[2] % 2 == 0 and same and rope_ok

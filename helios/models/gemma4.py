@@ -4,8 +4,8 @@ layers, KV-shared layers reading an earlier layer's pages, double-wide MLPs, the
 per-layer embeddings (PLE) gating a branch after the feed-forward, a scalar on every layer's output.
 
 Norm weights are the multiplier itself (gemma4 has no 1 + w), multiplied in float32 as HF does. On the Triton backend
-(path "fused") q and k rotate in one launch and each post-norm, residual add (and layer scalar) and the norm after it
-are one launch (helios.layers.norm.post_norm_add).
+(path "fused") q's and k's norms and rotary are one launch (helios.layers.norm.norm_rotate_heads), and so are each
+post-norm, residual add (and layer scalar) and the norm after it (helios.layers.norm.post_norm_add).
 
 With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's query heads,
 its KV heads of each layer kind (num_kv_heads, full_num_kv_heads: a share, or one replicated) and its MLP width (a
@@ -26,10 +26,10 @@ from helios.layers.activation import ACTIVATIONS, GatedMLP
 from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, linear, meta_parameter
 from helios.layers.moe import SparseMoe
-from helios.layers.norm import RMSNorm, post_norm_add
+from helios.layers.norm import RMSNorm, norm_rotate_heads, post_norm_add
 from helios.layers.norm_free import pdl_launches
 from helios.layers.parallel import ExpertParallelMoe, TensorGroup, VocabParallelEmbedding, row_parallel
-from helios.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_inplace
+from helios.layers.rotary import RotaryEmbedding
 from helios.models.gemma3 import Gemma3ForCausalLM
 from helios.models.llama import is_sliding, softcap_logits
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -42,7 +42,7 @@ def reads_shared_kv(arch: Architecture, layer_idx: int) -> bool:
 
 class Gemma4Attention(nn.Module):
     """q (and, keeping its own KV, k and v) from one projection; q/k RMSNorms, rotary, v's weightless RMSNorm (HF's
-    Gemma4RMSNorm without a weight); scale 1. With `fused` (the Triton path) q and k rotate in place in one launch.
+    Gemma4RMSNorm without a weight); scale 1. With `fused` (the Triton path) q's and k's norms and rotary: one launch.
 
     Tensors bound: qkv.weight [(Nq + Nkv*(2, or 1 with k = v, or 0 when KV-shared))*D, H], q_norm.weight [D],
     k_norm.weight [D] (own KV only), o.weight [H, Nq*D]. A KV-shared layer reads the pages its source layer wrote this
@@ -78,23 +78,20 @@ class Gemma4Attention(nn.Module):
         num_tokens, d = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         meta = meta.for_window(self.sliding_window)
-        cos, sin = cos_sin
         qkv = self.qkv(x)
-        q = self.q_norm(qkv[:, :q_size].reshape(num_tokens, self.num_heads, d))
         if self.shared:
             # NOTE: the backends write K/V, then attend; a shared layer hands them the rows its source layer wrote
             # at these slots this step, so the write changes nothing and every backend serves it unchanged
             flat = kv_cache.view(2, -1, self.num_kv_heads, d)
             k, v = flat[0, meta.slot_mapping], flat[1, meta.slot_mapping]
+            q, _ = norm_rotate_heads(qkv.view(num_tokens, self.num_heads, d), self.num_heads, self.q_norm, None,
+                                     cos_sin, fused)
         else:
-            raw_k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, self.num_kv_heads, d)
-            raw_v = raw_k if self.k_eq_v else qkv[:, q_size + kv_size :].reshape(num_tokens, self.num_kv_heads, d)
-            k, v = self.k_norm(raw_k), self.v_norm(raw_v)
-        if fused:  # the norms' outputs: tensors of their own (a shared layer's k is its source's: not rotated again)
-            apply_rotary_inplace(q, None if self.shared else k, cos, sin)
-        else:
-            q = apply_rotary(q, cos, sin)
-            k = k if self.shared else apply_rotary(k, cos, sin)
+            heads = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, d)
+            q, k = norm_rotate_heads(heads, self.num_heads, self.q_norm, self.k_norm, cos_sin, fused)
+            raw_v = heads[:, self.num_heads :] if self.k_eq_v else qkv[:, q_size + kv_size :].view(
+                num_tokens, self.num_kv_heads, d)
+            v = self.v_norm(raw_v)
         o = self.backend.forward(q, k, v, kv_cache, meta, 1.0, self.sliding_window, None)
         return self.o(o.reshape(num_tokens, q_size))
 

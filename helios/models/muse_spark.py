@@ -6,8 +6,9 @@ soft-capped (ignition folded output_multiplier into lm_head and the routers).
 Per layer: x = gate_a(x, norm(attn(attn_norm(x)))); x = gate_m(x, mlp_post_norm(ffn(mlp_norm(x)))), where
 gate(r, h) = alpha * r + beta * h in float32 (alpha, beta stored per channel) and the norms are centred (1 + w
 stored, float32 multiply), weightless (after attention) and input-scaled (after the ffn: norm(x * w)).
-Forward-only. On the Triton backend (path "fused") each norm is one launch, q and k rotate in one, the output norm
-takes the sigmoid gate, and each post-norm, residual gate and the next norm are one (helios.layers.norm.post_norm_add).
+Forward-only. On the Triton backend (path "fused") each norm is one launch, q's and k's with their rotary, the output
+norm with the sigmoid gate, and each post-norm, residual gate and the next norm are one
+(helios.layers.norm.post_norm_add).
 
 With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's query heads
 (with their gate rows) and KV heads and the dense MLP width; o and down sum over the ranks before the weightless
@@ -27,9 +28,9 @@ from helios.layers.activation import GatedMLP
 from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, linear, meta_parameter
 from helios.layers.moe import SigmoidMoe
-from helios.layers.norm import RMSNorm, post_norm_add
+from helios.layers.norm import RMSNorm, norm_rotate_heads, post_norm_add
 from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
-from helios.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_inplace
+from helios.layers.rotary import RotaryEmbedding
 from helios.models.llama import is_sliding, softcap_logits
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -38,8 +39,8 @@ class MuseSparkAttention(Attention):
     """GQA with weightless per-head RMSNorms on q and k (the query's qk_scale_factor is in arch.query_scale), rotary
     only when given cos/sin (None: a NoPE layer), a weightless per-head RMSNorm over the attention output, then
     o *= sigmoid(gate x) elementwise (the gate rows follow v's in qkv, as qwen3_5's output_gate) and o. With `fused`
-    (the Triton path) q and k (adjacent in qkv: one norm launch) rotate in place in one launch and the output norm
-    takes the gate in its launch."""
+    (the Triton path) q's and k's norms and rotary are one launch (adjacent in qkv) and the output norm takes the gate
+    in its launch."""
 
     def __init__(self, arch: Architecture, layer_idx: int, backend: AttentionBackend, switches: Switches):
         super().__init__(arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, backend,
@@ -59,11 +60,7 @@ class MuseSparkAttention(Attention):
         num_tokens, d, nq, nkv = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         qk_size, kv_size = (nq + nkv) * d, nkv * d
         qk, v, gate = self.qkv(x).split([qk_size, kv_size, nq * d], dim=-1)
-        q, k = self.qk_norm(qk.view(num_tokens, nq + nkv, d)).split([nq, nkv], dim=1)
-        if cos_sin is not None and fused:
-            apply_rotary_inplace(q, k, *cos_sin)  # the norm's output: a tensor of its own
-        elif cos_sin is not None:
-            q, k = apply_rotary(q, *cos_sin), apply_rotary(k, *cos_sin)
+        q, k = norm_rotate_heads(qk.view(num_tokens, nq + nkv, d), nq, self.qk_norm, self.qk_norm, cos_sin, fused)
         v = v.reshape(num_tokens, nkv, d)
         o = self.backend.forward(q, k, v, kv_cache, meta.for_window(self.sliding_window), self.scale,
                                  self.sliding_window, None)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helios.layers.norm import RMSNorm, post_norm_add
+from helios.layers.norm import RMSNorm, norm_rotate_heads, post_norm_add
+from helios.layers.rotary import RotaryEmbedding
 from helios.runner.model_runner import ModelRunner
 from tests.kernels.interpreter import require_interpreter
 from tests.models.hybrid_harness import PAGE_SIZE, export_float32, prompt
@@ -144,6 +145,36 @@ def test_post_norm_add_keeps_torchs_steps_where_one_launch_would_change_a_dtype(
     normed, stream = post_norm_add(h, residual, post, pre, True, scale=scale)
     assert stream.dtype == torch.float32
     torch.testing.assert_close(stream, (residual + post(h)) * scale, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["q_and_k", "q_and_k_in_dtype", "weightless", "q_alone", "no_rotary"])
+def test_one_launch_norm_rotate_heads_gives_the_norms_then_the_rotary(dtype, case):
+    """norm_rotate_heads' fused launch (helios.kernels.rmsnorm.rms_norm_rope) = q_norm and k_norm over their heads of
+    a strided projection row, then apply_rotary's torch ops: gemma4's weighted q/k norms (a KV-shared layer's q
+    alone), muse_spark's weightless ones (NoPE layers without rotary), the llama multiply order too."""
+    require_interpreter()
+    num_q, num_k, d = 4, 2, 32
+    if case == "weightless":
+        q_norm = k_norm = RMSNorm(d, 1e-6, has_weight=False)
+    else:
+        q_norm = norm(d, dtype, multiply_in_float32=case != "q_and_k_in_dtype")
+        k_norm = norm(d, dtype, multiply_in_float32=case != "q_and_k_in_dtype")
+        k_norm.weight = torch.nn.Parameter(k_norm.weight.flip(0), requires_grad=False)
+    if case == "q_alone":
+        k_norm, num_k = None, 0
+    rope = RotaryEmbedding(d, 10000.0)
+    rope.tabulate(64, dtype)
+    cos_sin = None if case == "no_rotary" else rope.cos_sin(torch.tensor([3, 17, 40]), dtype)  # strided table rows
+    x = rows((3, (num_q + num_k + 1) * d), dtype, seed=10)[:, : (num_q + num_k) * d].view(3, num_q + num_k, d)
+    want = norm_rotate_heads(x, num_q, q_norm, k_norm, cos_sin, fused=False)
+    got = norm_rotate_heads(x, num_q, q_norm, k_norm, cos_sin, fused=True)
+    if k_norm is not None:  # one launch: q and k are views of its one output
+        assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype == dtype and g.shape == w.shape
+        # the rotation in float32 rounded once, apply_rotary rounding each product: 16-bit within three roundings
+        torch.testing.assert_close(g, w, **(TOL[dtype] if dtype == torch.float32 else dict(atol=3e-2, rtol=2 ** -6)))
 
 
 @pytest.fixture(scope="module")
