@@ -39,12 +39,14 @@ def _block_scores_kernel(
     index_dim,
     PAGE_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # the indexer's block of keys
+    LOCAL_BLOCKS: tl.constexpr,  # > 0: the sequence's last LOCAL_BLOCKS blocks score +inf (select_blocks' boost)
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program (seq, index block): max over the block's keys j < seq_len of q_h . k_j in float32, per index head."""
+    """Program (seq, index block): max over the block's keys j < seq_len of q_h . k_j in float32, per index head; with
+    LOCAL_BLOCKS, the local blocks +inf and -0.0 written +0.0 (select_blocks' masked_fill and + 0.0)."""
     seq = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -67,6 +69,10 @@ def _block_scores_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         s = tl.where(k_mask[None, :], s, float("-inf"))
         best = tl.maximum(best, tl.max(s, axis=1))
+    if LOCAL_BLOCKS > 0:
+        num_blocks = (seq_len + BLOCK_SIZE - 1) // BLOCK_SIZE  # the sequence's blocks; its own is the last
+        is_local = (blk < num_blocks) & (blk >= num_blocks - LOCAL_BLOCKS)
+        best = tl.where(is_local, float("inf"), tl.where(best == 0.0, 0.0, best))
     tl.store(out_ptr + seq * stride_os + heads * stride_oh + blk, best, mask=h_mask)
 
 
@@ -76,9 +82,11 @@ def block_scores(
     block_tables: torch.Tensor,  # [num_seqs, max_pages] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, keys per sequence including this token's
     block_size: int,
+    local_blocks: int = 0,  # > 0: the sequence's last local_blocks blocks score +inf, as select_blocks boosts them
 ) -> torch.Tensor:  # [num_seqs, num_index_heads, cdiv(max_pages * page_size, block_size)] float32
     """Each index block's score per index head (-inf for a block past the sequence's end). The block count comes from
-    the table's width, never from the lengths: a graph's shapes are its bucket's."""
+    the table's width, never from the lengths: a graph's shapes are its bucket's. With local_blocks the scores are
+    select_blocks' boosted ones (top_blocks then chooses in one sort)."""
     require_triton()
     num_seqs, num_heads, index_dim = q.shape
     assert index_cache.dim() == 4 and index_cache.shape[0] == 1 and index_cache.shape[3] == index_dim
@@ -96,7 +104,8 @@ def block_scores(
     _block_scores_kernel[(num_seqs, num_blocks)](
         q, pages, block_tables, seq_lens, out, q.stride(0), q.stride(1), pages.stride(0), pages.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1), num_heads, index_dim,
-        PAGE_SIZE=page_size, BLOCK_SIZE=block_size, BLOCK_H=max(16, next_power_of_2(num_heads)),
+        PAGE_SIZE=page_size, BLOCK_SIZE=block_size, LOCAL_BLOCKS=local_blocks,
+        BLOCK_H=max(16, next_power_of_2(num_heads)),
         BLOCK_N=max(16, min(64, next_power_of_2(block_size))), BLOCK_D=max(16, next_power_of_2(index_dim)),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
     )
@@ -121,6 +130,17 @@ def select_blocks(
     kept = min(num_kept, num_index_blocks)
     best = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kept]
     return torch.where(best < nb[:, None, None], best, -1).to(torch.int32)
+
+
+def top_blocks(
+    scores: torch.Tensor,  # [num_seqs, num_index_heads, num_index_blocks] float32, block_scores' with local_blocks
+    num_kept: int,
+) -> torch.Tensor:  # [num_seqs, num_index_heads, min(num_kept, num_index_blocks)] int64
+    """select_blocks' choice in one sort: the local blocks come boosted and -0.0 made +0.0 by block_scores, and a block
+    past a sequence's end (scored -inf, so listed only after every block it has) is left listed: sparse_decode reads
+    no key of it, as of select_blocks' -1."""
+    kept = min(num_kept, scores.shape[-1])
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :kept]
 
 
 @jit
@@ -166,7 +186,7 @@ def _sparse_decode_kernel(
     v_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], same strides as k
     block_tables_ptr,  # [num_seqs, max_pages] int32
     seq_lens_ptr,  # [num_seqs] int32
-    chosen_ptr,  # [num_seqs, num_index_heads, num_kept] int32, -1: no block
+    chosen_ptr,  # [num_seqs, num_index_heads, num_kept] int32 / int64; -1 or a block past the end: no key
     out_ptr,  # [num_seqs, num_heads, head_dim], written when NUM_SPLITS == 1
     part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32, written when NUM_SPLITS > 1
     part_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2 domain
@@ -244,7 +264,7 @@ def sparse_decode(
     kv_cache: torch.Tensor,  # [2, num_pages, page_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_pages] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32 (0: a padded row, output 0)
-    chosen: torch.Tensor,  # [num_seqs, num_index_heads, num_kept] int32, select_blocks'
+    chosen: torch.Tensor,  # [num_seqs, num_index_heads, num_kept] int32 or int64: select_blocks' or top_blocks'
     block_size: int,
     scale: float,
     num_splits: int = 1,
@@ -256,7 +276,7 @@ def sparse_decode(
     num_kv_heads, num_index_heads, num_kept = kv_cache.shape[3], chosen.shape[1], chosen.shape[2]
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[4] == head_dim, tuple(kv_cache.shape)
     assert num_heads % num_kv_heads == 0 and num_heads % num_index_heads == 0
-    assert chosen.shape[0] == num_seqs and chosen.dtype == torch.int32 and chosen.stride(2) == 1
+    assert chosen.shape[0] == num_seqs and chosen.dtype in (torch.int32, torch.int64) and chosen.stride(2) == 1
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
     assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32 and num_splits >= 1
     check_last_dim_contiguous("q", q)

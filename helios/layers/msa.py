@@ -25,6 +25,21 @@ from helios.layers.qsa import attend_masked, indexed_sequences, rotate_leading
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
+def rotate_in_place(
+    q: torch.Tensor,  # [T, Nq, D], a norm's own output (turned in place)
+    k: torch.Tensor,  # [T, Nk, D], likewise
+    cos: torch.Tensor,  # [T, r]
+    sin: torch.Tensor,  # [T, r]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (q, k)
+    """rotate_leading of both in one helios.kernels.rotary launch (the Triton backend's path, as Attention's fused_ops):
+    the rotation in float32, rounded once; in float32 the same bits as rotate_leading's."""
+    from helios.kernels.rotary import rotary_embedding
+
+    r = cos.shape[-1]
+    rotary_embedding(q[..., :r], k[..., :r], cos, sin)
+    return q, k
+
+
 class LightningIndexer(nn.Module):
     """Tensors bound (as attn.indexer.*): qk.weight [(Ni + 1)*Di, H] (rows: the query heads, then the key), q_norm
     and k_norm.weight [Di] (stored 1+w, multiplied in float32)."""
@@ -36,14 +51,17 @@ class LightningIndexer(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, eps, multiply_in_float32=True)
         self.k_norm = RMSNorm(config.head_dim, eps, multiply_in_float32=True)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # [T, H], cos/sin [T, r] ->
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False):  # [T, H] ->
         """(queries [T, Ni, Di], keys [T, Di]): normed, then turned at their positions (the keys as the cache keeps
-        them)."""
+        them); cos/sin [T, r]. fused (the Triton backend): both turned in one launch (rotate_in_place)."""
         c = self.config
         q, k = self.qk(x).split([c.num_heads * c.head_dim, c.head_dim], dim=-1)
-        q = rotate_leading(self.q_norm(q.view(x.shape[0], c.num_heads, c.head_dim)), cos, sin)
-        k = rotate_leading(self.k_norm(k.view(x.shape[0], 1, c.head_dim)), cos, sin)
-        return q, k[:, 0]
+        q = self.q_norm(q.view(x.shape[0], c.num_heads, c.head_dim))
+        k = self.k_norm(k.view(x.shape[0], 1, c.head_dim))
+        if fused:
+            q, k = rotate_in_place(q, k, cos, sin)
+            return q, k[:, 0]
+        return rotate_leading(q, cos, sin), rotate_leading(k, cos, sin)[:, 0]
 
     def select(
         self,
@@ -109,10 +127,14 @@ class SparseAttention(Attention):
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
         cos, sin = cos_sin
-        q = self._rotate(self.q_norm(q.reshape(num_tokens, self.num_heads, d)), cos, sin)
-        k = self._rotate(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, d)), cos, sin)
+        q = self.q_norm(q.reshape(num_tokens, self.num_heads, d))
+        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, d))
+        if self.fused_ops:  # the Triton backend: q and k turned in one launch
+            q, k = rotate_in_place(q, k, cos, sin)
+        else:
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, d)
-        index_q, index_k = self.indexer.project(x, cos, sin)
+        index_q, index_k = self.indexer.project(x, cos, sin, self.fused_ops)
         if self.decode_graph_safe and num_tokens == meta.num_seqs:  # every sequence schedules one token
             o = self._decode(q, k, v, index_q, index_k, kv_cache, index_cache, meta)
             return self.o(o.reshape(num_tokens, q_size))
@@ -146,7 +168,7 @@ class SparseAttention(Attention):
         c = self.indexer.config
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         write_latent(index_cache, index_k, index_k[:, :0], meta.slot_mapping)  # an index key: a row without rope part
-        scores = sd.block_scores(index_q, index_cache, meta.block_tables, meta.seq_lens, c.block_size)
-        chosen = sd.select_blocks(scores, meta.seq_lens, c.block_size, c.num_blocks, c.local_blocks)
+        scores = sd.block_scores(index_q, index_cache, meta.block_tables, meta.seq_lens, c.block_size, c.local_blocks)
+        chosen = sd.top_blocks(scores, c.num_blocks)  # select_blocks' choice: the boost is in the scores
         return sd.sparse_decode(q, kv_cache, meta.block_tables, meta.seq_lens, chosen, c.block_size, self.scale,
                                 sd.sparse_num_splits(c.num_blocks, c.block_size))

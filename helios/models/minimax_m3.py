@@ -3,7 +3,8 @@
 feed-forward: a dense MLP (arch.moe.dense_layers) or sigmoid-routed experts (score bias, renormalised, scaled) plus a
 shared expert. Every norm is zero-centred in the checkpoint, stored 1 + w and multiplied in float32, as HF does.
 
-Block: x += attn(attn_norm(x)); x += ffn(mlp_norm(x)). Forward-only, no weights of its own.
+Block: x += attn(attn_norm(x)); x += ffn(mlp_norm(x)); on the Triton backend each add is taken by the next norm's
+launch (forward_fused, pre_norm_stack). Forward-only, no weights of its own.
 
 With `tp` (tensor parallel, helios.runner.parallel) the model is one rank's: `arch` counts this rank's query and KV
 heads, its index heads (arch.msa.num_heads: the ones its query heads read, split with them or one replicated) and its
@@ -23,7 +24,7 @@ from helios.layers.attention import Attention, AttentionBackend, AttentionMetada
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.moe import SigmoidMoe
 from helios.layers.msa import SparseAttention
-from helios.layers.norm import RMSNorm
+from helios.layers.norm import RMSNorm, pre_norm_stack
 from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -66,10 +67,22 @@ class MiniMaxM3Layer(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
         """cache: the layer's (KV, index keys) pages (its KV alone in a model without sparse layers); a full layer
         reads only the KV."""
-        if isinstance(cache, tuple) and not self.is_sparse:
-            cache = cache[0]
+        cache = self._own(cache)
         x = x + self.attn(self.attn_norm(x), cos_sin, cache, meta)
         return x + getattr(self, self.ffn_name)(self.mlp_norm(x))
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos_sin, cache,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # (output, stream before it)
+        """forward() on the GPU path: each residual add taken by the norm after it in one launch
+        (RMSNorm.forward_add); x is the previous layer's output, residual the stream before its add (None first)."""
+        h, residual = self.attn_norm.forward_add(x, residual, fused=True)
+        a = self.attn(h, cos_sin, self._own(cache), meta)
+        h, residual = self.mlp_norm.forward_add(a, residual, fused=True)
+        return getattr(self, self.ffn_name)(h), residual
+
+    def _own(self, cache):
+        """The pages this layer reads: a full layer of a model with an indexer only its KV."""
+        return cache[0] if isinstance(cache, tuple) and not self.is_sparse else cache
 
 
 class MiniMaxM3ForCausalLM(nn.Module):
@@ -87,7 +100,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
             raise ValueError("a minimax_m3 architecture's experts are sigmoid-routed with an ungated shared expert")
         self.arch = arch
         self.switches = switches
-        self.path = "eager"
+        self.path = "fused" if getattr(backend, "fuses_layers", False) else "eager"  # chosen once, here
         self.tp = tp
         self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
                       else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
@@ -109,9 +122,7 @@ class MiniMaxM3ForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
         x = self.embed(token_ids)
         cos_sin = self.rotary.cos_sin(meta.positions, x.dtype)
-        for layer, cache in zip(self.layers, caches):
-            x = layer(x, cos_sin, cache, meta)
-        return self.norm(x)
+        return pre_norm_stack(x, self.layers, caches, meta, self.norm, self.path == "fused", cos_sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

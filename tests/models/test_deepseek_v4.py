@@ -216,3 +216,18 @@ def test_compose_keeps_the_raw_rows_in_a_window_group(dsv4):
         assert got == ref[len(ids):]
     finally:
         engine.shutdown()
+
+
+def test_decode_steps_on_the_triton_backend_give_the_torch_logits(dsv4):
+    """Every position fed as a one-token decode step on the Triton backend (the kernels in the interpreter: the
+    interleaved ropes, the compressors' entries written where a token completes a window, the index scores and the
+    sink attention) = the torch runner's float32 logits of the whole prompt, within 1e-4; 24 tokens: CSA windows
+    complete and entries are dropped (3 kept), HCA windows complete."""
+    from tests.kernels.interpreter import require_interpreter
+
+    require_interpreter()
+    _, core = dsv4
+    arch, ids = core.manifest.arch, prompt(24, seed=7)
+    want = ModelRunner(arch, core.tensors, 16, PAGE_SIZE, attention_backend="torch").forward_logits(ids)
+    runner = ModelRunner(arch, core.tensors, 16, PAGE_SIZE, attention_backend="triton")
+    torch.testing.assert_close(runner.forward_logits(ids, chunk_size=1), want, atol=1e-4, rtol=1e-4)

@@ -171,3 +171,28 @@ def _req(req_id: str, ids: list[int], max_tokens: int):
     from helios.engine.messages import EngineRequest
 
     return EngineRequest(req_id=req_id, prompt_token_ids=ids, sampling=greedy(max_tokens, ignore_eos=True))
+
+
+def test_the_fused_path_gives_the_eager_paths_logits(mm3):
+    """The GPU path's layer loop (MiniMaxM3Layer.forward_fused through pre_norm_stack: each residual add taken by the
+    next norm's launch) = the eager loop's logits."""
+    from tests.models.hybrid_harness import check_fused_loop_equals_eager
+
+    check_fused_loop_equals_eager(mm3[2], fuse=lambda model: setattr(model, "path", "fused"),
+                                  is_fused=lambda model: model.path == "fused")
+
+
+def test_decode_steps_on_the_triton_backend_give_the_torch_logits(mm3):
+    """Every position fed as a one-token decode step on the Triton backend (the kernels in the interpreter: the sparse
+    layers' q/k and index rotations in one launch each, the choice from block_scores' boosted scores in one sort,
+    the fused residual norms) = the torch runner's float32 logits of the whole prompt, within 1e-4; 32 tokens: past
+    the indexer's budget, so blocks are dropped."""
+    from tests.kernels.interpreter import require_interpreter
+
+    require_interpreter()
+    _, _, core = mm3
+    arch, ids = core.manifest.arch, prompt(32, seed=7)
+    want = ModelRunner(arch, core.tensors, 16, PAGE_SIZE, attention_backend="torch").forward_logits(ids)
+    runner = ModelRunner(arch, core.tensors, 16, PAGE_SIZE, attention_backend="triton")
+    assert runner.model.path == "fused"
+    torch.testing.assert_close(runner.forward_logits(ids, chunk_size=1), want, atol=1e-4, rtol=1e-4)
