@@ -35,7 +35,7 @@ def _entry_base(table, j, RATE: tl.constexpr, ROWS: tl.constexpr, PAGE_SIZE: tl.
 @jit
 def _index_scores_kernel(
     q_ptr,  # [num_seqs, Ni, Di] rotated index queries
-    w_ptr,  # [num_seqs, Ni] float32 head weights (1/sqrt(Ni) folded in)
+    w_ptr,  # [num_seqs, Ni] head weights, times weight_scale in float32
     entries_ptr,  # [num_pages, page_size, e] entry shares
     block_tables_ptr,  # [num_seqs, max_pages] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -52,6 +52,7 @@ def _index_scores_kernel(
     key_offset,  # the index key's first value within an entry (head_dim)
     max_entries,
     scale,  # Di^-0.5
+    weight_scale,  # 1/sqrt(Ni) where the weights come unscaled (the layer's projection columns), else 1
     RATE: tl.constexpr,
     ROWS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -61,7 +62,8 @@ def _index_scores_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (seq, tile of entries): sum_h w_h relu(q_h . k_j) Di^-0.5 in float32 for entries j < seq_len // RATE
-    (the complete windows a query at seq_len - 1 sees), -inf past them."""
+    (the complete windows a query at seq_len - 1 sees), -inf past them; a -0.0 score written +0.0 (select_entries'
+    + 0.0, so one sort chooses: top_entries)."""
     seq = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK_N
     j = start + tl.arange(0, BLOCK_N)
@@ -80,27 +82,29 @@ def _index_scores_kernel(
         k = tl.load(entries_ptr + base[:, None] + key_offset + d[None, :], mask=e_mask[:, None] & d_mask[None, :],
                     other=0.0)
         s = tl.maximum(tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION), 0.0) * scale  # [BLOCK_H, BLOCK_N]
-        w = tl.load(w_ptr + seq * stride_ws + heads, mask=h_mask, other=0.0)
-        score = tl.where(e_mask, tl.sum(s * w[:, None], axis=0), float("-inf"))
+        w = tl.load(w_ptr + seq * stride_ws + heads, mask=h_mask, other=0.0).to(tl.float32) * weight_scale
+        score = tl.sum(s * w[:, None], axis=0)
+        score = tl.where(e_mask, tl.where(score == 0.0, 0.0, score), float("-inf"))
     tl.store(out_ptr + seq * stride_os + j, score, mask=j < max_entries)
 
 
 def index_scores(
     q: torch.Tensor,  # [num_seqs, Ni, Di] rotated index queries
-    weights: torch.Tensor,  # [num_seqs, Ni] float32
+    weights: torch.Tensor,  # [num_seqs, Ni] float32, or any float dtype with weight_scale (any row stride)
     entries: torch.Tensor,  # [1, num_pages, page_size, e] the layer's entry shares
     block_tables: torch.Tensor,  # [num_seqs, max_pages] int32 (group 0's)
     seq_lens: torch.Tensor,  # [num_seqs] int32
     rate: int,  # csa_rate
     rows: int,  # entry_rows
     key_offset: int,  # head_dim: the index key follows the entry's key
+    weight_scale: float = 1.0,  # each weight times this in float32 (the layer's weights.float() * Ni^-0.5)
 ) -> torch.Tensor:  # [num_seqs, max_pages * page_size // rate] float32, -inf past the complete windows
     """Every complete window's index score; the entry count comes from the table's width, never from the lengths (a
     graph's shapes are its bucket's)."""
     require_triton()
     num_seqs, num_heads, index_dim = q.shape
     _check_entries(entries, block_tables, seq_lens, num_seqs)
-    assert weights.shape == (num_seqs, num_heads) and weights.dtype == torch.float32 and weights.stride(1) == 1
+    assert weights.shape == (num_seqs, num_heads) and weights.is_floating_point() and weights.stride(1) == 1
     check_last_dim_contiguous("q", q)
     page_size = entries.shape[2]
     max_entries = block_tables.shape[1] * page_size // rate
@@ -113,7 +117,7 @@ def index_scores(
     _index_scores_kernel[(num_seqs, cdiv(max_entries, block_n))](
         q, weights, pages, block_tables, seq_lens, out, q.stride(0), q.stride(1), weights.stride(0),
         pages.stride(0), pages.stride(1), block_tables.stride(0), out.stride(0), num_heads, index_dim, key_offset,
-        max_entries, index_dim**-0.5, RATE=rate, ROWS=rows, PAGE_SIZE=page_size,
+        max_entries, index_dim**-0.5, weight_scale, RATE=rate, ROWS=rows, PAGE_SIZE=page_size,
         BLOCK_H=max(16, next_power_of_2(num_heads)), BLOCK_N=block_n, BLOCK_D=max(16, next_power_of_2(index_dim)),
         DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
     )
@@ -135,6 +139,17 @@ def select_entries(
     return torch.where(best < num_entries[:, None], best, -1).to(torch.int32)
 
 
+def top_entries(
+    scores: torch.Tensor,  # [num_seqs, max_entries] float32, index_scores' (no -0.0)
+    num_kept: int,  # index_topk
+) -> torch.Tensor:  # [num_seqs, min(num_kept, max_entries)] int64
+    """select_entries' choice in one sort (the decode path): an entry past a sequence's complete windows (scored -inf,
+    so listed only after every one it has) is left listed, where select_entries writes -1: compressed_decode reads
+    neither."""
+    kept = min(num_kept, scores.shape[1])
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :kept]
+
+
 @jit
 def _compressed_decode_kernel(
     q_ptr,  # [num_seqs, num_heads, d]
@@ -143,7 +158,7 @@ def _compressed_decode_kernel(
     window_tables_ptr,  # [num_seqs, max_pages] int32: the rows' pages
     block_tables_ptr,  # [num_seqs, max_pages] int32: the entries' pages
     seq_lens_ptr,  # [num_seqs] int32
-    chosen_ptr,  # [num_seqs, num_listed] int32 (-1: none) when HAS_LIST, else every complete window
+    chosen_ptr,  # [num_seqs, num_listed] int32 / int64 (-1 or past the complete windows: none) when HAS_LIST
     sinks_ptr,  # [num_heads] float32
     out_ptr,  # [num_seqs, num_heads, d], written when NUM_SPLITS == 1
     part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, d] float32, written when NUM_SPLITS > 1
@@ -243,7 +258,8 @@ def compressed_decode(
     window: int,
     rate: int,  # 0: a sliding layer (no entries)
     entry_rows: int,
-    chosen: torch.Tensor | None = None,  # [num_seqs, K] int32, select_entries' (CSA); None: every entry (HCA)
+    chosen: torch.Tensor | None = None,  # [num_seqs, K] int32 / int64, select_entries' or top_entries' (CSA); None:
+    #                                      every entry (HCA)
     num_splits: int = 1,
     block_h: int = 16,
 ) -> torch.Tensor:  # [num_seqs, num_heads, d] in the cache's dtype
@@ -261,7 +277,7 @@ def compressed_decode(
     assert window_tables.shape[0] == num_seqs and window_tables.dtype == torch.int32
     assert sinks.shape == (num_heads,) and num_splits >= 1 and block_h >= 16
     if chosen is not None:
-        assert chosen.dim() == 2 and chosen.shape[0] == num_seqs and chosen.dtype == torch.int32
+        assert chosen.dim() == 2 and chosen.shape[0] == num_seqs and chosen.dtype in (torch.int32, torch.int64)
         assert chosen.stride(1) == 1
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("rows", rows)

@@ -301,8 +301,7 @@ class CompressedAttention(nn.Module):
         index = None
         if self.kind == "csa":
             index_q = self.indexer.q_b(q_lat).view(num_tokens, c.index_num_heads, -1)
-            index = (interleaved_rope(index_q, *step_rope(meta, compress_rope, x.dtype)),
-                     i_w.float() * c.index_num_heads**-0.5)
+            index = (interleaved_rope(index_q, *step_rope(meta, compress_rope, x.dtype)), i_w)  # i_w: unscaled
         out = self._decode(q, raw, cache, meta, meta.for_window(c.window), index, compress_rope)
         # K = V carried the keys' rotation: the output turns back by the query's
         out = interleaved_rope(out.to(q.dtype), *turn, inverse=True)
@@ -326,8 +325,8 @@ class CompressedAttention(nn.Module):
         chosen = None
         if self.kind == "csa":
             scores = csa_decode.index_scores(index[0], index[1], entries, meta.block_tables, meta.seq_lens,
-                                             self.rate, r, self.head_dim)
-            chosen = csa_decode.select_entries(scores, meta.seq_lens, self.rate, c.index_topk)
+                                             self.rate, r, self.head_dim, c.index_num_heads**-0.5)
+            chosen = csa_decode.top_entries(scores, c.index_topk)  # select_entries' choice in one sort
         splits = csa_decode.compressed_num_splits(c.index_topk if chosen is not None else None, c.window)
         return csa_decode.compressed_decode(q, rows, entries, window.block_tables, meta.block_tables, meta.seq_lens,
                                             self.sinks, c.window, self.rate, r, chosen, splits if self.rate else 1)
