@@ -127,8 +127,9 @@ def same_bits_across_threads(
         ys = [linear(torch.randn(rows, w.shape[1], generator=gen).to(w.dtype), w) for w in weights]
         x = torch.randn(rows, hidden_size, generator=gen).to(dtype)
         ys.append(rms_norm(x, torch.ones(hidden_size, dtype=dtype), 1e-5))
-        kv_cache = torch.randn(2, 4 * rows, 16, num_kv_heads, head_dim, generator=gen)
-        q = torch.randn(rows, num_heads, head_dim, generator=gen)
+        # in the weights' dtype: 16-bit pages take their own decode path (SDPA's flash kernel)
+        kv_cache = torch.randn(2, 4 * rows, 16, num_kv_heads, head_dim, generator=gen).to(dtype)
+        q = torch.randn(rows, num_heads, head_dim, generator=gen).to(dtype)
         blocks = torch.randperm(4 * rows, generator=gen).view(rows, 4)
         bias = torch.zeros(rows, 1, 1, 64)
         bias[..., 50:] = float("-inf")
