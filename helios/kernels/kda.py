@@ -6,12 +6,14 @@ helios.kernels.gated_delta's: the decode step is its fused step specialised to K
 decay per key channel), from f = f_b(f_a(x)) [B, H*dk] (or f_a and f_b's weight: each program makes its head's f):
 kimi_linear's g = -exp(A_log) softplus(f + dt_bias), or glm5_next's safe gate
 g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)); beta = sigmoid(b). q, k, v and the state share one head count.
+The layer's gated output norm (RMSNorm * sigmoid(g_b(g_a(x)))) may run in the same launch (GatedOutputNorm).
 Imports torch, helios.kernels.gated_delta / _triton and (lazily, prefill only) fla; nothing else.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -44,7 +46,19 @@ from helios.kernels.gated_delta import (
 )
 
 FLA_CHUNK_SIZES = (32, 64)  # chunk_kda's
-FOLD_BLOCK = 32  # f_b's input columns per step of the folded product ([dk, 32] weight tiles in registers)
+FOLD_BLOCK = 32  # f_b's / g_b's input columns per step of a folded product ([d, 32] weight tiles in registers)
+
+
+class GatedOutputNorm(NamedTuple):
+    """KDA's output norm, folded into the decode launch: per head, RMSNorm(o) times `weight` in float32, times
+    sigmoid(z) with z = z_weight[head * dv:(head + 1) * dv] @ z_in[row] (float32 sums rounded to z_in's dtype), as
+    helios.kernels.gated_norm.gated_rms_norm(o, z_in, weight, eps, activation="sigmoid", multiply_in_float32=True,
+    z_weight=z_weight) computes it."""
+
+    z_in: torch.Tensor  # [B, dz] g_a(x)
+    z_weight: torch.Tensor  # [H*dv, dz] g_b's weight
+    weight: torch.Tensor  # [dv]
+    eps: float
 
 
 @jit
@@ -61,16 +75,22 @@ def _kda_decode_kernel(
     out_ptr,  # [B, H, DV] contiguous
     slots_ptr,  # [B]
     starts_ptr,  # [B]
-    counter_ptr,  # [>= B * H] int32, zero (SPLIT > 1)
-    stride_x, stride_f, stride_b,
+    counter_ptr,  # [>= B * H] int32, zero (SPLIT > 1); NORM: [>= 2 * B * H]
+    z_ptr,  # [B, DZ] the output gate's projection input (NORM)
+    zw_ptr,  # [H*DV, DZ] its weight (NORM)
+    nw_ptr,  # [DV] the norm's weight (NORM)
+    stride_x, stride_f, stride_b, stride_z,
     C,
     scale,
     lower_bound,  # SAFE_GATE: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
+    eps,  # NORM
     HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     SPLIT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, DF: tl.constexpr, BF: tl.constexpr, FB: tl.constexpr,
     FOLD: tl.constexpr, SAFE_GATE: tl.constexpr, USE_PDL: tl.constexpr,
+    NORM: tl.constexpr, DZ: tl.constexpr, BZ: tl.constexpr, BDV: tl.constexpr,
 ):
-    # program (split, head, row): the head's q, k and gate, then TILES [DK, BV] state tiles (columns t * BV)
+    # program (split, head, row): the head's q, k and gate, then TILES [DK, BV] state tiles (columns t * BV); NORM:
+    # the last of the head's programs to finish its tiles normalizes the head's output in place
     NV: tl.constexpr = (DV + BV - 1) // BV
     TILES: tl.constexpr = NV // SPLIT
     split = tl.program_id(0)
@@ -141,6 +161,43 @@ def _kda_decode_kernel(
         tl.store(tile, s, mask=tile_mask)
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(out_ptr + (row * HK + h) * DV + cols, o.to(out_ptr.dtype.element_ty), mask=mv)
+    if NORM:
+        # NOTE: every thread's output stores precede the barrier, the barrier the release; the last program's
+        # acquire then sees every split's stores (the split-K semaphore pattern)
+        tl.debug_barrier()
+        last = True
+        if SPLIT > 1:
+            done = counter_ptr + (tl.num_programs(2) + row) * HK + h  # past the q/k counters
+            last = tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            _gated_output_norm(out_ptr + (row * HK + h) * DV, z_ptr + row * stride_z, zw_ptr + h * DV * DZ, nw_ptr,
+                               eps, DV, DZ, BZ, BDV)
+            if SPLIT > 1:
+                tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+
+
+@jit
+def _gated_output_norm(o_row, z_row, zw_rows, nw_ptr, eps, DV: tl.constexpr, DZ: tl.constexpr, BZ: tl.constexpr,
+                       BDV: tl.constexpr):
+    """One head's output [DV] in place: gated_norm's kimi order (norm, float32 weight, * sigmoid(z)), its gate
+    z = zw_rows [DV, DZ] @ z_row [DZ] folded as gated_norm folds it (same blocks, same roundings)."""
+    cols = tl.arange(0, BDV)
+    mask = cols < DV
+    x = tl.load(o_row + cols, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    z = tl.zeros([BDV], dtype=tl.float32)
+    for j0 in tl.static_range(0, DZ, BZ):
+        j = j0 + tl.arange(0, BZ)
+        mj = j < DZ
+        z_in = tl.load(z_row + j, mask=mj, other=0.0).to(tl.float32)
+        zw = tl.load(zw_rows + cols[:, None] * DZ + j[None, :], mask=mask[:, None] & mj[None, :],
+                     other=0.0).to(tl.float32)
+        z += tl.sum(zw * z_in[None, :], axis=1)
+    z = z.to(z_row.dtype.element_ty).to(tl.float32)
+    gate = 1.0 / (1.0 + tl.exp(-z))
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / DV + eps)
+    h = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32) * (h * rstd)
+    tl.store(o_row + cols, (h * gate).to(x.dtype), mask=mask)
 
 
 def kda_decode(
@@ -157,12 +214,16 @@ def kda_decode(
     lower_bound: float | None = None,  # glm5_next's safe gate; None: kimi_linear's softplus gate
     num_splits: int | None = None,
     f_b_weight: torch.Tensor | None = None,  # [H*dk, df]: f is f_a, and each program makes its head's f
+    output_norm: GatedOutputNorm | None = None,
 ) -> torch.Tensor:  # [B, H, dv] in mixed_qkv's dtype
     """One decode token per sequence, one launch: the conv step (+ silu) and its conv-state update, q/k l2norm, the
     per-channel gate and beta, the delta-rule update of state[slot] and its output (gated_delta_decode's step, one
     value head per key head). With f_b_weight the launch also makes f = f_a f_b^T (float32 sums, rounded to f_a's
     dtype as f_b's own product is), one head's [dk, df] slice per program: f_b's launch folded in (batch-1 decode
-    counts launches). The first call with num_splits > 1 allocates the arrival counters: not inside a graph capture."""
+    counts launches). With output_norm the output comes normalized and gated (GatedOutputNorm), the norm's launch and
+    g_b's folded in too: the last of a head's split programs to finish (an arrival counter) reads the head's stored
+    output back and normalizes it in place, so its values are the two launches' exactly. The first call with
+    num_splits > 1 allocates the arrival counters: not inside a graph capture."""
     require_triton()
     num_rows, channels = mixed_qkv.shape
     num_slots, num_heads, dk, dv = state.shape
@@ -180,26 +241,38 @@ def kda_decode(
     _check_state(state, slots, starts, num_rows, num_heads)
     for name, t in (("mixed_qkv", mixed_qkv), ("f", f), ("b", b)):
         check_last_dim_contiguous(name, t)
+    z_in = z_weight = norm_weight = None
+    if output_norm is not None:
+        z_in, z_weight, norm_weight, _ = output_norm
+        assert z_in.dim() == 2 and z_in.shape[0] == num_rows and z_weight.shape == (num_heads * dv, z_in.shape[1])
+        assert z_weight.is_contiguous() and z_weight.dtype == z_in.dtype, "z_weight: contiguous, z_in's dtype"
+        assert norm_weight.shape == (dv,) and norm_weight.is_contiguous()
+        check_last_dim_contiguous("z_in", z_in)
     out = torch.empty(num_rows, num_heads, dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if num_rows == 0:
         return out
     splits = _splits(num_rows, num_heads, state, num_splits)
     counters = None
     if splits > 1:
-        assert num_rows * num_heads <= _COUNTER_SLOTS, "more (row, head) groups than arrival counters"
+        groups = num_rows * num_heads * (2 if output_norm is not None else 1)
+        assert groups <= _COUNTER_SLOTS, "more (row, head) groups than arrival counters"
         counters = _arrival_counters(mixed_qkv.device)
     width = conv_weight.shape[1]
     tiles = _tile_args(num_heads, state, splits)
     fold_cols = f.shape[1] if f_b_weight is not None else 1
+    z_cols = z_in.shape[1] if z_in is not None else 1
     pdl = use_pdl(mixed_qkv, num_rows)
     _kda_decode_kernel[(splits, num_heads, num_rows)](
         mixed_qkv, conv_weight, conv_state, f, f_b_weight if f_b_weight is not None else f, b, A_log, dt_bias, state,
-        out, slots, starts, counters, mixed_qkv.stride(0), f.stride(0), b.stride(0), channels, dk**-0.5,
-        0.0 if lower_bound is None else float(lower_bound),
+        out, slots, starts, counters, *((z_in, z_weight, norm_weight) if output_norm is not None else (f, f, f)),
+        mixed_qkv.stride(0), f.stride(0), b.stride(0), z_in.stride(0) if z_in is not None else 0, channels,
+        dk**-0.5, 0.0 if lower_bound is None else float(lower_bound),
+        float(output_norm.eps) if output_norm is not None else 0.0,
         HK=num_heads, DK=dk, DV=dv, BK=tiles["BK"], BV=tiles["BV"], SPLIT=splits, K=width,
         KP=next_power_of_2(width - 1), DF=fold_cols, BF=next_power_of_2(fold_cols),
         FB=min(FOLD_BLOCK, next_power_of_2(fold_cols)), FOLD=f_b_weight is not None,
-        SAFE_GATE=lower_bound is not None, USE_PDL=pdl,
+        SAFE_GATE=lower_bound is not None, USE_PDL=pdl, NORM=output_norm is not None, DZ=z_cols,
+        BZ=min(FOLD_BLOCK, next_power_of_2(z_cols)), BDV=next_power_of_2(dv),
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
     )
     return out
@@ -264,10 +337,23 @@ def kda_gates_ref(f, b, A_log, dt_bias, lower_bound=None):  # -> g [T, H, dk] fl
     return g, b.float().sigmoid()
 
 
+def gated_output_norm_ref(o: torch.Tensor, norm: GatedOutputNorm) -> torch.Tensor:  # [B, H, dv] in o's dtype
+    """GatedOutputNorm in torch: z rounded to z_in's dtype, the rest in float32, one rounding to o's dtype."""
+    z = torch.nn.functional.linear(norm.z_in.float(), norm.z_weight.float()).to(norm.z_in.dtype)
+    h = o.float()
+    h = norm.weight.float() * (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + norm.eps))
+    return (h * torch.sigmoid(z.float().view(o.shape))).to(o.dtype)
+
+
 def kda_decode_ref(mixed_qkv, conv_weight, conv_state, f, b, A_log, dt_bias, state, slots, starts,
-                   lower_bound=None, num_splits=None, f_b_weight=None):
+                   lower_bound=None, num_splits=None, f_b_weight=None, output_norm=None):
     """causal_conv_ref (silu), kda_gates_ref, then gated_delta_rule_ref with the per-channel decay; with f_b_weight,
-    f = f_b's product of f (f_a) first, in float32 and rounded to f's dtype."""
+    f = f_b's product of f (f_a) first, in float32 and rounded to f's dtype; with output_norm, gated_output_norm_ref
+    of the output."""
+    if output_norm is not None:
+        o = kda_decode_ref(mixed_qkv, conv_weight, conv_state, f, b, A_log, dt_bias, state, slots, starts,
+                           lower_bound, f_b_weight=f_b_weight)
+        return gated_output_norm_ref(o, output_norm)
     if f_b_weight is not None:
         f = torch.nn.functional.linear(f.float(), f_b_weight.float()).to(f.dtype)
     num_rows = mixed_qkv.shape[0]

@@ -5,8 +5,8 @@ per-channel forget gate g = -exp(A_log) softplus(f_b f_a x + dt_bias) (glm5_next
 RecurrentConfig.gate_lower_bound: lower_bound * sigmoid(exp(A_log) (f_b f_a x + dt_bias))) and beta = sigmoid(b); the
 Kimi delta rule with its state per request in a state slot; the output's per-head RMSNorm times sigmoid(g_b g_a x);
 out. The ops are helios.layers.recurrent's torch references on every device, or on the fused (GPU) path the Triton
-kernels of helios.kernels.kda (imported there only); there a decode step folds f_b into the KDA step's launch and g_b
-into the gated norm's. Imports torch only.
+kernels of helios.kernels.kda (imported there only); there a decode step runs f_b, the KDA step, g_b and the gated
+norm in one launch. Imports torch only.
 """
 
 from __future__ import annotations
@@ -75,18 +75,16 @@ class KimiDeltaAttention(RecurrentMixer):
                 for t in mixed.split([self.inner] * 3, dim=-1))
 
     def _decode_fused(self, mixed, f_a, g_a, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:
-        """A decode step (one token per sequence) on the Triton path in three launches besides in_proj and out: the
-        KDA step with f_b's product folded in (helios.kernels.kda), the gated norm with g_b's (gated_norm), from
-        device-side slots and starts (graph-safe). Values: f_b's and g_b's products in float32, rounded as theirs."""
+        """A decode step (one token per sequence) on the Triton path: between in_proj and out one launch
+        (helios.kernels.kda.kda_decode) does the conv, the KDA step with f_b's product, and the gated output norm
+        with g_b's, from device-side slots and starts (graph-safe). Values: f_b's and g_b's products in float32,
+        rounded as their own launches round them; the norm as helios.kernels.gated_norm computes it."""
         from helios.kernels import kda
-        from helios.kernels.gated_norm import gated_rms_norm
 
-        c, d = self.config, self.head_dim
+        norm = kda.GatedOutputNorm(g_a, self.g_b.weight, self.norm.weight, self.eps)
         o = kda.kda_decode(mixed, self.conv.weight, conv_state, f_a, b, self.A_log, self.dt_bias, recurrent_state,
-                           meta.state_slots, sequence_starts_device(meta), c.gate_lower_bound,
-                           f_b_weight=self.f_b.weight)
-        o = gated_rms_norm(o.reshape(-1, d), g_a, self.norm.weight, self.eps, activation="sigmoid",
-                           multiply_in_float32=True, z_weight=self.g_b.weight)
+                           meta.state_slots, sequence_starts_device(meta), self.config.gate_lower_bound,
+                           f_b_weight=self.f_b.weight, output_norm=norm)
         return self.out(o.reshape(mixed.shape[0], self.inner))
 
     def _mix_fused(self, mixed, f, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:

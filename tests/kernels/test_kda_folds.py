@@ -1,6 +1,7 @@
 """KDA's decode launches with their small per-head projections folded in (Triton interpreter): kda_decode with
-f_b's weight = kda_decode of f_b's product, gated_rms_norm with g_b's weight = gated_rms_norm of g_b's product, and
-each row's result independent of the rows beside it (bit for bit).
+f_b's weight = kda_decode of f_b's product, gated_rms_norm with g_b's weight = gated_rms_norm of g_b's product,
+kda_decode with the gated output norm = the norm's own launch after it (bit for bit), and each row's result
+independent of the rows beside it (bit for bit).
 """
 
 from __future__ import annotations
@@ -87,3 +88,31 @@ def test_gated_norm_folds_the_gate_projection(interpreter, dtype):
     for t in range(tokens):
         alone = gated_rms_norm(x[t * heads : (t + 1) * heads], z_in[t : t + 1], weight, 1e-6, z_weight=z_weight, **kimi)
         assert torch.equal(alone, got[t * heads : (t + 1) * heads]), f"token {t}"
+
+
+@pytest.mark.parametrize("dtype, num_splits", [(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 4)],
+                         ids=["fp32", "fp32-split2", "bf16-split4"])
+def test_kda_decode_folds_the_output_norm(interpreter, dtype, num_splits):
+    """The output norm in the decode launch = kda_decode then gated_rms_norm(z_weight=) bit for bit (the last split
+    program reads the stored output back; a second launch checks its arrival counters were zeroed), and = the torch
+    reference within rounding."""
+    from helios.kernels.gated_norm import gated_rms_norm
+    from helios.kernels.kda import GatedOutputNorm, kda_decode_ref
+
+    batch, inputs, f_a, f_b = _inputs(dtype, (0, 5, 1, 130), dv=128)
+    num_heads, dv, dz = 2, 128, 48
+    g_a = _randn(4, dz, device="cpu", seed=42, dtype=dtype)
+    g_b = _randn(num_heads * dv, dz, device="cpu", seed=43, dtype=dtype, scale=dz**-0.5)
+    weight = 1 + _randn(dv, device="cpu", seed=44, dtype=dtype, scale=0.1)
+    norm = GatedOutputNorm(g_a, g_b, weight, 1e-6)
+    rows, kw = slice(None), dict(f_b_weight=f_b, num_splits=num_splits)
+    for _ in range(2):
+        got = _decode(inputs, rows, batch.slots, batch.starts, f_a, output_norm=norm, **kw)[0]
+        o = _decode(inputs, rows, batch.slots, batch.starts, f_a, **kw)[0]
+        want = gated_rms_norm(o.reshape(-1, dv), g_a, weight, 1e-6, activation="sigmoid", multiply_in_float32=True,
+                              z_weight=g_b)
+        assert torch.equal(got.reshape(-1, dv), want)
+    args = {k: v.clone() for k, v in inputs.items()}
+    ref = kda_decode_ref(**args, f=f_a, slots=batch.slots, starts=batch.starts, f_b_weight=f_b, output_norm=norm)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
