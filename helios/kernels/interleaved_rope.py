@@ -1,8 +1,8 @@
 """deepseek_v4's interleaved rope (helios.layers.compressed_attention.rotate_tail) in one launch: each head's trailing
-rope_dim values turned pair by pair ((2i, 2i + 1) at frequency i), optionally after the head's unweighted RMS norm
-(unit_rms, the queries') or backwards (sin negated: the output turned back by the query's angle). The pairs are read
-as two strided halves (evens, odds), so no rotate-half copy is made; the rotation is done in float32 and rounded once,
-as rotate_tail does.
+rope_dim values turned pair by pair ((2i, 2i + 1) at frequency i), optionally after the head's RMS norm (unweighted:
+unit_rms, the queries'; weighted, multiplied in float32: kv_norm) or backwards (sin negated: the output turned back by
+the query's angle). The pairs are read as two strided halves (evens, odds), so no rotate-half copy is made; the
+rotation is done in float32 and rounded once, as rotate_tail does.
 
 cos/sin rows [*, rope_dim / 2] come from a table indexed by positions (helios.layers.rotary.RotaryEmbedding.tabulate's
 first half: no launch for them) or, without positions, one row per token. Imports torch and helios.kernels only.
@@ -36,6 +36,7 @@ def _interleaved_rope_kernel(
     cos_ptr,  # [rows, rope_dim / 2]
     sin_ptr,  # [rows, rope_dim / 2]
     positions_ptr,  # [num_tokens] int64, read only with HAS_POSITIONS
+    weight_ptr,  # [head_dim] the norm's weight, read only with WEIGHTED
     stride_xt,
     stride_xh,
     stride_ot,
@@ -47,7 +48,8 @@ def _interleaved_rope_kernel(
     nope_pairs,  # (head_dim - rope_dim) / 2: the pairs that pass
     eps,
     HAS_POSITIONS: tl.constexpr,
-    UNIT_RMS: tl.constexpr,
+    NORM: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     INVERSE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -61,10 +63,17 @@ def _interleaved_rope_kernel(
     even = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    if UNIT_RMS:  # x * rsqrt(mean(x^2) + eps), the factor and the product rounded to x's dtype (unit_rms)
-        factor = round_to(tl.rsqrt(tl.sum(even * even + odd * odd, axis=1) / head_dim + eps), DT)
-        even = round_to(even * factor[:, None], DT)
-        odd = round_to(odd * factor[:, None], DT)
+    if NORM:
+        factor = tl.rsqrt(tl.sum(even * even + odd * odd, axis=1) / head_dim + eps)[:, None]
+        if WEIGHTED:  # rms_norm multiplied in float32: x * factor * w, rounded once
+            w_even = tl.load(weight_ptr + 2 * pairs, mask=pair_mask, other=0.0).to(tl.float32)[None, :]
+            w_odd = tl.load(weight_ptr + 2 * pairs + 1, mask=pair_mask, other=0.0).to(tl.float32)[None, :]
+            even = round_to(even * factor * w_even, DT)
+            odd = round_to(odd * factor * w_odd, DT)
+        else:  # unit_rms: the factor and the product rounded to x's dtype
+            factor = round_to(factor, DT)
+            even = round_to(even * factor, DT)
+            odd = round_to(odd * factor, DT)
     row = tl.load(positions_ptr + t).to(tl.int64) if HAS_POSITIONS else t
     even, odd = turn_pairs(even, odd, cos_ptr + row * stride_cos, sin_ptr + row * stride_sin, pairs[None, :],
                            nope_pairs, pair_mask[None, :], INVERSE)
@@ -79,11 +88,13 @@ def interleaved_rope(
     sin: torch.Tensor,  # same shape
     positions: torch.Tensor | None = None,  # [num_tokens] int64 rows of cos/sin; None: row t is token t
     *,
-    unit_rms_eps: float | None = None,  # the head's unweighted RMS norm first (unit_rms), with this eps
+    norm_eps: float | None = None,  # the head's RMS norm first, with this eps: unweighted (unit_rms) or norm_weight's
+    norm_weight: torch.Tensor | None = None,  # [head_dim]: rms_norm's weight, multiplied in float32
     inverse: bool = False,  # turn back (sin negated)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write (may be x); None: a new tensor
 ) -> torch.Tensor:  # out
-    """rotate_tail(unit_rms(x) if unit_rms_eps else x, cos, -sin if inverse else sin) in one launch."""
+    """rotate_tail(norm(x) if norm_eps else x, cos, -sin if inverse else sin) in one launch; norm: unit_rms, or
+    rms_norm(x, norm_weight, norm_eps, multiply_in_float32=True)."""
     require_triton()
     num_tokens, num_heads, head_dim = x.shape
     half = cos.shape[1]
@@ -93,6 +104,7 @@ def interleaved_rope(
         assert cos.shape[0] == num_tokens, f"per-token cos/sin need {num_tokens} rows, got {cos.shape[0]}"
     else:
         assert positions.shape == (num_tokens,) and positions.dtype == torch.int64
+    assert norm_weight is None or (norm_eps is not None and norm_weight.shape == (head_dim,))
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     assert out.shape == x.shape and out.stride(2) == 1
     if num_tokens == 0 or num_heads == 0:
@@ -100,20 +112,26 @@ def interleaved_rope(
     block_p = next_power_of_2(head_dim // 2)
     block_h = min(next_power_of_2(num_heads), max(1, 4096 // block_p))
     _interleaved_rope_kernel[(num_tokens, cdiv(num_heads, block_h))](
-        x, out, cos, sin, positions if positions is not None else cos, x.stride(0), x.stride(1), out.stride(0),
+        x, out, cos, sin, positions if positions is not None else cos,
+        norm_weight.contiguous() if norm_weight is not None else cos, x.stride(0), x.stride(1), out.stride(0),
         out.stride(1), cos.stride(0), sin.stride(0), num_heads, head_dim, head_dim // 2 - half,
-        unit_rms_eps if unit_rms_eps is not None else 0.0, HAS_POSITIONS=positions is not None,
-        UNIT_RMS=unit_rms_eps is not None, INVERSE=inverse, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4,
+        norm_eps if norm_eps is not None else 0.0, HAS_POSITIONS=positions is not None, NORM=norm_eps is not None,
+        WEIGHTED=norm_weight is not None, INVERSE=inverse, BLOCK_H=block_h, BLOCK_P=block_p, num_warps=4,
     )
     return out
 
 
-def interleaved_rope_ref(x, cos, sin, positions=None, *, unit_rms_eps=None, inverse=False) -> torch.Tensor:
-    """helios.layers.compressed_attention's ops (unit_rms, then rotate_tail) on the gathered rows, in torch."""
+def interleaved_rope_ref(x, cos, sin, positions=None, *, norm_eps=None, norm_weight=None,
+                         inverse=False) -> torch.Tensor:
+    """helios.layers.compressed_attention's ops (unit_rms or kv_norm's rms_norm, then rotate_tail) on the gathered
+    rows, in torch."""
     if positions is not None:
         cos, sin = cos[positions], sin[positions]
-    if unit_rms_eps is not None:
-        x = x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + unit_rms_eps).to(x.dtype)
+    if norm_weight is not None:
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm_eps)
+        x = (h * norm_weight.float()).to(x.dtype)
+    elif norm_eps is not None:
+        x = x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + norm_eps).to(x.dtype)
     sin = -sin if inverse else sin
     cos, sin = cos.repeat_interleave(2, dim=-1)[:, None], sin.repeat_interleave(2, dim=-1)[:, None]
     r = cos.shape[-1]

@@ -286,8 +286,9 @@ class CompressedAttention(nn.Module):
     def _decode_step(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                      rope: InterleavedRope, compress_rope: InterleavedRope) -> torch.Tensor:  # [B, H] -> [B, H]
         """forward's arithmetic for a decode-only step in kernels (helios.kernels.interleaved_rope: unit_rms and the
-        rope of q in one launch, the kv's rope written into the projection's own columns, which then are the raw row
-        the cache keeps; the output's rope back), rope rows and positions derived once per step (step_rope)."""
+        rope of q in one launch, kv_norm and the kv's rope too, written over the projection's own kv columns, which
+        then are the raw row the cache keeps; the output's rope back), rope rows and positions derived once per step
+        (step_rope)."""
         from helios.kernels.interleaved_rope import interleaved_rope
 
         c, num_tokens, d = self.config, x.shape[0], self.head_dim
@@ -295,9 +296,10 @@ class CompressedAttention(nn.Module):
         q_lat, kv, _, _, _, _, i_w = projected.split(self.splits, dim=-1)
         q_lat = self.q_a_norm(q_lat)
         turn = step_rope(meta, rope, x.dtype)
-        q = interleaved_rope(self.q_b(q_lat).view(num_tokens, self.num_heads, d), *turn, unit_rms_eps=self.eps)
+        q = interleaved_rope(self.q_b(q_lat).view(num_tokens, self.num_heads, d), *turn, norm_eps=self.eps)
         raw = projected[:, c.q_lora_rank : c.q_lora_rank + self.raw_dim]  # kv, then the compressors' kv and gate
-        interleaved_rope(self.kv_norm(kv)[:, None], *turn, out=raw[:, None, :d])
+        interleaved_rope(kv[:, None], *turn, norm_eps=self.kv_norm.eps, norm_weight=self.kv_norm.weight,
+                         out=raw[:, None, :d])  # kv_norm and the rope, over kv's own columns
         index = None
         if self.kind == "csa":
             index_q = self.indexer.q_b(q_lat).view(num_tokens, c.index_num_heads, -1)

@@ -33,38 +33,44 @@ def _rope(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("unit_rms, inverse", [(False, False), (True, False), (False, True)])
-def test_rope_matches_the_layers_ops(interpreter, dtype, unit_rms, inverse):
+@pytest.mark.parametrize("norm, inverse", [(None, False), ("unit", False), ("weighted", False), (None, True)])
+def test_rope_matches_the_layers_ops(interpreter, dtype, norm, inverse):
+    """norm: unit_rms (the queries'), rms_norm with a weight multiplied in float32 (kv_norm's), or none."""
     from helios.kernels.interleaved_rope import interleaved_rope, interleaved_rope_ref
-    from helios.layers.compressed_attention import rotate_tail, unit_rms as layer_unit_rms
+    from helios.layers.compressed_attention import rotate_tail, unit_rms
+    from helios.layers.norm import rms_norm
 
     rope, (cos, sin), (table_cos, table_sin), positions = _rope(dtype)
     torch.testing.assert_close(table_cos[positions], cos, atol=0, rtol=0)  # the table holds cos_sin's bits
     torch.testing.assert_close(table_sin[positions], sin, atol=0, rtol=0)
     x = _randn(NUM_TOKENS, NUM_HEADS, HEAD_DIM, dtype=dtype, device="cpu", seed=1) * 3
-    eps = 1e-6 if unit_rms else None
-    want = layer_unit_rms(x, 1e-6) if unit_rms else x
+    weight = _randn(HEAD_DIM, device="cpu", seed=9) if norm == "weighted" else None
+    kwargs = dict(norm_eps=None if norm is None else 1e-6, norm_weight=weight, inverse=inverse)
+    want = {None: x, "unit": unit_rms(x, 1e-6) if norm == "unit" else None,
+            "weighted": rms_norm(x, weight, 1e-6, multiply_in_float32=True) if weight is not None else None}[norm]
     want = rotate_tail(want, cos, -sin if inverse else sin)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(interleaved_rope_ref(x, cos, sin, unit_rms_eps=eps, inverse=inverse), want, atol=0,
-                               rtol=0)
-    for got in (interleaved_rope(x, cos, sin, unit_rms_eps=eps, inverse=inverse),
-                interleaved_rope(x, table_cos, table_sin, positions, unit_rms_eps=eps, inverse=inverse)):
+    torch.testing.assert_close(interleaved_rope_ref(x, cos, sin, **kwargs), want, atol=0, rtol=0)
+    per_token, tabulated = (interleaved_rope(x, cos, sin, **kwargs),
+                            interleaved_rope(x, table_cos, table_sin, positions, **kwargs))
+    for got in (per_token, tabulated):
         torch.testing.assert_close(got, want, **tol)
-        if not unit_rms:  # the values before the rope part pass as they are
+        if norm is None:  # the values before the rope part pass as they are
             assert torch.equal(got[..., : HEAD_DIM - ROPE_DIM], x[..., : HEAD_DIM - ROPE_DIM])
 
 
 def test_rope_writes_a_strided_view_and_nothing_else(interpreter):
-    """out= a view of one head's columns in a wider row (the layer's kv into its projection): the rest unchanged."""
+    """out= a view of one head's columns in a wider row, over the input's own columns (the layer's kv, normed and
+    turned in place in its projection): the rest unchanged."""
     from helios.kernels.interleaved_rope import interleaved_rope, interleaved_rope_ref
 
     _, (cos, sin), _, _ = _rope(torch.float32)
     wide = _randn(NUM_TOKENS, 3 * HEAD_DIM, device="cpu", seed=2)
     before = wide.clone()
-    kv = _randn(NUM_TOKENS, 1, HEAD_DIM, device="cpu", seed=3)
-    interleaved_rope(kv, cos, sin, out=wide[:, None, HEAD_DIM : 2 * HEAD_DIM])
-    torch.testing.assert_close(wide[:, HEAD_DIM : 2 * HEAD_DIM], interleaved_rope_ref(kv, cos, sin)[:, 0],
-                               atol=1e-6, rtol=1e-5)
+    kv = wide[:, None, HEAD_DIM : 2 * HEAD_DIM]
+    weight = _randn(HEAD_DIM, device="cpu", seed=9)
+    want = interleaved_rope_ref(kv.clone(), cos, sin, norm_eps=1e-6, norm_weight=weight)[:, 0]
+    interleaved_rope(kv, cos, sin, norm_eps=1e-6, norm_weight=weight, out=kv)
+    torch.testing.assert_close(wide[:, HEAD_DIM : 2 * HEAD_DIM], want, atol=1e-6, rtol=1e-5)
     assert torch.equal(wide[:, :HEAD_DIM], before[:, :HEAD_DIM])
     assert torch.equal(wide[:, 2 * HEAD_DIM :], before[:, 2 * HEAD_DIM :])
