@@ -19,6 +19,7 @@ import torch
 
 from helios.kernels._triton import cdiv, check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
 from helios.kernels.paged_attention import choose_num_splits, dot_precision, merge_splits, split_partials
+from helios.kernels.rmsnorm import WEIGHT_AFTER, _normalize
 from helios.kernels.sparse_decode import online_softmax_tile, store_decode_output
 
 LOG2E = 1.4426950408889634
@@ -30,14 +31,18 @@ def _write_latent_kernel(
     rope_ptr,  # [num_tokens, dr]
     cache_ptr,  # [num_pages, page_size, R + dr]
     slot_mapping_ptr,  # [num_tokens] int64, -1: a padded row (writes nothing)
+    norm_w_ptr,  # [R] the latent's RMSNorm weight (NORM)
     stride_lt,
     stride_rt,
     stride_cp,
     stride_cs,
     rank,
     rope_dim,
+    eps,
     PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,  # >= R + dr
+    NORM: tl.constexpr,  # the latent goes through its RMSNorm first (helios.kernels.rmsnorm's numerics)
+    MULTIPLY_IN_FLOAT32: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -47,6 +52,9 @@ def _write_latent_kernel(
     is_rope = (d >= rank) & (d < rank + rope_dim)
     live = slot >= 0
     c = tl.load(latent_ptr + t * stride_lt + d, mask=is_latent & live, other=0.0)
+    if NORM:  # rounded to the latent's dtype, as the norm's own launch stores it
+        w = tl.load(norm_w_ptr + d, mask=is_latent, other=0.0).to(tl.float32)
+        c = _normalize(c, w, rank, eps, WEIGHT_AFTER, MULTIPLY_IN_FLOAT32).to(c.dtype)
     r = tl.load(rope_ptr + t * stride_rt + (d - rank), mask=is_rope & live, other=0.0)
     row = tl.where(is_latent, c, r)
     dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + d
@@ -58,8 +66,13 @@ def write_latent(
     latent: torch.Tensor,  # [T, R], after its norm
     rope_key: torch.Tensor,  # [T, dr]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = skip
+    norm_weight: torch.Tensor | None = None,  # [R]: `latent` is before its RMSNorm, normalized here
+    eps: float = 0.0,
+    multiply_in_float32: bool = False,
 ) -> None:
-    """Each token's [latent, rope key] into its slot, in the cache dtype; no concatenated copy, padded rows skip."""
+    """Each token's [latent, rope key] into its slot, in the cache dtype; no concatenated copy, padded rows skip.
+    With norm_weight the latent's RMSNorm runs here first, as helios.kernels.rmsnorm.rms_norm computes it (its
+    launch folded in; the weight in the latent's dtype unless multiplied in float32, where that kernel takes it)."""
     require_triton()
     num_tokens, rank = latent.shape
     rope_dim = rope_key.shape[1]
@@ -68,12 +81,16 @@ def write_latent(
     assert slot_mapping.dtype == torch.int64
     for name, t in (("latent", latent), ("rope_key", rope_key), ("cache", cache)):
         check_last_dim_contiguous(name, t)
+    if norm_weight is not None:
+        assert norm_weight.shape == (rank,) and norm_weight.is_contiguous()
+        assert multiply_in_float32 or norm_weight.dtype == latent.dtype, "a 16-bit latent times a float32 weight"
     if num_tokens == 0:
         return
     pages = cache[0]
     _write_latent_kernel[(num_tokens,)](
-        latent, rope_key, pages, slot_mapping, latent.stride(0), rope_key.stride(0), pages.stride(0),
-        pages.stride(1), rank, rope_dim, PAGE_SIZE=cache.shape[2], BLOCK=next_power_of_2(rank + rope_dim),
+        latent, rope_key, pages, slot_mapping, norm_weight if norm_weight is not None else latent, latent.stride(0),
+        rope_key.stride(0), pages.stride(0), pages.stride(1), rank, rope_dim, eps, PAGE_SIZE=cache.shape[2],
+        BLOCK=next_power_of_2(rank + rope_dim), NORM=norm_weight is not None, MULTIPLY_IN_FLOAT32=multiply_in_float32,
         num_warps=4,
     )
 

@@ -246,10 +246,20 @@ class MlaAttention(nn.Module):
             q = torch.cat([q[..., :dn], apply_rotary(q[..., dn:], cos, sin)], dim=-1)
             rope_key = apply_rotary(rope_key[:, None], cos, sin)[:, 0]
         if self.backend is not None:
-            from helios.kernels.mla_decode import write_latent as write_latent_kernel
-
-            write_latent_kernel(cache, self.kv_a_norm(latent), rope_key, meta.slot_mapping)
+            self._write_latent_kernel(cache, latent, rope_key, meta.slot_mapping)
         else:
             write_latent(cache, self.kv_a_norm(latent), rope_key, meta.slot_mapping)
         o = mla_attention(q, cache, self.kv_b.weight, meta, c, self.backend)
         return self.o(o.reshape(num_tokens, self.num_heads * c.v_head_dim))
+
+    def _write_latent_kernel(self, cache, latent, rope_key, slot_mapping) -> None:
+        """The Triton backend's cache write, the latent's norm in the same launch where the norm kernel would
+        give its dtype (a weight in that dtype, or multiplied in float32), else the norm first."""
+        from helios.kernels.mla_decode import write_latent as write_latent_kernel
+
+        norm = self.kv_a_norm
+        if (norm.weight is not None and not norm.scale_first
+                and (norm.multiply_in_float32 or norm.weight.dtype == latent.dtype)):
+            write_latent_kernel(cache, latent, rope_key, slot_mapping, norm.weight, norm.eps, norm.multiply_in_float32)
+        else:
+            write_latent_kernel(cache, norm(latent), rope_key, slot_mapping)

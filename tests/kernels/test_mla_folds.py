@@ -1,7 +1,7 @@
-"""helios.kernels.mla_decode's absorbed decode in three launches (absorb_query, the attention, the split merge with
-W_uv) against the unfused computation it replaces (helios.layers.mla's absorb_query and expand_output around
-mla_decode), in Triton's CPU interpreter: float32 within its rounding, and each row alone = the row in a batch bit
-for bit (bf16).
+"""helios.kernels.mla_decode's folds against the unfused computations they replace, in Triton's CPU interpreter: the
+absorbed decode in three launches (absorb_query, the attention, the split merge with W_uv) = helios.layers.mla's
+absorb_query and expand_output around mla_decode, and the cache write with the latent's RMSNorm = the norm kernel
+then the write; float32 within its rounding, and each row alone = the row in a batch bit for bit (bf16).
 """
 
 from __future__ import annotations
@@ -84,3 +84,34 @@ def test_mla_decode_absorbed_bf16_rows_alone(interpreter):
         alone = mla_decode_absorbed(q[i : i + 1], kv_b, cache, tables[i : i + 1], lens[i : i + 1], c.v_head_dim,
                                     c.softmax_scale, 2)
         assert torch.equal(alone, together[i : i + 1]), f"row {i}"
+
+
+@pytest.mark.parametrize("dtype, multiply_in_float32", [(torch.float32, False), (torch.bfloat16, False),
+                                                        (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-f32mul"])
+def test_write_latent_folds_the_latent_norm(interpreter, dtype, multiply_in_float32):
+    """write_latent(norm_weight=) = helios.kernels.rmsnorm.rms_norm then write_latent (float32: within rounding;
+    bf16: a rounded value may differ by an ulp), a padded slot writes nothing, each token alone = in the batch."""
+    from helios.kernels.mla_decode import write_latent
+    from helios.kernels.rmsnorm import rms_norm
+
+    rank, rope_dim, page_size = 48, 16, 4
+    cache = _randn(1, 6, page_size, rank + rope_dim, device="cpu", dtype=dtype)
+    fused = _randn(5, rank + rope_dim + 8, device="cpu", dtype=dtype, seed=1, scale=3.0)
+    latent, rope_key = fused[:, :rank], fused[:, rank : rank + rope_dim]  # strided views, as the layer splits them
+    weight = 1 + _randn(rank, device="cpu", seed=2, scale=0.1)
+    weight = weight if multiply_in_float32 else weight.to(dtype)
+    slots = torch.tensor([3, -1, 17, 0, 23])
+    ours, ref = cache.clone(), cache.clone()
+    write_latent(ours, latent, rope_key, slots, weight, 1e-6, multiply_in_float32)
+    write_latent(ref, rms_norm(latent, weight, 1e-6, multiply_in_float32), rope_key, slots)
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(ours, ref, **tol)
+    untouched = torch.ones(6 * page_size, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(ours.view(-1, rank + rope_dim)[untouched], cache.view(-1, rank + rope_dim)[untouched])
+    for i in range(5):
+        alone = cache.clone()
+        write_latent(alone, latent[i : i + 1], rope_key[i : i + 1], slots[i : i + 1], weight, 1e-6,
+                     multiply_in_float32)
+        if slots[i] >= 0:
+            assert torch.equal(alone.view(-1, rank + rope_dim)[slots[i]], ours.view(-1, rank + rope_dim)[slots[i]])
