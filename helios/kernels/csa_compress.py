@@ -10,6 +10,8 @@ the device (CUDA-graph safe). Imports torch and helios.kernels only.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from helios.kernels._triton import check_last_dim_contiguous, jit, next_power_of_2, require_triton, round_to, tl
@@ -50,14 +52,13 @@ def _place_tile(rows_ptr, bias_ptr, wtable, q0, j, pairs, pair_mask, gate_col, o
 
 
 @jit
-def _compress_step_kernel(
-    rows_ptr,  # [num_window_pages, page_size, raw_dim] raw rows (kv and gate columns at kv_col, gate_col)
+def _compress_one(
+    seq,
+    rows_ptr,  # [num_window_pages, page_size, raw_dim] raw rows (kv and gate columns at kv_col, kv_col + width)
     window_tables_ptr,  # [num_seqs, max_pages] int32: the rows' pages
     block_tables_ptr,  # [num_seqs, max_pages] int32: the entries' pages
     positions_ptr,  # [num_seqs] int64
     seq_lens_ptr,  # [num_seqs] int32 (0: a padded row)
-    bias_ptr,  # [rate, width] position bias
-    weight_ptr,  # [out_dim] the norm's weight
     cos_ptr,  # [rows, rope_dim / 2]: a table's rows (TABLE: row j * rate) or one per sequence
     sin_ptr,
     entries_ptr,  # [num_pages, page_size, e]
@@ -65,18 +66,19 @@ def _compress_step_kernel(
     stride_rs,
     stride_wt,
     stride_bt,
-    stride_b,
     stride_cos,
     stride_sin,
     stride_ep,
     stride_es,
+    pad_end,
+    bias_ptr,  # [rate, width] position bias
+    weight_ptr,  # [out_dim] the norm's weight
+    stride_b,
     kv_col,
-    gate_col,
     out_col,  # the entry's first value in the window's entry span
     out_dim,
     nope_pairs,
     pad_start,  # zeros over [pad_start, pad_end) of the span (the padding past the entry), when PAD
-    pad_end,
     eps,
     RATE: tl.constexpr,
     ROWS: tl.constexpr,
@@ -88,13 +90,14 @@ def _compress_step_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
+    """One compressor's entry for sequence seq, if its token completes a window."""
     p = tl.load(positions_ptr + seq).to(tl.int64)
     j = p // RATE
     if ((p + 1) % RATE == 0) & (tl.load(seq_lens_ptr + seq) > 0):
         DT: tl.constexpr = rows_ptr.dtype.element_ty
         LEAD: tl.constexpr = 1 if OVERLAP else 0
         NUM_PLACES: tl.constexpr = (1 + LEAD) * RATE
+        gate_col = kv_col + (1 + LEAD) * out_dim
         pairs = tl.arange(0, BLOCK_P)
         pair_mask = pairs < out_dim // 2
         wtable = window_tables_ptr + seq * stride_wt
@@ -149,6 +152,53 @@ def _compress_step_kernel(
                 tl.store(span + cols, tl.zeros([2 * BLOCK_P], tl.float32).to(ET), mask=cols < pad_end)
 
 
+@jit
+def _compress_step_kernel(
+    rows_ptr, window_tables_ptr, block_tables_ptr, positions_ptr, seq_lens_ptr, cos_ptr, sin_ptr, entries_ptr,
+    stride_rp, stride_rs, stride_wt, stride_bt, stride_cos, stride_sin, stride_ep, stride_es, pad_end,
+    bias_ptr, weight_ptr, stride_b, kv_col, out_col, out_dim, nope_pairs, pad_start, eps,  # the first compressor's
+    bias2_ptr, weight2_ptr, stride_b2, kv_col2, out_col2, out_dim2, nope_pairs2, pad_start2, eps2,  # the second's
+    RATE: tl.constexpr,
+    ROWS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    TABLE: tl.constexpr,
+    ROUND_GATE: tl.constexpr,
+    PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    SECOND: tl.constexpr,  # a second compressor (CSA's indexer) in the same launch: program axis 1
+    ROUND_GATE2: tl.constexpr,
+    PAD2: tl.constexpr,
+    BLOCK_M2: tl.constexpr,
+    BLOCK_P2: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _compress_one(seq, rows_ptr, window_tables_ptr, block_tables_ptr, positions_ptr, seq_lens_ptr, cos_ptr,
+                      sin_ptr, entries_ptr, stride_rp, stride_rs, stride_wt, stride_bt, stride_cos, stride_sin,
+                      stride_ep, stride_es, pad_end, bias_ptr, weight_ptr, stride_b, kv_col, out_col, out_dim,
+                      nope_pairs, pad_start, eps, RATE, ROWS, PAGE_SIZE, OVERLAP, TABLE, ROUND_GATE, PAD, BLOCK_M,
+                      BLOCK_P)
+    if SECOND:
+        if tl.program_id(1) == 1:
+            _compress_one(seq, rows_ptr, window_tables_ptr, block_tables_ptr, positions_ptr, seq_lens_ptr, cos_ptr,
+                          sin_ptr, entries_ptr, stride_rp, stride_rs, stride_wt, stride_bt, stride_cos, stride_sin,
+                          stride_ep, stride_es, pad_end, bias2_ptr, weight2_ptr, stride_b2, kv_col2, out_col2,
+                          out_dim2, nope_pairs2, pad_start2, eps2, RATE, ROWS, PAGE_SIZE, OVERLAP, TABLE, ROUND_GATE2,
+                          PAD2, BLOCK_M2, BLOCK_P2)
+
+
+class Compressed(NamedTuple):
+    """One compressor of a layer, as compress_step reads it."""
+
+    position_bias: torch.Tensor  # [rate, width]: width = out_dim, or 2 out_dim with overlap
+    norm_weight: torch.Tensor  # [out_dim]
+    kv_col: int  # its kv columns in a raw row (its gate's follow, width apart)
+    out_col: int  # the entry's column in the window's entry span (0; CSA's indexer key: head_dim)
+    eps: float
+
+
 def compress_step(
     rows: torch.Tensor,  # [1, num_window_pages, page_size, raw_dim] raw rows, this step's already written
     entries: torch.Tensor,  # [1, num_pages, page_size, e] entry shares, written in place
@@ -156,84 +206,92 @@ def compress_step(
     block_tables: torch.Tensor,  # [num_seqs, max_pages] int32
     positions: torch.Tensor,  # [num_seqs] int64: each sequence's one token this step
     seq_lens: torch.Tensor,  # [num_seqs] int32 (0: a padded row, nothing written)
-    position_bias: torch.Tensor,  # [rate, width]: the compressor's
-    norm_weight: torch.Tensor,  # [out_dim]
     cos: torch.Tensor,  # [rows, rope_dim / 2] in the rows' dtype: a table's (table=True, row j * rate) or one per seq
     sin: torch.Tensor,
+    compressors: list[Compressed],  # the layer's, one or two (CSA: the attention's, then the indexer's)
     *,
     table: bool,
     rate: int,
     entry_rows: int,
-    kv_col: int,  # the compressor's kv columns in a raw row (its gate's follow, width apart)
-    out_col: int,  # the entry's column in the window's entry span (0; CSA's indexer key: head_dim)
     overlap: bool,
-    eps: float,
-    pad_from: int | None = None,  # zero the span from here on (the last compressor of the layer: its entry_dim)
+    pad_from: int | None = None,  # zero the span from here on (the layer's entry_dim), with the last compressor
 ) -> None:
-    """The entry of every window a sequence's token completes (Compressor.forward's for that window), written over its
-    entry rows."""
+    """The entries of every window a sequence's token completes (Compressor.forward's for that window), written over
+    its entry rows: every compressor of the layer in one launch."""
     require_triton()
     num_seqs = positions.shape[0]
-    width, out_dim = position_bias.shape[1], norm_weight.shape[0]
-    assert width == (2 if overlap else 1) * out_dim and position_bias.shape[0] == rate and out_dim % 2 == 0
     assert rows.dim() == 4 and rows.shape[0] == 1 and entries.dim() == 4 and entries.shape[0] == 1
     assert entries.stride(3) == 1 and entries.stride(2) == entries.shape[3], "entry rows must be contiguous"
     assert window_tables.shape[0] == num_seqs and block_tables.shape[0] == num_seqs and seq_lens.shape == (num_seqs,)
-    assert positions.dtype == torch.int64 and seq_lens.dtype == torch.int32
-    assert cos.shape == sin.shape and cos.stride(1) == 1 and sin.stride(1) == 1 and 2 * cos.shape[1] <= out_dim
+    assert positions.dtype == torch.int64 and seq_lens.dtype == torch.int32 and len(compressors) in (1, 2)
+    assert cos.shape == sin.shape and cos.stride(1) == 1 and sin.stride(1) == 1
     assert table or cos.shape[0] == num_seqs
-    assert position_bias.dtype in (rows.dtype, torch.float32) and position_bias.stride(1) == 1
     check_last_dim_contiguous("rows", rows)
     if num_seqs == 0:
         return
-    row_pages, entry_pages = rows[0], entries[0]
     span = entry_rows * entries.shape[3]
-    block_p = next_power_of_2(out_dim // 2)
     num_places = (2 if overlap else 1) * rate
-    _compress_step_kernel[(num_seqs,)](
-        row_pages, window_tables, block_tables, positions, seq_lens, position_bias, norm_weight.contiguous(), cos,
-        sin, entry_pages, row_pages.stride(0), row_pages.stride(1), window_tables.stride(0), block_tables.stride(0),
-        position_bias.stride(0), cos.stride(0), sin.stride(0), entry_pages.stride(0), entry_pages.stride(1), kv_col,
-        kv_col + width, out_col, out_dim, out_dim // 2 - cos.shape[1], pad_from or 0, span, eps, RATE=rate,
-        ROWS=entry_rows, PAGE_SIZE=rows.shape[2], OVERLAP=overlap, TABLE=table,
-        ROUND_GATE=position_bias.dtype == rows.dtype, PAD=pad_from is not None and pad_from < span,
-        BLOCK_M=min(next_power_of_2(num_places), max(1, 4096 // block_p)), BLOCK_P=block_p, num_warps=4,
+    args, constants = [], []
+    for i, c in enumerate(compressors):
+        width, out_dim = c.position_bias.shape[1], c.norm_weight.shape[0]
+        assert width == (2 if overlap else 1) * out_dim and c.position_bias.shape[0] == rate and out_dim % 2 == 0
+        assert c.position_bias.dtype in (rows.dtype, torch.float32) and c.position_bias.stride(1) == 1
+        assert 2 * cos.shape[1] <= out_dim
+        pad = i == len(compressors) - 1 and pad_from is not None and pad_from < span
+        block_p = next_power_of_2(out_dim // 2)
+        args += [c.position_bias, c.norm_weight.contiguous(), c.position_bias.stride(0), c.kv_col, c.out_col,
+                 out_dim, out_dim // 2 - cos.shape[1], pad_from if pad else 0, c.eps]
+        constants.append(dict(ROUND_GATE=c.position_bias.dtype == rows.dtype, PAD=pad, BLOCK_P=block_p,
+                              BLOCK_M=min(next_power_of_2(num_places), max(1, 4096 // block_p))))
+    second = len(compressors) == 2
+    if not second:  # placeholders, never read
+        args, constants = args + args, constants + constants
+    row_pages, entry_pages = rows[0], entries[0]
+    _compress_step_kernel[(num_seqs, len(compressors))](
+        row_pages, window_tables, block_tables, positions, seq_lens, cos, sin, entry_pages, row_pages.stride(0),
+        row_pages.stride(1), window_tables.stride(0), block_tables.stride(0), cos.stride(0), sin.stride(0),
+        entry_pages.stride(0), entry_pages.stride(1), span, *args, RATE=rate, ROWS=entry_rows, PAGE_SIZE=rows.shape[2],
+        OVERLAP=overlap, TABLE=table, SECOND=second, **constants[0], **{k + "2": v for k, v in constants[1].items()},
+        num_warps=4,
     )
 
 
-def compress_step_ref(rows, entries, window_tables, block_tables, positions, seq_lens, position_bias, norm_weight, cos,
-                      sin, *, table, rate, entry_rows, kv_col, out_col, overlap, eps, pad_from=None) -> None:
-    """compress_step per sequence in torch, with Compressor._mix's ops (helios.layers.compressed_attention)."""
+def compress_step_ref(rows, entries, window_tables, block_tables, positions, seq_lens, cos, sin, compressors, *,
+                      table, rate, entry_rows, overlap, pad_from=None) -> None:
+    """compress_step per sequence and compressor in torch, with Compressor._mix's ops
+    (helios.layers.compressed_attention)."""
     page_size, m = rows.shape[2], rate
-    width, d = position_bias.shape[1], norm_weight.shape[0]
+    for c in compressors:
+        width, d = c.position_bias.shape[1], c.norm_weight.shape[0]
 
-    def window_rows(i: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:  # (kv, gate + bias) [m, width]
-        pos = torch.arange(window * m, window * m + m, device=rows.device)
-        raw = rows[0, window_tables[i].long()[pos // page_size], pos % page_size]
-        return raw[:, kv_col : kv_col + width], raw[:, kv_col + width : kv_col + 2 * width] + position_bias
+        def window_rows(i: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:  # (kv, gate + bias) [m, width]
+            pos = torch.arange(window * m, window * m + m, device=rows.device)
+            raw = rows[0, window_tables[i].long()[pos // page_size], pos % page_size]
+            return raw[:, c.kv_col : c.kv_col + width], raw[:, c.kv_col + width : c.kv_col + 2 * width] + \
+                c.position_bias
 
-    for i, (p, n) in enumerate(zip(positions.tolist(), seq_lens.tolist())):
-        if n == 0 or (p + 1) % m:
-            continue
-        j = p // m
-        kv, gate = window_rows(i, j)
-        if overlap:  # window j's second halves, after window j - 1's first halves (none for window 0)
-            kv, gate = kv[:, d:], gate[:, d:]
-            if j > 0:
-                prev_kv, prev_gate = window_rows(i, j - 1)
-                kv, gate = torch.cat([prev_kv[:, :d], kv]), torch.cat([prev_gate[:, :d], gate])
-        mixed = (kv * gate.softmax(dim=0, dtype=torch.float32).to(kv.dtype)).sum(dim=0)
-        h = mixed.float() * torch.rsqrt(mixed.float().pow(2).mean() + eps)
-        normed = (h * norm_weight.float()).to(mixed.dtype)
-        row = j * m if table else i
-        c, s = cos[row].repeat_interleave(2), sin[row].repeat_interleave(2)
-        r = c.shape[0]
-        pairs = normed[-r:].unflatten(0, (-1, 2))
-        half = torch.stack((-pairs[:, 1], pairs[:, 0]), dim=-1).flatten()
-        turned = torch.cat([normed[:-r], (normed[-r:].float() * c + half.float() * s).to(normed.dtype)])
-        page = block_tables[i, (j * m + m - 1) // page_size].long()
-        start = (j * m + m - entry_rows) % page_size
-        span = entries[0, page, start : start + entry_rows].view(-1)  # the window's entry rows, contiguous
-        span[out_col : out_col + d] = turned.to(entries.dtype)
-        if pad_from is not None:
-            span[pad_from:] = 0
+        for i, (p, n) in enumerate(zip(positions.tolist(), seq_lens.tolist())):
+            if n == 0 or (p + 1) % m:
+                continue
+            j = p // m
+            kv, gate = window_rows(i, j)
+            if overlap:  # window j's second halves, after window j - 1's first halves (none for window 0)
+                kv, gate = kv[:, d:], gate[:, d:]
+                if j > 0:
+                    prev_kv, prev_gate = window_rows(i, j - 1)
+                    kv, gate = torch.cat([prev_kv[:, :d], kv]), torch.cat([prev_gate[:, :d], gate])
+            mixed = (kv * gate.softmax(dim=0, dtype=torch.float32).to(kv.dtype)).sum(dim=0)
+            h = mixed.float() * torch.rsqrt(mixed.float().pow(2).mean() + c.eps)
+            normed = (h * c.norm_weight.float()).to(mixed.dtype)
+            row = j * m if table else i
+            cs, sn = cos[row].repeat_interleave(2), sin[row].repeat_interleave(2)
+            r = cs.shape[0]
+            pairs = normed[-r:].unflatten(0, (-1, 2))
+            half = torch.stack((-pairs[:, 1], pairs[:, 0]), dim=-1).flatten()
+            turned = torch.cat([normed[:-r], (normed[-r:].float() * cs + half.float() * sn).to(normed.dtype)])
+            page = block_tables[i, (j * m + m - 1) // page_size].long()
+            start = (j * m + m - entry_rows) % page_size
+            span = entries[0, page, start : start + entry_rows].view(-1)  # the window's entry rows, contiguous
+            span[c.out_col : c.out_col + d] = turned.to(entries.dtype)
+            if pad_from is not None and c is compressors[-1]:
+                span[pad_from:] = 0

@@ -337,21 +337,19 @@ class CompressedAttention(nn.Module):
                         window: AttentionMetadata, r: int, rope: InterleavedRope) -> None:
         """The entry (CSA: and index key) of window j = p // rate for every row whose token at p completes it ((p + 1)
         % rate == 0, a real row), from its rows (CSA: and window j - 1's), written over its entry rows: one
-        helios.kernels.csa_compress launch per compressor; other rows write nothing."""
-        from helios.kernels.csa_compress import compress_step
+        helios.kernels.csa_compress launch for the layer's compressors; other rows write nothing."""
+        from helios.kernels.csa_compress import Compressed, compress_step
 
         d, w = self.head_dim, self.width
-        cos, sin, _ = step_rope(meta, rope, rows.dtype, self.rate)
-        shared = dict(table=rope.table(rows.dtype) is not None, rate=self.rate, entry_rows=r)
-        tensors = (rows, entries, window.block_tables, meta.block_tables, meta.positions, meta.seq_lens)
-        compressors = [(self.compressor, d, 0)]
+        main = self.compressor
+        compressors = [Compressed(main.position_bias, main.norm.weight, d, 0, main.eps)]
         if self.kind == "csa":
-            compressors.append((self.indexer.compressor, d + 2 * w, d))
-        for i, (compressor, kv_col, out_col) in enumerate(compressors):
-            last = i == len(compressors) - 1
-            compress_step(*tensors, compressor.position_bias, compressor.norm.weight, cos, sin, kv_col=kv_col,
-                          out_col=out_col, overlap=compressor.overlap, eps=compressor.eps,
-                          pad_from=self.entry_dim if last else None, **shared)
+            index = self.indexer.compressor
+            compressors.append(Compressed(index.position_bias, index.norm.weight, d + 2 * w, d, index.eps))
+        cos, sin, _ = step_rope(meta, rope, rows.dtype, self.rate)
+        compress_step(rows, entries, window.block_tables, meta.block_tables, meta.positions, meta.seq_lens, cos, sin,
+                      compressors, table=rope.table(rows.dtype) is not None, rate=self.rate, entry_rows=r,
+                      overlap=self.kind == "csa", pad_from=self.entry_dim)
 
     def _attend_all(self, q: torch.Tensor, rows: torch.Tensor, entries: torch.Tensor, meta: AttentionMetadata,
                     window: AttentionMetadata, page_size: int, index,

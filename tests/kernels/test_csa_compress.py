@@ -32,7 +32,7 @@ def interpreter():
 @pytest.mark.parametrize("kind", ["csa", "hca"])
 @pytest.mark.parametrize("table", [False, True])
 def test_compress_step_matches_the_reference(interpreter, dtype, kind, table):
-    from helios.kernels.csa_compress import compress_step, compress_step_ref
+    from helios.kernels.csa_compress import Compressed, compress_step, compress_step_ref
     from helios.layers.compressed_attention import InterleavedRope
 
     rate, rows_in_span = (4, 4) if kind == "csa" else (8, 4)
@@ -52,20 +52,17 @@ def test_compress_step_matches_the_reference(interpreter, dtype, kind, table):
         cos, sin = rope.table(dtype)
     else:
         cos, sin = rope.cos_sin(positions // rate * rate, dtype)
-    compressors = [(HEAD_DIM, width, 0, _randn(rate, width, device="cpu", dtype=dtype, seed=5))]
+    compressors = [Compressed(_randn(rate, width, device="cpu", dtype=dtype, seed=5),
+                              _randn(HEAD_DIM, device="cpu", dtype=dtype, seed=7), HEAD_DIM, 0, 1e-6)]
     if kind == "csa":  # the indexer's: its kv and gate after the main compressor's, its key after the entry's
-        compressors.append((INDEX_DIM, 2 * INDEX_DIM, HEAD_DIM + 2 * width,
-                            _randn(rate, 2 * INDEX_DIM, device="cpu", dtype=torch.float32, seed=6)))
+        compressors.append(Compressed(_randn(rate, 2 * INDEX_DIM, device="cpu", dtype=torch.float32, seed=6),
+                                      _randn(INDEX_DIM, device="cpu", dtype=dtype, seed=8), HEAD_DIM + 2 * width,
+                                      HEAD_DIM, 1e-5))
     got, want = entries.clone(), entries.clone()
-    for i, (out_dim, _, kv_col, bias) in enumerate(compressors):
-        weight = _randn(out_dim, device="cpu", dtype=dtype, seed=7 + i)
-        last = i == len(compressors) - 1
-        entry_dim = HEAD_DIM + (INDEX_DIM if kind == "csa" else 0)
-        args = (rows, None, window_tables, tables, positions, seq_lens, bias, weight, cos, sin)
-        kwargs = dict(table=table, rate=rate, entry_rows=rows_in_span, kv_col=kv_col, out_col=HEAD_DIM * i,
-                      overlap=kind == "csa", eps=1e-6, pad_from=entry_dim if last else None)
-        compress_step(*args[:1], got, *args[2:], **kwargs)
-        compress_step_ref(*args[:1], want, *args[2:], **kwargs)
+    entry_dim = HEAD_DIM + (INDEX_DIM if kind == "csa" else 0)
+    kwargs = dict(table=table, rate=rate, entry_rows=rows_in_span, overlap=kind == "csa", pad_from=entry_dim)
+    compress_step(rows, got, window_tables, tables, positions, seq_lens, cos, sin, compressors, **kwargs)
+    compress_step_ref(rows, want, window_tables, tables, positions, seq_lens, cos, sin, compressors, **kwargs)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(got, want, **tol)
     written = (got != entries).any(-1)[0]  # [pages, page_size]: the rows the step changed
