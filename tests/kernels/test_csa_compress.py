@@ -28,35 +28,34 @@ def interpreter():
     require_interpreter()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["csa", "hca"])
-@pytest.mark.parametrize("table", [False, True])
-def test_compress_step_matches_the_reference(interpreter, dtype, kind, table):
+def check_compress_step(device, dtype, kind, table):
+    """compress_step = compress_step_ref (every compressor of the layer in one launch); only the completing rows'
+    entry spans change."""
     from helios.kernels.csa_compress import Compressed, compress_step, compress_step_ref
     from helios.layers.compressed_attention import InterleavedRope
 
     rate, rows_in_span = (4, 4) if kind == "csa" else (8, 4)
     lens = [n for _, n in ROWS]
-    window_tables, num_window_pages = paged_tables(lens, PAGE_SIZE, "cpu", seed=1)
-    tables, num_pages = paged_tables(lens, PAGE_SIZE, "cpu", seed=2)
+    window_tables, num_window_pages = paged_tables(lens, PAGE_SIZE, device, seed=1)
+    tables, num_pages = paged_tables(lens, PAGE_SIZE, device, seed=2)
     width = 2 * HEAD_DIM if kind == "csa" else HEAD_DIM
     raw_dim = HEAD_DIM + 2 * width + (4 * INDEX_DIM if kind == "csa" else 0)
-    rows = _randn(1, num_window_pages, PAGE_SIZE, raw_dim, device="cpu", dtype=dtype, seed=3)
+    rows = _randn(1, num_window_pages, PAGE_SIZE, raw_dim, device=device, dtype=dtype, seed=3)
     e = 16 if kind == "csa" else 8  # (32 + 16) / 4 = 12 used: 16 leaves padding; hca 32 / 4 = 8, none
-    entries = _randn(1, num_pages, PAGE_SIZE, e, device="cpu", dtype=dtype, seed=4)
-    positions = torch.tensor([p for p, _ in ROWS])
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    rope = InterleavedRope(ROPE_DIM, 160000.0, None, 512)
+    entries = _randn(1, num_pages, PAGE_SIZE, e, device=device, dtype=dtype, seed=4)
+    positions = torch.tensor([p for p, _ in ROWS], device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    rope = InterleavedRope(ROPE_DIM, 160000.0, None, 512, device)
     if table:
         rope.rotary.tabulate(64, dtype)
         cos, sin = rope.table(dtype)
     else:
         cos, sin = rope.cos_sin(positions // rate * rate, dtype)
-    compressors = [Compressed(_randn(rate, width, device="cpu", dtype=dtype, seed=5),
-                              _randn(HEAD_DIM, device="cpu", dtype=dtype, seed=7), HEAD_DIM, 0, 1e-6)]
+    compressors = [Compressed(_randn(rate, width, device=device, dtype=dtype, seed=5),
+                              _randn(HEAD_DIM, device=device, dtype=dtype, seed=7), HEAD_DIM, 0, 1e-6)]
     if kind == "csa":  # the indexer's: its kv and gate after the main compressor's, its key after the entry's
-        compressors.append(Compressed(_randn(rate, 2 * INDEX_DIM, device="cpu", dtype=torch.float32, seed=6),
-                                      _randn(INDEX_DIM, device="cpu", dtype=dtype, seed=8), HEAD_DIM + 2 * width,
+        compressors.append(Compressed(_randn(rate, 2 * INDEX_DIM, device=device, dtype=torch.float32, seed=6),
+                                      _randn(INDEX_DIM, device=device, dtype=dtype, seed=8), HEAD_DIM + 2 * width,
                                       HEAD_DIM, 1e-5))
     got, want = entries.clone(), entries.clone()
     entry_dim = HEAD_DIM + (INDEX_DIM if kind == "csa" else 0)
@@ -68,6 +67,13 @@ def test_compress_step_matches_the_reference(interpreter, dtype, kind, table):
     written = (got != entries).any(-1)[0]  # [pages, page_size]: the rows the step changed
     completing = [i for i, (p, n) in enumerate(ROWS) if n and (p + 1) % rate == 0]
     assert int(written.sum()) == rows_in_span * len(completing)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+@pytest.mark.parametrize("table", [False, True])
+def test_compress_step_matches_the_reference(interpreter, dtype, kind, table):
+    check_compress_step("cpu", dtype, kind, table)
 
 
 def test_layer_decode_with_rope_tables_equals_the_torch_path(interpreter, monkeypatch):

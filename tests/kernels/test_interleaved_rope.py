@@ -22,29 +22,30 @@ def interpreter():
     require_interpreter()
 
 
-def _rope(dtype):
+def _rope(dtype, device="cpu"):
     """(the rope, its per-token (cos, sin) at the positions, the table's (cos, sin), the positions)."""
     from helios.layers.compressed_attention import InterleavedRope
 
-    rope = InterleavedRope(ROPE_DIM, 10000.0, None, 512)
+    rope = InterleavedRope(ROPE_DIM, 10000.0, None, 512, device)
     rope.rotary.tabulate(64, dtype)
-    positions = torch.tensor([0, 7, 63, 30, 1])
+    positions = torch.tensor([0, 7, 63, 30, 1], device=device)
     return rope, rope.cos_sin(positions, dtype), rope.table(dtype), positions
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm, inverse", [(None, False), ("unit", False), ("weighted", False), (None, True)])
-def test_rope_matches_the_layers_ops(interpreter, dtype, norm, inverse):
+NORMS = [(None, False), ("unit", False), ("weighted", False), (None, True)]  # (norm, inverse)
+
+
+def check_rope(device, dtype, norm, inverse):
     """norm: unit_rms (the queries'), rms_norm with a weight multiplied in float32 (kv_norm's), or none."""
     from helios.kernels.interleaved_rope import interleaved_rope, interleaved_rope_ref
     from helios.layers.compressed_attention import rotate_tail, unit_rms
     from helios.layers.norm import rms_norm
 
-    rope, (cos, sin), (table_cos, table_sin), positions = _rope(dtype)
+    rope, (cos, sin), (table_cos, table_sin), positions = _rope(dtype, device)
     torch.testing.assert_close(table_cos[positions], cos, atol=0, rtol=0)  # the table holds cos_sin's bits
     torch.testing.assert_close(table_sin[positions], sin, atol=0, rtol=0)
-    x = _randn(NUM_TOKENS, NUM_HEADS, HEAD_DIM, dtype=dtype, device="cpu", seed=1) * 3
-    weight = _randn(HEAD_DIM, device="cpu", seed=9) if norm == "weighted" else None
+    x = _randn(NUM_TOKENS, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device, seed=1) * 3
+    weight = _randn(HEAD_DIM, device=device, seed=9) if norm == "weighted" else None
     kwargs = dict(norm_eps=None if norm is None else 1e-6, norm_weight=weight, inverse=inverse)
     want = {None: x, "unit": unit_rms(x, 1e-6) if norm == "unit" else None,
             "weighted": rms_norm(x, weight, 1e-6, multiply_in_float32=True) if weight is not None else None}[norm]
@@ -57,6 +58,12 @@ def test_rope_matches_the_layers_ops(interpreter, dtype, norm, inverse):
         torch.testing.assert_close(got, want, **tol)
         if norm is None:  # the values before the rope part pass as they are
             assert torch.equal(got[..., : HEAD_DIM - ROPE_DIM], x[..., : HEAD_DIM - ROPE_DIM])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm, inverse", NORMS)
+def test_rope_matches_the_layers_ops(interpreter, dtype, norm, inverse):
+    check_rope("cpu", dtype, norm, inverse)
 
 
 def test_rope_writes_a_strided_view_and_nothing_else(interpreter):
