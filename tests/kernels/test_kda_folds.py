@@ -2,6 +2,8 @@
 f_b's weight = kda_decode of f_b's product, gated_rms_norm with g_b's weight = gated_rms_norm of g_b's product,
 kda_decode with the gated output norm = the norm's own launch after it (bit for bit), and each row's result
 independent of the rows beside it (bit for bit).
+
+The check_* functions build their inputs on `device` and are shared with tests/gpu/test_kimi_folds_cuda.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch.nn.functional as F
 from tests.kernels.test_gated_delta import _randn, make_batch
 from tests.kernels.test_recurrent_kernels import _kda_decode_inputs
 
+STARTS = (0, 5, 1, 130)  # a fresh sequence (its slots NaN) beside continuing ones
+
 
 @pytest.fixture
 def interpreter():
@@ -21,13 +25,13 @@ def interpreter():
     require_interpreter()
 
 
-def _inputs(dtype, starts, num_heads=2, dk=32, dv=64, df=32):
+def _inputs(device, dtype, starts, num_heads=2, dk=32, dv=64, df=32):
     """A decode batch, kda_decode's inputs but f, and f_a [B, df], f_b's weight [H*dk, df]."""
-    batch = make_batch([1] * len(starts), list(starts), "cpu")
-    inputs = _kda_decode_inputs("cpu", dtype, num_heads, dk, dv, 4, batch)
+    batch = make_batch([1] * len(starts), list(starts), device)
+    inputs = _kda_decode_inputs(device, dtype, num_heads, dk, dv, 4, batch)
     inputs.pop("f")
-    f_a = _randn(len(starts), df, device="cpu", seed=40, dtype=dtype)
-    f_b = _randn(num_heads * dk, df, device="cpu", seed=41, dtype=dtype, scale=df**-0.5)
+    f_a = _randn(len(starts), df, device=device, seed=40, dtype=dtype)
+    f_b = _randn(num_heads * dk, df, device=device, seed=41, dtype=dtype, scale=df**-0.5)
     return batch, inputs, f_a, f_b
 
 
@@ -41,10 +45,9 @@ def _decode(inputs, rows, slots, starts, f, **kwargs):
     return o, args["conv_state"], args["state"]
 
 
-@pytest.mark.parametrize("lower_bound, num_splits", [(None, 1), (-5.0, 2)])
-def test_kda_decode_folds_f_b(interpreter, lower_bound, num_splits):
-    """float32: the folded f (its own sums) = F.linear's within float32 rounding, so every output and state too."""
-    batch, inputs, f_a, f_b = _inputs(torch.float32, (0, 5, 1, 130))
+def check_f_b_fold(device, dtype, lower_bound=None, num_splits=None, tol=None, **shape):
+    """The folded f (its own float32 sums, rounded to f_a's dtype) = F.linear's, so every output and state too."""
+    batch, inputs, f_a, f_b = _inputs(device, dtype, STARTS, **shape)
     rows, kw = slice(None), dict(lower_bound=lower_bound, num_splits=num_splits)
     folded = _decode(inputs, rows, batch.slots, batch.starts, f_a, f_b_weight=f_b, **kw)
     unfolded = _decode(inputs, rows, batch.slots, batch.starts, F.linear(f_a, f_b), **kw)
@@ -52,67 +55,85 @@ def test_kda_decode_folds_f_b(interpreter, lower_bound, num_splits):
     for name, a, b in zip(("output", "conv state", "state"), folded, unfolded):
         if name != "output":
             a, b = a[live], b[live]
-        torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6, msg=name)
+        torch.testing.assert_close(a.float(), b.float(), **(tol or dict(atol=2e-6, rtol=2e-6)), msg=name)
 
 
-def test_kda_decode_fold_bf16_rows_alone(interpreter):
-    """bf16: the folded step = the unfolded one within bf16's rounding of f, and each row alone = the row in the
-    batch bit for bit (no cross-row reduction)."""
-    batch, inputs, f_a, f_b = _inputs(torch.bfloat16, (3, 0, 7))
-    together = _decode(inputs, slice(None), batch.slots, batch.starts, f_a, f_b_weight=f_b)[0]
-    unfolded = _decode(inputs, slice(None), batch.slots, batch.starts, F.linear(f_a, f_b))[0]
-    torch.testing.assert_close(together.float(), unfolded.float(), atol=3e-2, rtol=3e-2)
-    for i in range(3):
-        alone = _decode(inputs, slice(i, i + 1), batch.slots, batch.starts, f_a, f_b_weight=f_b)[0]
+def check_rows_alone(device, dtype, num_splits=None, **shape):
+    """Each row of a folded decode alone = the row in the batch, bit for bit."""
+    batch, inputs, f_a, f_b = _inputs(device, dtype, STARTS, **shape)
+    together = _decode(inputs, slice(None), batch.slots, batch.starts, f_a, f_b_weight=f_b, num_splits=num_splits)[0]
+    for i in range(len(STARTS)):
+        alone = _decode(inputs, slice(i, i + 1), batch.slots, batch.starts, f_a, f_b_weight=f_b,
+                        num_splits=num_splits)[0]
         assert torch.equal(alone, together[i : i + 1]), f"row {i}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gated_norm_folds_the_gate_projection(interpreter, dtype):
-    """z_weight: row token * heads + head's gate is that head's rows of the weight times the token's z_in; = the norm
-    of the projected gate (float32: within its rounding; bf16: the rounded gates may differ by an ulp), and each
-    token alone = the token in the batch bit for bit."""
-    from helios.kernels.gated_norm import gated_rms_norm
-
-    tokens, heads, d, dz = 3, 4, 48, 40
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(tokens * heads, d, generator=gen).to(dtype)
-    z_in = torch.randn(tokens, dz, generator=gen).to(dtype)
-    z_weight = (torch.randn(heads * d, dz, generator=gen) / dz**0.5).to(dtype)
-    weight = (1 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
-    kimi = dict(activation="sigmoid", multiply_in_float32=True)
-    got = gated_rms_norm(x, z_in, weight, 1e-6, z_weight=z_weight, **kimi)
-    want = gated_rms_norm(x, F.linear(z_in, z_weight).reshape(tokens * heads, d), weight, 1e-6, **kimi)
-    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
-    torch.testing.assert_close(got, want, **tol)
-    for t in range(tokens):
-        alone = gated_rms_norm(x[t * heads : (t + 1) * heads], z_in[t : t + 1], weight, 1e-6, z_weight=z_weight, **kimi)
-        assert torch.equal(alone, got[t * heads : (t + 1) * heads]), f"token {t}"
-
-
-@pytest.mark.parametrize("dtype, num_splits", [(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 4)],
-                         ids=["fp32", "fp32-split2", "bf16-split4"])
-def test_kda_decode_folds_the_output_norm(interpreter, dtype, num_splits):
-    """The output norm in the decode launch = kda_decode then gated_rms_norm(z_weight=) bit for bit (the last split
-    program reads the stored output back; a second launch checks its arrival counters were zeroed), and = the torch
-    reference within rounding."""
+def check_output_norm_fold(device, dtype, num_splits=None, exact=True, tol=None, num_heads=2, dv=128, dz=48,
+                           **shape):
+    """The output norm in the decode launch = kda_decode then gated_rms_norm(z_weight=) (bit for bit where `exact`:
+    the interpreter; the last split program reads the stored output back; a second launch checks its arrival
+    counters were zeroed), and = the torch reference within rounding."""
     from helios.kernels.gated_norm import gated_rms_norm
     from helios.kernels.kda import GatedOutputNorm, kda_decode_ref
 
-    batch, inputs, f_a, f_b = _inputs(dtype, (0, 5, 1, 130), dv=128)
-    num_heads, dv, dz = 2, 128, 48
-    g_a = _randn(4, dz, device="cpu", seed=42, dtype=dtype)
-    g_b = _randn(num_heads * dv, dz, device="cpu", seed=43, dtype=dtype, scale=dz**-0.5)
-    weight = 1 + _randn(dv, device="cpu", seed=44, dtype=dtype, scale=0.1)
+    batch, inputs, f_a, f_b = _inputs(device, dtype, STARTS, num_heads=num_heads, dv=dv, **shape)
+    g_a = _randn(len(STARTS), dz, device=device, seed=42, dtype=dtype)
+    g_b = _randn(num_heads * dv, dz, device=device, seed=43, dtype=dtype, scale=dz**-0.5)
+    weight = 1 + _randn(dv, device=device, seed=44, dtype=dtype, scale=0.1)
     norm = GatedOutputNorm(g_a, g_b, weight, 1e-6)
     rows, kw = slice(None), dict(f_b_weight=f_b, num_splits=num_splits)
+    close = tol or (dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2))
     for _ in range(2):
         got = _decode(inputs, rows, batch.slots, batch.starts, f_a, output_norm=norm, **kw)[0]
         o = _decode(inputs, rows, batch.slots, batch.starts, f_a, **kw)[0]
         want = gated_rms_norm(o.reshape(-1, dv), g_a, weight, 1e-6, activation="sigmoid", multiply_in_float32=True,
                               z_weight=g_b)
-        assert torch.equal(got.reshape(-1, dv), want)
+        if exact:
+            assert torch.equal(got.reshape(-1, dv), want)
+        else:
+            torch.testing.assert_close(got.reshape(-1, dv).float(), want.float(), **close)
     args = {k: v.clone() for k, v in inputs.items()}
     ref = kda_decode_ref(**args, f=f_a, slots=batch.slots, starts=batch.starts, f_b_weight=f_b, output_norm=norm)
-    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=4e-2, rtol=4e-2)
-    torch.testing.assert_close(got.float(), ref.float(), **tol)
+    torch.testing.assert_close(got.float(), ref.float(), **close)
+
+
+def check_gate_projection_fold(device, dtype, tokens=3, heads=4, d=48, dz=40, tol=None):
+    """z_weight: row token * heads + head's gate is that head's rows of the weight times the token's z_in; = the norm
+    of the projected gate (float32: within its rounding; bf16: the rounded gates may differ by an ulp), and each
+    token alone = the token in the batch bit for bit."""
+    from helios.kernels.gated_norm import gated_rms_norm
+
+    x = _randn(tokens * heads, d, device=device, dtype=dtype, seed=5)
+    z_in = _randn(tokens, dz, device=device, dtype=dtype, seed=6)
+    z_weight = _randn(heads * d, dz, device=device, dtype=dtype, seed=7, scale=dz**-0.5)
+    weight = 1 + _randn(d, device=device, dtype=dtype, seed=8, scale=0.1)
+    kimi = dict(activation="sigmoid", multiply_in_float32=True)
+    got = gated_rms_norm(x, z_in, weight, 1e-6, z_weight=z_weight, **kimi)
+    want = gated_rms_norm(x, F.linear(z_in, z_weight).reshape(tokens * heads, d), weight, 1e-6, **kimi)
+    close = tol or (dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1.6e-2, rtol=1.6e-2))
+    torch.testing.assert_close(got.float(), want.float(), **close)
+    for t in range(tokens):
+        alone = gated_rms_norm(x[t * heads : (t + 1) * heads], z_in[t : t + 1], weight, 1e-6, z_weight=z_weight, **kimi)
+        assert torch.equal(alone, got[t * heads : (t + 1) * heads]), f"token {t}"
+
+
+@pytest.mark.parametrize("lower_bound, num_splits", [(None, 1), (-5.0, 2)])
+def test_kda_decode_folds_f_b(interpreter, lower_bound, num_splits):
+    check_f_b_fold("cpu", torch.float32, lower_bound, num_splits)
+
+
+def test_kda_decode_fold_bf16_rows_alone(interpreter):
+    """bf16: the folded step = the unfolded one within bf16's rounding of f; each row alone = in the batch."""
+    check_f_b_fold("cpu", torch.bfloat16, tol=dict(atol=3e-2, rtol=3e-2))
+    check_rows_alone("cpu", torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gated_norm_folds_the_gate_projection(interpreter, dtype):
+    check_gate_projection_fold("cpu", dtype)
+
+
+@pytest.mark.parametrize("dtype, num_splits", [(torch.float32, 1), (torch.float32, 2), (torch.bfloat16, 4)],
+                         ids=["fp32", "fp32-split2", "bf16-split4"])
+def test_kda_decode_folds_the_output_norm(interpreter, dtype, num_splits):
+    check_output_norm_fold("cpu", dtype, num_splits)
