@@ -215,6 +215,7 @@ def compress_step(
     entry_rows: int,
     overlap: bool,
     pad_from: int | None = None,  # zero the span from here on (the layer's entry_dim), with the last compressor
+    block_m: int | None = None,  # places a tile holds (tests: several tiles); None: from the widths
 ) -> None:
     """The entries of every window a sequence's token completes (Compressor.forward's for that window), written over
     its entry rows: every compressor of the layer in one launch."""
@@ -242,7 +243,7 @@ def compress_step(
         args += [c.position_bias, c.norm_weight.contiguous(), c.position_bias.stride(0), c.kv_col, c.out_col,
                  out_dim, out_dim // 2 - cos.shape[1], pad_from if pad else 0, c.eps]
         constants.append(dict(ROUND_GATE=c.position_bias.dtype == rows.dtype, PAD=pad, BLOCK_P=block_p,
-                              BLOCK_M=min(next_power_of_2(num_places), max(1, 4096 // block_p))))
+                              BLOCK_M=block_m or min(next_power_of_2(num_places), max(1, 2048 // block_p))))
     second = len(compressors) == 2
     if not second:  # placeholders, never read
         args, constants = args + args, constants + constants

@@ -29,6 +29,7 @@ def test_compress_step_matches_the_reference_on_the_gpu(dtype):
     for kind in ("csa", "hca"):
         for table in (False, True):
             check_compress_step("cuda", dtype, kind, table)
+        check_compress_step("cuda", dtype, kind, True, block_m=2)
 
 
 def test_layer_decode_with_rope_tables_on_the_gpu(monkeypatch):

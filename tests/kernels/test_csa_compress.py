@@ -28,9 +28,9 @@ def interpreter():
     require_interpreter()
 
 
-def check_compress_step(device, dtype, kind, table):
+def check_compress_step(device, dtype, kind, table, block_m=None):
     """compress_step = compress_step_ref (every compressor of the layer in one launch); only the completing rows'
-    entry spans change."""
+    entry spans change. block_m: places per tile (2: the softmax and the mix over several tiles, as a long window)."""
     from helios.kernels.csa_compress import Compressed, compress_step, compress_step_ref
     from helios.layers.compressed_attention import InterleavedRope
 
@@ -60,7 +60,8 @@ def check_compress_step(device, dtype, kind, table):
     got, want = entries.clone(), entries.clone()
     entry_dim = HEAD_DIM + (INDEX_DIM if kind == "csa" else 0)
     kwargs = dict(table=table, rate=rate, entry_rows=rows_in_span, overlap=kind == "csa", pad_from=entry_dim)
-    compress_step(rows, got, window_tables, tables, positions, seq_lens, cos, sin, compressors, **kwargs)
+    compress_step(rows, got, window_tables, tables, positions, seq_lens, cos, sin, compressors, block_m=block_m,
+                  **kwargs)
     compress_step_ref(rows, want, window_tables, tables, positions, seq_lens, cos, sin, compressors, **kwargs)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(got, want, **tol)
@@ -74,6 +75,11 @@ def check_compress_step(device, dtype, kind, table):
 @pytest.mark.parametrize("table", [False, True])
 def test_compress_step_matches_the_reference(interpreter, dtype, kind, table):
     check_compress_step("cpu", dtype, kind, table)
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_compress_step_over_several_tiles_of_places(interpreter, kind):
+    check_compress_step("cpu", torch.float32, kind, True, block_m=2)
 
 
 def test_layer_decode_with_rope_tables_equals_the_torch_path(interpreter, monkeypatch):
