@@ -92,6 +92,7 @@ def interleaved_rope(
     norm_weight: torch.Tensor | None = None,  # [head_dim]: rms_norm's weight, multiplied in float32
     inverse: bool = False,  # turn back (sin negated)
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] to write (may be x); None: a new tensor
+    block_h: int | None = None,  # heads a program turns (tests: several blocks); None: from the widths
 ) -> torch.Tensor:  # out
     """rotate_tail(norm(x) if norm_eps else x, cos, -sin if inverse else sin) in one launch; norm: unit_rms, or
     rms_norm(x, norm_weight, norm_eps, multiply_in_float32=True)."""
@@ -110,7 +111,7 @@ def interleaved_rope(
     if num_tokens == 0 or num_heads == 0:
         return out
     block_p = next_power_of_2(head_dim // 2)
-    block_h = min(next_power_of_2(num_heads), max(1, 4096 // block_p))
+    block_h = block_h or min(next_power_of_2(num_heads), max(1, 4096 // block_p))
     _interleaved_rope_kernel[(num_tokens, cdiv(num_heads, block_h))](
         x, out, cos, sin, positions if positions is not None else cos,
         norm_weight.contiguous() if norm_weight is not None else cos, x.stride(0), x.stride(1), out.stride(0),

@@ -20,6 +20,7 @@ def test_rope_matches_the_layers_ops_on_the_gpu(dtype):
 
     for norm, inverse in NORMS:
         check_rope("cuda", dtype, norm, inverse)
+    check_rope("cuda", dtype, "unit", False, block_h=8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

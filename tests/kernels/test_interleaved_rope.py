@@ -35,8 +35,9 @@ def _rope(dtype, device="cpu"):
 NORMS = [(None, False), ("unit", False), ("weighted", False), (None, True)]  # (norm, inverse)
 
 
-def check_rope(device, dtype, norm, inverse):
-    """norm: unit_rms (the queries'), rms_norm with a weight multiplied in float32 (kv_norm's), or none."""
+def check_rope(device, dtype, norm, inverse, block_h=None):
+    """norm: unit_rms (the queries'), rms_norm with a weight multiplied in float32 (kv_norm's), or none; block_h: heads
+    a program turns (8: three programs a token, the last partly masked)."""
     from helios.kernels.interleaved_rope import interleaved_rope, interleaved_rope_ref
     from helios.layers.compressed_attention import rotate_tail, unit_rms
     from helios.layers.norm import rms_norm
@@ -47,13 +48,14 @@ def check_rope(device, dtype, norm, inverse):
     x = _randn(NUM_TOKENS, NUM_HEADS, HEAD_DIM, dtype=dtype, device=device, seed=1) * 3
     weight = _randn(HEAD_DIM, device=device, seed=9) if norm == "weighted" else None
     kwargs = dict(norm_eps=None if norm is None else 1e-6, norm_weight=weight, inverse=inverse)
+    launch = dict(block_h=block_h)
     want = {None: x, "unit": unit_rms(x, 1e-6) if norm == "unit" else None,
             "weighted": rms_norm(x, weight, 1e-6, multiply_in_float32=True) if weight is not None else None}[norm]
     want = rotate_tail(want, cos, -sin if inverse else sin)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(interleaved_rope_ref(x, cos, sin, **kwargs), want, atol=0, rtol=0)
-    per_token, tabulated = (interleaved_rope(x, cos, sin, **kwargs),
-                            interleaved_rope(x, table_cos, table_sin, positions, **kwargs))
+    per_token, tabulated = (interleaved_rope(x, cos, sin, **kwargs, **launch),
+                            interleaved_rope(x, table_cos, table_sin, positions, **kwargs, **launch))
     for got in (per_token, tabulated):
         torch.testing.assert_close(got, want, **tol)
         if norm is None:  # the values before the rope part pass as they are
@@ -64,6 +66,10 @@ def check_rope(device, dtype, norm, inverse):
 @pytest.mark.parametrize("norm, inverse", NORMS)
 def test_rope_matches_the_layers_ops(interpreter, dtype, norm, inverse):
     check_rope("cpu", dtype, norm, inverse)
+
+
+def test_rope_over_several_head_blocks(interpreter):
+    check_rope("cpu", torch.float32, "unit", False, block_h=8)
 
 
 def test_rope_writes_a_strided_view_and_nothing_else(interpreter):
