@@ -1,9 +1,8 @@
 """The recurrent layers' gated RMSNorm in one launch: helios.layers.recurrent.rms_norm_gated's three orders (qwen3_5's
 norm, weight in x's dtype, * silu(z); nemotron_h's x * silu(z) then a grouped norm and the weight; kimi's norm, a
 float32 weight multiply, * sigmoid(z)), one program per (row, group), statistics in float32. Replaces a dozen
-elementwise torch kernels per layer on the GPU path (a decode step's launch count). The gate may come as a per-head
-projection's input and weight (kimi's g_b): each row then makes its own gate, that projection's launch folded in.
-Imports torch and helios.kernels._triton only.
+elementwise torch kernels per layer on the GPU path (a decode step's launch count). Imports torch and
+helios.kernels._triton only.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from helios.kernels._triton import check_last_dim_contiguous, jit, next_power_of
 @jit
 def _gated_rms_norm_kernel(
     x_ptr,  # [N, d]
-    z_ptr,  # [N, d]; Z_FOLD: the gate projection's input [N / HEADS, DZ]
-    zw_ptr,  # [HEADS * d, DZ] the gate projection's weight (Z_FOLD)
+    z_ptr,  # [N, d]
     w_ptr,  # [d]
     out_ptr,  # [N, d] contiguous, x's dtype
     stride_x,
@@ -29,10 +27,6 @@ def _gated_rms_norm_kernel(
     SIGMOID: tl.constexpr,  # the gate's activation: sigmoid, else silu
     NORM_FIRST: tl.constexpr,  # norm (and weight), then the gate; else the gate, then the norm
     F32_MUL: tl.constexpr,  # the weight multiplies in float32; else in x's dtype (the normed value rounded first)
-    Z_FOLD: tl.constexpr,  # z = zw[head rows] @ z_in of the row's token (row = token * HEADS + head)
-    HEADS: tl.constexpr,
-    DZ: tl.constexpr,
-    BZ: tl.constexpr,  # input columns per step of the folded product (a power of two)
 ):
     row = tl.program_id(0)
     group = tl.program_id(1)
@@ -42,19 +36,7 @@ def _gated_rms_norm_kernel(
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     dtype = x.dtype
     h = x.to(tl.float32)
-    if Z_FOLD:  # float32 sums rounded to z_in's dtype, as the projection's own launch rounds its output
-        token = row // HEADS
-        w_rows = zw_ptr + ((row % HEADS) * d + cols)[:, None] * DZ
-        z = tl.zeros([BLOCK], dtype=tl.float32)
-        for j0 in tl.static_range(0, DZ, BZ):
-            j = j0 + tl.arange(0, BZ)
-            mj = j < DZ
-            z_in = tl.load(z_ptr + token * stride_z + j, mask=mj, other=0.0).to(tl.float32)
-            zw = tl.load(w_rows + j[None, :], mask=mask[:, None] & mj[None, :], other=0.0).to(tl.float32)
-            z += tl.sum(zw * z_in[None, :], axis=1)
-        z = z.to(z_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32)
     if SIGMOID:
         gate = 1.0 / (1.0 + tl.exp(-z))
     else:
@@ -83,22 +65,12 @@ def gated_rms_norm(
     norm_before_gate: bool = True,
     group_size: int | None = None,
     multiply_in_float32: bool = False,
-    z_weight: torch.Tensor | None = None,  # [heads * d, dz]: z is the gate projection's input [N / heads, dz]
 ) -> torch.Tensor:  # [N, d] in x's dtype
-    """helios.layers.recurrent.rms_norm_gated in one launch (same arguments, same orders). With z_weight, the gate of
-    row token * heads + head is z_weight[head * d:(head + 1) * d] @ z[token] (float32 sums, rounded to z's dtype):
-    the gate projection folded in."""
+    """helios.layers.recurrent.rms_norm_gated in one launch (same arguments, same orders)."""
     require_triton()
     num_rows, d = x.shape
     group = group_size or d
-    assert weight.shape == (d,) and weight.is_contiguous() and d % group == 0
-    heads = 1
-    if z_weight is None:
-        assert z.shape == x.shape, f"z {tuple(z.shape)} vs x {tuple(x.shape)}"
-    else:
-        heads = z_weight.shape[0] // d
-        assert z_weight.shape == (heads * d, z.shape[1]) and z_weight.is_contiguous() and z_weight.dtype == z.dtype
-        assert z.dim() == 2 and num_rows == z.shape[0] * heads, f"x {tuple(x.shape)} vs {heads} heads of z"
+    assert z.shape == x.shape and weight.shape == (d,) and weight.is_contiguous() and d % group == 0
     assert activation in ("silu", "sigmoid"), f"activation {activation!r}"
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("z", z)
@@ -106,11 +78,9 @@ def gated_rms_norm(
     if num_rows == 0:
         return out
     block = next_power_of_2(group)
-    z_cols = z.shape[1] if z_weight is not None else 1
     _gated_rms_norm_kernel[(num_rows, d // group)](
-        x, z, z_weight if z_weight is not None else z, weight, out, x.stride(0), z.stride(0), eps, d, GROUP=group,
-        BLOCK=block, SIGMOID=activation == "sigmoid", NORM_FIRST=norm_before_gate, F32_MUL=multiply_in_float32,
-        Z_FOLD=z_weight is not None, HEADS=heads, DZ=z_cols, BZ=min(32, next_power_of_2(z_cols)),
-        num_warps=4 if block >= 1024 or z_weight is not None else 1,
+        x, z, weight, out, x.stride(0), z.stride(0), eps, d, GROUP=group, BLOCK=block,
+        SIGMOID=activation == "sigmoid", NORM_FIRST=norm_before_gate, F32_MUL=multiply_in_float32,
+        num_warps=4 if block >= 1024 else 1,
     )
     return out

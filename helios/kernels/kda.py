@@ -51,9 +51,8 @@ FOLD_BLOCK = 32  # f_b's / g_b's input columns per step of a folded product ([d,
 
 class GatedOutputNorm(NamedTuple):
     """KDA's output norm, folded into the decode launch: per head, RMSNorm(o) times `weight` in float32, times
-    sigmoid(z) with z = z_weight[head * dv:(head + 1) * dv] @ z_in[row] (float32 sums rounded to z_in's dtype), as
-    helios.kernels.gated_norm.gated_rms_norm(o, z_in, weight, eps, activation="sigmoid", multiply_in_float32=True,
-    z_weight=z_weight) computes it."""
+    sigmoid(z) with z = z_weight[head * dv:(head + 1) * dv] @ z_in[row] (float32 sums rounded to z_in's dtype, as
+    g_b's own product rounds it): helios.kernels.gated_norm's kimi order on g_b's output."""
 
     z_in: torch.Tensor  # [B, dz] g_a(x)
     z_weight: torch.Tensor  # [H*dv, dz] g_b's weight
@@ -79,6 +78,7 @@ def _kda_decode_kernel(
     z_ptr,  # [B, DZ] the output gate's projection input (NORM)
     zw_ptr,  # [H*DV, DZ] its weight (NORM)
     nw_ptr,  # [DV] the norm's weight (NORM)
+    gate_ptr,  # [B, H, DV] float32 scratch: each program's columns' sigmoid(z), for the norm's program (NORM)
     stride_x, stride_f, stride_b, stride_z,
     C,
     scale,
@@ -90,7 +90,8 @@ def _kda_decode_kernel(
     NORM: tl.constexpr, DZ: tl.constexpr, BZ: tl.constexpr, BDV: tl.constexpr,
 ):
     # program (split, head, row): the head's q, k and gate, then TILES [DK, BV] state tiles (columns t * BV); NORM:
-    # the last of the head's programs to finish its tiles normalizes the head's output in place
+    # each program also makes its columns' output gates, and the last of the head's programs to finish its tiles
+    # normalizes the head's output in place (a short tail: the g_b product is spread over the head's programs)
     NV: tl.constexpr = (DV + BV - 1) // BV
     TILES: tl.constexpr = NV // SPLIT
     split = tl.program_id(0)
@@ -161,6 +162,9 @@ def _kda_decode_kernel(
         tl.store(tile, s, mask=tile_mask)
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(out_ptr + (row * HK + h) * DV + cols, o.to(out_ptr.dtype.element_ty), mask=mv)
+        if NORM:
+            z = _gate_projection(z_ptr + row * stride_z, zw_ptr + h * DV * DZ, cols, mv, DZ, BZ, BV)
+            tl.store(gate_ptr + (row * HK + h) * DV + cols, 1.0 / (1.0 + tl.exp(-z)), mask=mv)
     if NORM:
         # NOTE: every thread's output stores precede the barrier, the barrier the release; the last program's
         # acquire then sees every split's stores (the split-K semaphore pattern)
@@ -170,22 +174,16 @@ def _kda_decode_kernel(
             done = counter_ptr + (tl.num_programs(2) + row) * HK + h  # past the q/k counters
             last = tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
         if last:
-            _gated_output_norm(out_ptr + (row * HK + h) * DV, z_ptr + row * stride_z, zw_ptr + h * DV * DZ, nw_ptr,
-                               eps, DV, DZ, BZ, BDV)
+            _gated_output_norm(out_ptr + (row * HK + h) * DV, gate_ptr + (row * HK + h) * DV, nw_ptr, eps, DV, BDV)
             if SPLIT > 1:
                 tl.atomic_xchg(done, 0, sem="relaxed", scope="gpu")  # zero for the next launch
 
 
 @jit
-def _gated_output_norm(o_row, z_row, zw_rows, nw_ptr, eps, DV: tl.constexpr, DZ: tl.constexpr, BZ: tl.constexpr,
-                       BDV: tl.constexpr):
-    """One head's output [DV] in place: gated_norm's kimi order (norm, float32 weight, * sigmoid(z)), its gate
-    z = zw_rows [DV, DZ] @ z_row [DZ] folded as gated_norm folds it (same blocks, same roundings)."""
-    cols = tl.arange(0, BDV)
-    mask = cols < DV
-    x = tl.load(o_row + cols, mask=mask, other=0.0)
-    h = x.to(tl.float32)
-    z = tl.zeros([BDV], dtype=tl.float32)
+def _gate_projection(z_row, zw_rows, cols, mask, DZ: tl.constexpr, BZ: tl.constexpr, N: tl.constexpr):
+    """z = zw_rows[cols] [N, DZ] @ z_row [DZ] in float32, rounded to z_row's dtype (as the projection's own launch
+    rounds its output)."""
+    z = tl.zeros([N], dtype=tl.float32)
     for j0 in tl.static_range(0, DZ, BZ):
         j = j0 + tl.arange(0, BZ)
         mj = j < DZ
@@ -193,11 +191,19 @@ def _gated_output_norm(o_row, z_row, zw_rows, nw_ptr, eps, DV: tl.constexpr, DZ:
         zw = tl.load(zw_rows + cols[:, None] * DZ + j[None, :], mask=mask[:, None] & mj[None, :],
                      other=0.0).to(tl.float32)
         z += tl.sum(zw * z_in[None, :], axis=1)
-    z = z.to(z_row.dtype.element_ty).to(tl.float32)
-    gate = 1.0 / (1.0 + tl.exp(-z))
+    return z.to(z_row.dtype.element_ty).to(tl.float32)
+
+
+@jit
+def _gated_output_norm(o_row, gate_row, nw_ptr, eps, DV: tl.constexpr, BDV: tl.constexpr):
+    """One head's output [DV] in place: gated_norm's kimi order (norm, float32 weight, * the stored gate)."""
+    cols = tl.arange(0, BDV)
+    mask = cols < DV
+    x = tl.load(o_row + cols, mask=mask, other=0.0)
+    h = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / DV + eps)
     h = tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32) * (h * rstd)
-    tl.store(o_row + cols, (h * gate).to(x.dtype), mask=mask)
+    tl.store(o_row + cols, (h * tl.load(gate_row + cols, mask=mask, other=0.0)).to(x.dtype), mask=mask)
 
 
 def kda_decode(
@@ -221,9 +227,10 @@ def kda_decode(
     value head per key head). With f_b_weight the launch also makes f = f_a f_b^T (float32 sums, rounded to f_a's
     dtype as f_b's own product is), one head's [dk, df] slice per program: f_b's launch folded in (batch-1 decode
     counts launches). With output_norm the output comes normalized and gated (GatedOutputNorm), the norm's launch and
-    g_b's folded in too: the last of a head's split programs to finish (an arrival counter) reads the head's stored
-    output back and normalizes it in place, so its values are the two launches' exactly. The first call with
-    num_splits > 1 allocates the arrival counters: not inside a graph capture."""
+    g_b's folded in too: each program makes its own columns' gates (a float32 scratch), and the last of a head's split
+    programs to finish (an arrival counter) reads the head's stored output and gates back and normalizes the output
+    in place (the norm kernel's roundings). The first call with num_splits > 1 allocates the arrival counters: not
+    inside a graph capture."""
     require_triton()
     num_rows, channels = mixed_qkv.shape
     num_slots, num_heads, dk, dv = state.shape
@@ -265,6 +272,7 @@ def kda_decode(
     _kda_decode_kernel[(splits, num_heads, num_rows)](
         mixed_qkv, conv_weight, conv_state, f, f_b_weight if f_b_weight is not None else f, b, A_log, dt_bias, state,
         out, slots, starts, counters, *((z_in, z_weight, norm_weight) if output_norm is not None else (f, f, f)),
+        torch.empty(out.shape, dtype=torch.float32, device=out.device) if output_norm is not None else out,
         mixed_qkv.stride(0), f.stride(0), b.stride(0), z_in.stride(0) if z_in is not None else 0, channels,
         dk**-0.5, 0.0 if lower_bound is None else float(lower_bound),
         float(output_norm.eps) if output_norm is not None else 0.0,
