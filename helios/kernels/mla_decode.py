@@ -14,6 +14,7 @@ Imports torch and helios.kernels only.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,19 @@ from helios.kernels.rmsnorm import WEIGHT_AFTER, _normalize
 from helios.kernels.sparse_decode import online_softmax_tile, store_decode_output
 
 LOG2E = 1.4426950408889634
+NORM_WEIGHT_AFTER = tl.constexpr(WEIGHT_AFTER)  # a jit function reads a global only as a constexpr
+
+
+class LatentWrite(NamedTuple):
+    """write_latent's arguments after the cache: this step's rows for the latent cache (the norm folded in where
+    norm_weight is given)."""
+
+    latent: torch.Tensor  # [T, R]
+    rope_key: torch.Tensor  # [T, dr]
+    slot_mapping: torch.Tensor  # [T] int64, -1 = skip
+    norm_weight: torch.Tensor | None = None  # [R]: `latent` is before its RMSNorm
+    eps: float = 0.0
+    multiply_in_float32: bool = False
 
 
 @jit
@@ -44,7 +58,16 @@ def _write_latent_kernel(
     NORM: tl.constexpr,  # the latent goes through its RMSNorm first (helios.kernels.rmsnorm's numerics)
     MULTIPLY_IN_FLOAT32: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    _write_latent_row(tl.program_id(0).to(tl.int64), latent_ptr, rope_ptr, cache_ptr, slot_mapping_ptr, norm_w_ptr,
+                      stride_lt, stride_rt, stride_cp, stride_cs, rank, rope_dim, eps, PAGE_SIZE, BLOCK, NORM,
+                      MULTIPLY_IN_FLOAT32)
+
+
+@jit
+def _write_latent_row(t, latent_ptr, rope_ptr, cache_ptr, slot_mapping_ptr, norm_w_ptr, stride_lt, stride_rt,
+                      stride_cp, stride_cs, rank, rope_dim, eps, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+                      NORM: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr):
+    """Token t's [latent (normed), rope key] into its slot (nothing for slot -1)."""
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK)
     slot = tl.zeros([BLOCK], dtype=tl.int64) + slot  # as a tile: a scalar mask term trips the interpreter
@@ -54,7 +77,7 @@ def _write_latent_kernel(
     c = tl.load(latent_ptr + t * stride_lt + d, mask=is_latent & live, other=0.0)
     if NORM:  # rounded to the latent's dtype, as the norm's own launch stores it
         w = tl.load(norm_w_ptr + d, mask=is_latent, other=0.0).to(tl.float32)
-        c = _normalize(c, w, rank, eps, WEIGHT_AFTER, MULTIPLY_IN_FLOAT32).to(c.dtype)
+        c = _normalize(c, w, rank, eps, NORM_WEIGHT_AFTER, MULTIPLY_IN_FLOAT32).to(c.dtype)
     r = tl.load(rope_ptr + t * stride_rt + (d - rank), mask=is_rope & live, other=0.0)
     row = tl.where(is_latent, c, r)
     dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + d
@@ -74,25 +97,32 @@ def write_latent(
     With norm_weight the latent's RMSNorm runs here first, as helios.kernels.rmsnorm.rms_norm computes it (its
     launch folded in; the weight in the latent's dtype unless multiplied in float32, where that kernel takes it)."""
     require_triton()
-    num_tokens, rank = latent.shape
-    rope_dim = rope_key.shape[1]
-    assert cache.dim() == 4 and cache.shape[0] == 1 and cache.shape[3] == rank + rope_dim, tuple(cache.shape)
-    assert rope_key.shape[0] == num_tokens and slot_mapping.shape == (num_tokens,)
-    assert slot_mapping.dtype == torch.int64
-    for name, t in (("latent", latent), ("rope_key", rope_key), ("cache", cache)):
-        check_last_dim_contiguous(name, t)
-    if norm_weight is not None:
-        assert norm_weight.shape == (rank,) and norm_weight.is_contiguous()
-        assert multiply_in_float32 or norm_weight.dtype == latent.dtype, "a 16-bit latent times a float32 weight"
-    if num_tokens == 0:
+    write = LatentWrite(latent, rope_key, slot_mapping, norm_weight, eps, multiply_in_float32)
+    if latent.shape[0] == 0:
         return
+    _write_latent_kernel[(latent.shape[0],)](**_write_args(cache, write), rank=latent.shape[1],
+                                             rope_dim=rope_key.shape[1], num_warps=4)
+
+
+def _write_args(cache: torch.Tensor, w: LatentWrite) -> dict:
+    """The write's checked arguments by their kernel names (_write_latent_kernel's, also _absorb_query_kernel's),
+    all but rank and rope_dim."""
+    num_tokens, rank = w.latent.shape
+    rope_dim = w.rope_key.shape[1]
+    assert cache.dim() == 4 and cache.shape[0] == 1 and cache.shape[3] == rank + rope_dim, tuple(cache.shape)
+    assert w.rope_key.shape[0] == num_tokens and w.slot_mapping.shape == (num_tokens,)
+    assert w.slot_mapping.dtype == torch.int64
+    for name, t in (("latent", w.latent), ("rope_key", w.rope_key), ("cache", cache)):
+        check_last_dim_contiguous(name, t)
+    if w.norm_weight is not None:
+        assert w.norm_weight.shape == (rank,) and w.norm_weight.is_contiguous()
+        assert w.multiply_in_float32 or w.norm_weight.dtype == w.latent.dtype, "a 16-bit latent, a float32 weight"
     pages = cache[0]
-    _write_latent_kernel[(num_tokens,)](
-        latent, rope_key, pages, slot_mapping, norm_weight if norm_weight is not None else latent, latent.stride(0),
-        rope_key.stride(0), pages.stride(0), pages.stride(1), rank, rope_dim, eps, PAGE_SIZE=cache.shape[2],
-        BLOCK=next_power_of_2(rank + rope_dim), NORM=norm_weight is not None, MULTIPLY_IN_FLOAT32=multiply_in_float32,
-        num_warps=4,
-    )
+    return dict(latent_ptr=w.latent, rope_ptr=w.rope_key, cache_ptr=pages, slot_mapping_ptr=w.slot_mapping,
+                norm_w_ptr=w.norm_weight if w.norm_weight is not None else w.latent, stride_lt=w.latent.stride(0),
+                stride_rt=w.rope_key.stride(0), stride_cp=pages.stride(0), stride_cs=pages.stride(1), eps=w.eps,
+                PAGE_SIZE=cache.shape[2], BLOCK=next_power_of_2(rank + rope_dim), NORM=w.norm_weight is not None,
+                MULTIPLY_IN_FLOAT32=w.multiply_in_float32)
 
 
 def write_latent_ref(cache, latent, rope_key, slot_mapping) -> None:
@@ -250,14 +280,32 @@ def _absorb_query_kernel(
     v_dim,
     rank,
     rope_dim,
+    # WRITE: this step's latent rows into the cache (token t = sequence t), _write_latent_kernel's arguments
+    latent_ptr, rope_ptr, cache_ptr, slot_mapping_ptr, norm_w_ptr, stride_lt, stride_rt, stride_cp, stride_cs, eps,
     BLOCK_DN: tl.constexpr,  # >= dn
     BLOCK_R: tl.constexpr,  # the latent columns of one program
     BLOCK_DR: tl.constexpr,  # >= dr
+    WRITE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, MULTIPLY_IN_FLOAT32: tl.constexpr,
 ):
     # program (seq, head, latent block): q_lat[r] = sum_i q_nope[i] W_uk[i, r] in float32, rounded to q's dtype (as
-    # the bmm it replaces rounds), then stored in the output's; latent block 0 also copies the rope part
+    # the bmm it replaces rounds), then stored in the output's; latent block 0 also copies the rope part. WRITE:
+    # program (seq, num_heads, 0) writes the sequence's latent row (the attention's next launch reads it)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if WRITE and head == num_heads:
+        if tl.program_id(2) == 0:
+            _write_latent_row(seq, latent_ptr, rope_ptr, cache_ptr, slot_mapping_ptr, norm_w_ptr, stride_lt,
+                              stride_rt, stride_cp, stride_cs, rank, rope_dim, eps, PAGE_SIZE, BLOCK, NORM,
+                              MULTIPLY_IN_FLOAT32)
+    else:
+        _absorb_block(seq, head, q_ptr, kv_b_ptr, out_ptr, stride_qs, stride_qh, num_heads, nope_dim, v_dim, rank,
+                      rope_dim, BLOCK_DN, BLOCK_R, BLOCK_DR)
+
+
+@jit
+def _absorb_block(seq, head, q_ptr, kv_b_ptr, out_ptr, stride_qs, stride_qh, num_heads, nope_dim, v_dim, rank,
+                  rope_dim, BLOCK_DN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DR: tl.constexpr):
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = r < rank
     i = tl.arange(0, BLOCK_DN)
@@ -282,9 +330,12 @@ def absorb_query(
     rank: int,
     v_dim: int,
     dtype: torch.dtype,  # the output's (the latent cache's)
+    cache: torch.Tensor | None = None,  # [1, num_pages, page_size, R + dr], with `write`
+    write: LatentWrite | None = None,  # one row per sequence: written into `cache` in the same launch
 ) -> torch.Tensor:  # [num_seqs, num_heads, R + dr]
     """helios.layers.mla.absorb_query (then .to(dtype)) in one launch: [q_nope W_uk, q_rope] per head, q_nope W_uk
-    summed in float32 and rounded to q's dtype first."""
+    summed in float32 and rounded to q's dtype first. With `write` the launch also writes the decode rows' latents
+    (write_latent's work, its launch folded in)."""
     require_triton()
     num_seqs, num_heads, width = q.shape
     nope_dim = kv_b.shape[0] // num_heads - v_dim
@@ -292,12 +343,20 @@ def absorb_query(
     assert kv_b.shape == (num_heads * (nope_dim + v_dim), rank) and kv_b.is_contiguous() and 0 <= rope_dim
     check_last_dim_contiguous("q", q)
     out = torch.empty(num_seqs, num_heads, rank + rope_dim, dtype=dtype, device=q.device)
+    if write is not None:
+        assert write.latent.shape[0] == num_seqs and cache is not None, "one latent row per sequence, and the cache"
+        write_args = _write_args(cache, write)
+    else:
+        write_args = dict(latent_ptr=q, rope_ptr=q, cache_ptr=q, slot_mapping_ptr=q, norm_w_ptr=q, stride_lt=0,
+                          stride_rt=0, stride_cp=0, stride_cs=0, eps=0.0, PAGE_SIZE=1, BLOCK=1, NORM=False,
+                          MULTIPLY_IN_FLOAT32=False)
     if num_seqs == 0:
         return out
     block_r = min(64, next_power_of_2(rank))
-    _absorb_query_kernel[(num_seqs, num_heads, cdiv(rank, block_r))](
-        q, kv_b, out, q.stride(0), q.stride(1), num_heads, nope_dim, v_dim, rank, rope_dim,
-        BLOCK_DN=next_power_of_2(nope_dim), BLOCK_R=block_r, BLOCK_DR=max(2, next_power_of_2(rope_dim)), num_warps=4,
+    _absorb_query_kernel[(num_seqs, num_heads + (write is not None), cdiv(rank, block_r))](
+        q, kv_b, out, q.stride(0), q.stride(1), num_heads, nope_dim, v_dim, rank, rope_dim, **write_args,
+        BLOCK_DN=next_power_of_2(nope_dim), BLOCK_R=block_r, BLOCK_DR=max(2, next_power_of_2(rope_dim)),
+        WRITE=write is not None, num_warps=4,
     )
     return out
 
@@ -361,13 +420,15 @@ def mla_decode_absorbed(
     v_dim: int,
     scale: float,
     num_splits: int = 1,
+    write: LatentWrite | None = None,  # this step's latent rows, one per sequence: written by the first launch
 ) -> torch.Tensor:  # [num_seqs, num_heads, dv] in q's dtype
-    """helios.layers.mla's absorbed decode in three launches: absorb_query (the absorbed query in the cache's dtype),
-    the attention over the latent pages (mla_decode's kernel), then the split merge and W_uv's up-projection per
-    (seq, head). Each row's values depend on its own sequence only; graph-safe as mla_decode."""
+    """helios.layers.mla's absorbed decode in three launches: absorb_query (the absorbed query in the cache's dtype;
+    with `write` also the cache write), the attention over the latent pages (mla_decode's kernel), then the split
+    merge and W_uv's up-projection per (seq, head). Each row's values depend on its own sequence only; graph-safe as
+    mla_decode."""
     num_seqs, num_heads, _ = q.shape
     rank = kv_b.shape[1]
-    q_abs = absorb_query(q, kv_b, rank, v_dim, cache.dtype)
+    q_abs = absorb_query(q, kv_b, rank, v_dim, cache.dtype, cache, write)
     o_lat = q_abs.new_empty(num_seqs, num_heads, rank)
     part_out, part_lse = split_partials(o_lat, num_splits)
     mla_decode(q_abs, cache, block_tables, seq_lens, rank, scale, num_splits, out=o_lat, partials=(part_out, part_lse))

@@ -117,13 +117,15 @@ def mla_absorbed_kernel(
     kv_b: torch.Tensor,  # [Nq*(dn + dv), R]
     config: MlaConfig,
     num_splits: int,
+    write=None,  # helios.kernels.mla_decode.LatentWrite: the B rows' latents, written by the first launch
 ) -> torch.Tensor:  # [B, Nq, dv]
-    """mla_absorbed in helios.kernels.mla_decode's three launches (the query absorption, the attention in float32,
-    the split merge with W_uv): device tensors only, no host read, so it runs inside a CUDA graph."""
+    """mla_absorbed in helios.kernels.mla_decode's three launches (the query absorption with the cache write, the
+    attention in float32, the split merge with W_uv): device tensors only, no host read, so it runs inside a CUDA
+    graph."""
     from helios.kernels.mla_decode import mla_decode_absorbed
 
     return mla_decode_absorbed(q, kv_b, cache, block_tables, seq_lens, config.v_head_dim, config.softmax_scale,
-                               num_splits)
+                               num_splits, write)
 
 
 def decode_latent_layout(
@@ -150,12 +152,15 @@ def mla_attention(
     meta: AttentionMetadata,
     config: MlaConfig,
     backend: AttentionBackend | None = None,  # the Triton one: the absorbed attention in its kernel
+    write=None,  # a decode-only step's helios.kernels.mla_decode.LatentWrite, not yet in `cache`
 ) -> torch.Tensor:  # [T, Nq, dv]
     """Every one-token sequence in one absorbed pass over its latent pages; each longer one expanded alone. With a
-    backend, a decode-only step reads only device tensors (meta's lengths and tables: graph-safe)."""
+    backend, a decode-only step reads only device tensors (meta's lengths and tables: graph-safe), and writes its
+    latents (`write`) in its first launch."""
     if backend is not None and q.shape[0] == meta.num_seqs:  # every sequence schedules one token
         splits = _decode_splits(backend, max(meta.seq_lens_cpu, default=0), meta.num_seqs, q)
-        return mla_absorbed_kernel(q, cache, meta.block_tables, meta.seq_lens, kv_b, config, splits)
+        return mla_absorbed_kernel(q, cache, meta.block_tables, meta.seq_lens, kv_b, config, splits, write)
+    assert write is None, "the latents of a step with a prefill are written before attention"
     page_size = cache.shape[2]
     qsl = meta.query_start_loc_cpu
     lengths = [end - start for start, end in zip(qsl, qsl[1:])]
@@ -245,21 +250,26 @@ class MlaAttention(nn.Module):
             dn = c.qk_nope_head_dim
             q = torch.cat([q[..., :dn], apply_rotary(q[..., dn:], cos, sin)], dim=-1)
             rope_key = apply_rotary(rope_key[:, None], cos, sin)[:, 0]
-        if self.backend is not None:
-            self._write_latent_kernel(cache, latent, rope_key, meta.slot_mapping)
-        else:
+        write = None
+        if self.backend is None:
             write_latent(cache, self.kv_a_norm(latent), rope_key, meta.slot_mapping)
-        o = mla_attention(q, cache, self.kv_b.weight, meta, c, self.backend)
+        else:
+            from helios.kernels.mla_decode import write_latent as write_latent_kernel
+
+            write = self._latent_write(latent, rope_key, meta.slot_mapping)
+            if num_tokens != meta.num_seqs:  # a step with a prefill: the write first (else the decode's first launch)
+                write_latent_kernel(cache, *write)
+                write = None
+        o = mla_attention(q, cache, self.kv_b.weight, meta, c, self.backend, write)
         return self.o(o.reshape(num_tokens, self.num_heads * c.v_head_dim))
 
-    def _write_latent_kernel(self, cache, latent, rope_key, slot_mapping) -> None:
-        """The Triton backend's cache write, the latent's norm in the same launch where the norm kernel would
-        give its dtype (a weight in that dtype, or multiplied in float32), else the norm first."""
-        from helios.kernels.mla_decode import write_latent as write_latent_kernel
+    def _latent_write(self, latent, rope_key, slot_mapping):
+        """The Triton backend's cache write (helios.kernels.mla_decode.LatentWrite), the latent's norm in the write
+        where the norm kernel would give its dtype (a weight in that dtype, or multiplied in float32), else first."""
+        from helios.kernels.mla_decode import LatentWrite
 
         norm = self.kv_a_norm
         if (norm.weight is not None and not norm.scale_first
                 and (norm.multiply_in_float32 or norm.weight.dtype == latent.dtype)):
-            write_latent_kernel(cache, latent, rope_key, slot_mapping, norm.weight, norm.eps, norm.multiply_in_float32)
-        else:
-            write_latent_kernel(cache, norm(latent), rope_key, slot_mapping)
+            return LatentWrite(latent, rope_key, slot_mapping, norm.weight, norm.eps, norm.multiply_in_float32)
+        return LatentWrite(norm(latent), rope_key, slot_mapping)

@@ -1,8 +1,8 @@
 """kimi_linear's folded decode launches compiled on CUDA (the interpreter's checks in tests/kernels/test_kda_folds.py
 and test_mla_folds.py): the KDA step with f_b and the gated output norm folded in at Kimi-Linear's shape (32 heads of
 128, split programs meeting at the arrival counters), the absorbed MLA decode's
-absorption and merge-with-W_uv launches at Kimi's MLA shape (32 heads, rank 512, rope 64), and the cache write with
-the latent's norm. Against the unfused launches within rounding (other reduction orders on the device), rows alone =
+absorption (with the cache write) and merge-with-W_uv launches at Kimi's MLA shape (32 heads, rank 512, rope 64),
+and the cache write with the latent's norm. Against the unfused launches within rounding (other reduction orders on the device), rows alone =
 in a batch bit for bit.
 """
 
@@ -18,7 +18,12 @@ from tests.kernels.test_kda_folds import (
     check_output_norm_fold,
     check_rows_alone,
 )
-from tests.kernels.test_mla_folds import check_absorb_query, check_absorbed_decode, check_write_latent_norm
+from tests.kernels.test_mla_folds import (
+    check_absorb_query,
+    check_absorbed_decode,
+    check_decode_writes_its_latents,
+    check_write_latent_norm,
+)
 
 pytestmark = CUDA_MARKS
 
@@ -48,6 +53,7 @@ def test_absorbed_mla_decode_at_kimi_shape(dtype, num_splits):
     check_absorb_query(CUDA, KIMI_MLA, dtype, tol=_tol(dtype), num_heads=32, seq_lens=lens, page_size=16)
     check_absorbed_decode(CUDA, KIMI_MLA, dtype, num_splits, tol=_tol(dtype), rows_alone=True, num_heads=32,
                           seq_lens=lens, page_size=16)
+    check_decode_writes_its_latents(CUDA, KIMI_MLA, dtype, num_splits, page_size=16, num_heads=32, seq_lens=lens)
 
 
 @DTYPE

@@ -1,7 +1,8 @@
 """helios.kernels.mla_decode's folds against the unfused computations they replace, in Triton's CPU interpreter: the
 absorbed decode in three launches (absorb_query, the attention, the split merge with W_uv) = helios.layers.mla's
-absorb_query and expand_output around mla_decode, and the cache write with the latent's RMSNorm = the norm kernel
-then the write; float32 within its rounding, and each row alone = the row in a batch bit for bit (bf16).
+absorb_query and expand_output around mla_decode, the cache write with the latent's RMSNorm = the norm kernel then
+the write, and the decode's first launch with the write in it = write_latent then the decode (bit for bit); float32
+within its rounding, and each row alone = the row in a batch bit for bit (bf16).
 
 The check_* functions build their inputs on `device` and are shared with tests/gpu/test_kimi_folds_cuda.py.
 """
@@ -106,6 +107,28 @@ def check_write_latent_norm(device, dtype, multiply_in_float32=False, rank=48, r
             assert torch.equal(alone.view(-1, width)[slots[i]], ours.view(-1, width)[slots[i]]), f"token {i}"
 
 
+def check_decode_writes_its_latents(device, config, dtype, num_splits, page_size=4, **shape):
+    """mla_decode_absorbed(write=) = write_latent (the norm folded) then mla_decode_absorbed, bit for bit: the same
+    cache after, the same outputs (each sequence's new row sits at its last position, so a write after the attention
+    would show); the padded row (slot -1) writes nothing."""
+    from helios.kernels.mla_decode import LatentWrite, mla_decode_absorbed, write_latent
+
+    c = config
+    q, kv_b, cache, tables, lens = _inputs(device, c, dtype, page_size=page_size, **shape)
+    last = (lens - 1).clamp(min=0).long()
+    slots = tables.long().gather(1, (last // page_size)[:, None])[:, 0] * page_size + last % page_size
+    slots = torch.where(lens > 0, slots, -1)
+    fused = _randn(len(lens), c.kv_lora_rank + c.qk_rope_head_dim + 8, device=device, dtype=dtype, seed=9, scale=3.0)
+    weight = 1 + _randn(c.kv_lora_rank, device=device, dtype=dtype, seed=10, scale=0.1)
+    write = LatentWrite(fused[:, : c.kv_lora_rank], fused[:, c.kv_lora_rank : -8], slots, weight, 1e-6)
+    before, together = cache.clone(), cache.clone()
+    write_latent(before, *write)
+    want = mla_decode_absorbed(q, kv_b, before, tables, lens, c.v_head_dim, c.softmax_scale, num_splits)
+    got = mla_decode_absorbed(q, kv_b, together, tables, lens, c.v_head_dim, c.softmax_scale, num_splits, write)
+    assert torch.equal(together, before) and not torch.equal(together, cache)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("config", [ROPE, NOPE], ids=["rope", "nope"])
 def test_absorb_query_kernel_is_the_torch_absorption(interpreter, config):
     check_absorb_query("cpu", config)
@@ -125,3 +148,9 @@ def test_mla_decode_absorbed_bf16_rows_alone(interpreter):
                                                         (torch.bfloat16, True)], ids=["fp32", "bf16", "bf16-f32mul"])
 def test_write_latent_folds_the_latent_norm(interpreter, dtype, multiply_in_float32):
     check_write_latent_norm("cpu", dtype, multiply_in_float32)
+
+
+@pytest.mark.parametrize("dtype, num_splits", [(torch.float32, 1), (torch.bfloat16, 3)], ids=["fp32", "bf16-split3"])
+def test_mla_decode_writes_its_latents_in_its_first_launch(interpreter, dtype, num_splits):
+    check_decode_writes_its_latents("cpu", NOPE, dtype, num_splits)
+    check_decode_writes_its_latents("cpu", ROPE, dtype, num_splits)
