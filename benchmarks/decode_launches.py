@@ -92,9 +92,13 @@ class Launches(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
-        if not func.is_view and name not in NO_KERNEL:
+        out = func(*args, **(kwargs or {}))
+        # NOTE: aten.to is annotated as an alias (it returns its input when nothing changes) but copies, and
+        # launches a kernel, whenever it returns a new tensor
+        copied = name == "to" and args and out is not args[0]
+        if copied or (not func.is_view and name not in NO_KERNEL):
             self.counts[(self.where(), f"torch {name}")] += 1
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def layer_kind(arch, layer: torch.nn.Module, index: int) -> str:

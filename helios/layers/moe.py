@@ -165,7 +165,11 @@ def route_sigmoid(
 
 
 class _Router(nn.Module):
-    """weight [E, H] and, with a score bias, bias [E]: the choice's bias, never added to the logits."""
+    """weight [E, H] and, with a score bias, bias [E]: the choice's bias, never added to the logits. Bound in
+    float32 whatever the core's dtype (bind_float32): the logits are a float32 product (HF keeps its gate in float32),
+    so a 16-bit weight would be converted on every forward (a copy of the whole table, a launch on the GPU)."""
+
+    bind_float32 = True
 
     def __init__(self, hidden_size: int, num_experts: int, score_bias: bool):
         super().__init__()

@@ -130,9 +130,13 @@ def folds_norm_weights(arch: Architecture) -> bool:
 
 def float32_kept(model: nn.Module) -> set[str]:
     """The parameters bind_tensors leaves in float32 in a 16-bit model: those of modules that keep their weight in
-    float32 (`keep_float32`, set where Architecture.float32_norms says the core holds a norm's multiplier so)."""
-    return {name for name, _ in model.named_parameters()
-            if getattr(model.get_submodule(name.rpartition(".")[0]), "keep_float32", False)}
+    float32 (`keep_float32`, set where Architecture.float32_norms says the core holds a norm's multiplier so) or
+    bind it so (`bind_float32`: the MoE routers)."""
+    return {name for name, _ in model.named_parameters() if _binds_float32(model.get_submodule(name.rpartition(".")[0]))}
+
+
+def _binds_float32(module: nn.Module) -> bool:
+    return getattr(module, "keep_float32", False) or getattr(module, "bind_float32", False)
 
 
 def bind_tensors(
@@ -158,8 +162,10 @@ def bind_tensors(
         if tuple(t.shape) != tuple(param.shape):
             raise ValueError(f"tensor {name}: shape {tuple(t.shape)}, the architecture wants {tuple(param.shape)}")
         owner, _, leaf = name.rpartition(".")
-        # a float32 norm multiplier of a 16-bit core stays float32 where its module asks (Architecture.float32_norms)
-        keep = t.dtype == torch.float32 and getattr(model.get_submodule(owner), "keep_float32", False)
+        # a float32 norm multiplier of a 16-bit core stays float32 where its module asks (Architecture.float32_norms);
+        # a router's table is bound in float32 whatever the core holds (helios.layers.moe._Router)
+        module = model.get_submodule(owner)
+        keep = getattr(module, "bind_float32", False) or (t.dtype == torch.float32 and _binds_float32(module))
         # NOTE: .to() returns the same tensor (no copy) when device and dtype already match.
         t = t.to(device=device, dtype=torch.float32 if keep else dtype or t.dtype)
-        model.get_submodule(owner)._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+        module._parameters[leaf] = nn.Parameter(t, requires_grad=False)

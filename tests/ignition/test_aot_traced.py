@@ -86,9 +86,10 @@ def test_trace_lists_the_family_kernels(probe, family):
 def test_kimi_linear_traces_its_kda_kernels_once_graphed(probe):
     """kimi_linear: while its MLA layers decode on the torch path the runner captures no graph (its decode runs
     eagerly and compiles on first use) and the trace runs nothing; once they are graphed, the trace holds the KDA
-    decode step (gated_delta's fused step with a per-channel decay) and its sigmoid-gated norm."""
+    decode step (helios.kernels.kda's, f_b and the sigmoid-gated norm inside) and the MLA decode's launches."""
     names = probe["families"]["kimi_linear"]
-    assert names is None or {"_gated_delta_step_kernel", "_gated_rms_norm_kernel"} <= set(names), names
+    assert names is None or {"_kda_decode_kernel", "_absorb_query_kernel", "_mla_decode_kernel",
+                             "_merge_expand_kernel"} <= set(names), names
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,0 +1,51 @@
+"""The kernels a graphed batch-1 decode step launches (benchmarks/decode_launches.py: the model on meta tensors, every
+Triton launch through the compile hook, every torch op that launches a kernel), held at or below today's counts: on
+the GPU the step idles between dependent kernels inside its graph, so a layer that grows a launch (a norm back on
+torch's five ops, an unfused activation, a per-layer recomputation of a per-step value) costs every decode step
+without failing any value check. Lower counts pass; lower the bound with them. Run where Triton compiles rather than
+interprets (a subprocess without the tests' TRITON_INTERPRET), as tests/ignition/test_aot_traced.py does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helios.kernels._triton import HAS_TRITON
+from tests.ignition.test_aot_traced import clean_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+# kernels a layer of each kind launches at most, and the rest of the step (embedding, final norm, head, inputs)
+BOUNDS = {
+    "qwen3_5_moe": ({"linear+moe": 16.14, "full+moe": 22}, 7),
+    "mimo_v2_flash": ({"full+mlp": 11, "sliding+moe": 15}, 7),
+    "kimi_linear": ({"linear+mlp": 9, "linear+moe": 14, "full+moe": 16}, 6),
+    "glm5_next": ({"linear+mlp": 17.67, "full+moe": 48}, 8),
+    "deepseek_v4": ({"full_attention+moe": 34.51}, 8),
+    "minimax_m3": ({"full_attention+mlp": 31, "full_attention+moe": 34}, 6),
+    "muse_spark": ({"full+mlp": 11, "sliding+moe": 19, "sliding+mlp": 11, "full+moe": 19}, 9),
+    "gemma4": ({"sliding+mlp": 16.25, "full+mlp": 16.5}, 21),
+}
+
+
+@pytest.fixture(scope="module")
+def launches() -> dict:
+    proc = subprocess.run([sys.executable, "benchmarks/decode_launches.py", "--families", ",".join(BOUNDS), "--json"],
+                          capture_output=True, text=True, env=clean_env(), cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", sorted(BOUNDS))
+def test_a_decode_step_launches_no_more_kernels_than_today(launches, family):
+    layers, step = BOUNDS[family]
+    got = launches[family]
+    assert set(got["layers"]) == set(layers), got
+    over = {kind: n for kind, n in got["layers"].items() if n > layers[kind]}
+    assert not over and got["step"] <= step, f"{family}: {got} (bounds {layers}, step {step})"
