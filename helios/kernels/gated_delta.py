@@ -84,6 +84,30 @@ def _l2norm_scaled(x, scale):
 
 
 @jit
+def _conv_qk(x_row, w_ptr, bias_ptr, cs_row, counter_ptr, counter, q_cols, k_cols, mask, live, C, K: tl.constexpr,
+             KP: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, SPLIT: tl.constexpr):
+    """A key head's q and k through the causal conv (_conv_step), float32, and their conv-state rows shifted.
+    NOTE: the rows shift (row r <- row r+1), and a thread may store a row another thread (or a replica of the layout)
+    still has to read: every conv-state store waits behind a barrier after the loads. With SPLIT > 1 every program of
+    the key head reads its q/k conv state and the last to arrive (counter_ptr + counter, zeroed after) writes it (the
+    barrier orders every thread's loads before the release)."""
+    r = tl.arange(0, KP)[:, None]
+    q, q_next = _conv_step(x_row, w_ptr, bias_ptr, cs_row, q_cols, mask, live, C, K, KP, HAS_BIAS, SILU)
+    k, k_next = _conv_step(x_row, w_ptr, bias_ptr, cs_row, k_cols, mask, live, C, K, KP, HAS_BIAS, SILU)
+    tl.debug_barrier()
+    write_qk = True
+    if SPLIT > 1:
+        write_qk = tl.atomic_add(counter_ptr + counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+    if write_qk:
+        qk_mask = (r < K - 1) & mask[None, :]
+        tl.store(cs_row + r * C + q_cols[None, :], q_next, mask=qk_mask)
+        tl.store(cs_row + r * C + k_cols[None, :], k_next, mask=qk_mask)
+        if SPLIT > 1:
+            tl.atomic_xchg(counter_ptr + counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+    return q, k
+
+
+@jit
 def _gated_delta_step_kernel(
     x_ptr,  # FUSED: [B, C] conv input (q | k | v channels); else q [B, Hk, DK]
     k_ptr,  # [B, Hk, DK] (not FUSED)
@@ -135,25 +159,8 @@ def _gated_delta_step_kernel(
         cs_row = conv_state_ptr + slot * (K - 1) * C
         live_c = (tl.zeros([KP, 1], dtype=tl.int32) + start) > 0
         r = tl.arange(0, KP)[:, None]
-        q, q_next = _conv_step(x_row, conv_w_ptr, conv_bias_ptr, cs_row, hk * DK + ok, mk, live_c, C, K, KP,
-                               HAS_BIAS, SILU)
-        k, k_next = _conv_step(x_row, conv_w_ptr, conv_bias_ptr, cs_row, (HK + hk) * DK + ok, mk, live_c, C, K, KP,
-                               HAS_BIAS, SILU)
-        # NOTE: the rows shift (row r <- row r+1), and a thread may store a row another thread (or a replica of the
-        # layout) still has to read: every conv-state store waits behind a barrier after the loads. With SPLIT > 1
-        # every program of the key head reads its q/k conv state and the last to arrive writes it (the barrier
-        # orders every thread's loads before the release).
-        tl.debug_barrier()
-        write_qk = True
-        if SPLIT > 1:
-            counter = counter_ptr + row * HK + hk
-            write_qk = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-        if write_qk:
-            qk_mask = (r < K - 1) & mk[None, :]
-            tl.store(cs_row + r * C + (hk * DK + ok)[None, :], q_next, mask=qk_mask)
-            tl.store(cs_row + r * C + ((HK + hk) * DK + ok)[None, :], k_next, mask=qk_mask)
-            if SPLIT > 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+        q, k = _conv_qk(x_row, conv_w_ptr, conv_bias_ptr, cs_row, counter_ptr, row * HK + hk, hk * DK + ok,
+                        (HK + hk) * DK + ok, mk, live_c, C, K, KP, HAS_BIAS, SILU, SPLIT)
     else:
         q = tl.load(x_ptr + row * stride_x + hk * stride_xh + ok, mask=mk, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + row * stride_k + hk * stride_kh + ok, mask=mk, other=0.0).to(tl.float32)

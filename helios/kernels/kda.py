@@ -33,6 +33,7 @@ from helios.kernels.gated_delta import (
     NUM_WARPS,
     _arrival_counters,
     _check_state,
+    _conv_qk,
     _conv_step,
     _l2norm_scaled,
     _softplus_kimi,
@@ -109,22 +110,8 @@ def _kda_decode_kernel(
     cs_row = conv_state_ptr + slot * (K - 1) * C
     live_c = (tl.zeros([KP, 1], dtype=tl.int32) + start) > 0
     r = tl.arange(0, KP)[:, None]
-    q, q_next = _conv_step(x_row, conv_w_ptr, conv_w_ptr, cs_row, h * DK + ok, mk, live_c, C, K, KP, False, True)
-    k, k_next = _conv_step(x_row, conv_w_ptr, conv_w_ptr, cs_row, (HK + h) * DK + ok, mk, live_c, C, K, KP, False,
-                           True)
-    # NOTE: the conv-state rows shift and every store waits behind a barrier after the loads; with SPLIT > 1 the last
-    # of the head's programs to arrive writes q/k's (helios.kernels.gated_delta's fused step says more)
-    tl.debug_barrier()
-    write_qk = True
-    if SPLIT > 1:
-        counter = counter_ptr + row * HK + h
-        write_qk = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
-    if write_qk:
-        qk_mask = (r < K - 1) & mk[None, :]
-        tl.store(cs_row + r * C + (h * DK + ok)[None, :], q_next, mask=qk_mask)
-        tl.store(cs_row + r * C + ((HK + h) * DK + ok)[None, :], k_next, mask=qk_mask)
-        if SPLIT > 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+    q, k = _conv_qk(x_row, conv_w_ptr, conv_w_ptr, cs_row, counter_ptr, row * HK + h, h * DK + ok,
+                    (HK + h) * DK + ok, mk, live_c, C, K, KP, False, True, SPLIT)
     q = _l2norm_scaled(q, scale)
     k = _l2norm_scaled(k, 1.0)
     if FOLD:  # f = f_b.weight[h*DK:(h+1)*DK] @ f_a in float32, rounded to f_a's dtype as f_b's product would be
