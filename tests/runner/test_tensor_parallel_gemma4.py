@@ -6,7 +6,7 @@ with double-wide MLPs split by width; per-layer embeddings, norms and layer scal
 experts split whole beside every MLP, its router replicated; the tied head's vocabulary gathered before the final
 soft-cap.
 
-Both ranks run a 40-token prompt (past the 8-token window) whole and in 8-token chunks: logits within 1e-5 of TP=1's
+Both ranks run a 40-token prompt (past the 8-token window) whole and in 8-token chunks: logits within 2e-5 of TP=1's
 in float32; rank 0 serves three greedy requests (32 tokens each) through an EngineCore over its TensorParallelRunner
 while rank 1 runs the worker loop: TP=1's tokens, every plan run on both (tests/runner/tp_harness).
 """
@@ -18,8 +18,11 @@ import torch
 from tests.models.gemma4_tiny import build_gemma4
 from tests.runner.tp_harness import TpCase, parity_tests, rank1_cut, window_workload
 
+# NOTE: atol 2e-5, not the harness's 1e-5: the largest difference is 1.01e-5 of a logit near 0.5 on an Intel Xeon
+# (torch 2.13's oneDNN float32 kernels for that CPU; under 1e-5 on the AMD EPYC of earlier runs): the o and down
+# products summed over two ranks round differently from one product, through 4 layers, PLE and the soft-cap
 CASE = TpCase(labels=("gemma4",), build=lambda label, out_dir: build_gemma4(out_dir, "moe"),
-              workload=window_workload())
+              workload=window_workload(), atol=2e-5)
 cores, results, test_tp2_logits_and_greedy_equal_single_rank = parity_tests(CASE)
 
 
