@@ -213,7 +213,7 @@ def test_decode_weight_bytes(tiny):
 
 def test_cast_to_bfloat16(tiny, tmp_path):
     """Every tensor in bf16 but the norms' 1 + w, which stay float32 (as HF computes them) in the core and in the
-    bound model (Architecture.float32_norms)."""
+    bound model (Architecture.float32_norms); the bound model's routers are float32 as well."""
     from helios.models import build_model
     from ignition.export import ExportOptions
 
@@ -227,7 +227,10 @@ def test_cast_to_bfloat16(tiny, tmp_path):
     core = load_core(export_core(path, tmp_path / "bf16", ExportOptions(dtype="bfloat16")))
     model = build_model(core.manifest.arch, core.tensors, dtype=torch.bfloat16)
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
-    assert all(dtypes[n] == (torch.float32 if n in norms else torch.bfloat16) for n in dtypes)
+    # the MoE routers bound in float32 too (helios.layers.moe._Router: the logits are a float32 product)
+    routers = {n for n in dtypes if ".router." in n}
+    assert routers and core.tensors[next(iter(routers))].dtype == torch.bfloat16
+    assert all(dtypes[n] == (torch.float32 if n in norms | routers else torch.bfloat16) for n in dtypes)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------
