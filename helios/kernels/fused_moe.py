@@ -19,10 +19,13 @@ from helios.kernels._triton import (
     interpret_mode,
     jit,
     next_power_of_2,
+    pdl_launch_dependents,
+    pdl_wait,
     require_triton,
     round_to,
     tanh,
     tl,
+    use_pdl,
 )
 
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -57,7 +60,10 @@ def _route_kernel(
     TOPK_GROUPS: tl.constexpr,
     RENORM: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     valid = e < num_experts
@@ -139,12 +145,13 @@ def moe_route(
         return weights, ids
     bias = score_bias if score_bias is not None else logits  # never read without HAS_BIAS
     given = given_ids.contiguous() if given_ids is not None else ids  # never read without HAS_IDS
+    pdl = use_pdl(logits, num_tokens)
     _route_kernel[(num_tokens,)](
         logits, bias, given, weights, ids, num_experts, logits.stride(0), 0.0 if scoring == "softmax" else 1e-20,
         float(scaling), TOP_K=top_k, K_POW2=next_power_of_2(top_k), SCORING=SCORINGS[scoring],
         HAS_BIAS=score_bias is not None, HAS_IDS=given_ids is not None, NUM_GROUPS=num_groups,
         G_POW2=next_power_of_2(num_groups), TOPK_GROUPS=num_topk_groups, RENORM=renorm,
-        BLOCK_E=next_power_of_2(num_experts),
+        BLOCK_E=next_power_of_2(num_experts), USE_PDL=pdl, launch_pdl=pdl,
     )
     return weights, ids
 
@@ -296,8 +303,11 @@ def _expert_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    pdl_wait(USE_PDL)  # the rows, the experts and `a` are the kernels' before
+    pdl_launch_dependents(USE_PDL)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
         return
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
@@ -386,9 +396,11 @@ def expert_gemm(
     clamp_after_act: bool = False,
     alpha: float | None = None,
     config: dict | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:  # [N, n_out] in a's dtype: n_out = out rows / 2 for gated acts, else out rows
     """One grouped GEMM over the block-aligned entries: program (block, column tile) multiplies its block's rows
-    of `a` by its expert's weight tile, the activation applied to the float32 accumulators."""
+    of `a` by its expert's weight tile, the activation applied to the float32 accumulators. pdl: launched under
+    PDL (the caller's use_pdl over the step's tokens)."""
     check_last_dim_contiguous("a", a)
     check_last_dim_contiguous("w", w)
     assert a.shape[1] == w.shape[2] and a.dtype == w.dtype, f"a {tuple(a.shape)} {a.dtype}, w {tuple(w.shape)}"
@@ -402,7 +414,7 @@ def expert_gemm(
         a, w, out, sorted_ids, block_experts, num_rows, num_entries, n_out, a.shape[1], a.stride(0), w.stride(0),
         w.stride(1), out.stride(0), float(limit or 0.0), float(alpha or 0.0), ROW_DIV=row_div, ACT=ACTS[act],
         GATED=gated, CLAMP=0 if limit is None else (2 if clamp_after_act else 1), HAS_ALPHA=alpha is not None,
-        IEEE_DOT=a.dtype == torch.float32 or interpret_mode(), **cfg,
+        IEEE_DOT=a.dtype == torch.float32 or interpret_mode(), USE_PDL=pdl, launch_pdl=pdl, **cfg,
     )
     return out
 
@@ -427,8 +439,9 @@ def expert_outputs(
         align = one_token_align(topk_ids, cfg["BLOCK_M"])
     else:
         align = moe_align(topk_ids, w_in.shape[0], cfg["BLOCK_M"])
-    h = expert_gemm(x, w_in, align, num_entries, topk_ids.shape[1], act, limit, clamp_after_act, alpha, cfg)
-    return expert_gemm(h, w_down, align, num_entries, 1, config=cfg)
+    pdl = use_pdl(x, topk_ids.shape[0])
+    h = expert_gemm(x, w_in, align, num_entries, topk_ids.shape[1], act, limit, clamp_after_act, alpha, cfg, pdl)
+    return expert_gemm(h, w_down, align, num_entries, 1, config=cfg, pdl=pdl)
 
 
 def expert_outputs_ref(x, topk_ids, w_in, w_down, act, limit=None, clamp_after_act=False, alpha=None):
@@ -475,7 +488,10 @@ def _combine_kernel(
     HAS_SHARED: tl.constexpr,
     SHARED_GATED: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
     mask = cols < width
@@ -523,12 +539,13 @@ def moe_combine(
     if num_tokens == 0:
         return out
     block_w = min(1024, next_power_of_2(width))
+    pdl = use_pdl(y, num_tokens)
     _combine_kernel[(num_tokens, cdiv(width, block_w))](
         y, weights.contiguous(), topk_ids.contiguous(), shared if shared is not None else y,
         shared_gate if shared_gate is not None else y, out, width,
         shared.stride(0) if shared is not None else 0, shared_gate.stride(0) if shared_gate is not None else 0,
         TOP_K=top_k, K_POW2=next_power_of_2(top_k), HAS_SHARED=shared is not None,
-        SHARED_GATED=shared_gate is not None, BLOCK_W=block_w)
+        SHARED_GATED=shared_gate is not None, BLOCK_W=block_w, USE_PDL=pdl, launch_pdl=pdl)
     return out
 
 

@@ -7,6 +7,7 @@ code is loaded only when a core of that family is served. Never imports the engi
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Protocol
 
@@ -17,6 +18,7 @@ from helios.core.manifest import Architecture
 from helios.layers.attention import AttentionMetadata, select_attention_backend
 from helios.layers.activation import GatedMLP
 from helios.layers.norm import RMSNorm
+from helios.layers.norm_free import pdl_launches
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 # family -> "module:Class"
@@ -92,11 +94,29 @@ def build_model(
     parallel = {} if tp is None else {"tp": tp}  # only the families that shard take it
     model = cls(arch, backend, device, dtype=model_dtype, switches=switches, norms_folded=norms_folded, **parallel)
     use_layer_kernels(model, getattr(backend, "fuses_layers", False))
+    if switches.pdl is True:
+        scope_pdl(model)
     for name, module in (replace or {}).items():
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, module)
     bind_tensors(model, tensors, device, dtype)
     return model.eval()
+
+
+def scope_pdl(model: nn.Module) -> None:
+    """The pdl switch on (HELIOS_PDL=1): the model's forward and compute_logits run inside pdl_launches, so every
+    one-row Triton launch of a batch-1 step takes PDL (each waits for the kernel before it in its first lines), in
+    every family, captured graphs included. A family that scopes its own steps (llama's norm-free layers) keeps
+    its finer rule when the switch is unset."""
+    for name in ("forward", "compute_logits"):
+        method = getattr(model, name)
+
+        @functools.wraps(method)
+        def in_scope(*args, _method=method, **kwargs):
+            with pdl_launches(True):
+                return _method(*args, **kwargs)
+
+        setattr(model, name, in_scope)
 
 
 def use_layer_kernels(model: nn.Module, on: bool) -> None:

@@ -105,6 +105,31 @@ def test_a_captured_block_replays_what_it_computes_eagerly(blocks):
             assert torch.equal(out, fused(x))
 
 
+def test_one_token_under_pdl_gives_the_same_bits_eagerly_and_in_a_graph(blocks):
+    """Batch-1 decode under pdl_scope (HELIOS_PDL=1): route, both expert GEMMs and the combine launch with PDL and
+    wait for the kernel before them; eagerly and replayed in a graph they give the bits of the launch without."""
+    from helios.kernels._triton import pdl_scope
+
+    _, (_, fused) = blocks
+    static = inputs(1, HIDDEN, torch.bfloat16, seed=6, device="cuda")
+    with torch.inference_mode():
+        want = [fused(inputs(1, HIDDEN, torch.bfloat16, seed=s, device="cuda")) for s in (7, 8)]
+        with pdl_scope(True):
+            assert torch.equal(fused(inputs(1, HIDDEN, torch.bfloat16, seed=7, device="cuda")), want[0])
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                fused(static)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fused(static)
+        for seed, expected in zip((7, 8), want):
+            static.copy_(inputs(1, HIDDEN, torch.bfloat16, seed=seed, device="cuda"))
+            graph.replay()
+            assert torch.equal(out, expected)
+
+
 # --- the tiny MoE families through the CUDA engine -----------------------------------------------------------
 
 

@@ -407,6 +407,35 @@ def test_pdl_is_scoped_as_the_switch_says():
         assert not pdl_allowed()
 
 
+def test_the_pdl_switch_scopes_every_familys_steps(tmp_path, monkeypatch):
+    """HELIOS_PDL=1 puts a family without its own scope (qwen3_5_moe here) in pdl_scope for its whole forward and
+    its logits; unset or off, none of its launches take PDL. The same tokens either way (on the CPU use_pdl says
+    no: PDL changes only how a GPU launch waits)."""
+    from helios.core.load import load_core
+    from helios.kernels._triton import pdl_allowed
+    from helios.models.qwen3_5 import Qwen3_5ForCausalLM
+    from helios.switches import Switches
+    from ignition.export import ExportOptions, export_core
+    from tests.models.hybrid_tiny import build_hybrid
+
+    core = load_core(export_core(build_hybrid("qwen3_5_moe", tmp_path / "hf"), tmp_path / "core", ExportOptions()))
+    seen = []
+    for name in ("forward", "compute_logits"):
+        original = getattr(Qwen3_5ForCausalLM, name)
+        monkeypatch.setattr(Qwen3_5ForCausalLM, name,
+                            lambda self, *a, _f=original, _n=name: seen.append((_n, pdl_allowed())) or _f(self, *a))
+    tokens = {}
+    for switches in (Switches(), Switches(pdl=True), Switches(pdl=False)):
+        runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE,
+                             num_state_slots=4, switches=switches)
+        seen.clear()
+        tokens[switches.pdl] = _greedy_decode(runner, {"a": prompt(7, seed=2)}, steps=3)
+        assert {n for n, _ in seen} == {"forward", "compute_logits"}
+        assert all(on == (switches.pdl is True) for _, on in seen), (switches.pdl, seen)
+        assert not pdl_allowed()
+    assert tokens[True] == tokens[None] == tokens[False]
+
+
 @needs_interpreter
 def test_short_steps_take_the_one_split_graph_and_match_eager(core):
     """A long-context graph pins several decode splits; a step whose sequences all have <= SHORT_SEQ_LEN keys
