@@ -17,16 +17,19 @@ uniform routing, 1 - (1 - k/E)^b: 87% for 64 tokens x top-8 of 256), the KV of t
 each request's recurrent state read and written (float32). Prefill: 2 x active params x tokens + attention FLOPs
 (causal: n^2 x heads x (qk + v dims); sliding: 2 n W heads (qk + v)) over the measured bf16 matmul rate.
 Usage: python benchmarks/gpu_hybrid.py [--families qwen3_5,qwen3_5_moe,mimo_v2_flash,kimi_linear] [--batches 1,64]
-       [--skip-hf] [--profile 1,64] [--dump-fla OUT.json] [--tiny --device cpu]
+       [--skip-hf] [--profile 1,64] [--pdl-ab] [--dump-fla OUT.json] [--tiny --device cpu]
+HELIOS_* switches (helios.switches) apply to every runner; --pdl-ab times batch 1 again with HELIOS_PDL=1.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
+import msgspec
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu_decode import copy_bandwidth, matmul_rate  # noqa: E402
 from helios.engine.messages import EngineRequest, SamplingParams  # noqa: E402
+from helios.switches import Switches  # noqa: E402
+
+# the process's execution switches, read once here (`HELIOS_PDL=1 python3 benchmarks/gpu_hybrid.py` runs with them)
+SWITCHES = Switches.from_environ(os.environ)
 
 PAGE = 16
 PROMPT, NEW = 128, 64
@@ -297,7 +304,7 @@ def free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def build_runner(arch, t: dict, batches: list[int], device: str):
+def build_runner(arch, t: dict, batches: list[int], device: str, switches: Switches = SWITCHES):
     """The runner at the benchmark's largest batch: KV pages for every request and one 4096-token prompt, a sliding
     layers' window group sized as compose sizes it, a state slot per request of a hybrid."""
     from helios.engine.kv_groups import window_pages_per_request
@@ -309,11 +316,12 @@ def build_runner(arch, t: dict, batches: list[int], device: str):
     if KVCache.window_layers(arch):
         window_pages = max(batches) * window_pages_per_request(arch.sliding_window, PAGE, 4096)
     return ModelRunner(arch, t, num_pages, PAGE, device=device, dtype=torch.bfloat16, max_model_len=8192,
-                       num_state_slots=max(batches) if arch.recurrent is not None else 0, window_pages=window_pages)
+                       num_state_slots=max(batches) if arch.recurrent is not None else 0, window_pages=window_pages,
+                       switches=switches)
 
 
 def run_family(family: str, batches: list[int], bandwidth: float, matmul: float, hf: bool, device: str = "cuda",
-               tiny: bool = False, profile_batches: tuple[int, ...] = ()) -> None:
+               tiny: bool = False, profile_batches: tuple[int, ...] = (), pdl_ab: bool = False) -> None:
     t0 = time.perf_counter()
     model, cfg = hf_model(family, device, tiny)
     arch, t = helios_tensors(model, cfg, device)
@@ -333,6 +341,16 @@ def run_family(family: str, batches: list[int], bandwidth: float, matmul: float,
               f"launches {dict(runner.launches)}", flush=True)
         if batch in profile_batches and device == "cuda":
             print("\n".join(profile_decode(runner, arch, batch)), flush=True)
+    if pdl_ab:  # batch 1 again, every one-row launch under PDL (HELIOS_PDL=1), over the same weights
+        other = build_runner(arch, t, [1], device, msgspec.structs.replace(SWITCHES, pdl=True))
+        tps = timed_decode(other, arch, 1, device)
+        limit = bandwidth / decode_bytes(arch, t, 1, PROMPT + NEW // 2)
+        print(f"helios {family} decode b=  1, HELIOS_PDL=1: {tps:8.1f} tok/s  limit {limit:8.1f}  ({tps / limit:.1%})"
+              f"  launches {dict(other.launches)}", flush=True)
+        if 1 in profile_batches and device == "cuda":
+            print("\n".join(profile_decode(other, arch, 1)), flush=True)
+        del other
+        free(device)
     n = 256 if tiny else 4096
     tps = timed_prefill(runner, arch, n, device)
     achieved = prefill_flops(arch, t, n) * tps / n
@@ -361,7 +379,9 @@ def main() -> None:
     parser.add_argument("--dump-fla", type=Path, help="write fla's tuned choices here after the runs "
                         "(helios.kernels.fla_tuning; the table to carry is helios/kernels/fla_<device>.json)")
     parser.add_argument("--profile", default="", help="batches whose decode steps get a kernel profile (comma list)")
+    parser.add_argument("--pdl-ab", action="store_true", help="also batch 1 with HELIOS_PDL=1, same weights")
     args = parser.parse_args()
+    print(f"switches: {SWITCHES}", flush=True)
     if args.device == "cuda":
         bandwidth, matmul = copy_bandwidth(), matmul_rate()
         print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e9:.0f} GB/s, bf16 matmul {matmul / 1e12:.0f} "
@@ -370,7 +390,7 @@ def main() -> None:
         bandwidth, matmul = 1e9, 1e12
     for family in args.families.split(","):
         run_family(family, [int(b) for b in args.batches.split(",")], bandwidth, matmul, not args.skip_hf,
-                   args.device, args.tiny, tuple(int(b) for b in args.profile.split(",") if b))
+                   args.device, args.tiny, tuple(int(b) for b in args.profile.split(",") if b), args.pdl_ab)
         if args.dump_fla and args.device == "cuda":  # after each family: a run cut short keeps what it tuned
             dump_fla(args.dump_fla)
 
