@@ -17,8 +17,8 @@ uniform routing, 1 - (1 - k/E)^b: 87% for 64 tokens x top-8 of 256), the KV of t
 each request's recurrent state read and written (float32). Prefill: 2 x active params x tokens + attention FLOPs
 (causal: n^2 x heads x (qk + v dims); sliding: 2 n W heads (qk + v)) over the measured bf16 matmul rate.
 Usage: python benchmarks/gpu_hybrid.py [--families qwen3_5,qwen3_5_moe,mimo_v2_flash,kimi_linear] [--batches 1,64]
-       [--skip-hf] [--profile 1,64] [--pdl-ab] [--dump-fla OUT.json] [--tiny --device cpu]
-HELIOS_* switches (helios.switches) apply to every runner; --pdl-ab times batch 1 again with HELIOS_PDL=1.
+       [--skip-hf] [--profile 1,64] [--variants 'HELIOS_PDL=1;...'] [--dump-fla OUT.json] [--tiny --device cpu]
+HELIOS_* switches (helios.switches) apply to every runner; --variants times batch 1 again under each switch set.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-import msgspec
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,7 +320,7 @@ def build_runner(arch, t: dict, batches: list[int], device: str, switches: Switc
 
 
 def run_family(family: str, batches: list[int], bandwidth: float, matmul: float, hf: bool, device: str = "cuda",
-               tiny: bool = False, profile_batches: tuple[int, ...] = (), pdl_ab: bool = False) -> None:
+               tiny: bool = False, profile_batches: tuple[int, ...] = (), variants: tuple[str, ...] = ()) -> None:
     t0 = time.perf_counter()
     model, cfg = hf_model(family, device, tiny)
     arch, t = helios_tensors(model, cfg, device)
@@ -341,11 +340,12 @@ def run_family(family: str, batches: list[int], bandwidth: float, matmul: float,
               f"launches {dict(runner.launches)}", flush=True)
         if batch in profile_batches and device == "cuda":
             print("\n".join(profile_decode(runner, arch, batch)), flush=True)
-    if pdl_ab:  # batch 1 again, every one-row launch under PDL (HELIOS_PDL=1), over the same weights
-        other = build_runner(arch, t, [1], device, msgspec.structs.replace(SWITCHES, pdl=True))
+    for variant in variants:  # batch 1 again under other switches, over the same weights
+        env = dict(os.environ, **dict(pair.split("=", 1) for pair in variant.split()))
+        other = build_runner(arch, t, [1], device, Switches.from_environ(env))
         tps = timed_decode(other, arch, 1, device)
         limit = bandwidth / decode_bytes(arch, t, 1, PROMPT + NEW // 2)
-        print(f"helios {family} decode b=  1, HELIOS_PDL=1: {tps:8.1f} tok/s  limit {limit:8.1f}  ({tps / limit:.1%})"
+        print(f"helios {family} decode b=  1, {variant}: {tps:8.1f} tok/s  limit {limit:8.1f}  ({tps / limit:.1%})"
               f"  launches {dict(other.launches)}", flush=True)
         if 1 in profile_batches and device == "cuda":
             print("\n".join(profile_decode(other, arch, 1)), flush=True)
@@ -379,7 +379,8 @@ def main() -> None:
     parser.add_argument("--dump-fla", type=Path, help="write fla's tuned choices here after the runs "
                         "(helios.kernels.fla_tuning; the table to carry is helios/kernels/fla_<device>.json)")
     parser.add_argument("--profile", default="", help="batches whose decode steps get a kernel profile (comma list)")
-    parser.add_argument("--pdl-ab", action="store_true", help="also batch 1 with HELIOS_PDL=1, same weights")
+    parser.add_argument("--variants", default="", help="switch sets to time batch 1 again with, same weights: "
+                        "';'-separated, each space-separated NAME=VALUE (e.g. 'HELIOS_PDL=1;HELIOS_PDL=1 HELIOS_GEMV=all')")
     args = parser.parse_args()
     print(f"switches: {SWITCHES}", flush=True)
     if args.device == "cuda":
@@ -390,7 +391,7 @@ def main() -> None:
         bandwidth, matmul = 1e9, 1e12
     for family in args.families.split(","):
         run_family(family, [int(b) for b in args.batches.split(",")], bandwidth, matmul, not args.skip_hf,
-                   args.device, args.tiny, tuple(int(b) for b in args.profile.split(",") if b), args.pdl_ab)
+                   args.device, args.tiny, tuple(int(b) for b in args.profile.split(",") if b), tuple(v for v in args.variants.split(";") if v.strip()))
         if args.dump_fla and args.device == "cuda":  # after each family: a run cut short keeps what it tuned
             dump_fla(args.dump_fla)
 
