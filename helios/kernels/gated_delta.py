@@ -115,10 +115,10 @@ def _gated_delta_step_kernel(
     conv_w_ptr,  # [C, K] (FUSED)
     conv_bias_ptr,  # [C] (FUSED and HAS_BIAS)
     conv_state_ptr,  # [S, K-1, C], in place (FUSED)
-    gate_ptr,  # FUSED: a [B, Hv] (raw; PER_CHANNEL: f [B, Hv*DK]); else g [B, Hv] (PER_CHANNEL: [B, Hv, DK] rows)
+    gate_ptr,  # FUSED: a [B, Hv] (raw); else g [B, Hv] (PER_CHANNEL: [B, Hv, DK] rows)
     beta_ptr,  # FUSED: b [B, Hv] (raw, beta = sigmoid(b)); else beta [B, Hv]
     A_log_ptr,  # [Hv] (FUSED)
-    dt_bias_ptr,  # [Hv] (FUSED; PER_CHANNEL: [Hv*DK])
+    dt_bias_ptr,  # [Hv] (FUSED)
     state_ptr,  # [S, Hv, DK, DV] float32, in place
     out_ptr,  # [B, Hv, DV] contiguous
     slots_ptr,  # [B]
@@ -130,14 +130,13 @@ def _gated_delta_step_kernel(
     stride_gate, stride_beta,
     C,  # conv channels (FUSED)
     scale,
-    lower_bound,  # FUSED and SAFE_GATE: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
     HK: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, SPLIT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, FUSED: tl.constexpr,
     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, STATE_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, SAFE_GATE: tl.constexpr,
+    PER_CHANNEL: tl.constexpr,
 ):
-    # PER_CHANNEL: KDA's decay per key channel (kimi_linear's softplus gate, or glm5_next's SAFE_GATE), GROUP == 1;
-    # else the GDN decay per value head.
+    # PER_CHANNEL (not FUSED): KDA's decay per key channel, given (helios.kernels.kda's unfused path), GROUP == 1;
+    # else the GDN decay per value head. The fused KDA step is helios.kernels.kda's own kernel.
     # program (split, key head, row): its key head's q and k, then TILES [DK, BV] state tiles of the key head's
     # GROUP value heads (tile t: value head t // NV, columns (t % NV) * BV)
     NV: tl.constexpr = (DV + BV - 1) // BV
@@ -176,16 +175,8 @@ def _gated_delta_step_kernel(
             s = tl.load(tile, mask=tile_mask & live_k, other=0.0)  # [BK, BV]
         if FUSED:
             rate = tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-            if PER_CHANNEL:  # [BK]: KDA's gate of each key channel
-                f = tl.load(gate_ptr + row * stride_gate + h * DK + ok, mask=mk, other=0.0).to(tl.float32)
-                f += tl.load(dt_bias_ptr + h * DK + ok, mask=mk, other=0.0).to(tl.float32)
-                if SAFE_GATE:
-                    g = lower_bound * tl.sigmoid(rate * f)
-                else:
-                    g = -rate * _softplus_kimi(f)
-            else:
-                a = tl.load(gate_ptr + row * stride_gate + h).to(tl.float32)
-                g = -rate * _softplus(a + tl.load(dt_bias_ptr + h).to(tl.float32))
+            a = tl.load(gate_ptr + row * stride_gate + h).to(tl.float32)
+            g = -rate * _softplus(a + tl.load(dt_bias_ptr + h).to(tl.float32))
             beta = tl.sigmoid(tl.load(beta_ptr + row * stride_beta + h).to(tl.float32))
             v, v_next = _conv_step(x_row, conv_w_ptr, conv_bias_ptr, cs_row, 2 * HK * DK + h * DV + cols, mv, live_c,
                                    C, K, KP, HAS_BIAS, SILU)
@@ -292,11 +283,9 @@ def gated_delta_decode(
 
 
 def fused_delta_step(mixed_qkv, conv_weight, conv_state, gate, b, A_log, dt_bias, state, slots, starts,
-                     num_k_heads, conv_bias=None, activation="silu", num_splits=None, per_channel=False,
-                     lower_bound=None) -> torch.Tensor:  # [B, Hv, dv]
-    """The fused decode launch shared by the GDN and KDA layers (helios.kernels.kda): shapes already checked.
-    per_channel: `gate` is KDA's f [B, Hv*dk] with dt_bias [Hv*dk] (softplus gate, or the safe gate with
-    lower_bound); else GDN's a [B, Hv]. Program (split, key head, row); its state tiles as gated_delta_decode says."""
+                     num_k_heads, conv_bias=None, activation="silu", num_splits=None) -> torch.Tensor:  # [B, Hv, dv]
+    """gated_delta_decode's launch, shapes already checked: `gate` is GDN's a [B, Hv]. Program (split, key head,
+    row); its state tiles as gated_delta_decode says."""
     num_rows, channels = mixed_qkv.shape
     _, num_v_heads, dk, dv = state.shape
     out = torch.empty(num_rows, num_v_heads, dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
@@ -313,11 +302,9 @@ def fused_delta_step(mixed_qkv, conv_weight, conv_state, gate, b, A_log, dt_bias
         mixed_qkv, mixed_qkv, mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight,
         conv_state, gate, b, A_log, dt_bias, state, out, slots, starts, counters,
         mixed_qkv.stride(0), 0, 0, 0, 0, 0, gate.stride(0), b.stride(0), channels, dk**-0.5,
-        0.0 if lower_bound is None else float(lower_bound),
         **_tile_args(num_k_heads, state, splits), K=width, KP=next_power_of_2(width - 1), FUSED=True,
         HAS_BIAS=conv_bias is not None, SILU=activation is not None, STATE_FIRST=STATE_FIRST, USE_PDL=pdl,
-        PER_CHANNEL=per_channel, SAFE_GATE=lower_bound is not None,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
+        PER_CHANNEL=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
     )
     return out
 
@@ -352,8 +339,8 @@ def recurrent_step(q, k, v, g, beta, state, slots, starts, num_splits=None) -> t
     _gated_delta_step_kernel[(splits, num_k_heads, num_rows)](
         q, k, v, q, q, q, g, beta, g, g, state, out, slots, starts, None,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        0, dk**-0.5, 0.0, **_tile_args(num_k_heads, state, splits), K=2, KP=1, FUSED=False, HAS_BIAS=False,
-        SILU=False, STATE_FIRST=False, USE_PDL=pdl, PER_CHANNEL=per_channel, SAFE_GATE=False,
+        0, dk**-0.5, **_tile_args(num_k_heads, state, splits), K=2, KP=1, FUSED=False, HAS_BIAS=False,
+        SILU=False, STATE_FIRST=False, USE_PDL=pdl, PER_CHANNEL=per_channel,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
     )
     return out
