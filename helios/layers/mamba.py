@@ -3,7 +3,8 @@
 in_proj -> [z, xBC, dt]; a depthwise causal conv (silu) over xBC; the selective scan (SSD) over x with B, C and
 dt per head, its state per request in a state slot; y * silu(z) through a grouped RMSNorm; out. The ops are
 helios.layers.recurrent's torch references on every device, or on the fused (GPU) path the Triton kernels of
-helios.kernels.gated_delta (the conv) and helios.kernels.mamba (the scan), imported there only. Imports torch only.
+helios.kernels.gated_delta (the conv), helios.kernels.mamba (the scan) and helios.kernels.gated_norm (the norm),
+imported there only. Imports torch only.
 """
 
 from __future__ import annotations
@@ -84,15 +85,16 @@ class Mamba2Mixer(RecurrentMixer):
         # NOTE: the StateCache row is [Hm, N, P] (RecurrentConfig's [num_heads, key_head_dim, value_head_dim]);
         # Mamba-2's state is HF's [Hm, P, N]: the same elements, only ever read by this layer, so a view serves
         ssm_state = ssm_state.view(ssm_state.shape[0], c.num_heads, c.value_head_dim, c.key_head_dim)
-        if self.fused:
-            y = self._mix_fused(xbc, dt, conv_state, ssm_state, meta)
-        else:
-            slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
-            xbc = ops.causal_conv(xbc, self.conv.weight, conv_state, slots, qsl, starts, bias=self.conv.bias,
-                                  activation="silu")
-            xs, b, cm = self._heads(xbc)
-            y = ops.mamba2_scan(xs, dt, self.A_log, b, cm, self.D, self.dt_bias, ssm_state, slots, qsl, starts,
-                                c.chunk_size, dt_limit=self.dt_limit)
+        if self.fused:  # the norm in one launch (helios.kernels.gated_norm's nemotron order: the same roundings)
+            y = self._mix_fused(xbc, dt, conv_state, ssm_state, meta).reshape(num_tokens, self.inner)
+            return self.out(self.gated_norm(y, z, self.norm.weight, self.eps, norm_before_gate=False,
+                                            group_size=self.group_size, multiply_in_float32=True))
+        slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
+        xbc = ops.causal_conv(xbc, self.conv.weight, conv_state, slots, qsl, starts, bias=self.conv.bias,
+                              activation="silu")
+        xs, b, cm = self._heads(xbc)
+        y = ops.mamba2_scan(xs, dt, self.A_log, b, cm, self.D, self.dt_bias, ssm_state, slots, qsl, starts,
+                            c.chunk_size, dt_limit=self.dt_limit)
         y = gated_group_rms_norm(y.reshape(num_tokens, self.inner), z, self.norm.weight, self.group_size, self.eps)
         return self.out(y.to(x.dtype))
 
