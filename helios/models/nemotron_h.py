@@ -20,9 +20,10 @@ from helios.core.manifest import Architecture
 from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.mamba import Mamba2Mixer
-from helios.layers.moe import Relu2MLP, SigmoidMoe
+from helios.layers.moe import SigmoidMoe
 from helios.layers.norm import RMSNorm, pre_norm_stack
 from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
+from helios.layers.relu2 import FusedRelu2MLP
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -53,23 +54,25 @@ class NemotronHBlock(nn.Module):
         super().__init__()
         kind, moe = arch.layer_types[layer_idx], arch.moe
         h, eps = arch.hidden_size, arch.rms_norm_eps
+        fused = getattr(backend, "fuses_layers", False)
         if kind == "linear":
             self.sublayer_name = "mamba"
-            sublayer = Mamba2Mixer(h, arch.recurrent, eps, switches=switches,
-                                   fused=getattr(backend, "fuses_layers", False))
+            sublayer = Mamba2Mixer(h, arch.recurrent, eps, switches=switches, fused=fused)
         elif kind == "full":
             self.sublayer_name = "attn"
             sublayer = PositionlessAttention(h, arch.num_heads, arch.num_kv_heads, arch.head_dim, backend,
                                              switches=switches)
         elif moe is None or layer_idx in moe.dense_layers:
             self.sublayer_name = "mlp"
-            sublayer = Relu2MLP(h, arch.intermediate_size, switches)
+            sublayer = FusedRelu2MLP(h, arch.intermediate_size, switches, fused=fused)
         elif tp is not None:  # the experts split over the ranks
             self.sublayer_name = "moe"
             sublayer = ExpertParallelSigmoidMoe(h, moe, arch.hidden_act, tp, switches)
         else:
             self.sublayer_name = "moe"
-            sublayer = SigmoidMoe(h, moe, arch.hidden_act, switches, fused=getattr(backend, "fuses_layers", False))
+            sublayer = SigmoidMoe(h, moe, arch.hidden_act, switches, fused=fused)
+            if fused and sublayer.shared is not None:  # its relu2 in one launch too (same tensors, unbound yet)
+                sublayer.shared = FusedRelu2MLP(h, moe.shared_expert_intermediate_size, switches, fused=True)
         self.kind = kind
         self.norm_name = "mlp_norm" if kind == "ffn" else "attn_norm"
         self.add_module(self.norm_name, RMSNorm(h, eps, multiply_in_float32=True))
