@@ -153,9 +153,9 @@ def post_norm_add(
 ) -> tuple[torch.Tensor | None, torch.Tensor]:  # (pre(stream) or None, stream)
     """A sandwich block's tail: stream = residual + post(h) (with `gate`, muse_spark's residual gate, rounded once),
     times `scale`, then the next block's pre(stream). `fused` (the Triton path): one launch
-    (helios.kernels.rmsnorm.norm_add_norm) where it gives torch's dtypes, else each step as below."""
+    (helios.kernels.norm_fused.norm_add_norm) where it gives torch's dtypes, else each step as below."""
     if fused and _one_launch_takes(h, residual, post, pre, gate, scale):
-        from helios.kernels.rmsnorm import norm_add_norm
+        from helios.kernels.norm_fused import norm_add_norm
 
         return norm_add_norm(h, residual, post.weight, post.eps, pre.weight if pre is not None else None,
                              pre.eps if pre is not None else 0.0, post_multiply_in_float32=post.multiply_in_float32,
@@ -194,12 +194,12 @@ def norm_rotate_heads(
     fused: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (q [T, Nq, D], k [T, Nk, D]), each normed and rotated
     """q_norm over the first num_q_heads heads, k_norm over the rest, then the rotary of both (apply_rotary). `fused`
-    (the Triton path): one launch (helios.kernels.rmsnorm.rms_norm_rope: the rotation in float32, rounded once, as
+    (the Triton path): one launch (helios.kernels.norm_fused.rms_norm_rope: the rotation in float32, rounded once, as
     apply_rotary_inplace) where both norms are of one kind and keep x's dtype, else each norm as its module and the
     rotation in place."""
     norms = [q_norm] if k_norm is None else [q_norm, k_norm]
     if fused and _rope_launch_takes(x, norms, cos_sin):
-        from helios.kernels.rmsnorm import rms_norm_rope
+        from helios.kernels.norm_fused import rms_norm_rope
 
         cos, sin = cos_sin if cos_sin is not None else (None, None)
         out = rms_norm_rope(x, q_norm.weight, q_norm.eps, q_norm.multiply_in_float32, weight2=norms[-1].weight,

@@ -110,7 +110,7 @@ def sandwich(dtype, post_kind: str):
 @pytest.mark.parametrize("case", ["weighted", "weighted_scale", "weighted_no_pre", "weightless_gate",
                                   "scale_first_gate", "weightless_alone"])
 def test_one_launch_post_norm_add_gives_the_torch_steps(dtype, case):
-    """post_norm_add's fused launch (helios.kernels.rmsnorm.norm_add_norm) = its torch steps: gemma4's post-norm, add,
+    """post_norm_add's fused launch (helios.kernels.norm_fused.norm_add_norm) = its torch steps: gemma4's post-norm, add,
     layer scalar and next norm; muse_spark's weightless or input-scaled post-norm and residual gate; the embedding's
     weightless norm with no residual. Both outputs, x's dtype."""
     require_interpreter()
@@ -150,7 +150,7 @@ def test_post_norm_add_keeps_torchs_steps_where_one_launch_would_change_a_dtype(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["q_and_k", "q_and_k_in_dtype", "weightless", "q_alone", "no_rotary"])
 def test_one_launch_norm_rotate_heads_gives_the_norms_then_the_rotary(dtype, case):
-    """norm_rotate_heads' fused launch (helios.kernels.rmsnorm.rms_norm_rope) = q_norm and k_norm over their heads of
+    """norm_rotate_heads' fused launch (helios.kernels.norm_fused.rms_norm_rope) = q_norm and k_norm over their heads of
     a strided projection row, then apply_rotary's torch ops: gemma4's weighted q/k norms (a KV-shared layer's q
     alone), muse_spark's weightless ones (NoPE layers without rotary), the llama multiply order too."""
     require_interpreter()
