@@ -5,7 +5,8 @@ norm). Every layer's feed-forward is the softmax top-k MoE with a sigmoid-gated 
 their hashed n-gram embeddings to the streams (helios.layers.ple).
 
 Block: x += ple(x); h, w = attn_hc(x); x += w * mixer(h) per stream; h, w = mlp_hc(x); x += w * moe(h) per stream.
-Forward-only, no weights of its own.
+Each add is taken by the next hyper-connection (or the PLE before it), so on the Triton backend it rides in that
+mix's first launch (helios.layers.hyper_connections). Forward-only, no weights of its own.
 """
 
 from __future__ import annotations
@@ -37,27 +38,29 @@ class Qwen4ExpLayer(nn.Module):
         self.ple = None
         if ple is not None and layer_idx in ple.layers:
             self.ple = PleLayer(h, hc.num_streams, ple, ple.layers.index(layer_idx), eps, device, switches)
-        self.attn_hc = HyperConnection(h, hc, eps, switches=switches)
+        fused = getattr(backend, "fuses_layers", False)  # the Triton backend: the mixes' kernels (two launches each)
+        self.attn_hc = HyperConnection(h, hc, eps, switches=switches, fused=fused)
         self.is_linear = arch.layer_types[layer_idx] == "linear"
         if self.is_linear:
-            self.linear = GatedDeltaNet(h, arch.recurrent, eps, fused=getattr(backend, "fuses_layers", False),
-                                        switches=switches)
+            self.linear = GatedDeltaNet(h, arch.recurrent, eps, fused=fused, switches=switches)
         else:
             self.attn = IndexedAttention(h, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.indexer, eps,
                                          rotary, switches, backend)
-        self.mlp_hc = HyperConnection(h, hc, eps, switches=switches)
-        self.moe = SharedExpertMoe(arch, switches, fused=getattr(backend, "fuses_layers", False))
+        self.mlp_hc = HyperConnection(h, hc, eps, switches=switches, fused=fused)
+        self.moe = SharedExpertMoe(arch, switches, fused=fused)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, cos_sin, cache, meta: AttentionMetadata):
-        """x [T, S*H] -> [T, S*H]. cache: (conv, recurrent[, ple conv]) states of a linear layer, (kv, index keys)
-        of an attention one."""
+    def forward(self, x: torch.Tensor, residual, token_ids: torch.Tensor, cos_sin, cache, meta: AttentionMetadata):
+        """(x [T, S*H], residual) -> (x, residual): residual is the (output [T, H], weights [T, S]) of the sublayer
+        before, not yet added to x (None for the first layer). cache: (conv, recurrent[, ple conv]) states of a linear
+        layer, (kv, index keys) of an attention one."""
         if self.ple is not None:
+            if residual is not None:
+                x, residual = add_to_streams(x, *residual), None
             x = x + self.ple(x, token_ids, cache[2], meta)
-        h, weights = self.attn_hc(x)
+        h, weights, x = self.attn_hc(x, residual)
         y = self.linear(h, cache[:2], meta) if self.is_linear else self.attn(h, cos_sin, cache, meta)
-        x = add_to_streams(x, y, weights)
-        h, weights = self.mlp_hc(x)
-        return add_to_streams(x, self.moe(h), weights)
+        h, mlp_weights, x = self.mlp_hc(x, (y, weights))
+        return x, (self.moe(h), mlp_weights)
 
 
 class Qwen4ExpForCausalLM(nn.Module):
@@ -83,7 +86,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             Qwen4ExpLayer(arch, i, backend, self.rotary, device, switches) for i in range(arch.num_layers)
         )
         self.hc_head = HyperConnection(arch.hidden_size, arch.hyper_connections, arch.rms_norm_eps, inject=False,
-                                       switches=switches)
+                                       switches=switches, fused=getattr(backend, "fuses_layers", False))
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size,
                                                                     switches=switches)
 
@@ -111,9 +114,10 @@ class Qwen4ExpForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, meta: AttentionMetadata, caches: list) -> torch.Tensor:  # [T, H]
         x = self.embed(token_ids).repeat(1, self.num_streams)  # [T, S*H]
         cos_sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        residual = None
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, token_ids, cos_sin, cache, meta)
-        return self.hc_head(x)[0]
+            x, residual = layer(x, residual, token_ids, cos_sin, cache, meta)
+        return self.hc_head(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -31,6 +31,7 @@ BOUNDS = {
     "minimax_m3": ({"full_attention+mlp": 31, "full_attention+moe": 34}, 6),
     "muse_spark": ({"full+mlp": 11, "sliding+moe": 19, "sliding+mlp": 11, "full+moe": 19}, 9),
     "gemma4": ({"sliding+mlp": 16.25, "full+mlp": 16.5}, 21),
+    "qwen4_exp": ({"linear+moe": 18, "full+moe": 63}, 9),
 }
 
 
