@@ -8,16 +8,17 @@ S + dt x B^T, y = S C + D x, A = -exp(A_log). Two kernels, each walking a sequen
 float32 registers: the sequential one token by token (decode steps, and prefill where the layer's chunk is under
 16), the chunked one a chunk at a time (SSD's form with float32 ieee products), its chunks cut at absolute multiples
 of a divisor of the layer's chunk_size, as the CPU path's: a sequence's bits depend neither on its batch nor on
-where the scheduler split its prompt. Graph-safe: device-side bounds, no host sync, a grid fixed by the shapes.
-Imports torch and helios.kernels._triton / gated_delta; nothing else.
+where the scheduler split its prompt. A decode step takes mamba2_decode instead: gated_delta's causal conv (silu)
+and the sequential step in one launch, from in_proj's xBC. Graph-safe: device-side bounds, no host sync, a grid
+fixed by the shapes. Imports torch and helios.kernels._triton / gated_delta; nothing else.
 """
 
 from __future__ import annotations
 
 import torch
 
-from helios.kernels._triton import check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
-from helios.kernels.gated_delta import _softplus
+from helios.kernels._triton import check_last_dim_contiguous, jit, next_power_of_2, require_triton, round_to, tl
+from helios.kernels.gated_delta import _softplus, causal_conv_ref, check_conv
 
 BLOCK_P = 16  # head_dim rows per program: the state tile [BLOCK_P, N] float32 stays in registers
 # the chunked kernel: [MAX_CHUNK, N] B and C, [CHUNK_BLOCK_P, N] state and [MAX_CHUNK, MAX_CHUNK] scores in float32
@@ -26,6 +27,10 @@ CHUNK_BLOCK_P = 16
 MAX_CHUNK = 32
 NUM_WARPS = 4
 FLOAT32_MAX = torch.finfo(torch.float32).max  # an unbounded dt_limit (inf) as a finite kernel argument
+# the decode step's arrival counters, one per (batch row, B/C group) and device: allocated once (a captured graph
+# keeps pointing at them), zero between launches (the last program of each group resets its own)
+_COUNTER_SLOTS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @jit
@@ -82,6 +87,99 @@ def _mamba2_scan_kernel(
         s = s * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
         y = tl.sum(s * c[None, :], axis=1) + D * x
         tl.store(out_ptr + (row * H + h) * P + op, y.to(out_ptr.dtype.element_ty), mask=mp)
+    tl.store(tile, s, mask=tile_mask)
+
+
+@jit
+def _conv_silu(xbc_row, w_ptr, bias_ptr, cs_row, cols, mask, start, C, K: tl.constexpr, KP: tl.constexpr,
+               HAS_BIAS: tl.constexpr, DT: tl.constexpr):
+    """One token's depthwise causal conv and silu over channels `cols` ([N]) as helios.kernels.gated_delta's
+    _causal_conv_kernel computes it (the taps oldest first, then the bias and silu, in float32; the output rounded
+    to DT as that kernel stores it), and the channels' next conv-state rows [KP, N] (rows >= K-1 unused), as its
+    _conv_state_kernel writes them. A fresh sequence (start 0) reads zeros for its state."""
+    live = (tl.zeros(cols.shape, dtype=tl.int32) + start) > 0  # a tile: see gated_delta's live_k
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for m in tl.static_range(K - 1):
+        sv = tl.load(cs_row + m * C + cols, mask=mask & live, other=0.0).to(tl.float32)
+        acc += sv * tl.load(w_ptr + cols * K + m, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(xbc_row + cols, mask=mask, other=0.0)
+    acc += x.to(tl.float32) * tl.load(w_ptr + cols * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = round_to(acc * tl.sigmoid(acc), DT)
+    r = tl.arange(0, KP)[:, None]
+    live2 = (tl.zeros([KP, 1], dtype=tl.int32) + start) > 0
+    nxt = tl.load(cs_row + (r + 1) * C + cols[None, :], mask=(r + 1 < K - 1) & mask[None, :] & live2, other=0.0)
+    return y, tl.where(r == K - 2, x.to(nxt.dtype)[None, :], nxt)
+
+
+@jit
+def _mamba2_decode_kernel(
+    xbc_ptr,  # [B, C] the conv input x | B | C (row stride stride_xbc)
+    dt_ptr,  # [B, H] (row stride stride_dt)
+    conv_w_ptr,  # [C, K]
+    conv_bias_ptr,  # [C] (HAS_BIAS)
+    conv_state_ptr,  # [S, K-1, C], in place
+    A_log_ptr, D_ptr, dt_bias_ptr,  # [H]
+    state_ptr,  # [S, H, P, N] float32, in place
+    out_ptr,  # [B, H, P] contiguous
+    slots_ptr,  # [B]
+    starts_ptr,  # [B]
+    counter_ptr,  # [>= B * G] int32, zero
+    stride_xbc, stride_dt,
+    dt_min, dt_max,
+    C,
+    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, HAS_BIAS: tl.constexpr, ARRIVALS: tl.constexpr,
+):
+    # program (head-dim tile, head, row): the conv of its x channels and of its group's B and C, then the scan
+    # step of its [BP, N] state rows. Its x channels are its own; B's and C's are every program's of the group
+    # (ARRIVALS of them): each reads their conv state, the last to arrive writes it (see gated_delta's _conv_qk)
+    GROUP: tl.constexpr = H // G
+    h = tl.program_id(1)
+    row = tl.program_id(2).to(tl.int64)
+    op = tl.program_id(0) * BP + tl.arange(0, BP)
+    on = tl.arange(0, BN)
+    mp = op < P
+    mn = on < N
+    grp = h // GROUP
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    start = tl.load(starts_ptr + row)
+    xbc_row = xbc_ptr + row * stride_xbc
+    cs_row = conv_state_ptr + slot * (K - 1) * C
+    DT: tl.constexpr = xbc_ptr.dtype.element_ty
+    x_cols = h * P + op
+    b_cols = H * P + grp * N + on
+    c_cols = H * P + G * N + grp * N + on
+    x, x_next = _conv_silu(xbc_row, conv_w_ptr, conv_bias_ptr, cs_row, x_cols, mp, start, C, K, KP, HAS_BIAS, DT)
+    b, b_next = _conv_silu(xbc_row, conv_w_ptr, conv_bias_ptr, cs_row, b_cols, mn, start, C, K, KP, HAS_BIAS, DT)
+    c, c_next = _conv_silu(xbc_row, conv_w_ptr, conv_bias_ptr, cs_row, c_cols, mn, start, C, K, KP, HAS_BIAS, DT)
+    r = tl.arange(0, KP)[:, None]
+    tl.debug_barrier()  # the rows shift: every thread's conv-state loads before any store
+    tl.store(cs_row + r * C + x_cols[None, :], x_next, mask=(r < K - 1) & mp[None, :])
+    if ARRIVALS > 1:
+        last = tl.atomic_add(counter_ptr + row * G + grp, 1, sem="acq_rel", scope="gpu") == ARRIVALS - 1
+    else:
+        last = True
+    if last:
+        bc_mask = (r < K - 1) & mn[None, :]
+        tl.store(cs_row + r * C + b_cols[None, :], b_next, mask=bc_mask)
+        tl.store(cs_row + r * C + c_cols[None, :], c_next, mask=bc_mask)
+        if ARRIVALS > 1:
+            tl.atomic_xchg(counter_ptr + row * G + grp, 0, sem="relaxed", scope="gpu")  # zero for the next launch
+    # the scan step, as _mamba2_scan_kernel's
+    live = (tl.zeros([BP, 1], dtype=tl.int32) + start) > 0
+    tile = state_ptr + (slot * H + h) * P * N + op[:, None] * N + on[None, :]
+    tile_mask = mp[:, None] & mn[None, :]
+    s = tl.load(tile, mask=tile_mask & live, other=0.0)
+    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    D = tl.load(D_ptr + h).to(tl.float32)
+    dt_ty = dt_ptr.dtype.element_ty
+    bias = tl.load(dt_bias_ptr + h).to(dt_ty).to(tl.float32)
+    dt = _dt_step(tl.load(dt_ptr + row * stride_dt + h), bias, dt_min, dt_max)
+    s = s * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
+    y = tl.sum(s * c[None, :], axis=1) + D * x
+    tl.store(out_ptr + (row * H + h) * P + op, y.to(out_ptr.dtype.element_ty), mask=mp)
     tl.store(tile, s, mask=tile_mask)
 
 
@@ -205,6 +303,79 @@ def mamba2_scan(
         BN=max(16, next_power_of_2(state_dim)), num_warps=NUM_WARPS, **extra,
     )
     return out
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed arrival counters (allocated once, never replaced).
+
+    NOTE: first allocated by a warm-up launch, never inside a graph capture (GraphRunner warms every graph up first)."""
+    if device not in _counters:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+            "mamba2_decode: run once before capturing a graph (its arrival counters are allocated then)"
+        _counters[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _counters[device]
+
+
+def mamba2_decode(
+    xbc: torch.Tensor,  # [B, C] the conv input: x [H*P] | B [G*N] | C [G*N] per row (in_proj's split)
+    dt: torch.Tensor,  # [B, H], the dt projection (before dt_bias and softplus)
+    conv_weight: torch.Tensor,  # [C, K]
+    conv_bias: torch.Tensor | None,  # [C]
+    conv_state: torch.Tensor,  # [S, K-1, C], in place at slots
+    A_log: torch.Tensor,  # [H]
+    D: torch.Tensor,  # [H]
+    dt_bias: torch.Tensor,  # [H]
+    state: torch.Tensor,  # [S, H, P, N] float32, in place at slots
+    slots: torch.Tensor,  # [B] (device)
+    starts: torch.Tensor,  # [B] (device); 0 = fresh
+    num_groups: int,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> torch.Tensor:  # [B, H, P] in xbc's dtype
+    """A decode step (one token per sequence) of the Mamba-2 mixer from the conv input, in one launch: the causal
+    conv with silu (gated_delta.causal_conv's two launches) and mamba2_scan's step, the same values. Graph-safe."""
+    require_triton()
+    num_rows, channels = xbc.shape
+    num_heads, head_dim, state_dim = state.shape[1:]
+    width = conv_weight.shape[1]
+    assert channels == num_heads * head_dim + 2 * num_groups * state_dim and num_heads % num_groups == 0
+    check_conv(conv_weight, conv_state, conv_state.shape[0], channels)
+    assert conv_bias is None or (conv_bias.shape == (channels,) and conv_bias.is_contiguous())
+    assert dt.shape == (num_rows, num_heads) and A_log.shape == D.shape == dt_bias.shape == (num_heads,)
+    assert state.dtype == torch.float32 and state.is_contiguous(), "state must be contiguous float32"
+    assert slots.shape == starts.shape == (num_rows,)
+    assert not slots.dtype.is_floating_point and not starts.dtype.is_floating_point
+    check_last_dim_contiguous("xbc", xbc)
+    check_last_dim_contiguous("dt", dt)
+    out = torch.empty(num_rows, num_heads, head_dim, dtype=xbc.dtype, device=xbc.device)
+    if num_rows == 0:
+        return out
+    block_p = min(BLOCK_P, max(16, next_power_of_2(head_dim)))
+    num_tiles = -(-head_dim // block_p)
+    arrivals = num_tiles * (num_heads // num_groups)
+    assert arrivals == 1 or num_rows * num_groups <= _COUNTER_SLOTS, "more (row, group) pairs than arrival counters"
+    counters = _arrival_counters(xbc.device) if arrivals > 1 else slots
+    _mamba2_decode_kernel[(num_tiles, num_heads, num_rows)](
+        xbc, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state, A_log, D, dt_bias,
+        state, out, slots, starts, counters, xbc.stride(0), dt.stride(0),
+        float(dt_limit[0]), min(float(dt_limit[1]), FLOAT32_MAX), channels,
+        H=num_heads, G=num_groups, P=head_dim, N=state_dim, BP=block_p, BN=max(16, next_power_of_2(state_dim)),
+        K=width, KP=next_power_of_2(width - 1), HAS_BIAS=conv_bias is not None, ARRIVALS=arrivals,
+        num_warps=NUM_WARPS,
+    )
+    return out
+
+
+def mamba2_decode_ref(xbc, dt, conv_weight, conv_bias, conv_state, A_log, D, dt_bias, state, slots, starts,
+                      num_groups, dt_limit=(0.0, float("inf"))):
+    """causal_conv_ref (silu) then mamba2_scan_ref, one row per sequence."""
+    num_rows = xbc.shape[0]
+    num_heads, head_dim, state_dim = state.shape[1:]
+    qsl = torch.arange(num_rows + 1, device=xbc.device)
+    y = causal_conv_ref(xbc, conv_weight, conv_state, slots, qsl, starts, bias=conv_bias)
+    xs, b, c = y.split([num_heads * head_dim, num_groups * state_dim, num_groups * state_dim], dim=-1)
+    return mamba2_scan_ref(xs.reshape(num_rows, num_heads, head_dim), dt, A_log,
+                           b.reshape(num_rows, num_groups, state_dim), c.reshape(num_rows, num_groups, state_dim), D,
+                           dt_bias, state, slots, qsl, starts, dt_limit)
 
 
 def mamba2_scan_ref(x, dt, A_log, B, C, D, dt_bias, state, slots, query_start_loc, starts,

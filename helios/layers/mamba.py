@@ -107,12 +107,17 @@ class Mamba2Mixer(RecurrentMixer):
                 cm.reshape(num_tokens, c.num_key_heads, c.key_head_dim))
 
     def _mix_fused(self, xbc, dt, conv_state, ssm_state, meta: AttentionMetadata) -> torch.Tensor:
-        """The Triton path: the varlen conv kernel, then helios.kernels.mamba's scan, decode and prefill alike, from
-        device-side slots, bounds and starts (no host sync: graph-safe)."""
+        """The Triton path from device-side slots, bounds and starts (no host sync: graph-safe): a decode step (one
+        token per sequence) in one launch (helios.kernels.mamba.mamba2_decode), else the varlen conv kernel, then
+        helios.kernels.mamba's scan."""
         from helios.kernels.gated_delta import causal_conv
-        from helios.kernels.mamba import mamba2_scan
+        from helios.kernels.mamba import mamba2_decode, mamba2_scan
 
         slots, qsl, starts = meta.state_slots, meta.query_start_loc, sequence_starts_device(meta)
+        if xbc.shape[0] == slots.shape[0]:  # NOTE: no sequence is scheduled with zero tokens: one token each
+            return mamba2_decode(xbc, dt, self.conv.weight, self.conv.bias, conv_state, self.A_log, self.D,
+                                 self.dt_bias, ssm_state, slots, starts, self.config.num_key_heads,
+                                 dt_limit=self.dt_limit)
         xbc = causal_conv(xbc, self.conv.weight, conv_state, slots, qsl, starts, bias=self.conv.bias,
                           activation="silu")
         xs, b, cm = self._heads(xbc)

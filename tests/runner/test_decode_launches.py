@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 BOUNDS = {
     "qwen3_5": ({"linear+mlp": 8.09, "full+mlp": 14}, 7),
     "qwen3_5_moe": ({"linear+moe": 16.14, "full+moe": 22}, 7),
-    "nemotron_h": ({"linear+no-ffn": 9, "ffn+moe": 10, "full+no-ffn": 6, "ffn+mlp": 4}, 6),
+    "nemotron_h": ({"linear+no-ffn": 6, "ffn+moe": 10, "full+no-ffn": 6, "ffn+mlp": 4}, 6),
     "mimo_v2_flash": ({"full+mlp": 11, "sliding+moe": 15}, 7),
     "kimi_linear": ({"linear+mlp": 9, "linear+moe": 14, "full+moe": 16}, 6),
     "glm5_next": ({"linear+mlp": 17.67, "full+moe": 48}, 8),
