@@ -3,8 +3,8 @@
 in_proj -> [z, xBC, dt]; a depthwise causal conv (silu) over xBC; the selective scan (SSD) over x with B, C and
 dt per head, its state per request in a state slot; y * silu(z) through a grouped RMSNorm; out. The ops are
 helios.layers.recurrent's torch references on every device, or on the fused (GPU) path the Triton kernels of
-helios.kernels.gated_delta (the conv), helios.kernels.mamba (the scan) and helios.kernels.gated_norm (the norm),
-imported there only. Imports torch only.
+helios.kernels.gated_delta (the conv), helios.kernels.mamba (the scan; a decode step's conv and scan in one launch)
+and helios.kernels.gated_norm (the norm), imported there only. Imports torch only.
 """
 
 from __future__ import annotations
