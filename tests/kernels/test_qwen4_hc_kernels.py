@@ -80,10 +80,10 @@ def check_mix_matches_the_layer(device: str, dtype: torch.dtype, num_tokens: int
     assert got[2].dtype == dtype and torch.equal(got[2], want[2]), "the added streams: two roundings, as torch's"
 
 
-def check_batched_equals_alone(device: str, dtype: torch.dtype, num_tokens: int = 6, num_streams: int = 3,
+def check_batched_equals_alone(device: str, dtype: torch.dtype, num_tokens: int = 18, num_streams: int = 3,
                                hidden: int = 96, rank: int = 40) -> None:
     """Each token's sublayer input, weights and streams batched = the same token run alone, bit for bit (tokens land
-    at every position of a norm-mix program's block)."""
+    at every row of a program's 16-token block, and in a second block)."""
     hc = hyper_connection(num_streams, hidden, rank, dtype, device)
     hc.fused = True
     x, (y, w) = inputs(num_tokens, num_streams, hidden, dtype, device)
@@ -111,7 +111,8 @@ def test_the_head_and_the_first_mix(interpreter, dtype):
 
 
 def test_wide_streams_and_two_of_them(interpreter):
-    """A hidden size past one chunk (256) and one gate block (64), 2 and 4 streams, a rank past one tile."""
+    """Hidden sizes past one step of columns (128) and one gate block (32), 2 and 4 streams, ranks past one step of
+    the up projection (32) and projection rows over several norm-mix programs (16 each)."""
     check_mix_matches_the_layer("cpu", torch.float32, 2, num_streams=2, hidden=300, rank=8)
     check_mix_matches_the_layer("cpu", torch.float32, 1, num_streams=4, hidden=64, rank=70)
 
