@@ -27,6 +27,7 @@ import hashlib
 import importlib
 import json
 import os
+import pkgutil
 import shutil
 import sys
 import tempfile
@@ -55,9 +56,12 @@ from helios.kernels.aot_shapes import (  # noqa: F401  (re-exported: the runtime
 )
 
 INDEX_FILE = "index.json"
-KERNEL_MODULES = ("_triton", "activation", "csa_decode", "decode_qkv", "dsa_decode", "fused_moe", "gated_delta",
-                  "gated_norm", "gemv", "kda", "mamba", "mhc", "mla_decode", "paged_attention", "prefetch", "prefill_attention",
-                  "qsa_decode", "reshape_and_cache", "rmsnorm", "rotary", "rotary_cache", "sampling", "sparse_decode")
+def kernel_modules() -> list[str]:
+    """Every module of helios.kernels (those a model imports on first use too): _relative_sources imports them all
+    first, so a family's kernels get relative paths whether or not its model was built yet in this process."""
+    import helios.kernels
+
+    return sorted(m.name for m in pkgutil.iter_modules(helios.kernels.__path__) if m.name != "__init__")
 
 
 class _TargetDriver:
@@ -86,7 +90,7 @@ def _relative_sources() -> None:
     """Point every JIT function's source file (helios' kernels and Triton's own language helpers, which get
     inlined) at a path relative to its package root, so no compiled artifact's line info carries a path of
     this machine. Triton's cache key does not include file names, so the runtime key is unchanged."""
-    for name in KERNEL_MODULES:
+    for name in kernel_modules():
         importlib.import_module(f"helios.kernels.{name}")
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith(("helios.kernels.", "triton.language")):

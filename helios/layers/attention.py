@@ -467,7 +467,13 @@ class Attention(nn.Module):
             gate = torch.sigmoid(qkv[:, -self.num_heads :])
             o = (o.view(num_tokens, self.num_heads, -1) * gate[:, :, None]).view(num_tokens, -1)
         elif self.output_gate:  # qwen3_5: the gate rows follow v's
-            o = o * torch.sigmoid(qkv[:, q_size + kv_size + v_size :])
+            gate = qkv[:, q_size + kv_size + v_size :]
+            if self.fused_ops:  # one launch for torch's sigmoid and mul (the same roundings)
+                from helios.kernels.output_gate import sigmoid_gate
+
+                o = sigmoid_gate(o, gate)
+            else:
+                o = o * torch.sigmoid(gate)
         return self.o(o)
 
     def _norm_and_rotate_fused(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -28,12 +28,16 @@ def sequence_starts(meta: AttentionMetadata) -> list[int]:
     return starts
 
 
-def sequence_starts_device(meta: AttentionMetadata) -> torch.Tensor:  # [B] int32, on the metadata's device
-    """sequence_starts from the device tensors (no host sync: graph-safe), derived once per step."""
+def sequence_starts_device(meta: AttentionMetadata) -> torch.Tensor:  # [B] int64, on the metadata's device
+    """sequence_starts from the device tensors (no host sync: graph-safe), derived once per step: the position of
+    each sequence's first token this step. A decode step (one token per sequence) launches nothing for it.
+    NOTE: T == B means one token each since the scheduler gives no sequence zero tokens (a graph's padded rows hold
+    one each, position 0: fresh, as seq_len 0 made them)."""
     starts = meta.derived.get("sequence_starts_device")
     if starts is None:
         qsl = meta.query_start_loc
-        starts = meta.derived["sequence_starts_device"] = (meta.seq_lens - (qsl[1:] - qsl[:-1])).to(torch.int32)
+        one_each = meta.positions.shape[0] == qsl.shape[0] - 1
+        starts = meta.derived["sequence_starts_device"] = meta.positions if one_each else meta.positions[qsl[:-1]]
     return starts
 
 
