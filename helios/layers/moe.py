@@ -6,7 +6,8 @@ down [E, H, Fm]. The CPU path loops over the experts that received tokens, in HF
 result matches transformers' own loop to float32 rounding (the expert products go through
 `helios.layers.linear`, whose CPU bits do not depend on the thread count). The fused (GPU) path runs
 helios.kernels.fused_moe instead: routing, the sort by expert, grouped GEMMs and the combine on the device, with no
-host sync (a decode step can be captured in a CUDA graph).
+host sync (a decode step can be captured in a CUDA graph); a decode step's router logits (and a shared expert gate's)
+come from one launch of helios.kernels.router (router_logits).
 """
 
 from __future__ import annotations
@@ -77,9 +78,9 @@ class SparseMoe(RoutedMoe):
 
     def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
         """router_input [T, H]: what the router reads when it is not x (gemma4 routes the un-normed stream)."""
-        logits = self.router(x if router_input is None else router_input)
         if self.fused:
-            return self._forward_fused(x, logits)
+            return self._forward_fused(x, self.router_logits(x if router_input is None else router_input)[0])
+        logits = self.router(x if router_input is None else router_input)
         weights, experts = route(logits, self.top_k, self.norm_topk_prob)
         out = torch.zeros_like(x)
         # [E, k, T] one-hot of assignments; only experts with at least one token run
@@ -92,6 +93,19 @@ class SparseMoe(RoutedMoe):
             h = linear(h, self.down.weight[e]) * weights[token, slot, None]
             out.index_add_(0, token, h.to(out.dtype))
         return out
+
+    def router_logits(self, x: torch.Tensor, shared_gate: Linear | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, E], [T, 1] (None without shared_gate)
+        """The router's logits and a shared expert gate's, in the router's dtype as its projection rounds them: on the
+        fused path, decode rows take one launch for both (helios.kernels.router); else the two projections."""
+        if self.fused:
+            from helios.kernels import router
+
+            gate = None if shared_gate is None else shared_gate.weight
+            if (router.router_serves(x, self.router.weight)
+                    and (gate is None or (gate.dtype == self.router.weight.dtype and gate.stride(-1) == 1))):
+                return router.router_logits(x, self.router.weight, gate, out_dtype=x.dtype)
+        return self.router(x), (None if shared_gate is None else shared_gate(x))
 
     def _forward_fused(self, x: torch.Tensor, logits: torch.Tensor, shared: torch.Tensor | None = None,
                        shared_gate: torch.Tensor | None = None) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
@@ -226,8 +240,7 @@ class SigmoidMoe(RoutedMoe):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         m = self.moe
-        # float32 logits, as HF keeps its gate in float32 (a 16-bit core's router weight is rounded, HF's is not)
-        logits = linear(x.float(), self.router.weight.float())
+        logits = self.router_logits(x)
         route_fn = self._route_fused if self.fused else route_sigmoid
         weights, experts = route_fn(logits, m.num_experts_per_tok, self.router.bias, m.num_groups,
                                     m.num_topk_groups, m.norm_topk_prob, m.routed_scaling_factor, m.scoring)
@@ -240,6 +253,17 @@ class SigmoidMoe(RoutedMoe):
         if m.latent_size:
             routed = self.latent_out(routed)
         return routed if self.shared is None else routed + self.shared(x)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] float32
+        """float32 logits, as HF keeps its gate in float32 (a 16-bit core's router weight is rounded, HF's is not): on
+        the fused path, decode rows in one launch (helios.kernels.router: no float32 copy of x, the same products
+        summed in float32); else x.float() times the table."""
+        if self.fused:
+            from helios.kernels import router
+
+            if router.router_serves(x, self.router.weight):
+                return router.router_logits(x, self.router.weight)[0]
+        return linear(x.float(), self.router.weight.float())
 
     @staticmethod
     def _route_fused(logits: torch.Tensor, top_k: int, score_bias: torch.Tensor | None, num_groups: int,

@@ -42,7 +42,8 @@ class SharedExpertMoe(SparseMoe):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         if self.fused:  # the gated shared expert added by the experts' combine launch (same roundings)
-            return self._forward_fused(x, self.router(x), self.shared(x), self.shared_gate(x))
+            logits, gate = self.router_logits(x, self.shared_gate)  # the router's and the gate's: one launch
+            return self._forward_fused(x, logits, self.shared(x), gate)
         return plus_shared_expert(self, x, super().forward(x))
 
 
