@@ -15,6 +15,7 @@ from helios.kernels._triton import (
     pdl_launch_dependents,
     pdl_wait,
     require_triton,
+    round_to,
     tl,
     use_pdl,
 )
@@ -85,8 +86,8 @@ def _rms_norm_rope_kernel(
     x_ptr,  # [num_tokens, num_heads, head_dim] rows addressed as (t, j)
     weight_ptr,  # [head_dim] the first num_first heads' weight, unread with WEIGHT == UNIT
     weight2_ptr,  # [head_dim] the other heads' weight, unread with WEIGHT == UNIT
-    cos_ptr,  # [num_tokens, head_dim] rows of stride_cos, read only with ROTARY
-    sin_ptr,  # [num_tokens, head_dim] rows of stride_sin
+    cos_ptr,  # [num_tokens, rotary_dim] rows of stride_cos, read only with ROTARY
+    sin_ptr,  # [num_tokens, rotary_dim] rows of stride_sin
     out_ptr,  # [num_tokens, num_heads, head_dim] contiguous
     num_heads,
     num_first,  # heads (from 0) normed with weight_ptr
@@ -94,27 +95,39 @@ def _rms_norm_rope_kernel(
     stride_x1,
     stride_cos,
     stride_sin,
-    half,  # head_dim // 2
+    half,  # rotary_dim // 2 (head_dim // 2 without rotary)
+    head_dim,
     eps,
     WEIGHT: tl.constexpr,  # UNIT or WEIGHT_AFTER
     MULTIPLY_IN_FLOAT32: tl.constexpr,
     ROTARY: tl.constexpr,
+    ROUND_PRODUCTS: tl.constexpr,  # apply_rotary's roundings (each product, then the sum) instead of one
+    HAS_PASS: tl.constexpr,  # partial rotary: dims 2 * half .. head_dim - 1 pass unturned
     BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    """Program (token, head): the head's norm over its head_dim values, read as the rotated halves [0, half),
+    [half, 2 * half) and (partial rotary) the passed rest."""
     row = tl.program_id(0).to(tl.int64)
     t = row // num_heads
     j = row % num_heads
     cols = tl.arange(0, BLOCK_HALF)
     mask = cols < half
+    rest = 2 * half + tl.arange(0, BLOCK_PASS)
+    rest_mask = rest < head_dim
     w1 = 0.0
     w2 = 0.0
+    w3 = 0.0
     if WEIGHT != 0:  # weights: no kernel writes them; the row's head picks one of the two
         first = j < num_first
         w1 = tl.where(first, tl.load(weight_ptr + cols, mask=mask, other=0.0),
                       tl.load(weight2_ptr + cols, mask=mask, other=0.0)).to(tl.float32)
         w2 = tl.where(first, tl.load(weight_ptr + half + cols, mask=mask, other=0.0),
                       tl.load(weight2_ptr + half + cols, mask=mask, other=0.0)).to(tl.float32)
+        if HAS_PASS:
+            w3 = tl.where(first, tl.load(weight_ptr + rest, mask=rest_mask, other=0.0),
+                          tl.load(weight2_ptr + rest, mask=rest_mask, other=0.0)).to(tl.float32)
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     x_row = x_ptr + t * stride_x0 + j * stride_x1
@@ -123,31 +136,46 @@ def _rms_norm_rope_kernel(
     dtype = x1.dtype
     h1 = x1.to(tl.float32)
     h2 = x2.to(tl.float32)
-    inv = tl.rsqrt((tl.sum(h1 * h1, axis=0) + tl.sum(h2 * h2, axis=0)) / (2 * half) + eps)
+    square_sum = tl.sum(h1 * h1, axis=0) + tl.sum(h2 * h2, axis=0)
+    h3 = tl.zeros([BLOCK_PASS], dtype=tl.float32)
+    if HAS_PASS:
+        h3 = tl.load(x_row + rest, mask=rest_mask, other=0.0).to(tl.float32)
+        square_sum += tl.sum(h3 * h3, axis=0)
+    inv = tl.rsqrt(square_sum / head_dim + eps)
     h1 = h1 * inv
     h2 = h2 * inv
+    h3 = h3 * inv
     if WEIGHT != 0:
         if MULTIPLY_IN_FLOAT32:
             h1 = h1 * w1
             h2 = h2 * w2
+            h3 = h3 * w3
         else:  # weight * h.to(dtype), as _normalize
-            h1 = h1.to(dtype).to(tl.float32) * w1
-            h2 = h2.to(dtype).to(tl.float32) * w2
-    # the norm's output rounded to x's dtype, then rotated in float32 and rounded once (helios.kernels.rotary)
-    h1 = h1.to(dtype).to(tl.float32)
-    h2 = h2.to(dtype).to(tl.float32)
+            h1 = round_to(h1, dtype) * w1
+            h2 = round_to(h2, dtype) * w2
+            h3 = round_to(h3, dtype) * w3
+    # the norm's output rounded to x's dtype, then rotated: in float32 and rounded once (helios.kernels.rotary), or
+    # with ROUND_PRODUCTS as apply_rotary's torch ops round (x * cos and rotate_half(x) * sin, then their sum)
+    h1 = round_to(h1, dtype)
+    h2 = round_to(h2, dtype)
     if ROTARY:
         cos1 = tl.load(cos_ptr + t * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
         cos2 = tl.load(cos_ptr + t * stride_cos + half + cols, mask=mask, other=0.0).to(tl.float32)
         sin1 = tl.load(sin_ptr + t * stride_sin + cols, mask=mask, other=0.0).to(tl.float32)
         sin2 = tl.load(sin_ptr + t * stride_sin + half + cols, mask=mask, other=0.0).to(tl.float32)
-        r1 = h1 * cos1 - h2 * sin1
-        r2 = h2 * cos2 + h1 * sin2
+        if ROUND_PRODUCTS:  # -x2 * sin rounds as -(x2 * sin): rounding to nearest even is symmetric
+            r1 = round_to(h1 * cos1, dtype) - round_to(h2 * sin1, dtype)
+            r2 = round_to(h2 * cos2, dtype) + round_to(h1 * sin2, dtype)
+        else:
+            r1 = h1 * cos1 - h2 * sin1
+            r2 = h2 * cos2 + h1 * sin2
         h1 = r1
         h2 = r2
-    out_row = out_ptr + row * (2 * half)
-    tl.store(out_row + cols, h1.to(dtype), mask=mask)
-    tl.store(out_row + half + cols, h2.to(dtype), mask=mask)
+    out_row = out_ptr + row * head_dim
+    tl.store(out_row + cols, round_to(h1, dtype).to(dtype), mask=mask)
+    tl.store(out_row + half + cols, round_to(h2, dtype).to(dtype), mask=mask)
+    if HAS_PASS:
+        tl.store(out_row + rest, round_to(h3, dtype).to(dtype), mask=rest_mask)
 
 
 def norm_add_norm(
@@ -224,15 +252,17 @@ def rms_norm_rope(
     *,
     weight2: torch.Tensor | None = None,  # [head_dim] the other heads' weight (k_norm's beside q_norm's)
     num_first: int | None = None,  # heads normed with `weight` (default all)
-    cos: torch.Tensor | None = None,  # [num_tokens, head_dim] rotary rows (rows may be strided); None: no rotary
+    cos: torch.Tensor | None = None,  # [num_tokens, rotary_dim] rotary rows (rows may be strided); None: no rotary
     sin: torch.Tensor | None = None,
+    round_products: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] contiguous, x.dtype
     """Per-head RMSNorms (q's and k's, adjacent in a projection's output) and the rotary of every head, in one launch:
-    rms_norm's values rounded to x's dtype, then helios.kernels.rotary's rotation (float32, rounded once)."""
+    rms_norm's values rounded to x's dtype, then helios.kernels.rotary's rotation (float32, rounded once), or with
+    round_products apply_rotary's (each product rounded to x's dtype, then their sum). A rotary_dim below head_dim
+    is partial rotary: the leading rotary_dim dims of each head turn, the rest pass normed."""
     require_triton()
     assert x.dim() == 3, f"expected [num_tokens, num_heads, head_dim], got {tuple(x.shape)}"
     num_tokens, num_heads, head_dim = x.shape
-    assert head_dim % 2 == 0, "rotary halves need an even head_dim"
     check_last_dim_contiguous("x", x)
     num_first = num_heads if num_first is None else num_first
     _check_weight(weight, head_dim)
@@ -240,15 +270,17 @@ def rms_norm_rope(
         _check_weight(weight2, head_dim)
         assert weight2 is not None and weight2.dtype == weight.dtype
     assert (cos is None) == (sin is None), "cos and sin together"
+    rotary_dim = head_dim if cos is None else cos.shape[-1]
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim, f"rotary halves need an even rotary_dim <= {head_dim}"
     if cos is not None:
-        assert cos.shape == sin.shape == (num_tokens, head_dim), f"cos/sin {tuple(cos.shape)}: [T, {head_dim}]"
+        assert cos.shape == sin.shape == (num_tokens, rotary_dim), f"cos/sin {tuple(cos.shape)}: [T, {rotary_dim}]"
         check_last_dim_contiguous("cos", cos)
         check_last_dim_contiguous("sin", sin)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows = num_tokens * num_heads
     if num_rows == 0:
         return out
-    half = head_dim // 2
+    half = rotary_dim // 2
     pdl = use_pdl(x, num_rows)
     _rms_norm_rope_kernel[(num_rows,)](
         x,
@@ -264,13 +296,17 @@ def rms_norm_rope(
         cos.stride(0) if cos is not None else 0,
         sin.stride(0) if sin is not None else 0,
         half,
+        head_dim,
         eps,
         WEIGHT=_weight_mode(weight, False),
         MULTIPLY_IN_FLOAT32=multiply_in_float32,
         ROTARY=cos is not None,
+        ROUND_PRODUCTS=round_products,
+        HAS_PASS=rotary_dim < head_dim,
         BLOCK_HALF=next_power_of_2(half),
+        BLOCK_PASS=next_power_of_2(max(1, head_dim - rotary_dim)),
         USE_PDL=pdl,
-        num_warps=_row_warps(next_power_of_2(half)),
+        num_warps=_row_warps(next_power_of_2(head_dim)),
         launch_pdl=pdl,
     )
     return out

@@ -4,20 +4,27 @@ on the device (no host sync, no data-dependent shape: CUDA-graph safe).
 
 As helios.kernels.sparse_decode does for minimax_m3 and dsa_decode for glm5_next: the cost that grows with the
 context, reading every index key, is a Triton kernel that stops at each sequence's complete blocks; it pools, norms
-and turns each block's key where it reads it, so no [B, max blocks, Di] block keys reach memory. The choice is
-dsa_decode.select_pools on the [B, max blocks] float32 scores (the stable torch sort: ties, relu's common zeros, to
-the earlier block, as Indexer.select; the incomplete tail block listed last), and the attention is
-sparse_decode.sparse_decode with one index head: every query head reads the same block list, each block clamped to
-the length. Imports torch and helios.kernels only.
+and turns each block's key where it reads it, so no [B, max blocks, Di] block keys reach memory. The choice has
+dsa_decode.select_pools' values on the [B, max blocks] float32 scores (its stable sort: ties, relu's common zeros, to
+the earlier block, as Indexer.select; the incomplete tail block listed last) from one launch (select_blocks; minimax_m3's
+top_blocks too), and the attention is sparse_decode.sparse_decode with one index head: every query head reads the same
+block list, each block clamped to the length. Imports torch and helios.kernels only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from helios.kernels._triton import check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
+from helios.kernels._triton import (
+    check_last_dim_contiguous,
+    jit,
+    next_power_of_2,
+    require_triton,
+    tl,
+)
 from helios.kernels.dsa_decode import select_pools
 from helios.kernels.sparse_decode import sparse_decode, sparse_num_splits
+from helios.kernels.sparse_decode import top_blocks as sparse_top_blocks
 
 
 @jit
@@ -144,11 +151,89 @@ def block_count(max_pages: int, page_size: int, block_size: int) -> int:
     return max_pages * page_size // block_size
 
 
+@jit
+def _select_blocks_kernel(
+    scores_ptr,  # [num_rows, num_blocks] float32, row stride stride_s
+    seq_lens_ptr,  # [num_seqs] int32, read only with MASK_PAST (row r is sequence r // rows_per_seq)
+    out_ptr,  # [num_rows, num_kept (+ 1 with MASK_PAST)], row stride stride_o
+    stride_s,
+    stride_o,
+    num_blocks,
+    num_kept,
+    rows_per_seq,
+    block_size,
+    MASK_PAST: tl.constexpr,  # -1 for blocks past the complete ones, then the tail block
+    BLOCK_N: tl.constexpr,
+):
+    """Program per row: the num_kept best blocks in the order of a stable descending sort (each pick the highest
+    score not yet taken, ties to the earlier block; -0.0 ties +0.0 as the comparisons see it), one pick a pass."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.arange(0, BLOCK_N)
+    scores = tl.load(scores_ptr + row * stride_s + n, mask=n < num_blocks, other=float("-inf"))
+    taken = n >= num_blocks  # the padding lanes are never picked
+    complete = num_blocks
+    if MASK_PAST:
+        seq_len = tl.load(seq_lens_ptr + row // rows_per_seq)
+        complete = seq_len // block_size
+    out_row = out_ptr + row * stride_o
+    for i in range(num_kept):
+        open_scores = tl.where(taken, float("-inf"), scores)
+        best = tl.max(open_scores, axis=0)
+        pick = tl.min(tl.where((open_scores == best) & ~taken, n, BLOCK_N), axis=0)
+        if MASK_PAST:
+            tl.store(out_row + i, tl.where(pick < complete, pick, -1).to(out_ptr.dtype.element_ty))
+        else:
+            tl.store(out_row + i, pick.to(out_ptr.dtype.element_ty))
+        taken = taken | (n == pick)
+    if MASK_PAST:
+        tl.store(out_row + num_kept, tl.where(seq_len > 0, complete, -1).to(out_ptr.dtype.element_ty))
+
+
+SELECT_MAX_BLOCKS = 16384  # a row's scores held by one program; wider tables sort in torch
+
+
 def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_kept: int) -> torch.Tensor:
     """[num_seqs, min(num_kept, num_blocks) + 1] int32: the best num_kept complete blocks (ties to the earlier
     block), -1 past the sequence's complete blocks, then the tail block (seq_len // block_size, maybe empty; -1 for a
-    padded row): dsa_decode.select_pools, whose pools are QSA's blocks."""
-    return select_pools(scores, seq_lens, block_size, num_kept)
+    padded row): dsa_decode.select_pools' values, whose pools are QSA's blocks, in one launch (select_pools: ten)."""
+    num_seqs, num_blocks = scores.shape
+    if num_blocks > SELECT_MAX_BLOCKS:
+        return select_pools(scores, seq_lens, block_size, num_kept)
+    assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32
+    kept = min(num_kept, num_blocks)
+    out = torch.empty(num_seqs, kept + 1, dtype=torch.int32, device=scores.device)
+    return _select(scores, seq_lens, out, block_size, kept, 1, True)
+
+
+def top_blocks(
+    scores: torch.Tensor,  # [num_seqs, num_index_heads, num_blocks] float32, sparse_decode.block_scores'
+    num_kept: int,
+) -> torch.Tensor:  # [num_seqs, num_index_heads, min(num_kept, num_blocks)] int64
+    """sparse_decode.top_blocks' indices (its stable descending sort, cut at num_kept) in one launch: minimax_m3's
+    choice, whose past-the-end blocks score -inf and stay listed."""
+    num_seqs, num_heads, num_blocks = scores.shape
+    if num_blocks > SELECT_MAX_BLOCKS:
+        return sparse_top_blocks(scores, num_kept)
+    kept = min(num_kept, num_blocks)
+    out = torch.empty(num_seqs, num_heads, kept, dtype=torch.int64, device=scores.device)
+    _select(scores.reshape(num_seqs * num_heads, num_blocks), scores, out.view(num_seqs * num_heads, kept), 1, kept,
+            num_heads, False)
+    return out
+
+
+def _select(scores, seq_lens, out, block_size, kept, rows_per_seq, mask_past) -> torch.Tensor:
+    require_triton()
+    num_rows, num_blocks = scores.shape
+    assert scores.dtype == torch.float32 and num_blocks <= SELECT_MAX_BLOCKS, (scores.dtype, num_blocks)
+    check_last_dim_contiguous("scores", scores)
+    if num_rows == 0:
+        return out
+    block_n = max(16, next_power_of_2(num_blocks))
+    _select_blocks_kernel[(num_rows,)](
+        scores, seq_lens, out, scores.stride(0), out.stride(0), num_blocks, kept, rows_per_seq, block_size,
+        MASK_PAST=mask_past, BLOCK_N=block_n, num_warps=4 if block_n <= 4096 else 8,
+    )
+    return out
 
 
 def qsa_decode(

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helios.layers.linear import Linear, meta_parameter
-from helios.layers.norm import RMSNorm
+from helios.layers.norm import RMSNorm, norm_rotate_heads
 from helios.layers.rotary import apply_rotary
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -452,8 +452,11 @@ class Attention(nn.Module):
         else:
             q = qkv[:, :q_size].reshape(num_tokens, self.num_heads, self.head_dim)
             k = qkv[:, q_size : q_size + kv_size].reshape(num_tokens, self.num_kv_heads, self.head_dim)
-            if self.fused_ops:
-                q, k = self._norm_and_rotate_fused(q, k, cos, sin)
+            if self.fused_ops and self.q_norm is not None:  # q's and k's norms and rotary in one launch
+                qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+                q, k = norm_rotate_heads(qk, self.num_heads, self.q_norm, self.k_norm, (cos, sin), fused=True)
+            elif self.fused_ops:
+                q, k = self._rotate_fused(q, k, cos, sin)
             else:
                 if self.q_norm is not None:
                     q, k = self.q_norm(q), self.k_norm(k)
@@ -476,18 +479,14 @@ class Attention(nn.Module):
                 o = o * torch.sigmoid(gate)
         return self.o(o)
 
-    def _norm_and_rotate_fused(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """The q/k norms (helios.kernels.rmsnorm, one launch each) and the rotary of the leading rotary_dim dims
-        (helios.kernels.rotary, q and k in one launch, in place): the fused backend's path for a layer whose qkv
-        launch cannot serve it. The rotation is done in float32 and rounded once (the torch path rounds each
+    def _rotate_fused(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The rotary of the leading rotary_dim dims of norm-free q and k (helios.kernels.rotary, one launch, in
+        place on copies: q and k are views of the projection's output): the fused backend's path for a layer whose
+        qkv launch cannot serve it. The rotation is done in float32 and rounded once (the torch path rounds each
         product, as HF does)."""
         from helios.kernels.rotary import rotary_embedding
 
-        if self.q_norm is not None:
-            q = self.q_norm.forward_add(q, None, fused=True)[0]
-            k = self.k_norm.forward_add(k, None, fused=True)[0]
-        else:  # rotated in place: not in the projection's output
-            q, k = q.contiguous(), k.contiguous()
+        q, k = q.contiguous(), k.contiguous()
         rd = self.rotary_dim or self.head_dim
         rotary_embedding(q[..., :rd], k[..., :rd], cos, sin)
         return q, k

@@ -20,24 +20,9 @@ from torch import nn
 from helios.core.manifest import MsaConfig
 from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata, write_kv
 from helios.layers.linear import Linear
-from helios.layers.norm import RMSNorm
+from helios.layers.norm import RMSNorm, norm_rotate_heads
 from helios.layers.qsa import attend_masked, indexed_sequences, rotate_leading
 from helios.switches import DEFAULT_SWITCHES, Switches
-
-
-def rotate_in_place(
-    q: torch.Tensor,  # [T, Nq, D], a norm's own output (turned in place)
-    k: torch.Tensor,  # [T, Nk, D], likewise
-    cos: torch.Tensor,  # [T, r]
-    sin: torch.Tensor,  # [T, r]
-) -> tuple[torch.Tensor, torch.Tensor]:  # (q, k)
-    """rotate_leading of both in one helios.kernels.rotary launch (the Triton backend's path, as Attention's fused_ops):
-    the rotation in float32, rounded once; in float32 the same bits as rotate_leading's."""
-    from helios.kernels.rotary import rotary_embedding
-
-    r = cos.shape[-1]
-    rotary_embedding(q[..., :r], k[..., :r], cos, sin)
-    return q, k
 
 
 class LightningIndexer(nn.Module):
@@ -53,14 +38,14 @@ class LightningIndexer(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False):  # [T, H] ->
         """(queries [T, Ni, Di], keys [T, Di]): normed, then turned at their positions (the keys as the cache keeps
-        them); cos/sin [T, r]. fused (the Triton backend): both turned in one launch (rotate_in_place)."""
+        them); cos/sin [T, r]. fused (the Triton backend): both normed and turned in one launch (norm_rotate_heads:
+        the rotation in float32, rounded once)."""
         c = self.config
-        q, k = self.qk(x).split([c.num_heads * c.head_dim, c.head_dim], dim=-1)
-        q = self.q_norm(q.view(x.shape[0], c.num_heads, c.head_dim))
-        k = self.k_norm(k.view(x.shape[0], 1, c.head_dim))
+        qk = self.qk(x).view(x.shape[0], c.num_heads + 1, c.head_dim)  # the query heads, then the key
         if fused:
-            q, k = rotate_in_place(q, k, cos, sin)
+            q, k = norm_rotate_heads(qk, c.num_heads, self.q_norm, self.k_norm, (cos, sin), True)
             return q, k[:, 0]
+        q, k = self.q_norm(qk[:, : c.num_heads]), self.k_norm(qk[:, c.num_heads :])
         return rotate_leading(q, cos, sin), rotate_leading(k, cos, sin)[:, 0]
 
     def select(
@@ -125,13 +110,15 @@ class SparseAttention(Attention):
         num_tokens, d = x.shape[0], self.head_dim
         kv_cache, index_cache = cache
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv(x)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         cos, sin = cos_sin
-        q = self.q_norm(q.reshape(num_tokens, self.num_heads, d))
-        k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, d))
-        if self.fused_ops:  # the Triton backend: q and k turned in one launch
-            q, k = rotate_in_place(q, k, cos, sin)
+        if self.fused_ops:  # the Triton backend: q's and k's norms and rotary in one launch
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, d)
+            q, k = norm_rotate_heads(qk, self.num_heads, self.q_norm, self.k_norm, cos_sin, True)
         else:
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, d))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, d))
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, d)
         index_q, index_k = self.indexer.project(x, cos, sin, self.fused_ops)
@@ -163,12 +150,13 @@ class SparseAttention(Attention):
         (select's, ties to the earlier block) and the attention over the chosen blocks, from meta's device tensors."""
         from helios.kernels import sparse_decode as sd
         from helios.kernels.mla_decode import write_latent
+        from helios.kernels.qsa_decode import top_blocks
         from helios.kernels.reshape_and_cache import reshape_and_cache
 
         c = self.indexer.config
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         write_latent(index_cache, index_k, index_k[:, :0], meta.slot_mapping)  # an index key: a row without rope part
         scores = sd.block_scores(index_q, index_cache, meta.block_tables, meta.seq_lens, c.block_size, c.local_blocks)
-        chosen = sd.top_blocks(scores, c.num_blocks)  # select_blocks' choice: the boost is in the scores
+        chosen = top_blocks(scores, c.num_blocks)  # select's choice (the boost is in the scores), one launch
         return sd.sparse_decode(q, kv_cache, meta.block_tables, meta.seq_lens, chosen, c.block_size, self.scale,
                                 sd.sparse_num_splits(c.num_blocks, c.block_size))

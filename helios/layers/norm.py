@@ -190,39 +190,50 @@ def norm_rotate_heads(
     num_q_heads: int,
     q_norm: RMSNorm,
     k_norm: RMSNorm | None,  # None: x holds q's heads only
-    cos_sin: tuple[torch.Tensor, torch.Tensor] | None,  # each [T, D]; None: no rotary
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None,  # each [T, r], r <= D (partial rotary below D); None: none
     fused: bool,
+    round_products: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (q [T, Nq, D], k [T, Nk, D]), each normed and rotated
-    """q_norm over the first num_q_heads heads, k_norm over the rest, then the rotary of both (apply_rotary). `fused`
-    (the Triton path): one launch (helios.kernels.norm_fused.rms_norm_rope: the rotation in float32, rounded once, as
-    apply_rotary_inplace) where both norms are of one kind and keep x's dtype, else each norm as its module and the
-    rotation in place."""
+    """q_norm over the first num_q_heads heads, k_norm over the rest, then the rotary of both (apply_rotary) over
+    each head's leading r dims, the rest passed. `fused` (the Triton path): one launch
+    (helios.kernels.norm_fused.rms_norm_rope: the rotation in float32, rounded once, as apply_rotary_inplace) where
+    both norms are of one kind and keep x's dtype, else each norm as its module and the rotation in place. With
+    round_products the fused path rounds as apply_rotary does (each product, then the sum: the torch path's bits),
+    in the launch or, where it cannot serve, through apply_rotary itself."""
     norms = [q_norm] if k_norm is None else [q_norm, k_norm]
     if fused and _rope_launch_takes(x, norms, cos_sin):
         from helios.kernels.norm_fused import rms_norm_rope
 
         cos, sin = cos_sin if cos_sin is not None else (None, None)
         out = rms_norm_rope(x, q_norm.weight, q_norm.eps, q_norm.multiply_in_float32, weight2=norms[-1].weight,
-                            num_first=num_q_heads, cos=cos, sin=sin)
+                            num_first=num_q_heads, cos=cos, sin=sin, round_products=round_products)
         return out[:, :num_q_heads], out[:, num_q_heads:]
     q = q_norm(x[:, :num_q_heads])
     k = k_norm(x[:, num_q_heads:]) if k_norm is not None else x[:, num_q_heads:]
     if cos_sin is None:
         return q, k
-    if fused:  # the norms' outputs: tensors of their own
-        apply_rotary_inplace(q, k if k_norm is not None else None, *cos_sin)
+    r = cos_sin[0].shape[-1]
+    if fused and not round_products:  # the norms' outputs: tensors of their own
+        apply_rotary_inplace(q[..., :r], k[..., :r] if k_norm is not None else None, *cos_sin)
         return q, k
-    return apply_rotary(q, *cos_sin), (apply_rotary(k, *cos_sin) if k_norm is not None else k)
+
+    def rotate(h: torch.Tensor) -> torch.Tensor:
+        turned = apply_rotary(h[..., :r], *cos_sin)
+        return turned if r == h.shape[-1] else torch.cat([turned, h[..., r:]], dim=-1)
+
+    return rotate(q), (rotate(k) if k_norm is not None else k)
 
 
 def _rope_launch_takes(x: torch.Tensor, norms: list[RMSNorm], cos_sin) -> bool:
     """Whether rms_norm_rope gives norm_rotate_heads' torch values and dtypes: 3-d rows of unit last stride and even
     width, norms of one kind (weightless, or weights of one dtype multiplied alike; one eps) whose kernel keeps x's
-    dtype, cos/sin rows [T, D] of x's dtype."""
+    dtype, cos/sin rows [T, r] (r even, <= D) of x's dtype."""
     first = norms[0]
     same = all(n.eps == first.eps and not n.scale_first and (n.weight is None) == (first.weight is None)
                and n.multiply_in_float32 == first.multiply_in_float32
                and (n.weight is None or (n.weight.dtype == first.weight.dtype and n._kernel_takes(x))) for n in norms)
-    rope_ok = cos_sin is None or all(t.shape == (x.shape[0], x.shape[2]) and t.dtype == x.dtype
+    rotary_dim = x.shape[-1] if cos_sin is None else cos_sin[0].shape[-1]
+    rope_ok = cos_sin is None or all(t.shape == (x.shape[0], rotary_dim) and t.dtype == x.dtype
                                      and t.stride(-1) == 1 for t in cos_sin)
-    return x.dim() == 3 and x.stride(-1) == 1 and x.shape[2] % 2 == 0 and same and rope_ok
+    return (x.dim() == 3 and x.stride(-1) == 1 and rotary_dim % 2 == 0 and rotary_dim <= x.shape[-1] and same
+            and rope_ok)

@@ -3,8 +3,10 @@ top blocks of block_size keys by sum_h relu(q_h . k_block), and the incomplete t
 IndexerConfig). The torch reference on every device: it gathers each sequence's pages and index keys, selects, and
 attends through SDPA with the selection as the mask. On the Triton backend a decode-only step (one token per
 sequence) takes helios.kernels.qsa_decode instead: the same selection with lengths and tables read on the device, so
-it is CUDA-graph safe (decode_graph_safe); prefill and mixed steps stay on the torch reference. Imports torch and
-helios.layers only (helios.kernels on the Triton backend's decode path).
+it is CUDA-graph safe (decode_graph_safe); prefill and mixed steps stay on the torch reference. On that backend every
+step also takes q's and k's norms and partial rotary in one launch, the index queries' in another, and the output gate
+in a third, each with the torch path's roundings. Imports torch and helios.layers only (helios.kernels on the Triton
+backend's path).
 
 Cache per layer: (kv [2, P, page, Nkv, D], index [1, P, page, Di]) from helios.runner.kv_cache: the raw index key
 of every token sits in the same page and slot as its K/V, so it is written, kept and freed with them.
@@ -21,7 +23,7 @@ from torch import nn
 from helios.core.manifest import IndexerConfig
 from helios.layers.attention import AttentionBackend, AttentionMetadata, write_kv
 from helios.layers.linear import Linear
-from helios.layers.norm import RMSNorm
+from helios.layers.norm import RMSNorm, norm_rotate_heads
 from helios.layers.recurrent import sigmoid
 from helios.layers.rotary import RotaryEmbedding, apply_rotary
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -48,12 +50,15 @@ class Indexer(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, eps, multiply_in_float32=True)
         self.k_norm = RMSNorm(config.head_dim, eps, multiply_in_float32=True)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # [T, H] ->
-        """(queries [T, Ni, Di] normed and turned, raw keys [T, Di]: what the cache keeps)."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False):  # [T, H] ->
+        """(queries [T, Ni, Di] normed and turned, raw keys [T, Di]: what the cache keeps). fused (the Triton
+        backend): the queries' norm and rotary in one launch (norm_rotate_heads, apply_rotary's roundings)."""
         c = self.config
         q, k = self.qk(x).split([c.num_heads * c.head_dim, c.head_dim], dim=-1)
-        q = self.q_norm(q.view(x.shape[0], c.num_heads, c.head_dim))
-        return rotate_leading(q, cos, sin), k
+        q = q.view(x.shape[0], c.num_heads, c.head_dim)
+        if fused:
+            return norm_rotate_heads(q, c.num_heads, self.q_norm, None, (cos, sin), True, round_products=True)[0], k
+        return rotate_leading(self.q_norm(q), cos, sin), k
 
     def block_keys(self, groups: torch.Tensor) -> torch.Tensor:  # [nb, block_size, Di] raw keys -> [nb, Di]
         """Block b's key: its raw keys' float32 mean in their dtype, k-normed, turned at its first position b *
@@ -114,6 +119,8 @@ class IndexedAttention(nn.Module):
         # decode-only steps through helios.kernels.qsa_decode: device tensors only (decode_graph_safe;
         # attends_through_backend: helios.runner.cuda_graphs reads the backend's name)
         self.attends_through_backend = self.decode_graph_safe = getattr(backend, "fuses_layers", False)
+        # every step: the q/k norms with the rotary, the index queries' and the output gate one launch each
+        self.fused_ops = self.decode_graph_safe
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.qkv = Linear(hidden_size, (2 * num_heads + 2 * num_kv_heads) * head_dim, switches=switches)
@@ -132,12 +139,17 @@ class IndexedAttention(nn.Module):
         num_tokens, d = x.shape[0], self.head_dim
         kv_cache, index_cache = cache
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        q, k, v, gate = self.qkv(x).split([q_size, kv_size, kv_size, q_size], dim=-1)
+        qkv = self.qkv(x)
+        q, k, v, gate = qkv.split([q_size, kv_size, kv_size, q_size], dim=-1)
         cos, sin = cos_sin
-        q = rotate_leading(self.q_norm(q.reshape(num_tokens, self.num_heads, d)), cos, sin)
-        k = rotate_leading(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, d)), cos, sin)
+        if self.fused_ops:  # q and k are adjacent heads of the projection's output
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, d)
+            q, k = norm_rotate_heads(qk, self.num_heads, self.q_norm, self.k_norm, cos_sin, True, round_products=True)
+        else:
+            q = rotate_leading(self.q_norm(q.reshape(num_tokens, self.num_heads, d)), cos, sin)
+            k = rotate_leading(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, d)), cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, d)
-        index_q, index_k = self.indexer.project(x, cos, sin)
+        index_q, index_k = self.indexer.project(x, cos, sin, self.fused_ops)
         if self.decode_graph_safe and num_tokens == meta.num_seqs:  # every sequence schedules one token
             o = self._decode(q, k, v, index_q, index_k, kv_cache, index_cache, meta).to(q.dtype)
         else:
@@ -148,6 +160,10 @@ class IndexedAttention(nn.Module):
             for start, end, keys, values, index_keys in indexed_sequences(meta, kv_cache, index_cache):
                 mask = self.indexer.select(index_q[start:end], index_keys, keys.shape[0] - (end - start))
                 o[start:end] = attend_masked(q[start:end], keys, values, mask, self.scale)
+        if self.fused_ops:  # torch's sigmoid and product, their roundings, in one launch
+            from helios.kernels.output_gate import sigmoid_gate
+
+            return self.o(sigmoid_gate(o.reshape(num_tokens, q_size), gate))
         o = o.reshape(num_tokens, q_size) * sigmoid(gate)  # exp-based: the same bits at every row offset
         return self.o(o)
 
@@ -172,12 +188,33 @@ class IndexedAttention(nn.Module):
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         write_latent(index_cache, index_k, index_k[:, :0], meta.slot_mapping)  # an index key: a row without rope part
         num_blocks = qsa_decode.block_count(meta.block_tables.shape[1], index_cache.shape[2], c.block_size)
-        cos, sin = indexer.rotary.cos_sin(block_starts(indexer.rotary, num_blocks, c.block_size, q.device),
-                                          index_cache.dtype)
+        cos, sin = block_cos_sin(meta, indexer.rotary, num_blocks, c.block_size, index_cache.dtype)
         scores = qsa_decode.block_scores(index_q, index_cache, indexer.k_norm.weight, indexer.k_norm.eps, cos, sin,
                                          meta.block_tables, meta.seq_lens, c.block_size)
         blocks = qsa_decode.select_blocks(scores, meta.seq_lens, c.block_size, c.num_blocks)
         return qsa_decode.qsa_decode(q, kv_cache, meta.block_tables, meta.seq_lens, blocks, c.block_size, self.scale)
+
+
+def block_cos_sin(
+    meta: AttentionMetadata,
+    rotary: RotaryEmbedding,
+    num_blocks: int,  # the step's static block count (qsa_decode.block_count)
+    block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # each [num_blocks, rotary_dim], rows of unit last stride
+    """The rotary rows at each block's first position (block_starts), derived once per step and shared by every
+    layer: every block_size-th row of the rope table (a view: no launch) where the table holds them all, else gathered
+    as cos_sin gathers a step's rows."""
+    key = ("qsa_block_cos_sin", id(rotary), num_blocks, block_size, dtype)
+    if key not in meta.derived:
+        table = rotary.table
+        if table is not None and table.dtype == dtype and (num_blocks - 1) * block_size < table.shape[0]:
+            rows = table[: num_blocks * block_size : block_size]  # [num_blocks, 2, rotary_dim]
+            meta.derived[key] = (rows[:, 0], rows[:, 1])
+        else:
+            device = meta.block_tables.device
+            meta.derived[key] = rotary.cos_sin(block_starts(rotary, num_blocks, block_size, device), dtype)
+    return meta.derived[key]
 
 
 def block_starts(rotary: RotaryEmbedding, num_blocks: int, block_size: int, device) -> torch.Tensor:  # [nb] int64
