@@ -78,15 +78,16 @@ def _router_kernel(
         acc += w.to(tl.float32) * x[None, :]
     pdl_launch_dependents(USE_PDL)
     logits = round_to(tl.sum(acc, axis=1), out_ptr.dtype.element_ty)  # to nearest, then an exact store
-    tl.store(out_ptr + m * num_rows + tl.minimum(first, num_experts) + local, logits.to(out_ptr.dtype.element_ty), mask=row_mask)
+    out_cols = tl.minimum(first, num_experts) + local  # the gate's program writes column E
+    tl.store(out_ptr + m * num_rows + out_cols, logits.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
-def router_config(num_rows: int, hidden: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def router_config(num_experts: int, hidden: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) from the table's shape and dtype alone (never the batch: see the kernel's
     NOTE). 1 KB of each table row a chunk (16-byte loads), and tiles narrow enough for ~_TARGET_PROGRAMS
     programs a row: a 256-expert table is 2 rows a program."""
     block_k = min(1024 // dtype.itemsize, next_power_of_2(hidden))
-    block_n = max(1, min(8, next_power_of_2(num_rows) // _TARGET_PROGRAMS))
+    block_n = max(1, min(8, next_power_of_2(num_experts) // _TARGET_PROGRAMS))
     num_warps = max(1, min(4, block_n * block_k * dtype.itemsize // 512))  # 16 bytes a thread a chunk
     return block_n, block_k, num_warps
 
