@@ -6,9 +6,10 @@ As helios.kernels.sparse_decode does for minimax_m3 and dsa_decode for glm5_next
 context, reading every index key, is a Triton kernel that stops at each sequence's complete blocks; it pools, norms
 and turns each block's key where it reads it, so no [B, max blocks, Di] block keys reach memory. The choice has
 dsa_decode.select_pools' values on the [B, max blocks] float32 scores (its stable sort: ties, relu's common zeros, to
-the earlier block, as Indexer.select; the incomplete tail block listed last) from one launch (select_blocks; minimax_m3's
-top_blocks too), and the attention is sparse_decode.sparse_decode with one index head: every query head reads the same
-block list, each block clamped to the length. Imports torch and helios.kernels only.
+the earlier block, as Indexer.select; the incomplete tail block listed last) from one launch (select_blocks;
+minimax_m3's top_blocks too), and the attention is sparse_decode.sparse_decode with one index head: every query head
+reads the same block list, each block clamped to the length. The step's K/V and index keys go into their slots in
+one launch (write_caches, minimax_m3's too). Imports torch and helios.kernels only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,85 @@ from helios.kernels._triton import (
 from helios.kernels.dsa_decode import select_pools
 from helios.kernels.sparse_decode import sparse_decode, sparse_num_splits
 from helios.kernels.sparse_decode import top_blocks as sparse_top_blocks
+
+
+@jit
+def _write_caches_kernel(
+    k_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    index_ptr,  # [num_tokens, Di] this step's index keys
+    k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], same strides as k
+    index_cache_ptr,  # [num_pages, page_size, Di]
+    slot_mapping_ptr,  # [num_tokens] int64, -1: a padded row, nothing written
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_it,
+    stride_cp,  # K/V cache strides: page, slot in page, kv head
+    stride_cs,
+    stride_ch,
+    stride_ip,  # index cache strides: page, slot in page
+    stride_is,
+    num_kv_heads,
+    head_dim,
+    index_dim,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DI: tl.constexpr,
+):
+    """Program per token: reshape_and_cache's K/V rows and write_latent's index key row, into the same slot."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    tile_slot = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.int64) + slot  # as a tile: a scalar mask trips the interpreter
+    mask = (heads < num_kv_heads) & (d < head_dim) & (tile_slot >= 0)
+    dst = (tile_slot // PAGE_SIZE) * stride_cp + (tile_slot % PAGE_SIZE) * stride_cs + heads * stride_ch + d
+    k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + d, mask=mask, other=0.0)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    di = tl.arange(0, BLOCK_DI)
+    row_slot = tl.zeros([BLOCK_DI], dtype=tl.int64) + slot
+    row_mask = (di < index_dim) & (row_slot >= 0)
+    key = tl.load(index_ptr + t * stride_it + di, mask=row_mask, other=0.0)
+    dst_i = (row_slot // PAGE_SIZE) * stride_ip + (row_slot % PAGE_SIZE) * stride_is + di
+    tl.store(index_cache_ptr + dst_i, key.to(index_cache_ptr.dtype.element_ty), mask=row_mask)
+
+
+def write_caches(
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim] (rows may be strided)
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    index_k: torch.Tensor,  # [num_tokens, Di] (rows may be strided)
+    kv_cache: torch.Tensor,  # [2, num_pages, page_size, num_kv_heads, head_dim], written in place
+    index_cache: torch.Tensor,  # [1, num_pages, page_size, Di], written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """reshape_and_cache(k, v) and write_latent(index_k) in one launch: an indexed layer's decode-step writes (QSA's
+    raw index keys, minimax_m3's normed and turned ones), each in its cache's dtype; padded rows write nothing."""
+    require_triton()
+    num_tokens, num_kv_heads, head_dim = k.shape
+    index_dim = index_k.shape[1]
+    assert v.shape == k.shape, f"v {tuple(v.shape)} != k {tuple(k.shape)}"
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and tuple(kv_cache.shape[3:]) == (num_kv_heads, head_dim)
+    assert index_cache.dim() == 4 and index_cache.shape[0] == 1 and index_cache.shape[3] == index_dim
+    assert index_cache.shape[1:3] == kv_cache.shape[1:3], "the index keys share the K/V pages' slots"
+    assert index_k.shape == (num_tokens, index_dim)
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
+    for name, t in (("k", k), ("v", v), ("index_k", index_k), ("kv_cache", kv_cache), ("index_cache", index_cache)):
+        check_last_dim_contiguous(name, t)
+    if num_tokens == 0:
+        return
+    k_cache, v_cache, pages = kv_cache[0], kv_cache[1], index_cache[0]
+    _write_caches_kernel[(num_tokens,)](
+        k, v, index_k, k_cache, v_cache, pages, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        index_k.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), pages.stride(0), pages.stride(1),
+        num_kv_heads, head_dim, index_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_H=next_power_of_2(num_kv_heads),
+        BLOCK_D=next_power_of_2(head_dim), BLOCK_DI=next_power_of_2(index_dim), num_warps=4,
+    )
 
 
 @jit

@@ -149,13 +149,10 @@ class SparseAttention(Attention):
         """The decode step in kernels: cache writes that skip padded rows (slot -1), then the block scores, the choice
         (select's, ties to the earlier block) and the attention over the chosen blocks, from meta's device tensors."""
         from helios.kernels import sparse_decode as sd
-        from helios.kernels.mla_decode import write_latent
-        from helios.kernels.qsa_decode import top_blocks
-        from helios.kernels.reshape_and_cache import reshape_and_cache
+        from helios.kernels.qsa_decode import top_blocks, write_caches
 
         c = self.indexer.config
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        write_latent(index_cache, index_k, index_k[:, :0], meta.slot_mapping)  # an index key: a row without rope part
+        write_caches(k, v, index_k, kv_cache, index_cache, meta.slot_mapping)  # K/V and the index keys, one launch
         scores = sd.block_scores(index_q, index_cache, meta.block_tables, meta.seq_lens, c.block_size, c.local_blocks)
         chosen = top_blocks(scores, c.num_blocks)  # select's choice (the boost is in the scores), one launch
         return sd.sparse_decode(q, kv_cache, meta.block_tables, meta.seq_lens, chosen, c.block_size, self.scale,

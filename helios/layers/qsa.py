@@ -181,12 +181,9 @@ class IndexedAttention(nn.Module):
         """The decode step in kernels: cache writes that skip padded rows (slot -1), then the block scores, select's
         choice (ties to the earlier block) plus the tail, and the attention over them, from meta's device tensors."""
         from helios.kernels import qsa_decode
-        from helios.kernels.mla_decode import write_latent
-        from helios.kernels.reshape_and_cache import reshape_and_cache
 
         indexer, c = self.indexer, self.indexer.config
-        reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        write_latent(index_cache, index_k, index_k[:, :0], meta.slot_mapping)  # an index key: a row without rope part
+        qsa_decode.write_caches(k, v, index_k, kv_cache, index_cache, meta.slot_mapping)  # K/V and raw index keys
         num_blocks = qsa_decode.block_count(meta.block_tables.shape[1], index_cache.shape[2], c.block_size)
         cos, sin = block_cos_sin(meta, indexer.rotary, num_blocks, c.block_size, index_cache.dtype)
         scores = qsa_decode.block_scores(index_q, index_cache, indexer.k_norm.weight, indexer.k_norm.eps, cos, sin,

@@ -1,7 +1,8 @@
 """The attention folds of a batch-1 decode step compiled on CUDA: tests/kernels/test_attention_folds.py's checks
 (rms_norm_rope with partial rotary = the torch norms and rotary, the one-launch block choices = the torch sorts, the
-block rotary rows = the gathered ones) at the tests' shapes and at published ones (qwen3_5's 256-dim heads with 64
-turned, qwen4_exp's and minimax_m3's block counts of a long context)."""
+K/V and index-key writes = the two launches they replace, the block rotary rows = the gathered ones) at the tests'
+shapes and at published ones (qwen3_5's 256-dim heads with 64 turned, long contexts' block counts).
+"""
 
 from __future__ import annotations
 
@@ -38,3 +39,9 @@ def test_top_blocks(num_blocks, num_kept):
 @DTYPES
 def test_block_rotary_rows(dtype):
     checks.check_block_cos_sin("cuda", dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize("num_kv_heads, head_dim, index_dim", [(2, 48, 24), (4, 128, 128), (8, 128, 256)])
+def test_write_caches(dtype, num_kv_heads, head_dim, index_dim):
+    checks.check_write_caches("cuda", dtype, num_kv_heads, head_dim, index_dim, page_size=16)

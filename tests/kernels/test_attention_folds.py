@@ -1,9 +1,9 @@
 """The attention folds of a batch-1 decode step against the torch path they replace (Triton interpreter): the q/k
 norms with partial rotary in one launch (helios.kernels.norm_fused.rms_norm_rope: qwen3_5's full layers, qwen4_exp's
 and minimax_m3's attention and indexers), the block choice in one launch (helios.kernels.qsa_decode.select_blocks and
-top_blocks, where torch sorts and masks in ten or one), and the per-step block rotary rows (helios.layers.qsa.
-block_cos_sin: a view of the rope table, no launch). The check_* functions take a device; tests/gpu/
-test_attention_folds_cuda.py runs them compiled.
+top_blocks, where torch sorts and masks in ten or one), an indexed layer's K/V and index-key writes in one launch
+(qsa_decode.write_caches), and the per-step block rotary rows (helios.layers.qsa.block_cos_sin: a view of the rope
+table, no launch). The check_* functions take a device; tests/gpu/test_attention_folds_cuda.py runs them compiled.
 """
 
 from __future__ import annotations
@@ -112,6 +112,32 @@ def check_top_blocks(device, num_seqs=3, num_heads=2, num_blocks=20, num_kept=5)
         assert got.dtype == torch.int64 and torch.equal(got, sparse_decode.top_blocks(scores, kept)), kept
 
 
+def check_write_caches(device, dtype, num_kv_heads=2, head_dim=48, index_dim=24, page_size=4):
+    """write_caches = reshape_and_cache then write_latent (K/V and the index key of every token into its slot, in the
+    caches' dtypes) from strided projection rows, bit for bit; a padded row (slot -1) writes nothing."""
+    from helios.kernels.mla_decode import write_latent
+    from helios.kernels.qsa_decode import write_caches
+    from helios.kernels.reshape_and_cache import reshape_and_cache
+
+    gen = torch.Generator().manual_seed(9)
+    width = 2 * num_kv_heads * head_dim + index_dim + 5
+    rows = torch.randn(4, width, generator=gen).to(device, dtype)
+    k = rows[:, : num_kv_heads * head_dim].view(4, num_kv_heads, head_dim)
+    v = rows[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(4, num_kv_heads, head_dim)
+    index_k = rows[:, 2 * num_kv_heads * head_dim : 2 * num_kv_heads * head_dim + index_dim]
+    slots = torch.tensor([5, -1, 17, 2], device=device)
+    caches = [(torch.randn(2, 6, page_size, num_kv_heads, head_dim, generator=gen).to(device, dtype),
+               torch.randn(1, 6, page_size, index_dim, generator=gen).to(device, dtype))]
+    caches.append(tuple(c.clone() for c in caches[0]))
+    write_caches(k, v, index_k, *caches[0], slots)
+    reshape_and_cache(k, v, caches[1][0], slots)
+    write_latent(caches[1][1], index_k, index_k[:, :0], slots)
+    assert all(torch.equal(a, b) for a, b in zip(*caches))
+    flat_kv, flat_index = caches[0][0].flatten(1, 2), caches[0][1].flatten(1, 2)
+    assert torch.equal(flat_kv[0, 17], k[2]) and torch.equal(flat_kv[1, 5], v[0])
+    assert torch.equal(flat_index[0, 2], index_k[3])
+
+
 def check_block_cos_sin(device, dtype):
     """block_cos_sin: the table's every block_size-th row (a view) where the table holds every block start, else
     cos_sin(block_starts) (clamped past the table); once per step (the metadata's derived), the same tensors after."""
@@ -159,6 +185,11 @@ def test_select_blocks_is_select_pools(interpreter):
 
 def test_top_blocks_is_the_stable_sort(interpreter):
     check_top_blocks("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_launch_writes_kv_and_index_keys_as_two_do(interpreter, dtype):
+    check_write_caches("cpu", dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
