@@ -40,7 +40,7 @@ class DeepseekV4Moe(SigmoidMoe):
         if not self.is_hash:
             return super().forward(x)
         m = self.moe
-        logits = linear(x.float(), self.router.weight.float())
+        logits = self.router_logits(x)  # float32: one launch for decode rows on the fused path
         if self.fused:  # the same weights in one launch, no host sync; the shared add rides in the combine
             weights, experts = self._route_given_fused(logits, self.tid2eid[token_ids], m.scoring,
                                                        m.routed_scaling_factor)
