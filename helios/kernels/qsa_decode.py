@@ -21,6 +21,7 @@ from helios.kernels._triton import (
     jit,
     next_power_of_2,
     require_triton,
+    round_to,
     tl,
 )
 from helios.kernels.dsa_decode import select_pools
@@ -109,9 +110,12 @@ def write_caches(
 
 @jit
 def _block_scores_kernel(
-    q_ptr,  # [num_seqs, num_index_heads, Di], the index queries (normed, turned)
+    q_ptr,  # [num_seqs, num_index_heads, Di], the index queries (normed and turned, or raw with NORM_Q)
     index_ptr,  # [num_pages, page_size, Di], the raw index keys
     norm_ptr,  # [Di], the indexer's k_norm weight
+    q_norm_ptr,  # [Di], the indexer's q_norm weight (multiplied in float32), read only with NORM_Q
+    q_cos_ptr,  # [num_seqs, rotary_dim] at each query's position (rows of stride_qc), read only with NORM_Q
+    q_sin_ptr,  # [num_seqs, rotary_dim], same strides
     cos_ptr,  # [num_blocks, rotary_dim], at each block's first position
     sin_ptr,  # [num_blocks, rotary_dim]
     block_tables_ptr,  # [num_seqs, max_pages] int32
@@ -122,13 +126,16 @@ def _block_scores_kernel(
     stride_ip,  # index cache strides: page, slot in page
     stride_is,
     stride_cb,  # cos / sin row stride
+    stride_qc,  # q_cos / q_sin row stride
     stride_bt,
     stride_os,
     num_heads,
     index_dim,
     rotary_dim,
     eps,
+    q_eps,
     root,  # sqrt(Di), divided as the reference divides
+    NORM_Q: tl.constexpr,  # the queries' norm and rotary here, as rms_norm_rope(round_products) makes them
     PAGE_SIZE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # the indexer's block of keys
     BLOCK_N: tl.constexpr,
@@ -180,8 +187,23 @@ def _block_scores_kernel(
     key = tl.where(turned, key, normed)
     heads = tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q_tile = h_mask[:, None] & d_mask[None, :]
+    q_rows = q_ptr + seq * stride_qs + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=q_tile, other=0.0).to(tl.float32)
+    if NORM_Q:  # each program norms and turns the few query heads itself: no launch of their own before it
+        q_p = tl.load(q_rows + partner[None, :], mask=q_tile, other=0.0).to(tl.float32)
+        q_inv = tl.rsqrt(tl.sum(q * q, axis=1) / index_dim + q_eps)[:, None]
+        wq = tl.load(q_norm_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        wq_p = tl.load(q_norm_ptr + partner, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        qdt = q_ptr.dtype.element_ty
+        lower = (d < half)[None, :]
+        qn = round_to(q * q_inv * wq, qdt)
+        qn_p = round_to(q_p * q_inv * wq_p, qdt)
+        q_cos = tl.load(q_cos_ptr + seq * stride_qc + d, mask=r_mask, other=1.0).to(tl.float32)[None, :]
+        q_sin = tl.load(q_sin_ptr + seq * stride_qc + d, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+        # -x2 * sin rounds as -(x2 * sin): apply_rotary's products, then their sum, each rounded
+        q_turned = round_to(round_to(qn * q_cos, qdt) + round_to(tl.where(lower, -qn_p, qn_p) * q_sin, qdt), qdt)
+        q = tl.where(turned[None, :], q_turned, qn)
     s = tl.maximum(tl.sum(q * key[None, :], axis=1), 0.0)  # [BLOCK_H], relu; masked heads 0
     tl.store(out_ptr + seq * stride_os + blk, tl.sum(s, axis=0) / root)
 
@@ -196,9 +218,15 @@ def block_scores(
     block_tables: torch.Tensor,  # [num_seqs, max_pages] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, keys per sequence including this token's
     block_size: int,
+    *,
+    q_norm_weight: torch.Tensor | None = None,  # [Di], Indexer.q_norm's: q is raw, normed and turned here
+    q_eps: float = 0.0,
+    q_cos: torch.Tensor | None = None,  # [num_seqs, rotary_dim] at each query's position (with q_norm_weight)
+    q_sin: torch.Tensor | None = None,  # [num_seqs, rotary_dim], same strides as q_cos
 ) -> torch.Tensor:  # [num_seqs, num_blocks] float32, -inf past the complete blocks
     """Every complete block's score; the block count comes from the table's width, never from the lengths (a
-    graph's shapes are its bucket's)."""
+    graph's shapes are its bucket's). With q_norm_weight the raw queries' norm (multiplied in float32) and rotary
+    happen in every program, with rms_norm_rope(round_products)'s roundings: their launch folded in."""
     require_triton()
     num_seqs, num_heads, index_dim = q.shape
     page_size = index_cache.shape[2]
@@ -212,14 +240,21 @@ def block_scores(
     assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("index_cache", index_cache)
+    norm_q = q_norm_weight is not None
+    if norm_q:
+        assert q_norm_weight.shape == (index_dim,) and q_norm_weight.is_contiguous()
+        assert q_cos.shape == q_sin.shape == (num_seqs, rotary_dim) and q_cos.stride() == q_sin.stride()
+        assert q_cos.stride(1) == 1
     out = torch.empty(num_seqs, num_blocks, dtype=torch.float32, device=q.device)
     if num_seqs == 0 or num_blocks == 0:
         return out
     pages = index_cache[0]
     _block_scores_kernel[(num_seqs, num_blocks)](
-        q, pages, norm_weight, cos, sin, block_tables, seq_lens, out, q.stride(0), q.stride(1), pages.stride(0),
-        pages.stride(1), cos.stride(0), block_tables.stride(0), out.stride(0), num_heads, index_dim, rotary_dim,
-        eps, index_dim**0.5, PAGE_SIZE=page_size, BLOCK_SIZE=block_size,
+        q, pages, norm_weight, q_norm_weight if norm_q else norm_weight, q_cos if norm_q else cos,
+        q_sin if norm_q else sin, cos, sin, block_tables, seq_lens, out, q.stride(0), q.stride(1), pages.stride(0),
+        pages.stride(1), cos.stride(0), q_cos.stride(0) if norm_q else 0, block_tables.stride(0), out.stride(0),
+        num_heads, index_dim, rotary_dim, eps, q_eps, index_dim**0.5, NORM_Q=norm_q, PAGE_SIZE=page_size,
+        BLOCK_SIZE=block_size,
         BLOCK_N=max(16, min(64, next_power_of_2(block_size))), BLOCK_H=max(16, next_power_of_2(num_heads)),
         BLOCK_D=max(16, next_power_of_2(index_dim)), num_warps=4,
     )

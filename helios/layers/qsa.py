@@ -4,8 +4,8 @@ IndexerConfig). The torch reference on every device: it gathers each sequence's 
 attends through SDPA with the selection as the mask. On the Triton backend a decode-only step (one token per
 sequence) takes helios.kernels.qsa_decode instead: the same selection with lengths and tables read on the device, so
 it is CUDA-graph safe (decode_graph_safe); prefill and mixed steps stay on the torch reference. On that backend every
-step also takes q's and k's norms and partial rotary in one launch, the index queries' in another, and the output gate
-in a third, each with the torch path's roundings. Imports torch and helios.layers only (helios.kernels on the Triton
+step also takes q's and k's norms and partial rotary in one launch, the index queries' in another (inside the block
+scores' launch at decode), and the output gate in a third, each with the torch path's roundings. Imports torch and helios.layers only (helios.kernels on the Triton
 backend's path).
 
 Cache per layer: (kv [2, P, page, Nkv, D], index [1, P, page, Di]) from helios.runner.kv_cache: the raw index key
@@ -53,12 +53,16 @@ class Indexer(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = False):  # [T, H] ->
         """(queries [T, Ni, Di] normed and turned, raw keys [T, Di]: what the cache keeps). fused (the Triton
         backend): the queries' norm and rotary in one launch (norm_rotate_heads, apply_rotary's roundings)."""
+        q, k = self.project_raw(x)
+        if fused:
+            return norm_rotate_heads(q, q.shape[1], self.q_norm, None, (cos, sin), True, round_products=True)[0], k
+        return rotate_leading(self.q_norm(q), cos, sin), k
+
+    def project_raw(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] ->
+        """(queries [T, Ni, Di] before their norm and rotary, raw keys [T, Di]): views of the projection's output."""
         c = self.config
         q, k = self.qk(x).split([c.num_heads * c.head_dim, c.head_dim], dim=-1)
-        q = q.view(x.shape[0], c.num_heads, c.head_dim)
-        if fused:
-            return norm_rotate_heads(q, c.num_heads, self.q_norm, None, (cos, sin), True, round_products=True)[0], k
-        return rotate_leading(self.q_norm(q), cos, sin), k
+        return q.view(x.shape[0], c.num_heads, c.head_dim), k
 
     def block_keys(self, groups: torch.Tensor) -> torch.Tensor:  # [nb, block_size, Di] raw keys -> [nb, Di]
         """Block b's key: its raw keys' float32 mean in their dtype, k-normed, turned at its first position b *
@@ -149,10 +153,11 @@ class IndexedAttention(nn.Module):
             q = rotate_leading(self.q_norm(q.reshape(num_tokens, self.num_heads, d)), cos, sin)
             k = rotate_leading(self.k_norm(k.reshape(num_tokens, self.num_kv_heads, d)), cos, sin)
         v = v.reshape(num_tokens, self.num_kv_heads, d)
-        index_q, index_k = self.indexer.project(x, cos, sin, self.fused_ops)
         if self.decode_graph_safe and num_tokens == meta.num_seqs:  # every sequence schedules one token
-            o = self._decode(q, k, v, index_q, index_k, kv_cache, index_cache, meta).to(q.dtype)
+            index_q, index_k = self.indexer.project_raw(x)  # the block scores norm and turn the queries
+            o = self._decode(q, k, v, index_q, index_k, cos_sin, kv_cache, index_cache, meta).to(q.dtype)
         else:
+            index_q, index_k = self.indexer.project(x, cos, sin, self.fused_ops)
             write_kv(kv_cache, k, v, meta.slot_mapping)
             index_cache.view(-1, index_cache.shape[-1]).index_copy_(0, meta.slot_mapping,
                                                                   index_k.to(index_cache.dtype))
@@ -172,8 +177,9 @@ class IndexedAttention(nn.Module):
         q: torch.Tensor,  # [B, Nq, D], one token per sequence
         k: torch.Tensor,  # [B, Nkv, D]
         v: torch.Tensor,  # [B, Nkv, D]
-        index_q: torch.Tensor,  # [B, Ni, Di]
+        index_q: torch.Tensor,  # [B, Ni, Di] raw (before the indexer's q_norm and rotary)
         index_k: torch.Tensor,  # [B, Di] raw
+        cos_sin: tuple[torch.Tensor, torch.Tensor],  # each [B, rotary_dim] at the step's positions
         kv_cache: torch.Tensor,  # [2, P, page, Nkv, D]
         index_cache: torch.Tensor,  # [1, P, page, Di]
         meta: AttentionMetadata,
@@ -186,8 +192,10 @@ class IndexedAttention(nn.Module):
         qsa_decode.write_caches(k, v, index_k, kv_cache, index_cache, meta.slot_mapping)  # K/V and raw index keys
         num_blocks = qsa_decode.block_count(meta.block_tables.shape[1], index_cache.shape[2], c.block_size)
         cos, sin = block_cos_sin(meta, indexer.rotary, num_blocks, c.block_size, index_cache.dtype)
+        q_norm = indexer.q_norm  # multiplied in float32, as block_scores folds it
         scores = qsa_decode.block_scores(index_q, index_cache, indexer.k_norm.weight, indexer.k_norm.eps, cos, sin,
-                                         meta.block_tables, meta.seq_lens, c.block_size)
+                                         meta.block_tables, meta.seq_lens, c.block_size, q_norm_weight=q_norm.weight,
+                                         q_eps=q_norm.eps, q_cos=cos_sin[0], q_sin=cos_sin[1])
         blocks = qsa_decode.select_blocks(scores, meta.seq_lens, c.block_size, c.num_blocks)
         return qsa_decode.qsa_decode(q, kv_cache, meta.block_tables, meta.seq_lens, blocks, c.block_size, self.scale)
 

@@ -1,7 +1,8 @@
 """The attention folds of a batch-1 decode step compiled on CUDA: tests/kernels/test_attention_folds.py's checks
 (rms_norm_rope with partial rotary = the torch norms and rotary, the one-launch block choices = the torch sorts, the
-K/V and index-key writes = the two launches they replace, the block rotary rows = the gathered ones) at the tests'
-shapes and at published ones (qwen3_5's 256-dim heads with 64 turned, long contexts' block counts).
+K/V and index-key writes = the two launches they replace, the block scores from raw index queries = from the torch
+path's normed ones, the block rotary rows = the gathered ones) at the tests' shapes and at published ones (qwen3_5's
+256-dim heads with 64 turned, long contexts' block counts).
 """
 
 from __future__ import annotations
@@ -45,3 +46,10 @@ def test_block_rotary_rows(dtype):
 @pytest.mark.parametrize("num_kv_heads, head_dim, index_dim", [(2, 48, 24), (4, 128, 128), (8, 128, 256)])
 def test_write_caches(dtype, num_kv_heads, head_dim, index_dim):
     checks.check_write_caches("cuda", dtype, num_kv_heads, head_dim, index_dim, page_size=16)
+
+
+@DTYPES
+def test_block_scores_norm_the_queries(dtype):
+    # bf16: the device's rsqrt may move a normed query by one 16-bit step
+    tol = F32_DEVICE if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    checks.check_scores_norm_the_queries("cuda", dtype, tol=tol)

@@ -2,7 +2,8 @@
 norms with partial rotary in one launch (helios.kernels.norm_fused.rms_norm_rope: qwen3_5's full layers, qwen4_exp's
 and minimax_m3's attention and indexers), the block choice in one launch (helios.kernels.qsa_decode.select_blocks and
 top_blocks, where torch sorts and masks in ten or one), an indexed layer's K/V and index-key writes in one launch
-(qsa_decode.write_caches), and the per-step block rotary rows (helios.layers.qsa.block_cos_sin: a view of the rope
+(qsa_decode.write_caches), the index queries' norm and rotary inside the block scores (qsa_decode.block_scores'
+q_norm_weight), and the per-step block rotary rows (helios.layers.qsa.block_cos_sin: a view of the rope
 table, no launch). The check_* functions take a device; tests/gpu/test_attention_folds_cuda.py runs them compiled.
 """
 
@@ -138,6 +139,32 @@ def check_write_caches(device, dtype, num_kv_heads=2, head_dim=48, index_dim=24,
     assert torch.equal(flat_index[0, 2], index_k[3])
 
 
+def check_scores_norm_the_queries(device, dtype, seq_lens=(37, 5, 0, 24, 64), page_size=4, tol=None):
+    """qsa_decode.block_scores from raw index queries (their q_norm and rotary folded into every program) = from the
+    queries the torch path norms and turns (Indexer.q_norm, then rotate_leading at each query's position): the
+    normed, turned queries agree to their rounding, so the float32 scores within the sum's order."""
+    from helios.kernels import qsa_decode
+    from helios.layers.qsa import block_starts, rotate_leading
+    from tests.kernels.test_mla_decode import _randn, paged_tables
+    from tests.kernels.test_qsa_decode import CONFIG, _indexer
+
+    tables, num_pages = paged_tables(list(seq_lens), page_size, device)
+    indexer, c, b = _indexer(device, dtype), CONFIG, len(seq_lens)
+    index_cache = _randn(1, num_pages, page_size, c.head_dim, device=device, dtype=dtype, seed=1)
+    raw = _randn(b, c.num_heads + 1, c.head_dim, device=device, dtype=dtype, seed=2)[:, : c.num_heads]  # strided
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    q_cos, q_sin = indexer.rotary.cos_sin((lens.long() - 1).clamp(min=0), dtype)
+    num_blocks = qsa_decode.block_count(tables.shape[1], page_size, c.block_size)
+    cos, sin = indexer.rotary.cos_sin(block_starts(indexer.rotary, num_blocks, c.block_size, device), dtype)
+    args = (index_cache, indexer.k_norm.weight, indexer.k_norm.eps, cos, sin, tables, lens, c.block_size)
+    with torch.inference_mode():
+        want = qsa_decode.block_scores(rotate_leading(indexer.q_norm(raw), q_cos, q_sin), *args)
+        got = qsa_decode.block_scores(raw, *args, q_norm_weight=indexer.q_norm.weight, q_eps=indexer.q_norm.eps,
+                                      q_cos=q_cos, q_sin=q_sin)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got, want, **(tol or dict(atol=1e-5, rtol=1e-5)))
+
+
 def check_block_cos_sin(device, dtype):
     """block_cos_sin: the table's every block_size-th row (a view) where the table holds every block start, else
     cos_sin(block_starts) (clamped past the table); once per step (the metadata's derived), the same tensors after."""
@@ -190,6 +217,11 @@ def test_top_blocks_is_the_stable_sort(interpreter):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_launch_writes_kv_and_index_keys_as_two_do(interpreter, dtype):
     check_write_caches("cpu", dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_block_scores_norm_and_turn_raw_queries_as_the_torch_path(interpreter, dtype):
+    check_scores_norm_the_queries("cpu", dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
