@@ -29,7 +29,7 @@ BOUNDS = {
     "mimo_v2_flash": ({"full+mlp": 11, "sliding+moe": 14}, 7),
     "kimi_linear": ({"linear+mlp": 7, "linear+moe": 13, "full+moe": 15}, 6),
     "glm5_next": ({"linear+mlp": 17, "full+moe": 47}, 8),
-    "deepseek_v4": ({"full_attention+moe": 34}, 8),
+    "deepseek_v4": ({"full_attention+moe": 33.5}, 8),
     "minimax_m3": ({"full_attention+mlp": 26, "full_attention+moe": 29.5}, 6),
     "muse_spark": ({"full+mlp": 11, "sliding+moe": 18, "sliding+mlp": 11, "full+moe": 18}, 9),
     "gemma4": ({"sliding+mlp": 16.25, "full+mlp": 16.5}, 21),
