@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from helios.kernels._triton import (
+    cdiv,
     check_last_dim_contiguous,
     jit,
     next_power_of_2,
@@ -278,33 +279,37 @@ def _select_blocks_kernel(
     rows_per_seq,
     block_size,
     MASK_PAST: tl.constexpr,  # -1 for blocks past the complete ones, then the tail block
-    BLOCK_N: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_J: tl.constexpr,
 ):
-    """Program per row: the num_kept best blocks in the order of a stable descending sort (each pick the highest
-    score not yet taken, ties to the earlier block; -0.0 ties +0.0 as the comparisons see it), one pick a pass."""
+    """Program (row, chunk of BLOCK_I blocks): each block's place in a stable descending sort, counted (the blocks
+    scoring more, and the earlier ones scoring the same: -0.0 ties +0.0 as comparisons see it); a block placed
+    before num_kept is written there. Every place is one block's, so the programs' writes never meet, and no
+    program waits on another (a sort or top-k one pick at a time would)."""
     row = tl.program_id(0).to(tl.int64)
-    n = tl.arange(0, BLOCK_N)
-    scores = tl.load(scores_ptr + row * stride_s + n, mask=n < num_blocks, other=float("-inf"))
-    taken = n >= num_blocks  # the padding lanes are never picked
-    complete = num_blocks
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_mask = i < num_blocks
+    scores_row = scores_ptr + row * stride_s
+    mine = tl.load(scores_row + i, mask=i_mask, other=float("-inf"))
+    place = tl.zeros([BLOCK_I], dtype=tl.int32)
+    for j0 in range(0, num_blocks, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        theirs = tl.load(scores_row + j, mask=j < num_blocks, other=float("-inf"))
+        before = (theirs[None, :] > mine[:, None]) | ((theirs[None, :] == mine[:, None]) & (j[None, :] < i[:, None]))
+        place += tl.sum((before & (j < num_blocks)[None, :]).to(tl.int32), axis=1)
+    out_row = out_ptr + row * stride_o
+    kept = i_mask & (place < num_kept)
+    pick = i
     if MASK_PAST:
         seq_len = tl.load(seq_lens_ptr + row // rows_per_seq)
         complete = seq_len // block_size
-    out_row = out_ptr + row * stride_o
-    for i in range(num_kept):
-        open_scores = tl.where(taken, float("-inf"), scores)
-        best = tl.max(open_scores, axis=0)
-        pick = tl.min(tl.where((open_scores == best) & ~taken, n, BLOCK_N), axis=0)
-        if MASK_PAST:
-            tl.store(out_row + i, tl.where(pick < complete, pick, -1).to(out_ptr.dtype.element_ty))
-        else:
-            tl.store(out_row + i, pick.to(out_ptr.dtype.element_ty))
-        taken = taken | (n == pick)
-    if MASK_PAST:
-        tl.store(out_row + num_kept, tl.where(seq_len > 0, complete, -1).to(out_ptr.dtype.element_ty))
+        pick = tl.where(i < complete, i, -1)
+        if tl.program_id(1) == 0:  # the tail: its incomplete block, -1 for a padded row
+            tl.store(out_row + num_kept, tl.where(seq_len > 0, complete, -1).to(out_ptr.dtype.element_ty))
+    tl.store(out_row + place, pick.to(out_ptr.dtype.element_ty), mask=kept)
 
 
-SELECT_MAX_BLOCKS = 16384  # a row's scores held by one program; wider tables sort in torch
+SELECT_MAX_BLOCKS = 1 << 16  # a row's places counted by comparing every pair: wider tables sort in torch
 
 
 def select_blocks(scores: torch.Tensor, seq_lens: torch.Tensor, block_size: int, num_kept: int) -> torch.Tensor:
@@ -343,10 +348,10 @@ def _select(scores, seq_lens, out, block_size, kept, rows_per_seq, mask_past) ->
     check_last_dim_contiguous("scores", scores)
     if num_rows == 0:
         return out
-    block_n = max(16, next_power_of_2(num_blocks))
-    _select_blocks_kernel[(num_rows,)](
+    block_i = min(64, max(16, next_power_of_2(num_blocks)))
+    _select_blocks_kernel[(num_rows, cdiv(max(num_blocks, 1), block_i))](
         scores, seq_lens, out, scores.stride(0), out.stride(0), num_blocks, kept, rows_per_seq, block_size,
-        MASK_PAST=mask_past, BLOCK_N=block_n, num_warps=4 if block_n <= 4096 else 8,
+        MASK_PAST=mask_past, BLOCK_I=block_i, BLOCK_J=128, num_warps=4,
     )
     return out
 
