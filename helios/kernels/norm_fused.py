@@ -1,7 +1,8 @@
 """RMSNorms fused with their neighbours, one program per row: `norm_add_norm` is a sandwich layer's tail in one launch
 (a post-norm of the sublayer's output, the residual add or a float32 gate alpha * r + beta * h, a scalar, the next
-pre-norm); `rms_norm_rope` the q and k heads' norms and their rotary. Each norm computes as helios.kernels.rmsnorm's
-(its `_normalize`, float32 statistics, the weight modes). Imports torch, helios.kernels._triton and .rmsnorm only.
+pre-norm); `rms_norm_rope` the q and k heads' norms and their rotary (partial too, rounded once or as apply_rotary
+rounds). Each norm computes as helios.kernels.rmsnorm's (its `_normalize`, float32 statistics, the weight modes).
+Imports torch, helios.kernels._triton and .rmsnorm only.
 """
 
 from __future__ import annotations
