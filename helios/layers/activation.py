@@ -48,8 +48,8 @@ class GatedMLP(nn.Module):
         self.limit = limit  # the clamp of `gated` (arch.swiglu_limit, or a layer's arch.swiglu_limits_shared entry)
         self.clamp_after_act = clamp_after_act
         self.alpha = alpha  # SwiGLU-OAI's gain (arch.swiglu_alpha); None: act(gate) * up
-        # GPU path: act(gate) * up in one Triton kernel (helios.kernels.activation), which has no clamp
-        self.fused = fused and limit is None and alpha is None
+        # GPU path: `gated` in one Triton kernel (helios.kernels.activation), clamps and alpha included
+        self.fused = fused and act in ("silu", "gelu_tanh")
         self.gate_up = Linear(hidden_size, 2 * intermediate_size, switches=switches)
         self.down = Linear(intermediate_size, hidden_size, switches=switches)
 
@@ -61,8 +61,11 @@ class GatedMLP(nn.Module):
             from helios.kernels import activation
             from helios.kernels.gemv import gemv
 
-            if self.down.serves_gemv(gate_up):
+            plain = self.limit is None and self.alpha is None
+            if plain and self.down.serves_gemv(gate_up):
                 # batch-1 decode: the activation rides in the down GEMV as it reads its input (same values)
                 return gemv(gate_up, self.down.weight, gated=self.act, allow_pdl=self.down.switches.gemv_pdl)
-            return self.down(getattr(activation, f"{self.act}_and_mul")(gate_up))
+            # NOTE: the GEMV's fold has no clamp: a clamped MLP takes the one act-and-mul launch, then the GEMV
+            act_and_mul = getattr(activation, f"{self.act}_and_mul")
+            return self.down(act_and_mul(gate_up, self.limit, self.clamp_after_act, self.alpha))
         return self.down(gated(gate_up, self.act, self.limit, self.clamp_after_act, alpha=self.alpha))

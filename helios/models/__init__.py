@@ -130,8 +130,8 @@ def use_layer_kernels(model: nn.Module, on: bool) -> None:
         if isinstance(module, RMSNorm):
             module.kernel = True
         elif isinstance(module, GatedMLP):
-            # its constructor's rule; the kernels know silu and gelu_tanh
-            module.fused = module.limit is None and module.alpha is None and module.act in ("silu", "gelu_tanh")
+            # its constructor's rule; the kernel knows silu and gelu_tanh, with `gated`'s clamps and alpha
+            module.fused = module.act in ("silu", "gelu_tanh")
 
 
 def model_class(family: str) -> type:

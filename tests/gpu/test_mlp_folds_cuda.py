@@ -1,0 +1,28 @@
+"""The MLP and gate folds compiled on CUDA: tests/kernels/test_gated_clamp.py's checks (helios.kernels.activation
+with gated's clamps and alpha = the torch path; a clamped GatedMLP fused = unfused) at decode and prefill rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.family_cuda import CUDA_MARKS
+from tests.kernels import test_gated_clamp as checks
+
+pytestmark = CUDA_MARKS
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@DTYPES
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("limit, clamp_after_act, alpha", checks.VARIANTS)
+def test_gated_variant_matches_the_torch_path(dtype, act, limit, clamp_after_act, alpha):
+    checks.check_gated_variant("cuda", dtype, act, limit, clamp_after_act, alpha)
+
+
+@DTYPES
+@pytest.mark.parametrize("limit, clamp_after_act", [(7.0, False), (0.4, True)])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_clamped_mlp_fused_equals_unfused(dtype, limit, clamp_after_act, num_tokens):
+    checks.check_clamped_mlp("cuda", dtype, limit, clamp_after_act, num_tokens)
