@@ -5,9 +5,12 @@ and page read on the device (no host sync, no data-dependent shape: CUDA-graph s
 As helios.kernels.sparse_decode does for minimax_m3: the two costs that grow with the context (every index row for
 the pool keys and scores; the chosen pools' latent rows) are Triton kernels that stop at each sequence's length, and
 the choice between the [B, max pools] float32 scores is the reference's own stable torch sort (ties to the earlier
-pool by construction). The attention reads a list of pools per sequence: the chosen ones (-1: none) and last the
-incomplete tail pool, each clamped to the length, so "every key" (a sequence with num_pools pools or fewer) and
-"chosen pools + tail" are one launch. Imports torch and helios.kernels only.
+pool by construction; helios.kernels.qsa_decode.select_blocks gives the same lists in one launch). The attention
+reads a list of pools per sequence: the chosen ones (-1: none) and last the incomplete tail pool, each clamped to the
+length, so "every key" (a sequence with num_pools pools or fewer) and "chosen pools + tail" are one launch. A batch-1
+step counts launches, so the torch tails fold in: write_index_rows is the index key's LayerNorm and the row's write
+in one, pool_scores scales the raw head weights, and sparse_mla_decode_absorbed is mla_decode_absorbed's three
+launches around this attention (the latent write and its norm in the first). Imports torch and helios.kernels only.
 """
 
 from __future__ import annotations
@@ -15,14 +18,90 @@ from __future__ import annotations
 import torch
 
 from helios.kernels._triton import cdiv, check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
+from helios.kernels.mla_decode import LatentWrite, _merge_expand_kernel, absorb_query
 from helios.kernels.paged_attention import dot_precision, merge_splits, split_partials
 from helios.kernels.sparse_decode import online_softmax_tile, store_decode_output
 
 
 @jit
+def _write_index_rows_kernel(
+    proj_ptr,  # [num_tokens, >= 2*Di] the indexer's in_proj rows: the raw key, then the pool-gate logits
+    norm_w_ptr,  # [Di] k_norm.weight
+    norm_b_ptr,  # [Di] k_norm.bias
+    cache_ptr,  # [num_pages, page_size, 2*Di]
+    slot_mapping_ptr,  # [num_tokens] int64, -1: a padded row, nothing written
+    stride_pt,
+    stride_cp,  # cache strides: page, slot in page
+    stride_cs,
+    index_dim,
+    eps,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # >= Di
+):
+    """Program per token: F.layer_norm of the key (float32 statistics, rounded to the key's dtype as the op stores
+    it), then [normed key, gate logits] into the token's slot."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < index_dim
+    slot = tl.zeros([BLOCK_D], dtype=tl.int64) + tl.load(slot_mapping_ptr + t)  # a tile: the interpreter's masks
+    live = d_mask & (slot >= 0)
+    row = proj_ptr + t * stride_pt
+    key = tl.load(row + d, mask=d_mask, other=0.0)
+    x = key.to(tl.float32)
+    mean = tl.sum(x, axis=0) / index_dim
+    centred = tl.where(d_mask, x - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / index_dim + eps)
+    w = tl.load(norm_w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    b = tl.load(norm_b_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    normed = (centred * rstd * w + b).to(key.dtype)
+    gate = tl.load(row + index_dim + d, mask=d_mask, other=0.0)
+    dst = cache_ptr + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + d
+    tl.store(dst, normed.to(cache_ptr.dtype.element_ty), mask=live)
+    tl.store(dst + index_dim, gate.to(cache_ptr.dtype.element_ty), mask=live)
+
+
+def write_index_rows(
+    index_cache: torch.Tensor,  # [1, num_pages, page_size, 2*Di], written in place
+    proj: torch.Tensor,  # [num_tokens, 2*Di + Ni] the indexer's raw in_proj output (rows may be strided)
+    norm_weight: torch.Tensor,  # [Di]
+    norm_bias: torch.Tensor,  # [Di]
+    eps: float,
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """DsaIndexer.project's cached rows (the key LayerNorm'd, then the gate logits) written into their slots in one
+    launch: the layer_norm, the cat and write_latent's launch folded; padded rows write nothing."""
+    require_triton()
+    num_tokens = proj.shape[0]
+    index_dim = norm_weight.shape[0]
+    assert index_cache.dim() == 4 and index_cache.shape[0] == 1 and index_cache.shape[3] == 2 * index_dim
+    assert proj.dim() == 2 and proj.shape[1] >= 2 * index_dim and norm_bias.shape == (index_dim,)
+    assert norm_weight.is_contiguous() and norm_bias.is_contiguous()
+    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
+    check_last_dim_contiguous("proj", proj)
+    check_last_dim_contiguous("index_cache", index_cache)
+    if num_tokens == 0:
+        return
+    pages = index_cache[0]
+    _write_index_rows_kernel[(num_tokens,)](
+        proj, norm_weight, norm_bias, pages, slot_mapping, proj.stride(0), pages.stride(0), pages.stride(1),
+        index_dim, eps, PAGE_SIZE=index_cache.shape[2], BLOCK_D=next_power_of_2(index_dim), num_warps=4,
+    )
+
+
+def write_index_rows_ref(index_cache, proj, norm_weight, norm_bias, eps, slot_mapping) -> None:
+    """write_index_rows as DsaIndexer.project and the layer's write compute it, skipping negative slots."""
+    index_dim = norm_weight.shape[0]
+    key = torch.nn.functional.layer_norm(proj[:, :index_dim], (index_dim,), norm_weight, norm_bias, eps)
+    rows = torch.cat([key, proj[:, index_dim : 2 * index_dim]], dim=-1)
+    keep = slot_mapping >= 0
+    flat = index_cache.view(-1, index_cache.shape[-1])
+    flat.index_copy_(0, slot_mapping[keep], rows[keep].to(index_cache.dtype))
+
+
+@jit
 def _pool_scores_kernel(
     q_ptr,  # [num_seqs, num_index_heads, Di], the index queries
-    w_ptr,  # [num_seqs, num_index_heads] float32, the head weights (1/sqrt(Ni) folded in)
+    w_ptr,  # [num_seqs, num_index_heads], the head weights (times weight_scale in float32)
     index_ptr,  # [num_pages, page_size, 2*Di]: each token's normed index key, then its pool-gate logits
     pool_bias_ptr,  # [POOL, Di]
     block_tables_ptr,  # [num_seqs, max_pages] int32
@@ -38,6 +117,7 @@ def _pool_scores_kernel(
     num_heads,
     index_dim,
     scale,  # Di^-0.5
+    weight_scale,  # the head weights' factor (Ni^-0.5 for raw ones, 1.0 for scaled float32 ones)
     PAGE_SIZE: tl.constexpr,
     POOL: tl.constexpr,
     BLOCK_P: tl.constexpr,  # >= POOL
@@ -74,7 +154,7 @@ def _pool_scores_kernel(
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :],
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
     s = tl.maximum(tl.sum(q * pool_key[None, :], axis=1) * scale, 0.0)  # [BLOCK_H]
-    w = tl.load(w_ptr + seq * stride_ws + heads, mask=h_mask, other=0.0)
+    w = tl.load(w_ptr + seq * stride_ws + heads, mask=h_mask, other=0.0).to(tl.float32) * weight_scale
     score = tl.sum(w * s, axis=0)
     is_complete = pool < seq_len // POOL
     tl.store(out_ptr + seq * stride_os + pool, tl.where(is_complete, score, float("-inf")))
@@ -82,20 +162,22 @@ def _pool_scores_kernel(
 
 def pool_scores(
     q: torch.Tensor,  # [num_seqs, num_index_heads, Di]
-    weights: torch.Tensor,  # [num_seqs, num_index_heads] float32
+    weights: torch.Tensor,  # [num_seqs, num_index_heads] (rows may be strided)
     index_cache: torch.Tensor,  # [1, num_pages, page_size, 2*Di]
     pool_bias: torch.Tensor,  # [pool_size, Di]
     block_tables: torch.Tensor,  # [num_seqs, max_pages] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, max_pages * page_size // pool_size] float32, -inf past the complete pools
     """Every complete pool's score; the pool count comes from the table's width, never from the lengths (a graph's
-    shapes are its bucket's)."""
+    shapes are its bucket's). The head weights are weights.float() * weight_scale, as DsaIndexer.project scales
+    them (raw in_proj columns with Ni^-0.5: that op's launches folded in)."""
     require_triton()
     num_seqs, num_heads, index_dim = q.shape
     pool_size = pool_bias.shape[0]
     assert index_cache.dim() == 4 and index_cache.shape[0] == 1 and index_cache.shape[3] == 2 * index_dim
     assert pool_bias.shape == (pool_size, index_dim) and pool_bias.is_contiguous()
-    assert weights.shape == (num_seqs, num_heads) and weights.dtype == torch.float32 and weights.stride(1) == 1
+    assert weights.shape == (num_seqs, num_heads) and weights.stride(1) == 1
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
     assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32
     check_last_dim_contiguous("q", q)
@@ -109,7 +191,7 @@ def pool_scores(
     _pool_scores_kernel[(num_seqs, num_pools)](
         q, weights, pages, pool_bias, block_tables, seq_lens, out, q.stride(0), q.stride(1), weights.stride(0),
         pages.stride(0), pages.stride(1), block_tables.stride(0), out.stride(0), num_heads, index_dim,
-        index_dim**-0.5, PAGE_SIZE=page_size, POOL=pool_size, BLOCK_P=max(16, next_power_of_2(pool_size)),
+        index_dim**-0.5, weight_scale, PAGE_SIZE=page_size, POOL=pool_size, BLOCK_P=max(16, next_power_of_2(pool_size)),
         BLOCK_H=max(16, next_power_of_2(num_heads)), BLOCK_D=max(16, next_power_of_2(index_dim)), num_warps=4,
     )
     return out
@@ -225,9 +307,12 @@ def sparse_mla_decode(
     scale: float,
     num_splits: int = 1,
     block_h: int = 16,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, R] in q's dtype
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,  # split_partials(out, num_splits): left unmerged
 ) -> torch.Tensor:  # [num_seqs, num_heads, R], the attention-weighted latents (in q's dtype)
     """mla_decode over the listed pools' keys only; float32 softmax and accumulation. num_splits (along the list) is a
-    launch constant, so a captured graph stays valid."""
+    launch constant, so a captured graph stays valid. Given `partials`, the splits stay there for the caller's merge
+    (sparse_mla_decode_absorbed's) and `out` is written only with one split."""
     require_triton()
     num_seqs, num_heads, width = q.shape
     assert cache.dim() == 4 and cache.shape[0] == 1 and cache.shape[3] == width and 0 < rank <= width
@@ -237,13 +322,14 @@ def sparse_mla_decode(
     assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32 and num_splits >= 1 and block_h >= 16
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("cache", cache)
-    out = q.new_empty(num_seqs, num_heads, rank)
+    out = q.new_empty(num_seqs, num_heads, rank) if out is None else out
+    assert out.shape == (num_seqs, num_heads, rank) and out.stride(-1) == 1 and out.dtype == q.dtype
     if num_seqs == 0:
         return out
     pages = cache[0]
     rope_dim = width - rank
     block_r = max(16, next_power_of_2(rank))
-    part_out, part_lse = split_partials(out, num_splits)
+    part_out, part_lse = partials or split_partials(out, num_splits)
     _sparse_mla_decode_kernel[(num_seqs, cdiv(num_heads, block_h), num_splits)](
         q, pages, block_tables, seq_lens, pools, out, part_out, part_lse,
         q.stride(0), q.stride(1), pages.stride(0), pages.stride(1), block_tables.stride(0), pools.stride(0),
@@ -253,13 +339,50 @@ def sparse_mla_decode(
         BLOCK_DR=max(16, next_power_of_2(rope_dim)), DOT_PRECISION=dot_precision(q.dtype),
         num_warps=4 if block_r <= 256 else 8, num_stages=2,
     )
-    merge_splits(part_out, part_lse, out, num_splits, False)
+    if partials is None:
+        merge_splits(part_out, part_lse, out, num_splits, False)
     return out
 
 
-def pool_scores_ref(q, weights, index_cache, pool_bias, block_tables, seq_lens) -> torch.Tensor:
+def sparse_mla_decode_absorbed(
+    q: torch.Tensor,  # [num_seqs, num_heads, dn + dr], one query token per sequence
+    kv_b: torch.Tensor,  # [num_heads * (dn + dv), R]: per head dn W_uk rows, then dv W_uv rows
+    cache: torch.Tensor,  # [1, num_pages, page_size, R + dr]
+    block_tables: torch.Tensor,  # [num_seqs, max_pages] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32 (0: a padded row, output 0)
+    pools: torch.Tensor,  # [num_seqs, num_listed] int32, select_pools'
+    pool_size: int,
+    v_dim: int,
+    scale: float,
+    num_splits: int = 1,
+    write: LatentWrite | None = None,  # this step's latent rows, one per sequence: written by the first launch
+) -> torch.Tensor:  # [num_seqs, num_heads, dv] in q's dtype
+    """helios.layers.mla's absorb_query, sparse_mla_decode and expand_output in three launches, as
+    mla_decode.mla_decode_absorbed around its dense attention: the absorbed query in the cache's dtype (with `write`
+    also the cache write), the attention over the listed pools, then the split merge and W_uv per (seq, head)."""
+    num_seqs, num_heads, _ = q.shape
+    rank = kv_b.shape[1]
+    q_abs = absorb_query(q, kv_b, rank, v_dim, cache.dtype, cache, write)
+    o_lat = q_abs.new_empty(num_seqs, num_heads, rank)
+    part_out, part_lse = split_partials(o_lat, num_splits)
+    sparse_mla_decode(q_abs, cache, block_tables, seq_lens, pools, pool_size, rank, scale, num_splits, out=o_lat,
+                      partials=(part_out, part_lse))
+    out = q.new_empty(num_seqs, num_heads, v_dim)
+    if num_seqs == 0:
+        return out
+    nope_dim = kv_b.shape[0] // num_heads - v_dim
+    block_v = min(32, next_power_of_2(v_dim))
+    _merge_expand_kernel[(num_seqs, num_heads, cdiv(v_dim, block_v))](
+        o_lat, part_out, part_lse, kv_b, out, num_heads, nope_dim, v_dim, rank, NUM_SPLITS=num_splits,
+        BLOCK_S=next_power_of_2(num_splits), BLOCK_V=block_v, BLOCK_R=min(128, next_power_of_2(rank)), num_warps=4,
+    )
+    return out
+
+
+def pool_scores_ref(q, weights, index_cache, pool_bias, block_tables, seq_lens, weight_scale=1.0) -> torch.Tensor:
     """pool_scores per sequence in torch, as DsaIndexer.select computes them: [num_seqs, max_pools] float32."""
     pool_size, index_dim = pool_bias.shape
+    weights = weights.float() * weight_scale
     page_size = index_cache.shape[2]
     out = torch.full((q.shape[0], block_tables.shape[1] * page_size // pool_size), float("-inf"), device=q.device)
     for i, seq_len in enumerate(seq_lens.tolist()):

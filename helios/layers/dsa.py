@@ -21,12 +21,11 @@ from torch import nn
 from helios.core.manifest import DsaConfig, MlaConfig
 from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.linear import Linear, meta_parameter
-from helios.layers.mla import (MlaAttention, absorb_query, decode_latent_layout, expand_output, mla_absorbed,
-                               mla_expanded, write_latent)
+from helios.layers.mla import MlaAttention, decode_latent_layout, mla_absorbed, mla_expanded, write_latent
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 # per sequence of the step: [L, S] bool, the keys each of its L queries attends to (None: empty); a decode-only step
-# on the Triton backend: dsa_decode.select_pools' [B, K + 1] int32 pool lists instead
+# on the Triton backend: dsa_decode.select_pools' [B, K + 1] int32 pool lists instead (qsa_decode.select_blocks')
 Selection = list | torch.Tensor
 
 
@@ -51,10 +50,17 @@ class DsaIndexer(nn.Module):
         """(queries [T, Ni, Di], head weights [T, Ni] float32 with the 1/sqrt(Ni) folded in, the rows the cache keeps
         [T, 2*Di]: the LayerNorm'd key, then the pool-gate logits)."""
         c = self.config
-        q = self.q(q_latent).view(-1, c.num_heads, c.head_dim)
-        key, gate, weights = self.in_proj(x).split([c.head_dim, c.head_dim, c.num_heads], dim=-1)
+        q, proj = self.project_raw(x, q_latent)
+        key, gate, weights = proj.split([c.head_dim, c.head_dim, c.num_heads], dim=-1)
         key = F.layer_norm(key, (c.head_dim,), self.k_norm.weight, self.k_norm.bias, c.key_norm_eps)
         return q, weights.float() * c.num_heads**-0.5, torch.cat([key, gate], dim=-1)
+
+    def project_raw(self, x: torch.Tensor, q_latent: torch.Tensor):  # x [T, H], q_latent [T, Rq] ->
+        """(queries [T, Ni, Di], in_proj's rows [T, 2*Di + Ni] as they come: key, gate logits, head weights): project
+        before its torch tail, which the decode kernels fold (dsa_decode.write_index_rows, pool_scores'
+        weight_scale)."""
+        c = self.config
+        return self.q(q_latent).view(-1, c.num_heads, c.head_dim), self.in_proj(x)
 
     def select(
         self,
@@ -154,7 +160,7 @@ class DsaAttention(MlaAttention):
         if self.indexer is None and previous is None:
             raise ValueError("a shared DSA layer needs the selection of the layer before it")
         if self.decode_graph_safe and num_tokens == meta.num_seqs:  # every sequence schedules one token
-            o, selection = self._decode(x, q, q_latent, self.kv_a_norm(latent), rope_key, cache, meta, previous)
+            o, selection = self._decode(x, q, q_latent, latent, rope_key, cache, meta, previous)
             return self.o(o.reshape(num_tokens, self.num_heads * c.v_head_dim)), selection
         write_latent(latent_cache, self.kv_a_norm(latent), rope_key, meta.slot_mapping)
         selection = previous if self.indexer is None else self._select(x, q_latent, index_cache, meta)
@@ -163,27 +169,29 @@ class DsaAttention(MlaAttention):
 
     def _decode(self, x, q, q_latent, latent, rope_key, cache, meta: AttentionMetadata,
                 previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, Nq, dv], pool lists)
-        """The decode step in kernels: cache writes that skip padded rows (slot -1), then (unless shared) the pool
-        scores and select's choice, and the absorbed attention over the chosen pools and the tail, from meta's
-        device tensors."""
+        """The decode step in kernels, from meta's device tensors (latent: before kv_a_norm): unless shared, the index
+        rows' LayerNorm and write (padded rows, slot -1, write nothing), the pool scores and select's choice in one
+        launch each; then the absorbed attention over the chosen pools and the tail in three, the latent's norm and
+        write in the first (mla_decode_absorbed's form)."""
         from helios.kernels import dsa_decode
-        from helios.kernels.mla_decode import write_latent as write_rows
+        from helios.kernels.qsa_decode import select_blocks
 
         c, d = self.config, self.dsa
         latent_cache, index_cache = cache
-        write_rows(latent_cache, latent, rope_key, meta.slot_mapping)
         pools = previous
         if self.indexer is not None:
-            index_q, weights, index_rows = self.indexer.project(x, q_latent)
-            write_rows(index_cache, index_rows, index_rows[:, :0], meta.slot_mapping)  # a row without a rope part
-            scores = dsa_decode.pool_scores(index_q, weights, index_cache, self.indexer.pool_bias, meta.block_tables,
-                                            meta.seq_lens)
-            pools = dsa_decode.select_pools(scores, meta.seq_lens, d.pool_size, d.num_pools)
-        q_abs = absorb_query(q, self.kv_b.weight, c).to(latent_cache.dtype)
+            index_q, proj = self.indexer.project_raw(x, q_latent)
+            k_norm = self.indexer.k_norm
+            dsa_decode.write_index_rows(index_cache, proj, k_norm.weight, k_norm.bias, d.key_norm_eps,
+                                        meta.slot_mapping)
+            scores = dsa_decode.pool_scores(index_q, proj[:, 2 * d.head_dim :], index_cache, self.indexer.pool_bias,
+                                            meta.block_tables, meta.seq_lens, weight_scale=d.num_heads**-0.5)
+            pools = select_blocks(scores, meta.seq_lens, d.pool_size, d.num_pools)  # select_pools' lists
         splits = dsa_decode.dsa_num_splits(d.num_pools + 1, d.pool_size)
-        o_lat = dsa_decode.sparse_mla_decode(q_abs, latent_cache, meta.block_tables, meta.seq_lens, pools, d.pool_size,
-                                             c.kv_lora_rank, c.softmax_scale, splits)
-        return expand_output(o_lat.to(q.dtype), self.kv_b.weight, c), pools
+        o = dsa_decode.sparse_mla_decode_absorbed(q, self.kv_b.weight, latent_cache, meta.block_tables, meta.seq_lens,
+                                                  pools, d.pool_size, c.v_head_dim, c.softmax_scale, splits,
+                                                  self._latent_write(latent, rope_key, meta.slot_mapping))
+        return o, pools
 
     def _select(self, x, q_latent, index_cache, meta: AttentionMetadata) -> Selection:
         """Write this step's index rows into their slots, then select per sequence over all of its rows."""

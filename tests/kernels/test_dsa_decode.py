@@ -119,8 +119,8 @@ STEPS = [[(0, 0, 28), (1, 0, 9), (2, 0, 17), (3, 0, 2)], [(1, 9, 10), (0, 28, 30
 
 def check_layer_decode(device, dtype, config=NOPE, tol=None, page_size=4, num_heads=4):
     """A full DsaAttention then a shared one (the pool lists passed on), on the Triton backend (decode-only steps
-    through helios.kernels.dsa_decode) = on the torch path, step by step: outputs and every cache (latents, index
-    rows); the padded row outputs zeros and writes nothing."""
+    through helios.kernels.dsa_decode) = on the torch path, step by step: outputs and every cache (latents and index
+    rows, within their norms' rounding); the padded row outputs zeros and writes nothing."""
     from helios.kernels.backend import TritonAttentionBackend
     from helios.layers.dsa import DsaAttention
 
@@ -153,8 +153,12 @@ def check_layer_decode(device, dtype, config=NOPE, tol=None, page_size=4, num_he
         for want, got in zip(outs[0], outs[1]):
             torch.testing.assert_close(got[rows], want, **tol)
             assert torch.count_nonzero(got[[r for r, keep in enumerate(is_real) if not keep]]) == 0
+        # the latent's RMSNorm and the index key's LayerNorm run in the Triton path's cache writes: their float32
+        # statistics sum in another order than torch's, so the rows agree within a few of the dtype's ulps
+        eps = torch.finfo(dtype).eps
         for ours, ref in zip(caches[1], caches[0]):
-            assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+            for a, b in zip(ours, ref):
+                torch.testing.assert_close(a, b, atol=4 * eps, rtol=4 * eps)
 
 
 # --- CPU: kernels in the interpreter --------------------------------------------------------------------------
