@@ -75,6 +75,27 @@ def use_pdl(t, rows: int) -> bool:
     return _capability_major(t.device.index if t.device.index is not None else 0) >= 9
 
 
+
+# arrival counters: the split kernels' "last program of a group" handshake (decode_qkv's in-launch merge, the
+# recurrent decode steps' conv-state writers), one int32 per group, COUNTER_SLOTS of them per (owner, device)
+COUNTER_SLOTS = 1 << 16
+_COUNTERS: dict = {}
+
+
+def arrival_counters(device, owner: str):
+    """`owner`'s zeroed arrival counters on `device`: allocated once (a captured graph keeps pointing at them),
+    zero between launches (the last program of each group resets its own).
+
+    NOTE: first allocated by a warm-up launch, never inside a graph capture (GraphRunner warms every graph up first)."""
+    import torch
+
+    key = (owner, device)
+    if key not in _COUNTERS:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+            f"{owner}: run once before capturing a graph (its arrival counters are allocated then)"
+        _COUNTERS[key] = torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
 # --- ahead-of-time tracing (helios.kernels.aot) --------------------------------------------------------------
 # A model's decode step runs on `meta` tensors while Triton's compile hook intercepts every launch: the launches'
 # specializations (dtypes, alignment from the views' offsets, constexprs) are the GPU's, and no kernel runs. The

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from helios.kernels._triton import (
+    COUNTER_SLOTS,
+    arrival_counters,
     check_last_dim_contiguous,
     jit,
     next_power_of_2,
@@ -46,10 +48,6 @@ NUM_WARPS = 4
 # splits > 1 merge in the launch (the last program of each (sequence, kv head) to finish), not in a second kernel;
 # 0: paged_attention's merge kernel (benchmarks compare)
 MERGE_IN_KERNEL = 1
-# arrival counters of the in-launch merge, one per (sequence, kv head) and device: allocated once (a graph keeps
-# pointing at them), zero between launches (each merging program resets its own)
-_COUNTER_SLOTS = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @jit
@@ -338,10 +336,10 @@ def decode_attention_qkv(
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     pdl = use_pdl(qkv, num_seqs)
     part_out, part_lse = split_partials(out, num_splits)
-    merge = num_splits > 1 and MERGE_IN_KERNEL and num_seqs * num_kv_heads <= _COUNTER_SLOTS
+    merge = num_splits > 1 and MERGE_IN_KERNEL and num_seqs * num_kv_heads <= COUNTER_SLOTS
     merge_args = {}
     if merge:
-        merge_args = dict(MERGE=True, BLOCK_S=next_power_of_2(num_splits), counter_ptr=_arrival_counters(qkv.device))
+        merge_args = dict(MERGE=True, BLOCK_S=next_power_of_2(num_splits), counter_ptr=arrival_counters(qkv.device, "decode_qkv"))
     has_norm = q_norm is not None
     group = num_heads // num_kv_heads
     row_args = {}
@@ -403,16 +401,6 @@ def decode_attention_qkv(
     if not merge:
         merge_splits(part_out, part_lse, out, num_splits, pdl)
     return out
-
-
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed arrival counters of the in-launch merge (allocated once, never replaced).
-
-    NOTE: first allocated by a warm-up launch, never inside a graph capture (GraphRunner warms every graph up
-    first); the merging programs leave them zero."""
-    if device not in _counters:
-        _counters[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _counters[device]
 
 
 def decode_attention_qkv_ref(

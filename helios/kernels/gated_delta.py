@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from helios.kernels._triton import (
+    COUNTER_SLOTS,
+    arrival_counters,
     check_last_dim_contiguous,
     jit,
     next_power_of_2,
@@ -34,10 +36,6 @@ NUM_WARPS = 4
 NUM_STAGES = 3  # the tile loop's software pipelining (Triton's default)
 # the fused step loads each state tile before its conv (overlapping the two, at twice the registers) or after
 STATE_FIRST = False
-# arrival counters of the split decode step, one per (batch row, key head) and device; allocated once (a captured
-# graph keeps pointing at them), zero between launches (the last program of each group resets its own)
-_COUNTER_SLOTS = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 # --- decode: one token per sequence, one launch per layer -------------------------------------------------------
@@ -216,17 +214,6 @@ def _num_sms(t: torch.Tensor) -> int:
     return sm_count(t.device)  # the traced GPU's on meta tensors (helios.kernels.aot)
 
 
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed arrival counters (allocated once, never replaced).
-
-    NOTE: first allocated by a warm-up launch, never inside a graph capture (GraphRunner warms every graph up first)."""
-    if device not in _counters:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
-            "gated_delta_decode: run once before capturing a graph (its arrival counters are allocated then)"
-        _counters[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 def check_conv(conv_weight, conv_state, num_slots, channels):
     """The decode step's conv: taps [C, K] and the conv state [S, K-1, C], both contiguous."""
     width = conv_weight.shape[1]
@@ -294,8 +281,8 @@ def fused_delta_step(mixed_qkv, conv_weight, conv_state, gate, b, A_log, dt_bias
     splits = _splits(num_rows, num_k_heads, state, num_splits)
     counters = None
     if splits > 1:
-        assert num_rows * num_k_heads <= _COUNTER_SLOTS, "more (row, key head) groups than arrival counters"
-        counters = _arrival_counters(mixed_qkv.device)
+        assert num_rows * num_k_heads <= COUNTER_SLOTS, "more (row, key head) groups than arrival counters"
+        counters = arrival_counters(mixed_qkv.device, "gated_delta")
     width = conv_weight.shape[1]
     pdl = use_pdl(mixed_qkv, num_rows)
     _gated_delta_step_kernel[(splits, num_k_heads, num_rows)](

@@ -18,6 +18,8 @@ from typing import NamedTuple
 import torch
 
 from helios.kernels._triton import (
+    COUNTER_SLOTS,
+    arrival_counters,
     check_last_dim_contiguous,
     jit,
     next_power_of_2,
@@ -28,10 +30,8 @@ from helios.kernels._triton import (
     use_pdl,
 )
 from helios.kernels.gated_delta import (
-    _COUNTER_SLOTS,
     NUM_STAGES,
     NUM_WARPS,
-    _arrival_counters,
     _check_state,
     _conv_qk,
     _conv_step,
@@ -249,8 +249,8 @@ def kda_decode(
     counters = None
     if splits > 1:
         groups = num_rows * num_heads * (2 if output_norm is not None else 1)
-        assert groups <= _COUNTER_SLOTS, "more (row, head) groups than arrival counters"
-        counters = _arrival_counters(mixed_qkv.device)
+        assert groups <= COUNTER_SLOTS, "more (row, head) groups than arrival counters"
+        counters = arrival_counters(mixed_qkv.device, "kda")
     width = conv_weight.shape[1]
     tiles = _tile_args(num_heads, state, splits)
     fold_cols = f.shape[1] if f_b_weight is not None else 1

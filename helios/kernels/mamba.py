@@ -17,7 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from helios.kernels._triton import check_last_dim_contiguous, jit, next_power_of_2, require_triton, round_to, tl
+from helios.kernels._triton import (
+    COUNTER_SLOTS,
+    arrival_counters,
+    check_last_dim_contiguous,
+    jit,
+    next_power_of_2,
+    require_triton,
+    round_to,
+    tl,
+)
 from helios.kernels.gated_delta import _softplus, causal_conv_ref, check_conv
 
 BLOCK_P = 16  # head_dim rows per program: the state tile [BLOCK_P, N] float32 stays in registers
@@ -27,10 +36,6 @@ CHUNK_BLOCK_P = 16
 MAX_CHUNK = 32
 NUM_WARPS = 4
 FLOAT32_MAX = torch.finfo(torch.float32).max  # an unbounded dt_limit (inf) as a finite kernel argument
-# the decode step's arrival counters, one per (batch row, B/C group) and device: allocated once (a captured graph
-# keeps pointing at them), zero between launches (the last program of each group resets its own)
-_COUNTER_SLOTS = 1 << 16
-_counters: dict[torch.device, torch.Tensor] = {}
 
 
 @jit
@@ -305,17 +310,6 @@ def mamba2_scan(
     return out
 
 
-def _arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed arrival counters (allocated once, never replaced).
-
-    NOTE: first allocated by a warm-up launch, never inside a graph capture (GraphRunner warms every graph up first)."""
-    if device not in _counters:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
-            "mamba2_decode: run once before capturing a graph (its arrival counters are allocated then)"
-        _counters[device] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32, device=device)
-    return _counters[device]
-
-
 def mamba2_decode(
     xbc: torch.Tensor,  # [B, C] the conv input: x [H*P] | B [G*N] | C [G*N] per row (in_proj's split)
     dt: torch.Tensor,  # [B, H], the dt projection (before dt_bias and softplus)
@@ -352,8 +346,8 @@ def mamba2_decode(
     block_p = min(BLOCK_P, max(16, next_power_of_2(head_dim)))
     num_tiles = -(-head_dim // block_p)
     arrivals = num_tiles * (num_heads // num_groups)
-    assert arrivals == 1 or num_rows * num_groups <= _COUNTER_SLOTS, "more (row, group) pairs than arrival counters"
-    counters = _arrival_counters(xbc.device) if arrivals > 1 else slots
+    assert arrivals == 1 or num_rows * num_groups <= COUNTER_SLOTS, "more (row, group) pairs than arrival counters"
+    counters = arrival_counters(xbc.device, "mamba2_decode") if arrivals > 1 else slots
     _mamba2_decode_kernel[(num_tiles, num_heads, num_rows)](
         xbc, dt, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_state, A_log, D, dt_bias,
         state, out, slots, starts, counters, xbc.stride(0), dt.stride(0),
