@@ -105,6 +105,19 @@ class Step3p7Layer(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos_sin, kv_cache, meta)
         return x + getattr(self, self.ffn_name)(self.mlp_norm(x))
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,  # [T, H] the previous layer's output (the embedding for the first)
+        residual: torch.Tensor | None,  # [T, H] the stream before that output's add; None for the first layer
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (this layer's output, the stream before its add)
+        """forward with each residual add taken in its norm's launch (RMSNorm.forward_add): same values."""
+        h, residual = self.attn_norm.forward_add(x, residual, fused=True)
+        h, residual = self.mlp_norm.forward_add(self.attn(h, cos_sin, kv_cache, meta), residual, fused=True)
+        return getattr(self, self.ffn_name)(h), residual
+
 
 class Step3p7ForCausalLM(nn.Module):
     """One eager forward path (torch layers around the backend's attention); the full layers rotate with
@@ -122,6 +135,8 @@ class Step3p7ForCausalLM(nn.Module):
         self.switches = switches
         self.path = "eager"
         self.tp = tp
+        # GPU path (Triton backend): each residual add rides in the next norm's kernel (forward_fused)
+        self.is_fused = getattr(backend, "fuses_layers", False)
         self.embed = (Embedding(arch.vocab_size, arch.hidden_size) if tp is None
                       else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
         self.layers = nn.ModuleList(Step3p7Layer(arch, i, backend, switches, tp) for i in range(arch.num_layers))
@@ -148,8 +163,14 @@ class Step3p7ForCausalLM(nn.Module):
         x = self.embed(token_ids)
         rope = self.rotary.cos_sin(meta.positions, x.dtype)
         local_rope = self.local_rotary.cos_sin(meta.positions, x.dtype)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, local_rope if is_sliding(self.arch, i) else rope, kv_cache, meta)
+        ropes = [local_rope if is_sliding(self.arch, i) else rope for i in range(len(self.layers))]
+        if self.is_fused:
+            residual = None
+            for layer, cos_sin, kv_cache in zip(self.layers, ropes, kv_caches):
+                x, residual = layer.forward_fused(x, residual, cos_sin, kv_cache, meta)
+            return self.norm.forward_add(x, residual, fused=True)[0]
+        for layer, cos_sin, kv_cache in zip(self.layers, ropes, kv_caches):
+            x = layer(x, cos_sin, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]

@@ -26,3 +26,10 @@ def test_gated_variant_matches_the_torch_path(dtype, act, limit, clamp_after_act
 @pytest.mark.parametrize("num_tokens", [1, 9])
 def test_clamped_mlp_fused_equals_unfused(dtype, limit, clamp_after_act, num_tokens):
     checks.check_clamped_mlp("cuda", dtype, limit, clamp_after_act, num_tokens)
+
+
+@DTYPES
+def test_step3p7_fused_step_equals_the_torch_path(dtype):
+    from tests.kernels.test_step3p7_fused import check_fused_step
+
+    check_fused_step("cuda", dtype, exact_bf16=True)
