@@ -1,5 +1,6 @@
 """Gated activations over a fused [gate | up] row (gate first): silu_and_mul and gelu_tanh_and_mul, with
-helios.layers.activation.gated's clamps (limit: before or after the act) and SwiGLU-OAI (alpha).
+helios.layers.activation.gated's clamps (limit: before or after the act) and SwiGLU-OAI (alpha); act_and_mul
+takes gate and up as two tensors (gemma4's per-layer-input gate).
 
 Numerics follow helios.layers.activation (HF): every value the torch path holds in the input dtype (act(gate),
 each clamp, gate * alpha, ...) is rounded to it here too (round_to), so a 16-bit row gives the torch path's bits.
@@ -29,9 +30,11 @@ _BLOCK = 1024
 
 @jit
 def _gated_kernel(
-    x_ptr,  # [num_tokens, 2 * F]
+    gate_ptr,  # [num_tokens, F] rows may be strided (the first half of a [gate | up] row)
+    up_ptr,  # [num_tokens, F] rows may be strided
     out_ptr,  # [num_tokens, F] contiguous
-    stride_x,
+    stride_g,
+    stride_u,
     width,  # F
     limit,  # the clamp's bound (CLAMP != 0)
     alpha,  # SwiGLU-OAI's gain (HAS_ALPHA)
@@ -47,8 +50,8 @@ def _gated_kernel(
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    g = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + t * stride_x + width + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + t * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
     # NOTE: a clamp of a 16-bit tensor by a float bound is min / max then one rounding, as torch's clamp
     if CLAMP == 1:
         g = round_to(tl.minimum(g, limit), DT)
@@ -74,17 +77,26 @@ def _gated_kernel(
 
 def _launch(x: torch.Tensor, is_gelu_tanh: bool, limit: float | None, clamp_after_act: bool,
             alpha: float | None) -> torch.Tensor:
-    require_triton()
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"expected [num_tokens, 2*F], got {tuple(x.shape)}"
-    check_last_dim_contiguous("x", x)
-    num_tokens, width = x.shape[0], x.shape[1] // 2
-    out = torch.empty(num_tokens, width, dtype=x.dtype, device=x.device)
+    width = x.shape[1] // 2
+    return _launch_pair(x[:, :width], x[:, width:], is_gelu_tanh, limit, clamp_after_act, alpha)
+
+
+def _launch_pair(gate: torch.Tensor, up: torch.Tensor, is_gelu_tanh: bool, limit: float | None = None,
+                 clamp_after_act: bool = False, alpha: float | None = None) -> torch.Tensor:
+    require_triton()
+    assert gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype, (
+        f"expected gate and up [num_tokens, F] alike, got {tuple(gate.shape)} {gate.dtype}, {tuple(up.shape)} {up.dtype}")
+    check_last_dim_contiguous("gate", gate)
+    check_last_dim_contiguous("up", up)
+    num_tokens, width = gate.shape
+    out = torch.empty(num_tokens, width, dtype=gate.dtype, device=gate.device)
     if num_tokens == 0:
         return out
     grid = (num_tokens, cdiv(width, _BLOCK))
-    pdl = use_pdl(x, num_tokens)
+    pdl = use_pdl(gate, num_tokens)
     clamp = 0 if limit is None else (2 if clamp_after_act else 1)
-    _gated_kernel[grid](x, out, x.stride(0), width, float(limit or 0.0), float(alpha or 0.0),
+    _gated_kernel[grid](gate, up, out, gate.stride(0), up.stride(0), width, float(limit or 0.0), float(alpha or 0.0),
                         IS_GELU_TANH=is_gelu_tanh, CLAMP=clamp, HAS_ALPHA=alpha is not None, BLOCK=_BLOCK,
                         USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
@@ -98,6 +110,12 @@ def silu_and_mul(x: torch.Tensor, limit: float | None = None, clamp_after_act: b
 def gelu_tanh_and_mul(x: torch.Tensor, limit: float | None = None, clamp_after_act: bool = False,
                       alpha: float | None = None) -> torch.Tensor:  # [num_tokens, 2*F] -> [num_tokens, F]
     return _launch(x, True, limit, clamp_after_act, alpha)
+
+
+def act_and_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:  # 2 x [num_tokens, F] -> [num_tokens, F]
+    """act(gate) * up ("silu" or "gelu_tanh") of two tensors whose rows may be strided."""
+    assert act in ("silu", "gelu_tanh"), act
+    return _launch_pair(gate, up, act == "gelu_tanh")
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:

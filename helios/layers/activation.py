@@ -37,6 +37,29 @@ def gated(gate_up: torch.Tensor, act: Activation, limit: float | None = None,
     return ACTIVATIONS[act](gate) * up
 
 
+def act_and_mul(gate: torch.Tensor, up: torch.Tensor, act: Activation,
+                kernel: bool = False) -> torch.Tensor:  # 2 x [T, F] -> [T, F]
+    """act(gate) * up of two tensors (gemma4's per-layer-input gate); kernel (the Triton path): one launch of
+    helios.kernels.activation for silu / gelu_tanh, the same roundings as the two torch ops."""
+    if kernel and act in ("silu", "gelu_tanh") and gate.dim() == 2:
+        from helios.kernels.activation import act_and_mul as act_and_mul_kernel
+
+        return act_and_mul_kernel(gate, up, act)
+    return ACTIVATIONS[act](gate) * up
+
+
+def softcap(logits: torch.Tensor, cap: float | None, kernel: bool = False) -> torch.Tensor:  # [N, V]
+    """cap * tanh(logits / cap) when the architecture declares a final soft-cap (gemma); kernel (the Triton path):
+    one launch of helios.kernels.softcap for torch's three, the same roundings."""
+    if cap is None:
+        return logits
+    if kernel and logits.dim() == 2 and logits.stride(-1) == 1:
+        from helios.kernels.softcap import softcap as softcap_kernel
+
+        return softcap_kernel(logits, cap)
+    return torch.tanh(logits / cap) * cap
+
+
 class GatedMLP(nn.Module):
     """down(act(gate) * up) over a fused projection: gate_up.weight [2*F, H], down.weight [H, F]."""
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from helios.core.manifest import Architecture, RopeScaling
-from helios.layers.activation import ACTIVATIONS, GatedMLP
+from helios.layers.activation import ACTIVATIONS, GatedMLP, act_and_mul, softcap
 from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, linear, meta_parameter
 from helios.layers.moe import SparseMoe
@@ -30,8 +30,7 @@ from helios.layers.norm import RMSNorm, norm_rotate_heads, post_norm_add
 from helios.layers.norm_free import pdl_launches
 from helios.layers.parallel import ExpertParallelMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding
-from helios.models.gemma3 import Gemma3ForCausalLM
-from helios.models.llama import is_sliding, softcap_logits
+from helios.models.llama import is_sliding
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -123,6 +122,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.moe_post_norm = RMSNorm(h, eps, multiply_in_float32=True)
             self.router_norm = RMSNorm(h, eps, has_weight=False)  # its scale is folded into the router
         self.act = ACTIVATIONS[arch.hidden_act]
+        self.act_name = arch.hidden_act
         if g.ple_dim:
             self.ple_gate = Linear(h, g.ple_dim, switches=switches)
             self.ple_proj = Linear(g.ple_dim, h, switches=switches)
@@ -171,7 +171,7 @@ class Gemma4DecoderLayer(nn.Module):
         if ple is None:
             return post_norm_add(y, x, self.mlp_post_norm, next_norm, True, scale=self.layer_scalar)
         _, x = post_norm_add(y, x, self.mlp_post_norm, None, True)
-        p = self.ple_proj(self.act(self.ple_gate(x)) * ple)
+        p = self.ple_proj(act_and_mul(self.ple_gate(x), ple, self.act_name, kernel=True))  # one launch, same values
         return post_norm_add(p, x, self.ple_post_norm, next_norm, True, scale=self.layer_scalar)
 
 
@@ -260,8 +260,11 @@ class Gemma4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         """The tied (or own) lm_head, then the final soft-cap (gemma3's, over the same attributes); under tensor
         parallelism the vocabulary gathered before the cap."""
-        if self.tp is None:
-            return Gemma3ForCausalLM.compute_logits(self, hidden)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = self.tp.gather_vocab(linear(hidden, weight, None, self.switches), self.arch.vocab_size)
-        return softcap_logits(logits, self.arch.final_logit_softcapping)
+        if self.tp is None:
+            with pdl_launches(self.pdl):  # gemma3's
+                logits = linear(hidden, weight, None, self.switches)
+        else:
+            logits = self.tp.gather_vocab(linear(hidden, weight, None, self.switches), self.arch.vocab_size)
+        # the fused path: the cap's div, tanh and mul in one launch, same values
+        return softcap(logits, self.arch.final_logit_softcapping, kernel=self.path == "fused")

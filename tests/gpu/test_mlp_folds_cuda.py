@@ -33,3 +33,18 @@ def test_step3p7_fused_step_equals_the_torch_path(dtype):
     from tests.kernels.test_step3p7_fused import check_fused_step
 
     check_fused_step("cuda", dtype, exact_bf16=True)
+
+
+@DTYPES
+def test_gemma4_softcap_matches_the_torch_path(dtype):
+    from tests.kernels.test_gemma4_folds import check_softcap
+
+    check_softcap("cuda", dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+def test_gemma4_ple_gate_matches_the_torch_path(dtype, act):
+    from tests.kernels.test_gemma4_folds import check_ple_gate
+
+    check_ple_gate("cuda", dtype, act)

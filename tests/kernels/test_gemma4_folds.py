@@ -1,0 +1,63 @@
+"""gemma4's folds = the torch ops they replace (Triton interpreter here; tests/gpu/test_mlp_folds_cuda.py on CUDA):
+the final soft-cap (helios.kernels.softcap for div, tanh, mul) and the per-layer-input gate act(gate) * ple of two
+tensors (helios.kernels.activation.act_and_mul): float32 within rounding, bf16 bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helios.layers.activation import ACTIVATIONS, act_and_mul, softcap
+
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.usefixtures("interpreter")]
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@pytest.fixture
+def interpreter():
+    from tests.kernels.interpreter import require_interpreter
+
+    require_interpreter()
+
+
+def check_softcap(device: str, dtype: torch.dtype, num_rows: int = 3, vocab: int = 5000, cap: float = 30.0) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(num_rows, vocab, generator=g) * 40.0  # past the cap on both sides
+    logits[0, :5] = torch.tensor([0.0, -0.0, 1e-4, 300.0, -300.0])
+    logits = logits.to(device=device, dtype=dtype)
+    got, want = softcap(logits, cap, kernel=True), softcap(logits, cap)
+    assert got.dtype == dtype and got.shape == logits.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-6)  # tanh's last float32 bits
+    else:
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert got.abs().max().item() <= cap
+
+
+def check_ple_gate(device: str, dtype: torch.dtype, act: str, num_tokens: int = 3, num_layers: int = 4,
+                   ple_dim: int = 256) -> None:
+    """act(gate) * ple[:, i]: ple a strided view of the [T, L, P] per-layer inputs, as gemma4's layers read it."""
+    g = torch.Generator().manual_seed(1)
+    gate = (torch.randn(num_tokens, ple_dim, generator=g) * 2.0).to(device=device, dtype=dtype)
+    ple = torch.randn(num_tokens, num_layers, ple_dim, generator=g).to(device=device, dtype=dtype)[:, 2]
+    got, want = act_and_mul(gate, ple, act, kernel=True), ACTIVATIONS[act](gate) * ple
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    elif act == "gelu_tanh":
+        # gate within [-3, 3]: no cancellation in 1 + tanh (tests/kernels/test_gated_clamp.py says more)
+        keep = gate.float().abs() < 3.0
+        torch.testing.assert_close(got[keep], want[keep], atol=0, rtol=0)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=2 ** -8)
+    else:
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@DTYPES
+def test_softcap_matches_the_torch_path(dtype):
+    check_softcap("cpu", dtype)
+
+
+@DTYPES
+@pytest.mark.parametrize("act", ["gelu_tanh", "silu"])
+def test_ple_gate_matches_the_torch_path(dtype, act):
+    check_ple_gate("cpu", dtype, act)
