@@ -8,12 +8,15 @@ the choice between the [B, max pools] float32 scores is the reference's own stab
 pool by construction; helios.kernels.qsa_decode.select_blocks gives the same lists in one launch). The attention
 reads a list of pools per sequence: the chosen ones (-1: none) and last the incomplete tail pool, each clamped to the
 length, so "every key" (a sequence with num_pools pools or fewer) and "chosen pools + tail" are one launch. A batch-1
-step counts launches, so the torch tails fold in: write_index_rows is the index key's LayerNorm and the row's write
-in one, pool_scores scales the raw head weights, and sparse_mla_decode_absorbed is mla_decode_absorbed's three
-launches around this attention (the latent write and its norm in the first). Imports torch and helios.kernels only.
+step counts launches, so the torch tails fold in: pool_scores scales the raw head weights and (IndexWrite) computes
+and writes the decode token's index row (write_index_rows' LayerNorm and write), and sparse_mla_decode_absorbed is
+mla_decode_absorbed's three launches around this attention (the latent write and its norm in the first). Imports
+torch and helios.kernels only.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -38,26 +41,50 @@ def _write_index_rows_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,  # >= Di
 ):
-    """Program per token: F.layer_norm of the key (float32 statistics, rounded to the key's dtype as the op stores
-    it), then [normed key, gate logits] into the token's slot."""
+    """Program per token: its index row into its slot."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
+    key, gate = _index_row(proj_ptr + t * stride_pt, norm_w_ptr, norm_b_ptr, d, index_dim, eps,
+                           cache_ptr.dtype.element_ty)
+    _store_index_row(key, gate, cache_ptr, slot_mapping_ptr + t, d, stride_cp, stride_cs, index_dim, PAGE_SIZE,
+                     BLOCK_D)
+
+
+@jit
+def _index_row(row_ptr, norm_w_ptr, norm_b_ptr, d, index_dim, eps, dtype: tl.constexpr):
+    """A token's index row from its in_proj row, in the cache's dtype: F.layer_norm of the key (float32 statistics,
+    rounded to the key's dtype as the op stores it), and the gate logits as they are."""
     d_mask = d < index_dim
-    slot = tl.zeros([BLOCK_D], dtype=tl.int64) + tl.load(slot_mapping_ptr + t)  # a tile: the interpreter's masks
-    live = d_mask & (slot >= 0)
-    row = proj_ptr + t * stride_pt
-    key = tl.load(row + d, mask=d_mask, other=0.0)
+    key = tl.load(row_ptr + d, mask=d_mask, other=0.0)
     x = key.to(tl.float32)
     mean = tl.sum(x, axis=0) / index_dim
     centred = tl.where(d_mask, x - mean, 0.0)
     rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / index_dim + eps)
     w = tl.load(norm_w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
     b = tl.load(norm_b_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-    normed = (centred * rstd * w + b).to(key.dtype)
-    gate = tl.load(row + index_dim + d, mask=d_mask, other=0.0)
+    normed = (centred * rstd * w + b).to(key.dtype).to(dtype)
+    return normed, tl.load(row_ptr + index_dim + d, mask=d_mask, other=0.0).to(dtype)
+
+
+@jit
+def _store_index_row(key, gate, cache_ptr, slot_ptr, d, stride_cp, stride_cs, index_dim, PAGE_SIZE: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """[key, gate] into the slot at slot_ptr (nothing for slot -1)."""
+    slot = tl.zeros([BLOCK_D], dtype=tl.int64) + tl.load(slot_ptr)  # a tile: a scalar mask trips the interpreter
+    live = (d < index_dim) & (slot >= 0)
     dst = cache_ptr + (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_cs + d
-    tl.store(dst, normed.to(cache_ptr.dtype.element_ty), mask=live)
-    tl.store(dst + index_dim, gate.to(cache_ptr.dtype.element_ty), mask=live)
+    tl.store(dst, key, mask=live)
+    tl.store(dst + index_dim, gate, mask=live)
+
+
+class IndexWrite(NamedTuple):
+    """write_index_rows' arguments after the cache: this step's index rows, one per sequence (pool_scores' write)."""
+
+    proj: torch.Tensor  # [num_tokens, 2*Di + Ni] the indexer's raw in_proj output (rows may be strided)
+    norm_weight: torch.Tensor  # [Di]
+    norm_bias: torch.Tensor  # [Di]
+    eps: float
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = skip
 
 
 def write_index_rows(
@@ -71,14 +98,8 @@ def write_index_rows(
     """DsaIndexer.project's cached rows (the key LayerNorm'd, then the gate logits) written into their slots in one
     launch: the layer_norm, the cat and write_latent's launch folded; padded rows write nothing."""
     require_triton()
-    num_tokens = proj.shape[0]
-    index_dim = norm_weight.shape[0]
-    assert index_cache.dim() == 4 and index_cache.shape[0] == 1 and index_cache.shape[3] == 2 * index_dim
-    assert proj.dim() == 2 and proj.shape[1] >= 2 * index_dim and norm_bias.shape == (index_dim,)
-    assert norm_weight.is_contiguous() and norm_bias.is_contiguous()
-    assert slot_mapping.shape == (num_tokens,) and slot_mapping.dtype == torch.int64
-    check_last_dim_contiguous("proj", proj)
-    check_last_dim_contiguous("index_cache", index_cache)
+    num_tokens, index_dim = proj.shape[0], norm_weight.shape[0]
+    _check_index_write(index_cache, IndexWrite(proj, norm_weight, norm_bias, eps, slot_mapping))
     if num_tokens == 0:
         return
     pages = index_cache[0]
@@ -86,6 +107,16 @@ def write_index_rows(
         proj, norm_weight, norm_bias, pages, slot_mapping, proj.stride(0), pages.stride(0), pages.stride(1),
         index_dim, eps, PAGE_SIZE=index_cache.shape[2], BLOCK_D=next_power_of_2(index_dim), num_warps=4,
     )
+
+
+def _check_index_write(index_cache: torch.Tensor, w: IndexWrite) -> None:
+    index_dim = w.norm_weight.shape[0]
+    assert index_cache.dim() == 4 and index_cache.shape[0] == 1 and index_cache.shape[3] == 2 * index_dim
+    assert w.proj.dim() == 2 and w.proj.shape[1] >= 2 * index_dim and w.norm_bias.shape == (index_dim,)
+    assert w.norm_weight.is_contiguous() and w.norm_bias.is_contiguous()
+    assert w.slot_mapping.shape == (w.proj.shape[0],) and w.slot_mapping.dtype == torch.int64
+    check_last_dim_contiguous("proj", w.proj)
+    check_last_dim_contiguous("index_cache", index_cache)
 
 
 def write_index_rows_ref(index_cache, proj, norm_weight, norm_bias, eps, slot_mapping) -> None:
@@ -107,6 +138,10 @@ def _pool_scores_kernel(
     block_tables_ptr,  # [num_seqs, max_pages] int32
     seq_lens_ptr,  # [num_seqs] int32
     out_ptr,  # [num_seqs, max_pools] float32
+    proj_ptr,  # WRITE: [num_seqs, >= 2*Di] this step's raw in_proj rows (_write_index_rows_kernel's inputs)
+    norm_w_ptr,  # WRITE: [Di] k_norm.weight
+    norm_b_ptr,  # WRITE: [Di] k_norm.bias
+    slot_mapping_ptr,  # WRITE: [num_seqs] int64, -1: a padded row
     stride_qs,
     stride_qh,
     stride_ws,
@@ -114,18 +149,25 @@ def _pool_scores_kernel(
     stride_is,
     stride_bt,
     stride_os,
+    stride_pt,
     num_heads,
     index_dim,
+    num_pools,  # out's width (the grid has at least one program per sequence, for WRITE)
     scale,  # Di^-0.5
     weight_scale,  # the head weights' factor (Ni^-0.5 for raw ones, 1.0 for scaled float32 ones)
+    eps,  # WRITE: k_norm's
     PAGE_SIZE: tl.constexpr,
     POOL: tl.constexpr,
     BLOCK_P: tl.constexpr,  # >= POOL
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    WRITE: tl.constexpr,
 ):
     """Program (seq, pool): the pool's key (a softmax mix of its tokens' keys per channel), then sum_h w_h *
-    relu(q_h . key * scale) in float32; -inf unless the pool is complete (pool < seq_len // POOL)."""
+    relu(q_h . key * scale) in float32; -inf unless the pool is complete (pool < seq_len // POOL). WRITE: the
+    sequence's decode token (position seq_len - 1) has its index row computed here, from its in_proj row, as
+    write_index_rows computes it: program (seq, 0) writes it into its slot, and the program of the pool it completes
+    takes it from registers, never from the cache another program writes."""
     seq = tl.program_id(0).to(tl.int64)
     pool = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -139,7 +181,17 @@ def _pool_scores_kernel(
     rows = index_ptr + page * stride_ip + (pos % PAGE_SIZE) * stride_is
     tile = row_mask[:, None] & d_mask[None, :]
     keys = tl.load(rows[:, None] + d[None, :], mask=tile, other=0.0)  # [BLOCK_P, BLOCK_D]
-    gates = tl.load(rows[:, None] + index_dim + d[None, :], mask=tile, other=0.0).to(tl.float32)
+    gates = tl.load(rows[:, None] + index_dim + d[None, :], mask=tile, other=0.0)
+    if WRITE:
+        new_key, new_gate = _index_row(proj_ptr + seq * stride_pt, norm_w_ptr, norm_b_ptr, d, index_dim, eps,
+                                       index_ptr.dtype.element_ty)
+        if pool == 0:
+            _store_index_row(new_key, new_gate, index_ptr, slot_mapping_ptr + seq, d, stride_ip, stride_is, index_dim,
+                             PAGE_SIZE, BLOCK_D)
+        is_new = (pos == seq_len - 1)[:, None]
+        keys = tl.where(is_new, new_key[None, :], keys)
+        gates = tl.where(is_new, new_gate[None, :], gates)
+    gates = gates.to(tl.float32)
     gates += tl.load(pool_bias_ptr + j[:, None] * index_dim + d[None, :], mask=(j < POOL)[:, None] & d_mask[None, :],
                      other=0.0).to(tl.float32)
     gates = tl.where(tile, gates, float("-inf"))
@@ -157,7 +209,7 @@ def _pool_scores_kernel(
     w = tl.load(w_ptr + seq * stride_ws + heads, mask=h_mask, other=0.0).to(tl.float32) * weight_scale
     score = tl.sum(w * s, axis=0)
     is_complete = pool < seq_len // POOL
-    tl.store(out_ptr + seq * stride_os + pool, tl.where(is_complete, score, float("-inf")))
+    tl.store(out_ptr + seq * stride_os + pool, tl.where(is_complete, score, float("-inf")), mask=pool < num_pools)
 
 
 def pool_scores(
@@ -168,10 +220,13 @@ def pool_scores(
     block_tables: torch.Tensor,  # [num_seqs, max_pages] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     weight_scale: float = 1.0,
+    write: IndexWrite | None = None,  # this step's index rows, one per sequence: written (and scored) here
 ) -> torch.Tensor:  # [num_seqs, max_pages * page_size // pool_size] float32, -inf past the complete pools
     """Every complete pool's score; the pool count comes from the table's width, never from the lengths (a graph's
     shapes are its bucket's). The head weights are weights.float() * weight_scale, as DsaIndexer.project scales
-    them (raw in_proj columns with Ni^-0.5: that op's launches folded in)."""
+    them (raw in_proj columns with Ni^-0.5: that op's launches folded in). With `write`, write_index_rows' work
+    runs in this launch (one launch fewer a step): the decode token's row, scored from registers where it completes a
+    pool."""
     require_triton()
     num_seqs, num_heads, index_dim = q.shape
     pool_size = pool_bias.shape[0]
@@ -185,14 +240,21 @@ def pool_scores(
     page_size = index_cache.shape[2]
     num_pools = block_tables.shape[1] * page_size // pool_size
     out = torch.empty(num_seqs, num_pools, dtype=torch.float32, device=q.device)
-    if num_seqs == 0 or num_pools == 0:
+    if write is not None:
+        _check_index_write(index_cache, write)
+        assert write.proj.shape[0] == num_seqs and write.norm_weight.shape == (index_dim,), "one row per sequence"
+        proj, norm_w, norm_b, eps, slots = write
+    else:
+        proj, norm_w, norm_b, eps, slots = q, q, q, 0.0, q
+    if num_seqs == 0 or (num_pools == 0 and write is None):
         return out
     pages = index_cache[0]
-    _pool_scores_kernel[(num_seqs, num_pools)](
-        q, weights, pages, pool_bias, block_tables, seq_lens, out, q.stride(0), q.stride(1), weights.stride(0),
-        pages.stride(0), pages.stride(1), block_tables.stride(0), out.stride(0), num_heads, index_dim,
-        index_dim**-0.5, weight_scale, PAGE_SIZE=page_size, POOL=pool_size, BLOCK_P=max(16, next_power_of_2(pool_size)),
-        BLOCK_H=max(16, next_power_of_2(num_heads)), BLOCK_D=max(16, next_power_of_2(index_dim)), num_warps=4,
+    _pool_scores_kernel[(num_seqs, max(num_pools, 1))](
+        q, weights, pages, pool_bias, block_tables, seq_lens, out, proj, norm_w, norm_b, slots, q.stride(0),
+        q.stride(1), weights.stride(0), pages.stride(0), pages.stride(1), block_tables.stride(0), out.stride(0),
+        proj.stride(0), num_heads, index_dim, num_pools, index_dim**-0.5, weight_scale, eps, PAGE_SIZE=page_size,
+        POOL=pool_size, BLOCK_P=max(16, next_power_of_2(pool_size)), BLOCK_H=max(16, next_power_of_2(num_heads)),
+        BLOCK_D=max(16, next_power_of_2(index_dim)), WRITE=write is not None, num_warps=4,
     )
     return out
 

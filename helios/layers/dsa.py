@@ -169,9 +169,9 @@ class DsaAttention(MlaAttention):
 
     def _decode(self, x, q, q_latent, latent, rope_key, cache, meta: AttentionMetadata,
                 previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, Nq, dv], pool lists)
-        """The decode step in kernels, from meta's device tensors (latent: before kv_a_norm): unless shared, the index
-        rows' LayerNorm and write (padded rows, slot -1, write nothing), the pool scores and select's choice in one
-        launch each; then the absorbed attention over the chosen pools and the tail in three, the latent's norm and
+        """The decode step in kernels, from meta's device tensors (latent: before kv_a_norm): unless shared, the pool
+        scores with the index rows' LayerNorm and write (padded rows, slot -1, write nothing) in one launch, select's
+        choice in one; then the absorbed attention over the chosen pools and the tail in three, the latent's norm and
         write in the first (mla_decode_absorbed's form)."""
         from helios.kernels import dsa_decode
         from helios.kernels.qsa_decode import select_blocks
@@ -182,10 +182,9 @@ class DsaAttention(MlaAttention):
         if self.indexer is not None:
             index_q, proj = self.indexer.project_raw(x, q_latent)
             k_norm = self.indexer.k_norm
-            dsa_decode.write_index_rows(index_cache, proj, k_norm.weight, k_norm.bias, d.key_norm_eps,
-                                        meta.slot_mapping)
+            write = dsa_decode.IndexWrite(proj, k_norm.weight, k_norm.bias, d.key_norm_eps, meta.slot_mapping)
             scores = dsa_decode.pool_scores(index_q, proj[:, 2 * d.head_dim :], index_cache, self.indexer.pool_bias,
-                                            meta.block_tables, meta.seq_lens, weight_scale=d.num_heads**-0.5)
+                                            meta.block_tables, meta.seq_lens, d.num_heads**-0.5, write)
             pools = select_blocks(scores, meta.seq_lens, d.pool_size, d.num_pools)  # select_pools' lists
         splits = dsa_decode.dsa_num_splits(d.num_pools + 1, d.pool_size)
         o = dsa_decode.sparse_mla_decode_absorbed(q, self.kv_b.weight, latent_cache, meta.block_tables, meta.seq_lens,

@@ -1,6 +1,7 @@
 """helios.kernels.dsa_decode's folded decode launches compiled on CUDA: tests/kernels/test_dsa_folds.py's checks
-(write_index_rows = the indexer's LayerNorm and write, pool_scores' raw head weights = the scaled ones bit for bit,
-sparse_mla_decode_absorbed = the layer's former launches) in float32 and bfloat16."""
+(write_index_rows = the indexer's LayerNorm and write; pool_scores' raw head weights = the scaled ones bit for bit,
+and its folded row write = write_index_rows then pool_scores; sparse_mla_decode_absorbed = the layer's former
+launches) in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -26,6 +27,11 @@ def test_write_index_rows_is_the_layers_write(dtype):
 @DTYPES
 def test_pool_scores_scale_the_raw_weights_as_project_does(dtype):
     checks.check_raw_weights("cuda", dtype)
+
+
+@DTYPES
+def test_pool_scores_write_the_rows_they_score(dtype):
+    checks.check_scores_with_write("cuda", dtype)
 
 
 @DTYPES

@@ -1,8 +1,9 @@
 """The launches DsaAttention's decode step folds its torch tails into (helios.kernels.dsa_decode): write_index_rows =
 the indexer's LayerNorm, cat and row write; pool_scores on the raw head weights with weight_scale = on the layer's
-scaled float32 ones, bit for bit; sparse_mla_decode_absorbed = the layer's absorb_query, sparse_mla_decode and
-expand_output (and its latent write = write_latent of the normed latent). In Triton's CPU interpreter, float32 and
-bfloat16 (the attention float32 only); the check_* functions are shared with tests/gpu/test_dsa_folds_cuda.py.
+scaled float32 ones, bit for bit, and with write_index_rows' work in the same launch = the two launches;
+sparse_mla_decode_absorbed = the layer's absorb_query, sparse_mla_decode and expand_output (and its latent write =
+write_latent of the normed latent). In Triton's CPU interpreter, float32 and bfloat16 (the attention float32 only);
+the check_* functions are shared with tests/gpu/test_dsa_folds_cuda.py.
 """
 
 from __future__ import annotations
@@ -71,6 +72,34 @@ def check_raw_weights(device, dtype, page_size=4):
     assert torch.equal(got, want)
 
 
+def check_scores_with_write(device, dtype, seq_lens=SEQ_LENS, page_size=4):
+    """pool_scores with `write` (the decode token's index row computed and written in the launch) = write_index_rows
+    then pool_scores, scores and cache exactly: a token that completes a pool (24) is scored from registers as from
+    the cache, a padded row (length 0, slot -1) writes nothing; also a table narrower than a pool (no score column,
+    the row still written)."""
+    from helios.kernels.dsa_decode import IndexWrite, pool_scores, write_index_rows
+
+    tables, num_pages = paged_tables(list(seq_lens), page_size, device)
+    di, ni, b = DSA.head_dim, DSA.num_heads, len(seq_lens)
+    index_cache = _randn(1, num_pages, page_size, 2 * di, device=device, dtype=dtype, seed=1)
+    pool_bias = _randn(DSA.pool_size, di, device=device, dtype=dtype, seed=2)
+    q = _randn(b, ni, di, device=device, dtype=dtype, seed=3)
+    proj = _randn(b, 2 * di + ni, device=device, dtype=dtype, seed=4) * 2
+    norm_w = _randn(di, device=device, dtype=dtype, seed=5)
+    norm_b = _randn(di, device=device, dtype=dtype, seed=6)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    slots = torch.tensor([int(tables[i, (n - 1) // page_size]) * page_size + (n - 1) % page_size if n else -1
+                          for i, n in enumerate(seq_lens)], dtype=torch.int64, device=device)
+    raw, eps = proj[:, 2 * di :], DSA.key_norm_eps
+    for table in (tables, tables[:, :1]):  # the second: one page, narrower than a pool
+        ref_cache, ours = index_cache.clone(), index_cache.clone()
+        write_index_rows(ref_cache, proj, norm_w, norm_b, eps, slots)
+        want = pool_scores(q, raw, ref_cache, pool_bias, table, lens, ni**-0.5)
+        got = pool_scores(q, raw, ours, pool_bias, table, lens, ni**-0.5, IndexWrite(proj, norm_w, norm_b, eps, slots))
+        assert torch.equal(got, want) and torch.equal(ours, ref_cache)
+        assert not torch.equal(ours, index_cache)
+
+
 def check_absorbed(device, dtype, config=NOPE, num_heads=20, num_splits=1, tol=None, page_size=4):
     """sparse_mla_decode_absorbed with the latent write (its norm folded) = the layer's former launches: write_latent
     of rms_norm(latent), absorb_query(...).to(cache dtype), sparse_mla_decode, expand_output(o.to(q dtype)); the
@@ -116,6 +145,11 @@ def test_write_index_rows_is_the_layers_write(interpreter, dtype):
 @DTYPES
 def test_pool_scores_scale_the_raw_weights_as_project_does(interpreter, dtype):
     check_raw_weights("cpu", dtype)
+
+
+@DTYPES
+def test_pool_scores_write_the_rows_they_score(interpreter, dtype):
+    check_scores_with_write("cpu", dtype)
 
 
 # NOTE: float32 only here: the interpreter's bfloat16 tl.dot makes sparse_mla_decode's own bf16 check fail too

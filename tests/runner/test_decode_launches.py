@@ -28,7 +28,7 @@ BOUNDS = {
     "nemotron_h": ({"linear+no-ffn": 5, "ffn+moe": 9, "full+no-ffn": 6, "ffn+mlp": 4}, 6),
     "mimo_v2_flash": ({"full+mlp": 11, "sliding+moe": 14}, 7),
     "kimi_linear": ({"linear+mlp": 7, "linear+moe": 13, "full+moe": 15}, 6),
-    "glm5_next": ({"linear+mlp": 14, "full+moe": 28}, 8),
+    "glm5_next": ({"linear+mlp": 14, "full+moe": 27}, 8),
     "deepseek_v4": ({"full_attention+moe": 30.5}, 8),
     "minimax_m3": ({"full_attention+mlp": 26, "full_attention+moe": 29.5}, 6),
     "muse_spark": ({"full+mlp": 11, "sliding+moe": 18, "sliding+mlp": 11, "full+moe": 18}, 9),
