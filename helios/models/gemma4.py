@@ -29,6 +29,7 @@ from helios.layers.moe import SparseMoe
 from helios.layers.norm import RMSNorm, norm_rotate_heads, post_norm_add
 from helios.layers.norm_free import pdl_launches
 from helios.layers.parallel import ExpertParallelMoe, TensorGroup, VocabParallelEmbedding, row_parallel
+from helios.layers.ple import per_layer_inputs
 from helios.layers.rotary import RotaryEmbedding
 from helios.models.llama import is_sliding
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -225,10 +226,10 @@ class Gemma4ForCausalLM(nn.Module):
     def per_layer_inputs(self, token_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:  # -> [T, L, P]
         """HF's PLE inputs: (norm(proj(x) / sqrt(H)) + table rows * sqrt(P)) / sqrt(2), x the scaled embedding."""
         g, num_tokens = self.arch.gemma4, token_ids.shape[0]
-        rows = self.ple.embed(token_ids) * torch.tensor(g.ple_dim**0.5).to(x.dtype)  # HF rounds the scale first
-        proj = self.ple.proj(x) * self.arch.hidden_size**-0.5
-        proj = self.ple.norm(proj.reshape(num_tokens, self.arch.num_layers, g.ple_dim))
-        return (proj + rows.reshape(num_tokens, self.arch.num_layers, g.ple_dim)) * 2.0**-0.5
+        rows = self.ple.embed(token_ids).reshape(num_tokens, -1)
+        # the fused path: the scales, norm, add and final scale in one launch, same values
+        return per_layer_inputs(self.ple.proj(x), rows, self.ple.norm, self.arch.num_layers,
+                                self.arch.hidden_size**-0.5, g.ple_dim**0.5, kernel=self.path == "fused")
 
     def forward(
         self,

@@ -48,3 +48,10 @@ def test_gemma4_ple_gate_matches_the_torch_path(dtype, act):
     from tests.kernels.test_gemma4_folds import check_ple_gate
 
     check_ple_gate("cuda", dtype, act)
+
+
+@DTYPES
+def test_gemma4_ple_inputs_match_the_torch_path(dtype):
+    from tests.kernels.test_gemma4_folds import check_ple_inputs
+
+    check_ple_inputs("cuda", dtype)

@@ -1,6 +1,7 @@
 """gemma4's folds = the torch ops they replace (Triton interpreter here; tests/gpu/test_mlp_folds_cuda.py on CUDA):
-the final soft-cap (helios.kernels.softcap for div, tanh, mul) and the per-layer-input gate act(gate) * ple of two
-tensors (helios.kernels.activation.act_and_mul): float32 within rounding, bf16 bit for bit."""
+the final soft-cap (helios.kernels.softcap for div, tanh, mul), the per-layer-input gate act(gate) * ple of two
+tensors (helios.kernels.activation.act_and_mul) and the per-layer inputs (helios.kernels.ple_inputs for two
+multiplies, a norm, an add and a multiply): float32 within rounding, bf16 bit for bit."""
 
 from __future__ import annotations
 
@@ -50,6 +51,32 @@ def check_ple_gate(device: str, dtype: torch.dtype, act: str, num_tokens: int = 
         torch.testing.assert_close(got, want, atol=1e-4, rtol=2 ** -8)
     else:
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def check_ple_inputs(device: str, dtype: torch.dtype, num_tokens: int = 3, num_layers: int = 5, ple_dim: int = 96,
+                     hidden: int = 640) -> None:
+    """helios.layers.ple.per_layer_inputs on its kernel = its torch ops; proj a row-strided view."""
+    from helios.layers.norm import RMSNorm
+    from helios.layers.ple import per_layer_inputs
+
+    g = torch.Generator().manual_seed(2)
+    width = num_layers * ple_dim
+    proj = (torch.randn(num_tokens, width + 8, generator=g) * 9.0).to(device=device, dtype=dtype)[:, :width]
+    rows = torch.randn(num_tokens, width, generator=g).to(device=device, dtype=dtype)
+    norm = RMSNorm(ple_dim, 1e-6, multiply_in_float32=True)
+    norm.weight = torch.nn.Parameter((1.0 + 0.1 * torch.randn(ple_dim, generator=g)).to(device=device, dtype=dtype))
+    args = (proj, rows, norm, num_layers, hidden**-0.5, ple_dim**0.5)
+    got, want = per_layer_inputs(*args, kernel=True), per_layer_inputs(*args)
+    assert got.shape == (num_tokens, num_layers, ple_dim) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@DTYPES
+def test_ple_inputs_match_the_torch_path(dtype):
+    check_ple_inputs("cpu", dtype)
 
 
 @DTYPES

@@ -32,7 +32,7 @@ BOUNDS = {
     "deepseek_v4": ({"full_attention+moe": 30.5}, 8),
     "minimax_m3": ({"full_attention+mlp": 26, "full_attention+moe": 29.5}, 6),
     "muse_spark": ({"full+mlp": 11, "sliding+moe": 18, "sliding+mlp": 11, "full+moe": 18}, 9),
-    "gemma4": ({"sliding+mlp": 15.25, "full+mlp": 15.5}, 19),
+    "gemma4": ({"sliding+mlp": 15.25, "full+mlp": 15.5}, 13),
     "step3p7": ({"full+mlp": 13, "sliding+mlp": 12, "sliding+moe": 18, "full+moe": 18}, 7),
     "qwen4_exp": ({"linear+moe": 16, "full+moe": 21}, 9),
 }
