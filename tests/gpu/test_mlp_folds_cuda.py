@@ -55,3 +55,10 @@ def test_gemma4_ple_inputs_match_the_torch_path(dtype):
     from tests.kernels.test_gemma4_folds import check_ple_inputs
 
     check_ple_inputs("cuda", dtype)
+
+
+@DTYPES
+def test_step3p7_head_gate_matches_the_torch_path(dtype):
+    from tests.kernels.test_head_gate import check_head_gate
+
+    X
