@@ -44,16 +44,16 @@ def _write_index_rows_kernel(
     """Program per token: its index row into its slot."""
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    key, gate = _index_row(proj_ptr + t * stride_pt, norm_w_ptr, norm_b_ptr, d, index_dim, eps,
-                           cache_ptr.dtype.element_ty)
-    _store_index_row(key, gate, cache_ptr, slot_mapping_ptr + t, d, stride_cp, stride_cs, index_dim, PAGE_SIZE,
-                     BLOCK_D)
+    key, gate = _index_row(proj_ptr + t * stride_pt, norm_w_ptr, norm_b_ptr, d, index_dim, eps)
+    dtype = cache_ptr.dtype.element_ty
+    _store_index_row(key.to(dtype), gate.to(dtype), cache_ptr, slot_mapping_ptr + t, d, stride_cp, stride_cs,
+                     index_dim, PAGE_SIZE, BLOCK_D)
 
 
 @jit
-def _index_row(row_ptr, norm_w_ptr, norm_b_ptr, d, index_dim, eps, dtype: tl.constexpr):
-    """A token's index row from its in_proj row, in the cache's dtype: F.layer_norm of the key (float32 statistics,
-    rounded to the key's dtype as the op stores it), and the gate logits as they are."""
+def _index_row(row_ptr, norm_w_ptr, norm_b_ptr, d, index_dim, eps):
+    """A token's index row from its in_proj row, in that row's dtype (the caller casts to the cache's): F.layer_norm
+    of the key (float32 statistics, rounded to the key's dtype as the op stores it), and the gate logits as they are."""
     d_mask = d < index_dim
     key = tl.load(row_ptr + d, mask=d_mask, other=0.0)
     x = key.to(tl.float32)
@@ -62,8 +62,8 @@ def _index_row(row_ptr, norm_w_ptr, norm_b_ptr, d, index_dim, eps, dtype: tl.con
     rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / index_dim + eps)
     w = tl.load(norm_w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
     b = tl.load(norm_b_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
-    normed = (centred * rstd * w + b).to(key.dtype).to(dtype)
-    return normed, tl.load(row_ptr + index_dim + d, mask=d_mask, other=0.0).to(dtype)
+    normed = (centred * rstd * w + b).to(key.dtype)
+    return normed, tl.load(row_ptr + index_dim + d, mask=d_mask, other=0.0)
 
 
 @jit
@@ -183,8 +183,9 @@ def _pool_scores_kernel(
     keys = tl.load(rows[:, None] + d[None, :], mask=tile, other=0.0)  # [BLOCK_P, BLOCK_D]
     gates = tl.load(rows[:, None] + index_dim + d[None, :], mask=tile, other=0.0)
     if WRITE:
-        new_key, new_gate = _index_row(proj_ptr + seq * stride_pt, norm_w_ptr, norm_b_ptr, d, index_dim, eps,
-                                       index_ptr.dtype.element_ty)
+        new_key, new_gate = _index_row(proj_ptr + seq * stride_pt, norm_w_ptr, norm_b_ptr, d, index_dim, eps)
+        new_key = new_key.to(index_ptr.dtype.element_ty)
+        new_gate = new_gate.to(index_ptr.dtype.element_ty)
         if pool == 0:
             _store_index_row(new_key, new_gate, index_ptr, slot_mapping_ptr + seq, d, stride_ip, stride_is, index_dim,
                              PAGE_SIZE, BLOCK_D)
