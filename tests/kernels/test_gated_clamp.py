@@ -33,7 +33,10 @@ def _rows(dtype: torch.dtype, num_tokens: int = 5, width: int = 1100, device: st
     return x.to(device=device, dtype=dtype)
 
 
-def check_gated_variant(device: str, dtype: torch.dtype, act: str, limit, clamp_after_act, alpha) -> None:
+def check_gated_variant(device: str, dtype: torch.dtype, act: str, limit, clamp_after_act, alpha,
+                        max_flips: float = 0.0) -> None:
+    """max_flips: on CUDA the kernel's exp (and division) and torch's may differ in float32's last bits: that share of
+    bf16 values may be one ulp off (as tests/kernels/test_layer_folds.py's sigmoid gate)."""
     x = _rows(dtype, device=device)
     actual = getattr(activation, f"{act}_and_mul")(x, limit, clamp_after_act, alpha)
     expected = gated(x, act, limit, clamp_after_act, alpha=alpha)
@@ -46,10 +49,14 @@ def check_gated_variant(device: str, dtype: torch.dtype, act: str, limit, clamp_
         big = expected.float().abs() > 1e-2
         assert torch.equal(actual[big], expected[big])
     else:
-        assert torch.equal(actual, expected), (actual - expected).abs().max()
+        diff = actual != expected
+        assert diff.float().mean().item() <= max_flips, f"{int(diff.sum())} of {diff.numel()} differ"
+        torch.testing.assert_close(actual, expected, atol=0, rtol=2 ** -7)
 
 
-def check_clamped_mlp(device: str, dtype: torch.dtype, limit, clamp_after_act, num_tokens: int) -> None:
+def check_clamped_mlp(device: str, dtype: torch.dtype, limit, clamp_after_act, num_tokens: int,
+                      exact: bool = True) -> None:
+    """exact=False (CUDA): bf16 within the down projection's rounding of an activation one ulp off."""
     torch.manual_seed(1)
     mlp = GatedMLP(64, 96, "silu", limit=limit, clamp_after_act=clamp_after_act).to_empty(device=device)
     with torch.no_grad():
@@ -61,8 +68,10 @@ def check_clamped_mlp(device: str, dtype: torch.dtype, limit, clamp_after_act, n
     actual = mlp(x)
     if dtype == torch.float32:
         torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
-    else:
+    elif exact:
         assert torch.equal(actual, expected)
+    else:
+        torch.testing.assert_close(actual, expected, atol=2e-2, rtol=2 ** -6)
 
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

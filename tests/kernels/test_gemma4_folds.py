@@ -21,7 +21,10 @@ def interpreter():
     require_interpreter()
 
 
-def check_softcap(device: str, dtype: torch.dtype, num_rows: int = 3, vocab: int = 5000, cap: float = 30.0) -> None:
+def check_softcap(device: str, dtype: torch.dtype, num_rows: int = 3, vocab: int = 5000, cap: float = 30.0,
+                  max_flips: float = 0.0) -> None:
+    """max_flips (CUDA): the share of bf16 values that may be one ulp off where the kernel's tanh and torch's differ
+    in float32's last bits."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(num_rows, vocab, generator=g) * 40.0  # past the cap on both sides
     logits[0, :5] = torch.tensor([0.0, -0.0, 1e-4, 300.0, -300.0])
@@ -31,7 +34,9 @@ def check_softcap(device: str, dtype: torch.dtype, num_rows: int = 3, vocab: int
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-6)  # tanh's last float32 bits
     else:
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        diff = got != want
+        assert diff.float().mean().item() <= max_flips, f"{int(diff.sum())} of {diff.numel()} differ"
+        torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
     assert got.abs().max().item() <= cap
 
 
@@ -54,8 +59,9 @@ def check_ple_gate(device: str, dtype: torch.dtype, act: str, num_tokens: int = 
 
 
 def check_ple_inputs(device: str, dtype: torch.dtype, num_tokens: int = 3, num_layers: int = 5, ple_dim: int = 96,
-                     hidden: int = 640) -> None:
-    """helios.layers.ple.per_layer_inputs on its kernel = its torch ops; proj a row-strided view."""
+                     hidden: int = 640, max_flips: float = 0.0) -> None:
+    """helios.layers.ple.per_layer_inputs on its kernel = its torch ops; proj a row-strided view. max_flips (CUDA):
+    the share of bf16 values one ulp off where the device's rsqrt or sum order moves float32's last bits."""
     from helios.layers.norm import RMSNorm
     from helios.layers.ple import per_layer_inputs
 
@@ -71,7 +77,9 @@ def check_ple_inputs(device: str, dtype: torch.dtype, num_tokens: int = 3, num_l
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     else:
-        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        diff = got != want
+        assert diff.float().mean().item() <= max_flips, f"{int(diff.sum())} of {diff.numel()} differ"
+        torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
 
 
 @DTYPES

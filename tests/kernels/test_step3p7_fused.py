@@ -1,7 +1,7 @@
 """step3p7's fused path (each residual add in its norm's launch, the clamped MLPs' one act-and-mul launch: the
 Triton backend's layer kernels) = its eager torch path through a prefill and a decode step: float32 within rounding;
-bf16 bit for bit on CUDA (tests/gpu/test_mlp_folds_cuda.py), within a bf16 ulp in the interpreter, whose 16-bit
-conversions in the norm kernels truncate (the torch-path norm kernel alone differs there as much)."""
+bf16 within an ulp here (the norm kernels' 16-bit conversions truncate in the interpreter: the torch-path norm kernel
+alone differs as much) and on CUDA (tests/gpu/test_mlp_folds_cuda.py: the act's exp on the device)."""
 
 from __future__ import annotations
 
