@@ -57,8 +57,7 @@ class DsaIndexer(nn.Module):
 
     def project_raw(self, x: torch.Tensor, q_latent: torch.Tensor):  # x [T, H], q_latent [T, Rq] ->
         """(queries [T, Ni, Di], in_proj's rows [T, 2*Di + Ni] as they come: key, gate logits, head weights): project
-        before its torch tail, which the decode kernels fold (dsa_decode.write_index_rows, pool_scores'
-        weight_scale)."""
+        before its torch tail, which the decode step folds into dsa_decode.pool_scores (weight_scale, IndexWrite)."""
         c = self.config
         return self.q(q_latent).view(-1, c.num_heads, c.head_dim), self.in_proj(x)
 
