@@ -3,8 +3,8 @@ helios.layers.activation.gated's clamps (limit: before or after the act) and Swi
 takes gate and up as two tensors (gemma4's per-layer-input gate).
 
 Numerics follow helios.layers.activation (HF): every value the torch path holds in the input dtype (act(gate),
-each clamp, gate * alpha, ...) is rounded to it here too (round_to), so a 16-bit row gives the torch path's bits.
-Imports torch and helios.kernels._triton only.
+each clamp, gate * alpha, ...) is rounded to it here too, so a 16-bit row gives the torch path's bits; the plain
+act(gate) * up is the down GEMV's fold (gemv._gated), value for value. Imports torch and helios.kernels only.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from helios.kernels._triton import (
     tl,
     use_pdl,
 )
+from helios.kernels.gemv import _gated as _gemv_gated
 
 _BLOCK = 1024
 
@@ -41,6 +42,7 @@ def _gated_kernel(
     IS_GELU_TANH: tl.constexpr,
     CLAMP: tl.constexpr,  # 0 none, 1 gate <= limit and |up| <= limit, 2 act(gate) <= limit and |up| <= limit
     HAS_ALPHA: tl.constexpr,
+    AS_GEMV: tl.constexpr,  # the plain product of a [gate | up] row, computed as the down GEMV's fold
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -50,28 +52,34 @@ def _gated_kernel(
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    g = tl.load(gate_ptr + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + t * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
-    # NOTE: a clamp of a 16-bit tensor by a float bound is min / max then one rounding, as torch's clamp
-    if CLAMP == 1:
-        g = round_to(tl.minimum(g, limit), DT)
-    if CLAMP != 0:
-        u = round_to(tl.minimum(tl.maximum(u, -limit), limit), DT)
-    if HAS_ALPHA:
-        # (up + 1) * (gate * sigmoid(gate * alpha)), each product of the torch path rounded where it is
-        sig = round_to(1.0 / (1.0 + tl.exp(-round_to(g * alpha, DT))), DT)
-        y = round_to(u + 1.0, DT) * round_to(g * sig, DT)
+    gate = tl.load(gate_ptr + t * stride_g + cols, mask=mask, other=0.0)
+    up = tl.load(up_ptr + t * stride_u + cols, mask=mask, other=0.0)
+    if AS_GEMV:
+        # NOTE: the down GEMV's own fold (gemv._gated), so a batch-1 step and a wider one see the same values
+        y = _gemv_gated(gate, up, 2 if IS_GELU_TANH else 1).to(tl.float32)
     else:
-        if IS_GELU_TANH:
-            # torch's GeluKernel order: x^3 = (x * x) * x, sqrt(2/pi) (x + 0.044715 x^3), (0.5 x) (1 + tanh)
-            inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
-            act = 0.5 * g * (1.0 + tanh(inner))
+        g = gate.to(tl.float32)
+        u = up.to(tl.float32)
+        # a clamp of a 16-bit tensor by a float bound is min / max then one rounding, as torch's clamp
+        if CLAMP == 1:
+            g = round_to(tl.minimum(g, limit), DT)
+        if CLAMP != 0:
+            u = round_to(tl.minimum(tl.maximum(u, -limit), limit), DT)
+        if HAS_ALPHA:
+            # (up + 1) * (gate * sigmoid(gate * alpha)), each product of the torch path rounded where it is
+            sig = round_to(1.0 / (1.0 + tl.exp(-round_to(g * alpha, DT))), DT)
+            y = round_to(u + 1.0, DT) * round_to(g * sig, DT)
         else:
-            act = g / (1.0 + tl.exp(-g))
-        act = round_to(act, DT)
-        if CLAMP == 2:
-            act = round_to(tl.minimum(act, limit), DT)
-        y = act * u
+            if IS_GELU_TANH:
+                # torch's GeluKernel order: x^3 = (x * x) * x, sqrt(2/pi) (x + 0.044715 x^3), (0.5 x) (1 + tanh)
+                inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+                act = 0.5 * g * (1.0 + tanh(inner))
+            else:
+                act = g / (1.0 + tl.exp(-g))
+            act = round_to(act, DT)
+            if CLAMP == 2:
+                act = round_to(tl.minimum(act, limit), DT)
+            y = act * u
     tl.store(out_ptr + t * width + cols, round_to(y, DT).to(DT), mask=mask)
 
 
@@ -79,14 +87,15 @@ def _launch(x: torch.Tensor, is_gelu_tanh: bool, limit: float | None, clamp_afte
             alpha: float | None) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] % 2 == 0, f"expected [num_tokens, 2*F], got {tuple(x.shape)}"
     width = x.shape[1] // 2
-    return _launch_pair(x[:, :width], x[:, width:], is_gelu_tanh, limit, clamp_after_act, alpha)
+    return _launch_pair(x[:, :width], x[:, width:], is_gelu_tanh, limit, clamp_after_act, alpha,
+                        as_gemv=limit is None and alpha is None)
 
 
 def _launch_pair(gate: torch.Tensor, up: torch.Tensor, is_gelu_tanh: bool, limit: float | None = None,
-                 clamp_after_act: bool = False, alpha: float | None = None) -> torch.Tensor:
+                 clamp_after_act: bool = False, alpha: float | None = None, as_gemv: bool = False) -> torch.Tensor:
     require_triton()
     assert gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype, (
-        f"expected gate and up [num_tokens, F] alike, got {tuple(gate.shape)} {gate.dtype}, {tuple(up.shape)} {up.dtype}")
+        f"expected gate and up [num_tokens, F] alike: {tuple(gate.shape)} {gate.dtype}, {tuple(up.shape)} {up.dtype}")
     check_last_dim_contiguous("gate", gate)
     check_last_dim_contiguous("up", up)
     num_tokens, width = gate.shape
@@ -97,8 +106,8 @@ def _launch_pair(gate: torch.Tensor, up: torch.Tensor, is_gelu_tanh: bool, limit
     pdl = use_pdl(gate, num_tokens)
     clamp = 0 if limit is None else (2 if clamp_after_act else 1)
     _gated_kernel[grid](gate, up, out, gate.stride(0), up.stride(0), width, float(limit or 0.0), float(alpha or 0.0),
-                        IS_GELU_TANH=is_gelu_tanh, CLAMP=clamp, HAS_ALPHA=alpha is not None, BLOCK=_BLOCK,
-                        USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+                        IS_GELU_TANH=is_gelu_tanh, CLAMP=clamp, HAS_ALPHA=alpha is not None, AS_GEMV=as_gemv,
+                        BLOCK=_BLOCK, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -112,7 +121,7 @@ def gelu_tanh_and_mul(x: torch.Tensor, limit: float | None = None, clamp_after_a
     return _launch(x, True, limit, clamp_after_act, alpha)
 
 
-def act_and_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:  # 2 x [num_tokens, F] -> [num_tokens, F]
+def act_and_mul(gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:  # 2 x [T, F] -> [T, F]
     """act(gate) * up ("silu" or "gelu_tanh") of two tensors whose rows may be strided."""
     assert act in ("silu", "gelu_tanh"), act
     return _launch_pair(gate, up, act == "gelu_tanh")

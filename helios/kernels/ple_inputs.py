@@ -86,7 +86,8 @@ def ple_inputs(
     row_scale: float,  # sqrt(P), rounded to the dtype first as HF does
 ) -> torch.Tensor:  # [num_tokens, L, P]
     require_triton()
-    assert proj.dim() == 2 and proj.shape == rows.shape and proj.dtype == rows.dtype, (tuple(proj.shape), tuple(rows.shape))
+    assert proj.dim() == 2 and proj.shape == rows.shape and proj.dtype == rows.dtype, (
+        tuple(proj.shape), tuple(rows.shape))
     check_last_dim_contiguous("proj", proj)
     check_last_dim_contiguous("rows", rows)
     num_tokens, width = proj.shape

@@ -42,6 +42,10 @@ def check_gated_variant(device: str, dtype: torch.dtype, act: str, limit, clamp_
     expected = gated(x, act, limit, clamp_after_act, alpha=alpha)
     if dtype == torch.float32:
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    elif limit is None and alpha is None and device == "cpu":
+        # NOTE: the plain product is gemv's fold, whose 16-bit conversions truncate in the interpreter (the GPU rounds)
+        # (up to two bf16 ulps here: the act's and the product's)
+        torch.testing.assert_close(actual, expected, atol=1e-4, rtol=2**-6)
     elif act == "gelu_tanh":
         # NOTE: 1 + tanh(y) cancels where gate < -3: there the last bits follow the tanh (the kernel's exp-based one,
         # torch's Sleef or libdevice one), ~1e-7 absolute, not the bf16 roundings

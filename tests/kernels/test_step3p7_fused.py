@@ -53,7 +53,8 @@ def check_fused_step(device: str, dtype: torch.dtype, exact_bf16: bool) -> None:
     shape = (2, 16, page_size, ARCH.num_kv_heads, ARCH.head_dim)
     caches = {k: [torch.zeros(shape, dtype=dtype, device=device) for _ in range(ARCH.num_layers)] for k in models}
     steps = [
-        [ScheduledRequest(req_id="a", token_ids=list(range(3, 12)), num_computed_tokens=0, block_ids=[7, 2, 9], sample=True)],
+        [ScheduledRequest(req_id="a", token_ids=list(range(3, 12)), num_computed_tokens=0, block_ids=[7, 2, 9],
+                          sample=True)],
         [ScheduledRequest(req_id="a", token_ids=[40], num_computed_tokens=9, block_ids=[7, 2, 9], sample=True)],
     ]
     with torch.inference_mode():
