@@ -252,13 +252,15 @@ def hc_mix(
     # NOTE: float32 is a test/debug dtype: its products stay IEEE float32 rather than TF32. The interpreter's tl.dot
     # of 16-bit operands is wrong (Triton 3.9), so there they go in as float32: the same exact products, the same sums.
     dot_f32 = x.dtype == torch.float32 or interpret_mode()
+    # NOTE: no FMA contraction in the mix kernel: x + w * y is two roundings in torch, in float32 too (on the H200 the
+    # contracted form gave other float32 bits for the added streams, session 17)
     precision = "ieee" if dot_f32 else "tf32"
     pdl = use_pdl(x, t)
     _norm_mix_kernel[(cdiv(t, BLOCK_T), cdiv(num_rows, BLOCK_N), s)](
         x, y, w, streams, norm_weight, down_weight, inject, normed, partials, t, h, rank, x.stride(0), y.stride(0),
         down_weight.stride(0), inject.stride(0), eps, S=s, N_PAD=n_pad, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K,
         BLOCK_N=BLOCK_N, HAS_ADD=residual is not None, HAS_INJECT=inject_weight is not None, DOT_PRECISION=precision,
-        DOT_F32=dot_f32, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+        DOT_F32=dot_f32, USE_PDL=pdl, num_warps=4, launch_pdl=pdl, enable_fp_fusion=False)
     block_h = min(BLOCK_H, max(16, next_power_of_2(h)))
     _gate_mix_kernel[(cdiv(t, BLOCK_T), cdiv(h, block_h))](
         normed, partials, up_weight, out, weights if weights is not None else out, t, h, rank, up_weight.stride(0),

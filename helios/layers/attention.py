@@ -467,8 +467,13 @@ class Attention(nn.Module):
             o = o[..., : self.v_head_dim]
         o = o.reshape(num_tokens, self.num_heads * self.v_head_dim)
         if self.gate_per_head:  # step3p7: the last num_heads rows, one gate per head
-            gate = torch.sigmoid(qkv[:, -self.num_heads :])
-            o = (o.view(num_tokens, self.num_heads, -1) * gate[:, :, None]).view(num_tokens, -1)
+            if self.fused_ops:  # one launch for torch's sigmoid and mul (the same roundings)
+                from helios.kernels.output_gate import sigmoid_gate
+
+                o = sigmoid_gate(o, qkv[:, -self.num_heads :])
+            else:
+                gate = torch.sigmoid(qkv[:, -self.num_heads :])
+                o = (o.view(num_tokens, self.num_heads, -1) * gate[:, :, None]).view(num_tokens, -1)
         elif self.output_gate:  # qwen3_5: the gate rows follow v's
             gate = qkv[:, q_size + kv_size + v_size :]
             if self.fused_ops:  # one launch for torch's sigmoid and mul (the same roundings)

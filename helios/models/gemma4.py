@@ -29,7 +29,7 @@ from helios.layers.moe import SparseMoe
 from helios.layers.norm import RMSNorm, norm_rotate_heads, post_norm_add
 from helios.layers.norm_free import pdl_launches
 from helios.layers.parallel import ExpertParallelMoe, TensorGroup, VocabParallelEmbedding, row_parallel
-from helios.layers.ple import per_layer_inputs
+from helios.layers.gemma4_inputs import per_layer_inputs
 from helios.layers.rotary import RotaryEmbedding
 from helios.models.llama import is_sliding
 from helios.switches import DEFAULT_SWITCHES, Switches

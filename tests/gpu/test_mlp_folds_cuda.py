@@ -61,6 +61,6 @@ def test_gemma4_ple_inputs_match_the_torch_path(dtype):
 
 @DTYPES
 def test_step3p7_head_gate_matches_the_torch_path(dtype):
-    from tests.kernels.test_head_gate import check_head_gate
+    from tests.kernels.test_output_gate_per_head import check_head_gate
 
     check_head_gate("cuda", dtype, max_flips=1e-3)  # as test_layer_folds_cuda's sigmoid_gate

@@ -60,10 +60,10 @@ def check_ple_gate(device: str, dtype: torch.dtype, act: str, num_tokens: int = 
 
 def check_ple_inputs(device: str, dtype: torch.dtype, num_tokens: int = 3, num_layers: int = 5, ple_dim: int = 96,
                      hidden: int = 640, max_flips: float = 0.0) -> None:
-    """helios.layers.ple.per_layer_inputs on its kernel = its torch ops; proj a row-strided view. max_flips (CUDA):
+    """helios.layers.gemma4_inputs.per_layer_inputs on its kernel = its torch ops; proj a row-strided view. max_flips (CUDA):
     the share of bf16 values one ulp off where the device's rsqrt or sum order moves float32's last bits."""
     from helios.layers.norm import RMSNorm
-    from helios.layers.ple import per_layer_inputs
+    from helios.layers.gemma4_inputs import per_layer_inputs
 
     g = torch.Generator().manual_seed(2)
     width = num_layers * ple_dim

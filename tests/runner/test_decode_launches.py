@@ -33,7 +33,7 @@ BOUNDS = {
     "minimax_m3": ({"full_attention+mlp": 26, "full_attention+moe": 29.5}, 6),
     "muse_spark": ({"full+mlp": 11, "sliding+moe": 18, "sliding+mlp": 11, "full+moe": 18}, 9),
     "gemma4": ({"sliding+mlp": 15.25, "full+mlp": 15.5}, 13),
-    "step3p7": ({"full+mlp": 13, "sliding+mlp": 12, "sliding+moe": 18, "full+moe": 18}, 7),
+    "step3p7": ({"full+mlp": 12, "sliding+mlp": 11, "sliding+moe": 17, "full+moe": 17}, 7),
     "qwen4_exp": ({"linear+moe": 16, "full+moe": 21}, 9),
 }
 

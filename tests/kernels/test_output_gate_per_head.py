@@ -1,4 +1,4 @@
-"""helios.kernels.head_gate (step3p7's per-head output gate) = helios.layers.attention's torch ops: float32 within
+"""helios.kernels.output_gate.sigmoid_gate per head (step3p7's output gate) = helios.layers.attention's torch ops: float32 within
 rounding, bf16 bit for bit (Triton interpreter here; on CUDA, tests/gpu/test_mlp_folds_cuda.py, where the
 kernel's exp and torch's may differ in float32's last bits, off by one bf16 ulp on at most max_flips)."""
 
@@ -19,7 +19,7 @@ def interpreter():
 
 def check_head_gate(device: str, dtype: torch.dtype, num_tokens: int = 3, num_heads: int = 12, head_dim: int = 128,
                     max_flips: float = 0.0) -> None:
-    from helios.kernels.head_gate import sigmoid_head_gate, sigmoid_head_gate_ref
+    from helios.kernels.output_gate import sigmoid_gate, sigmoid_gate_ref
 
     g = torch.Generator().manual_seed(0)
     width = num_heads * head_dim
@@ -27,7 +27,7 @@ def check_head_gate(device: str, dtype: torch.dtype, num_tokens: int = 3, num_he
     # the gate: the last num_heads values of a wider qkv row, as the attention reads them
     qkv = (torch.randn(num_tokens, 40 + num_heads, generator=g) * 4.0).to(device=device, dtype=dtype)
     gate = qkv[:, -num_heads:]
-    got, want = sigmoid_head_gate(o, gate), sigmoid_head_gate_ref(o, gate)
+    got, want = sigmoid_gate(o, gate), sigmoid_gate_ref(o, gate)
     assert got.dtype == dtype and got.shape == o.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
