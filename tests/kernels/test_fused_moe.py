@@ -133,6 +133,14 @@ def test_graphs_admit_moe_only_on_the_fused_path():
     assert "attention backend" in unsupported_reason(fused, arch, cuda)  # past the MoE check
 
 
+def test_every_tile_config_sums_k_in_the_same_chunks():
+    """Decode, small and large prefill batches take other tiles (gemm_config) but one BLOCK_K, so an entry's products
+    sum their K chunks in one order at every batch size (its outputs batched = alone); large prefills 128-row blocks."""
+    configs = [fused_moe.gemm_config(n) for n in (8, 1024, 1025, 16383, 16384, 65536)]
+    assert {c["BLOCK_K"] for c in configs} == {128}
+    assert [c["BLOCK_M"] for c in configs] == [16, 16, 64, 64, 128, 128]
+
+
 def test_a_prefill_batch_takes_the_wide_blocks():
     """Past 1024 entries the GEMMs take 64-row blocks (gemm_config): the same products as the reference."""
     g = torch.Generator().manual_seed(5)
