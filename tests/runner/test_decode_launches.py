@@ -30,7 +30,7 @@ BOUNDS = {
     "kimi_linear": ({"linear+mlp": 7, "linear+moe": 13, "full+moe": 15}, 6),
     "glm5_next": ({"linear+mlp": 14, "full+moe": 27}, 8),
     "deepseek_v4": ({"full_attention+moe": 30.5}, 8),
-    "minimax_m3": ({"full_attention+mlp": 26, "full_attention+moe": 29.5}, 6),
+    "minimax_m3": ({"full_attention+mlp": 14, "full_attention+moe": 17.5}, 6),
     "muse_spark": ({"full+mlp": 11, "sliding+moe": 18, "sliding+mlp": 11, "full+moe": 18}, 9),
     "gemma4": ({"sliding+mlp": 15.25, "full+mlp": 15.5}, 13),
     "step3p7": ({"full+mlp": 12, "sliding+mlp": 11, "sliding+moe": 17, "full+moe": 17}, 7),
