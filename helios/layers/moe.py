@@ -98,7 +98,7 @@ class SparseMoe(RoutedMoe):
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, E], [T, 1] (None without shared_gate)
         """The router's logits and a shared expert gate's, in the router's dtype as its projection rounds them: on the
         fused path, decode rows take one launch for both (helios.kernels.router); else the two projections."""
-        if self.fused:
+        if self.fused and self.router.switches.gemv != "off":  # HELIOS_GEMV=off: no hand GEMV, this one either
             from helios.kernels import router
 
             gate = None if shared_gate is None else shared_gate.weight
@@ -222,6 +222,7 @@ class SigmoidMoe(RoutedMoe):
         self.alpha = alpha
         width = moe.latent_size or hidden_size
         self.router = _Router(hidden_size, moe.num_experts, moe.score_bias)
+        self.hand_gemv = switches.gemv != "off"  # HELIOS_GEMV=off: cuBLAS for one-row products, the router's too
         if moe.latent_size:
             self.latent_in = Linear(hidden_size, width, switches=switches)
             self.latent_out = Linear(width, hidden_size, switches=switches)
@@ -258,7 +259,7 @@ class SigmoidMoe(RoutedMoe):
         """float32 logits, as HF keeps its gate in float32 (a 16-bit core's router weight is rounded, HF's is not): on
         the fused path, decode rows in one launch (helios.kernels.router: no float32 copy of x, the same products
         summed in float32); else x.float() times the table."""
-        if self.fused:
+        if self.fused and self.hand_gemv:
             from helios.kernels import router
 
             if router.router_serves(x, self.router.weight):

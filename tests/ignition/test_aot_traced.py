@@ -37,15 +37,17 @@ BUILDERS = {
     "kimi_linear": build_kimi_linear,
 }
 DENSE = {"_rms_norm_kernel", "_gemv_kernel", "_decode_kernel", "_reshape_and_cache_kernel"}
-GDN = {"_gated_delta_step_kernel", "_gated_rms_norm_kernel", "_rotary_kernel", "_gated_kernel"}
-MOE = {"_route_kernel", "_align_kernel", "_expert_gemm_kernel", "_combine_kernel"}
-# what each family's decode graphs launch (qwen3_5's attention: q/k norms and partial rotary as their own launches,
-# the sigmoid gate keeps it off decode_qkv; nemotron_h: the Mamba-2 mixer through the varlen conv and the scan, each
-# residual add and norm in one launch)
+GDN = {"_gated_delta_step_kernel", "_gated_rms_norm_kernel", "_gated_kernel"}
+GATED_ATTENTION = {"_rms_norm_rope_kernel", "_sigmoid_gate_kernel"}
+MOE = {"_router_kernel", "_route_kernel", "_align_kernel", "_expert_gemm_kernel", "_combine_kernel"}
+# what each family's decode graphs launch (qwen3_5's attention: q/k norms with partial rotary in one launch, the
+# sigmoid gate in another, which keeps it off decode_qkv; nemotron_h: the Mamba-2 mixer's decode step in one launch
+# (mixed steps take the varlen conv and the scan, never graphed), its gated norm and relu2 in one each, each residual
+# add and norm in one launch)
 EXPECTED = {
-    "qwen3_5": DENSE | GDN,
-    "qwen3_5_moe": DENSE | GDN | MOE,  # its shared expert's act-and-mul: the Triton backend's gated MLPs
-    "nemotron_h": {"_causal_conv_kernel", "_conv_state_kernel", "_mamba2_scan_kernel", "_gemv_kernel",
+    "qwen3_5": DENSE | GDN | GATED_ATTENTION,
+    "qwen3_5_moe": DENSE | GDN | GATED_ATTENTION | MOE,  # its shared expert's act-and-mul: the gated MLPs' launch
+    "nemotron_h": {"_mamba2_decode_kernel", "_gated_rms_norm_kernel", "_relu2_kernel", "_gemv_kernel",
                    "_decode_kernel", "_reshape_and_cache_kernel", "_rms_norm_kernel"} | MOE,
 }
 
