@@ -3,7 +3,8 @@
 # PARTS picks among tests,ptests,hybrid,moeprefill,bench,serve,load,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
 # HELIOS_* execution switches (helios/switches.py) set here reach gpu_decode.py's runners: it reads them once at start.
 # .whl/ holds what the device lacks, for cp312 manylinux (pip download --no-deps --only-binary=:all:
-# --python-version 3.12 ...): msgspec granian llguidance gguf tomli_w zstandard brotli prometheus-client.
+# --python-version 3.12 ...): msgspec granian llguidance gguf tomli_w zstandard brotli prometheus-client fla-core
+# einops typer rich (llguidance needs --platform manylinux_2_31_x86_64).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -37,7 +38,9 @@ if [[ $PARTS == *ptests* ]]; then  # correctness only: a pytest process per grou
       -o faulthandler_timeout=${TEST_HANG_S:-300} $g > "$OUT/ptests$i.log" 2>&1 &
   done
   wait
-  echo "== ptests"; grep -hE "^(FAILED|ERROR)|passed|failed|no tests ran" "$OUT"/ptests*.log
+  echo "== ptests"; grep -E "^(FAILED|ERROR)|passed|failed|no tests ran" "$OUT"/ptests*.log
+  # one archive: a call brings back at most eight files (session 17 lost two groups' logs)
+  (cd "$OUT" && tar czf ptests.tgz ptests*.log && rm -f ptests*.log)
 fi
 if [[ $PARTS == *serve* ]]; then
   timeout ${SERVE_S:-230} python3 benchmarks/gpu_serve_start.py --work /tmp/serve --out "$OUT" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1
