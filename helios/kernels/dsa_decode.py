@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from helios.kernels._triton import cdiv, check_last_dim_contiguous, jit, next_power_of_2, require_triton, tl
-from helios.kernels.mla_decode import LatentWrite, _merge_expand_kernel, absorb_query
+from helios.kernels.mla_decode import LatentWrite, absorb_query, merge_expand
 from helios.kernels.paged_attention import dot_precision, merge_splits, split_partials
 from helios.kernels.sparse_decode import online_softmax_tile, store_decode_output
 
@@ -430,16 +430,7 @@ def sparse_mla_decode_absorbed(
     part_out, part_lse = split_partials(o_lat, num_splits)
     sparse_mla_decode(q_abs, cache, block_tables, seq_lens, pools, pool_size, rank, scale, num_splits, out=o_lat,
                       partials=(part_out, part_lse))
-    out = q.new_empty(num_seqs, num_heads, v_dim)
-    if num_seqs == 0:
-        return out
-    nope_dim = kv_b.shape[0] // num_heads - v_dim
-    block_v = min(32, next_power_of_2(v_dim))
-    _merge_expand_kernel[(num_seqs, num_heads, cdiv(v_dim, block_v))](
-        o_lat, part_out, part_lse, kv_b, out, num_heads, nope_dim, v_dim, rank, NUM_SPLITS=num_splits,
-        BLOCK_S=next_power_of_2(num_splits), BLOCK_V=block_v, BLOCK_R=min(128, next_power_of_2(rank)), num_warps=4,
-    )
-    return out
+    return merge_expand(o_lat, part_out, part_lse, kv_b, v_dim, num_splits, q.dtype)
 
 
 def pool_scores_ref(q, weights, index_cache, pool_bias, block_tables, seq_lens, weight_scale=1.0) -> torch.Tensor:

@@ -432,7 +432,22 @@ def mla_decode_absorbed(
     o_lat = q_abs.new_empty(num_seqs, num_heads, rank)
     part_out, part_lse = split_partials(o_lat, num_splits)
     mla_decode(q_abs, cache, block_tables, seq_lens, rank, scale, num_splits, out=o_lat, partials=(part_out, part_lse))
-    out = q.new_empty(num_seqs, num_heads, v_dim)
+    return merge_expand(o_lat, part_out, part_lse, kv_b, v_dim, num_splits, q.dtype)
+
+
+def merge_expand(
+    o_lat: torch.Tensor,  # [num_seqs, num_heads, R] the attention's output (num_splits == 1)
+    part_out: torch.Tensor,  # split_partials' pair for num_splits > 1
+    part_lse: torch.Tensor,
+    kv_b: torch.Tensor,  # [num_heads * (nope + dv), R]
+    v_dim: int,
+    num_splits: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [num_seqs, num_heads, dv] in dtype
+    """The absorbed decodes' last launch (mla_decode_absorbed, dsa_decode.sparse_mla_decode_absorbed): the split
+    merge and W_uv's up-projection per (seq, head)."""
+    num_seqs, num_heads, rank = o_lat.shape
+    out = torch.empty(num_seqs, num_heads, v_dim, dtype=dtype, device=o_lat.device)
     if num_seqs == 0:
         return out
     nope_dim = kv_b.shape[0] // num_heads - v_dim
