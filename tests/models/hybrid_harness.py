@@ -146,6 +146,44 @@ def check_fused_loop_equals_eager(core, fuse, is_fused) -> None:
     torch.testing.assert_close(runner.forward_logits(ids), eager, atol=1e-4, rtol=1e-4)
 
 
+def decode_caches(arch, num_pages: int, page_size: int, num_slots: int, seed: int) -> list:
+    """Random per-layer caches: a linear layer's (conv, recurrent) states, an attention layer's KV pages, None for an
+    ffn layer."""
+    gen = torch.Generator().manual_seed(seed)
+    r = arch.recurrent
+    out = []
+    for kind in arch.layer_types:
+        if kind == "linear":
+            out.append((torch.randn(num_slots + 1, r.conv_kernel - 1, r.conv_dim, generator=gen),
+                        0.1 * torch.randn(num_slots + 1, r.num_heads, r.key_head_dim, r.value_head_dim, generator=gen)))
+        elif kind == "full":
+            out.append(torch.randn(2, num_pages, page_size, arch.num_kv_heads, arch.head_dim, generator=gen))
+        else:
+            out.append(None)
+    return out
+
+
+def check_fused_decode_step_equals_eager(arch, eager, fused, positions: list[int], page_size: int) -> None:
+    """One decode step of sequences at `positions` through the fused model (its GPU path, Triton's interpreter here)
+    = through the eager one: the hidden states and every updated cache within 1e-4."""
+    from helios.engine.messages import ScheduledRequest
+    from helios.runner.input_batch import prepare_batch
+
+    scheduled = [ScheduledRequest(req_id=f"r{i}", token_ids=[11 + i], num_computed_tokens=p,
+                                  block_ids=[8 * i + b for b in range(p // page_size + 1)], sample=True,
+                                  state_slot=2 - i)
+                 for i, p in enumerate(positions)]
+    batch = prepare_batch(scheduled, {}, page_size, scratch_slot=3)
+    want_caches, got_caches = (decode_caches(arch, 32, page_size, 3, seed=1) for _ in range(2))
+    with torch.inference_mode():
+        want = eager.forward(batch.token_ids, batch.meta, want_caches)
+        got = fused.forward(batch.token_ids, batch.meta, got_caches)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for w, g in zip(want_caches, got_caches):
+        for a, b in zip(w if isinstance(w, tuple) else (w,), g if isinstance(g, tuple) else (g,)):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
 def check_greedy_matches_generate(hf, core, ids: list[int], num_new: int = 32, engine=make_engine,
                                   device: str = "cpu") -> EngineCore:
     """The engine's greedy tokens (grid-chunked prefill, then decode steps) = transformers' generate (hf on
