@@ -80,19 +80,30 @@ def _mamba2_scan_kernel(
     tile = state_ptr + (slot * H + h) * P * N + op[:, None] * N + on[None, :]
     tile_mask = mp[:, None] & mn[None, :]
     s = tl.load(tile, mask=tile_mask & live, other=0.0)
-    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    D = tl.load(D_ptr + h).to(tl.float32)
-    dt_ty = dt_ptr.dtype.element_ty
-    bias = tl.load(dt_bias_ptr + h).to(dt_ty).to(tl.float32)
+    A, D, bias = _head_constants(A_log_ptr, D_ptr, dt_bias_ptr, h, dt_ptr.dtype.element_ty)
     for row in tl.range(first, end):
         x = tl.load(x_ptr + row * stride_x + h * P + op, mask=mp, other=0.0).to(tl.float32)
         b = tl.load(B_ptr + row * stride_b + grp * N + on, mask=mn, other=0.0).to(tl.float32)
         c = tl.load(C_ptr + row * stride_c + grp * N + on, mask=mn, other=0.0).to(tl.float32)
         dt = _dt_step(tl.load(dt_ptr + row * stride_dt + h), bias, dt_min, dt_max)
-        s = s * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
-        y = tl.sum(s * c[None, :], axis=1) + D * x
+        s, y = _scan_step(s, x, b, c, dt, A, D)
         tl.store(out_ptr + (row * H + h) * P + op, y.to(out_ptr.dtype.element_ty), mask=mp)
     tl.store(tile, s, mask=tile_mask)
+
+
+@jit
+def _head_constants(A_log_ptr, D_ptr, dt_bias_ptr, h, DT_TY: tl.constexpr):
+    """Head h's A = -exp(A_log), D and dt_bias (rounded to dt's dtype, as HF adds it), in float32."""
+    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    D = tl.load(D_ptr + h).to(tl.float32)
+    return A, D, tl.load(dt_bias_ptr + h).to(DT_TY).to(tl.float32)
+
+
+@jit
+def _scan_step(s, x, b, c, dt, A, D):
+    """One token's step of a [BP, N] state tile: s = exp(dt A) s + dt x b^T; y = s c + D x."""
+    s = s * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
+    return s, tl.sum(s * c[None, :], axis=1) + D * x
 
 
 @jit
@@ -177,13 +188,9 @@ def _mamba2_decode_kernel(
     tile = state_ptr + (slot * H + h) * P * N + op[:, None] * N + on[None, :]
     tile_mask = mp[:, None] & mn[None, :]
     s = tl.load(tile, mask=tile_mask & live, other=0.0)
-    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    D = tl.load(D_ptr + h).to(tl.float32)
-    dt_ty = dt_ptr.dtype.element_ty
-    bias = tl.load(dt_bias_ptr + h).to(dt_ty).to(tl.float32)
+    A, D, bias = _head_constants(A_log_ptr, D_ptr, dt_bias_ptr, h, dt_ptr.dtype.element_ty)
     dt = _dt_step(tl.load(dt_ptr + row * stride_dt + h), bias, dt_min, dt_max)
-    s = s * tl.exp(dt * A) + (x * dt)[:, None] * b[None, :]
-    y = tl.sum(s * c[None, :], axis=1) + D * x
+    s, y = _scan_step(s, x, b, c, dt, A, D)
     tl.store(out_ptr + (row * H + h) * P + op, y.to(out_ptr.dtype.element_ty), mask=mp)
     tl.store(tile, s, mask=tile_mask)
 
@@ -217,10 +224,7 @@ def _mamba2_chunk_scan_kernel(
     tile = state_ptr + (slot * H + h) * P * N + op[:, None] * N + on[None, :]
     tile_mask = mp[:, None] & mn[None, :]
     s = tl.load(tile, mask=tile_mask & live, other=0.0)  # [BP, BN]
-    A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
-    D = tl.load(D_ptr + h).to(tl.float32)
-    dt_ty = dt_ptr.dtype.element_ty
-    bias = tl.load(dt_bias_ptr + h).to(dt_ty).to(tl.float32)
+    A, D, bias = _head_constants(A_log_ptr, D_ptr, dt_bias_ptr, h, dt_ptr.dtype.element_ty)
     causal = r[:, None] >= r[None, :]
     num_chunks = (offset + length + L - 1) // L
     for c in tl.range(0, num_chunks):
