@@ -42,6 +42,9 @@ class RoutedMoe(nn.Module):
     """A routed MoE block: `fused` picks the Triton path (helios.kernels.fused_moe) over the torch expert loop."""
 
     fused: bool = False
+    # the decode rows' router logits through helios.kernels.router (on the fused path); HELIOS_GEMV=off: cuBLAS for
+    # one-row products, the router's too
+    hand_gemv: bool = True
 
     @property
     def decode_graph_safe(self) -> bool:
@@ -73,6 +76,7 @@ class SparseMoe(RoutedMoe):
         self.norm_topk_prob = norm_topk_prob
         self.act = act
         self.router = Linear(hidden_size, num_experts, switches=switches)
+        self.hand_gemv = switches.gemv != "off"
         self.gate_up = Stacked(num_experts, 2 * moe_intermediate_size, hidden_size)
         self.down = Stacked(num_experts, hidden_size, moe_intermediate_size)
 
@@ -98,7 +102,7 @@ class SparseMoe(RoutedMoe):
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, E], [T, 1] (None without shared_gate)
         """The router's logits and a shared expert gate's, in the router's dtype as its projection rounds them: on the
         fused path, decode rows take one launch for both (helios.kernels.router); else the two projections."""
-        if self.fused and self.router.switches.gemv != "off":  # HELIOS_GEMV=off: no hand GEMV, this one either
+        if self.fused and self.hand_gemv:
             from helios.kernels import router
 
             gate = None if shared_gate is None else shared_gate.weight
@@ -222,7 +226,7 @@ class SigmoidMoe(RoutedMoe):
         self.alpha = alpha
         width = moe.latent_size or hidden_size
         self.router = _Router(hidden_size, moe.num_experts, moe.score_bias)
-        self.hand_gemv = switches.gemv != "off"  # HELIOS_GEMV=off: cuBLAS for one-row products, the router's too
+        self.hand_gemv = switches.gemv != "off"
         if moe.latent_size:
             self.latent_in = Linear(hidden_size, width, switches=switches)
             self.latent_out = Linear(width, hidden_size, switches=switches)
