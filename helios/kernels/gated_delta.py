@@ -265,16 +265,6 @@ def gated_delta_decode(
     for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b)):
         check_last_dim_contiguous(name, t)
     assert conv_bias is None or (conv_bias.shape == (channels,) and conv_bias.is_contiguous())
-    return fused_delta_step(mixed_qkv, conv_weight, conv_state, a, b, A_log, dt_bias, state, slots, starts,
-                            num_k_heads, conv_bias, activation, num_splits)
-
-
-def fused_delta_step(mixed_qkv, conv_weight, conv_state, gate, b, A_log, dt_bias, state, slots, starts,
-                     num_k_heads, conv_bias=None, activation="silu", num_splits=None) -> torch.Tensor:  # [B, Hv, dv]
-    """gated_delta_decode's launch, shapes already checked: `gate` is GDN's a [B, Hv]. Program (split, key head,
-    row); its state tiles as gated_delta_decode says."""
-    num_rows, channels = mixed_qkv.shape
-    _, num_v_heads, dk, dv = state.shape
     out = torch.empty(num_rows, num_v_heads, dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if num_rows == 0:
         return out
@@ -287,8 +277,8 @@ def fused_delta_step(mixed_qkv, conv_weight, conv_state, gate, b, A_log, dt_bias
     pdl = use_pdl(mixed_qkv, num_rows)
     _gated_delta_step_kernel[(splits, num_k_heads, num_rows)](
         mixed_qkv, mixed_qkv, mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight,
-        conv_state, gate, b, A_log, dt_bias, state, out, slots, starts, counters,
-        mixed_qkv.stride(0), 0, 0, 0, 0, 0, gate.stride(0), b.stride(0), channels, dk**-0.5,
+        conv_state, a, b, A_log, dt_bias, state, out, slots, starts, counters,
+        mixed_qkv.stride(0), 0, 0, 0, 0, 0, a.stride(0), b.stride(0), channels, dk**-0.5,
         **_tile_args(num_k_heads, state, splits), K=width, KP=next_power_of_2(width - 1), FUSED=True,
         HAS_BIAS=conv_bias is not None, SILU=activation is not None, STATE_FIRST=STATE_FIRST, USE_PDL=pdl,
         PER_CHANNEL=False, num_warps=NUM_WARPS, num_stages=NUM_STAGES, launch_pdl=pdl,
