@@ -3,8 +3,10 @@ experts' two GEMMs (align, gate_up with the activation, down) of a 4096-token pr
 each tile config timed (CUDA events, best of several tries after a warm-up) and checked against the default config's
 output, printed as TFLOP/s of the two GEMMs (2 x entries x (gate_up + down) weights per entry) against the measured
 bf16 matmul rate. BLOCK_K stays 128 in every candidate: an entry's products then sum their K chunks in one order at
-every batch size (fused_moe.gemm_config's note).
-Usage: python benchmarks/gpu_moe_prefill.py [--tokens 4096] [--out PATH] (writes each line to PATH as it goes)
+every batch size (fused_moe.gemm_config's note). Last, the same GEMMs through torch's grouped GEMM
+(helios.kernels.moe_grouped, the moe_prefill switch's "grouped"): its time and whether its bits are the Triton
+default's.
+Usage: python benchmarks/gpu_moe_prefill.py [--tokens 4096] [--out PATH] [--default-only] (writes each line to PATH as it goes)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_decode import matmul_rate  # noqa: E402
-from helios.kernels import fused_moe  # noqa: E402
+from helios.kernels import fused_moe, moe_grouped  # noqa: E402
 
 # (name, experts, top-k, hidden, moe_intermediate)
 SHAPES = [("qwen3_5_moe", 256, 8, 2048, 512), ("kimi_linear", 256, 8, 2304, 1024), ("mimo_v2_flash", 256, 8, 4096, 2048)]
@@ -52,6 +54,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--out", type=Path)
+    p.add_argument("--default-only", action="store_true", help="time the default tile and the grouped GEMM only")
     args = p.parse_args()
     out = args.out.open("w") if args.out else None
 
@@ -71,8 +74,10 @@ def main() -> None:
         logits = torch.randn(args.tokens, experts, generator=g, device="cuda")
         topk_ids = logits.topk(k, dim=-1).indices.to(torch.int32)
         flops = 2.0 * topk_ids.numel() * (2 * inter * hidden + hidden * inter)
-        reference = None
-        for bm, bn, bk, warps, stages in CANDIDATES:
+        reference = run(fused_moe.gemm_config(topk_ids.numel()), x, topk_ids, w_in, w_down)  # the default tile
+        default = fused_moe.gemm_config(topk_ids.numel())
+        only = [tuple(default[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))]
+        for bm, bn, bk, warps, stages in only if args.default_only else CANDIDATES:
             config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
             label = f"{name:14} {bm:3}x{bn:3}x{bk:3} w{warps} s{stages}"
             try:
@@ -81,10 +86,21 @@ def main() -> None:
             except Exception as exc:  # a config the device cannot hold (shared memory): say so, go on
                 say(f"{label}: failed {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            reference = y if reference is None else reference
             same = torch.equal(y, reference)
             say(f"{label}: {seconds * 1e3:7.3f} ms  {flops / seconds / 1e12:6.1f} TFLOP/s "
                 f"({flops / seconds / rate:.1%})  output {'= default' if same else 'differs from default'}")
+        label = f"{name:14} torch grouped GEMM"
+        if moe_grouped.grouped_serves(x, w_in, w_down, topk_ids.numel()):
+            def grouped():
+                return moe_grouped.expert_outputs_grouped(x, topk_ids, w_in, w_down, "silu")
+            y = grouped()
+            seconds = timed(grouped)
+            diff = (y.float() - reference.float()).abs().max().item()
+            verdict = "= default" if torch.equal(y, reference) else f"differs from default (max {diff:.3g})"
+            say(f"{label}: {seconds * 1e3:7.3f} ms  {flops / seconds / 1e12:6.1f} TFLOP/s "
+                f"({flops / seconds / rate:.1%})  output {verdict}")
+        else:
+            say(f"{label}: not served on this device")
         del x, w_in, w_down
         torch.cuda.empty_cache()
 

@@ -17,6 +17,7 @@ import msgspec
 
 GemvMode = Literal["narrow", "all", "square", "nowide", "off"]
 L2Prefetch = Literal["off", "bulk", "load"]
+MoePrefill = Literal["triton", "grouped"]
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -65,6 +66,11 @@ DECLARED: tuple[Switch, ...] = (
            "GPU batch 1: pull the o weight into L2 beside attention: off (also 0/false/no), bulk (Hopper bulk "
            "prefetch), load (discarded loads)",
            ("off", "bulk", "load")),
+    Switch("HELIOS_MOE_PREFILL", "moe_prefill", "choice",
+           "GPU MoE: the routed experts' GEMMs of prompt-sized batches (over 1024 token-expert entries): triton "
+           "(fused_moe's grouped Triton GEMM, the activation in its epilogue) or grouped (torch._grouped_mm on sm90+, "
+           "bf16, then the activation kernel)",
+           ("triton", "grouped")),
     Switch("HELIOS_KERNEL_CACHE", "kernel_cache", "path",
            "the directory precompiled kernels are installed into at start (default: $XDG_CACHE_HOME or "
            "~/.cache, then helios/triton)"),
@@ -89,6 +95,7 @@ class Switches(msgspec.Struct, frozen=True, kw_only=True):
     fused_decode: bool = True
     defer_norms: bool = True
     l2_prefetch: L2Prefetch = "off"
+    moe_prefill: MoePrefill = "triton"
     kernel_cache: str | None = None  # None: the default directory (helios.kernels.aot.runtime_cache_root)
 
     @classmethod

@@ -45,6 +45,21 @@ class RoutedMoe(nn.Module):
     # the decode rows' router logits through helios.kernels.router (on the fused path); HELIOS_GEMV=off: cuBLAS for
     # one-row products, the router's too
     hand_gemv: bool = True
+    # the moe_prefill switch: prompt-sized batches' expert GEMMs through torch's grouped GEMM (helios.kernels.moe_grouped)
+    grouped_prefill: bool = False
+
+    def expert_outputs(self, x: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor, w_down: torch.Tensor,
+                       limit: float | None = None, clamp_after_act: bool = False,
+                       alpha: float | None = None) -> torch.Tensor:  # [T, W], [T, k] -> [T*k, W]
+        """The fused path's routed products (fused_moe.expert_outputs' layout): through torch's grouped GEMM where
+        the switch asks for it and moe_grouped serves the batch, else fused_moe's Triton GEMMs."""
+        from helios.kernels import fused_moe, moe_grouped
+
+        x = x.contiguous()
+        if self.grouped_prefill and moe_grouped.grouped_serves(x, w_in, w_down, experts.numel()):
+            return moe_grouped.expert_outputs_grouped(x, experts, w_in, w_down, self.act, limit, clamp_after_act,
+                                                      alpha)
+        return fused_moe.expert_outputs(x, experts, w_in, w_down, self.act, limit, clamp_after_act, alpha)
 
     @property
     def decode_graph_safe(self) -> bool:
@@ -77,6 +92,7 @@ class SparseMoe(RoutedMoe):
         self.act = act
         self.router = Linear(hidden_size, num_experts, switches=switches)
         self.hand_gemv = switches.gemv != "off"
+        self.grouped_prefill = switches.moe_prefill == "grouped"
         self.gate_up = Stacked(num_experts, 2 * moe_intermediate_size, hidden_size)
         self.down = Stacked(num_experts, hidden_size, moe_intermediate_size)
 
@@ -120,7 +136,7 @@ class SparseMoe(RoutedMoe):
 
         weights, experts = fused_moe.moe_route(logits, self.top_k, renorm=self.norm_topk_prob,
                                                weights_dtype=logits.dtype)
-        y = fused_moe.expert_outputs(x.contiguous(), experts, self.gate_up.weight, self.down.weight, self.act)
+        y = self.expert_outputs(x, experts, self.gate_up.weight, self.down.weight)
         return fused_moe.moe_combine(y, weights, experts, shared, shared_gate)
 
 
@@ -227,6 +243,7 @@ class SigmoidMoe(RoutedMoe):
         width = moe.latent_size or hidden_size
         self.router = _Router(hidden_size, moe.num_experts, moe.score_bias)
         self.hand_gemv = switches.gemv != "off"
+        self.grouped_prefill = switches.moe_prefill == "grouped"
         if moe.latent_size:
             self.latent_in = Linear(hidden_size, width, switches=switches)
             self.latent_out = Linear(width, hidden_size, switches=switches)
@@ -319,8 +336,8 @@ class SigmoidMoe(RoutedMoe):
         from helios.kernels import fused_moe
 
         w_in = self.up.weight if self.act == "relu2" else self.gate_up.weight
-        y = fused_moe.expert_outputs(x.contiguous(), experts, w_in, self.down.weight, self.act, self.limit,
-                                     self.clamp_after_act, self.alpha)  # [T*k, W]
+        y = self.expert_outputs(x, experts, w_in, self.down.weight, self.limit, self.clamp_after_act,
+                                self.alpha)  # [T*k, W]
         if self.moe.latent_norms:  # each expert's output is normed before its weight applies
             y = self.expert_norm(y)
         return fused_moe.moe_combine(y, weights, experts, shared)

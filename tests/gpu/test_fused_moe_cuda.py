@@ -59,6 +59,27 @@ def tied_choice(layer, x: torch.Tensor) -> torch.Tensor:  # [T] bool
     return probs[:, TOP_K - 1] == probs[:, TOP_K]
 
 
+@pytest.mark.parametrize("act", ["silu", "relu2"])
+def test_grouped_prefill_gives_the_triton_products(act):
+    """The moe_prefill switch's grouped path (torch's grouped GEMM, helios.kernels.moe_grouped) on a 512-token
+    prompt at the real shape: the Triton GEMMs' products within bf16 rounding (printed: whether the bits agree,
+    which decides if the switch can be the default without a token's bits depending on its batch's size)."""
+    from helios.kernels import fused_moe, moe_grouped
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(512, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    rows = INTER if act == "relu2" else 2 * INTER
+    w_in = (torch.randn(EXPERTS, rows, HIDDEN, generator=g, device="cuda") / HIDDEN**0.5).to(torch.bfloat16)
+    w_down = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g, device="cuda") / INTER**0.5).to(torch.bfloat16)
+    ids = torch.randn(512, EXPERTS, generator=g, device="cuda").topk(TOP_K, dim=-1).indices.to(torch.int32)
+    assert moe_grouped.grouped_serves(x, w_in, w_down, ids.numel())
+    got = moe_grouped.expert_outputs_grouped(x, ids, w_in, w_down, act).float()
+    want = fused_moe.expert_outputs(x, ids, w_in, w_down, act).float()
+    print(f"grouped vs triton ({act}): equal bits {torch.equal(got, want)}, max diff {(got - want).abs().max():.3g}")
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1).clamp(min=1e-6)
+    assert err.max() < 1e-2, err.max()
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3, 64])
 def test_the_fused_block_matches_the_torch_path_at_a_real_shape(blocks, num_tokens):
     """Per token, relative L2 error within 2e-2 (bf16: the torch path rounds gate_up, the activation and each
