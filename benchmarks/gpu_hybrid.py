@@ -17,7 +17,8 @@ uniform routing, 1 - (1 - k/E)^b: 87% for 64 tokens x top-8 of 256), the KV of t
 each request's recurrent state read and written (float32). Prefill: 2 x active params x tokens + attention FLOPs
 (causal: n^2 x heads x (qk + v dims); sliding: 2 n W heads (qk + v)) over the measured bf16 matmul rate.
 Usage: python benchmarks/gpu_hybrid.py [--families qwen3_5,qwen3_5_moe,mimo_v2_flash,kimi_linear] [--batches 1,64]
-       [--skip-hf] [--profile 1,64] [--variants 'HELIOS_PDL=1;...'] [--dump-fla OUT.json] [--tiny --device cpu]
+       [--skip-hf] [--profile 1,64] [--variants 'HELIOS_PDL=1;...']
+       [--prefill-variants 'HELIOS_MOE_PREFILL=grouped;...'] [--dump-fla OUT.json] [--tiny --device cpu]
 HELIOS_* switches (helios.switches) apply to every runner; --variants times batch 1 again under each switch set.
 """
 
@@ -320,7 +321,8 @@ def build_runner(arch, t: dict, batches: list[int], device: str, switches: Switc
 
 
 def run_family(family: str, batches: list[int], bandwidth: float, matmul: float, hf: bool, device: str = "cuda",
-               tiny: bool = False, profile_batches: tuple[int, ...] = (), variants: tuple[str, ...] = ()) -> None:
+               tiny: bool = False, profile_batches: tuple[int, ...] = (), variants: tuple[str, ...] = (),
+               prefill_variants: tuple[str, ...] = ()) -> None:
     t0 = time.perf_counter()
     model, cfg = hf_model(family, device, tiny)
     arch, t = helios_tensors(model, cfg, device)
@@ -358,6 +360,17 @@ def run_family(family: str, batches: list[int], bandwidth: float, matmul: float,
           f"({achieved / matmul:.1%} of the matmul rate)", flush=True)
     if profile_batches and device == "cuda":
         print("\n".join(profile_prefill(runner, arch, n)), flush=True)
+    for variant in prefill_variants:  # the prefill again under other switches, over the same weights
+        env = dict(os.environ, **dict(pair.split("=", 1) for pair in variant.split()))
+        other = build_runner(arch, t, [1], device, Switches.from_environ(env))
+        tps = timed_prefill(other, arch, n, device)
+        achieved = prefill_flops(arch, t, n) * tps / n
+        print(f"helios {family} prefill {n}, {variant}: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
+              f"({achieved / matmul:.1%} of the matmul rate)", flush=True)
+        if profile_batches and device == "cuda":
+            print("\n".join(profile_prefill(other, arch, n)), flush=True)
+        del other
+        free(device)
     hf_limit = bandwidth / decode_bytes(arch, t, 1, PROMPT + NEW // 2)
     del runner, t
     free(device)
@@ -381,6 +394,8 @@ def main() -> None:
     parser.add_argument("--profile", default="", help="batches whose decode steps get a kernel profile (comma list)")
     parser.add_argument("--variants", default="", help="switch sets to time batch 1 again with, same weights: "
                         "';'-separated, each space-separated NAME=VALUE (e.g. 'HELIOS_PDL=1;HELIOS_PDL=1 HELIOS_GEMV=all')")
+    parser.add_argument("--prefill-variants", default="", help="switch sets to time the prefill again with "
+                        "(as --variants, e.g. 'HELIOS_MOE_PREFILL=grouped')")
     args = parser.parse_args()
     print(f"switches: {SWITCHES}", flush=True)
     if args.device == "cuda":
@@ -391,7 +406,9 @@ def main() -> None:
         bandwidth, matmul = 1e9, 1e12
     for family in args.families.split(","):
         run_family(family, [int(b) for b in args.batches.split(",")], bandwidth, matmul, not args.skip_hf,
-                   args.device, args.tiny, tuple(int(b) for b in args.profile.split(",") if b), tuple(v for v in args.variants.split(";") if v.strip()))
+                   args.device, args.tiny, tuple(int(b) for b in args.profile.split(",") if b),
+                   tuple(v for v in args.variants.split(";") if v.strip()),
+                   tuple(v for v in args.prefill_variants.split(";") if v.strip()))
         if args.dump_fla and args.device == "cuda":  # after each family: a run cut short keeps what it tuned
             dump_fla(args.dump_fla)
 
