@@ -11,6 +11,8 @@ path's bf16 bits. Imports torch and helios.kernels._triton only.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from helios.kernels._triton import (
@@ -434,12 +436,17 @@ def expert_outputs(
     limit: float | None = None,
     clamp_after_act: bool = False,
     alpha: float | None = None,
+    one_token: str = "dot",
 ) -> torch.Tensor:  # [T*k, W] in x's dtype: entry token * k + slot is its expert's output for the token
-    """Each (token, slot)'s expert product down(act(gate_up x)), unweighted: align, then the two grouped GEMMs."""
+    """Each (token, slot)'s expert product down(act(gate_up x)), unweighted: align, then the two grouped GEMMs.
+    one_token="gemv": a single token takes expert_outputs_one_token's GEMV kernels instead ("dot": the GEMMs)."""
     require_triton()
+    assert one_token in ("dot", "gemv"), f"one_token: dot or gemv, not {one_token!r}"
     num_entries = topk_ids.numel()
     if num_entries == 0:
         return x.new_empty(0, w_down.shape[1])
+    if one_token == "gemv" and topk_ids.shape[0] == 1:
+        return expert_outputs_one_token(x, topk_ids, w_in, w_down, act, limit, clamp_after_act, alpha)
     cfg = gemm_config(num_entries)
     if topk_ids.shape[0] == 1:  # batch-1 decode: no sort to do, one launch fewer
         align = one_token_align(topk_ids, cfg["BLOCK_M"])
@@ -473,6 +480,240 @@ def expert_outputs_ref(x, topk_ids, w_in, w_down, act, limit=None, clamp_after_a
             h = (a.clamp(max=limit) if limit is not None and clamp_after_act else a) * u
     h = h.to(x.dtype).float()
     return torch.einsum("nf,nwf->nw", h, w_down[ids].float()).to(x.dtype)
+
+
+# --- one token: GEMV expert products ------------------------------------------------------------------------
+# At batch 1 the grouped GEMM's 16-row tl.dot carries 15 padding rows and its gate_up launch has k x F/32 programs
+# (128 for qwen3_5_moe): few bytes in flight. These kernels stream each slot's expert like helios.kernels.gemv:
+# program (slot, row tile, K range) multiplies BLOCK_N weight rows by the row in float32 FMAs over BLOCK_K chunks,
+# one chunk ahead in registers; split-K partials are summed in a fixed order (no atomics) by a second kernel that
+# applies the activation to the full sums. `_epilogue` rounds the float32 sums as the grouped GEMM's does.
+
+# ~2 programs per SM of an H100 / H200: below this, a launch splits K to fill the chip (as gemv.default_config)
+_ONE_TOKEN_TARGET_PROGRAMS = 264
+
+
+class ExpertGemvConfig(NamedTuple):
+    block_n: int  # output rows per program (gated: that many gate rows and as many up rows)
+    block_k: int  # K elements per chunk (power of two)
+    num_warps: int
+    split_k: int  # K ranges per row tile; > 1 adds float32 partials and a reduce launch
+
+
+def one_token_config(n_out: int, k_dim: int, top_k: int, dtype: torch.dtype = torch.bfloat16) -> ExpertGemvConfig:
+    """A starting tile for one of the two products (n_out output rows over k_dim): 1 KB row chunks of 16-bit
+    weights, 8 rows a program, K split until the launch has ~2 programs per SM. Unmeasured: the benchmark
+    (benchmarks/gpu_moe_decode.py) sweeps the others."""
+    block_k = min(512 if dtype.itemsize <= 2 else 256, next_power_of_2(k_dim))
+    block_n = 8
+    tiles = top_k * cdiv(n_out, block_n)
+    split_k = 1
+    while tiles * split_k < _ONE_TOKEN_TARGET_PROGRAMS and k_dim // (block_k * split_k * 2) >= 1:
+        split_k *= 2
+    return ExpertGemvConfig(block_n, block_k, 4, split_k)
+
+
+@jit
+def _w_chunk(w_rows, cols, n_ok, k_end, EVEN: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K] weight chunk at cols ([BLOCK_K]); masked only off the even layout."""
+    if EVEN:
+        w = tl.load(w_rows + cols[None, :])
+    else:
+        w = tl.load(w_rows + cols[None, :], mask=n_ok[:, None] & (cols < k_end)[None, :], other=0.0)
+    return w
+
+
+@jit
+def _expert_gemv_kernel(
+    a_ptr,  # [rows, K]: x [1, K] (ROW_DIV = k: every slot reads row 0) or the intermediate [k, K] (ROW_DIV = 1)
+    w_ptr,  # [E, out rows, K]: gate_up ([gate | up], GATED), up or down
+    out_ptr,  # [k, n_out] (SPLIT_K == 1) or float32 partials [SPLIT_K, k, out rows] contiguous
+    ids_ptr,  # [k] int32: each slot's expert
+    n_out,
+    K,
+    k_per_split,  # multiple of BLOCK_K
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_out,  # out's row stride (partials: out rows)
+    stride_os,  # partials: stride between splits (0 when SPLIT_K == 1)
+    limit,
+    alpha,
+    ROW_DIV: tl.constexpr,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    CLAMP: tl.constexpr,  # as _expert_gemm_kernel's
+    HAS_ALPHA: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN: tl.constexpr,  # n_out % BLOCK_N == 0 and every K range is whole chunks inside K: no masks
+    EARLY_W: tl.constexpr,  # the ids and the first weight chunk are read before pdl_wait (see expert_gemv)
+    USE_PDL: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_out
+    k_begin = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_begin + k_per_split, K)
+    offs_k = tl.arange(0, BLOCK_K)
+    if not EARLY_W:
+        pdl_wait(USE_PDL)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    g_rows = w_ptr + expert * stride_we + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
+    u_rows = g_rows + n_out * stride_wn  # the up rows sit n_out rows below the gate rows (read with GATED)
+    g_next = _w_chunk(g_rows, k_begin + offs_k, n_ok, k_end, EVEN)
+    u_next = g_next
+    if GATED:
+        u_next = _w_chunk(u_rows, k_begin + offs_k, n_ok, k_end, EVEN)
+    if EARLY_W:
+        pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    a_row = a_ptr + (slot // ROW_DIV).to(tl.int64) * stride_a
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced over K once, after the loop
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        g = g_next
+        u = u_next
+        cols = k + offs_k
+        nxt = cols + BLOCK_K
+        if EVEN:  # one chunk ahead; past the range a scalar mask drops the load (16-byte vectors kept)
+            has_next = tl.full([BLOCK_N, BLOCK_K], 1, tl.int1) & (k + BLOCK_K < k_end)
+            g_next = tl.load(g_rows + nxt[None, :], mask=has_next, other=0.0)
+            if GATED:
+                u_next = tl.load(u_rows + nxt[None, :], mask=has_next, other=0.0)
+            a = tl.load(a_row + cols).to(tl.float32)[None, :]
+        else:
+            g_next = _w_chunk(g_rows, nxt, n_ok, k_end, False)
+            if GATED:
+                u_next = _w_chunk(u_rows, nxt, n_ok, k_end, False)
+            a = tl.load(a_row + cols, mask=cols < k_end, other=0.0).to(tl.float32)[None, :]
+        acc += g.to(tl.float32) * a
+        if GATED:
+            acc_up += u.to(tl.float32) * a
+    g_sum = tl.sum(acc, axis=1)  # [BLOCK_N]
+    u_sum = tl.sum(acc_up, axis=1)
+    if SPLIT_K == 1:
+        y = round_to(_epilogue(g_sum, u_sum, limit, alpha, ACT, CLAMP, HAS_ALPHA, out_ptr.dtype.element_ty),
+                     out_ptr.dtype.element_ty)  # the store is then exact
+        tl.store(out_ptr + slot * stride_out + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        part = out_ptr + tl.program_id(2) * stride_os + slot * stride_out + n
+        tl.store(part, g_sum, mask=n_ok)
+        if GATED:
+            tl.store(part + n_out, u_sum, mask=n_ok)
+
+
+@jit
+def _expert_gemv_reduce_kernel(
+    partial_ptr,  # [SPLIT_K, k, out rows] float32 contiguous
+    out_ptr,  # [k, n_out]
+    n_out,
+    stride_ps,  # k * out rows
+    stride_pk,  # out rows
+    limit,
+    alpha,
+    ACT: tl.constexpr,
+    GATED: tl.constexpr,
+    CLAMP: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_ok = n < n_out
+    pdl_wait(USE_PDL)
+    pdl_launch_dependents(USE_PDL)
+    rows = partial_ptr + slot * stride_pk + n
+    g = tl.zeros([BLOCK], tl.float32)
+    u = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: the same bits on every run
+        g += tl.load(rows + s * stride_ps, mask=n_ok, other=0.0)
+        if GATED:
+            u += tl.load(rows + s * stride_ps + n_out, mask=n_ok, other=0.0)
+    y = round_to(_epilogue(g, u, limit, alpha, ACT, CLAMP, HAS_ALPHA, out_ptr.dtype.element_ty),
+                 out_ptr.dtype.element_ty)
+    tl.store(out_ptr + slot * n_out + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def expert_gemv(
+    a: torch.Tensor,  # [1, K] x (row_div = k) or [k, K] the intermediate (row_div = 1)
+    w: torch.Tensor,  # [E, out rows, K]
+    ids: torch.Tensor,  # [k] int32 contiguous: each slot's expert
+    row_div: int,
+    act: str = "none",
+    limit: float | None = None,
+    clamp_after_act: bool = False,
+    alpha: float | None = None,
+    config: ExpertGemvConfig | None = None,
+    pdl: bool = False,
+    early_weights: bool = False,
+) -> torch.Tensor:  # [k, n_out] in a's dtype: n_out = out rows / 2 for gated acts, else out rows
+    """One token's product with each of its k experts, row j by expert ids[j], the activation applied to the
+    float32 sums (after the split-K reduce when split). pdl: launched under PDL. early_weights (with pdl): the ids
+    and the first weight chunk are read before pdl_wait; only for a launch whose ids a kernel before the previous
+    one wrote.
+    NOTE: safe there because every kernel of this path signals its dependents after its own wait: by the time this
+    launch starts, the kernel before the previous one has finished and its writes are visible."""
+    check_last_dim_contiguous("a", a)
+    check_last_dim_contiguous("w", w)
+    assert a.shape[1] == w.shape[2] and a.dtype == w.dtype, f"a {tuple(a.shape)} {a.dtype}, w {tuple(w.shape)}"
+    assert ids.dim() == 1 and ids.dtype == torch.int32 and ids.is_contiguous(), "ids: [k] int32"
+    top_k, k_dim = ids.numel(), a.shape[1]
+    assert a.shape[0] * row_div == top_k, f"a {tuple(a.shape)} with row_div {row_div} for {top_k} slots"
+    gated = act in ("silu", "gelu_tanh")
+    n_out = w.shape[1] // 2 if gated else w.shape[1]
+    cfg = config or one_token_config(n_out, k_dim, top_k, a.dtype)
+    assert cfg.block_n & (cfg.block_n - 1) == 0 and cfg.block_k & (cfg.block_k - 1) == 0, f"{cfg}: powers of two"
+    k_per_split = cdiv(cdiv(k_dim, max(1, cfg.split_k)), cfg.block_k) * cfg.block_k
+    split_k = cdiv(k_dim, k_per_split)  # no empty ranges
+    out = torch.empty(top_k, n_out, dtype=a.dtype, device=a.device)
+    if split_k > 1:
+        target = torch.empty(split_k, top_k, w.shape[1], dtype=torch.float32, device=a.device)
+    else:
+        target = out
+    clamp = 0 if limit is None else (2 if clamp_after_act else 1)
+    epilogue = dict(ACT=ACTS[act], GATED=gated, CLAMP=clamp, HAS_ALPHA=alpha is not None)
+    _expert_gemv_kernel[(top_k, cdiv(n_out, cfg.block_n), split_k)](
+        a, w, target, ids, n_out, k_dim, k_per_split, a.stride(0), w.stride(0), w.stride(1), target.stride(-2),
+        target.stride(0) if split_k > 1 else 0, float(limit or 0.0), float(alpha or 0.0), ROW_DIV=row_div,
+        SPLIT_K=split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN=n_out % cfg.block_n == 0 and k_dim % k_per_split == 0, EARLY_W=early_weights and pdl, USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl, **epilogue,
+    )
+    if split_k > 1:
+        block = min(1024, next_power_of_2(n_out))
+        _expert_gemv_reduce_kernel[(top_k, cdiv(n_out, block))](
+            target, out, n_out, target.stride(0), target.stride(1), float(limit or 0.0), float(alpha or 0.0),
+            SPLIT_K=split_k, BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl, **epilogue,
+        )
+    return out
+
+
+def expert_outputs_one_token(
+    x: torch.Tensor,  # [1, W]
+    topk_ids: torch.Tensor,  # [1, k]
+    w_in: torch.Tensor,  # [E, 2*F, W] gate_up (gated act) or [E, F, W] up (relu2)
+    w_down: torch.Tensor,  # [E, W, F]
+    act: str,
+    limit: float | None = None,
+    clamp_after_act: bool = False,
+    alpha: float | None = None,
+    config: tuple[ExpertGemvConfig, ExpertGemvConfig] | None = None,  # (gate_up's, down's); None: one_token_config
+    early_down: bool = True,
+) -> torch.Tensor:  # [k, W] in x's dtype: row j is slot j's expert output, as expert_outputs lays it out
+    """expert_outputs for one token through the GEMV kernels: gate_up with its activation, then down. Under PDL the
+    down launch reads its first weight chunk before its wait unless early_down=False (expert_gemv's note)."""
+    require_triton()
+    assert x.shape[0] == 1 and topk_ids.shape[0] == 1, f"one token: x {tuple(x.shape)}, ids {tuple(topk_ids.shape)}"
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    cfg_in, cfg_down = config or (None, None)
+    pdl = use_pdl(x, 1)
+    h = expert_gemv(x, w_in, ids, top_k, act, limit, clamp_after_act, alpha, cfg_in, pdl)
+    return expert_gemv(h, w_down, ids, 1, config=cfg_down, pdl=pdl, early_weights=early_down)
 
 
 # --- combine ------------------------------------------------------------------------------------------------
