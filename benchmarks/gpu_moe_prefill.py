@@ -1,6 +1,6 @@
 """H200 sweep of helios.kernels.fused_moe's grouped GEMM tiles for prefill-sized batches (not `make test`): the routed
 experts' two GEMMs (align, gate_up with the activation, down) of a 4096-token prompt at three published MoE shapes,
-each tile config timed (CUDA events, best of several tries after a warm-up) and checked against the default config's
+each tile config and program order (GROUP_M) timed (CUDA events, best of several tries after a warm-up) and checked against the default config's
 output, printed as TFLOP/s of the two GEMMs (2 x entries x (gate_up + down) weights per entry) against the measured
 bf16 matmul rate. BLOCK_K stays 128 in every candidate: an entry's products then sum their K chunks in one order at
 every batch size (fused_moe.gemm_config's note). Last, the same GEMMs through torch's grouped GEMM
@@ -24,9 +24,10 @@ from helios.kernels import fused_moe, moe_grouped  # noqa: E402
 
 # (name, experts, top-k, hidden, moe_intermediate)
 SHAPES = [("qwen3_5_moe", 256, 8, 2048, 512), ("kimi_linear", 256, 8, 2304, 1024), ("mimo_v2_flash", 256, 8, 4096, 2048)]
-CANDIDATES = [(64, 64, 128, 4, 3), (64, 128, 128, 4, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 3),
-              (128, 64, 128, 8, 3), (128, 128, 128, 8, 2), (64, 64, 128, 4, 4), (64, 128, 128, 8, 2),
-              (128, 128, 128, 4, 2)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M): GROUP_M 0 = blocks fastest (the order before session 18)
+CANDIDATES = [(128, 64, 128, 8, 3, 0), (128, 64, 128, 8, 3, 4), (128, 64, 128, 8, 3, 8), (128, 64, 128, 8, 3, 16),
+              (64, 64, 128, 4, 3, 8), (64, 128, 128, 8, 3, 8), (128, 128, 128, 8, 2, 8), (64, 64, 128, 4, 4, 16),
+              (128, 64, 128, 4, 3, 8)]
 
 
 def timed(fn, tries: int = 5) -> float:
@@ -76,10 +77,12 @@ def main() -> None:
         flops = 2.0 * topk_ids.numel() * (2 * inter * hidden + hidden * inter)
         reference = run(fused_moe.gemm_config(topk_ids.numel()), x, topk_ids, w_in, w_down)  # the default tile
         default = fused_moe.gemm_config(topk_ids.numel())
-        only = [tuple(default[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))]
-        for bm, bn, bk, warps, stages in only if args.default_only else CANDIDATES:
-            config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-            label = f"{name:14} {bm:3}x{bn:3}x{bk:3} w{warps} s{stages}"
+        keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M")
+        only = [tuple(default[key] for key in keys)]
+        for candidate in only if args.default_only else CANDIDATES:
+            config = dict(zip(keys, candidate))
+            bm, bn, bk, warps, stages, group = candidate
+            label = f"{name:14} {bm:3}x{bn:3}x{bk:3} w{warps} s{stages} g{group:<2}"
             try:
                 y = run(config, x, topk_ids, w_in, w_down)
                 seconds = timed(lambda: run(config, x, topk_ids, w_in, w_down))

@@ -288,6 +288,7 @@ def _expert_gemm_kernel(
     block_experts_ptr,  # [max_blocks] int32
     num_rows_ptr,  # [1] int32
     num_entries,
+    num_blocks,  # block_experts' length: the grid is num_blocks x the column tiles
     n_out,
     K,
     stride_a,
@@ -305,9 +306,20 @@ def _expert_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,  # 0: blocks vary fastest (each weight tile once for all blocks); else see gemm_config
     USE_PDL: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    pid = tl.program_id(0)
+    num_tiles = tl.cdiv(n_out, BLOCK_N)
+    if GROUP_M == 0:
+        pid_m = pid % num_blocks
+        pid_n = pid // num_blocks
+    else:  # GROUP_M blocks sweep the column tiles together: their rows of `a` stay in L2 across the sweep
+        in_group = GROUP_M * num_tiles
+        first = pid // in_group * GROUP_M
+        size = tl.minimum(num_blocks - first, GROUP_M)
+        pid_m = first + (pid % in_group) % size
+        pid_n = (pid % in_group) // size
     pdl_wait(USE_PDL)  # the rows, the experts and `a` are the kernels' before
     pdl_launch_dependents(USE_PDL)
     if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
@@ -315,7 +327,7 @@ def _expert_gemm_kernel(
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     is_row = entry < num_entries
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
     k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (entry // ROW_DIV).to(tl.int64)[:, None] * stride_a + k[None, :]
@@ -383,14 +395,18 @@ def gemm_config(num_entries: int) -> dict:
     block, so its weight tiles are read once per step), prefill 64-row ones.
     NOTE: one BLOCK_K for both, so an entry's products sum their K chunks in the same order at every batch size."""
     if num_entries <= 1024:  # H200, 256 experts x [1024 | 512, 2048] bf16: 65% of the bound at b=1, 100% at b=64
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 0}
     if num_entries < 16384:  # under ~64 rows an expert (256 experts): 128-row blocks would be mostly padding
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "GROUP_M": 0}
     # NOTE: H200 sweep of a 4096-token prompt (benchmarks/gpu_moe_prefill.py, session 17): 128 x 64 on 8 warps took
     # mimo_v2_flash's two GEMMs 8.75 -> 7.97 ms and kimi_linear's 3.10 -> 2.96 ms (qwen3_5_moe's 1.79 -> 1.83), the
     # same bits as 64 x 64; 64 x 128 does not fit the shared memory at 3 stages. No tile of the sweep passed ~26% of
     # the matmul rate: this kernel, not its tile, is what bounds MoE prefill
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+    # GROUP_M (program order) changes no bits: each program computes its tile as before. NOTE: with blocks varying
+    # fastest, a block's rows of `a` are read again for every column tile (32-64 tiles) from HBM, ~17 GB a 4096-token
+    # mimo_v2_flash prompt against 13 GB of expert weights; grouped, they stay in L2 (not yet measured: the sweep
+    # of benchmarks/gpu_moe_prefill.py decides)
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "GROUP_M": 0}
 
 
 def expert_gemm(
@@ -414,12 +430,14 @@ def expert_gemm(
     assert a.shape[1] == w.shape[2] and a.dtype == w.dtype, f"a {tuple(a.shape)} {a.dtype}, w {tuple(w.shape)}"
     gated = act in ("silu", "gelu_tanh")
     n_out = w.shape[1] // 2 if gated else w.shape[1]
-    cfg = config or gemm_config(num_entries)
+    cfg = dict(config or gemm_config(num_entries))
+    cfg.setdefault("GROUP_M", 0)
     sorted_ids, block_experts, num_rows = align
     out = torch.empty(num_entries, n_out, dtype=a.dtype, device=a.device)
-    grid = (block_experts.numel(), cdiv(n_out, cfg["BLOCK_N"]))
+    grid = (block_experts.numel() * cdiv(n_out, cfg["BLOCK_N"]),)
     _expert_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_experts, num_rows, num_entries, n_out, a.shape[1], a.stride(0), w.stride(0),
+        a, w, out, sorted_ids, block_experts, num_rows, num_entries, block_experts.numel(), n_out, a.shape[1],
+        a.stride(0), w.stride(0),
         w.stride(1), out.stride(0), float(limit or 0.0), float(alpha or 0.0), ROW_DIV=row_div, ACT=ACTS[act],
         GATED=gated, CLAMP=0 if limit is None else (2 if clamp_after_act else 1), HAS_ALPHA=alpha is not None,
         IEEE_DOT=a.dtype == torch.float32 or interpret_mode(), USE_PDL=pdl, launch_pdl=pdl, **cfg,

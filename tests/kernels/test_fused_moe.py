@@ -141,6 +141,20 @@ def test_every_tile_config_sums_k_in_the_same_chunks():
     assert [c["BLOCK_M"] for c in configs] == [16, 16, 64, 64, 128, 128]
 
 
+def test_the_program_order_changes_no_bits():
+    """GROUP_M (blocks sweeping the column tiles together, for L2 reuse of their rows) computes each tile as the
+    blocks-fastest order does: the same bits, with a block count that does not divide by the group."""
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 8, (70, 2), generator=g)
+    x = inputs(70, torch.bfloat16)
+    w_in = (torch.randn(8, 2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5).to(torch.bfloat16)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}
+    align = fused_moe.moe_align(ids, 8, 16)
+    outs = [fused_moe.expert_gemm(x, w_in, align, ids.numel(), 2, "silu", config={**cfg, "GROUP_M": group})
+            for group in (0, 1, 3)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_a_prefill_batch_takes_the_wide_blocks():
     """Past 1024 entries the GEMMs take 64-row blocks (gemm_config): the same products as the reference."""
     g = torch.Generator().manual_seed(5)
