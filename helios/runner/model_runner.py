@@ -145,19 +145,22 @@ def pages_from_free_memory(
 
 def move_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  float32_norms: bool = False) -> dict[str, torch.Tensor]:
-    """Copy each (mmap-backed) host tensor straight to the device, then cast there: no host copy. float32_norms
+    """Copy each (mmap-backed) host tensor to the device, then cast there: no converted host copy. float32_norms
     (Architecture.float32_norms): a 16-bit core's float32 tensors stay float32 (its norm multipliers, kept so on
     purpose by ignition; bind_tensors casts any its module does not keep).
 
-    NOTE: t.to(device) reads the mapped pages directly; casting first would materialize a converted host
-    copy, and .contiguous()/.clone() would copy too. Casting per tensor keeps the peak at one extra tensor.
+    NOTE: on CUDA the bytes go through a few pinned staging buffers (runner/upload.py), at the host link's speed
+    rather than the driver's pageable copy; casting first would materialize a converted host copy. A tensor to be
+    cast is allocated on the device only when its bytes arrive, so the peak stays near the tensors in flight.
     """
+    from helios.runner.upload import upload_tensors
+
     keep = float32_norms and any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors.values())
-    out = {}
-    for name, t in tensors.items():
-        t = t.to(device, non_blocking=True)
-        out[name] = t if t.dtype == dtype or (keep and t.dtype == torch.float32) else t.to(dtype)
-    torch.cuda.synchronize(device)
+    casts = {name: dtype for name, t in tensors.items()
+             if not (t.dtype == dtype or (keep and t.dtype == torch.float32))}
+    out = upload_tensors(tensors, device, casts)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
     return out
 
 

@@ -1,0 +1,296 @@
+"""The weights upload: host tensors (the core's mmap-backed weights) to a CUDA device through a small ring of pinned
+staging buffers, so the copy engine reads pinned memory at the link's speed instead of the driver's pageable path.
+
+Owns the chunk plan (`plan_chunks`, pure), the copy loop (`copy_through`) and its two rings: `CudaRing` (pinned buffers,
+a side stream, an event per buffer) and `HostRing`, the CPU stand-in that tests run the same loop through. Imports
+torch only; knows nothing of models or cores.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 256  # bytes: where each tensor starts in a buffer (DMA and memcpy both like aligned starts)
+BUFFER_BYTES = 64 << 20
+NUM_BUFFERS = 4
+NUM_THREADS = 2  # host threads filling buffers (0: the calling thread fills each one itself)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes [start, start + num_bytes) of tensor `index` (in the plan's order) at `offset` of its chunk's buffer."""
+
+    index: int
+    start: int
+    num_bytes: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One fill of ring buffer `slot` and the copy to the device that follows it."""
+
+    slot: int
+    pieces: tuple[Piece, ...]
+
+    @property
+    def num_bytes(self) -> int:  # the end of the buffer's used bytes
+        last = self.pieces[-1]
+        return last.offset + last.num_bytes
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def plan_chunks(sizes: list[int], buffer_bytes: int, num_buffers: int) -> list[Chunk]:
+    """The chunks that carry tensors of `sizes` bytes (in that order) through a ring of num_buffers buffers of
+    buffer_bytes each: chunk k fills slot k % num_buffers. Small tensors pack into one buffer, each starting
+    ALIGN-aligned; a tensor that does not fit the rest of the current buffer starts the next one, and one larger than
+    a buffer fills whole buffers, its tail leaving room for the tensors after it. Empty tensors get no piece.
+
+    NOTE: a tensor never starts mid-buffer when it spans buffers, so every piece of it begins at a multiple of
+    buffer_bytes in the tensor and at offset 0 in its buffer: aligned on both sides of the copy."""
+    if buffer_bytes < ALIGN or num_buffers < 1:
+        raise ValueError(f"buffer_bytes {buffer_bytes} must be at least {ALIGN} and num_buffers {num_buffers} >= 1")
+    chunks: list[Chunk] = []
+    pieces: list[Piece] = []
+    cursor = 0
+
+    def close() -> None:
+        nonlocal pieces, cursor
+        if pieces:
+            chunks.append(Chunk(len(chunks) % num_buffers, tuple(pieces)))
+        pieces, cursor = [], 0
+
+    for index, size in enumerate(sizes):
+        if size == 0:
+            continue
+        if _align_up(cursor) + size > buffer_bytes:
+            close()
+        cursor = _align_up(cursor)
+        start = 0
+        while start < size:
+            num_bytes = min(size - start, buffer_bytes - cursor)
+            pieces.append(Piece(index, start, num_bytes, cursor))
+            start, cursor = start + num_bytes, cursor + num_bytes
+            if cursor == buffer_bytes:
+                close()
+    close()
+    return chunks
+
+
+def can_stage(t: torch.Tensor) -> bool:
+    """Whether the loop can copy t as flat bytes: a dense, contiguous host tensor with no lazy conj/neg bit."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg())
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class CudaRing:
+    """Pinned staging buffers (one host allocation), a side stream for the copies, and an event per buffer recorded
+    after each copy out of it, so a buffer is refilled only once the copy engine has read it."""
+
+    def __init__(self, device: torch.device, buffer_bytes: int, num_buffers: int):
+        self.device = device
+        self.buffers = torch.empty(num_buffers * buffer_bytes, dtype=torch.uint8, pin_memory=True).view(
+            num_buffers, buffer_bytes)
+        self.stream = torch.cuda.Stream(device)
+        self.events = [torch.cuda.Event() for _ in range(num_buffers)]
+
+    def empty(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device=self.device)
+
+    def order_after_allocations(self) -> None:
+        # NOTE: the allocator hands out blocks on the current stream, maybe ones still read by work queued there
+        # (a cast's source, freed): the side stream writes them only after that work.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def send(self, slot: int, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.cuda.stream(self.stream):
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            self.events[slot].record(self.stream)
+
+    def wait_free(self, slot: int) -> None:
+        self.events[slot].synchronize()  # releases the GIL; returns at once for an event never recorded
+
+    def wait_sent(self, slot: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.events[slot])
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        del self.buffers
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None:  # torch keeps freed pinned blocks cached; give ours back to the OS
+            empty_host_cache()
+
+
+class HostRing:
+    """The CPU stand-in for CudaRing (tests, benchmarks/gpu_upload.py --dry): plain buffers, and each send deferred
+    like a copy engine's queue, run in order only when its buffer is waited for or the ring synchronizes; a loop
+    that refilled a buffer before waiting for it would send the new bytes here too."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, buffer_bytes: int, num_buffers: int):
+        self.buffers = torch.empty(num_buffers * buffer_bytes, dtype=torch.uint8).view(num_buffers, buffer_bytes)
+        self.queue: deque[tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]] = deque()
+        self.num_sends = 0
+        self.num_waits = 0  # sends that were still queued when a wait_free ran them (the ring was full)
+
+    def empty(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype)
+
+    def order_after_allocations(self) -> None:
+        pass
+
+    def send(self, slot: int, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.queue.append((slot, copies))
+        self.num_sends += 1
+
+    def wait_free(self, slot: int) -> None:
+        self.num_waits += self._run_through(slot)
+
+    def wait_sent(self, slot: int) -> None:
+        self._run_through(slot)
+
+    def synchronize(self) -> None:
+        while self.queue:
+            self._run_one()
+
+    def close(self) -> None:
+        del self.buffers
+
+    def _run_through(self, slot: int) -> int:
+        """Run the queued sends up to the last one from `slot`; how many ran."""
+        last = max((i for i, (s, _) in enumerate(self.queue) if s == slot), default=-1)
+        for _ in range(last + 1):
+            self._run_one()
+        return last + 1
+
+    def _run_one(self) -> None:
+        _, copies = self.queue.popleft()
+        for dst, src in copies:
+            dst.copy_(src)
+
+
+Ring = CudaRing | HostRing
+
+
+def move_each(tensors: Mapping[str, torch.Tensor], device: torch.device,
+              dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """The plain path, one `.to(device)` per tensor (pageable copies through the driver), then the cast there."""
+    out = {}
+    for name, t in tensors.items():
+        t = t.to(device, non_blocking=True)
+        out[name] = t.to(dtypes[name]) if name in dtypes else t
+    return out
+
+
+def copy_through(tensors: Mapping[str, torch.Tensor], make_ring: Callable[[int, int], Ring],
+                 dtypes: Mapping[str, torch.dtype] | None = None, buffer_bytes: int = BUFFER_BYTES,
+                 num_buffers: int = NUM_BUFFERS, num_threads: int = NUM_THREADS) -> dict[str, torch.Tensor]:
+    """`tensors` on make_ring(buffer_bytes, num_buffers)'s device, in the same order, each contiguous, with its
+    bytes; those named in `dtypes` then cast to that dtype there. Tensors that can_stage rejects take move_each.
+
+    The loop, per chunk: wait until its buffer's last copy is done, fill it on the host (num_threads threads,
+    each filling chunks ahead; torch's CPU copy_ releases the GIL and runs on the intra-op threads), then send it
+    (one async copy per piece). Sources go in address order (each file read front to back); destinations are
+    allocated up front, except those to be cast, allocated at their first piece so only the tensors in flight
+    exist in both dtypes."""
+    dtypes = dtypes or {}
+    out: dict[str, torch.Tensor | None] = dict.fromkeys(tensors)
+    names = [n for n, t in tensors.items() if can_stage(t) and t.numel() > 0]
+    names.sort(key=lambda n: tensors[n].data_ptr())
+    staged = set(names)
+    plain = {n: t for n, t in tensors.items() if n not in staged}
+    sources = [_as_bytes(tensors[n]) for n in names]
+    sizes = [s.numel() for s in sources]
+    buffer_bytes = min(buffer_bytes, max(ALIGN, sum(_align_up(s) for s in sizes)))
+    chunks = plan_chunks(sizes, buffer_bytes, num_buffers)
+    ring = make_ring(buffer_bytes, max(1, min(num_buffers, len(chunks))))
+    try:
+        out.update(move_each(plain, ring.device, dtypes))
+        targets: list[torch.Tensor | None] = [None if n in dtypes else ring.empty(tensors[n]) for n in names]
+        ring.order_after_allocations()
+
+        def fill(chunk: Chunk) -> Chunk:
+            buffer = ring.buffers[chunk.slot]
+            for p in chunk.pieces:
+                buffer.narrow(0, p.offset, p.num_bytes).copy_(sources[p.index].narrow(0, p.start, p.num_bytes))
+            return chunk
+
+        def send(chunk: Chunk) -> None:
+            allocated = False
+            for p in chunk.pieces:
+                if targets[p.index] is None:
+                    targets[p.index] = ring.empty(tensors[names[p.index]])
+                    allocated = True
+            if allocated:
+                ring.order_after_allocations()
+            buffer = ring.buffers[chunk.slot]
+            ring.send(chunk.slot, [(_as_bytes(targets[p.index]).narrow(0, p.start, p.num_bytes),
+                                    buffer.narrow(0, p.offset, p.num_bytes)) for p in chunk.pieces])
+            for p in chunk.pieces:
+                if p.start + p.num_bytes == sizes[p.index]:  # the tensor's last piece
+                    name, target = names[p.index], targets[p.index]
+                    if name in dtypes:
+                        ring.wait_sent(chunk.slot)
+                        target = target.to(dtypes[name])
+                    out[name], targets[p.index] = target, None
+
+        _run(chunks, ring, fill, send, num_threads)
+    finally:
+        ring.synchronize()
+        ring.close()
+    return out
+
+
+def _run(chunks: list[Chunk], ring: Ring, fill: Callable[[Chunk], Chunk], send: Callable[[Chunk], None],
+         num_threads: int) -> None:
+    """Fill and send every chunk in order, at most `lookahead` filled or filling ahead of the last send.
+
+    NOTE: with lookahead <= num_buffers - 1, the chunk that last used a buffer has always been sent (its event
+    recorded) when the loop waits to refill that buffer."""
+    if num_threads <= 0:
+        for chunk in chunks:
+            ring.wait_free(chunk.slot)
+            send(fill(chunk))
+        return
+    lookahead = max(1, min(num_threads, len(ring.buffers) - 1))
+    pending: deque[Future[Chunk]] = deque()
+    with ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="helios-upload") as pool:
+        try:
+            for chunk in chunks:
+                ring.wait_free(chunk.slot)
+                pending.append(pool.submit(fill, chunk))
+                while len(pending) > lookahead:
+                    send(pending.popleft().result())
+            while pending:
+                send(pending.popleft().result())
+        finally:
+            for future in pending:  # an error: no fill may still be writing when the buffers are freed
+                future.cancel()
+
+
+def upload_tensors(tensors: Mapping[str, torch.Tensor], device: torch.device | str,
+                   dtypes: Mapping[str, torch.dtype] | None = None, buffer_bytes: int = BUFFER_BYTES,
+                   num_buffers: int = NUM_BUFFERS, num_threads: int = NUM_THREADS) -> dict[str, torch.Tensor]:
+    """`tensors` on `device`, those named in `dtypes` cast there; through pinned staging buffers on CUDA (the
+    copies finished when this returns; casts are queued on the current stream), move_each elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return move_each(tensors, device, dtypes or {})
+    return copy_through(tensors, lambda size, count: CudaRing(device, size, count), dtypes, buffer_bytes,
+                        num_buffers, num_threads)
