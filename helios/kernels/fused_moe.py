@@ -516,19 +516,23 @@ class ExpertGemvConfig(NamedTuple):
     block_k: int  # K elements per chunk (power of two)
     num_warps: int
     split_k: int  # K ranges per row tile; > 1 adds float32 partials and a reduce launch
+    row_acc: bool = False  # each chunk's products summed to one float32 per row as it lands (fewer registers,
+    # a cross-lane sum per chunk); else a [BLOCK_N, BLOCK_K] accumulator summed once after the loop
 
 
 def one_token_config(n_out: int, k_dim: int, top_k: int, dtype: torch.dtype = torch.bfloat16) -> ExpertGemvConfig:
     """A starting tile for one of the two products (n_out output rows over k_dim): 1 KB row chunks of 16-bit
-    weights, 8 rows a program, K split until the launch has ~2 programs per SM. Unmeasured: the benchmark
-    (benchmarks/gpu_moe_decode.py) sweeps the others."""
+    weights, 8 rows a program, K split until the launch has ~2 programs per SM, row sums per chunk. Unmeasured:
+    the benchmark (benchmarks/gpu_moe_decode.py) sweeps the others.
+    NOTE: row_acc by ptxas's count for sm90 (Triton 3.9): gate_up's 8 x 512 tile takes 128 registers a thread with
+    it (4 programs of 4 warps an SM), 167 without (3); down's 72 against 95."""
     block_k = min(512 if dtype.itemsize <= 2 else 256, next_power_of_2(k_dim))
     block_n = 8
     tiles = top_k * cdiv(n_out, block_n)
     split_k = 1
     while tiles * split_k < _ONE_TOKEN_TARGET_PROGRAMS and k_dim // (block_k * split_k * 2) >= 1:
         split_k *= 2
-    return ExpertGemvConfig(block_n, block_k, 4, split_k)
+    return ExpertGemvConfig(block_n, block_k, 4, split_k, row_acc=True)
 
 
 @jit
@@ -567,6 +571,7 @@ def _expert_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN: tl.constexpr,  # n_out % BLOCK_N == 0 and every K range is whole chunks inside K: no masks
     EARLY_W: tl.constexpr,  # the ids and the first weight chunk are read before pdl_wait (see expert_gemv)
+    ROW_ACC: tl.constexpr,  # ExpertGemvConfig.row_acc
     USE_PDL: tl.constexpr,
 ):
     slot = tl.program_id(0)
@@ -588,8 +593,12 @@ def _expert_gemv_kernel(
         pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     a_row = a_ptr + (slot // ROW_DIV).to(tl.int64) * stride_a
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced over K once, after the loop
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    if ROW_ACC:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced over K once, after the loop
+        acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         g = g_next
         u = u_next
@@ -606,11 +615,20 @@ def _expert_gemv_kernel(
             if GATED:
                 u_next = _w_chunk(u_rows, nxt, n_ok, k_end, False)
             a = tl.load(a_row + cols, mask=cols < k_end, other=0.0).to(tl.float32)[None, :]
-        acc += g.to(tl.float32) * a
-        if GATED:
-            acc_up += u.to(tl.float32) * a
-    g_sum = tl.sum(acc, axis=1)  # [BLOCK_N]
-    u_sum = tl.sum(acc_up, axis=1)
+        if ROW_ACC:
+            acc += tl.sum(g.to(tl.float32) * a, axis=1)
+            if GATED:
+                acc_up += tl.sum(u.to(tl.float32) * a, axis=1)
+        else:
+            acc += g.to(tl.float32) * a
+            if GATED:
+                acc_up += u.to(tl.float32) * a
+    if ROW_ACC:
+        g_sum = acc  # [BLOCK_N]
+        u_sum = acc_up
+    else:
+        g_sum = tl.sum(acc, axis=1)
+        u_sum = tl.sum(acc_up, axis=1)
     if SPLIT_K == 1:
         y = round_to(_epilogue(g_sum, u_sum, limit, alpha, ACT, CLAMP, HAS_ALPHA, out_ptr.dtype.element_ty),
                      out_ptr.dtype.element_ty)  # the store is then exact
@@ -698,8 +716,8 @@ def expert_gemv(
         a, w, target, ids, n_out, k_dim, k_per_split, a.stride(0), w.stride(0), w.stride(1), target.stride(-2),
         target.stride(0) if split_k > 1 else 0, float(limit or 0.0), float(alpha or 0.0), ROW_DIV=row_div,
         SPLIT_K=split_k, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN=n_out % cfg.block_n == 0 and k_dim % k_per_split == 0, EARLY_W=early_weights and pdl, USE_PDL=pdl,
-        num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl, **epilogue,
+        EVEN=n_out % cfg.block_n == 0 and k_dim % k_per_split == 0, EARLY_W=early_weights and pdl,
+        ROW_ACC=cfg.row_acc, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl, **epilogue,
     )
     if split_k > 1:
         block = min(1024, next_power_of_2(n_out))

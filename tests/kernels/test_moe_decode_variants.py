@@ -18,10 +18,10 @@ from helios.kernels.fused_moe import ExpertGemvConfig  # noqa: E402
 NUM_EXPERTS, HIDDEN, INTER = 8, 48, 24
 IDS = torch.tensor([[6, 1, 4]], dtype=torch.int32)
 # (gate_up's config, down's): "whole" tiles divide both products (no masks), one K range each; "split" takes
-# 2 ranges of gate_up (24 rows in tiles of 16: masked) and 3 of down
+# 2 ranges of gate_up (24 rows in tiles of 16: masked) and 3 of down; each product with and without row_acc
 CONFIGS = {
-    "whole": (ExpertGemvConfig(8, 16, 4, 1), ExpertGemvConfig(16, 8, 4, 1)),
-    "split": (ExpertGemvConfig(16, 16, 4, 2), ExpertGemvConfig(8, 8, 4, 3)),
+    "whole": (ExpertGemvConfig(8, 16, 4, 1), ExpertGemvConfig(16, 8, 4, 1, row_acc=True)),
+    "split": (ExpertGemvConfig(16, 16, 4, 2, row_acc=True), ExpertGemvConfig(8, 8, 4, 3)),
 }
 # act, limit, clamp_after_act, alpha: a limit of 0.5 clamps many of these O(1) pre-activations
 CASES = {
@@ -74,11 +74,11 @@ def test_a_split_reduce_gives_the_whole_product(dtype):
 
 
 def test_the_default_config_splits_k_to_fill_the_chip():
-    """one_token_config: 8-row tiles of 1 KB chunks; a launch of few tiles splits K (qwen3_5_moe's gate_up has
-    8 x 64 tiles: whole; a 4-expert, 512-row product over 4096 has 256: split in two)."""
-    assert fused_moe.one_token_config(512, 2048, 8) == ExpertGemvConfig(8, 512, 4, 1)
-    assert fused_moe.one_token_config(512, 4096, 4) == ExpertGemvConfig(8, 512, 4, 2)
-    assert fused_moe.one_token_config(24, 48, 3, torch.float32) == ExpertGemvConfig(8, 64, 4, 1)
+    """one_token_config: 8-row tiles of 1 KB chunks summed per chunk; a launch of few tiles splits K (qwen3_5_moe's
+    gate_up has 8 x 64 tiles: whole; a 4-expert, 512-row product over 4096 has 256: split in two)."""
+    assert fused_moe.one_token_config(512, 2048, 8) == ExpertGemvConfig(8, 512, 4, 1, True)
+    assert fused_moe.one_token_config(512, 4096, 4) == ExpertGemvConfig(8, 512, 4, 2, True)
+    assert fused_moe.one_token_config(24, 48, 3, torch.float32) == ExpertGemvConfig(8, 64, 4, 1, True)
 
 
 def test_expert_outputs_takes_the_gemv_for_one_token_only():
