@@ -8,6 +8,7 @@ torch only; knows nothing of models or cores.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,6 +20,7 @@ ALIGN = 256  # bytes: where each tensor starts in a buffer (DMA and memcpy both 
 BUFFER_BYTES = 64 << 20
 NUM_BUFFERS = 4
 NUM_THREADS = 2  # host threads filling buffers (0: the calling thread fills each one itself)
+SWITCH_INTERVAL_S = 0.0005  # the interpreter's GIL switch interval while the loop runs (see copy_through)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +118,7 @@ class CudaRing:
 
     def send(self, slot: int, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.cuda.stream(self.stream):
-            for dst, src in copies:
-                dst.copy_(src, non_blocking=True)
+            torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies], non_blocking=True)
             self.events[slot].record(self.stream)
 
     def wait_free(self, slot: int) -> None:
@@ -200,7 +201,8 @@ def move_each(tensors: Mapping[str, torch.Tensor], device: torch.device,
 
 def copy_through(tensors: Mapping[str, torch.Tensor], make_ring: Callable[[int, int], Ring],
                  dtypes: Mapping[str, torch.dtype] | None = None, buffer_bytes: int = BUFFER_BYTES,
-                 num_buffers: int = NUM_BUFFERS, num_threads: int = NUM_THREADS) -> dict[str, torch.Tensor]:
+                 num_buffers: int = NUM_BUFFERS, num_threads: int = NUM_THREADS,
+                 switch_interval_s: float | None = SWITCH_INTERVAL_S) -> dict[str, torch.Tensor]:
     """`tensors` on make_ring(buffer_bytes, num_buffers)'s device, in the same order, each contiguous, with its
     bytes; those named in `dtypes` then cast to that dtype there. Tensors that can_stage rejects take move_each.
 
@@ -208,7 +210,11 @@ def copy_through(tensors: Mapping[str, torch.Tensor], make_ring: Callable[[int, 
     each filling chunks ahead; torch's CPU copy_ releases the GIL and runs on the intra-op threads), then send it
     (one async copy per piece). Sources go in address order (each file read front to back); destinations are
     allocated up front, except those to be cast, allocated at their first piece so only the tensors in flight
-    exist in both dtypes."""
+    exist in both dtypes.
+
+    NOTE: each chunk releases the GIL around its fill and its wait (one torch call each: _foreach_copy_); with
+    the default 5 ms switch interval, a busy Python thread beside (the kernel load) holds the GIL up to 5 ms
+    every time, several times a ~3 ms chunk. The loop runs at switch_interval_s (None: as set) and restores it."""
     dtypes = dtypes or {}
     out: dict[str, torch.Tensor | None] = dict.fromkeys(tensors)
     names = [n for n, t in tensors.items() if can_stage(t) and t.numel() > 0]
@@ -227,8 +233,8 @@ def copy_through(tensors: Mapping[str, torch.Tensor], make_ring: Callable[[int, 
 
         def fill(chunk: Chunk) -> Chunk:
             buffer = ring.buffers[chunk.slot]
-            for p in chunk.pieces:
-                buffer.narrow(0, p.offset, p.num_bytes).copy_(sources[p.index].narrow(0, p.start, p.num_bytes))
+            torch._foreach_copy_([buffer.narrow(0, p.offset, p.num_bytes) for p in chunk.pieces],
+                                 [sources[p.index].narrow(0, p.start, p.num_bytes) for p in chunk.pieces])
             return chunk
 
         def send(chunk: Chunk) -> None:
@@ -250,7 +256,13 @@ def copy_through(tensors: Mapping[str, torch.Tensor], make_ring: Callable[[int, 
                         target = target.to(dtypes[name])
                     out[name], targets[p.index] = target, None
 
-        _run(chunks, ring, fill, send, num_threads)
+        interval = sys.getswitchinterval()
+        if switch_interval_s is not None:
+            sys.setswitchinterval(switch_interval_s)
+        try:
+            _run(chunks, ring, fill, send, num_threads)
+        finally:
+            sys.setswitchinterval(interval)
     finally:
         ring.synchronize()
         ring.close()
@@ -286,11 +298,12 @@ def _run(chunks: list[Chunk], ring: Ring, fill: Callable[[Chunk], Chunk], send: 
 
 def upload_tensors(tensors: Mapping[str, torch.Tensor], device: torch.device | str,
                    dtypes: Mapping[str, torch.dtype] | None = None, buffer_bytes: int = BUFFER_BYTES,
-                   num_buffers: int = NUM_BUFFERS, num_threads: int = NUM_THREADS) -> dict[str, torch.Tensor]:
+                   num_buffers: int = NUM_BUFFERS, num_threads: int = NUM_THREADS,
+                   switch_interval_s: float | None = SWITCH_INTERVAL_S) -> dict[str, torch.Tensor]:
     """`tensors` on `device`, those named in `dtypes` cast there; through pinned staging buffers on CUDA (the
     copies finished when this returns; casts are queued on the current stream), move_each elsewhere."""
     device = torch.device(device)
     if device.type != "cuda":
         return move_each(tensors, device, dtypes or {})
     return copy_through(tensors, lambda size, count: CudaRing(device, size, count), dtypes, buffer_bytes,
-                        num_buffers, num_threads)
+                        num_buffers, num_threads, switch_interval_s)

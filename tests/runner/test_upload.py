@@ -6,6 +6,7 @@ wait visible as wrong bytes, over mixed dtypes, empty, odd-sized, spanning and m
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -171,3 +172,18 @@ def test_move_tensors_cast_rule_off_cuda(tmp_path):
             want = t if t.dtype == torch.bfloat16 or (keep and t.dtype == torch.float32) else t.to(torch.bfloat16)
             assert same_bits(out[name], want), name
     assert upload_tensors({"x": tensors["scalar"]}, "cpu")["x"] is tensors["scalar"], "off CUDA: t.to(device)"
+
+
+def test_switch_interval_during_the_loop_only(tmp_path):
+    seen = []
+
+    class Recording(HostRing):
+        def wait_free(self, slot):
+            seen.append(sys.getswitchinterval())
+            super().wait_free(slot)
+
+    before = sys.getswitchinterval()
+    out = copy_through(mixed_tensors(tmp_path), Recording, buffer_bytes=1024, num_buffers=2, num_threads=1,
+                       switch_interval_s=0.0002)
+    assert seen and all(abs(s - 0.0002) < 1e-9 for s in seen)
+    assert sys.getswitchinterval() == before and len(out) == len(mixed_tensors(tmp_path))
