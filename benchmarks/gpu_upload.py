@@ -180,6 +180,28 @@ def time_runs(path: Path, total: int, runs: list, device: str) -> bool:
     return ok
 
 
+class FillOnlyRing(HostRing):
+    """The host half alone: the buffers filled from the mapping, nothing sent (the targets on `meta`)."""
+
+    def empty(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+    def send(self, slot: int, copies: list) -> None:
+        pass
+
+
+def time_fills(path: Path, total: int, configs: list) -> None:
+    """How fast the host fills buffers from a fresh mapping (page faults included), nothing sent: the ceiling of
+    a ring whose copy engine were infinitely fast."""
+    for m, b, th, ms in configs:
+        tensors = _map_safetensors(path)
+        t0 = time.perf_counter()
+        copy_through(tensors, FillOnlyRing, buffer_bytes=m << 20, num_buffers=b, num_threads=th,
+                     switch_interval_s=ms / 1e3)
+        dt = time.perf_counter() - t0
+        print(f"{'host fill alone, ' + ring_label(m, b, th, ms):>42}: {dt:6.3f} s, {total / dt / 1e9:6.2f} GB/s")
+
+
 def run_dry(args) -> bool:
     configs = parse_configs("1:2:0,1:3:1,4:4:2,4:4:2:5")
     shapes = llama_shapes(TINY, 2)
@@ -197,6 +219,7 @@ def run_dry(args) -> bool:
                   lambda t, m=m, b=b, th=th, ms=ms: copy_through(t, HostRing, buffer_bytes=m << 20, num_buffers=b,
                                                                  num_threads=th, switch_interval_s=ms / 1e3))
                  for c in configs for m, b, th, ms in [c]]
+        time_fills(path, total, configs[:3])
         return time_runs(path, total, runs, "cpu")
 
 
@@ -224,6 +247,7 @@ def run_gpu(args) -> bool:
                   lambda t, m=m, b=b, th=th, ms=ms: upload_tensors(t, device, buffer_bytes=m << 20, num_buffers=b,
                                                                    num_threads=th, switch_interval_s=ms / 1e3))
                  for c in configs for m, b, th, ms in [c]]
+        time_fills(path, total, parse_configs("64:4:0,64:4:1,64:4:2"))
         return time_runs(path, total, runs, device)
 
 
@@ -232,7 +256,7 @@ def main() -> None:
     ap.add_argument("--dry", action="store_true", help="this CPU: a tiny file through HostRing, no CUDA")
     ap.add_argument("--layers", type=int, default=32, help="llama-8B layers in the file (32: ~16 GB)")
     ap.add_argument("--dir", default=None, help="where the file is written (default: the temp dir)")
-    ap.add_argument("--configs", default="64:4:2,128:4:2,32:4:2,64:4:1,64:4:0,64:4:2:5",
+    ap.add_argument("--configs", default="64:4:2,128:4:2,32:4:2,16:4:2,64:4:1,64:4:0,64:4:2:5",
                     help="ring variants, buffer MiB:buffers:threads[:GIL switch interval ms], comma-separated")
     args = ap.parse_args()
     if not (run_dry(args) if args.dry else run_gpu(args)):

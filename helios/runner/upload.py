@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -88,9 +89,9 @@ def plan_chunks(sizes: list[int], buffer_bytes: int, num_buffers: int) -> list[C
 
 
 def can_stage(t: torch.Tensor) -> bool:
-    """Whether the loop can copy t as flat bytes: a dense, contiguous host tensor with no lazy conj/neg bit."""
+    """Whether the loop can copy t as flat bytes: a dense, contiguous host tensor (no lazy conj/neg bit, no grad)."""
     return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg())
+            and not t.is_conj() and not t.is_neg() and not t.requires_grad)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -208,65 +209,82 @@ def copy_through(tensors: Mapping[str, torch.Tensor], make_ring: Callable[[int, 
 
     The loop, per chunk: wait until its buffer's last copy is done, fill it on the host (num_threads threads,
     each filling chunks ahead; torch's CPU copy_ releases the GIL and runs on the intra-op threads), then send it
-    (one async copy per piece). Sources go in address order (each file read front to back); destinations are
-    allocated up front, except those to be cast, allocated at their first piece so only the tensors in flight
-    exist in both dtypes.
+    (async copies). Sources go in address order (each file read front to back).
 
     NOTE: each chunk releases the GIL around its fill and its wait (one torch call each: _foreach_copy_); with
     the default 5 ms switch interval, a busy Python thread beside (the kernel load) holds the GIL up to 5 ms
     every time, several times a ~3 ms chunk. The loop runs at switch_interval_s (None: as set) and restores it."""
     dtypes = dtypes or {}
-    out: dict[str, torch.Tensor | None] = dict.fromkeys(tensors)
-    names = [n for n, t in tensors.items() if can_stage(t) and t.numel() > 0]
-    names.sort(key=lambda n: tensors[n].data_ptr())
-    staged = set(names)
-    plain = {n: t for n, t in tensors.items() if n not in staged}
-    sources = [_as_bytes(tensors[n]) for n in names]
-    sizes = [s.numel() for s in sources]
-    buffer_bytes = min(buffer_bytes, max(ALIGN, sum(_align_up(s) for s in sizes)))
-    chunks = plan_chunks(sizes, buffer_bytes, num_buffers)
-    ring = make_ring(buffer_bytes, max(1, min(num_buffers, len(chunks))))
+    names = sorted((n for n, t in tensors.items() if can_stage(t) and t.numel() > 0),
+                   key=lambda n: tensors[n].data_ptr())
+    staged = _Staged(tensors, names, dtypes)
+    chunks = plan_chunks(staged.sizes, min(buffer_bytes, staged.bound), num_buffers)
+    ring = make_ring(min(buffer_bytes, staged.bound), max(1, min(num_buffers, len(chunks))))
     try:
-        out.update(move_each(plain, ring.device, dtypes))
-        targets: list[torch.Tensor | None] = [None if n in dtypes else ring.empty(tensors[n]) for n in names]
-        ring.order_after_allocations()
-
-        def fill(chunk: Chunk) -> Chunk:
-            buffer = ring.buffers[chunk.slot]
-            torch._foreach_copy_([buffer.narrow(0, p.offset, p.num_bytes) for p in chunk.pieces],
-                                 [sources[p.index].narrow(0, p.start, p.num_bytes) for p in chunk.pieces])
-            return chunk
-
-        def send(chunk: Chunk) -> None:
-            allocated = False
-            for p in chunk.pieces:
-                if targets[p.index] is None:
-                    targets[p.index] = ring.empty(tensors[names[p.index]])
-                    allocated = True
-            if allocated:
-                ring.order_after_allocations()
-            buffer = ring.buffers[chunk.slot]
-            ring.send(chunk.slot, [(_as_bytes(targets[p.index]).narrow(0, p.start, p.num_bytes),
-                                    buffer.narrow(0, p.offset, p.num_bytes)) for p in chunk.pieces])
-            for p in chunk.pieces:
-                if p.start + p.num_bytes == sizes[p.index]:  # the tensor's last piece
-                    name, target = names[p.index], targets[p.index]
-                    if name in dtypes:
-                        ring.wait_sent(chunk.slot)
-                        target = target.to(dtypes[name])
-                    out[name], targets[p.index] = target, None
-
-        interval = sys.getswitchinterval()
-        if switch_interval_s is not None:
-            sys.setswitchinterval(switch_interval_s)
-        try:
-            _run(chunks, ring, fill, send, num_threads)
-        finally:
-            sys.setswitchinterval(interval)
+        out = move_each({n: t for n, t in tensors.items() if n not in staged.index}, ring.device, dtypes)
+        staged.allocate(ring)
+        with _switch_interval(switch_interval_s):
+            _run(chunks, ring, staged.fill, staged.send, num_threads)
     finally:
         ring.synchronize()
         ring.close()
-    return out
+    out.update(staged.out)
+    return {n: out[n] for n in tensors}
+
+
+class _Staged:
+    """The tensors copy_through stages, in address order: their bytes, their device targets, and the finished
+    tensors. Targets are allocated up front, except those to be cast: at their first piece, so only the tensors
+    in flight exist in both dtypes."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], names: list[str], dtypes: Mapping[str, torch.dtype]):
+        self.tensors, self.names, self.dtypes = tensors, names, dtypes
+        self.index = {n: i for i, n in enumerate(names)}
+        self.sources = [_as_bytes(tensors[n]) for n in names]
+        self.sizes = [s.numel() for s in self.sources]
+        self.bound = max(ALIGN, sum(_align_up(s) for s in self.sizes))  # no buffer needs more
+        self.targets: list[torch.Tensor | None] = []
+        self.out: dict[str, torch.Tensor] = {}
+
+    def allocate(self, ring: Ring) -> None:
+        self.ring = ring
+        self.targets = [None if n in self.dtypes else ring.empty(self.tensors[n]) for n in self.names]
+        ring.order_after_allocations()
+
+    def fill(self, chunk: Chunk) -> Chunk:
+        buffer = self.ring.buffers[chunk.slot]
+        torch._foreach_copy_([buffer.narrow(0, p.offset, p.num_bytes) for p in chunk.pieces],
+                             [self.sources[p.index].narrow(0, p.start, p.num_bytes) for p in chunk.pieces])
+        return chunk
+
+    def send(self, chunk: Chunk) -> None:
+        ring, targets = self.ring, self.targets
+        fresh = [p.index for p in chunk.pieces if targets[p.index] is None]
+        for i in fresh:
+            targets[i] = ring.empty(self.tensors[self.names[i]])
+        if fresh:
+            ring.order_after_allocations()
+        buffer = ring.buffers[chunk.slot]
+        ring.send(chunk.slot, [(_as_bytes(targets[p.index]).narrow(0, p.start, p.num_bytes),
+                                buffer.narrow(0, p.offset, p.num_bytes)) for p in chunk.pieces])
+        for p in chunk.pieces:
+            if p.start + p.num_bytes == self.sizes[p.index]:  # the tensor's last piece
+                name, target = self.names[p.index], targets[p.index]
+                if name in self.dtypes:
+                    ring.wait_sent(chunk.slot)
+                    target = target.to(self.dtypes[name])
+                self.out[name], targets[p.index] = target, None
+
+
+@contextmanager
+def _switch_interval(seconds: float | None) -> Iterator[None]:
+    before = sys.getswitchinterval()
+    if seconds is not None:
+        sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _run(chunks: list[Chunk], ring: Ring, fill: Callable[[Chunk], Chunk], send: Callable[[Chunk], None],
