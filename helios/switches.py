@@ -18,6 +18,7 @@ import msgspec
 GemvMode = Literal["narrow", "all", "square", "nowide", "off"]
 L2Prefetch = Literal["off", "bulk", "load"]
 MoePrefill = Literal["triton", "grouped"]
+MoeDecode = Literal["dot", "gemv"]
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -71,6 +72,10 @@ DECLARED: tuple[Switch, ...] = (
            "(fused_moe's grouped Triton GEMM, the activation in its epilogue) or grouped (torch._grouped_mm on sm90+, "
            "bf16, then the activation kernel)",
            ("triton", "grouped")),
+    Switch("HELIOS_MOE_DECODE", "moe_decode", "choice",
+           "GPU MoE, one token: the routed experts' GEMMs as dot (fused_moe's grouped GEMM, 16-row blocks) or gemv "
+           "(fused_moe.expert_outputs_one_token: GEMV kernels over the token's experts, split-K)",
+           ("dot", "gemv")),
     Switch("HELIOS_KERNEL_CACHE", "kernel_cache", "path",
            "the directory precompiled kernels are installed into at start (default: $XDG_CACHE_HOME or "
            "~/.cache, then helios/triton)"),
@@ -96,6 +101,7 @@ class Switches(msgspec.Struct, frozen=True, kw_only=True):
     defer_norms: bool = True
     l2_prefetch: L2Prefetch = "off"
     moe_prefill: MoePrefill = "triton"
+    moe_decode: MoeDecode = "dot"
     kernel_cache: str | None = None  # None: the default directory (helios.kernels.aot.runtime_cache_root)
 
     @classmethod

@@ -38,7 +38,7 @@ def test_every_declared_switch_maps_to_a_field_and_back():
     ({"HELIOS_FUSED_DECODE": "0"}, "fused_decode", False), ({"HELIOS_DEFER_NORMS": "0"}, "defer_norms", False),
     ({"HELIOS_L2_PREFETCH": "bulk"}, "l2_prefetch", "bulk"), ({"HELIOS_L2_PREFETCH": "0"}, "l2_prefetch", "off"),
     ({"HELIOS_KERNEL_CACHE": "/tmp/k"}, "kernel_cache", "/tmp/k"),
-    ({"HELIOS_MOE_PREFILL": "grouped"}, "moe_prefill", "grouped"),
+    ({"HELIOS_MOE_PREFILL": "grouped"}, "moe_prefill", "grouped"), ({"HELIOS_MOE_DECODE": "gemv"}, "moe_decode", "gemv"),
 ])
 def test_each_variable_sets_its_switch(environ, field, value):
     assert getattr(Switches.from_environ(environ), field) == value

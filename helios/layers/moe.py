@@ -47,6 +47,7 @@ class RoutedMoe(nn.Module):
     hand_gemv: bool = True
     # the moe_prefill switch: prompt-sized batches' expert GEMMs through torch's grouped GEMM (helios.kernels.moe_grouped)
     grouped_prefill: bool = False
+    one_token: str = "dot"  # the moe_decode switch: a single token's expert GEMMs (fused_moe.expert_outputs)
 
     def expert_outputs(self, x: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor, w_down: torch.Tensor,
                        limit: float | None = None, clamp_after_act: bool = False,
@@ -59,7 +60,8 @@ class RoutedMoe(nn.Module):
         if self.grouped_prefill and moe_grouped.grouped_serves(x, w_in, w_down, experts.numel()):
             return moe_grouped.expert_outputs_grouped(x, experts, w_in, w_down, self.act, limit, clamp_after_act,
                                                       alpha)
-        return fused_moe.expert_outputs(x, experts, w_in, w_down, self.act, limit, clamp_after_act, alpha)
+        return fused_moe.expert_outputs(x, experts, w_in, w_down, self.act, limit, clamp_after_act, alpha,
+                                        one_token=self.one_token)
 
     @property
     def decode_graph_safe(self) -> bool:
@@ -93,6 +95,7 @@ class SparseMoe(RoutedMoe):
         self.router = Linear(hidden_size, num_experts, switches=switches)
         self.hand_gemv = switches.gemv != "off"
         self.grouped_prefill = switches.moe_prefill == "grouped"
+        self.one_token = switches.moe_decode
         self.gate_up = Stacked(num_experts, 2 * moe_intermediate_size, hidden_size)
         self.down = Stacked(num_experts, hidden_size, moe_intermediate_size)
 
@@ -244,6 +247,7 @@ class SigmoidMoe(RoutedMoe):
         self.router = _Router(hidden_size, moe.num_experts, moe.score_bias)
         self.hand_gemv = switches.gemv != "off"
         self.grouped_prefill = switches.moe_prefill == "grouped"
+        self.one_token = switches.moe_decode
         if moe.latent_size:
             self.latent_in = Linear(hidden_size, width, switches=switches)
             self.latent_out = Linear(width, hidden_size, switches=switches)

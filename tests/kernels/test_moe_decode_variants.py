@@ -93,3 +93,26 @@ def test_expert_outputs_takes_the_gemv_for_one_token_only():
     ids = torch.cat([IDS, IDS.flip(1)])
     assert torch.equal(fused_moe.expert_outputs(xs, ids, w_in, w_down, "silu", one_token="gemv"),
                        fused_moe.expert_outputs(xs, ids, w_in, w_down, "silu"))
+
+
+def test_the_moe_decode_switch_takes_a_block_s_one_token_through_the_gemv(monkeypatch):
+    """HELIOS_MOE_DECODE=gemv (helios.switches) reaches SparseMoe's fused path: one token's output is the torch
+    path's within bf16 rounding, and the dot path's within the same."""
+    from helios.layers.moe import SparseMoe
+    from helios.switches import Switches
+    from tests.kernels.moe_cases import bind_random, inputs
+
+    def block(fused: bool, mode: str = "dot") -> SparseMoe:
+        return SparseMoe(HIDDEN, NUM_EXPERTS, INTER, 3, True, "silu", Switches(moe_decode=mode), fused=fused)
+
+    layers = [block(False), block(True), block(True, "gemv")]
+    bind_random(layers, 0, torch.bfloat16, "cpu")
+    assert layers[2].one_token == "gemv"
+    x = inputs(1, HIDDEN, torch.bfloat16, seed=5)
+    calls = []
+    one_token = fused_moe.expert_outputs_one_token
+    monkeypatch.setattr(fused_moe, "expert_outputs_one_token", lambda *a, **k: calls.append(1) or one_token(*a, **k))
+    want, dot, gemv = (layer(x).float() for layer in layers)
+    assert len(calls) == 1  # the gemv block's token only
+    torch.testing.assert_close(gemv, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(gemv, dot, atol=2e-2, rtol=2e-2)
