@@ -377,10 +377,11 @@ def _epilogue(g, u, limit, alpha, ACT: tl.constexpr, CLAMP: tl.constexpr, HAS_AL
         if CLAMP != 0:
             u = round_to(tl.minimum(tl.maximum(u, -limit), limit), DT)
         if HAS_ALPHA:
-            y = round_to(u + 1.0, DT) * round_to(g * round_to(1.0 / (1.0 + tl.exp(-(g * alpha))), DT), DT)
+            sig = round_to(1.0 / (1.0 + tl.exp(-round_to(g * alpha, DT))), DT)  # gate * alpha held in DT, as torch
+            y = round_to(u + 1.0, DT) * round_to(g * sig, DT)
         else:
-            if ACT == 2:
-                act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+            if ACT == 2:  # torch's GeluKernel order, as helios.kernels.activation: (x * x) * x first
+                act = 0.5 * g * (1.0 + tanh(0.7978845608028654 * (g + 0.044715 * (g * g * g))))
             else:
                 act = g / (1.0 + tl.exp(-g))
             act = round_to(act, DT)
