@@ -1,6 +1,6 @@
 #!/bin/bash
 # One call on the lent H200 (device tool): carried wheels, GPU tests, serve cold start, decode benchmark.
-# PARTS picks among tests,ptests,hybrid,moeprefill,bench,serve,load,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
+# PARTS picks among tests,ptests,hybrid,moeprefill,moedecode,upload,bench,serve,load,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
 # HELIOS_* execution switches (helios/switches.py) set here reach gpu_decode.py's runners: it reads them once at start.
 # .whl/ holds what the device lacks, for cp312 manylinux (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 ...): msgspec granian llguidance gguf tomli_w zstandard brotli prometheus-client fla-core
@@ -59,6 +59,15 @@ if [[ $PARTS == *moeprefill* ]]; then  # the MoE prefill tile sweep (helios.kern
   timeout ${MOEPREFILL_S:-200} python3 benchmarks/gpu_moe_prefill.py --out "$OUT/moe_prefill.log" ${MOEPREFILL_ARGS:-} \
     > "$OUT/moe_prefill.stdout" 2>&1
   echo "== moeprefill rc $?"; grep -v "Warn\|warn" "$OUT/moe_prefill.stdout" | tail -30
+fi
+if [[ $PARTS == *moedecode* ]]; then  # one token's expert GEMMs: the dot path against the GEMV variants
+  timeout ${MOEDECODE_S:-200} python3 benchmarks/gpu_moe_decode.py --out "$OUT/moe_decode.log" ${MOEDECODE_ARGS:-} \
+    > "$OUT/moe_decode.stdout" 2>&1
+  echo "== moedecode rc $?"; grep -v "Warn\|warn" "$OUT/moe_decode.stdout" | tail -${MOEDECODE_TAIL:-60}
+fi
+if [[ $PARTS == *upload* ]]; then  # the weights' upload: driver-staged copies against the pinned ring
+  timeout ${UPLOAD_S:-120} python3 benchmarks/gpu_upload.py ${UPLOAD_ARGS:-} > "$OUT/upload.log" 2>&1
+  echo "== upload rc $?"; grep -v "Warn\|warn" "$OUT/upload.log" | tail -40
 fi
 if [[ $PARTS == *bench* ]]; then
   timeout ${BENCH_S:-260} python3 benchmarks/gpu_decode.py ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
