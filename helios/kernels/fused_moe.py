@@ -398,16 +398,16 @@ def gemm_config(num_entries: int) -> dict:
     if num_entries <= 1024:  # H200, 256 experts x [1024 | 512, 2048] bf16: 65% of the bound at b=1, 100% at b=64
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 0}
     if num_entries < 16384:  # under ~64 rows an expert (256 experts): 128-row blocks would be mostly padding
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "GROUP_M": 0}
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "GROUP_M": 8}
     # NOTE: H200 sweep of a 4096-token prompt (benchmarks/gpu_moe_prefill.py, session 17): 128 x 64 on 8 warps took
     # mimo_v2_flash's two GEMMs 8.75 -> 7.97 ms and kimi_linear's 3.10 -> 2.96 ms (qwen3_5_moe's 1.79 -> 1.83), the
     # same bits as 64 x 64; 64 x 128 does not fit the shared memory at 3 stages. No tile of the sweep passed ~26% of
     # the matmul rate: this kernel, not its tile, is what bounds MoE prefill
     # GROUP_M (program order) changes no bits: each program computes its tile as before. NOTE: with blocks varying
-    # fastest, a block's rows of `a` are read again for every column tile (32-64 tiles) from HBM, ~17 GB a 4096-token
-    # mimo_v2_flash prompt against 13 GB of expert weights; grouped, they stay in L2 (not yet measured: the sweep
-    # of benchmarks/gpu_moe_prefill.py decides)
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "GROUP_M": 0}
+    # fastest (GROUP_M 0), a block's rows of `a` are read again for every column tile (32-64 tiles) from HBM, ~17 GB
+    # a 4096-token mimo_v2_flash prompt against 13 GB of expert weights; 8 blocks sweeping the tiles together keep
+    # theirs in L2 (by that count, not yet timed: the sweep of benchmarks/gpu_moe_prefill.py decides)
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "GROUP_M": 8}
 
 
 def expert_gemm(
