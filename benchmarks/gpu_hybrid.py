@@ -304,6 +304,11 @@ def free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
+def variant_switches(variant: str) -> Switches:
+    """The process's switches with a variant's space-separated NAME=VALUE pairs on top."""
+    return Switches.from_environ(dict(os.environ, **dict(pair.split("=", 1) for pair in variant.split())))
+
+
 def build_runner(arch, t: dict, batches: list[int], device: str, switches: Switches = SWITCHES):
     """The runner at the benchmark's largest batch: KV pages for every request and one 4096-token prompt, a sliding
     layers' window group sized as compose sizes it, a state slot per request of a hybrid."""
@@ -343,8 +348,7 @@ def run_family(family: str, batches: list[int], bandwidth: float, matmul: float,
         if batch in profile_batches and device == "cuda":
             print("\n".join(profile_decode(runner, arch, batch)), flush=True)
     for variant in variants:  # batch 1 again under other switches, over the same weights
-        env = dict(os.environ, **dict(pair.split("=", 1) for pair in variant.split()))
-        other = build_runner(arch, t, [1], device, Switches.from_environ(env))
+        other = build_runner(arch, t, [1], device, variant_switches(variant))
         tps = timed_decode(other, arch, 1, device)
         limit = bandwidth / decode_bytes(arch, t, 1, PROMPT + NEW // 2)
         print(f"helios {family} decode b=  1, {variant}: {tps:8.1f} tok/s  limit {limit:8.1f}  ({tps / limit:.1%})"
@@ -354,21 +358,18 @@ def run_family(family: str, batches: list[int], bandwidth: float, matmul: float,
         del other
         free(device)
     n = 256 if tiny else 4096
-    tps = timed_prefill(runner, arch, n, device)
-    achieved = prefill_flops(arch, t, n) * tps / n
-    print(f"helios {family} prefill {n}: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
-          f"({achieved / matmul:.1%} of the matmul rate)", flush=True)
-    if profile_batches and device == "cuda":
-        print("\n".join(profile_prefill(runner, arch, n)), flush=True)
-    for variant in prefill_variants:  # the prefill again under other switches, over the same weights
-        env = dict(os.environ, **dict(pair.split("=", 1) for pair in variant.split()))
-        other = build_runner(arch, t, [1], device, Switches.from_environ(env))
-        tps = timed_prefill(other, arch, n, device)
+
+    def prefill(on, label: str = "") -> None:
+        tps = timed_prefill(on, arch, n, device)
         achieved = prefill_flops(arch, t, n) * tps / n
-        print(f"helios {family} prefill {n}, {variant}: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
+        print(f"helios {family} prefill {n}{label}: {tps:8.0f} tok/s = {achieved / 1e12:.0f} TFLOP/s "
               f"({achieved / matmul:.1%} of the matmul rate)", flush=True)
         if profile_batches and device == "cuda":
-            print("\n".join(profile_prefill(other, arch, n)), flush=True)
+            print("\n".join(profile_prefill(on, arch, n)), flush=True)
+    prefill(runner)
+    for variant in prefill_variants:  # the prefill again under other switches, over the same weights
+        other = build_runner(arch, t, [1], device, variant_switches(variant))
+        prefill(other, f", {variant}")
         del other
         free(device)
     hf_limit = bandwidth / decode_bytes(arch, t, 1, PROMPT + NEW // 2)
