@@ -76,6 +76,9 @@ DECLARED: tuple[Switch, ...] = (
            "GPU MoE, one token: the routed experts' GEMMs as dot (fused_moe's grouped GEMM, 16-row blocks) or gemv "
            "(fused_moe.expert_outputs_one_token: GEMV kernels over the token's experts, split-K)",
            ("dot", "gemv")),
+    Switch("HELIOS_PINNED_UPLOAD", "pinned_upload", "bool",
+           "GPU load: the weights go to the device through a ring of pinned staging buffers (helios.runner.upload) "
+           "instead of one driver-staged copy per tensor; off until timed on a GPU (benchmarks/gpu_upload.py)"),
     Switch("HELIOS_KERNEL_CACHE", "kernel_cache", "path",
            "the directory precompiled kernels are installed into at start (default: $XDG_CACHE_HOME or "
            "~/.cache, then helios/triton)"),
@@ -102,6 +105,7 @@ class Switches(msgspec.Struct, frozen=True, kw_only=True):
     l2_prefetch: L2Prefetch = "off"
     moe_prefill: MoePrefill = "triton"
     moe_decode: MoeDecode = "dot"
+    pinned_upload: bool = False
     kernel_cache: str | None = None  # None: the default directory (helios.kernels.aot.runtime_cache_root)
 
     @classmethod

@@ -144,21 +144,22 @@ def pages_from_free_memory(
 
 
 def move_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 float32_norms: bool = False) -> dict[str, torch.Tensor]:
+                 float32_norms: bool = False, pinned: bool = False) -> dict[str, torch.Tensor]:
     """Copy each (mmap-backed) host tensor to the device, then cast there: no converted host copy. float32_norms
     (Architecture.float32_norms): a 16-bit core's float32 tensors stay float32 (its norm multipliers, kept so on
     purpose by ignition; bind_tensors casts any its module does not keep).
 
-    NOTE: on CUDA the bytes go through a few pinned staging buffers (runner/upload.py), at the host link's speed
-    rather than the driver's pageable copy; casting first would materialize a converted host copy. A tensor to be
-    cast is allocated on the device only when its bytes arrive, so the peak stays near the tensors in flight.
+    NOTE: with `pinned` (the pinned_upload switch) the bytes go through a few pinned staging buffers on CUDA
+    (runner/upload.py), at the host link's speed rather than the driver's pageable copy; else one copy per tensor
+    (upload.move_each). Casting first would materialize a converted host copy; a tensor to be cast is allocated on
+    the device only when its bytes arrive, so the peak stays near the tensors in flight.
     """
-    from helios.runner.upload import upload_tensors
+    from helios.runner.upload import move_each, upload_tensors
 
     keep = float32_norms and any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors.values())
     casts = {name: dtype for name, t in tensors.items()
              if not (t.dtype == dtype or (keep and t.dtype == torch.float32))}
-    out = upload_tensors(tensors, device, casts)
+    out = upload_tensors(tensors, device, casts) if pinned else move_each(tensors, torch.device(device), casts)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return out
@@ -309,7 +310,7 @@ class ModelRunner:
         tensors = self._keep_host_tables(tensors, host_embeddings, host_embedding_rows, graph_plan,
                                          max_num_batched_tokens)
         if is_cuda:
-            tensors = move_tensors(tensors, self.device, self.dtype, arch.float32_norms)
+            tensors = move_tensors(tensors, self.device, self.dtype, arch.float32_norms, switches.pinned_upload)
         t1 = time.perf_counter()
         if kernel_load is not None:
             self.startup.kernels, self.startup.kernels_s = kernel_load.join()

@@ -37,10 +37,11 @@ def test_upload_matches_plain_copy(tmp_path, buffer_bytes, num_buffers, num_thre
             assert out[name].is_contiguous(), name
 
 
+@pytest.mark.parametrize("pinned", [False, True])
 @pytest.mark.parametrize("float32_norms", [False, True])
-def test_move_tensors_cast_rule(tmp_path, float32_norms):
+def test_move_tensors_cast_rule(tmp_path, float32_norms, pinned):
     tensors = {k: v for k, v in mixed_tensors(tmp_path).items() if v.is_floating_point()}
-    out = move_tensors(tensors, torch.device("cuda"), torch.float16, float32_norms)
+    out = move_tensors(tensors, torch.device("cuda"), torch.float16, float32_norms, pinned)
     keep = float32_norms and any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors.values())
     for name, t in tensors.items():
         t = t.to("cuda")

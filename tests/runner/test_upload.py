@@ -166,8 +166,8 @@ def test_host_ring_defers_sends_until_waited():
 
 def test_move_tensors_cast_rule_off_cuda(tmp_path):
     tensors = {k: v for k, v in mixed_tensors(tmp_path).items() if v.is_floating_point()}
-    for keep in (False, True):
-        out = move_tensors(tensors, torch.device("cpu"), torch.bfloat16, float32_norms=keep)
+    for keep, pinned in ((False, False), (True, False), (True, True)):
+        out = move_tensors(tensors, torch.device("cpu"), torch.bfloat16, float32_norms=keep, pinned=pinned)
         for name, t in tensors.items():
             want = t if t.dtype == torch.bfloat16 or (keep and t.dtype == torch.float32) else t.to(torch.bfloat16)
             assert same_bits(out[name], want), name
