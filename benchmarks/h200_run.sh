@@ -46,7 +46,7 @@ if [[ $PARTS == *serve* ]]; then
   timeout ${SERVE_S:-230} python3 benchmarks/gpu_serve_start.py --work /tmp/serve --out "$OUT" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1
   echo "== serve rc $?"; tail -45 "$OUT/serve.log"
 fi
-if [[ $PARTS == *load* ]]; then  # after serve: it reuses the 8B core gpu_serve_start.py exported
+if [[ ,$PARTS, == *,load,* ]]; then  # after serve: it reuses the 8B core gpu_serve_start.py exported
   timeout ${LOAD_S:-330} python3 benchmarks/gpu_serve_load.py --device cuda --core /tmp/serve/core-8b ${LOAD_ARGS:-} \
     > "$OUT/load.log" 2>&1
   echo "== load rc $?"; grep -v "^W1\|Warning" "$OUT/load.log" | tail -25
@@ -65,7 +65,7 @@ if [[ $PARTS == *moedecode* ]]; then  # one token's expert GEMMs: the dot path a
     > "$OUT/moe_decode.stdout" 2>&1
   echo "== moedecode rc $?"; grep -v "Warn\|warn" "$OUT/moe_decode.stdout" | tail -${MOEDECODE_TAIL:-60}
 fi
-if [[ $PARTS == *upload* ]]; then  # the weights' upload: driver-staged copies against the pinned ring
+if [[ ,$PARTS, == *,upload,* ]]; then  # the weights' upload: driver-staged copies against the pinned ring
   timeout ${UPLOAD_S:-120} python3 benchmarks/gpu_upload.py ${UPLOAD_ARGS:-} > "$OUT/upload.log" 2>&1
   echo "== upload rc $?"; grep -v "Warn\|warn" "$OUT/upload.log" | tail -40
 fi

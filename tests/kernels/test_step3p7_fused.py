@@ -38,7 +38,7 @@ def _model(device: str, dtype: torch.dtype, fused: bool):
     for name, p in model.named_parameters():
         t = torch.randn(tuple(p.shape), generator=g)
         tensors[name] = (1.0 + 0.1 * t if "norm" in name else 0.3 * t).to(device=device, dtype=dtype)
-    bind_tensors(model, tensors)
+    bind_tensors(model, tensors, device)
     model.is_fused = fused  # what the Triton backend sets; attention stays on the torch backend on both sides
     use_layer_kernels(model, fused)
     return model.eval()
