@@ -406,7 +406,8 @@ def gemm_config(num_entries: int) -> dict:
     # GROUP_M (program order) changes no bits: each program computes its tile as before. NOTE: with blocks varying
     # fastest (GROUP_M 0), a block's rows of `a` are read again for every column tile (32-64 tiles) from HBM, ~17 GB
     # a 4096-token mimo_v2_flash prompt against 13 GB of expert weights; 8 blocks sweeping the tiles together keep
-    # theirs in L2 (by that count, not yet timed: the sweep of benchmarks/gpu_moe_prefill.py decides)
+    # theirs in L2. H100 sweep (session 18): GROUP_M 8 took the two GEMMs 1.74 -> 1.48 ms (qwen3_5_moe), 3.21 -> 2.48
+    # (kimi_linear), 9.42 -> 6.79 (mimo_v2_flash); 4 within 2% of 8, 16 slower for the smallest shape
     return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "GROUP_M": 8}
 
 
