@@ -256,15 +256,21 @@ def one_token_align(topk_ids: torch.Tensor, block_m: int) -> tuple[torch.Tensor,
     return sorted_ids, topk_ids.reshape(-1).to(torch.int32), num_rows
 
 
-def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """moe_align in torch (a stable sort, counts by scatter-add: no host sync either); the same three tensors."""
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The entries' experts flat [N] int64, the entries sorted by expert [N] int64 (a stable sort: entry order within
+    an expert) and each expert's entry count [E] int64 (by scatter-add): in torch, no host sync."""
     flat = topk_ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return flat, torch.sort(flat, stable=True)[1], counts
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """moe_align in torch (sort_by_expert: no host sync either); the same three tensors."""
+    flat, order, counts = sort_by_expert(topk_ids, num_experts)
     num_entries, device = flat.numel(), flat.device
     max_rows = max_sorted_rows(num_entries, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
-    order = torch.sort(flat, stable=True)[1]
     expert = flat[order]
     rank = torch.arange(num_entries, device=device) - (counts.cumsum(0) - counts)[expert]
     sorted_ids = torch.full((max_rows,), num_entries, dtype=torch.int32, device=device)
@@ -439,8 +445,8 @@ def expert_gemm(
     grid = (block_experts.numel() * cdiv(n_out, cfg["BLOCK_N"]),)
     _expert_gemm_kernel[grid](
         a, w, out, sorted_ids, block_experts, num_rows, num_entries, block_experts.numel(), n_out, a.shape[1],
-        a.stride(0), w.stride(0),
-        w.stride(1), out.stride(0), float(limit or 0.0), float(alpha or 0.0), ROW_DIV=row_div, ACT=ACTS[act],
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit or 0.0), float(alpha or 0.0),
+        ROW_DIV=row_div, ACT=ACTS[act],
         GATED=gated, CLAMP=0 if limit is None else (2 if clamp_after_act else 1), HAS_ALPHA=alpha is not None,
         IEEE_DOT=a.dtype == torch.float32 or interpret_mode(), USE_PDL=pdl, launch_pdl=pdl, **cfg,
     )

@@ -5,14 +5,16 @@ expert they keep their order), x's rows gathered in that order, gate_up as one g
 (helios.kernels.activation, or relu2) on its [gate | up] rows, down as a second grouped GEMM, the rows put back in
 entry order. Same result layout as fused_moe.expert_outputs: [T*k, W], entry token * k + slot.
 Numerics: each product is one float32-accumulated dot rounded to the model dtype, as the Triton kernel's epilogue
-rounds gate and up before the activation; whether the two give the same bits is the GPU's to say
-(tests/gpu/test_fused_moe_cuda.py). No host sync: every size comes from shapes.
-Imports torch and helios.kernels only.
+rounds gate and up before the activation; on an H100 the two gave the same bits at three published shapes
+(benchmarks/gpu_moe_prefill.py, session 18). No host sync: every size comes from shapes.
+Imports torch and helios.kernels only (fused_moe's sort by expert; the activation kernels when it runs).
 """
 
 from __future__ import annotations
 
 import torch
+
+from helios.kernels.fused_moe import sort_by_expert
 
 # from this many (token, slot) entries fused_moe takes its prompt-sized tiles (gemm_config): the batches served here
 MIN_ENTRIES = 1025
@@ -34,10 +36,7 @@ def grouped_serves(x: torch.Tensor, w_in: torch.Tensor, w_down: torch.Tensor, nu
 def expert_order(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The entries sorted by expert (stable: entry order within an expert) [N] int64, and each expert's end in that
     order [E] int32 (the grouped GEMM's offsets; an expert with no entry repeats the previous end)."""
-    flat = topk_ids.reshape(-1).long()
-    order = torch.sort(flat, stable=True)[1]
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    _, order, counts = sort_by_expert(topk_ids, num_experts)
     return order, counts.cumsum(0).to(torch.int32)
 
 
@@ -49,9 +48,8 @@ def _activation(h: torch.Tensor, act: str, limit: float | None, clamp_after_act:
         return relu2(h)
     from helios.kernels import activation
 
-    launch = activation.gelu_tanh_and_mul if act == "gelu_tanh" else activation.silu_and_mul
     assert act in ("silu", "gelu_tanh"), act
-    return launch(h, limit, clamp_after_act, alpha)
+    return getattr(activation, f"{act}_and_mul")(h, limit, clamp_after_act, alpha)  # as GatedMLP's fused path
 
 
 def expert_outputs_grouped(
