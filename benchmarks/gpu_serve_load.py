@@ -235,7 +235,11 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
         while core.has_unfinished_requests():
             core.step()
         results[n] = tokens / seconds
-        print(f"engine alone, {n:4d} streams: {results[n]:9.1f} tok/s", flush=True)
+        sched = core.scheduler  # the step costs its prompt budget reads (Scheduler.observe_prefill / _decode)
+        costs = (f"decode step {1e-6 * sched.decode_step_ns:.2f} ms, prompt step {1e-6 * sched.prefill_fixed_ns:.2f} ms"
+                 f" + {1e-3 * sched.prefill_ns_per_token:.2f} us a token" if sched.decode_step_ns and
+                 sched.prefill_ns_per_token else "step costs unmeasured")
+        print(f"engine alone, {n:4d} streams: {results[n]:9.1f} tok/s ({costs})", flush=True)
     runtime.engine.shutdown()
     return results
 

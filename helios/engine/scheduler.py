@@ -38,6 +38,9 @@ from helios.engine.state_checkpoints import StateCheckpoints, candidate_position
 from helios.engine.state_pool import StatePool
 
 
+UNLIMITED = 1 << 62  # a prompt budget without a bound
+
+
 class QueueFull(Exception):
     """The bounded waiting queue is full (the server answers 503)."""
 
@@ -68,7 +71,10 @@ class Scheduler:
         self._state_copy_in: list[tuple[int, int]] = []  # host records into running slots (admissions)
         self.state_host: HostCache | None = None  # the host tiers of state records, named by checkpoint hash
         self.prefill_ns_per_token: float | None = None  # measured by the engine (observe_prefill)
+        self.prefill_fixed_ns = 0.0  # a prompt step's cost beyond its tokens', likewise
+        self._prefill_fit = [0.0] * 5  # observe_prefill's decayed sums: steps, n, n^2, ns, n * ns
         self.decode_step_ns: float | None = None  # a step of decodes only, likewise (observe_decode)
+        self._stall_debt_ns = 0.0  # prompt work beyond the stall allowance, paid back by the next steps
         self.host_lookups = LookupHistograms()
         if config.num_state_slots:
             self.state_pool = StatePool(config.num_state_slots + config.state_checkpoint_slots)
@@ -167,7 +173,7 @@ class Scheduler:
         is_preempted = False
 
         # prompt tokens this step may take beside the decodes (decode_stall_ratio)
-        prompt_budget = self._prompt_budget()
+        prompt_budget = initial_prompt_budget = self._prompt_budget()
 
         # Running requests first, in admission order. NOTE: each keeps one token of budget for every
         # running request after it (max_num_batched_tokens >= max_concurrency), so a long prefill never
@@ -288,6 +294,8 @@ class Scheduler:
             budget -= num_new
             prompt_budget -= num_new
 
+        if initial_prompt_budget != UNLIMITED:
+            self._charge_prompts(initial_prompt_budget - prompt_budget)
         self._look_ahead(scheduled)
         # after every allocation of the plan (look-ahead pages too), so each eviction is copied out before the
         # forward that overwrites its page
@@ -426,13 +434,33 @@ class Scheduler:
         return self.block_pool.num_blocks_for(req.num_tokens) > self.block_pool.num_blocks
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A step with prefill in it took `seconds` for `num_tokens`: the prefill rate the checkpoint cost rule and
-        the host lookups' predicted prefill time read (a moving average)."""
+        """A step with prefill in it took `seconds` for `num_tokens` (decodes beside them taken out): the prompt
+        cost fixed + num_tokens * per_token, fitted by least squares over the recent steps (each older step weighs
+        0.9 of the next), which the prompt budget, the checkpoint cost rule and the host lookups' predicted prefill
+        time read (prefill_fixed_ns, prefill_ns_per_token).
+
+        NOTE: a step with prompt rows costs a fixed part however few they are (on a GPU the eager pass beside the
+        decode graph: ~30 ms of host work for an 8B model, H100), so a per-token average taken over small chunks
+        prices every token at the fixed part; the prompt budget then shrinks to its floor and keeps the chunks small
+        (measured, issue 22: 16 tokens a step, decode batch 16 at 256 streams). While the steps' token counts do not
+        vary enough to separate the parts, the last split stays (none yet: all per token)."""
         if num_tokens <= 0 or seconds <= 0:
             return
-        ns = 1e9 * seconds / num_tokens
-        prev = self.prefill_ns_per_token
-        self.prefill_ns_per_token = ns if prev is None else 0.8 * prev + 0.2 * ns
+        fit = self._prefill_fit
+        for i, value in enumerate((1.0, num_tokens, num_tokens * num_tokens, 1e9 * seconds, 1e9 * seconds * num_tokens)):
+            fit[i] = 0.9 * fit[i] + value
+        w, sn, snn, sy, sny = fit
+        mean_rate = sy / sn
+        spread = w * snn - sn * sn
+        if spread > 1e-3 * sn * sn:
+            # a floor on the slope: noise, or a fixed part that is all of the cost, leaves the budget finite (a
+            # large chunk then measures the slope again)
+            per_token = max((w * sny - sn * sy) / spread, 0.01 * mean_rate)
+            fixed = max((sy - per_token * sn) / w, 0.0)
+        else:
+            fixed = min(self.prefill_fixed_ns, 0.99 * sy / w)
+            per_token = (sy - fixed * w) / sn
+        self.prefill_fixed_ns, self.prefill_ns_per_token = fixed, per_token
 
     def observe_decode(self, seconds: float) -> None:
         """A step of decodes only took `seconds`: the decode step the prompt budget is priced against (a moving
@@ -444,20 +472,35 @@ class Scheduler:
 
     def _prompt_budget(self) -> int:
         """The prompt tokens this step may take (running prefills and admissions together): unlimited without
-        decode_stall_ratio, without a decoding request or before both rates are measured; else what the measured
-        prefill rate does in decode_stall_ratio decode steps, but at least a page and a recurrent chunk (a split
-        chunk must reach the next grid position: the prompts always progress).
+        decode_stall_ratio, without a decoding request or before both costs are measured; none while the prompt
+        steps are in debt; else what fits decode_stall_ratio decode steps at the fitted cost (fixed + per token),
+        but at least a page and a recurrent chunk (a split chunk must reach the next grid position: the prompts
+        always progress) and at least as many tokens as the fixed part costs (it is then at most half the chunk's).
 
         NOTE: stall-free batching (Sarathi-Serve's idea): a step's prompt chunks stretch every decoding request's
         inter-token gap, so under a stream of arrivals the gaps' tail would follow the prompts' sizes; this bounds
-        it at (1 + ratio) decode steps, at the cost of a burst's later prompts waiting a few steps longer."""
-        ratio, rate, step = self.config.decode_stall_ratio, self.prefill_ns_per_token, self.decode_step_ns
-        if not ratio or rate is None or step is None:
-            return 1 << 62
+        it at (1 + ratio) decode steps where the fixed part allows, at the cost of a burst's later prompts waiting a
+        few steps longer. Where the fixed part alone overruns that, a prompt step runs a large chunk and the decode
+        steps after it pay its excess back (_charge_prompts): prompt work stays within ratio / (1 + ratio) of the
+        time instead of shrinking to a page a step."""
+        ratio, per_token, step = self.config.decode_stall_ratio, self.prefill_ns_per_token, self.decode_step_ns
+        if not ratio or per_token is None or step is None:
+            return UNLIMITED
         if not any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
-            return 1 << 62
+            self._stall_debt_ns = 0.0
+            return UNLIMITED
+        if self._stall_debt_ns > 0:
+            return 0
+        fixed, allowance = self.prefill_fixed_ns, ratio * step
         floor = max(self.config.page_size, self.config.state_chunk)
-        return max(floor, int(ratio * step / rate))
+        return max(floor, int((allowance - fixed) / per_token), int(fixed / per_token))
+
+    def _charge_prompts(self, num_tokens: int) -> None:
+        """A step beside decodes took num_tokens prompt tokens under a limited budget: their predicted cost beyond
+        the step's allowance is debt, which the steps after it pay at their allowance each."""
+        allowance = self.config.decode_stall_ratio * self.decode_step_ns
+        cost = self.prefill_fixed_ns + num_tokens * self.prefill_ns_per_token if num_tokens else 0.0
+        self._stall_debt_ns = max(self._stall_debt_ns + cost - allowance, 0.0)
 
     def _observe_lookup(self, req: Request, num_reused: int, num_host_pages: int, restore) -> None:
         """An admission that looked past the GPU: its missing tokens, the predicted copy-in time of the host

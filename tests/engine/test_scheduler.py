@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -143,6 +145,68 @@ def test_decode_stall_ratio_limits_prompt_tokens_beside_decodes():
     core.add_request(request("alone", prompt_len=120, seed=7, max_tokens=1))
     core.step()
     assert len(runner.plans[-1].scheduled[0].token_ids) == 120
+
+
+def test_prompt_cost_fit_separates_the_fixed_part():
+    """observe_prefill fits fixed + n * per_token over the recent steps: prompt steps of 16 and 9 tokens with a
+    30 ms fixed part (a GPU's eager pass beside the decode graph) give back 30 ms and 27 us a token, not the ~2 ms a
+    token a per-token average of such steps reads; steps that all take the same count keep the last split."""
+    core, _ = make_core()
+    sched = core.scheduler
+    fixed, per_token = 30e6, 27e3
+    for n in (16, 16, 9, 16, 16, 16, 9):
+        sched.observe_prefill(n, 1e-9 * (fixed + n * per_token))
+    assert sched.prefill_fixed_ns == pytest.approx(fixed, rel=1e-6)
+    assert sched.prefill_ns_per_token == pytest.approx(per_token, rel=1e-6)
+    for _ in range(60):  # one count only: the split stays
+        sched.observe_prefill(64, 1e-9 * (fixed + 64 * per_token))
+    assert sched.prefill_fixed_ns == pytest.approx(fixed, rel=1e-3)
+    assert sched.prefill_ns_per_token == pytest.approx(per_token, rel=1e-2)
+    core, _ = make_core()
+    sched = core.scheduler
+    for _ in range(3):  # unseparated from the start: all per token, as an average
+        sched.observe_prefill(16, 0.016)
+    assert (sched.prefill_fixed_ns, sched.prefill_ns_per_token) == (0.0, pytest.approx(1e6))
+
+
+def test_a_fixed_prompt_cost_runs_large_chunks_and_pays_them_back():
+    """Where a prompt step's fixed part alone overruns the stall allowance (30 ms against a 6 ms decode step), the
+    budget is not a page a step (the prompts would trickle in and hold the decode batch small) but at least what
+    the fixed part costs in tokens, and the decode steps after such a step carry no prompt tokens until its excess
+    is paid back at the allowance a step: prompt work stays within ratio / (1 + ratio) of the time."""
+    core, runner = make_core(max_concurrency=16, max_num_batched_tokens=2048, prefill_chunk_size=2048,
+                             num_pages=1024, decode_stall_ratio=1.0)
+    sched = core.scheduler
+    sched.observe_decode = sched.observe_prefill = lambda *args: None  # fixed costs: the fake runner takes no time
+    fixed, per_token, step = 30e6, 27e3, 6e6
+    sched.decode_step_ns, sched.prefill_fixed_ns, sched.prefill_ns_per_token = step, fixed, per_token
+    got = Collected()
+    reqs = [request("decoding", prompt_len=4, max_tokens=120)]
+    core.add_request(reqs[0])
+    got.add(core.step())
+    reqs += [request(f"p{i}", prompt_len=121, seed=i, max_tokens=20) for i in range(12)]
+    for req in reqs[1:]:
+        core.add_request(req)
+    counts = []
+    while "decoding" in sched.requests:
+        got.add(core.step())
+        counts.append(sum(len(s.token_ids) for s in runner.plans[-1].scheduled if len(s.token_ids) > 1))
+    assert counts[0] >= int(fixed / per_token), counts  # one large chunk: 1111 tokens, not a page
+    prompt_time = decode_time = 0.0
+    i = 0
+    while i < len(counts) and any(counts[i:]):
+        n = counts[i]
+        assert n, (i, counts)
+        cost = fixed + n * per_token
+        quiet = math.ceil((cost - step) / step - 1e-9)  # the steps that pay the excess back
+        assert counts[i + 1 : i + 1 + quiet] == [0] * quiet, (i, counts)
+        prompt_time, decode_time = prompt_time + cost, decode_time + (1 + quiet) * step
+        i += 1 + quiet
+    assert prompt_time <= decode_time + fixed  # ratio 1: at most half the time, give or take the last step's
+    run_until_idle(core, got)
+    for req in reqs:
+        assert got.tokens[req.req_id] == reference_tokens(req), req.req_id
+    assert_idle(core)
 
 
 def test_no_starvation_long_prompt_among_many_short():
