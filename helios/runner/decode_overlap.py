@@ -67,8 +67,10 @@ class Speculation:
     # -1 before (what update(n) leaves); empty lists without a window group
     window_blocks: list[list[int]] = field(default_factory=list)
 
-    def matches(self, plan: SchedulerOutput, bucket: int | None, num_loads: int) -> bool:
-        scheduled = plan.scheduled
+    def matches(self, plan: SchedulerOutput, bucket: int | None, num_loads: int,
+                rows: list[ScheduledRequest] | None = None) -> bool:
+        """Whether the plan's rows (`rows`: a mixed step's decode rows; default all of them) are this step."""
+        scheduled = plan.scheduled if rows is None else rows
         if bucket != self.bucket or num_loads != self.num_loads or len(scheduled) != len(self.steps):
             return False
         if plan.new_requests:  # re-sent: fresh state
@@ -121,13 +123,13 @@ class DecodeOverlap:
         self.num_hits = 0
         self.num_misses = 0
 
-    def take(self, plan: SchedulerOutput, bucket: int | None) -> bool:
-        """Whether this plan is the pending speculation (then its logits are in the static buffer); either
-        way nothing is pending afterwards."""
+    def take(self, plan: SchedulerOutput, bucket: int | None, rows: list[ScheduledRequest] | None = None) -> bool:
+        """Whether this plan (`rows`: only those of its rows, a mixed step's decode rows in `bucket`) is the pending
+        speculation (then its logits are in the static buffer); either way nothing is pending afterwards."""
         spec, self.pending = self.pending, None
         if spec is None:
             return False
-        if spec.matches(plan, bucket, self.graphs.buffers.num_loads):
+        if spec.matches(plan, bucket, self.graphs.buffers.num_loads, rows):
             self.num_hits += 1
             return True
         self.num_misses += 1

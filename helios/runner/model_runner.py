@@ -549,9 +549,10 @@ class ModelRunner:
         overlap = self._decode_overlap()
         speculate = None
         if split is not None:
-            if overlap is not None:
-                overlap.take(plan, None)  # a mixed step ends a pending speculation
-            scheduled, layout, logits = self._run_split(*split)
+            # a mixed step whose decode rows are the pending speculation (the step before decoded the same rows,
+            # and its prompts arrived since) takes their logits from it; else it ends the speculation
+            is_speculated = overlap is not None and overlap.take(plan, split[2], rows=split[0])
+            scheduled, layout, logits = self._run_split(*split, is_speculated=is_speculated)
         elif overlap is not None and overlap.take(plan, bucket):
             logits = self.graphs.logits_rows(layout, len(plan.scheduled))  # the speculative step's rows
         elif bucket is not None:
@@ -621,13 +622,20 @@ class ModelRunner:
         chosen = {id(s) for s in decode}
         return decode, decode_layout, bucket, [s for s in scheduled if id(s) not in chosen]
 
-    def _run_split(self, decode, decode_layout, bucket, rest):
-        """The eager forward of the prefill rows, then the decode rows' graph; (rows in logits order, their
-        layout, logits [N, V] float32: the decode rows' first)."""
+    def _run_split(self, decode, decode_layout, bucket, rest, is_speculated: bool = False):
+        """The eager forward of the prefill rows, then the decode rows' graph (is_speculated: the pending
+        speculative step already ran them, its logits rows are read); (rows in logits order, their layout,
+        logits [N, V] float32: the decode rows' first).
+
+        NOTE: without the speculated rows every mixed step after a decode step ran the decode rows twice (the
+        dropped speculation, then this graph): a whole decode step of GPU time in each step that takes prompts."""
         rest_logits = self._forward(rest, layout_batch(rest, self.requests, self.page_size))
-        self._ready_host_rows(decode, decode_layout)
-        decode_logits = self.graphs.run(decode, decode_layout, bucket)  # a view of the graph's static rows
-        self.launches["graph"] += 1
+        if is_speculated:
+            decode_logits = self.graphs.logits_rows(decode_layout, len(decode))
+        else:
+            self._ready_host_rows(decode, decode_layout)
+            decode_logits = self.graphs.run(decode, decode_layout, bucket)  # a view of the graph's static rows
+            self.launches["graph"] += 1
         scheduled = decode + rest
         return scheduled, layout_batch(scheduled, self.requests, self.page_size), torch.cat([decode_logits, rest_logits])
 

@@ -299,7 +299,7 @@ def test_mixed_steps_replay_their_decode_rows_beside_an_eager_prefill(core, monk
     split.graphs = split.make_graphs([1, 2, 4, 8], capture=False)
     splits = []
     run_split = split._run_split
-    monkeypatch.setattr(split, "_run_split", lambda *a: splits.append(len(a[0])) or run_split(*a))
+    monkeypatch.setattr(split, "_run_split", lambda *a, **k: splits.append(len(a[0])) or run_split(*a, **k))
     assert run(split) == expected
     assert len(splits) >= 3 and max(splits) >= 2  # mixed steps replayed their decode rows
 

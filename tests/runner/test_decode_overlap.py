@@ -34,10 +34,10 @@ def core(tmp_path_factory):
     return core
 
 
-def graphed_runner(core, decode_overlap: bool) -> ModelRunner:
+def graphed_runner(core, decode_overlap: bool, buckets: tuple[int, ...] = (1, 2, 4)) -> ModelRunner:
     runner = ModelRunner(core.manifest.arch, core.tensors, NUM_PAGES, PAGE_SIZE, attention_backend="triton",
                          max_model_len=MAX_MODEL_LEN, decode_overlap=decode_overlap)
-    runner.graphs = runner.make_graphs([1, 2, 4], capture=False)
+    runner.graphs = runner.make_graphs(list(buckets), capture=False)
     return runner
 
 
@@ -51,12 +51,13 @@ def grammar_owner(core):
     return GrammarConstraints(compiler.matcher), compiler
 
 
-def drive(core, decode_overlap: bool, requests: list[EngineRequest], events=None) -> tuple[dict, ModelRunner]:
+def drive(core, decode_overlap: bool, requests: list[EngineRequest], events=None, max_concurrency: int = 4,
+          buckets: tuple[int, ...] = (1, 2, 4)) -> tuple[dict, ModelRunner]:
     """Step an engine until it is idle; events: {step: [EngineRequest to add, or a req_id to abort]}.
     Returns {req_id: (token ids, finish reason, logprobs)} and the runner."""
     events = events or {}
-    runner = graphed_runner(core, decode_overlap)
-    config = SchedulerConfig(max_concurrency=4, max_num_batched_tokens=64, prefill_chunk_size=64,
+    runner = graphed_runner(core, decode_overlap, buckets)
+    config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=64, prefill_chunk_size=64,
                              page_size=PAGE_SIZE, num_pages=NUM_PAGES, max_model_len=MAX_MODEL_LEN)
     engine = EngineCore(config, runner, constraints=grammar_owner(core)[0])
     outs: dict[str, list] = {}
@@ -82,10 +83,10 @@ def drive(core, decode_overlap: bool, requests: list[EngineRequest], events=None
     return result, runner
 
 
-def same_with_and_without(core, requests, events=None) -> ModelRunner:
-    """Asserts identical outputs with overlap off and on; returns the overlapped runner."""
-    off, off_runner = drive(core, False, requests, events)
-    on, on_runner = drive(core, True, requests, events)
+def same_with_and_without(core, requests, events=None, **options) -> ModelRunner:
+    """Asserts identical outputs with overlap off and on (options: drive's); returns the overlapped runner."""
+    off, off_runner = drive(core, False, requests, events, **options)
+    on, on_runner = drive(core, True, requests, events, **options)
     assert on == off
     assert off_runner.overlap_hits == off_runner.overlap_misses == 0
     return on_runner
@@ -120,6 +121,20 @@ def test_request_arriving_mid_decode(core):
     late = req("late", 7, 5, prompt_seed=4)
     runner = same_with_and_without(core, [req("a", 6, 10, prompt_seed=1)], events={4: [late]})
     assert runner.overlap_hits > 0 and runner.overlap_misses >= 1  # the late prefill is another step
+
+
+@needs_interpreter
+def test_a_mixed_step_takes_its_decode_rows_from_the_speculation(core):
+    """Eight requests decoding (a split mixed step needs eight decode rows) and one arriving mid-decode: the mixed
+    step its prompt makes runs the prompt eagerly and reads the decode rows' logits from the speculative step the
+    step before launched (a hit, not a miss and a second run of those rows); the same tokens as without overlap."""
+    from helios.runner.model_runner import SPLIT_MIN_DECODE_ROWS
+
+    decoding = [req(f"d{i}", 5, 8, prompt_seed=10 + i) for i in range(SPLIT_MIN_DECODE_ROWS)]
+    late = req("late", 7, 4, prompt_seed=4)
+    runner = same_with_and_without(core, decoding, events={3: [late]}, max_concurrency=9, buckets=(1, 2, 4, 8, 16))
+    assert runner.launches["eager"] >= 2  # the first prompts, then the late one beside the decodes
+    assert runner.overlap_hits > 0 and runner.overlap_misses == 0
 
 
 @needs_interpreter
