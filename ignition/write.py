@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from helios.core import layout
+from helios.core import digest_stamps, layout
 from helios.core.manifest import FileDigest, Manifest, encode_manifest, MANIFEST_FILE
 from ignition.errors import ExportError
 
@@ -165,6 +165,8 @@ def write_core(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for entry in final.files:  # hashed above and not written since: helios serve need not hash them again
+        digest_stamps.stamp_written(out_dir / entry.path, entry.sha256)
     return out_dir
 
 

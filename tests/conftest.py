@@ -8,6 +8,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# the digest stamps of verified core files (helios/core/digest_stamps.py) in a folder of this run, not ~/.cache
+os.environ.setdefault("HELIOS_DIGEST_STAMPS", __import__("tempfile").mkdtemp(prefix="helios-stamps-"))
 # Triton kernels run under the interpreter on a machine without CUDA; set before any triton import.
 if not os.environ.get("FLARE_RUN_CUDA_TESTS"):
     import torch

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from helios.core import digest_stamps
 from helios.core.manifest import MANIFEST_FILE, FileDigest, KernelTarget, Manifest, encode_manifest
 from ignition.errors import ExportError
 
@@ -85,6 +86,8 @@ def add_kernels(core_dir: Path, target: str) -> KernelTarget:
         FileDigest(path=p.relative_to(core_dir).as_posix(), size=p.stat().st_size, sha256=sha256_path(p))
         for p in sorted(dest.rglob("*")) if p.is_file()
     ]
+    for entry in new_files:  # hashed and not written since (helios/core/digest_stamps.py)
+        digest_stamps.stamp_written(core_dir / entry.path, entry.sha256)
     kept = [f for f in manifest.files if not f.path.startswith(f"{KERNELS_DIR}/{target}/")]
     files = sorted(kept + new_files, key=lambda f: Path(f.path))  # ignition.write.digest_files' order
     kernels = sorted([k for k in manifest.kernels if k.target != target] + [kernel_target], key=lambda k: k.target)
