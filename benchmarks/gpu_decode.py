@@ -551,14 +551,9 @@ def engine_timeline(runner, arch, prompt_len: int, steps: int = 16, batch: int =
     return lines
 
 
-def host_profile(layers: int = 2, rows: int = 28) -> list[str]:
-    """Where a batch-1 engine step's host time goes: the 8B shape cut to `layers` layers (random weights made
-    on the device), its graph replayed alone vs a whole engine step, then cProfile over 64 engine steps."""
-    import cProfile
-    import io
-    import pstats
-
-    from helios.runner.cuda_graphs import prepare_decode_inputs
+def random_8b_runner(layers: int, max_concurrency: int = 64, max_model_len: int = 512):
+    """A CUDA ModelRunner of the 8B llama shape cut to `layers` layers, random bf16 weights made on the device.
+    Returns (runner, arch)."""
     from helios.runner.model_runner import ModelRunner
 
     a = dict(LLAMA_8B, num_layers=layers)
@@ -578,7 +573,21 @@ def host_profile(layers: int = 2, rows: int = 28) -> list[str]:
                   p + "mlp_norm.weight": torch.ones(h, device="cuda", dtype=torch.bfloat16),
                   p + "attn.qkv.weight": rnd(qkv, h), p + "attn.o.weight": rnd(h, a["num_heads"] * a["head_dim"]),
                   p + "mlp.gate_up.weight": rnd(2 * f, h), p + "mlp.down.weight": rnd(h, f)})
-    runner = ModelRunner(arch, t, 64, 16, device="cuda", dtype=torch.bfloat16, max_model_len=512, switches=SWITCHES)
+    runner = ModelRunner(arch, t, max_concurrency, 16, device="cuda", dtype=torch.bfloat16,
+                         max_model_len=max_model_len, switches=SWITCHES)
+    return runner, arch
+
+
+def host_profile(layers: int = 2, rows: int = 28) -> list[str]:
+    """Where a batch-1 engine step's host time goes: the 8B shape cut to `layers` layers (random weights made
+    on the device), its graph replayed alone vs a whole engine step, then cProfile over 64 engine steps."""
+    import cProfile
+    import io
+    import pstats
+
+    from helios.runner.cuda_graphs import prepare_decode_inputs
+
+    runner, arch = random_8b_runner(layers)
     gr = runner.graphs
     gr.buffers.load(prepare_decode_inputs(decode_inputs(1, 160, 16), 16, 1))
     graph = gr.graph_for(1, 161)

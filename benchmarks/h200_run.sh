@@ -1,10 +1,11 @@
 #!/bin/bash
 # One call on the lent H200 (device tool): carried wheels, GPU tests, serve cold start, decode benchmark.
-# PARTS picks among tests,ptests,hybrid,moeprefill,moedecode,upload,bench,serve,load,gemv,host; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
+# PARTS picks among tests,ptests,hybrid,moeprefill,moedecode,upload,bench,serve,load,gemv,host,promptstep; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
 # HELIOS_* execution switches (helios/switches.py) set here reach gpu_decode.py's runners: it reads them once at start.
 # .whl/ holds what the device lacks, for cp312 manylinux (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 ...): msgspec granian llguidance gguf tomli_w zstandard brotli prometheus-client fla-core
-# einops typer rich (llguidance needs --platform manylinux_2_31_x86_64).
+# einops typer rich, and typer 0.29's pydantic pydantic_core annotated-types typing-inspection annotated-doc shellingham
+# typing_extensions (llguidance needs --platform manylinux_2_31_x86_64; without pydantic the CLI, hence export, fails).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -76,6 +77,10 @@ fi
 if [[ $PARTS == *gemv* ]]; then
   timeout ${GEMV_S:-240} python3 benchmarks/gpu_gemv.py ${GEMV_ARGS:-} > "$OUT/gemv.log" 2>&1
   echo "== gemv rc $?"; grep -v "^W1\|Warning" "$OUT/gemv.log" | tail -70
+fi
+if [[ $PARTS == *promptstep* ]]; then  # where a prompt step's fixed cost goes (issue 22's served load)
+  timeout ${PROMPTSTEP_S:-200} python3 benchmarks/gpu_prompt_step.py ${PROMPTSTEP_ARGS:-} > "$OUT/prompt_step.log" 2>&1
+  echo "== promptstep rc $?"; grep -v "^W1\|Warning" "$OUT/prompt_step.log" | head -${PROMPTSTEP_HEAD:-90}
 fi
 if [[ $PARTS == *host* ]]; then
   timeout ${HOST_S:-120} python3 benchmarks/gpu_decode.py --host-profile > "$OUT/host.log" 2>&1
