@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+import pytest
 import torch
 
 from helios.engine.config import SchedulerConfig
@@ -208,7 +210,27 @@ def check_batched_equals_alone(core, prompts: list[list[int]], engine=make_engin
     alone = engine(core, max_concurrency=1, budget=alone_budget, chunk=alone_chunk) if one_alone_engine else None
     for r in reqs:
         single = alone if alone is not None else engine(core, max_concurrency=1, budget=alone_budget, chunk=alone_chunk)
-        assert together[r.req_id] == generate(single, [r])[r.req_id], r.req_id
+        got = generate(single, [r])[r.req_id]
+        if together[r.req_id] != got:
+            pytest.fail(f"{r.req_id}: {divergence(together[r.req_id], got, single, r)}")
+
+
+def divergence(together: list[int], alone: list[int], engine: EngineCore, req: EngineRequest) -> str:
+    """Where two greedy runs part, and how close the alone run's choice was there: its top-2 logprob gap (run again
+    with logprobs; a gap near the dtype's rounding says the runs differ by summation order, not by a wrong row)."""
+    k = next(i for i, (a, b) in enumerate(zip(together, alone)) if a != b)
+    sampling = msgspec.structs.replace(req.sampling, logprobs=2)
+    probe = msgspec.structs.replace(req, req_id=req.req_id + "-lp", sampling=sampling)
+    engine.add_request(probe)
+    records = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            records.extend(o.logprobs or [])
+    record = records[k]
+    top = sorted({t.token_id: t for t in (record.token, *record.alternatives)}.values(), key=lambda t: -t.logprob)
+    gap = top[0].logprob - top[1].logprob if len(top) > 1 else float("inf")
+    return (f"output {k} of {len(alone)}: together {together[k]}, alone {alone[k]} (alone's top-2 logprob gap there "
+            f"{gap:.3e}; together {together[:k + 2]}, alone {alone[:k + 2]})")
 
 
 def check_second_turn(core, first_ids: list[int], next_ids: list[int]) -> EngineCore:
