@@ -451,8 +451,11 @@ def gated_delta_rule(
     query_start_loc: torch.Tensor,  # [B + 1]
     starts: torch.Tensor,  # [B]
     chunk_size: int = 64,
+    cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, Hv, dv] in q's dtype
     """The gated delta rule over a varlen batch; q/k l2-normalised inside (eps 1e-6), q scaled by dk**-0.5.
+    cu_seqlens: query_start_loc as int64 on the device and on the host, made once per step for every layer
+    (helios.layers.linear_attention.fla_cu_seqlens); None: a device copy made here, and fla's device sync.
 
     T == B (every sequence one token, as every sequence has at least one): the slot-indexed decode kernel, graph-safe.
     Otherwise fla's chunk_gated_delta_rule (fla-core 0.6.0, CUDA only; not graph-safe: it reads the chunk layout
@@ -477,20 +480,26 @@ def gated_delta_rule(
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunked_by_slot(chunk_gated_delta_rule, q, k, v, g, beta, state, slots, query_start_loc, starts,
-                           chunk_size)
+                           chunk_size, cu_seqlens)
 
 
-def chunked_by_slot(chunk_fn, q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size):
-    """fla's varlen chunk_fn on the states gathered by slot (zeros where fresh), the final states scattered back."""
+def chunked_by_slot(chunk_fn, q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size,
+                    cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """fla's varlen chunk_fn on the states gathered by slot (zeros where fresh), the final states scattered back.
+    cu_seqlens: (device, host) int64 query_start_loc of this step, shared by its layers (gated_delta_rule's)."""
     num_seqs, dk = slots.shape[0], q.shape[2]
     index = slots.to(torch.int64)
     fresh = (starts == 0).view(num_seqs, 1, 1, 1)
     initial = torch.where(fresh, 0.0, state.index_select(0, index))  # never reads a fresh slot's garbage (NaN)
-    # NOTE: a fresh copy each call: fla memoizes its chunk layout by the identity of cu_seqlens
-    cu_seqlens = query_start_loc.to(torch.int64, copy=True)
+    # NOTE: fla memoizes its chunk layout by the identity of cu_seqlens (and cu_seqlens_cpu): never hand it a buffer
+    # rewritten in place. Without the step's pair, a fresh copy each call, whose layout fla builds again with a
+    # device sync (its repeat_interleave over device counts reads their sum on the host): once a layer, which
+    # left the GPU idle between a prefill's layers
+    device_cu, host_cu = cu_seqlens if cu_seqlens is not None else (query_start_loc.to(torch.int64, copy=True), None)
     o, final = chunk_fn(
         q[None], k[None], v[None], g[None], beta[None], scale=dk**-0.5, initial_state=initial,
-        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=device_cu, cu_seqlens_cpu=host_cu,
+        chunk_size=chunk_size,
     )
     state.index_copy_(0, index, final.to(state.dtype))
     return o[0]

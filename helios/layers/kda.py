@@ -17,7 +17,7 @@ from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent as ops
 from helios.layers.attention import AttentionMetadata
 from helios.layers.linear import Linear, Stacked, meta_parameter
-from helios.layers.linear_attention import RecurrentMixer, sequence_starts, sequence_starts_device
+from helios.layers.linear_attention import RecurrentMixer, fla_cu_seqlens, sequence_starts, sequence_starts_device
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -97,4 +97,4 @@ class KimiDeltaAttention(RecurrentMixer):
         q, k, v = self._heads(mixed)
         g, beta = ops.kimi_delta_gates(f, b, self.A_log, self.dt_bias, c.gate_lower_bound)
         return kda.kda_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
-                            chunk_size=c.chunk_size)
+                            chunk_size=c.chunk_size, cu_seqlens=fla_cu_seqlens(meta))

@@ -28,6 +28,17 @@ def sequence_starts(meta: AttentionMetadata) -> list[int]:
     return starts
 
 
+def fla_cu_seqlens(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # [B + 1] int64 each
+    """query_start_loc as flash-linear-attention's varlen kernels take it, on the device and on the host, derived
+    once per step: fla memoizes its chunk layout by these tensors' identity, so every recurrent layer of the step
+    finds it built, and the host copy (from the metadata's host list: no sync) spares the build its device sync."""
+    pair = meta.derived.get("fla_cu_seqlens")
+    if pair is None:
+        host = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64)
+        pair = meta.derived["fla_cu_seqlens"] = (meta.query_start_loc.to(torch.int64, copy=True), host)
+    return pair
+
+
 def sequence_starts_device(meta: AttentionMetadata) -> torch.Tensor:  # [B] int64, on the metadata's device
     """sequence_starts from the device tensors (no host sync: graph-safe), derived once per step: the position of
     each sequence's first token this step. A decode step (one token per sequence) launches nothing for it.
@@ -133,4 +144,4 @@ class GatedDeltaNet(RecurrentMixer):
         q, k, v = self._heads(mixed)
         g, beta = self._gates(a, b)
         return gated_delta.gated_delta_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
-                                            chunk_size=self.config.chunk_size)
+                                            chunk_size=self.config.chunk_size, cu_seqlens=fla_cu_seqlens(meta))

@@ -347,9 +347,12 @@ def test_chunked_prefill_glue_gathers_and_scatters_by_slot():
     hf = _hf()
 
     def fake_fla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                 chunk_size):
+                 cu_seqlens_cpu, chunk_size):
         assert scale == q.shape[-1] ** -0.5 and output_final_state and use_qk_l2norm_in_kernel
         assert cu_seqlens.dtype == torch.int64 and initial_state.shape[0] == len(cu_seqlens) - 1
+        assert cu_seqlens_cpu is None or (cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu,
+                                                                                              cu_seqlens.cpu()))
+        calls.append((cu_seqlens, cu_seqlens_cpu))
         outs, finals = [], []
         bounds = cu_seqlens.tolist()
         for i in range(len(bounds) - 1):
@@ -367,11 +370,17 @@ def test_chunked_prefill_glue_gathers_and_scatters_by_slot():
     g = -torch.rand(T, hv, generator=torch.Generator().manual_seed(4))
     beta = torch.rand(T, hv, generator=torch.Generator().manual_seed(5))
     state = _garbage_fresh(_randn(batch.num_slots, hv, dk, dv, device="cpu", seed=6), batch)
-    ours, ref = state.clone(), state.clone()
-    o = chunked_by_slot(fake_fla, q, k, v, g, beta, ours, batch.slots, batch.query_start_loc, batch.starts, 64)
+    ref = state.clone()
     o_ref = gated_delta_rule_ref(q, k, v, g, beta, ref, batch.slots, batch.query_start_loc, batch.starts)
-    torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
-    _state_close(ours, ref, batch, torch.float32, "cpu", "state")
+    # the step's (device, host) pair, as fla_cu_seqlens derives it once for every layer of a step, or none
+    qsl = batch.query_start_loc
+    calls = []
+    for pair in (None, (qsl.to(torch.int64, copy=True), torch.tensor(qsl.tolist(), dtype=torch.int64))):
+        ours = state.clone()
+        o = chunked_by_slot(fake_fla, q, k, v, g, beta, ours, batch.slots, qsl, batch.starts, 64, pair)
+        torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
+        _state_close(ours, ref, batch, torch.float32, "cpu", "state")
+    assert calls[1][0] is pair[0] and calls[1][1] is pair[1]  # the same tensors: fla's layout cache hits
 
 
 # --- packaging: fla stays optional at import time ---------------------------------------------------------------

@@ -156,3 +156,25 @@ def test_layer_from_the_ops_matches_hf(family, dtype, tol):
         got[1].append(out[n[0] :])
     for rows, exp in zip(got, expected):
         torch.testing.assert_close(torch.cat(rows), exp, atol=tol * scale, rtol=tol)
+
+
+def test_fla_cu_seqlens_are_derived_once_a_step_on_both_sides():
+    """The recurrent layers' fla calls of one step share one (device, host) int64 query_start_loc pair (fla
+    memoizes its chunk layout by their identity; the host side spares it a device sync); the next step's metadata
+    makes its own (never a buffer rewritten in place)."""
+    from helios.layers.attention import AttentionMetadata
+    from helios.layers.linear_attention import fla_cu_seqlens
+
+    def meta(qsl):
+        t = torch.tensor(qsl, dtype=torch.int32)
+        return AttentionMetadata(positions=torch.arange(qsl[-1]), slot_mapping=torch.arange(qsl[-1]),
+                                 query_start_loc=t, seq_lens=t[1:] - t[:-1], block_tables=torch.zeros(2, 1),
+                                 query_start_loc_cpu=list(qsl), seq_lens_cpu=[3, 5])
+
+    step = meta([0, 3, 8])
+    device_cu, host_cu = fla_cu_seqlens(step)
+    assert fla_cu_seqlens(step)[0] is device_cu and fla_cu_seqlens(step)[1] is host_cu
+    assert device_cu.dtype == host_cu.dtype == torch.int64 and host_cu.device.type == "cpu"
+    assert device_cu.tolist() == host_cu.tolist() == [0, 3, 8]
+    assert device_cu.data_ptr() != step.query_start_loc.data_ptr()
+    assert fla_cu_seqlens(meta([0, 3, 8]))[0] is not device_cu
