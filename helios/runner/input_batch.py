@@ -11,7 +11,7 @@ position of a request that wants prompt logprobs.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -174,8 +174,12 @@ def prepare_batch(
     """scratch_slot: a hybrid model's state row for sequences the engine gave none (forward_logits); None when
     the model keeps no state. context: an n-gram model's (count, pad id) of context tokens per sequence
     (qwen4_exp's PLE), None for any other model. window: the window of the page group whose tables arrive in
-    group_block_ids (ModelRunner.window), None for a model of one group."""
+    group_block_ids (ModelRunner.window), None for a model of one group.
+    On CUDA every tensor is made on the host and moved in one asynchronous copy per dtype (upload)."""
     layout = layout or layout_batch(scheduled, requests, page_size)
+    if torch.device(device).type == "cuda":
+        return _to_device(prepare_batch(scheduled, requests, page_size, "cpu", layout, scratch_slot, context, window),
+                          device)
     token_ids, query_start_loc, seq_lens = layout.token_ids, layout.query_start_loc, layout.seq_lens
 
     num_seqs = len(scheduled)
@@ -207,6 +211,61 @@ def prepare_batch(
         logits_indices=torch.tensor(layout.logits_indices, dtype=torch.int64, device=device),
         rows=layout.rows,
     )
+
+
+_META_TENSORS = ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables", "state_slots",
+                 "context_token_ids")
+
+
+def _to_device(batch: PreparedBatch, device) -> PreparedBatch:
+    """A batch prepared on the host, its tensors moved to `device` by upload."""
+    meta = batch.meta
+    names = [name for name in _META_TENSORS if getattr(meta, name) is not None]
+    groups = list(meta.window_groups.items())
+    tensors = [getattr(meta, name) for name in names] + [t for _, pair in groups for t in pair]
+    moved = upload(tensors + [batch.token_ids, batch.logits_indices], device)
+    at = len(names)
+    window_groups = {w: (moved[at + 2 * i], moved[at + 2 * i + 1]) for i, (w, _) in enumerate(groups)}
+    meta = replace(meta, **dict(zip(names, moved)), window_groups=window_groups, derived={})
+    return replace(batch, token_ids=moved[-2], meta=meta, logits_indices=moved[-1])
+
+
+def upload(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host tensors on a CUDA device: one pinned staging buffer and one asynchronous copy per dtype (stage), each
+    tensor a view of its dtype's device buffer (same shape and values, 16-byte aligned).
+
+    NOTE: a copy from pageable memory (torch.tensor(list, device=...), .to(device)) synchronizes the stream: an
+    eager forward whose inputs were made so waited for every kernel queued before it (in a mixed step the decode
+    rows' speculative replay, a whole decode step), and the GPU then waited for the host to launch the forward.
+    From pinned memory with non_blocking the copies queue behind that work and the host goes on launching; the
+    caching host allocator holds each staging buffer until its copy has run."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for staged, places in stage(tensors, pin=True):
+        moved = staged.to(device, non_blocking=True)
+        for i, offset in places:
+            out[i] = moved[offset : offset + tensors[i].numel()].view(tensors[i].shape)
+    return out
+
+
+def stage(tensors: list[torch.Tensor], pin: bool) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
+    """The tensors packed per dtype: (buffer, [(tensor index, element offset)]), in first-seen dtype order; every
+    offset a multiple of 16 bytes, so a view at it keeps the alignment Triton specializes pointer arguments on (a
+    misaligned one would launch another compiled variant than the precompiled kernels)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    packed = []
+    for dtype, members in by_dtype.items():
+        align = max(1, 16 // dtype.itemsize)
+        places, total = [], 0
+        for i in members:
+            places.append((i, total))
+            total += round_up(tensors[i].numel(), align)
+        staged = torch.empty(total, dtype=dtype, pin_memory=pin)
+        for i, offset in places:
+            staged[offset : offset + tensors[i].numel()].copy_(tensors[i].reshape(-1))
+        packed.append((staged, places))
+    return packed
 
 
 def _state_slots(scheduled: list[ScheduledRequest], device, scratch_slot: int | None) -> dict:
