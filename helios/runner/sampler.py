@@ -107,7 +107,25 @@ class SamplerState:
 def _token_index(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:
         raise ValueError(f"token id outside the vocabulary of {vocab_size}")
-    return torch.tensor(token_ids, dtype=torch.int64, device=device)
+    return device_tensor(token_ids, torch.int64, device)
+
+
+def device_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.tensor(values, dtype) on `device` (to_device)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; on CUDA through pinned memory, asynchronously.
+
+    NOTE: a copy from pageable memory synchronizes the stream, so a sampling parameter or row index made so
+    waited for the step's whole forward (its graph) before the host could go on; the decode overlap launches the
+    next step only after the draw is enqueued, so every sampled (temperature > 0), biased or constrained step
+    lost it. The caching host allocator keeps the pinned copy until its transfer has run."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def rowwise(x: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # x: [rows, ...]
@@ -125,7 +143,7 @@ def rowwise(x: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torc
 
 
 def _param_tensor(values: list, device: torch.device, dtype=torch.float32) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
+    return device_tensor(values, dtype, device)
 
 
 TOP_P_WINDOW = 1024  # top-p first looks for its cutoff among this many largest logits of a row
@@ -201,7 +219,7 @@ def _min_p(
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:  # [len(rows), vocab]: x itself when all rows
-    return x if len(rows) == x.shape[0] else x[torch.tensor(rows, device=x.device)]
+    return x if len(rows) == x.shape[0] else x[device_tensor(rows, torch.int64, x.device)]
 
 
 def _with_rows(x: torch.Tensor, rows: list[int], values: torch.Tensor, *, owned: bool) -> torch.Tensor:
@@ -210,7 +228,7 @@ def _with_rows(x: torch.Tensor, rows: list[int], values: torch.Tensor, *, owned:
         return values
     if not owned:
         x = x.clone()
-    x[torch.tensor(rows, device=x.device)] = values
+    x[device_tensor(rows, torch.int64, x.device)] = values
     return x
 
 
@@ -282,18 +300,19 @@ def draw_logits(
         values = torch.tensor([v for i in biased for _, v in biases[i]], dtype=out.dtype)
         row_ids, token_ids = zip(*index)
         # NOTE: one indexed add: a row's ids are distinct (resolve_sampling merged duplicates)
-        out.index_put_((torch.tensor(row_ids, device=out.device), torch.tensor(token_ids, device=out.device)),
-                       values.to(out.device), accumulate=True)
+        out.index_put_((device_tensor(row_ids, torch.int64, out.device),
+                        device_tensor(token_ids, torch.int64, out.device)), to_device(values, out.device),
+                       accumulate=True)
     if rows:
         num_words = (vocab + 31) // 32
         packed = bytearray(4 * num_words * len(rows))
         for j, i in enumerate(rows):
             m = masks[i][: 4 * num_words]
             packed[4 * num_words * j : 4 * num_words * j + len(m)] = m
-        words = torch.frombuffer(packed, dtype=torch.int32).view(len(rows), num_words).to(logits.device)
+        words = to_device(torch.frombuffer(packed, dtype=torch.int32).view(len(rows), num_words), logits.device)
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((words[:, :, None] >> shifts) & 1).view(len(rows), 32 * num_words)[:, :vocab].bool()
-        index = torch.tensor(rows, device=logits.device)
+        index = device_tensor(rows, torch.int64, logits.device)
         out[index] = out[index].masked_fill(~allowed, -math.inf)
     return out
 
