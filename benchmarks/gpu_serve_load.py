@@ -328,9 +328,13 @@ def served_level(url: str, server_pid: int, pool: LoadPool, streams: int, warm: 
     """One level: the load, /metrics and the server's CPU at the window's edges, then the drained state."""
     lo, hi = pool.start(streams, warm, seconds, grace, probe_every)
     time.sleep(max(0.0, lo - time.monotonic()))
+    asked = time.monotonic()
     m0, c0, t0 = metrics(url), cpu_ticks(server_pid), time.monotonic()
+    slow = [t0 - asked]  # a /metrics answer held up by the load skews the window's server-side figures
     time.sleep(max(0.0, hi - time.monotonic()))
+    asked = time.monotonic()
     m1, c1, t1 = metrics(url), cpu_ticks(server_pid), time.monotonic()
+    slow.append(t1 - asked)
     r = pool.collect()
     after = metrics(url)
     for _ in range(100):  # in-flight requests finished with the clients; the engine releases at its next step
@@ -355,6 +359,7 @@ def served_level(url: str, server_pid: int, pool: LoadPool, streams: int, warm: 
         and after["free_pages"] == after["total_pages"],
         "pages": f"free {after['free_pages']}/{after['total_pages']}, active {after['active']}, pending "
                  f"{after['pending']}, admission in use {after['http_admission_in_use']}",
+        "metrics_s": max(slow),
     }
 
 
@@ -366,7 +371,8 @@ def level_line(api: str, n: int, r: dict, engine: float) -> str:
             f"TTFT {r['probe'][0] * 1e3:.0f}/{r['probe'][1] * 1e3:.0f} ms, decode batch {r['batch']:.1f}, graph busy "
             f"{r['busy']:.0%}, forward passes {r['launches']}, prefix-reused tokens {r['reused']}, server CPU in "
             f"cores: {r['server_cpu']}, client processes' CPU {r['client_cpu']:.0%} each, "
-            f"{'OK' if r['pages_ok'] else 'LEAK'} ({r['pages']})")
+            f"{'OK' if r['pages_ok'] else 'LEAK'} ({r['pages']})"
+            + (f", /metrics answered in {r['metrics_s']:.1f} s" if r["metrics_s"] > 0.5 else ""))
 
 
 def table_row(api: str, n: int, r: dict, engine: float) -> str:
@@ -479,6 +485,11 @@ def main() -> None:
                 pool.close()
     finally:
         stop_server(proc)
+    # what the server said beyond its ready line (a frontend restarted, an error), for a level that looks wrong
+    notes = [ln for ln in log.read_text(errors="replace").splitlines()
+             if re.search(r"error|warning|traceback|restart|died|exited", ln, re.IGNORECASE)]
+    if notes:
+        print(f"server log ({log}), {len(notes)} lines of note, the last 15:\n" + "\n".join(notes[-15:]), flush=True)
     print(f"\n[total {time.perf_counter() - t_start:.0f} s]\n| api | streams | served tok/s | engine tok/s | "
           "served/engine | TTFT p50/p99 ms | ITL p50/p99 ms | E2E p50/p99 s | probe TTFT p99 ms | decode batch | "
           "graph busy | requests | errors | pages |\n" + "| --- " * 14 + "|")
