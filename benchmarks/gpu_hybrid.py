@@ -64,6 +64,8 @@ def hf_config(family: str, tiny: bool = False):
             num_hidden_layers=14, layer_types=base.layer_types[:14], mlp_layer_types=base.mlp_layer_types[:14])
     else:
         raise SystemExit(f"unknown family {family!r}")
+    if family in LAYERS:  # fewer layers (--layers): the first n of the pattern, e.g. to fit an 80 GB card
+        cfg = cut_layers(cfg, LAYERS[family])
     if tiny:  # the same family and layer pattern, every width small
         shrink = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=24, vocab_size=30010, shared_expert_intermediate_size=32,
@@ -77,6 +79,19 @@ def hf_config(family: str, tiny: bool = False):
         d = cfg.to_dict()
         cfg = type(cfg)(**{**d, **{k: v for k, v in shrink.items() if k in d}})
     return cls, cfg
+
+
+LAYERS: dict[str, int] = {}  # --layers: family -> layer count
+
+
+def cut_layers(cfg, n: int):
+    """The config at its first n layers: num_hidden_layers and every per-layer list (layer_types, mlp_layer_types)."""
+    d = cfg.to_dict()
+    total = d["num_hidden_layers"]
+    if not 1 <= n <= total:
+        raise SystemExit(f"--layers {cfg.model_type}={n}: between 1 and {total}")
+    cut = {k: v[:n] for k, v in d.items() if isinstance(v, list) and len(v) == total}
+    return type(cfg)(**{**d, **cut, "num_hidden_layers": n})
 
 
 def hf_model(family: str, device: str = "cuda", tiny: bool = False):
@@ -397,7 +412,12 @@ def main() -> None:
                         "';'-separated, each space-separated NAME=VALUE (e.g. 'HELIOS_PDL=1;HELIOS_PDL=1 HELIOS_GEMV=all')")
     parser.add_argument("--prefill-variants", default="", help="switch sets to time the prefill again with "
                         "(as --variants, e.g. 'HELIOS_MOE_PREFILL=grouped')")
+    parser.add_argument("--layers", default="", help="family=N pairs (comma list): the first N layers of that family's "
+                        "pattern instead of the default count (kimi_linear's 14 do not fit an 80 GB card beside HF's copy)")
     args = parser.parse_args()
+    for pair in filter(None, args.layers.split(",")):
+        family, _, count = pair.partition("=")
+        LAYERS[family] = int(count)
     print(f"switches: {SWITCHES}", flush=True)
     if args.device == "cuda":
         bandwidth, matmul = copy_bandwidth(), matmul_rate()
