@@ -551,9 +551,9 @@ def engine_timeline(runner, arch, prompt_len: int, steps: int = 16, batch: int =
     return lines
 
 
-def random_8b_runner(layers: int, max_concurrency: int = 64, max_model_len: int = 512):
-    """A CUDA ModelRunner of the 8B llama shape cut to `layers` layers, random bf16 weights made on the device.
-    Returns (runner, arch)."""
+def random_8b_runner(layers: int, num_pages: int = 64, max_model_len: int = 512):
+    """A CUDA ModelRunner of the 8B llama shape cut to `layers` layers, random bf16 weights made on the device, a KV
+    pool of num_pages 16-token pages. Returns (runner, arch)."""
     from helios.runner.model_runner import ModelRunner
 
     a = dict(LLAMA_8B, num_layers=layers)
@@ -573,8 +573,8 @@ def random_8b_runner(layers: int, max_concurrency: int = 64, max_model_len: int 
                   p + "mlp_norm.weight": torch.ones(h, device="cuda", dtype=torch.bfloat16),
                   p + "attn.qkv.weight": rnd(qkv, h), p + "attn.o.weight": rnd(h, a["num_heads"] * a["head_dim"]),
                   p + "mlp.gate_up.weight": rnd(2 * f, h), p + "mlp.down.weight": rnd(h, f)})
-    runner = ModelRunner(arch, t, max_concurrency, 16, device="cuda", dtype=torch.bfloat16,
-                         max_model_len=max_model_len, switches=SWITCHES)
+    runner = ModelRunner(arch, t, num_pages, 16, device="cuda", dtype=torch.bfloat16, max_model_len=max_model_len,
+                         switches=SWITCHES)
     return runner, arch
 
 

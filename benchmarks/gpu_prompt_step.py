@@ -40,8 +40,9 @@ def engine_for(runner, decodes: int) -> EngineCore:
                              page_size=runner.page_size, num_pages=runner.num_pages, max_model_len=4096)
     engine = EngineCore(config, runner)
     params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    vocab = runner.arch.vocab_size
     for r in range(decodes):
-        ids = [(r * 31 + j) % 30000 + 10 for j in range(128)]
+        ids = [(r * 31 + j) % (vocab - 10) + 10 for j in range(128)]
         engine.add_request(EngineRequest(req_id=f"d{r}", prompt_token_ids=ids, sampling=params))
     for _ in range(8):
         engine.step()
@@ -53,10 +54,11 @@ def timed_steps(engine: EngineCore, n: int, reps: int, serial: list[int], profil
     steps between them (three after each)."""
     mixed, plain = [], []
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = engine.runner.arch.vocab_size
     last = time.perf_counter()
     for _ in range(reps):
         serial[0] += 1
-        ids = [(serial[0] * 7 + j) % 30000 + 10 for j in range(n)]
+        ids = [(serial[0] * 7 + j) % (vocab - 10) + 10 for j in range(n)]
         engine.add_request(EngineRequest(req_id=f"p{serial[0]}", prompt_token_ids=ids, sampling=params))
         if profiler is not None:
             profiler.enable()
@@ -84,7 +86,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=30)
     args = parser.parse_args()
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
-    runner, _ = random_8b_runner(args.layers, max_concurrency=args.decodes + 1, max_model_len=4096)
+    # every decoding request grows by a token a step (~300 steps here) beside prompts of up to 1024 tokens
+    runner, _ = random_8b_runner(args.layers, num_pages=args.decodes * 32 + 128, max_model_len=4096)
     engine = engine_for(runner, args.decodes)
     serial = [0]
     timed_steps(engine, 16, 4, serial)  # warm: every prompt size's kernels
