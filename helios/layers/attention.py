@@ -19,6 +19,7 @@ from torch import nn
 from helios.layers.linear import Linear, meta_parameter
 from helios.layers.norm import RMSNorm, norm_rotate_heads
 from helios.layers.rotary import apply_rotary
+from helios.layers.transfer import device_tensor
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -71,6 +72,16 @@ class AttentionMetadata:
             self.derived[key] = replace(self, block_tables=group[0], slot_mapping=group[1], window_groups={},
                                         derived={})
         return self.derived[key]
+
+
+def single_rows(meta: AttentionMetadata, seqs: list[int], device: torch.device) -> torch.Tensor:  # [len(seqs)] int64
+    """The token rows of the one-token sequences `seqs` of a mixed step, on the device once per step for every layer
+    (helios.layers.transfer: no stream sync)."""
+    key = ("single_rows", tuple(seqs))
+    if key not in meta.derived:
+        qsl = meta.query_start_loc_cpu
+        meta.derived[key] = device_tensor([qsl[i] for i in seqs], torch.int64, device)
+    return meta.derived[key]
 
 
 class AttentionBackend(Protocol):
@@ -131,7 +142,7 @@ class TorchAttentionBackend:
         rows = decode_rows(meta) if batched else ()
         if rows:
             blocks, bias = decode_layout(meta, page_size, sliding_window, rows)
-            tokens = torch.tensor([qsl[i] for i in rows], device=q.device)
+            tokens = single_rows(meta, list(rows), q.device)
             out.index_copy_(0, tokens, decode_attention(q.index_select(0, tokens), kv_cache, blocks, bias, scale,
                                                         sinks))
         for i, seq_len in enumerate(meta.seq_lens_cpu):
@@ -180,8 +191,8 @@ def decode_layout(
         width = meta.block_tables.shape[1]
         cols = [[min(f + j, width - 1) for j in range(num_blocks)] for f in first]
         device = meta.block_tables.device
-        tables = meta.block_tables if rows is None else meta.block_tables[torch.tensor(rows, device=device)]
-        blocks = tables.gather(1, torch.tensor(cols, device=device)).long()
+        tables = meta.block_tables if rows is None else meta.block_tables[device_tensor(rows, torch.int64, device)]
+        blocks = tables.gather(1, device_tensor(cols, torch.int64, device)).long()
         key_pos = torch.tensor(first)[:, None] * page_size + torch.arange(num_blocks * page_size)  # [B, S]
         lens = torch.tensor(seq_lens)[:, None]
         allowed = key_pos < lens

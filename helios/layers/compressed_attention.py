@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from helios.core.manifest import CompressedAttentionConfig
-from helios.layers.attention import AttentionBackend, AttentionMetadata
+from helios.layers.attention import AttentionBackend, AttentionMetadata, single_rows
 from helios.layers.linear import Linear, meta_parameter
 from helios.layers.norm import RMSNorm, rms_norm
 from helios.layers.rotary import RotaryEmbedding
+from helios.layers.transfer import device_tensor
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -210,8 +211,8 @@ def _batch_layout(meta: AttentionMetadata, window: AttentionMetadata, seqs: list
     if key not in meta.derived:
         device = meta.block_tables.device
         ends = [meta.seq_lens_cpu[i] - cut for i in seqs]
-        lens = torch.tensor(ends, device=device)[:, None]
-        index = torch.tensor(seqs, device=device)
+        lens = device_tensor(ends, torch.int64, device)[:, None]
+        index = device_tensor(seqs, torch.int64, device)
         meta.derived[key] = (max(ends), lens, meta.block_tables[index], window.block_tables[index],
                              lens - num_queries + torch.arange(num_queries, device=device))
     return meta.derived[key]
@@ -364,7 +365,7 @@ class CompressedAttention(nn.Module):
                     self._write_entries(rows, entries, window.block_tables[i], meta.block_tables[i], page_size,
                                         seq_len - lengths[i], seq_len, compress_rope)
         singles = [i for i, n in enumerate(lengths) if n == 1]
-        groups = [(singles, torch.tensor([qsl[i] for i in singles], device=q.device))] if singles else []
+        groups = [(singles, single_rows(meta, singles, q.device))] if singles else []
         groups += [([i], torch.arange(qsl[i], qsl[i + 1], device=q.device)) for i, n in enumerate(lengths) if n > 1]
         out = torch.empty_like(q)
         for seqs, at in groups:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helios.core.manifest import DsaConfig, MlaConfig
-from helios.layers.attention import AttentionBackend, AttentionMetadata
+from helios.layers.attention import AttentionBackend, AttentionMetadata, single_rows
 from helios.layers.linear import Linear, meta_parameter
 from helios.layers.mla import MlaAttention, decode_latent_layout, mla_absorbed, mla_expanded, write_latent
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -113,7 +113,7 @@ def dsa_attention(
     out = q.new_empty(q.shape[0], q.shape[1], config.v_head_dim)
     singles = [i for i, n in enumerate(lengths) if n == 1]
     if singles:
-        rows = torch.tensor([qsl[i] for i in singles], device=q.device)
+        rows = single_rows(meta, singles, q.device)
         blocks, bias = decode_latent_layout(meta, singles, page_size)
         bias = bias.clone()
         for j, i in enumerate(singles):

@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from helios.core.manifest import MlaConfig
-from helios.layers.attention import AttentionBackend, AttentionMetadata
+from helios.layers.attention import AttentionBackend, AttentionMetadata, single_rows
 from helios.layers.linear import Linear, linear
 from helios.layers.norm import RMSNorm
 from helios.layers.rotary import apply_rotary
+from helios.layers.transfer import device_tensor, to_device
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -138,10 +139,10 @@ def decode_latent_layout(
         lens = [meta.seq_lens_cpu[i] for i in seqs]
         num_blocks = max(-(-n // page_size) for n in lens)
         device = meta.block_tables.device
-        blocks = meta.block_tables[torch.tensor(seqs, device=device), :num_blocks].long()
+        blocks = meta.block_tables[device_tensor(seqs, torch.int64, device), :num_blocks].long()
         allowed = torch.arange(num_blocks * page_size)[None, :] < torch.tensor(lens)[:, None]
         bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-        meta.derived[key] = (blocks, bias[:, None, :].to(device))
+        meta.derived[key] = (blocks, to_device(bias[:, None, :], device))
     return meta.derived[key]
 
 
@@ -167,7 +168,7 @@ def mla_attention(
     out = q.new_empty(q.shape[0], q.shape[1], config.v_head_dim)
     singles = [i for i, n in enumerate(lengths) if n == 1]
     if singles:
-        rows = torch.tensor([qsl[i] for i in singles], device=q.device)
+        rows = single_rows(meta, singles, q.device)
         if backend is not None:
             tables, lens = decode_rows_layout(meta, singles)
             splits = _decode_splits(backend, max(meta.seq_lens_cpu[i] for i in singles), len(singles), q)
@@ -191,7 +192,7 @@ def decode_rows_layout(meta: AttentionMetadata, seqs: list[int]) -> tuple[torch.
     (the kernel's inputs), gathered once per step and shared by every MLA layer."""
     key = ("mla_decode_rows", tuple(seqs))
     if key not in meta.derived:
-        index = torch.tensor(seqs, device=meta.block_tables.device)
+        index = device_tensor(seqs, torch.int64, meta.block_tables.device)
         meta.derived[key] = (meta.block_tables[index], meta.seq_lens[index])
     return meta.derived[key]
 

@@ -16,6 +16,7 @@ import torch
 
 from helios.engine.messages import SamplingParams
 from helios.kernels._triton import HAS_TRITON, interpret_mode
+from helios.layers.transfer import device_tensor, to_device
 from helios.runner.penalties import apply_penalties
 
 GREEDY_TEMPERATURE = 1e-5  # below this temperature a request is sampled greedily (argmax)
@@ -108,24 +109,6 @@ def _token_index(token_ids: Sequence[int], vocab_size: int, device: torch.device
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:
         raise ValueError(f"token id outside the vocabulary of {vocab_size}")
     return device_tensor(token_ids, torch.int64, device)
-
-
-def device_tensor(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.tensor(values, dtype) on `device` (to_device)."""
-    return to_device(torch.tensor(values, dtype=dtype), device)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; on CUDA through pinned memory, asynchronously.
-
-    NOTE: a copy from pageable memory synchronizes the stream, so a sampling parameter or row index made so
-    waited for the step's whole forward (its graph) before the host could go on; the decode overlap launches the
-    next step only after the draw is enqueued, so every sampled (temperature > 0), biased or constrained step
-    lost it. The caching host allocator keeps the pinned copy until its transfer has run."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.is_cuda:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def rowwise(x: torch.Tensor, op: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # x: [rows, ...]

@@ -90,3 +90,18 @@ def test_the_pinned_copies_give_the_host_batch():
     assert batch.token_ids.is_cuda and batch.meta.block_tables.is_cuda
     for name, value in flat(batch).items():
         assert torch.equal(value, host[name]), name
+
+
+def test_a_mixed_steps_single_rows_are_made_once_for_every_layer():
+    """attention.single_rows: the token rows of a mixed step's one-token sequences, derived once per step (every MLA,
+    DSA, compressed or torch-backend layer reads the same tensor) and moved without a stream sync (transfer)."""
+    from helios.layers.attention import single_rows
+    from helios.layers.transfer import device_tensor, to_device
+
+    meta = prepare_batch(scheduled(), requests(), PAGE).meta  # "a" a 3-token chunk at rows 0-2, "b" one token at 3
+    rows = single_rows(meta, [1], torch.device("cpu"))
+    assert rows.tolist() == [3] and rows.dtype == torch.int64
+    assert single_rows(meta, [1], torch.device("cpu")) is rows
+    assert torch.equal(device_tensor([1, 2], torch.int32, "cpu"), torch.tensor([1, 2], dtype=torch.int32))
+    t = torch.arange(4)
+    assert to_device(t, "cpu") is t
