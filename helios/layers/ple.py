@@ -21,6 +21,7 @@ from helios.layers.hyper_connections import grouped_rms_norm
 from helios.layers.linear import Embedding, Linear, Stacked
 from helios.layers.linear_attention import sequence_starts
 from helios.layers.norm import RMSNorm
+from helios.layers.transfer import device_tensor
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -36,13 +37,13 @@ def ngram_token_ids(
     lengths = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
     device = token_ids.device
     # one buffer of each sequence's context rows, then its tokens: [T + B*(n-1)]
-    seq_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device),
-                                      output_size=num_tokens)
+    seq_ids = torch.repeat_interleave(torch.arange(len(lengths), device=device),
+                                      device_tensor(lengths, torch.int64, device), output_size=num_tokens)
     rows = torch.arange(num_tokens, device=device) + width * (seq_ids + 1)
     buf = torch.empty(num_tokens + len(lengths) * width, dtype=torch.int64, device=device)
     buf[rows] = token_ids
-    context_rows = (torch.tensor(query_start_loc[:-1], device=device) + width * torch.arange(len(lengths),
-                                                                                              device=device))
+    context_rows = (device_tensor(query_start_loc[:-1], torch.int64, device)
+                    + width * torch.arange(len(lengths), device=device))
     buf[(context_rows[:, None] + torch.arange(width, device=device)).flatten()] = context.flatten()
     columns, seen = [token_ids], torch.zeros(num_tokens, dtype=torch.bool, device=device)
     for back in range(1, width + 1):
