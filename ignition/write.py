@@ -7,7 +7,6 @@ order, JSON headers with sorted keys, no timestamps, no absolute paths.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -109,18 +108,10 @@ def _prepend(head: bytes, data_path: Path, out_path: Path, chunk: int = COPY_CHU
     data_path.unlink()
 
 
-def sha256_path(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def digest_files(root: Path) -> list[FileDigest]:
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
     return [
-        FileDigest(path=p.relative_to(root).as_posix(), size=p.stat().st_size, sha256=sha256_path(p))
+        FileDigest(path=p.relative_to(root).as_posix(), size=p.stat().st_size, sha256=digest_stamps.sha256(p))
         for p in files
     ]
 

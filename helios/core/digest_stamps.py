@@ -67,9 +67,9 @@ def record(path: Path, digest: str, before: os.stat_result, started: float) -> b
         now = os.stat(path)
     except OSError:
         return False
-    if _key(now) != _key(before) or before.st_mtime_ns > (started - RACY_S) * 1e9:
-        return False
     key = _key(now)
+    if key != _key(before) or before.st_mtime_ns > (started - RACY_S) * 1e9:
+        return False
     kept = [k for k in _stamps(digest) if k != key][-(MAX_STAMPS - 1):] + [key]
     folder = stamp_dir()
     try:
@@ -84,8 +84,8 @@ def record(path: Path, digest: str, before: os.stat_result, started: float) -> b
 
 
 def sha256(path: Path, expected: str | None = None) -> str:
-    """The file's sha256; `expected` when the file carries a stamp of it (no read). A file that hashes to
-    `expected` is stamped for the next time."""
+    """The file's sha256 (the one file hasher of helios and ignition's core writer); `expected` when the file
+    carries a stamp of it (no read). A file that hashes to `expected` is stamped for the next time."""
     if expected is not None and is_stamped(path, expected):
         return expected
     before, started = os.stat(path), time.time()

@@ -6,7 +6,6 @@ format version, files or digests disagree with its manifest raises CoreError wit
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -64,14 +63,6 @@ def read_manifest(path: Path) -> Manifest:
         return decode_manifest(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise CoreError(f"{manifest_path}: invalid manifest: {exc}") from None
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_files(path: Path, manifest: Manifest, digests: bool = True) -> None:

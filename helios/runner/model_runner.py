@@ -551,7 +551,8 @@ class ModelRunner:
         if split is not None:
             # a mixed step whose decode rows are the pending speculation (the step before decoded the same rows,
             # and its prompts arrived since) takes their logits from it; else it ends the speculation
-            is_speculated = overlap is not None and overlap.take(plan, split[2], rows=split[0])
+            decode, _, decode_bucket, _ = split
+            is_speculated = overlap is not None and overlap.take(plan, decode_bucket, rows=decode)
             scheduled, layout, logits = self._run_split(*split, is_speculated=is_speculated)
         elif overlap is not None and overlap.take(plan, bucket):
             logits = self.graphs.logits_rows(layout, len(plan.scheduled))  # the speculative step's rows

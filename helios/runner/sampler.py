@@ -280,12 +280,11 @@ def draw_logits(
     out = logits.clone()
     if biased:
         index = [(i, t) for i in biased for t, _ in biases[i]]
-        values = torch.tensor([v for i in biased for _, v in biases[i]], dtype=out.dtype)
+        values = device_tensor([v for i in biased for _, v in biases[i]], out.dtype, out.device)
         row_ids, token_ids = zip(*index)
         # NOTE: one indexed add: a row's ids are distinct (resolve_sampling merged duplicates)
         out.index_put_((device_tensor(row_ids, torch.int64, out.device),
-                        device_tensor(token_ids, torch.int64, out.device)), to_device(values, out.device),
-                       accumulate=True)
+                        device_tensor(token_ids, torch.int64, out.device)), values, accumulate=True)
     if rows:
         num_words = (vocab + 31) // 32
         packed = bytearray(4 * num_words * len(rows))

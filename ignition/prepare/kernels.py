@@ -64,8 +64,6 @@ def compile_kernels(manifest: Manifest, target: str, out_dir: Path) -> tuple[Ker
 def add_kernels(core_dir: Path, target: str) -> KernelTarget:
     """Compile the kernels of the core at core_dir for target, move them into kernels/<target>/ and rewrite
     the manifest (kernel target + the new files' digests, in the writer's order)."""
-    from ignition.write import sha256_path
-
     from helios.core.manifest import decode_manifest
 
     core_dir = Path(core_dir)
@@ -83,7 +81,7 @@ def add_kernels(core_dir: Path, target: str) -> KernelTarget:
     for p in [dest.parent, dest, *dest.rglob("*")]:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
     new_files = [
-        FileDigest(path=p.relative_to(core_dir).as_posix(), size=p.stat().st_size, sha256=sha256_path(p))
+        FileDigest(path=p.relative_to(core_dir).as_posix(), size=p.stat().st_size, sha256=digest_stamps.sha256(p))
         for p in sorted(dest.rglob("*")) if p.is_file()
     ]
     for entry in new_files:  # hashed and not written since (helios/core/digest_stamps.py)
