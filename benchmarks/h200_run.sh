@@ -47,8 +47,9 @@ if [[ $PARTS == *serve* ]]; then
   timeout ${SERVE_S:-230} python3 benchmarks/gpu_serve_start.py --work /tmp/serve --out "$OUT" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1
   echo "== serve rc $?"; tail -45 "$OUT/serve.log"
 fi
-if [[ ,$PARTS, == *,load,* ]]; then  # after serve: it reuses the 8B core gpu_serve_start.py exported
-  timeout ${LOAD_S:-330} python3 benchmarks/gpu_serve_load.py --device cuda --core /tmp/serve/core-8b ${LOAD_ARGS:-} \
+if [[ ,$PARTS, == *,load,* ]]; then  # reuses the 8B core gpu_serve_start.py exported (serve part), else exports one
+  core_arg=(); [ -d /tmp/serve/core-8b ] && core_arg=(--core /tmp/serve/core-8b)
+  timeout ${LOAD_S:-330} python3 benchmarks/gpu_serve_load.py --device cuda "${core_arg[@]}" ${LOAD_ARGS:-} \
     > "$OUT/load.log" 2>&1
   echo "== load rc $?"; grep -v "^W1\|Warning" "$OUT/load.log" | tail -25
 fi

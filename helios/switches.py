@@ -55,6 +55,9 @@ DECLARED: tuple[Switch, ...] = (
     Switch("HELIOS_DECODE_OVERLAP", "decode_overlap", "bool",
            "GPU: launch the next graphed decode step before the host has read this one's tokens (speculation); "
            "off never speculates, whatever the runner's argument"),
+    Switch("HELIOS_PROMPT_GRAPHS", "prompt_graphs", "bool",
+           "GPU dense families: steps of a few short prompt chunks (<= 8 sequences, <= 512 tokens) replay a CUDA "
+           "graph per token bucket (runner/prompt_graphs.py); off runs them eagerly"),
     Switch("HELIOS_FOLD_NORMS", "fold_norms", "bool",
            "GPU batch 1: the residual add and RMSNorm ride in the GEMV of the projection after them"),
     Switch("HELIOS_FUSED_DECODE", "fused_decode", "bool",
@@ -99,6 +102,7 @@ class Switches(msgspec.Struct, frozen=True, kw_only=True):
     gemv_pdl: bool = True
     rope_table: bool = True
     decode_overlap: bool = True
+    prompt_graphs: bool = True
     fold_norms: bool = True
     fused_decode: bool = True
     defer_norms: bool = True

@@ -134,6 +134,9 @@ class LlamaForCausalLM(nn.Module):
     # elementwise ops: bits independent of the thread count (tests/runner/test_thread_invariance.py), so the
     # runner's thread policy (helios.runner.cpu_threads) may time those steps too
     prompt_steps_thread_exact = True
+    # its forward decides on shapes only (no host-side lengths): a prompt step's launches replay as a CUDA graph
+    # (helios.runner.prompt_graphs); prompt_graph_reason still keeps MoE variants (qwen3_moe) eager
+    prompt_graph_safe = True
 
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
                  dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False,

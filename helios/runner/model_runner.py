@@ -84,6 +84,7 @@ class StartupTimes:
     kernels: str = ""  # what happened to the core's precompiled kernels
     kernels_jit: int = 0  # kernels compiled (or fetched from Triton's cache) during capture
     graphs: str = ""  # why graphs are off, when they are
+    prompt_graphs: str = ""  # why small prompt steps run eagerly (runner/prompt_graphs.py), when they do
     weights: str = "as bound"  # the load step's weight rewrite: "norms folded" (helios.runner.norm_folding)
     num_draft_tensors: int = 0  # the core's MTP draft modules' tensors (Architecture.mtp): mapped, not bound
     path: str = ""  # the forward path the model picked (helios.models.llama: eager, fused, norm_free)
@@ -374,18 +375,20 @@ class ModelRunner:
         t3 = time.perf_counter()
         self.requests: dict[str, RequestState] = {}
         self.graphs = self._build_graphs(graph_plan, cuda_graphs, lazy_capture)
+        self.prompt_graphs = self._build_prompt_graphs() if switches.prompt_graphs else None
         # captures after construction (capture_pending): graphs, seconds, kernels compiled meanwhile
         self.num_background_graphs = 0
         self.background_capture_s = 0.0
         self.background_kernels_jit = 0
+        self.step_capture_s = 0.0  # of the last execute, the seconds its captures took (EngineCore._observe)
         self._step_thread: int | None = None  # the thread of the last execute: captures must run on it
         if not switches.decode_overlap or tp is not None:
             decode_overlap = False
         self.decode_overlap = is_cuda if decode_overlap is None else decode_overlap  # may be flipped between steps
         self._overlap: DecodeOverlap | None = None  # made at the first graphed step (tests attach graphs late)
         # forward passes by kind (/metrics' graph launches): a decode graph's replay, the speculative next step's
-        # replay, an eager forward (prefill, mixed batches, the CPU)
-        self.launches: dict[str, int] = {"graph": 0, "speculative": 0, "eager": 0}
+        # replay, an eager forward (prefill, mixed batches, the CPU), a small prompt step's graph (prompt_graphs.py)
+        self.launches: dict[str, int] = {"graph": 0, "speculative": 0, "eager": 0, "prompt_graph": 0}
         self.replay_gpu_ns = 0  # GPU time of completed graph replays (/metrics' replay_gpu_ns)
         # CPU decode steps pick their intra-op thread count by timing (helios.runner.cpu_threads)
         self.decode_threads = None
@@ -453,24 +456,34 @@ class ModelRunner:
 
     @property
     def has_pending_captures(self) -> bool:
-        """Whether decode buckets are left for capture_pending."""
-        return self.graphs is not None and bool(self.graphs.pending)
+        """Whether decode buckets, or prompt buckets, are left for capture_pending."""
+        return (self.graphs is not None and bool(self.graphs.pending)) or (
+            self.prompt_graphs is not None and bool(self.prompt_graphs.pending))
 
-    def capture_pending(self, bucket: int | None = None) -> bool:
-        """Capture a pending decode bucket (None: the smallest; its graph and short-sequence variant); returns
-        whether any remain. Tens of milliseconds a bucket on an 8B model: call it between steps, on the thread that
-        runs `execute` (a capture uses the steps' stream and static buffers; a pending speculative step is dropped).
-        execute itself captures a pending bucket its step needs, before running it."""
+    def capture_pending(self, bucket: int | None = None, prompt_bucket: int | None = None) -> bool:
+        """Capture a pending decode bucket (`bucket`; None: the smallest; its graph and short-sequence variant), or
+        once none is left a pending prompt bucket (`prompt_bucket`, or the smallest: runner/prompt_graphs.py);
+        returns whether any remain. Tens of milliseconds a bucket on an 8B model: call it between steps, on the
+        thread that runs `execute` (a capture uses the steps' stream and static buffers; a pending speculative step
+        is dropped). execute itself captures a pending bucket its step needs, before running it: that step's
+        capture seconds are `step_capture_s` (the engine leaves them out of the step's measured cost)."""
         if not self.has_pending_captures:
             return False
         if self._step_thread is not None and self._step_thread != threading.get_ident():
             raise RuntimeError("capture_pending must run on the thread that runs execute (the engine thread)")
         from helios.kernels.aot import JitCounter
 
-        num_graphs = self.graphs.num_graphs
         with JitCounter() as jit:
-            self.background_capture_s += self.graphs.capture_next(bucket)
-        self.num_background_graphs += self.graphs.num_graphs - num_graphs
+            if prompt_bucket is None and (bucket is not None or self.graphs.pending):
+                num_graphs = self.graphs.num_graphs
+                seconds = self.graphs.capture_next(bucket)
+                self.num_background_graphs += self.graphs.num_graphs - num_graphs
+            else:
+                num_graphs = len(self.prompt_graphs.graphs)
+                seconds = self.prompt_graphs.capture_next(prompt_bucket)
+                self.num_background_graphs += len(self.prompt_graphs.graphs) - num_graphs
+        self.background_capture_s += seconds
+        self.step_capture_s += seconds
         self.background_kernels_jit += len(jit.names)
         return self.has_pending_captures
 
@@ -521,6 +534,23 @@ class ModelRunner:
         self.startup.kernels_jit = len(jit.names)
         return graphs
 
+    def _build_prompt_graphs(self):
+        from helios.runner.prompt_graphs import prompt_graph_reason
+
+        reason = prompt_graph_reason(self.model, self.arch, self)
+        if reason is not None:
+            self.startup.prompt_graphs = reason
+            return None
+        return self.make_prompt_graphs(capture=self.graphs.records_graphs)
+
+    def make_prompt_graphs(self, *, capture: bool = True):
+        """A PromptGraphs over this runner's model and caches (capture=False: CPU tests attach it as
+        `prompt_graphs`; its `run` calls the captured function eagerly)."""
+        from helios.runner.prompt_graphs import PromptGraphs
+
+        return PromptGraphs(self.model, self.layer_caches, max_model_len=self.max_model_len, page_size=self.page_size,
+                            vocab_size=self.arch.vocab_size, device=self.device, capture=capture)
+
     # --- the step ---------------------------------------------------------------------------------
 
     def stats(self) -> RunnerStats:
@@ -530,6 +560,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self.step_capture_s = 0.0
         self._apply_plan(plan)
         if not plan.scheduled:
             if self._overlap is not None:
@@ -565,7 +596,7 @@ class ModelRunner:
             with self.decode_threads.run(len(layout.seq_lens), num_tokens):
                 logits = self._forward(scheduled, layout)
         else:
-            logits = self._forward(scheduled, layout)
+            logits = self._prompt_forward(scheduled, layout)
         if (
             bucket is not None
             and overlap is not None
@@ -630,7 +661,7 @@ class ModelRunner:
 
         NOTE: without the speculated rows every mixed step after a decode step ran the decode rows twice (the
         dropped speculation, then this graph): a whole decode step of GPU time in each step that takes prompts."""
-        rest_logits = self._forward(rest, layout_batch(rest, self.requests, self.page_size))
+        rest_logits = self._prompt_forward(rest, layout_batch(rest, self.requests, self.page_size))
         if is_speculated:
             decode_logits = self.graphs.logits_rows(decode_layout, len(decode))
         else:
@@ -716,6 +747,17 @@ class ModelRunner:
         # float32 logits for the used rows only: sampling and logprobs both read the raw distribution
         rows = hidden if len(layout.logits_indices) == hidden.shape[0] else hidden[batch.logits_indices]
         return self.model.compute_logits(rows).float()
+
+    def _prompt_forward(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> torch.Tensor:  # [N, V]
+        """A step that no decode graph holds: its prompt graph's replay where one fits (a few short chunks), else
+        the eager forward. NOTE: a replay's rows view static logits: read before the next prompt replay."""
+        bucket = self.prompt_graphs.bucket_for(scheduled, layout) if self.prompt_graphs is not None else None
+        if bucket is None:
+            return self._forward(scheduled, layout)
+        if bucket in self.prompt_graphs.pending:
+            self.capture_pending(prompt_bucket=bucket)  # its first step: capture now (one stall)
+        self.launches["prompt_graph"] += 1
+        return self.prompt_graphs.run(scheduled, layout, bucket)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         sampler_state = SamplerState(new.sampling, list(new.prompt_token_ids))

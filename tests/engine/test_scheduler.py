@@ -633,3 +633,26 @@ def test_a_decode_step_at_a_page_boundary_also_holds_the_next_page_while_pages_a
     assert len(at_boundary.block_ids) == (3 if takes else 2)
     assert all(len(d.block_ids) == 3 for d in decodes[1:])
     assert_idle(core)
+
+
+def test_a_steps_graph_capture_is_not_priced_as_its_work():
+    """A step whose runner first captured a graph (a lazy bucket's first step: runner.step_capture_s) reaches the
+    scheduler's cost fit without those seconds: priced as prompt work they put the stall budget in debt."""
+    import time
+
+    core, runner = make_core(max_concurrency=2, max_num_batched_tokens=64, prefill_chunk_size=64, num_pages=64)
+    seen = []
+    core.scheduler.observe_prefill = lambda n, seconds: seen.append(seconds)
+    execute = runner.execute
+
+    def capturing(plan):
+        runner.step_capture_s = 0.0
+        time.sleep(0.05)  # the capture
+        runner.step_capture_s = 0.05
+        return execute(plan)
+
+    runner.execute = capturing
+    core.add_request(request("a", prompt_len=12, max_tokens=1))
+    core.step()
+    assert len(seen) == 1 and seen[0] < 0.02, seen
+    run_until_idle(core)
