@@ -39,6 +39,8 @@ from helios.engine.state_pool import StatePool
 
 
 UNLIMITED = 1 << 62  # a prompt budget without a bound
+# a measured step counts as at most this many times the current cost estimate (observe_prefill, observe_decode)
+OUTLIER_FACTOR = 3.0
 
 
 class QueueFull(Exception):
@@ -443,11 +445,17 @@ class Scheduler:
         decode graph: ~30 ms of host work for an 8B model, H100), so a per-token average taken over small chunks
         prices every token at the fixed part; the prompt budget then shrinks to its floor and keeps the chunks small
         (measured, issue 22: 16 tokens a step, decode batch 16 at 256 streams). While the steps' token counts do not
-        vary enough to separate the parts, the last split stays (none yet: all per token)."""
+        vary enough to separate the parts, the last split stays (none yet: all per token).
+        A step is taken at no more than OUTLIER_FACTOR times the fit's prediction: a one-off stall inside a step (a
+        kernel's first compile, a page-in, a collection) would otherwise price every later prompt step at its size
+        and the stall budget would run those steps into debt; a real change still moves the fit that much a step."""
         if num_tokens <= 0 or seconds <= 0:
             return
+        ns = 1e9 * seconds
+        if self.prefill_ns_per_token is not None:
+            ns = min(ns, OUTLIER_FACTOR * (self.prefill_fixed_ns + num_tokens * self.prefill_ns_per_token))
         fit = self._prefill_fit
-        for i, value in enumerate((1.0, num_tokens, num_tokens * num_tokens, 1e9 * seconds, 1e9 * seconds * num_tokens)):
+        for i, value in enumerate((1.0, num_tokens, num_tokens * num_tokens, ns, ns * num_tokens)):
             fit[i] = 0.9 * fit[i] + value
         w, sn, snn, sy, sny = fit
         mean_rate = sy / sn
@@ -464,11 +472,11 @@ class Scheduler:
 
     def observe_decode(self, seconds: float) -> None:
         """A step of decodes only took `seconds`: the decode step the prompt budget is priced against (a moving
-        average)."""
+        average; a step over OUTLIER_FACTOR times it counts as that much, as in observe_prefill)."""
         if seconds <= 0:
             return
         ns, prev = 1e9 * seconds, self.decode_step_ns
-        self.decode_step_ns = ns if prev is None else 0.8 * prev + 0.2 * ns
+        self.decode_step_ns = ns if prev is None else 0.8 * prev + 0.2 * min(ns, OUTLIER_FACTOR * prev)
 
     def _prompt_budget(self) -> int:
         """The prompt tokens this step may take (running prefills and admissions together): unlimited without

@@ -65,6 +65,10 @@ class Gemma3ForCausalLM(nn.Module):
     """One forward path: torch layers around the backend's attention (the sandwich norms never fuse); with
     the pdl switch on, its one-row launches take PDL. Norm weights are never folded (gemma multiplies in float32)."""
 
+    # its forward decides on shapes only (sliding windows are the kernels' masks): a prompt step's launches replay
+    # as a CUDA graph (helios.runner.prompt_graphs) unless the runner keeps a window page group
+    prompt_graph_safe = True
+
     def __init__(self, arch: Architecture, backend: AttentionBackend, device: torch.device | str = "cpu", *,
                  dtype: torch.dtype | None = None, switches: Switches = DEFAULT_SWITCHES, norms_folded: bool = False):
         super().__init__()

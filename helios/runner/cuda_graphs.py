@@ -7,7 +7,7 @@ bucket; lazily: a few buckets at start, the rest one at a time later, a pending 
 same function eagerly) and replay (a window page group's own tables and slots beside the shared ones,
 helios/engine/kv_groups.py), including the replay of a speculative next step whose token ids come
 straight from the device (runner/decode_overlap.py). Prefill and mixed steps never come here: the runner runs
-them eagerly.
+their prompt rows eagerly, or a few short chunks through runner/prompt_graphs.py.
 Sampling and logprob extraction stay outside the graph and read its static float32 logits rows.
 Imports torch, helios.layers.attention (metadata) and helios.kernels.aot_shapes (the pinned split rule).
 """

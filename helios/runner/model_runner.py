@@ -5,7 +5,9 @@ and decodes mixed) into one token batch, run the model once, compute logits only
 are used, sample, and extract logprobs. Plain data in and out (helios.engine.messages); tensors never
 cross the boundary. Sampling and logprob extraction live in runner/sampler.py and runner/logprobs.py.
 On CUDA, decode-only steps that fit a bucket replay a CUDA graph (runner/cuda_graphs.py), and the next
-decode step is enqueued before this one's ids are read back (runner/decode_overlap.py); construction
+decode step is enqueued before this one's ids are read back (runner/decode_overlap.py); a mixed step replays its
+decode rows' graph beside its prompt rows, which a few short chunks take through a prompt graph
+(runner/prompt_graphs.py, captured lazily like the decode buckets); construction
 loads precompiled kernels, moves the weights, sizes the KV pool from free memory and captures (with
 lazy_capture, only the smallest and largest buckets: `capture_pending` takes the rest one at a time, between
 steps, and a step whose bucket is pending captures it first), and records how long each took in `startup`.
@@ -103,6 +105,8 @@ class StartupTimes:
             f"capture {self.capture_s:.2f} s ({graphs})",
             f"weights {self.weights}, {self.path or 'one'} forward path",
         ]
+        if self.prompt_graphs:
+            parts.append(f"prompt steps eager ({self.prompt_graphs})")
         if self.num_draft_tensors:
             parts.append(f"{self.num_draft_tensors} MTP draft tensors mapped, not bound")
         if self.fla_seeded:
@@ -539,7 +543,8 @@ class ModelRunner:
 
         reason = prompt_graph_reason(self.model, self.arch, self)
         if reason is not None:
-            self.startup.prompt_graphs = reason
+            if self.graphs is not None:  # else startup.graphs says why
+                self.startup.prompt_graphs = reason
             return None
         return self.make_prompt_graphs(capture=self.graphs.records_graphs)
 

@@ -656,3 +656,27 @@ def test_a_steps_graph_capture_is_not_priced_as_its_work():
     core.step()
     assert len(seen) == 1 and seen[0] < 0.02, seen
     run_until_idle(core)
+
+
+def test_a_one_off_stall_moves_the_cost_fit_by_a_bounded_step():
+    """A single step that stalls (a kernel's first compile: 100x its cost) counts as at most OUTLIER_FACTOR times the
+    prediction, and a few normal steps bring the fit back; a lasting change still moves the fit there."""
+    from helios.engine.scheduler import OUTLIER_FACTOR
+
+    core, _ = make_core()
+    sched = core.scheduler
+    fixed, per_token = 5e6, 20e3
+    for n in (16, 121, 242, 121, 16, 363):
+        sched.observe_prefill(n, 1e-9 * (fixed + n * per_token))
+    sched.observe_decode(0.010)
+    predicted = fixed + 121 * per_token
+    sched.observe_prefill(121, 100 * 1e-9 * predicted)
+    assert sched.prefill_fixed_ns + 121 * sched.prefill_ns_per_token <= OUTLIER_FACTOR * predicted
+    sched.observe_decode(1.0)  # a 1 s decode step against 10 ms
+    assert sched.decode_step_ns <= 0.8 * 10e6 + 0.2 * OUTLIER_FACTOR * 10e6 + 1
+    for n in (16, 121, 242, 121, 16, 363) * 6:
+        sched.observe_prefill(n, 1e-9 * (fixed + n * per_token))
+    assert sched.prefill_fixed_ns + 121 * sched.prefill_ns_per_token == pytest.approx(predicted, rel=0.05)
+    for _ in range(30):  # every step now costs 4x: the fit follows (its decay, 0.9 a step)
+        sched.observe_prefill(121, 4e-9 * predicted)
+    assert sched.prefill_fixed_ns + 121 * sched.prefill_ns_per_token == pytest.approx(4 * predicted, rel=0.1)

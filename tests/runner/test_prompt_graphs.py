@@ -31,6 +31,12 @@ def core(tmp_path_factory):
     return core
 
 
+@pytest.fixture(scope="module")
+def gemma3_core(tmp_path_factory):  # sliding-window layers (window 4) and soft-capped logits
+    _, core = export_tiny("gemma3", tmp_path_factory.mktemp("gemma3-prompt-graphs"))
+    return core
+
+
 def chunk(req_id, tokens, num_computed, blocks, *, sample=True, logprobs=False):
     return ScheduledRequest(req_id=req_id, token_ids=tokens, num_computed_tokens=num_computed, block_ids=blocks,
                             sample=sample, want_prompt_logprobs=logprobs)
@@ -97,10 +103,12 @@ def test_prompt_graphs_need_decode_graphs_and_a_shape_driven_dense_family(core, 
 
 
 @needs_interpreter
-def test_arrivals_beside_decodes_replay_prompt_graphs_with_the_eager_tokens(core, monkeypatch):
+@pytest.mark.parametrize("family_core", ["core", "gemma3_core"])
+def test_arrivals_beside_decodes_replay_prompt_graphs_with_the_eager_tokens(family_core, request, monkeypatch):
     """Requests arriving one a step while others decode: the mixed steps replay the decode rows' bucket and the
     prompt chunks' token bucket (the first step, with no decode rows, too); every request's greedy tokens are the
     all-eager runner's. A chunked prompt's later chunk (num_computed > 0) reads the keys its earlier chunk wrote."""
+    core = request.getfixturevalue(family_core)
     monkeypatch.setattr(model_runner, "SPLIT_MIN_DECODE_ROWS", 2)
     config = SchedulerConfig(max_concurrency=8, max_num_batched_tokens=64, prefill_chunk_size=16,
                              page_size=PAGE_SIZE, num_pages=64, max_model_len=MAX_MODEL_LEN)
