@@ -88,6 +88,8 @@ def main() -> None:
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     # every decoding request grows by a token a step (~300 steps here) beside prompts of up to 1024 tokens
     runner, _ = random_8b_runner(args.layers, num_pages=args.decodes * 32 + 128, max_model_len=4096)
+    while runner.capture_pending():  # the decode and prompt buckets a lazy start leaves (helios serve: when idle)
+        pass
     engine = engine_for(runner, args.decodes)
     serial = [0]
     timed_steps(engine, 16, 4, serial)  # warm: every prompt size's kernels

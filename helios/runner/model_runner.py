@@ -469,8 +469,9 @@ class ModelRunner:
         once none is left a pending prompt bucket (`prompt_bucket`, or the smallest: runner/prompt_graphs.py);
         returns whether any remain. Tens of milliseconds a bucket on an 8B model: call it between steps, on the
         thread that runs `execute` (a capture uses the steps' stream and static buffers; a pending speculative step
-        is dropped). execute itself captures a pending bucket its step needs, before running it: that step's
-        capture seconds are `step_capture_s` (the engine leaves them out of the step's measured cost)."""
+        is dropped). execute itself captures a pending decode bucket its step needs, before running it: that step's
+        capture seconds are `step_capture_s` (the engine leaves them out of the step's measured cost); a step of a
+        pending prompt bucket runs eagerly instead."""
         if not self.has_pending_captures:
             return False
         if self._step_thread is not None and self._step_thread != threading.get_ident():
@@ -757,10 +758,10 @@ class ModelRunner:
         """A step that no decode graph holds: its prompt graph's replay where one fits (a few short chunks), else
         the eager forward. NOTE: a replay's rows view static logits: read before the next prompt replay."""
         bucket = self.prompt_graphs.bucket_for(scheduled, layout) if self.prompt_graphs is not None else None
-        if bucket is None:
+        # NOTE: a bucket not captured yet runs eagerly (the engine captures it when idle, capture_pending): a capture
+        # inside the step would stall the first request's first token, and every decoding stream beside it
+        if bucket is None or bucket in self.prompt_graphs.pending:
             return self._forward(scheduled, layout)
-        if bucket in self.prompt_graphs.pending:
-            self.capture_pending(prompt_bucket=bucket)  # its first step: capture now (one stall)
         self.launches["prompt_graph"] += 1
         return self.prompt_graphs.run(scheduled, layout, bucket)
 

@@ -12,8 +12,8 @@ to the smallest token bucket: padded tokens belong to no sequence (query_start_l
 padded sequences hold zero queries and zero keys), write no KV (slot -1) and their rows are never read; their
 logits rows gather row 0. Only for models whose forward decides nothing on host values but shapes (the dense
 attention families on the Triton backend: `prompt_graph_reason`), so one capture per bucket holds for every step.
-The buckets are captured lazily: at the first step that needs one (one stall), or between steps when idle
-(ModelRunner.capture_pending). With capture=False nothing is recorded and `run` calls the captured function
+The buckets are captured between steps (ModelRunner.capture_pending: when the engine is idle, and under load one
+unit per its background interval); until then a bucket's steps run eagerly, as without these graphs. With capture=False nothing is recorded and `run` calls the captured function
 eagerly (CPU tests: the Triton interpreter stands in for the device).
 Imports torch, helios.layers.attention (metadata) and the runner's input_batch.
 """
@@ -197,7 +197,7 @@ class PromptGraphs:
 
     def run(self, scheduled: list[ScheduledRequest], layout: BatchLayout, bucket: int) -> torch.Tensor:
         """[N, V] float32 logits of the layout's logits rows (a view of the static rows: read them before the next
-        replay). A bucket still pending runs the captured function eagerly (ModelRunner captures it first)."""
+        replay). A bucket not captured runs the captured function eagerly (capture=False: the CPU tests)."""
         self._load(scheduled, layout, bucket)
         if bucket in self.graphs:
             self.graphs[bucket].replay()

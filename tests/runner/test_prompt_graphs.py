@@ -42,12 +42,16 @@ def chunk(req_id, tokens, num_computed, blocks, *, sample=True, logprobs=False):
                             sample=sample, want_prompt_logprobs=logprobs)
 
 
-def graphed_runner(core, **kw) -> ModelRunner:
+def graphed_runner(core, *, captured: tuple[int, ...] = (), **kw) -> ModelRunner:
+    """A runner with decode graphs and prompt graphs that record nothing (their functions run eagerly); the prompt
+    buckets `captured` taken as the engine's idle captures would."""
     runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE,
                          attention_backend="triton", max_model_len=MAX_MODEL_LEN, **kw)
     runner.graphs = runner.make_graphs([1, 2, 4, 8], capture=False)
     runner.prompt_graphs = runner.make_prompt_graphs(capture=False)
     runner.decode_threads = None  # as on CUDA: no CPU thread policy takes the steps graphs do not
+    for bucket in captured:
+        runner.capture_pending(prompt_bucket=bucket)
     return runner
 
 
@@ -128,11 +132,15 @@ def test_arrivals_beside_decodes_replay_prompt_graphs_with_the_eager_tokens(fami
         return tokens
 
     expected = run(ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE))
-    graphed = graphed_runner(core)
+    graphed = graphed_runner(core, captured=(32, 64))
     assert run(graphed) == expected
     assert graphed.prompt_graphs.num_replays == graphed.launches["prompt_graph"] >= 4  # chunks, some steps share
     assert graphed.launches["eager"] == 0 and graphed.launches["graph"] > 0  # every prompt step fit a bucket
-    assert graphed.prompt_graphs.pending == [64, 128, 256, 512]  # only the buckets used were "captured"
+    # a bucket not captured yet: its steps run eagerly, and nothing is captured inside a step
+    pending = graphed_runner(core, captured=(64,))
+    assert run(pending) == expected
+    assert pending.launches["eager"] > 0 and pending.prompt_graphs.pending == [32, 128, 256, 512]
+    assert pending.step_capture_s == 0.0
 
 
 @needs_interpreter
@@ -158,6 +166,9 @@ def test_prompt_graph_replays_match_eager_on_cuda(core):
     eager = ModelRunner(core.manifest.arch, core.tensors, cuda_graphs=False, **kw)
     graphed = ModelRunner(core.manifest.arch, core.tensors, cuda_graphs=True, **kw)
     assert graphed.prompt_graphs is not None, graphed.startup.prompt_graphs
+    while graphed.capture_pending():  # as the engine does when idle
+        pass
+    assert sorted(graphed.prompt_graphs.graphs) == [32, 64, 128, 256, 512]
     config = SchedulerConfig(max_concurrency=16, max_num_batched_tokens=256, prefill_chunk_size=64, page_size=16,
                              num_pages=256, max_model_len=256)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
