@@ -23,19 +23,24 @@ from ignition.errors import ExportError
 
 ALIGN = 64  # header padding so the tensor data region starts cache-line aligned
 SHARD_BYTES = 4 << 30
+# the header region a shard reserves before its data: the header is written into it at close (padded with spaces to
+# fill it), so the data is written once; a header that outgrows it moves the data behind a larger one (_prepend)
+HEADER_BYTES = 1 << 18
 COPY_CHUNK = 1 << 24  # bytes moved at a time when the header goes in front of a shard's data
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int32: "I32"}
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, without a copy of a contiguous CPU tensor (the view keeps it alive)."""
     t = t.detach().contiguous().cpu()
     # view as uint8 so bfloat16 (which numpy lacks) serializes too
-    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 class _ShardWriter:
-    """Streams tensors one at a time into safetensors shards (data first, header prepended at close)."""
+    """Streams tensors one at a time into safetensors shards (data behind a reserved header region, the header
+    written into it at close)."""
 
     def __init__(self, directory: Path):
         self.directory = directory
@@ -45,6 +50,7 @@ class _ShardWriter:
     def _open_new(self) -> None:
         self._data_path = self.directory / f".data-{len(self.shards)}"
         self._data = open(self._data_path, "wb")
+        self._data.seek(HEADER_BYTES)
         self._entries: dict = {}
         self._offset = 0
 
@@ -52,17 +58,18 @@ class _ShardWriter:
         if t.dtype not in _ST_DTYPES:
             raise ExportError(f"tensor {name}: dtype {t.dtype} cannot be stored")
         data = _tensor_bytes(t)
-        if self._offset and self._offset + len(data) > SHARD_BYTES:
+        size = data.nbytes
+        if self._offset and self._offset + size > SHARD_BYTES:
             self._close_current()
             self._open_new()
         self._entries[name] = {
             "dtype": _ST_DTYPES[t.dtype],
             "shape": list(t.shape),
-            "data_offsets": [self._offset, self._offset + len(data)],
+            "data_offsets": [self._offset, self._offset + size],
         }
         self._data.write(data)
-        self._offset += len(data)
-        return len(data)
+        self._offset += size
+        return size
 
     def _close_current(self) -> None:
         self._data.close()
@@ -77,16 +84,22 @@ class _ShardWriter:
             header = dict(entries)
             header["__metadata__"] = {"format": "pt", "producer": "flare-ignition"}
             raw = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-            # pad with spaces (allowed by the format) so data starts at an ALIGN boundary
-            pad = (-(8 + len(raw))) % ALIGN
-            raw += b" " * pad
-            _prepend(len(raw).to_bytes(8, "little") + raw, data_path, self.directory / name)
+            out_path = self.directory / name
+            if 8 + len(raw) <= HEADER_BYTES:
+                # pad with spaces (allowed by the format) to the reserved region: the data stays where it is
+                raw += b" " * (HEADER_BYTES - 8 - len(raw))
+                with open(data_path, "r+b") as f:
+                    f.write(len(raw).to_bytes(8, "little") + raw)
+                os.replace(data_path, out_path)
+            else:
+                raw += b" " * ((-(8 + len(raw))) % ALIGN)  # the data at an ALIGN boundary
+                _prepend(len(raw).to_bytes(8, "little") + raw, data_path, out_path, skip=HEADER_BYTES)
             names.append(name)
         return names
 
 
-def _prepend(head: bytes, data_path: Path, out_path: Path, chunk: int = COPY_CHUNK) -> None:
-    """Write head followed by data_path's bytes to out_path, consuming data_path as it goes.
+def _prepend(head: bytes, data_path: Path, out_path: Path, chunk: int = COPY_CHUNK, skip: int = 0) -> None:
+    """Write head followed by data_path's bytes from offset `skip` to out_path, consuming data_path as it goes.
 
     The data moves from its end backwards, truncating the source behind each chunk, so an export
     needs the disk for its weights plus one chunk, not twice the weights (a 16 GB core would
@@ -96,11 +109,11 @@ def _prepend(head: bytes, data_path: Path, out_path: Path, chunk: int = COPY_CHU
     with open(data_path, "r+b") as src, open(out_path, "wb") as out:
         out.write(head)
         end = size
-        while end > 0:
-            start = max(0, end - chunk)
+        while end > skip:
+            start = max(skip, end - chunk)
             src.seek(start)
             block = src.read(end - start)
-            out.seek(len(head) + start)
+            out.seek(len(head) + start - skip)
             out.write(block)
             out.flush()
             src.truncate(start)
@@ -109,11 +122,15 @@ def _prepend(head: bytes, data_path: Path, out_path: Path, chunk: int = COPY_CHU
 
 
 def digest_files(root: Path) -> list[FileDigest]:
+    """Every file's digest, hashed side by side (hashlib leaves the GIL for large blocks: a core's shards at the
+    disk's or the cores' pace, not one core's)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
-    return [
-        FileDigest(path=p.relative_to(root).as_posix(), size=p.stat().st_size, sha256=digest_stamps.sha256(p))
-        for p in files
-    ]
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(files)))) as pool:
+        digests = list(pool.map(digest_stamps.sha256, files))
+    return [FileDigest(path=p.relative_to(root).as_posix(), size=p.stat().st_size, sha256=d)
+            for p, d in zip(files, digests)]
 
 
 def write_core(

@@ -121,18 +121,17 @@ def _compile_launched(shape: KernelShape, target, device: torch.device | str = "
     from triton import knobs
     from triton.compiler import ASTSource
 
-    compiled: dict[str, tuple[object, str, object]] = {}
+    wanted: dict[str, tuple[object, object, dict]] = {}
 
     def hook(**kwargs):
         c = kwargs["compile"]
         data = c["specialization_data"]
-        if data not in compiled:
+        if data not in wanted:
             fn = kwargs["fn"].jit_function
             # NOTE: the source object is built from the runtime's own signature/constants/attrs (not from the
             # serialized data), so its cache key is the one an ordinary launch on the device computes.
             src = ASTSource(fn, c["signature"], c["constants"], c["configs"][0])
-            options = {k: _tuples(v) for k, v in json.loads(data)["options"].items()}
-            compiled[data] = (fn, data, triton.compile(src, target=target, options=options))
+            wanted[data] = (fn, src, {k: _tuples(v) for k, v in json.loads(data)["options"].items()})
         return True  # skip Triton's own compile and the launch
 
     previous = knobs.runtime.jit_cache_hook
@@ -150,7 +149,28 @@ def _compile_launched(shape: KernelShape, target, device: torch.device | str = "
                 trace()
     finally:
         knobs.runtime.jit_cache_hook = previous
-    return sorted(compiled.values(), key=lambda item: item[1])
+    return [(fn, data, kernel) for (data, (fn, _, _)), kernel in zip(sorted(wanted.items(), key=lambda kv: kv[0]),
+                                                                    _compile_all(wanted, target))]
+
+
+def _compile_all(wanted: dict[str, tuple[object, object, dict]], target) -> list:
+    """triton.compile of each wanted (fn, source, options), in sorted specialization order, several at a time.
+
+    NOTE: threads: a compile spends its time in MLIR passes and a ptxas subprocess, mostly outside the GIL; the
+    results do not depend on the order (each lands under its own cache key)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    items = [wanted[data] for data in sorted(wanted)]
+
+    def build(item):
+        _, src, options = item
+        return triton.compile(src, target=target, options=options)
+
+    workers = max(1, min(len(items), os.cpu_count() or 1, 16))
+    if workers == 1:
+        return [build(item) for item in items]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="helios-aot") as pool:
+        return list(pool.map(build, items))
 
 
 def _portable(data: str) -> dict:

@@ -51,7 +51,7 @@ def compile_kernels(manifest: Manifest, target: str, out_dir: Path) -> tuple[Ker
         manifest_path = Path(tmp) / MANIFEST_FILE
         manifest_path.write_bytes(encode_manifest(manifest))
         cmd = [sys.executable, "-m", "helios.runner.aot_compile", "compile", "--manifest", str(manifest_path),
-               "--target", target, "--out", str(out_dir)]
+               "--target", target, "--out", str(Path(out_dir).resolve())]  # resolved here: cwd is tmp
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=tmp)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -66,7 +66,9 @@ def add_kernels(core_dir: Path, target: str) -> KernelTarget:
     the manifest (kernel target + the new files' digests, in the writer's order)."""
     from helios.core.manifest import decode_manifest
 
-    core_dir = Path(core_dir)
+    # NOTE: absolute: the compile runs in a subprocess in its own directory, where a relative staging path named
+    # another place (`ignition export ... -o core` left kernels/<target>/ empty, its manifest claiming a target)
+    core_dir = Path(core_dir).resolve()
     manifest = decode_manifest((core_dir / MANIFEST_FILE).read_bytes())
     dest = core_dir / KERNELS_DIR / target
     staging = Path(tempfile.mkdtemp(prefix=".kernels-", dir=core_dir.parent))

@@ -34,13 +34,23 @@ def _files(core: Path) -> dict[str, bytes]:
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
+    """Two exports: to an absolute path, and (b) to a path relative to the working directory, as a user types it
+    (the kernel compile runs in a subprocess elsewhere: a relative path once left b's kernels/<target>/ empty)."""
     tmp = tmp_path_factory.mktemp("aot")
     src = build_tiny("gemma3", tmp / "hf", sliding_window=4)  # sliding + full layers: two attention variants
     cores = []
+    cwd = Path.cwd()
     for name in ("a", "b"):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            cores.append(export_core(src, tmp / name, ExportOptions(target=TARGET, context_length=256)))
+        out = tmp / name
+        if name == "b":
+            os.chdir(tmp)
+            out = Path(name)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cores.append((tmp / export_core(src, out, ExportOptions(target=TARGET, context_length=256))).resolve())
+        finally:
+            os.chdir(cwd)
         if not load_core(cores[-1]).manifest.kernels:
             pytest.skip(f"this triton cannot compile for {TARGET} here: {[str(w.message) for w in caught]}")
     return cores
@@ -51,6 +61,7 @@ def test_two_exports_are_byte_identical(exported):
     assert sorted(a) == sorted(b)
     assert [k for k in a if a[k] != b[k]] == []
     assert any(k.startswith(f"kernels/{TARGET}/") and k.endswith(".cubin") for k in a)
+    assert any(k.startswith(f"kernels/{TARGET}/") and k.endswith(".cubin") for k in b)
 
 
 def test_manifest_lists_the_kernels(exported):

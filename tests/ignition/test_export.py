@@ -133,3 +133,36 @@ def test_header_goes_in_front_of_the_data_chunk_by_chunk(tmp_path, size):
     _prepend(b"HEAD", src, tmp_path / "out", chunk=7)
     assert (tmp_path / "out").read_bytes() == b"HEAD" + data
     assert not src.exists()
+    src.write_bytes(b"\0" * 5 + data)  # a reserved region of 5 bytes before the data: left out
+    _prepend(b"HEAD", src, tmp_path / "out2", chunk=7, skip=5)
+    assert (tmp_path / "out2").read_bytes() == b"HEAD" + data
+
+
+@pytest.mark.parametrize("reserve", [1 << 18, 128])
+def test_shards_hold_their_header_in_the_reserved_region_or_move_behind_a_larger_one(tmp_path, monkeypatch, reserve):
+    """The data is written once behind HEADER_BYTES; the header, written into that region at close, is padded with
+    spaces to fill it (the data starts at HEADER_BYTES); one that outgrows it moves the data behind it. Both read
+    back with safetensors, tensor for tensor, and across two shards."""
+    import torch
+    from safetensors.torch import load_file
+
+    from ignition import write
+
+    monkeypatch.setattr(write, "HEADER_BYTES", reserve)
+    monkeypatch.setattr(write, "SHARD_BYTES", 3000)
+    tensors = {f"t{i:02d}": torch.arange(i * 40, i * 40 + 40 * (i % 3 + 1), dtype=torch.float32).view(-1, 4)
+               for i in range(20)}
+    tensors["b"] = torch.randn(3, 5).to(torch.bfloat16)
+    writer = write._ShardWriter(tmp_path)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    names = writer.finish()
+    assert len(names) > 1 and not list(tmp_path.glob(".data-*"))
+    got = {}
+    for name in names:
+        raw = (tmp_path / name).read_bytes()
+        header_len = int.from_bytes(raw[:8], "little")
+        assert (8 + header_len) % write.ALIGN == 0
+        assert (8 + header_len == reserve) == (reserve > 1000)  # the roomy region holds it; 128 bytes cannot
+        got.update(load_file(tmp_path / name))
+    assert sorted(got) == sorted(tensors) and all(torch.equal(got[k], tensors[k]) for k in tensors)
