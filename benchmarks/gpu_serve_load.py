@@ -469,9 +469,13 @@ def main() -> None:
     try:
         ready = next((ln for ln in log.read_text().splitlines() if " ready: " in ln), "")
         print(ready[:600], flush=True)
-        # the decode graphs a lazy start left are captured while the server idles (each unit stalls a loaded one)
-        if pending := re.search(r"(\d+) buckets later", ready):
-            time.sleep(min(30.0, 0.3 * int(pending[1])))
+        # the graph buckets a lazy start left are captured while the server idles (under load each unit stalls the
+        # streams): wait for them as the engine alone does (flare_graph_captures_pending; 60 s at most)
+        waited = time.monotonic()
+        while metrics(url).get("graph_captures_pending", 0) and time.monotonic() - waited < 60:
+            time.sleep(0.2)
+        print(f"graph captures left by the start: done {time.monotonic() - waited:.1f} s after ready "
+              f"({metrics(url).get('graph_captures_pending', 0)} pending)", flush=True)
         for api in apis:
             path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
             salts, sep = ([w.encode() for w in WORDS], b" ") if api == "chat" else \

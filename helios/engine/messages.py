@@ -220,6 +220,7 @@ class RunnerStats(Struct, frozen=True, kw_only=True):
 
     graph_launches: dict[str, int] = {}  # forward passes by kind: graph (a decode graph's replay), speculative, eager
     replay_gpu_ns: int = 0  # GPU time of completed graph replays (zero on the CPU)
+    graph_captures_pending: int = 0  # decode and prompt graph buckets left to capture (captured when idle)
     # host embedding tables (helios/runner/host_embedding.py; zero without them): the time steps waited for their
     # rows' copies over the steps prepared, and the device row caches' lookups (rows per step), copies and bytes
     replay_readiness_wait_ns: int = 0

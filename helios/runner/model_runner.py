@@ -562,7 +562,10 @@ class ModelRunner:
     def stats(self) -> RunnerStats:
         """Its counters for /metrics, as data (EngineCore folds them into EngineMetrics)."""
         host = self.host_embeddings.counters() if self.host_embeddings is not None else {}
-        return RunnerStats(graph_launches=dict(self.launches), replay_gpu_ns=self.replay_gpu_ns, **host)
+        pending = (len(self.graphs.pending) if self.graphs is not None else 0) + (
+            len(self.prompt_graphs.pending) if self.prompt_graphs is not None else 0)
+        return RunnerStats(graph_launches=dict(self.launches), replay_gpu_ns=self.replay_gpu_ns,
+                           graph_captures_pending=pending, **host)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

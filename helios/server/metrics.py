@@ -48,6 +48,7 @@ class Snapshot(Struct, kw_only=True):
     reasoning_budget_cuts: int = 0
     failed: int = 0
     replay_gpu_ns: int = 0
+    graph_captures_pending: int = 0
     replay_readiness_wait_ns: int = 0
     replay_readiness_samples: int = 0
     embedding_row_cache_hits: int = 0
@@ -108,6 +109,8 @@ PROMETHEUS = {
     "reasoning_budget_cuts": ("flare_reasoning_budget_cuts_total", "counter", "Reasoning closed by the budget"),
     "failed": ("flare_requests_failed_total", "counter", "Requests failed by admission, execution or output"),
     "replay_gpu_ns": ("flare_replay_gpu_nanoseconds_total", "counter", "CUDA graph replay time"),
+    "graph_captures_pending": ("flare_graph_captures_pending", "gauge",
+                               "CUDA graph buckets left to capture (start-up work the idle engine finishes)"),
     "replay_readiness_wait_ns": ("flare_replay_readiness_wait_nanoseconds_total", "counter", "Readiness delay"),
     "replay_readiness_samples": ("flare_replay_readiness_samples_total", "counter", "Graphs with readiness timing"),
     "embedding_row_cache_hits": ("flare_embedding_row_cache_hits_total", "counter",

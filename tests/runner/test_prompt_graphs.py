@@ -148,6 +148,7 @@ def test_idle_capture_takes_decode_buckets_then_prompt_buckets(core):
     runner = graphed_runner(core)
     runner.graphs = runner.make_graphs([1, 2, 4, 8], lazy=True, capture=False)
     assert runner.graphs.pending == [2, 4]
+    assert runner.stats().graph_captures_pending == 2 + 5  # /metrics' flare_graph_captures_pending
     remaining = []
     while runner.capture_pending():
         remaining.append((list(runner.graphs.pending), list(runner.prompt_graphs.pending)))
@@ -155,6 +156,7 @@ def test_idle_capture_takes_decode_buckets_then_prompt_buckets(core):
     assert remaining[1] == ([], [32, 64, 128, 256, 512])
     assert remaining[2] == ([], [64, 128, 256, 512])
     assert not runner.has_pending_captures and runner.prompt_graphs.pending == []
+    assert runner.stats().graph_captures_pending == 0
 
 
 @pytest.mark.gpu

@@ -192,10 +192,11 @@ def test_health_and_metrics_formats(server, http):
     assert text.status_code == 200 and text.headers["content-type"].startswith("text/plain; version=0.0.4")
     body = text.text
     for name in ("flare_generated_tokens_total", "flare_active_requests", "flare_free_kv_pages",
-                 "flare_http_admission_slots", "flare_uptime_seconds"):
+                 "flare_http_admission_slots", "flare_uptime_seconds", "flare_graph_captures_pending"):
         assert f"\n{name} " in body and f"# TYPE {name} " in body
     snap = httpx.get(server.url + "/metrics?format=json").json()
     assert snap["generated_tokens"] > 0 and snap["total_pages"] > 0 and snap["learned_drafter"] is False
+    assert snap["graph_captures_pending"] == 0  # the CPU captures none
     assert set(snap["first_response"]) == {"median_seconds", "samples", "window_seconds", "capacity", "truncated"}
     accept = {"accept": "text/plain;q=0.5, application/json"}
     assert httpx.get(server.url + "/metrics", headers=accept).headers["content-type"] == "application/json"
