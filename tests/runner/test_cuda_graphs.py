@@ -267,12 +267,29 @@ def test_padded_graph_function_matches_eager_on_cpu(core):
     assert graphed.graphs.num_replays == 5
 
 
+def arrivals_tokens(runner, config, prompts: list[list[int]], sampling: SamplingParams,
+                    max_steps: int = 40) -> dict[str, list[int]]:
+    """An engine over `runner`, request r<i> arriving at step i while the earlier ones decode; each request's
+    tokens when all have finished (or max_steps steps have run)."""
+    from helios.engine.engine_core import EngineCore
+
+    engine = EngineCore(config, runner)
+    tokens: dict[str, list[int]] = {}
+    for step in range(max_steps):
+        if step < len(prompts):
+            engine.add_request(EngineRequest(req_id=f"r{step}", prompt_token_ids=prompts[step], sampling=sampling))
+        for out in engine.step():
+            tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+        if step >= len(prompts) and not engine.has_unfinished_requests():
+            break
+    return tokens
+
+
 @needs_interpreter
 def test_mixed_steps_replay_their_decode_rows_beside_an_eager_prefill(core, monkeypatch):
     """Requests arriving while others decode: each mixed step replays the decode rows' bucket and runs only the
     prefill chunks eagerly (runner._split_mixed); every request's greedy tokens are the all-eager runner's."""
     from helios.engine.config import SchedulerConfig
-    from helios.engine.engine_core import EngineCore
     from helios.runner import model_runner
 
     monkeypatch.setattr(model_runner, "SPLIT_MIN_DECODE_ROWS", 2)
@@ -281,17 +298,8 @@ def test_mixed_steps_replay_their_decode_rows_beside_an_eager_prefill(core, monk
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     prompts = [prompt(5 + 3 * i, seed=i) for i in range(5)]
 
-    def run(runner):
-        engine = EngineCore(config, runner)
-        tokens: dict[str, list[int]] = {}
-        for step in range(40):
-            if step < len(prompts):  # one arrival per step: from the third step on, every step is mixed
-                engine.add_request(EngineRequest(req_id=f"r{step}", prompt_token_ids=prompts[step], sampling=greedy))
-            for out in engine.step():
-                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-            if step >= len(prompts) and not engine.has_unfinished_requests():
-                break
-        return tokens
+    def run(runner):  # one arrival per step: from the third step on, every step is mixed
+        return arrivals_tokens(runner, config, prompts, greedy)
 
     expected = run(ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE))
     split = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE,

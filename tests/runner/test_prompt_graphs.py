@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from helios.engine.config import SchedulerConfig
-from helios.engine.engine_core import EngineCore
-from helios.engine.messages import EngineRequest, SamplingParams, ScheduledRequest
+from helios.engine.messages import SamplingParams, ScheduledRequest
 from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner import model_runner
 from helios.runner.input_batch import RequestState, layout_batch, prepare_batch
 from helios.runner.model_runner import ModelRunner
 from helios.runner.prompt_graphs import LOGITS_INDICES, POSITIONS, SLOT_MAPPING, TOKEN_IDS, prompt_graph_reason
 from tests.models.test_parity import export_tiny, prompt
+from tests.runner.test_cuda_graphs import arrivals_tokens
 
 PAGE_SIZE = 4
 MAX_MODEL_LEN = 64
@@ -120,16 +120,7 @@ def test_arrivals_beside_decodes_replay_prompt_graphs_with_the_eager_tokens(fami
     prompts = [prompt(5 + 4 * i, seed=i) for i in range(5)]  # the last two are chunked (21 and 25 > 16 tokens)
 
     def run(runner):
-        engine = EngineCore(config, runner)
-        tokens: dict[str, list[int]] = {}
-        for step in range(40):
-            if step < len(prompts):
-                engine.add_request(EngineRequest(req_id=f"r{step}", prompt_token_ids=prompts[step], sampling=greedy))
-            for out in engine.step():
-                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-            if step >= len(prompts) and not engine.has_unfinished_requests():
-                break
-        return tokens
+        return arrivals_tokens(runner, config, prompts, greedy)
 
     expected = run(ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE))
     graphed = graphed_runner(core, captured=(32, 64))
@@ -177,16 +168,7 @@ def test_prompt_graph_replays_match_eager_on_cuda(core):
     prompts = [prompt(7 + 13 * i, seed=i) for i in range(10)]
 
     def run(runner):
-        engine = EngineCore(config, runner)
-        tokens: dict[str, list[int]] = {}
-        for step in range(200):
-            if step < len(prompts):
-                engine.add_request(EngineRequest(req_id=f"r{step}", prompt_token_ids=prompts[step], sampling=greedy))
-            for out in engine.step():
-                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-            if step >= len(prompts) and not engine.has_unfinished_requests():
-                break
-        return tokens
+        return arrivals_tokens(runner, config, prompts, greedy, max_steps=200)
 
     assert run(graphed) == run(eager)
     assert graphed.launches["prompt_graph"] > 0 and graphed.prompt_graphs.graphs
