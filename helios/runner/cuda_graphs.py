@@ -158,56 +158,71 @@ def prepare_decode_inputs(scheduled: list[ScheduledRequest], page_size: int, buc
     return DecodeInputs(bucket, num_seqs, packed, block_tables, max(positions) + 1, window_tables)
 
 
+class PinnedSlots:
+    """Host buffers that per-step inputs are copied to the device from, taken round-robin: pinned on CUDA, so a
+    non_blocking copy never waits for the stream (a copy from pageable memory may block the host until the GPU
+    reaches it, which would stall the host behind a speculative step). A slot is reused only after the event
+    recorded behind the copies made from it (`take`'s block), so no copy reads a slot being refilled."""
+
+    def __init__(self, make, device: torch.device | str, size: int = 4):
+        """make(pin) -> one slot's host tensors (a tuple), pinned when `pin`."""
+        self.is_cuda = torch.device(device).type == "cuda"
+        self.slots = [make(self.is_cuda) for _ in range(size)]
+        self.events: list[torch.cuda.Event | None] = [None] * size
+        self.next = 0
+
+    @contextmanager
+    def take(self) -> Iterator[tuple]:
+        """The next slot's tensors, once its previous copies have run; fill them and queue the copies from them
+        inside the block: its end records the event the slot's next use waits for."""
+        i = self.next
+        self.next = (i + 1) % len(self.slots)
+        if self.events[i] is not None:
+            self.events[i].synchronize()  # its previous copies have run (long ago, in steady state)
+        yield self.slots[i]
+        if self.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self.events[i] = event
+
+
 class StagingRing:
-    """Host buffers the per-step inputs are copied from: pinned on CUDA, so a non_blocking copy never waits
-    for the stream (a copy from pageable memory may block the host until the GPU reaches it, which would
-    stall the host behind a speculative step). A slot is reused only after the event of its last copy.
-    """
+    """The graphed decode step's inputs through PinnedSlots: the packed rows and the block tables."""
 
     def __init__(self, cols: int, max_num_seqs: int, max_blocks: int, device: torch.device, size: int = 4,
                  num_rows: int = 4, num_tables: int = 1):
-        self.is_cuda = device.type == "cuda"
-        self.slots = [
-            (
-                torch.zeros(num_rows, cols, dtype=torch.int64, pin_memory=self.is_cuda),
-                # [num_tables * n * width]: the shared table, then the window group's
-                torch.zeros(num_tables * max_num_seqs * max_blocks, dtype=torch.int32, pin_memory=self.is_cuda),
-            )
-            for _ in range(size)
-        ]
-        self.events: list[torch.cuda.Event | None] = [None] * size
-        self.next = 0
+        self.slots = PinnedSlots(lambda pin: (
+            torch.zeros(num_rows, cols, dtype=torch.int64, pin_memory=pin),
+            # [num_tables * n * width]: the shared table, then the window group's
+            torch.zeros(num_tables * max_num_seqs * max_blocks, dtype=torch.int32, pin_memory=pin),
+        ), device, size)
 
     def copy_to(
         self, inputs: DecodeInputs, packed: torch.Tensor, block_tables: torch.Tensor, table_scratch: torch.Tensor,
         window_tables: torch.Tensor | None = None,
     ) -> None:
         """Copy inputs into packed[:, :bucket] and block_tables[:num_seqs, :width] (and window_tables likewise)
-        through the next slot (the tables via table_scratch, a flat device buffer)."""
-        i = self.next
-        self.next = (i + 1) % len(self.slots)
-        if self.events[i] is not None:
-            self.events[i].synchronize()  # its previous copy has run (long ago, in steady state)
-        host_packed, host_tables = self.slots[i]
+        through the next slot (the tables via table_scratch, a flat device buffer).
+
+        NOTE: the slot's event once went to the index of the last table (this loop's variable shadowed the slot's):
+        slot 0 then waited for the latest copy, queued behind a speculative step, and every fourth step lost the
+        decode overlap; PinnedSlots.take keeps the slot's index to itself."""
         b, n, w = inputs.bucket, inputs.num_seqs, inputs.block_tables.shape[1]
         tables = [(inputs.block_tables, block_tables)]
         if window_tables is not None:
             tables.append((inputs.window_tables, window_tables))
-        host_packed[:, :b].copy_(inputs.packed)
-        for i, (table, _) in enumerate(tables):
-            host_tables[i * n * w : (i + 1) * n * w].view(n, w).copy_(table)
-        # NOTE: host->device copies of contiguous memory only (a strided one goes through a pageable temporary):
-        # all of `packed` (columns past the bucket are stale and never read), the [n, width] tables packed flat,
-        # then device-side strided copies into the static tables.
-        packed.copy_(host_packed, non_blocking=True)
-        size = len(tables) * n * w
-        table_scratch[:size].copy_(host_tables[:size], non_blocking=True)
-        for i, (_, static) in enumerate(tables):
-            static[:n, :w].copy_(table_scratch[i * n * w : (i + 1) * n * w].view(n, w))
-        if self.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-            self.events[i] = event
+        with self.slots.take() as (host_packed, host_tables):
+            host_packed[:, :b].copy_(inputs.packed)
+            for t, (table, _) in enumerate(tables):
+                host_tables[t * n * w : (t + 1) * n * w].view(n, w).copy_(table)
+            # NOTE: host->device copies of contiguous memory only (a strided one goes through a pageable temporary):
+            # all of `packed` (columns past the bucket are stale and never read), the [n, width] tables packed flat,
+            # then device-side strided copies into the static tables.
+            packed.copy_(host_packed, non_blocking=True)
+            size = len(tables) * n * w
+            table_scratch[:size].copy_(host_tables[:size], non_blocking=True)
+        for t, (_, static) in enumerate(tables):
+            static[:n, :w].copy_(table_scratch[t * n * w : (t + 1) * n * w].view(n, w))
 
 
 class StaticBuffers:

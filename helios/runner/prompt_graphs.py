@@ -15,7 +15,7 @@ attention families on the Triton backend: `prompt_graph_reason`), so one capture
 The buckets are captured between steps (ModelRunner.capture_pending: when the engine is idle, and under load one
 unit per its background interval); until then a bucket's steps run eagerly, as without these graphs. With capture=False nothing is recorded and `run` calls the captured function
 eagerly (CPU tests: the Triton interpreter stands in for the device).
-Imports torch, helios.layers.attention (metadata) and the runner's input_batch.
+Imports torch, helios.layers.attention (metadata) and the runner's input_batch and cuda_graphs (PinnedSlots).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from helios.engine.messages import ScheduledRequest
 from helios.layers.attention import AttentionMetadata
+from helios.runner.cuda_graphs import PinnedSlots
 from helios.runner.input_batch import BatchLayout, max_table_blocks, prepare_batch, round_up
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512)  # token counts; past 512 a step's GPU work dwarfs its launches
@@ -76,12 +77,8 @@ class PromptGraphs:
         self.packed = torch.zeros(4, tokens, dtype=torch.int64, device=self.device)
         self.packed32 = torch.zeros(size32, dtype=torch.int32, device=self.device)
         self.logits = torch.zeros(seqs, vocab_size, dtype=torch.float32, device=self.device)
-        is_cuda = self.device.type == "cuda"
-        # pinned host slots (a non_blocking copy from them never waits for the stream), reused after their event
-        self._ring = [(torch.zeros(4, tokens, dtype=torch.int64, pin_memory=is_cuda),
-                       torch.zeros(size32, dtype=torch.int32, pin_memory=is_cuda)) for _ in range(4)]
-        self._events: list[torch.cuda.Event | None] = [None] * len(self._ring)
-        self._next = 0
+        self._staging = PinnedSlots(lambda pin: (torch.zeros(4, tokens, dtype=torch.int64, pin_memory=pin),
+                                                 torch.zeros(size32, dtype=torch.int32, pin_memory=pin)), self.device)
         self.records_graphs = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
@@ -112,33 +109,25 @@ class PromptGraphs:
         """The step's inputs, padded, into the static buffers: filled on the host (the eager batch's own tensors,
         prepare_batch), then two contiguous asynchronous copies."""
         batch = prepare_batch(scheduled, {}, self.page_size, "cpu", layout)
-        i = self._next
-        self._next = (i + 1) % len(self._ring)
-        if self._events[i] is not None:
-            self._events[i].synchronize()  # its previous copy has run (long ago, in steady state)
-        host, host32 = self._ring[i]
         num_tokens, num_seqs, num_rows = len(layout.token_ids), len(scheduled), len(layout.logits_indices)
         meta = batch.meta
-        for row, values, pad in ((TOKEN_IDS, batch.token_ids, 0), (POSITIONS, meta.positions, 0),
-                                 (SLOT_MAPPING, meta.slot_mapping, -1)):
-            host[row, :num_tokens].copy_(values)
-            host[row, num_tokens:bucket].fill_(pad)
-        host[LOGITS_INDICES, :num_rows].copy_(batch.logits_indices)
-        host[LOGITS_INDICES, num_rows : self.max_seqs].fill_(0)
-        starts, lens, tables = self._tables(host32)
-        starts[: num_seqs + 1].copy_(meta.query_start_loc)
-        starts[num_seqs + 1 :].fill_(num_tokens)  # padded sequences: zero queries
-        lens[:num_seqs].copy_(meta.seq_lens)
-        lens[num_seqs:].fill_(0)
-        tables.zero_()
-        width = min(meta.block_tables.shape[1], self.width)
-        tables[:num_seqs, :width].copy_(meta.block_tables[:, :width])
-        self.packed.copy_(host, non_blocking=True)
-        self.packed32.copy_(host32, non_blocking=True)
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self._events[i] = event
+        with self._staging.take() as (host, host32):
+            for row, values, pad in ((TOKEN_IDS, batch.token_ids, 0), (POSITIONS, meta.positions, 0),
+                                     (SLOT_MAPPING, meta.slot_mapping, -1)):
+                host[row, :num_tokens].copy_(values)
+                host[row, num_tokens:bucket].fill_(pad)
+            host[LOGITS_INDICES, :num_rows].copy_(batch.logits_indices)
+            host[LOGITS_INDICES, num_rows : self.max_seqs].fill_(0)
+            starts, lens, tables = self._tables(host32)
+            starts[: num_seqs + 1].copy_(meta.query_start_loc)
+            starts[num_seqs + 1 :].fill_(num_tokens)  # padded sequences: zero queries
+            lens[:num_seqs].copy_(meta.seq_lens)
+            lens[num_seqs:].fill_(0)
+            tables.zero_()
+            width = min(meta.block_tables.shape[1], self.width)
+            tables[:num_seqs, :width].copy_(meta.block_tables[:, :width])
+            self.packed.copy_(host, non_blocking=True)
+            self.packed32.copy_(host32, non_blocking=True)
 
     def _pad(self) -> None:
         """Every token and sequence a padded one: what capture runs on (no KV write, no KV read)."""

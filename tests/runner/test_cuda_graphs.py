@@ -87,6 +87,38 @@ def test_static_buffers_load_and_metadata():
     assert buf.packed[SLOT_MAPPING].eq(-1).all() and buf.packed[TOKEN_IDS].eq(0).all()
 
 
+def test_each_staging_slot_waits_for_the_event_of_its_own_last_copies(monkeypatch):
+    """A slot is reused only after the event recorded behind the copies made from it: with a window group's second
+    table too, the event of a load through slot k is slot k's (it once went to the last table's index, so slot 0
+    waited for the newest copy, queued behind a speculative step, every fourth step)."""
+    made = []
+
+    class FakeEvent:
+        def __init__(self):
+            self.waited = False
+            made.append(self)
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            self.waited = True
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    buf = StaticBuffers(max_num_seqs=8, max_blocks=16, vocab_size=10, device=torch.device("cpu"), window=8)
+    ring = buf.staging.slots
+    ring.is_cuda = True  # events as on CUDA (the slots stay pageable here)
+    scheduled = [ScheduledRequest(req_id="a", token_ids=[11], num_computed_tokens=5, block_ids=[7, 3], sample=True,
+                                  group_block_ids=[[7, 3]])]
+    inputs = prepare_decode_inputs(scheduled, PAGE_SIZE, bucket=1)
+    for k in range(len(ring.slots)):
+        buf.load(inputs)
+        assert ring.events[k] is made[-1] and ring.events[k + 1:] == [None] * (len(ring.slots) - k - 1)
+    buf.load(inputs)  # slot 0 again: it waits for its own copy's event, no other
+    assert [e.waited for e in made] == [True, False, False, False, False]
+    assert buf.window_tables[:1, :2].tolist() == [[7, 3]]
+
+
 def test_state_slots_are_an_input_row_whose_padding_is_the_scratch_row():
     scratch = 16
     a = ScheduledRequest(req_id="a", token_ids=[11], num_computed_tokens=5, block_ids=[7, 3], sample=True,
