@@ -121,12 +121,13 @@ def _prepend(head: bytes, data_path: Path, out_path: Path, chunk: int = COPY_CHU
     data_path.unlink()
 
 
-def digest_files(root: Path) -> list[FileDigest]:
-    """Every file's digest, hashed side by side (hashlib leaves the GIL for large blocks: a core's shards at the
-    disk's or the cores' pace, not one core's)."""
+def digest_files(root: Path, under: Path | None = None) -> list[FileDigest]:
+    """The digest of every file under `under` (None: all of root but the manifest), its path relative to root, in
+    path order; hashed side by side (hashlib leaves the GIL for large blocks: a core's shards at the disk's or the
+    cores' pace, not one core's)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    files = sorted(p for p in (under or root).rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
     with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(files)))) as pool:
         digests = list(pool.map(digest_stamps.sha256, files))
     return [FileDigest(path=p.relative_to(root).as_posix(), size=p.stat().st_size, sha256=d)

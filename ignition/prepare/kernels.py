@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from helios.core import digest_stamps
-from helios.core.manifest import MANIFEST_FILE, FileDigest, KernelTarget, Manifest, encode_manifest
+from helios.core.manifest import MANIFEST_FILE, KernelTarget, Manifest, encode_manifest
 from ignition.errors import ExportError
 
 KERNELS_DIR = "kernels"
@@ -65,6 +65,7 @@ def add_kernels(core_dir: Path, target: str) -> KernelTarget:
     """Compile the kernels of the core at core_dir for target, move them into kernels/<target>/ and rewrite
     the manifest (kernel target + the new files' digests, in the writer's order)."""
     from helios.core.manifest import decode_manifest
+    from ignition.write import digest_files
 
     # NOTE: absolute: the compile runs in a subprocess in its own directory, where a relative staging path named
     # another place (`ignition export ... -o core` left kernels/<target>/ empty, its manifest claiming a target)
@@ -82,14 +83,11 @@ def add_kernels(core_dir: Path, target: str) -> KernelTarget:
         shutil.rmtree(staging, ignore_errors=True)
     for p in [dest.parent, dest, *dest.rglob("*")]:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
-    new_files = [
-        FileDigest(path=p.relative_to(core_dir).as_posix(), size=p.stat().st_size, sha256=digest_stamps.sha256(p))
-        for p in sorted(dest.rglob("*")) if p.is_file()
-    ]
+    new_files = digest_files(core_dir, under=dest)
     for entry in new_files:  # hashed and not written since (helios/core/digest_stamps.py)
         digest_stamps.stamp_written(core_dir / entry.path, entry.sha256)
     kept = [f for f in manifest.files if not f.path.startswith(f"{KERNELS_DIR}/{target}/")]
-    files = sorted(kept + new_files, key=lambda f: Path(f.path))  # ignition.write.digest_files' order
+    files = sorted(kept + new_files, key=lambda f: Path(f.path))  # digest_files' order
     kernels = sorted([k for k in manifest.kernels if k.target != target] + [kernel_target], key=lambda k: k.target)
     import msgspec
 
