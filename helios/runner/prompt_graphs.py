@@ -13,8 +13,9 @@ padded sequences hold zero queries and zero keys), write no KV (slot -1) and the
 logits rows gather row 0. Only for models whose forward decides nothing on host values but shapes (the dense
 attention families on the Triton backend: `prompt_graph_reason`), so one capture per bucket holds for every step.
 The buckets are captured between steps (ModelRunner.capture_pending: when the engine is idle, and under load one
-unit per its background interval); until then a bucket's steps run eagerly, as without these graphs. With capture=False nothing is recorded and `run` calls the captured function
-eagerly (CPU tests: the Triton interpreter stands in for the device).
+unit per its background interval); until then a bucket's steps run eagerly, as without these graphs. With
+capture=False nothing is recorded and `run` calls the captured function eagerly (CPU tests: the Triton interpreter
+stands in for the device).
 Imports torch, helios.layers.attention (metadata) and the runner's input_batch and cuda_graphs (PinnedSlots).
 """
 
@@ -82,10 +83,9 @@ class PromptGraphs:
         self.records_graphs = capture
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.pending: list[int] = list(self.buckets)  # captured at first use or by capture_next, smallest first
+        self.pending: list[int] = list(self.buckets)  # captured by capture_next between steps, smallest first
         self.uncaptured: list[int] = []  # out of memory at capture: eager for good
         self.num_replays = 0
-        self.capture_s = 0.0
         self._pad()
 
     # --- inputs -----------------------------------------------------------------------------------
@@ -179,7 +179,6 @@ class PromptGraphs:
             self.graphs.pop(bucket, None)
             warnings.warn(f"CUDA graph of prompt bucket {bucket} not captured (its steps stay eager): {exc}",
                           stacklevel=2)
-        self.capture_s += time.perf_counter() - t0
         return time.perf_counter() - t0
 
     # --- replay -----------------------------------------------------------------------------------
@@ -190,7 +189,7 @@ class PromptGraphs:
         self._load(scheduled, layout, bucket)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
-        else:  # capture=False, or out of memory at capture: the same function, eagerly
+        else:  # capture=False: the same function, eagerly (a bucket that failed capture never gets here)
             self._forward(bucket)
         self.num_replays += 1
         return self.logits[: len(layout.logits_indices)]

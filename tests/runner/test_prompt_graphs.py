@@ -12,17 +12,12 @@ import torch
 
 from helios.engine.config import SchedulerConfig
 from helios.engine.messages import SamplingParams, ScheduledRequest
-from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner import model_runner
 from helios.runner.input_batch import RequestState, layout_batch, prepare_batch
 from helios.runner.model_runner import ModelRunner
 from helios.runner.prompt_graphs import LOGITS_INDICES, POSITIONS, SLOT_MAPPING, TOKEN_IDS, prompt_graph_reason
 from tests.models.test_parity import export_tiny, prompt
-from tests.runner.test_cuda_graphs import arrivals_tokens
-
-PAGE_SIZE = 4
-MAX_MODEL_LEN = 64
-needs_interpreter = pytest.mark.skipif(not (HAS_TRITON and interpret_mode()), reason="needs the Triton interpreter")
+from tests.runner.test_cuda_graphs import MAX_MODEL_LEN, PAGE_SIZE, arrivals_tokens, needs_interpreter
 
 
 @pytest.fixture(scope="module")
