@@ -189,11 +189,13 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
     from helios.compose import build_runtime
     from helios.server.config import ServerConfig
     from helios.server.protocols import openai_completions
+    from helios.server.startup import freeze_heap
 
     runtime = build_runtime(core_dir, ServerConfig(**server_toml), own_thread=False)
     core = runtime.engine.core
     while core.has_background_work:  # the decode graphs a lazy start left (helios serve captures them when idle)
         core.background_step()
+    freeze_heap()  # as helios serve's engine process does after its warm-up
     requests = [openai_completions.prepare(msgspec.json.encode(body("completions", ids, "", o, stream=False)),
                                            runtime.model).children[0].request for ids, _, o in work]
     serial, n_salt, results = 0, len(salt_ids), {}
@@ -215,6 +217,7 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
         probes = [t0 + warm + k * probe_every for k in range(int(seconds / probe_every))] if probe_every else []
         owner: dict[str, int] = {}
         tokens = 0
+        occupancy = [0, 0, 0]  # steps in the window, running and waiting requests summed over them
         while (now := time.monotonic()) < t0 + warm + seconds:
             while starts and starts[0] <= now:
                 owner[f"e{serial}"] = n - len(starts)
@@ -223,6 +226,10 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
             while probes and probes[0] <= now:
                 add(0, probe=True)
                 probes.pop(0)
+            if now >= t0 + warm:
+                occupancy[0] += 1
+                occupancy[1] += core.scheduler.num_running
+                occupancy[2] += core.scheduler.num_waiting
             for out in core.step():
                 if out.req_id[0] == "p":
                     continue
@@ -244,7 +251,9 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
         costs = (f"decode step {1e-6 * sched.decode_step_ns:.2f} ms, prompt step {1e-6 * sched.prefill_fixed_ns:.2f} ms"
                  f" + {1e-3 * sched.prefill_ns_per_token:.2f} us a token" if sched.decode_step_ns and
                  sched.prefill_ns_per_token else "step costs unmeasured")
-        print(f"engine alone, {n:4d} streams: {results[n]:9.1f} tok/s ({costs})", flush=True)
+        steps = max(occupancy[0], 1)
+        print(f"engine alone, {n:4d} streams: {results[n]:9.1f} tok/s ({costs}; {occupancy[1] / steps:.1f} running + "
+              f"{occupancy[2] / steps:.1f} queued a step)", flush=True)
     runtime.engine.shutdown()
     return results
 
@@ -336,6 +345,13 @@ def served_level(url: str, server_pid: int, pool: LoadPool, streams: int, warm: 
     asked = time.monotonic()
     m0, c0, t0 = metrics(url), cpu_ticks(server_pid), time.monotonic()
     slow = [t0 - asked]  # a /metrics answer held up by the load skews the window's server-side figures
+    # where the requests in flight are: decoding or prefilling (active) or queued in the engine (pending); the
+    # rest of the streams are between the clients and the engine (HTTP, frontends, the socket)
+    samples = []
+    while time.monotonic() < hi - 0.3:
+        m = metrics(url)
+        samples.append((m["active"], m["pending"]))
+        time.sleep(max(0.0, min(0.25, hi - 0.3 - time.monotonic())))
     time.sleep(max(0.0, hi - time.monotonic()))
     asked = time.monotonic()
     m1, c1, t1 = metrics(url), cpu_ticks(server_pid), time.monotonic()
@@ -365,6 +381,8 @@ def served_level(url: str, server_pid: int, pool: LoadPool, streams: int, warm: 
         "pages": f"free {after['free_pages']}/{after['total_pages']}, active {after['active']}, pending "
                  f"{after['pending']}, admission in use {after['http_admission_in_use']}",
         "metrics_s": max(slow),
+        "in_engine": (sum(a for a, _ in samples) / len(samples), sum(w for _, w in samples) / len(samples))
+        if samples else (float("nan"), float("nan")),
     }
 
 
@@ -373,7 +391,8 @@ def level_line(api: str, n: int, r: dict, engine: float) -> str:
             f"server-side {r['server_tok_s']:.0f}), {r['requests']} requests ({r['cut']} cut), {r['errors']} errors "
             f"{r['error_sample'] or ''}, TTFT p50/p99 {r['ttft'][0] * 1e3:.0f}/{r['ttft'][1] * 1e3:.0f} ms, ITL "
             f"{r['itl'][0] * 1e3:.1f}/{r['itl'][1] * 1e3:.1f} ms, E2E {r['e2e'][0]:.2f}/{r['e2e'][1]:.2f} s, probe "
-            f"TTFT {r['probe'][0] * 1e3:.0f}/{r['probe'][1] * 1e3:.0f} ms, decode batch {r['batch']:.1f}, graph busy "
+            f"TTFT {r['probe'][0] * 1e3:.0f}/{r['probe'][1] * 1e3:.0f} ms, in the engine (mean of /metrics samples) "
+            f"{r['in_engine'][0]:.1f} active + {r['in_engine'][1]:.1f} queued, decode batch {r['batch']:.1f}, graph busy "
             f"{r['busy']:.0%}, forward passes {r['launches']}, prefix-reused tokens {r['reused']}, server CPU in "
             f"cores: {r['server_cpu']}, client processes' CPU {r['client_cpu']:.0%} each, "
             f"{'OK' if r['pages_ok'] else 'LEAK'} ({r['pages']})"

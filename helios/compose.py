@@ -34,7 +34,7 @@ import msgspec
 from helios.engine.remote import EngineServer
 from helios.server.config import KVEventsConfig, ServerConfig
 from helios.server.runtime import Runtime, Serving, resolve_serving
-from helios.server.startup import Timeline, ready_line
+from helios.server.startup import Timeline, freeze_heap, ready_line
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 if TYPE_CHECKING:
@@ -415,6 +415,7 @@ def _supervise(runtime: Runtime, engine_server: EngineServer, frontends: list[_F
             status[0] = 1
             return
         timeline.mark("warmup")
+        freeze_heap()
         engine_server.mark_ready()
         count = len(frontends)
         while not stop.is_set() and not engine_server.frontends_up(count, timeout=0.2):
@@ -519,13 +520,15 @@ def frontend_main(core_path: str, config: ServerConfig, serving: Serving, socket
             await client.connect()
         except EngineUnavailable as e:  # the engine's start-up failed, and the engine process said why
             raise _EngineStartFailed(str(e)) from None
+        freeze_heap()  # this process's start-up objects (tokenizer, templates, app) out of the collector's walks
 
     app = HeliosApp(runtime, warm_up=connect, ready_line=False)
 
     async def main() -> int:
         reporter = asyncio.get_running_loop().create_task(_report(app, client))
         try:
-            return await _serve(app, config, log_level, on_server=lambda server: setattr(client, "on_lost", server.stop))
+            return await _serve(app, config, log_level, on_server=lambda server: setattr(client, "on_lost", server.stop),
+                                requests=serving.admission_slots)
         finally:
             reporter.cancel()
 
@@ -568,7 +571,13 @@ class _QuietStartupFailure(logging.Filter):
         return message != self._app.startup_error and not any(message.startswith(t) for t in self._DROPPED)
 
 
-async def _serve(app: HeliosApp, config: ServerConfig, log_level: str, on_server=None) -> int:
+# requests beyond the generation slots an HTTP process may hold (/metrics, /health, model lists, refusals)
+ROUTE_HEADROOM = 256
+
+
+async def _serve(app: HeliosApp, config: ServerConfig, log_level: str, on_server=None, requests: int = 0) -> int:
+    """Run Granian's embedded server on this loop until stopped. requests: the generation requests this process
+    admits (its share of the admission slots): Granian takes that many, plus ROUTE_HEADROOM, at once."""
     from granian.constants import Interfaces
     from granian.errors import FatalError
     from granian.log import LogLevels
@@ -576,8 +585,13 @@ async def _serve(app: HeliosApp, config: ServerConfig, log_level: str, on_server
 
     # NOTE: Granian's embedded server runs the ASGI app on this loop (lifespan, then HTTP); on Linux it listens
     # with SO_REUSEPORT, so every HTTP process binds the same port
+    # NOTE: Granian's embedded default holds a process to 128 requests at once (backpressure = backlog 128 / 1
+    # worker) and parks the rest unread: at 256 streams over 4 processes the engine saw a decode batch of ~190 and
+    # new requests waited ~1.2 s in front of the app, /metrics too (session 21, H100). Admission is ours (429 past
+    # the slots, 503 past the queue), so Granian takes every request the slots allow; the accept queue likewise.
     server = Server(app, address=config.host, port=config.port, interface=Interfaces.ASGI, websockets=False,
-                    log_level=LogLevels(log_level), log_access=False)
+                    log_level=LogLevels(log_level), log_access=False, backlog=2048,
+                    backpressure=max(requests, 1) + ROUTE_HEADROOM)
     if on_server is not None:
         on_server(server)
     for name in ("_granian", "helios.server"):

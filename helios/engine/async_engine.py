@@ -318,6 +318,9 @@ class AsyncEngine:
                                                  or time.monotonic() >= next_background):
                     core.background_step()
                     next_background = time.monotonic() + BACKGROUND_INTERVAL_S
+                    # NOTE: an idle server runs no round to publish the metrics after: /metrics read the captures
+                    # left at start for as long as it idled (a load benchmark waited 60 s on them, session 21)
+                    self._metrics = core.metrics()
         except Exception as exc:  # a bug in the engine itself: fail every stream, stay unhealthy
             logger.exception("engine loop crashed")
             self._fatal_error = f"engine loop crashed: {type(exc).__name__}: {exc}"

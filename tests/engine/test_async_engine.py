@@ -425,3 +425,37 @@ def test_deferred_runner_work_runs_when_idle_and_sparsely_under_load():
     gaps = [b - a for a, b in zip(busy, busy[1:])]
     # under load at most one unit per interval (the loop may go idle at the end and take the rest at once)
     assert busy and all(g >= async_engine.BACKGROUND_INTERVAL_S * 0.9 for g in gaps[:1])
+
+
+class CapturingRunner(GatedRunner):
+    """A runner with deferred captures (ModelRunner.has_pending_captures / capture_pending), counted in stats."""
+
+    def __init__(self, inner, num_pending: int) -> None:
+        super().__init__(inner)
+        self.num_pending = num_pending
+
+    @property
+    def has_pending_captures(self) -> bool:
+        return self.num_pending > 0
+
+    def capture_pending(self) -> bool:
+        self.num_pending -= 1
+        return self.num_pending > 0
+
+    def stats(self):
+        from helios.engine.messages import RunnerStats
+
+        return RunnerStats(graph_captures_pending=self.num_pending)
+
+
+def test_idle_background_captures_reach_the_published_metrics():
+    core, fake = make_core()
+    core.runner = CapturingRunner(fake, num_pending=3)
+    engine = AsyncEngine(core)  # the constructor publishes the first metrics: three pending
+    deadline = time.monotonic() + 10
+    # no request ever comes: only the idle loop's own publication can show the captures done
+    while engine.metrics().graph_captures_pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core.runner.num_pending == 0
+    assert engine.metrics().graph_captures_pending == 0
+    engine.shutdown()

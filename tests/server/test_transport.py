@@ -203,3 +203,40 @@ def test_health_and_metrics_formats(server, http):
     assert httpx.get(server.url + "/metrics", headers={"accept": "application/json;q=0.4, text/plain"}).text.startswith("#")
     assert httpx.get(server.url + "/metrics?format=prometheus", headers=accept).text.startswith("#")
     _error(httpx.get(server.url + "/metrics?format=xml"), 400, "invalid_request_error")
+
+
+def test_one_http_process_takes_more_streams_than_granians_default(tmp_path):
+    """Granian's embedded server holds a process to 128 requests at once unless told otherwise (backpressure =
+    backlog 128 / 1 worker) and leaves the rest unread: helios admits by its own slots, so 160 streams held open
+    on one HTTP process all reach the engine (running or queued), and /metrics still answers beside them."""
+    import asyncio
+
+    from tests.server.conftest import _start, _stop
+
+    num_streams = 160
+    srv = _start(tmp_path, "wide", "http_workers = 1\nmax_concurrency = 2\nmax_waiting = 400\n", "")
+    try:
+        async def main() -> tuple[int, int]:
+            limits = httpx.Limits(max_connections=num_streams + 8, max_keepalive_connections=num_streams + 8)
+            async with httpx.AsyncClient(base_url=srv.url, limits=limits, timeout=60) as c:
+                async def hold(opened: asyncio.Event, done: asyncio.Event) -> None:
+                    async with c.stream("POST", "/v1/completions", json=LONG) as r:
+                        assert r.status_code == 200  # SSE headers at enqueue, before any model slot
+                        opened.set()
+                        await done.wait()
+
+                done = asyncio.Event()
+                opened = [asyncio.Event() for _ in range(num_streams)]
+                tasks = [asyncio.create_task(hold(e, done)) for e in opened]
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in opened)), 60)
+                snap = (await c.get("/metrics?format=json", timeout=10)).json()
+                done.set()
+                await asyncio.gather(*tasks)
+                return snap["active"], snap["pending"]
+
+        active, pending = asyncio.run(main())
+        assert 1 <= active <= 2 and active + pending == num_streams
+        snap = _wait_idle(srv.url)  # the closed streams were aborted
+        assert snap["free_pages"] == snap["total_pages"]
+    finally:
+        _stop(srv.proc)
