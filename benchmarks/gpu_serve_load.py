@@ -218,6 +218,7 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
         owner: dict[str, int] = {}
         tokens = 0
         occupancy = [0, 0, 0]  # steps in the window, running and waiting requests summed over them
+        step_s: list[float] = []  # each step's wall time in the window: the engine's own inter-token gaps
         while (now := time.monotonic()) < t0 + warm + seconds:
             while starts and starts[0] <= now:
                 owner[f"e{serial}"] = n - len(starts)
@@ -230,7 +231,11 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
                 occupancy[0] += 1
                 occupancy[1] += core.scheduler.num_running
                 occupancy[2] += core.scheduler.num_waiting
-            for out in core.step():
+            started = time.perf_counter()
+            outputs = core.step()
+            if now >= t0 + warm:
+                step_s.append(time.perf_counter() - started)
+            for out in outputs:
                 if out.req_id[0] == "p":
                     continue
                 if now >= t0 + warm:
@@ -252,8 +257,10 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
                  f" + {1e-3 * sched.prefill_ns_per_token:.2f} us a token" if sched.decode_step_ns and
                  sched.prefill_ns_per_token else "step costs unmeasured")
         steps = max(occupancy[0], 1)
+        gaps = sorted(step_s) or [float("nan")]
         print(f"engine alone, {n:4d} streams: {results[n]:9.1f} tok/s ({costs}; {occupancy[1] / steps:.1f} running + "
-              f"{occupancy[2] / steps:.1f} queued a step)", flush=True)
+              f"{occupancy[2] / steps:.1f} queued a step; step p50/p99/max {1e3 * gaps[len(gaps) // 2]:.1f}/"
+              f"{1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.1f}/{1e3 * gaps[-1]:.1f} ms)", flush=True)
     runtime.engine.shutdown()
     return results
 
