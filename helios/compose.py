@@ -223,6 +223,7 @@ def build_runtime(core_path: Path, config: ServerConfig, switches: Switches = DE
                            kernels_wait=st.kernels_wait_s, kv=st.kv_alloc_s, capture=st.capture_s,
                            graphs=st.num_graphs, pending=st.num_pending, pending_graphs=_pending_graphs(runner),
                            kernels_jit=st.kernels_jit, verify=t4 - t3)
+    runtime.kernels = st.kernels
     return runtime
 
 

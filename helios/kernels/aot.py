@@ -31,6 +31,7 @@ import pkgutil
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -260,12 +261,18 @@ class KernelLoad:
     num_compiled: int = 0  # kernels the warm launches still had to compile here (a cache key differed)
     cache_dir: Path | None = None
     messages: list[str] = field(default_factory=list)
+    # seconds of each part of the load: install (copy into the runtime cache), launchers (their host stubs),
+    # launches (one warm launch each), traced (the traced families' decode graphs' kernels)
+    phases: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
         if self.status == "loaded":
             extra = f", {self.num_compiled} compiled here" if self.num_compiled else ""
-            return f"{self.num_loaded} precompiled kernels ({self.target}){extra}"
+            return f"{self.num_loaded} precompiled kernels ({self.target}{extra}; {self.describe_phases()})"
         return self.messages[0] if self.messages else self.status
+
+    def describe_phases(self) -> str:
+        return ", ".join(f"{name} {s:.2f}s" for name, s in self.phases.items())
 
 
 def runtime_cache_root(kernel_cache: str | None = None) -> Path:
@@ -366,21 +373,27 @@ def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | st
     if reason is not None:
         warnings.warn(f"precompiled kernels not used: {reason}; compiling on first use", stacklevel=2)
         return KernelLoad("mismatch", target=chosen.target, messages=[reason])
+    t0 = time.perf_counter()
     cache_dir, index = install_cache(kernels_dir, cache_root)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     shape = runtime_shape(shape_from_manifest(manifest, num_sms), gemv, fused_decode, defer_norms)
     before = _kernel_dirs(cache_dir)
+    phases = {"install": time.perf_counter() - t0}
     with torch.cuda.device(device):
         from triton.runtime import driver
 
+        t0 = time.perf_counter()
         _prebuild_launchers(shape, device, driver.active.get_current_target(), pdl)
+        t1 = time.perf_counter()
         run_launchers(shape, device, pdl)
+        t2 = time.perf_counter()
         if trace is not None:
             load_traced(trace)
         torch.cuda.synchronize(device)
+        phases.update(launchers=t1 - t0, launches=t2 - t1, traced=time.perf_counter() - t2)
     compiled = sorted(_kernel_dirs(cache_dir) - before)
     result = KernelLoad("loaded", target=chosen.target, num_loaded=len(index["kernels"]),
-                        num_compiled=len(compiled), cache_dir=cache_dir)
+                        num_compiled=len(compiled), cache_dir=cache_dir, phases=phases)
     if compiled:
         result.messages.append(f"compiled here: {compiled[:3]}")
         warnings.warn(f"{len(compiled)} kernels were not found among the precompiled ones and were compiled here",

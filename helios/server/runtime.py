@@ -135,6 +135,7 @@ class Runtime:
         self.http_metrics = HttpMetrics()
         self.pool = ThreadPoolExecutor(config.frontend_workers, thread_name_prefix="helios-frontend")
         self.timings: dict[str, float] = {}
+        self.kernels = ""  # what the runner's start did with the core's precompiled kernels, and its split
         self.started = time.monotonic()
 
     async def run_blocking(self, fn, *args):
