@@ -371,15 +371,15 @@ def served_level(url: str, server_pid: int, pool: LoadPool, streams: int, warm: 
             break
         time.sleep(0.1)
         after = metrics(url)
-    d = {k: m1[k] - m0[k] for k in ("generated_tokens", "verify_steps", "verification_rounds", "replay_gpu_ns",
-                                    "reused_tokens")}
+    d = {k: m1.get(k, 0) - m0.get(k, 0) for k in ("generated_tokens", "verify_steps", "verification_rounds",
+                                                  "replay_gpu_ns", "reused_tokens", "kernels_jit")}
     return {
         "tok_s": r.window_tokens / seconds, "server_tok_s": d["generated_tokens"] / (t1 - t0),
         "requests": r.num_requests, "cut": r.num_cut, "errors": len(r.errors), "error_sample": r.errors[:2],
         "ttft": (pct(r.ttft, 0.5), pct(r.ttft, 0.99)), "itl": (pct(r.itl, 0.5), pct(r.itl, 0.99)),
         "e2e": (pct(r.e2e, 0.5), pct(r.e2e, 0.99)), "probe": (pct(r.probe_ttft, 0.5), pct(r.probe_ttft, 0.99)),
         "batch": d["verification_rounds"] / d["verify_steps"] if d["verify_steps"] else float("nan"),
-        "busy": d["replay_gpu_ns"] / 1e9 / (t1 - t0), "reused": d["reused_tokens"],
+        "busy": d["replay_gpu_ns"] / 1e9 / (t1 - t0), "reused": d["reused_tokens"], "jit": d["kernels_jit"],
         "client_cpu": r.cpu_s / r.wall_s / len(pool.procs) if r.wall_s else float("nan"),
         "server_cpu": cpu_split(c0, c1, server_pid, t1 - t0),
         "launches": {k: v - m0["graph_launches"].get(k, 0) for k, v in m1["graph_launches"].items()},
@@ -400,7 +400,8 @@ def level_line(api: str, n: int, r: dict, engine: float) -> str:
             f"{r['itl'][0] * 1e3:.1f}/{r['itl'][1] * 1e3:.1f} ms, E2E {r['e2e'][0]:.2f}/{r['e2e'][1]:.2f} s, probe "
             f"TTFT {r['probe'][0] * 1e3:.0f}/{r['probe'][1] * 1e3:.0f} ms, in the engine (mean of /metrics samples) "
             f"{r['in_engine'][0]:.1f} active + {r['in_engine'][1]:.1f} queued, decode batch {r['batch']:.1f}, graph busy "
-            f"{r['busy']:.0%}, forward passes {r['launches']}, prefix-reused tokens {r['reused']}, server CPU in "
+            f"{r['busy']:.0%}, forward passes {r['launches']}, kernels JIT-compiled in the window {r['jit']}, "
+            f"prefix-reused tokens {r['reused']}, server CPU in "
             f"cores: {r['server_cpu']}, client processes' CPU {r['client_cpu']:.0%} each, "
             f"{'OK' if r['pages_ok'] else 'LEAK'} ({r['pages']})"
             + (f", /metrics answered in {r['metrics_s']:.1f} s" if r["metrics_s"] > 0.5 else ""))

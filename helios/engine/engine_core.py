@@ -105,6 +105,7 @@ class EngineMetrics(Struct, frozen=True, kw_only=True):
     graph_launches: dict[str, int] = {}
     replay_gpu_ns: int = 0
     graph_captures_pending: int = 0
+    kernels_jit: int = 0
     # host embedding tables' readiness and row caches (RunnerStats; zero without them)
     replay_readiness_wait_ns: int = 0
     replay_readiness_samples: int = 0

@@ -221,6 +221,9 @@ class RunnerStats(Struct, frozen=True, kw_only=True):
     graph_launches: dict[str, int] = {}  # forward passes by kind: graph (a decode graph's replay), speculative, eager
     replay_gpu_ns: int = 0  # GPU time of completed graph replays (zero on the CPU)
     graph_captures_pending: int = 0  # decode and prompt graph buckets left to capture (captured when idle)
+    # Triton kernels a launch had to compile or fetch from Triton's disk cache after the start: a specialization
+    # (a shape's divisibility, a new constant) no warm launch loaded; each stalls its step for ms to a second
+    kernels_jit: int = 0
     # host embedding tables (helios/runner/host_embedding.py; zero without them): the time steps waited for their
     # rows' copies over the steps prepared, and the device row caches' lookups (rows per step), copies and bytes
     replay_readiness_wait_ns: int = 0

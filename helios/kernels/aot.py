@@ -518,3 +518,25 @@ class JitCounter:
             from triton import knobs
 
             knobs.runtime.jit_cache_hook = self._previous
+
+
+_jit_total = [0, False]  # JIT launches seen by the process-wide hook; whether it is installed
+
+
+def kernels_jit_total() -> int:
+    """Kernels Triton compiled (or fetched from its disk cache) at a launch in this process since the first call,
+    which installs a process-wide jit_cache_hook (chaining whatever hook was set; JitCounter's own chain to it):
+    the runner reads it after its start (RunnerStats.kernels_jit, /metrics flare_kernels_jit_total). Zero without
+    a compiled Triton."""
+    if not _jit_total[1] and HAS_TRITON and not interpret_mode():
+        from triton import knobs
+
+        previous = knobs.runtime.jit_cache_hook
+
+        def hook(**kwargs):
+            _jit_total[0] += 1
+            return previous(**kwargs) if previous else None
+
+        knobs.runtime.jit_cache_hook = hook
+        _jit_total[1] = True
+    return _jit_total[0]

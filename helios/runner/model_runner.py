@@ -188,6 +188,12 @@ def layer_caches(arch: Architecture, kv_cache: KVCache, state_cache: StateCache 
     return [states[i] if i in states else next(kv) if i in attention else None for i in range(arch.num_layers)]
 
 
+def _kernels_jit() -> int:
+    from helios.kernels.aot import kernels_jit_total
+
+    return kernels_jit_total()
+
+
 class _KernelLoad:
     """helios.kernels.aot.load_kernels on a thread of its own; join() gives its summary and duration, or raises
     what it raised."""
@@ -384,6 +390,8 @@ class ModelRunner:
         self.num_background_graphs = 0
         self.background_capture_s = 0.0
         self.background_kernels_jit = 0
+        # kernels JIT-compiled (or read from Triton's disk cache) at launches after this point (/metrics)
+        self._jit_base = _kernels_jit() if is_cuda else 0
         self.step_capture_s = 0.0  # of the last execute, the seconds its captures took (EngineCore._observe)
         self._step_thread: int | None = None  # the thread of the last execute: captures must run on it
         if not switches.decode_overlap or tp is not None:
@@ -564,8 +572,9 @@ class ModelRunner:
         host = self.host_embeddings.counters() if self.host_embeddings is not None else {}
         pending = (len(self.graphs.pending) if self.graphs is not None else 0) + (
             len(self.prompt_graphs.pending) if self.prompt_graphs is not None else 0)
+        jit = _kernels_jit() - self._jit_base if self.device.type == "cuda" else 0
         return RunnerStats(graph_launches=dict(self.launches), replay_gpu_ns=self.replay_gpu_ns,
-                           graph_captures_pending=pending, **host)
+                           graph_captures_pending=pending, kernels_jit=jit, **host)
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

@@ -49,6 +49,7 @@ class Snapshot(Struct, kw_only=True):
     failed: int = 0
     replay_gpu_ns: int = 0
     graph_captures_pending: int = 0
+    kernels_jit: int = 0
     replay_readiness_wait_ns: int = 0
     replay_readiness_samples: int = 0
     embedding_row_cache_hits: int = 0
@@ -109,6 +110,8 @@ PROMETHEUS = {
     "reasoning_budget_cuts": ("flare_reasoning_budget_cuts_total", "counter", "Reasoning closed by the budget"),
     "failed": ("flare_requests_failed_total", "counter", "Requests failed by admission, execution or output"),
     "replay_gpu_ns": ("flare_replay_gpu_nanoseconds_total", "counter", "CUDA graph replay time"),
+    "kernels_jit": ("flare_kernels_jit_total", "counter",
+                    "Triton kernels compiled (or read from Triton's cache) at a launch after start-up"),
     "graph_captures_pending": ("flare_graph_captures_pending", "gauge",
                                "CUDA graph buckets left to capture (start-up work the idle engine finishes)"),
     "replay_readiness_wait_ns": ("flare_replay_readiness_wait_nanoseconds_total", "counter", "Readiness delay"),
