@@ -277,11 +277,12 @@ def metrics(url: str) -> dict:
         return json.loads(r.read())
 
 
-def start_server(core_dir: Path, config: Path, log: Path) -> tuple[subprocess.Popen, str, int]:
+def start_server(core_dir: Path, config: Path, log: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "helios.cli", "serve", str(core_dir), "--config", str(config), "--port", str(port)]
+    cmd = [sys.executable, "-m", "helios.cli", "serve", str(core_dir), "--config", str(config), "--port", str(port),
+           *extra]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -444,6 +445,8 @@ def main() -> None:
                         "by the token budget)")
     parser.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--skip-engine", action="store_true", help="no engine-alone figures")
+    parser.add_argument("--engine-samples", action="store_true",
+                        help="sample the served engine thread's stack (helios serve --engine-samples) and print it")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     gpu = args.device == "cuda"
@@ -491,7 +494,10 @@ def main() -> None:
     config = args.work / "server.toml"
     config.write_text("[server]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in server_toml.items()))
     log = args.work / "serve.log"
-    proc, url, port = start_server(core_dir, config, log)
+    samples = args.work / "engine_samples.txt"
+    samples.unlink(missing_ok=True)
+    proc, url, port = start_server(core_dir, config, log,
+                                   ("--engine-samples", str(samples)) if args.engine_samples else ())
     rows = []
     try:
         ready = next((ln for ln in log.read_text().splitlines() if " ready: " in ln), "")
@@ -521,6 +527,8 @@ def main() -> None:
                 pool.close()
     finally:
         stop_server(proc)
+    if args.engine_samples and samples.is_file():  # the served engine thread's sampled stacks, every level together
+        print(f"engine thread, sampled ({samples}):\n" + samples.read_text(), flush=True)
     # what the server said beyond its ready line (a frontend restarted, an error), for a level that looks wrong
     notes = [ln for ln in log.read_text(errors="replace").splitlines()
              if re.search(r"error|warning|traceback|restart|died|exited", ln, re.IGNORECASE)]

@@ -51,6 +51,10 @@ def serve(
                                  "needs pyzmq (the kv-events extra).")
     ] = None,
     log_level: Annotated[str, typer.Option(help="Granian log level.")] = "warning",
+    engine_samples: Annotated[
+        Path | None, typer.Option("--engine-samples", help="Sample the engine thread's stack every 5 ms and write "
+                                  "where its time went to this file at exit (a statistical profile).")
+    ] = None,
 ) -> None:
     """Serve CORE on HTTP: OpenAI Chat Completions, Completions, models, /health and /metrics."""
     from helios.server.startup import Timeline
@@ -106,7 +110,8 @@ def serve(
     from helios.compose import serve as serve_core
 
     timeline.mark("compose")
-    sys.exit(serve_core(core.resolve(), server, switches, log_level=log_level, timeline=timeline))
+    sys.exit(serve_core(core.resolve(), server, switches, log_level=log_level, timeline=timeline,
+                        engine_samples=engine_samples))
 
 
 class _FetchError(Exception):

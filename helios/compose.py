@@ -331,7 +331,7 @@ def device_without_torch(name: str) -> str:
 
 
 def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES,
-          log_level: str = "warning", timeline: Timeline | None = None) -> int:
+          log_level: str = "warning", timeline: Timeline | None = None, engine_samples: Path | None = None) -> int:
     """Serve until SIGINT or SIGTERM; the exit status (1 when the start-up failed).
 
     This process owns the engine (core, runner, scheduler, KV pool) and serves it on a Unix socket
@@ -339,7 +339,8 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
     port (SO_REUSEPORT: the kernel spreads connections) and prepare, submit and encode requests there. The
     frontends start first, before this process imports torch, so their imports and tokenizer load run beside
     its imports and the load; they accept connections once the engine is warm. A frontend that dies is started
-    again. timeline: the CLI's start-up marks (the ready line's split), continued here."""
+    again. timeline: the CLI's start-up marks (the ready line's split), continued here; engine_samples: a file
+    for the step loop's sampled stacks (helios/engine/stack_samples.py), written at exit."""
     from helios.core.manifest import MANIFEST_FILE, decode_manifest
 
     timeline = timeline or Timeline()
@@ -386,7 +387,17 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
                                       args=(runtime, engine_server, frontends, stop, status, config, switches,
                                             timeline))
         supervisor.start()
-        runtime.engine.run()  # until the supervisor shuts the engine down
+        sampler = None
+        if engine_samples is not None:
+            from helios.engine.stack_samples import StackSampler
+
+            sampler = StackSampler(threading.get_ident()).start()
+        try:
+            runtime.engine.run()  # until the supervisor shuts the engine down
+        finally:
+            if sampler is not None:
+                sampler.stop()
+                Path(engine_samples).write_text(sampler.report(), encoding="utf-8")
         supervisor.join()
         return status[0]
     finally:
