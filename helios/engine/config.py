@@ -45,6 +45,15 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
                     "decode step: arriving prompts stretch a decoding request's inter-token gap to at most "
                     "(1 + ratio) decode steps; 0: no limit beyond the token budget.")
     ] = 0.0
+    prompt_step_tokens: Annotated[
+        int, Meta(ge=0, le=1 << 20, description="While requests decode, the most prompt tokens a step takes beside "
+                  "them (the runner's prompt graphs' largest bucket: such a step replays one graph, whose time is "
+                  "bounded); 0: no such limit.")
+    ] = 0
+    prompt_step_seqs: Annotated[
+        int, Meta(ge=0, le=1 << 16, description="Likewise, the most prompt chunks (sequences) a step takes beside "
+                  "decodes; 0: no such limit.")
+    ] = 0
     max_waiting: Annotated[
         int, Meta(ge=1, le=1 << 20, description="Requests waiting for a model slot past the free ones (QueueFull).")
     ] = 256

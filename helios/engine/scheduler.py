@@ -174,8 +174,13 @@ class Scheduler:
         self._scheduled = {}
         is_preempted = False
 
-        # prompt tokens this step may take beside the decodes (decode_stall_ratio)
-        prompt_budget = initial_prompt_budget = self._prompt_budget()
+        # prompt tokens this step may take beside the decodes: the stall budget (decode_stall_ratio), and the cap of
+        # prompt tokens and chunks that fit the runner's prompt graphs (prompt_step_tokens / _seqs)
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        stall_budget = self._prompt_budget(decoding)
+        prompt_budget = initial_prompt_budget = min(
+            stall_budget, config.prompt_step_tokens if decoding and config.prompt_step_tokens else UNLIMITED)
+        seqs_left = config.prompt_step_seqs if decoding and config.prompt_step_seqs else UNLIMITED
 
         # Running requests first, in admission order. NOTE: each keeps one token of budget for every
         # running request after it (max_num_batched_tokens >= max_concurrency), so a long prefill never
@@ -200,10 +205,12 @@ class Scheduler:
                 self._finish_now(req, RequestStatus.FINISHED_LENGTH)
                 continue
             num_left = req.num_tokens - req.num_computed_tokens
+            prompt_room = max(prompt_budget, 0) if seqs_left > 0 else 0
             num_new = self._chunk_size(req, min(num_left, config.prefill_chunk_size, budget - reserve,
-                                                max(prompt_budget, 0) if num_left > 1 else 1))
+                                                prompt_room if num_left > 1 else 1))
             if num_left > 1:
                 prompt_budget -= num_new
+                seqs_left -= 1 if num_new else 0
             if num_new == 0:  # a prefill chunk that cannot end on the recurrent grid this step: the next one
                 i += 1
                 continue
@@ -225,7 +232,8 @@ class Scheduler:
 
         # Then waiting requests, strictly first-come-first-served (the head blocks the queue, so a long
         # prompt is never overtaken forever); none when this step had to preempt.
-        while not is_preempted and self.waiting and len(self.running) < config.max_concurrency and budget > 0:
+        while (not is_preempted and self.waiting and len(self.running) < config.max_concurrency and budget > 0
+               and seqs_left > 0):
             req = self.waiting[0]
             if self._exceeds_page_capacity(req):  # a resumed request that grew past the pool
                 self.waiting.popleft()
@@ -295,8 +303,9 @@ class Scheduler:
             scheduled.append(self._schedule_chunk(req, num_new))
             budget -= num_new
             prompt_budget -= num_new
+            seqs_left -= 1
 
-        if initial_prompt_budget != UNLIMITED:
+        if stall_budget != UNLIMITED:
             self._charge_prompts(initial_prompt_budget - prompt_budget)
         self._look_ahead(scheduled)
         # after every allocation of the plan (look-ahead pages too), so each eviction is copied out before the
@@ -478,7 +487,7 @@ class Scheduler:
         ns, prev = 1e9 * seconds, self.decode_step_ns
         self.decode_step_ns = ns if prev is None else 0.8 * prev + 0.2 * min(ns, OUTLIER_FACTOR * prev)
 
-    def _prompt_budget(self) -> int:
+    def _prompt_budget(self, decoding: bool) -> int:
         """The prompt tokens this step may take (running prefills and admissions together): unlimited without
         decode_stall_ratio, without a decoding request or before both costs are measured; none while the prompt
         steps are in debt; else what fits decode_stall_ratio decode steps at the fitted cost (fixed + per token),
@@ -494,7 +503,7 @@ class Scheduler:
         ratio, per_token, step = self.config.decode_stall_ratio, self.prefill_ns_per_token, self.decode_step_ns
         if not ratio or per_token is None or step is None:
             return UNLIMITED
-        if not any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+        if not decoding:  # no request decodes: nothing to stall
             self._stall_debt_ns = 0.0
             return UNLIMITED
         if self._stall_debt_ns > 0:

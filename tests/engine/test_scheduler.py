@@ -147,6 +147,34 @@ def test_decode_stall_ratio_limits_prompt_tokens_beside_decodes():
     assert len(runner.plans[-1].scheduled[0].token_ids) == 120
 
 
+def test_prompt_step_cap_limits_tokens_and_chunks_beside_decodes():
+    """prompt_step_tokens / prompt_step_seqs (a runner's prompt graphs: what one graph holds): a step holding decodes
+    takes at most that many prompt tokens and chunks, running prefills first; a step without decodes is not capped;
+    the stall budget stays off (ratio 0); every token is what the model gives."""
+    core, runner = make_core(max_concurrency=8, max_num_batched_tokens=256, prefill_chunk_size=128, num_pages=512,
+                             prompt_step_tokens=24, prompt_step_seqs=2)
+    first = request("first", prompt_len=30, max_tokens=30)
+    core.add_request(first)
+    got = Collected()
+    got.add(core.step())
+    assert len(runner.plans[-1].scheduled[0].token_ids) == 30  # nothing decodes yet: the whole prompt
+    others = [request(f"r{i}", prompt_len=10 + 7 * i, seed=i, max_tokens=4) for i in range(5)]
+    for req in others:
+        core.add_request(req)
+    capped = 0
+    while "first" in core.scheduler.requests:
+        got.add(core.step())
+        plan = runner.plans[-1]
+        chunks = [s for s in plan.scheduled if len(s.token_ids) > 1]
+        assert sum(len(s.token_ids) for s in chunks) <= 24 and len(chunks) <= 2, plan
+        capped += bool(chunks)
+    assert capped >= 4  # 115 prompt tokens at 24 a step
+    run_until_idle(core, got)
+    for req in (first, *others):
+        assert got.tokens[req.req_id] == reference_tokens(req), req.req_id
+    assert_idle(core)
+
+
 def test_prompt_cost_fit_separates_the_fixed_part():
     """observe_prefill fits fixed + n * per_token over the recent steps: prompt steps of 16 and 9 tokens with a
     30 ms fixed part (a GPU's eager pass beside the decode graph) give back 30 ms and 27 us a token, not the ~2 ms a
