@@ -261,8 +261,8 @@ class KernelLoad:
     num_compiled: int = 0  # kernels the warm launches still had to compile here (a cache key differed)
     cache_dir: Path | None = None
     messages: list[str] = field(default_factory=list)
-    # seconds of each part of the load: install (copy into the runtime cache), launchers (their host stubs),
-    # launches (one warm launch each), traced (the traced families' decode graphs' kernels)
+    # seconds of each part of the load: install (copy into the runtime cache), hook (the launches through the
+    # compile hook), compile (each kernel from the installed cache), launchers (modules and host stubs: load_launched)
     phases: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
@@ -331,36 +331,14 @@ def _kernel_dirs(cache_dir: Path) -> set[str]:
     return {p.parent.name for p in cache_dir.glob("*/*.cubin")} if cache_dir.is_dir() else set()
 
 
-def _prebuild_launchers(shape: KernelShape, device: torch.device, target, pdl: bool | None) -> int:
-    """Build the launcher stubs of every kernel in parallel threads (each is a host-compiler subprocess on
-    Triton <= 3.6, ~0.4 s apiece), so the warm launches after this find them cached; returns how many kernels.
-    Best effort: on a Triton whose internals differ, the warm launches build them one by one instead."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    try:
-        kernels = [kernel for _, _, kernel in _compile_launched(shape, target, device, both_pdl=False, pdl=pdl)]
-
-        def init(kernel):
-            with torch.cuda.device(device):
-                kernel._init_handles()
-
-        # one host compiler per core: the norm-free path's ~25 start-up kernels built in two rounds, not four
-        with ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1, len(kernels)))) as pool:
-            list(pool.map(init, kernels))
-        return len(kernels)
-    except Exception as exc:  # noqa: BLE001 - an optimization only
-        warnings.warn(f"launcher prebuild skipped: {type(exc).__name__}: {exc}", stacklevel=2)
-        return 0
-
-
 def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | str, manifest, *, gemv: str = "narrow",
                  fused_decode: bool = True, defer_norms: bool = True, pdl: bool | None = None,
                  cache_root: Path | None = None, trace: Callable[[], object] | None = None) -> KernelLoad:
-    """Install the core's kernels for this device and load each through one ordinary launch (Triton finds it
-    in the installed cache); warn and fall back to JIT when they do not fit. manifest: the core's (decoded by
+    """Install the core's kernels for this device and load each into Triton's in-memory cache without launching
+    it (load_launched: each found in the installed cache); warn and fall back to JIT when they do not fit. manifest: the core's (decoded by
     the caller); gemv, fused_decode, defer_norms, pdl: the process's switches (helios.switches), which pick the
     kernels it launches (runtime_shape); cache_root: runtime_cache_root's answer for them; trace: the model's
-    decode graphs on meta tensors (helios.runner.aot_trace.decode_tracer), whose kernels load_traced loads."""
+    decode graphs on meta tensors (helios.runner.aot_trace.decode_tracer), whose kernels load the same way."""
     device = torch.device(device)
     if device.type != "cuda" or not kernel_targets:
         return KernelLoad("absent", messages=["no precompiled kernels (compiled on first use)"])
@@ -379,18 +357,15 @@ def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | st
     shape = runtime_shape(shape_from_manifest(manifest, num_sms), gemv, fused_decode, defer_norms)
     before = _kernel_dirs(cache_dir)
     phases = {"install": time.perf_counter() - t0}
-    with torch.cuda.device(device):
-        from triton.runtime import driver
 
-        t0 = time.perf_counter()
-        _prebuild_launchers(shape, device, driver.active.get_current_target(), pdl)
-        t1 = time.perf_counter()
+    def launches() -> None:  # what this process launches: the llama path's launchers, a traced family's graphs
         run_launchers(shape, device, pdl)
-        t2 = time.perf_counter()
         if trace is not None:
-            load_traced(trace)
+            trace()
+
+    with torch.cuda.device(device):
+        load_launched(launches, phases, device)
         torch.cuda.synchronize(device)
-        phases.update(launchers=t1 - t0, launches=t2 - t1, traced=time.perf_counter() - t2)
     compiled = sorted(_kernel_dirs(cache_dir) - before)
     result = KernelLoad("loaded", target=chosen.target, num_loaded=len(index["kernels"]),
                         num_compiled=len(compiled), cache_dir=cache_dir, phases=phases)
@@ -456,41 +431,71 @@ def _every_launch_missing() -> Iterator[None]:
 
 
 def load_traced(trace: Callable[[], object]) -> int:
-    """Run `trace` (launches on meta tensors, helios.runner.aot_trace) through the compile hook, then compile each
-    launch's kernel for this device, which finds its cubin in the installed cache, and put it into Triton's
-    in-memory cache under the launch's key, as an ordinary first launch would: capture's launches then find it
-    there and compile nothing. Returns how many kernels it put there.
-    NOTE: a key found in the cache mid-trace would be launched, on meta tensors' pointers: the trace runs on empty
+    """load_launched for a model's decode graphs traced on meta tensors (helios.runner.aot_trace)."""
+    return load_launched(trace)
+
+
+def load_launched(launches: Callable[[], object], phases: dict[str, float] | None = None,
+                  device: torch.device | str | None = None) -> int:
+    """Run `launches` (kernel launches: run_launchers' on small tensors, a model's decode graphs traced on meta
+    tensors, helios.runner.aot_trace) through the compile hook, launching nothing; then compile each launch's
+    kernel for this device, several at a time (each finds its cubin in the installed cache), and put it into
+    Triton's in-memory cache under the launch's key, as an ordinary first launch would: later launches, graph
+    captures included, then compile nothing. On a CUDA `device`, each kernel's module and launcher stub are loaded
+    here too, side by side (Triton <= 3.6 builds a stub with the host compiler the first time, ~0.4 s, then
+    caches it), not at its first launch. Returns how many kernels it put there; phases gets the seconds of the
+    hook pass (hook), the compiles (compile) and the handles (launchers).
+    NOTE: a key found in the cache mid-pass would be launched, on meta tensors' pointers: the pass runs on empty
     caches (_every_launch_missing) and the kernels go into the real ones after it. Like every compile hook here, it
-    assumes no other thread launches kernels meanwhile (the runner's start: the weights upload only copies)."""
+    assumes no other thread launches kernels meanwhile (the runner's start: the weights upload only copies).
+    NOTE: before, the start compiled every kernel from the cache (to build the stubs in parallel), then launched
+    each for real to load it again through Triton's own path: ~1.2 s + 0.9 s on the 8B core (H100, session 21)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from triton import knobs
     from triton.compiler import ASTSource
 
-    launches: dict[tuple[int, int, object], tuple] = {}  # (function, device, key) -> (function, compile args)
+    t0 = time.perf_counter()
+    found: dict[tuple[int, int, object], tuple] = {}  # (function, device, key) -> (function, compile args)
 
     def hook(**kwargs):
         c = kwargs["compile"]
         fn = kwargs["fn"].jit_function
-        launches.setdefault((id(fn), c["device"], c["key"]), (fn, c))  # keys are per function
+        found.setdefault((id(fn), c["device"], c["key"]), (fn, c))  # keys are per function
         return True  # no compile, no launch
 
     previous = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     try:
         with _every_launch_missing():
-            trace()
+            launches()
     finally:
         knobs.runtime.jit_cache_hook = previous
-    loaded = 0
-    for (_, device, key), (fn, c) in launches.items():
-        kernel_cache, _, target, _, _ = fn.device_caches[device]
-        if key not in kernel_cache:
-            # NOTE: the source and options as _compile_launched builds them at export: the same cache key
-            src = ASTSource(fn, c["signature"], c["constants"], c["configs"][0])
-            options = {k: _tuples(v) for k, v in json.loads(c["specialization_data"])["options"].items()}
-            kernel_cache[key] = triton.compile(src, target=target, options=options)
-            loaded += 1
-    return loaded
+    todo = [(fn, dev, key, c) for (_, dev, key), (fn, c) in found.items() if key not in fn.device_caches[dev][0]]
+    t1 = time.perf_counter()
+
+    def build(item):
+        fn, dev, _, c = item
+        # NOTE: the source and options as _compile_launched builds them at export: the same cache key
+        src = ASTSource(fn, c["signature"], c["constants"], c["configs"][0])
+        options = {k: _tuples(v) for k, v in json.loads(c["specialization_data"])["options"].items()}
+        return triton.compile(src, target=fn.device_caches[dev][2], options=options)
+
+    def handles(kernel) -> None:
+        with torch.cuda.device(device):
+            kernel._init_handles()
+
+    workers = max(1, min(len(todo), os.cpu_count() or 1, 16))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="helios-kernel-load") as pool:
+        kernels = list(pool.map(build, todo))
+        t2 = time.perf_counter()
+        if device is not None and torch.device(device).type == "cuda":
+            list(pool.map(handles, kernels))
+    for (fn, dev, key, _), kernel in zip(todo, kernels):
+        fn.device_caches[dev][0][key] = kernel
+    if phases is not None:
+        phases.update(hook=t1 - t0, compile=t2 - t1, launchers=time.perf_counter() - t2)
+    return len(todo)
 
 
 class JitCounter:
