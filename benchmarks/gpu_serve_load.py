@@ -441,8 +441,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, help="[server] (cuda 8192, cpu 2048)")
     parser.add_argument("--http-workers", type=int, default=0, help="[server] http_workers (0: the server's default)")
     parser.add_argument("--decode-stall-ratio", type=float,
-                        help="[server] decode_stall_ratio (unset: the server's default, 0 with prompt graphs else "
-                        "1; 0: prompts limited only by the token budget and the prompt graphs' cap)")
+                        help="[server] decode_stall_ratio (unset: the server's default, 1.0; 0: prompts limited only "
+                        "by the token budget and the prompt graphs' cap)")
     parser.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)))
     parser.add_argument("--skip-engine", action="store_true", help="no engine-alone figures")
     parser.add_argument("--engine-samples", action="store_true",

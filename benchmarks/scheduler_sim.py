@@ -10,10 +10,11 @@ spread over 2 s. Printed per policy and stream count: output tok/s, requests run
 and inter-token gap p50/p99 (simulated), and the steps by kind (decode only, prompt graph, eager).
 
 `python benchmarks/scheduler_sim.py` compares the stall budget (decode_stall_ratio 1) with the prompt graphs' cap
-(prompt_step_tokens 512, prompt_step_seqs 8, ratio 0; what helios serve takes where a runner has prompt graphs).
-Found with it (session 21): the stall budget's allowance scales with the decode step, which shrinks with the
-running set, so under a closed loop fewer admissions mean fewer running and fewer admissions again: at 256 streams
-it settles with requests queued (TTFT p99 ~0.7 s here, ~1 s measured), where the cap keeps 254 running.
+(prompt_step_tokens 512, prompt_step_seqs 8, ratio 0) and both (what helios serve takes where a runner has prompt
+graphs). Found with it (session 21): the stall budget's allowance scales with the decode step, which shrinks with
+the running set, so under a closed loop fewer admissions meant fewer running and fewer admissions again: at 256
+streams it settled with requests queued (TTFT p99 0.7 s here, ~1 s measured on the H100) until the scheduler held
+the queue's head back at most STALL_MAX_WAIT_STEPS steps; the cap alone left a 2.15x ITL tail at 64 streams.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def main() -> None:
     parser.add_argument("--rtt", type=float, default=0.001, help="seconds from a request's end to its stream's next")
     args = parser.parse_args()
     policies = {"stall budget (ratio 1)": (1.0, 0, 0), "prompt graphs' cap (ratio 0)": (0.0, 512, 8),
-                "both": (1.0, 512, 8)}
+                "both (helios serve on a GPU)": (1.0, 512, 8)}
     print("| streams | policy | tok/s | running | queued | TTFT p50/p99 ms | ITL p50/p99 ms | steps d/g/e |")
     print("| --- " * 8 + "|")
     for n in [int(x) for x in args.streams.split(",")]:

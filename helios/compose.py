@@ -129,19 +129,14 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
         runner = ModelRunner(core.manifest.arch, core.tensors, num_pages, page_size, dtype=dtype,
                              host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir, switches=switches,
                              host_embeddings=config.host_embeddings, **state_args)
-    # NOTE: a runner with prompt graphs caps a step's prompt part beside decodes at what one graph holds: its time is
-    # bounded without the stall budget, whose allowance (a multiple of the decode step) shrinks with the running set
-    # and so, under a closed loop of arrivals, admits fewer the fewer run (session 21, H100 8B at 256 streams: 226
-    # running, 31 queued, TTFT p99 ~1 s; benchmarks/scheduler_sim.py reproduces it)
+    # NOTE: a runner with prompt graphs caps a step's prompt part beside decodes at what one graph holds (its time
+    # bounded, its launches one replay; benchmarks/scheduler_sim.py)
     prompt_graphs = getattr(runner, "prompt_graphs", None)
-    stall_ratio = config.decode_stall_ratio
-    if stall_ratio is None:
-        stall_ratio = 0.0 if prompt_graphs is not None else 1.0
     scheduler = SchedulerConfig(
         max_concurrency=serving.max_concurrency,
         max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency + max(state_chunk - 1, 0)),
         prefill_chunk_size=prefill_chunk_size,
-        decode_stall_ratio=stall_ratio,
+        decode_stall_ratio=config.decode_stall_ratio,
         prompt_step_tokens=prompt_graphs.buckets[-1] if prompt_graphs is not None else 0,
         prompt_step_seqs=prompt_graphs.max_seqs if prompt_graphs is not None else 0,
         max_waiting=serving.max_waiting,

@@ -43,6 +43,7 @@ class Request:
 
     __slots__ = (
         "req_id",
+        "queued_at_step",
         "sampling",
         "prompt_token_ids",
         "output_token_ids",
@@ -75,6 +76,7 @@ class Request:
 
     def __init__(self, request: EngineRequest) -> None:
         self.req_id = request.req_id
+        self.queued_at_step = 0  # the scheduler's step count when it last entered the waiting queue
         self.sampling: SamplingParams = request.sampling
         self.prompt_token_ids: list[int] = list(request.prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -41,6 +41,11 @@ from helios.engine.state_pool import StatePool
 UNLIMITED = 1 << 62  # a prompt budget without a bound
 # a measured step counts as at most this many times the current cost estimate (observe_prefill, observe_decode)
 OUTLIER_FACTOR = 3.0
+# the stall budget holds the head of the waiting queue back at most this many steps (then the step takes its prompt
+# part up to the token budget and the prompt graphs' cap): its allowance, a multiple of the decode step, shrinks
+# with the running set, so under a closed loop of arrivals fewer admissions made fewer running and fewer admissions
+# again (session 21, H100 8B at 256 streams: 226 running, 31 queued, TTFT p99 ~1 s; benchmarks/scheduler_sim.py)
+STALL_MAX_WAIT_STEPS = 4
 
 
 class QueueFull(Exception):
@@ -77,6 +82,7 @@ class Scheduler:
         self._prefill_fit = [0.0] * 5  # observe_prefill's decayed sums: steps, n, n^2, ns, n * ns
         self.decode_step_ns: float | None = None  # a step of decodes only, likewise (observe_decode)
         self._stall_debt_ns = 0.0  # prompt work beyond the stall allowance, paid back by the next steps
+        self.num_steps = 0  # schedule() calls: the waiting queue's ages (Request.queued_at_step)
         self.host_lookups = LookupHistograms()
         if config.num_state_slots:
             self.state_pool = StatePool(config.num_state_slots + config.state_checkpoint_slots)
@@ -146,6 +152,7 @@ class Scheduler:
                 raise ValueError("structured output is not available on this engine (no constraint owner)")
             self.constraints.open(request.req_id, request.constraint)
         req = Request(request)
+        req.queued_at_step = self.num_steps
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -177,7 +184,10 @@ class Scheduler:
         # prompt tokens this step may take beside the decodes: the stall budget (decode_stall_ratio), and the cap of
         # prompt tokens and chunks that fit the runner's prompt graphs (prompt_step_tokens / _seqs)
         decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        self.num_steps += 1
         stall_budget = self._prompt_budget(decoding)
+        if self.waiting and self.num_steps - self.waiting[0].queued_at_step > STALL_MAX_WAIT_STEPS:
+            stall_budget = UNLIMITED  # the queue's head waited long enough: the caps alone
         prompt_budget = initial_prompt_budget = min(
             stall_budget, config.prompt_step_tokens if decoding and config.prompt_step_tokens else UNLIMITED)
         seqs_left = config.prompt_step_seqs if decoding and config.prompt_step_seqs else UNLIMITED
@@ -499,7 +509,8 @@ class Scheduler:
         it at (1 + ratio) decode steps where the fixed part allows, at the cost of a burst's later prompts waiting a
         few steps longer. Where the fixed part alone overruns that, a prompt step runs a large chunk and the decode
         steps after it pay its excess back (_charge_prompts): prompt work stays within ratio / (1 + ratio) of the
-        time instead of shrinking to a page a step."""
+        time instead of shrinking to a page a step. schedule() lifts it once the queue's head waited more than
+        STALL_MAX_WAIT_STEPS steps."""
         ratio, per_token, step = self.config.decode_stall_ratio, self.prefill_ns_per_token, self.decode_step_ns
         if not ratio or per_token is None or step is None:
             return UNLIMITED
@@ -729,6 +740,7 @@ class Scheduler:
         if not req.is_prompt_logprobs_sent:
             req.prompt_logprobs = []  # recollected on recompute
         self._forget_in_runner(req)
+        req.queued_at_step = self.num_steps
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 

@@ -75,12 +75,11 @@ class ServerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     thinking_token_budget: _Int32 | None = None  # default reasoning-token cap for chat requests; None: uncapped
     max_num_batched_tokens: Annotated[int, Meta(ge=1, le=1 << 20, description="Token budget of one step.")] = 2048
     decode_stall_ratio: Annotated[
-        Annotated[float, Meta(ge=0, le=1e6)] | None,
-        Meta(description="While requests decode, a step's prompt tokens stay within what the measured prefill rate "
-             "does in this many decode steps (arriving prompts stretch an inter-token gap to at most 1 + ratio "
-             "decode steps); 0: only the token budget limits them; unset: 0 where the runner replays prompt graphs "
-             "(a step's prompt part is then capped at what one graph holds), else 1."),
-    ] = None
+        float, Meta(ge=0, le=1e6, description="While requests decode, a step's prompt tokens stay within what the "
+                    "measured prefill rate does in this many decode steps (arriving prompts stretch an inter-token "
+                    "gap to at most 1 + ratio decode steps), unless the oldest waiting request has waited 4 steps; "
+                    "0: only the token budget and the prompt graphs' cap limit them.")
+    ] = 1.0
     kv_cache_tokens: Annotated[int, Meta(ge=16, le=1 << 24, description="KV pool capacity in tokens (CPU).")] = 32768
     prefix_caching: Annotated[
         bool, Meta(description="Reuse the KV pages of earlier requests' identical prefixes (GPU prefix cache).")

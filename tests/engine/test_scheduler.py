@@ -13,6 +13,7 @@ from helios.engine.config import SchedulerConfig
 from helios.engine.engine_core import RequestExecutionError
 from helios.engine.messages import EngineRequest, SamplingParams
 from helios.engine.request import RequestStatus
+from helios.engine import scheduler as scheduler_module
 from helios.engine.scheduler import QueueFull
 from tests.engine.fakes import (Collected, context_token, make_core, page_owners, reference_tokens, request,
                                  run_until_idle)
@@ -115,10 +116,12 @@ def test_long_prefill_does_not_stall_running_decodes():
     assert_idle(core)
 
 
-def test_decode_stall_ratio_limits_prompt_tokens_beside_decodes():
+def test_decode_stall_ratio_limits_prompt_tokens_beside_decodes(monkeypatch):
     """With decode_stall_ratio, a step holding decodes takes only the prompt tokens the measured prefill rate does in
     ratio decode steps (here 1 ms / 0.1 ms per token = 10 tokens; a long prompt, then a second one admitted beside
     it, share them); a step without decodes takes the whole budget; every token is what the model gives."""
+    # the budget alone: the queue head's bounded wait (STALL_MAX_WAIT_STEPS) has its own test
+    monkeypatch.setattr(scheduler_module, "STALL_MAX_WAIT_STEPS", 1 << 30)
     core, runner = make_core(max_concurrency=4, max_num_batched_tokens=256, prefill_chunk_size=128, num_pages=256,
                              decode_stall_ratio=1.0)
     sched = core.scheduler
@@ -175,6 +178,34 @@ def test_prompt_step_cap_limits_tokens_and_chunks_beside_decodes():
     assert_idle(core)
 
 
+def test_the_stall_budget_holds_the_queue_head_back_a_bounded_number_of_steps():
+    """With decode_stall_ratio the prompt budget can be zero step after step (here a debt it never pays back, as a
+    budget that shrank with the running set did under load); the head of the waiting queue then waits at most
+    STALL_MAX_WAIT_STEPS steps before a step takes its prompt (the caps and token budget still apply)."""
+    from helios.engine.scheduler import STALL_MAX_WAIT_STEPS
+
+    core, runner = make_core(max_concurrency=4, max_num_batched_tokens=256, prefill_chunk_size=128, num_pages=256,
+                             decode_stall_ratio=1.0)
+    sched = core.scheduler
+    sched.observe_decode = sched.observe_prefill = lambda *args: None
+    sched.decode_step_ns, sched.prefill_ns_per_token = 1e6, 1e5
+    first, later = request("first", prompt_len=4, max_tokens=40), request("later", prompt_len=20, max_tokens=3)
+    core.add_request(first)
+    got = Collected()
+    got.add(core.step())
+    sched._stall_debt_ns = 1e15  # never repaid at 1 ms a step
+    core.add_request(later)
+    steps = 0
+    while not any(s.req_id == "later" for s in runner.plans[-1].scheduled) and steps < 30:
+        got.add(core.step())
+        steps += 1
+    assert steps == STALL_MAX_WAIT_STEPS + 1
+    run_until_idle(core, got)
+    for req in (first, later):
+        assert got.tokens[req.req_id] == reference_tokens(req), req.req_id
+    assert_idle(core)
+
+
 def test_prompt_cost_fit_separates_the_fixed_part():
     """observe_prefill fits fixed + n * per_token over the recent steps: prompt steps of 16 and 9 tokens with a
     30 ms fixed part (a GPU's eager pass beside the decode graph) give back 30 ms and 27 us a token, not the ~2 ms a
@@ -197,11 +228,13 @@ def test_prompt_cost_fit_separates_the_fixed_part():
     assert (sched.prefill_fixed_ns, sched.prefill_ns_per_token) == (0.0, pytest.approx(1e6))
 
 
-def test_a_fixed_prompt_cost_runs_large_chunks_and_pays_them_back():
+def test_a_fixed_prompt_cost_runs_large_chunks_and_pays_them_back(monkeypatch):
     """Where a prompt step's fixed part alone overruns the stall allowance (30 ms against a 6 ms decode step), the
     budget is not a page a step (the prompts would trickle in and hold the decode batch small) but at least what
     the fixed part costs in tokens, and the decode steps after such a step carry no prompt tokens until its excess
     is paid back at the allowance a step: prompt work stays within ratio / (1 + ratio) of the time."""
+    # the budget alone: the queue head's bounded wait (STALL_MAX_WAIT_STEPS) has its own test
+    monkeypatch.setattr(scheduler_module, "STALL_MAX_WAIT_STEPS", 1 << 30)
     core, runner = make_core(max_concurrency=16, max_num_batched_tokens=2048, prefill_chunk_size=2048,
                              num_pages=1024, decode_stall_ratio=1.0)
     sched = core.scheduler
