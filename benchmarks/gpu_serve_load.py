@@ -189,13 +189,11 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
     from helios.compose import build_runtime
     from helios.server.config import ServerConfig
     from helios.server.protocols import openai_completions
-    from helios.server.startup import freeze_heap
 
     runtime = build_runtime(core_dir, ServerConfig(**server_toml), own_thread=False)
     core = runtime.engine.core
     while core.has_background_work:  # the decode graphs a lazy start left (helios serve captures them when idle)
         core.background_step()
-    freeze_heap()  # as helios serve's engine process does after its warm-up
     requests = [openai_completions.prepare(msgspec.json.encode(body("completions", ids, "", o, stream=False)),
                                            runtime.model).children[0].request for ids, _, o in work]
     serial, n_salt, results = 0, len(salt_ids), {}

@@ -34,7 +34,7 @@ import msgspec
 from helios.engine.remote import EngineServer
 from helios.server.config import KVEventsConfig, ServerConfig
 from helios.server.runtime import Runtime, Serving, resolve_serving
-from helios.server.startup import Timeline, freeze_heap, ready_line
+from helios.server.startup import Timeline, ready_line
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 if TYPE_CHECKING:
@@ -432,7 +432,6 @@ def _supervise(runtime: Runtime, engine_server: EngineServer, frontends: list[_F
             status[0] = 1
             return
         timeline.mark("warmup")
-        freeze_heap()
         engine_server.mark_ready()
         count = len(frontends)
         while not stop.is_set() and not engine_server.frontends_up(count, timeout=0.2):
@@ -537,7 +536,6 @@ def frontend_main(core_path: str, config: ServerConfig, serving: Serving, socket
             await client.connect()
         except EngineUnavailable as e:  # the engine's start-up failed, and the engine process said why
             raise _EngineStartFailed(str(e)) from None
-        freeze_heap()  # this process's start-up objects (tokenizer, templates, app) out of the collector's walks
 
     app = HeliosApp(runtime, warm_up=connect, ready_line=False)
 

@@ -8,7 +8,6 @@ first, and the engine process prints the ready line without importing the app's 
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from typing import TYPE_CHECKING
@@ -20,16 +19,6 @@ if TYPE_CHECKING:
 STEPS = (("cli", "python and CLI"), ("checks", "checks"), ("compose", "compose imports"),
          ("spawn", "HTTP spawn"), ("imports", "torch imports"), ("load", "load"), ("warmup", "warm-up"),
          ("http", "HTTP wait"))
-
-
-def freeze_heap() -> None:
-    """After start-up: collect once, then move every object alive (modules, weights' wrappers, the tokenizer,
-    the graphs' Python side) to the collector's permanent generation, so later collections walk only the objects
-    the requests made. NOTE: a full collection of a started engine process walks ~200k objects: 55 ms on a 2-core
-    CPU, each time gen2 ran under load (an inter-token gap's tail at every level: session 21's served load read an
-    ITL p99 of ~47 ms at 64, 256 and 512 streams alike); vLLM and SGLang freeze after their start likewise."""
-    gc.collect()
-    gc.freeze()
 
 
 def process_age() -> float | None:
