@@ -255,10 +255,9 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
                  f" + {1e-3 * sched.prefill_ns_per_token:.2f} us a token" if sched.decode_step_ns and
                  sched.prefill_ns_per_token else "step costs unmeasured")
         steps = max(occupancy[0], 1)
-        gaps = sorted(step_s) or [float("nan")]
         print(f"engine alone, {n:4d} streams: {results[n]:9.1f} tok/s ({costs}; {occupancy[1] / steps:.1f} running + "
-              f"{occupancy[2] / steps:.1f} queued a step; step p50/p99/max {1e3 * gaps[len(gaps) // 2]:.1f}/"
-              f"{1e3 * gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]:.1f}/{1e3 * gaps[-1]:.1f} ms)", flush=True)
+              f"{occupancy[2] / steps:.1f} queued a step; step p50/p99/max {1e3 * pct(step_s, 0.5):.1f}/"
+              f"{1e3 * pct(step_s, 0.99):.1f}/{1e3 * pct(step_s, 1.0):.1f} ms)", flush=True)
     runtime.engine.shutdown()
     return results
 
@@ -275,7 +274,8 @@ def metrics(url: str) -> dict:
         return json.loads(r.read())
 
 
-def start_server(core_dir: Path, config: Path, log: Path, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, int]:
+def start_server(core_dir: Path, config: Path, log: Path,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -398,9 +398,9 @@ def level_line(api: str, n: int, r: dict, engine: float) -> str:
             f"{r['error_sample'] or ''}, TTFT p50/p99 {r['ttft'][0] * 1e3:.0f}/{r['ttft'][1] * 1e3:.0f} ms, ITL "
             f"{r['itl'][0] * 1e3:.1f}/{r['itl'][1] * 1e3:.1f} ms, E2E {r['e2e'][0]:.2f}/{r['e2e'][1]:.2f} s, probe "
             f"TTFT {r['probe'][0] * 1e3:.0f}/{r['probe'][1] * 1e3:.0f} ms, in the engine (mean of /metrics samples) "
-            f"{r['in_engine'][0]:.1f} active + {r['in_engine'][1]:.1f} queued, decode batch {r['batch']:.1f}, graph busy "
-            f"{r['busy']:.0%}, forward passes {r['launches']}, kernels JIT-compiled in the window {r['jit']}, "
-            f"prefix-reused tokens {r['reused']}, server CPU in "
+            f"{r['in_engine'][0]:.1f} active + {r['in_engine'][1]:.1f} queued, decode batch {r['batch']:.1f}, "
+            f"graph busy {r['busy']:.0%}, forward passes {r['launches']}, kernels JIT-compiled in the window "
+            f"{r['jit']}, prefix-reused tokens {r['reused']}, server CPU in "
             f"cores: {r['server_cpu']}, client processes' CPU {r['client_cpu']:.0%} each, "
             f"{'OK' if r['pages_ok'] else 'LEAK'} ({r['pages']})"
             + (f", /metrics answered in {r['metrics_s']:.1f} s" if r["metrics_s"] > 0.5 else ""))

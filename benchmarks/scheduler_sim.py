@@ -28,17 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.loadgen import pct  # noqa: E402
 from helios.engine.config import SchedulerConfig  # noqa: E402
 from helios.engine.engine_core import EngineCore  # noqa: E402
 from helios.engine.messages import EngineRequest, ModelRunnerOutput, RequestResult, SamplingParams  # noqa: E402
 from helios.engine.scheduler import Scheduler  # noqa: E402
 
 BUCKETS = (32, 64, 128, 256, 512)
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def simulate(streams: int, *, ratio: float, cap_tokens: int, cap_seqs: int, seconds: float = 20.0, warm: float = 4.0,
