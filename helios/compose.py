@@ -542,8 +542,8 @@ def frontend_main(core_path: str, config: ServerConfig, serving: Serving, socket
     async def main() -> int:
         reporter = asyncio.get_running_loop().create_task(_report(app, client))
         try:
-            return await _serve(app, config, log_level, on_server=lambda server: setattr(client, "on_lost", server.stop),
-                                requests=serving.admission_slots)
+            return await _serve(app, config, log_level, requests=serving.admission_slots,
+                                on_server=lambda server: setattr(client, "on_lost", server.stop))
         finally:
             reporter.cancel()
 

@@ -43,7 +43,8 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         float, Meta(ge=0, le=1e6, description="While requests decode, a step's prompt tokens are limited so that "
                     "their predicted time (the measured prefill rate) stays within this multiple of the measured "
                     "decode step: arriving prompts stretch a decoding request's inter-token gap to at most "
-                    "(1 + ratio) decode steps; 0: no limit beyond the token budget.")
+                    "(1 + ratio) decode steps, unless the waiting queue's head has waited STALL_MAX_WAIT_STEPS "
+                    "(scheduler.py) steps; 0: no limit beyond the token budget and the prompt-step caps.")
     ] = 0.0
     prompt_step_tokens: Annotated[
         int, Meta(ge=0, le=1 << 20, description="While requests decode, the most prompt tokens a step takes beside "

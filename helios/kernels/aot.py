@@ -268,11 +268,9 @@ class KernelLoad:
     def summary(self) -> str:
         if self.status == "loaded":
             extra = f", {self.num_compiled} compiled here" if self.num_compiled else ""
-            return f"{self.num_loaded} precompiled kernels ({self.target}{extra}; {self.describe_phases()})"
+            phases = ", ".join(f"{name} {s:.2f}s" for name, s in self.phases.items())
+            return f"{self.num_loaded} precompiled kernels ({self.target}{extra}; {phases})"
         return self.messages[0] if self.messages else self.status
-
-    def describe_phases(self) -> str:
-        return ", ".join(f"{name} {s:.2f}s" for name, s in self.phases.items())
 
 
 def runtime_cache_root(kernel_cache: str | None = None) -> Path:
@@ -335,8 +333,8 @@ def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | st
                  fused_decode: bool = True, defer_norms: bool = True, pdl: bool | None = None,
                  cache_root: Path | None = None, trace: Callable[[], object] | None = None) -> KernelLoad:
     """Install the core's kernels for this device and load each into Triton's in-memory cache without launching
-    it (load_launched: each found in the installed cache); warn and fall back to JIT when they do not fit. manifest: the core's (decoded by
-    the caller); gemv, fused_decode, defer_norms, pdl: the process's switches (helios.switches), which pick the
+    it (load_launched: each found in the installed cache); warn and fall back to JIT when they do not fit.
+    manifest: the core's (decoded by the caller); gemv, fused_decode, defer_norms, pdl: the process's switches (helios.switches), which pick the
     kernels it launches (runtime_shape); cache_root: runtime_cache_root's answer for them; trace: the model's
     decode graphs on meta tensors (helios.runner.aot_trace.decode_tracer), whose kernels load the same way."""
     device = torch.device(device)

@@ -80,7 +80,7 @@ def ready_line(rt: Runtime, announce: str | None, settings: str | None, started:
             f"{t['side']:.2f}s beside the runner ({t.get('side_wait', 0.0):.2f}s after it), " if "side" in t else "")
     split = (f"open {t.get('open', 0.0):.2f}s, {side}weights {t.get('weights', 0.0):.2f}s, "
              f"kernel load {t.get('kernels', 0.0):.2f}s beside the weights ({t.get('kernels_wait', 0.0):.2f}s "
-             f"after them{': ' + rt.kernels if getattr(rt, 'kernels', '') else ''}), KV {t.get('kv', 0.0):.2f}s, "
+             f"after them{': ' + rt.kernels if rt.kernels else ''}), KV {t.get('kv', 0.0):.2f}s, "
              f"capture {t.get('capture', 0.0):.2f}s ({int(t.get('graphs', 0))} graphs{later}, "
              f"{int(t.get('kernels_jit', 0))} kernels compiled), digests {t.get('verify', 0.0):.2f}s more")
     return (f"helios: {rt.serving.model_id} ready: {started + '; ' if started else ''}"
