@@ -1,6 +1,6 @@
 #!/bin/bash
 # One call on the lent H200 (device tool): carried wheels, GPU tests, serve cold start, decode benchmark.
-# PARTS picks among tests,ptests,hybrid,moeprefill,moedecode,upload,bench,serve,load,gemv,host,promptstep; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
+# PARTS picks among tests,ptests,restart,hybrid,moeprefill,moedecode,upload,bench,serve,load,gemv,host,promptstep; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
 # HELIOS_* execution switches (helios/switches.py) set here reach gpu_decode.py's runners: it reads them once at start.
 # .whl/ holds what the device lacks, for cp312 manylinux (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 ...): msgspec granian llguidance gguf tomli_w zstandard brotli prometheus-client fla-core
@@ -52,6 +52,14 @@ if [[ ,$PARTS, == *,load,* ]]; then  # reuses the 8B core gpu_serve_start.py exp
   timeout ${LOAD_S:-330} python3 benchmarks/gpu_serve_load.py --device cuda "${core_arg[@]}" ${LOAD_ARGS:-} \
     > "$OUT/load.log" 2>&1
   echo "== load rc $?"; grep -v "^W1\|Warning" "$OUT/load.log" | tail -25
+fi
+if [[ ,$PARTS, == *,restart,* ]]; then  # restarts of the serve part's 8B core: the pinned upload off, then on
+  for pinned in ${RESTART_PINNED:-0 1}; do
+    HELIOS_PINNED_UPLOAD=$pinned timeout ${RESTART_S:-120} python3 benchmarks/gpu_serve_start.py --core /tmp/serve/core-8b \
+      --repeat ${RESTART_REPEAT:-2} --out "$OUT/restart$pinned" > "$OUT/restart$pinned.log" 2>&1
+    echo "== restart pinned_upload=$pinned rc $?"; tail -${RESTART_TAIL:-14} "$OUT/restart$pinned.log"
+  done
+  (cd "$OUT" && tar czf restart.tgz restart* && rm -rf restart0 restart1 restart0.log restart1.log)
 fi
 if [[ $PARTS == *hybrid* ]]; then  # issue 20's hybrid bars (a dense and a MoE gated-delta hybrid, HF beside)
   timeout ${HYBRID_S:-240} python3 benchmarks/gpu_hybrid.py ${HYBRID_ARGS:-} > "$OUT/hybrid.log" 2>&1
