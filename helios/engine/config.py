@@ -55,6 +55,12 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         int, Meta(ge=0, le=1 << 16, description="Likewise, the most prompt chunks (sequences) a step takes beside "
                   "decodes; 0: no such limit.")
     ] = 0
+    one_pass_rows: Annotated[
+        int, Meta(ge=0, le=1 << 16, description="Where the runner runs a step of prompts beside decodes in one pass "
+                  "(the one_pass switch), the most rows (decodes and prompt chunks) such a step holds: after a "
+                  "decode-only step, whose successor the runner runs ahead, waiting prompts that would fit are held "
+                  "back one step, and that step is not run ahead, so the next takes them in one pass; 0: never.")
+    ] = 0
     max_waiting: Annotated[
         int, Meta(ge=1, le=1 << 20, description="Requests waiting for a model slot past the free ones (QueueFull).")
     ] = 256

@@ -190,6 +190,9 @@ class SchedulerOutput(Struct, frozen=True, kw_only=True):
     state_copy_out: list[tuple[int, int]] = []
     state_load: list[tuple[bytes, int]] = []
     state_copy_in: list[tuple[int, int]] = []
+    # one-pass steps (SchedulerConfig.one_pass_rows): this decode-only plan's next step takes the waiting prompts
+    # beside these decodes, so the runner must not run that step ahead (runner/decode_overlap.py)
+    hold_ahead: bool = False
 
 
 class RequestResult(Struct, frozen=True, kw_only=True):

@@ -83,6 +83,7 @@ class Scheduler:
         self.decode_step_ns: float | None = None  # a step of decodes only, likewise (observe_decode)
         self._stall_debt_ns = 0.0  # prompt work beyond the stall allowance, paid back by the next steps
         self.num_steps = 0  # schedule() calls: the waiting queue's ages (Request.queued_at_step)
+        self._ran_ahead = False  # the last plan decoded only and was not held: the runner runs its successor ahead
         self.host_lookups = LookupHistograms()
         if config.num_state_slots:
             self.state_pool = StatePool(config.num_state_slots + config.state_checkpoint_slots)
@@ -191,6 +192,15 @@ class Scheduler:
         prompt_budget = initial_prompt_budget = min(
             stall_budget, config.prompt_step_tokens if decoding and config.prompt_step_tokens else UNLIMITED)
         seqs_left = config.prompt_step_seqs if decoding and config.prompt_step_seqs else UNLIMITED
+        # one-pass steps: this step's decodes already run ahead (the last step decoded only), so a prompt taken now
+        # is a second pass over the weights; held back one step, it rides with the next step's decodes in one
+        hold_ahead = bool(
+            config.one_pass_rows and self._ran_ahead and self.waiting and decoding
+            and len(self.running) < min(config.one_pass_rows, config.max_concurrency)
+            and len(self.running) + min(self.waiting[0].num_tokens, config.prefill_chunk_size)
+            <= config.prompt_step_tokens)
+        if hold_ahead:
+            seqs_left = 0
 
         # Running requests first, in admission order. NOTE: each keeps one token of budget for every
         # running request after it (max_num_batched_tokens >= max_concurrency), so a long prefill never
@@ -329,11 +339,15 @@ class Scheduler:
         if scheduled:
             finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
             state_ops = self._take_state_ops()
+        # NOTE: the runner runs a decode-only step's successor ahead unless told not to (a guess here: it also
+        # declines for logprobs, last tokens and the like, and then a held prompt waited one step for nothing)
+        self._ran_ahead = bool(scheduled) and not hold_ahead and all(len(s.token_ids) == 1 for s in scheduled)
         return SchedulerOutput(
             new_requests=new_requests,
             scheduled=scheduled,
             finished_req_ids=finished_req_ids,
             num_scheduled_tokens=config.max_num_batched_tokens - budget,
+            hold_ahead=hold_ahead,
             copy_out=copy_out,
             copy_in=copy_in,
             spill=spill,

@@ -385,6 +385,7 @@ class ModelRunner:
         t3 = time.perf_counter()
         self.requests: dict[str, RequestState] = {}
         self.graphs = self._build_graphs(graph_plan, cuda_graphs, lazy_capture)
+        self.one_pass = switches.one_pass  # a mixed step not run ahead: one prompt-graph replay (_one_pass_bucket)
         self.prompt_graphs = self._build_prompt_graphs() if switches.prompt_graphs else None
         # captures after construction (capture_pending): graphs, seconds, kernels compiled meanwhile
         self.num_background_graphs = 0
@@ -399,8 +400,9 @@ class ModelRunner:
         self.decode_overlap = is_cuda if decode_overlap is None else decode_overlap  # may be flipped between steps
         self._overlap: DecodeOverlap | None = None  # made at the first graphed step (tests attach graphs late)
         # forward passes by kind (/metrics' graph launches): a decode graph's replay, the speculative next step's
-        # replay, an eager forward (prefill, mixed batches, the CPU), a small prompt step's graph (prompt_graphs.py)
-        self.launches: dict[str, int] = {"graph": 0, "speculative": 0, "eager": 0, "prompt_graph": 0}
+        # replay, an eager forward (prefill, mixed batches, the CPU), a small prompt step's graph (prompt_graphs.py),
+        # a mixed step's one-pass replay of a prompt graph (one_pass)
+        self.launches: dict[str, int] = {"graph": 0, "speculative": 0, "eager": 0, "prompt_graph": 0, "one_pass": 0}
         self.replay_gpu_ns = 0  # GPU time of completed graph replays (/metrics' replay_gpu_ns)
         # CPU decode steps pick their intra-op thread count by timing (helios.runner.cpu_threads)
         self.decode_threads = None
@@ -559,11 +561,14 @@ class ModelRunner:
 
     def make_prompt_graphs(self, *, capture: bool = True):
         """A PromptGraphs over this runner's model and caches (capture=False: CPU tests attach it as
-        `prompt_graphs`; its `run` calls the captured function eagerly)."""
-        from helios.runner.prompt_graphs import PromptGraphs
+        `prompt_graphs`; its `run` calls the captured function eagerly); with one_pass, the finer buckets and the
+        rows for decodes beside the prompt chunks."""
+        from helios.runner import prompt_graphs as pg
 
-        return PromptGraphs(self.model, self.layer_caches, max_model_len=self.max_model_len, page_size=self.page_size,
-                            vocab_size=self.arch.vocab_size, device=self.device, capture=capture)
+        sizes = dict(buckets=pg.ONE_PASS_BUCKETS, max_seqs=pg.ONE_PASS_MAX_SEQS) if self.one_pass else {}
+        return pg.PromptGraphs(self.model, self.layer_caches, max_model_len=self.max_model_len,
+                               page_size=self.page_size, vocab_size=self.arch.vocab_size, device=self.device,
+                               capture=capture, **sizes)
 
     # --- the step ---------------------------------------------------------------------------------
 
@@ -599,10 +604,16 @@ class ModelRunner:
         speculate = None
         if split is not None:
             # a mixed step whose decode rows are the pending speculation (the step before decoded the same rows,
-            # and its prompts arrived since) takes their logits from it; else it ends the speculation
+            # and its prompts arrived since) takes their logits from it; else it ends the speculation, and runs as
+            # one pass where a prompt graph holds it all (one_pass), else as the decode graph and a prompt pass
             decode, _, decode_bucket, _ = split
             is_speculated = overlap is not None and overlap.take(plan, decode_bucket, rows=decode)
-            scheduled, layout, logits = self._run_split(*split, is_speculated=is_speculated)
+            one_pass = None if is_speculated else self._one_pass_bucket(scheduled, layout)
+            if one_pass is not None:
+                self.launches["one_pass"] += 1
+                logits = self.prompt_graphs.run(scheduled, layout, one_pass)
+            else:
+                scheduled, layout, logits = self._run_split(*split, is_speculated=is_speculated)
         elif overlap is not None and overlap.take(plan, bucket):
             logits = self.graphs.logits_rows(layout, len(plan.scheduled))  # the speculative step's rows
         elif bucket is not None:
@@ -618,6 +629,7 @@ class ModelRunner:
         if (
             bucket is not None
             and overlap is not None
+            and not plan.hold_ahead  # the next plan takes prompts beside these decodes, in one pass
             and speculable(plan.scheduled, self.requests, self.page_size, self.graphs.max_blocks)
         ):
             def speculate(token_ids: torch.Tensor) -> list[int]:
@@ -671,6 +683,14 @@ class ModelRunner:
             return None
         chosen = {id(s) for s in decode}
         return decode, decode_layout, bucket, [s for s in scheduled if id(s) not in chosen]
+
+    def _one_pass_bucket(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> int | None:
+        """With one_pass, the captured prompt-graph bucket that holds a whole mixed step (decode rows beside prompt
+        chunks: one pass over the weights instead of two), else None."""
+        if not self.one_pass or self.prompt_graphs is None:
+            return None
+        bucket = self.prompt_graphs.bucket_for(scheduled, layout)
+        return None if bucket is None or bucket in self.prompt_graphs.pending else bucket
 
     def _run_split(self, decode, decode_layout, bucket, rest, is_speculated: bool = False):
         """The eager forward of the prefill rows, then the decode rows' graph (is_speculated: the pending

@@ -16,6 +16,9 @@ The buckets are captured between steps (ModelRunner.capture_pending: when the en
 unit per its background interval); until then a bucket's steps run eagerly, as without these graphs. With
 capture=False nothing is recorded and `run` calls the captured function eagerly (CPU tests: the Triton interpreter
 stands in for the device).
+One-pass steps (switch one_pass; ModelRunner._one_pass_bucket): the same graphs with finer buckets and up to 72
+sequences (a bucket holds fewer sequences than tokens: seqs_for) take a whole mixed step, its decode rows as one-token
+chunks beside the prompt chunks, in one pass over the weights; the decode graph plus a prompt graph make two.
 Imports torch, helios.layers.attention (metadata) and the runner's input_batch and cuda_graphs (PinnedSlots).
 """
 
@@ -33,6 +36,10 @@ from helios.runner.input_batch import BatchLayout, max_table_blocks, prepare_bat
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512)  # token counts; past 512 a step's GPU work dwarfs its launches
 PROMPT_MAX_SEQS = 8
+# one-pass steps (switch one_pass): decode rows ride in the prompt graph beside the prompt chunks; finer buckets,
+# since a step's padded tokens cost matmul time (~17 us a token on the 8B shape) while its decode rows wait
+ONE_PASS_BUCKETS = (32, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+ONE_PASS_MAX_SEQS = 72
 # rows of the packed int64 input buffer
 TOKEN_IDS, POSITIONS, SLOT_MAPPING, LOGITS_INDICES = range(4)
 
@@ -60,9 +67,7 @@ class PromptGraphs:
                  max_seqs: int = PROMPT_MAX_SEQS, max_model_len: int, page_size: int, vocab_size: int,
                  device: torch.device, capture: bool = True):
         self.buckets = sorted(set(buckets))
-        # NOTE: a bucket never equals the sequence count: the attention backend reads "one token a sequence" as a
-        # decode batch (TritonAttentionBackend._attend)
-        assert self.buckets[0] > max_seqs, "every token bucket must exceed the sequence bound"
+        assert self.buckets[0] > 1, "a bucket holds at least one sequence"
         self.model = model
         self.layer_caches = layer_caches
         self.max_seqs = max_seqs
@@ -90,14 +95,19 @@ class PromptGraphs:
 
     # --- inputs -----------------------------------------------------------------------------------
 
+    def seqs_for(self, bucket: int) -> int:
+        """The sequences a bucket's graph holds. NOTE: always fewer than its tokens: the attention backend reads "one
+        token a sequence" as a decode batch (TritonAttentionBackend._attend)."""
+        return min(self.max_seqs, bucket - 1)
+
     def bucket_for(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> int | None:
         """The token bucket that replays this step, or None when it runs eagerly."""
-        num_tokens = len(layout.token_ids)
-        if len(scheduled) > self.max_seqs or num_tokens > self.buckets[-1]:
+        num_tokens, num_seqs = len(layout.token_ids), len(scheduled)
+        if num_seqs > self.max_seqs or num_tokens > self.buckets[-1]:
             return None
         if any(s.want_prompt_logprobs or len(s.block_ids) > self.width for s in scheduled):
             return None
-        bucket = next(b for b in self.buckets if b >= num_tokens)
+        bucket = next((b for b in self.buckets if b >= num_tokens and self.seqs_for(b) >= num_seqs), None)
         return None if bucket in self.uncaptured else bucket
 
     def _tables(self, host32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -140,19 +150,20 @@ class PromptGraphs:
     def _forward(self, bucket: int) -> None:
         """Static inputs -> static float32 logits rows [max_seqs, V]."""
         starts, lens, tables = self._tables(self.packed32)
+        seqs = self.seqs_for(bucket)  # _load pads every sequence past the step's: zero queries, zero keys
         # NOTE: the host lists are what capture sees: max query length = the bucket (the prefill grid's size)
         meta = AttentionMetadata(
             positions=self.packed[POSITIONS, :bucket],
             slot_mapping=self.packed[SLOT_MAPPING, :bucket],
-            query_start_loc=starts,
-            seq_lens=lens,
-            block_tables=tables,
-            query_start_loc_cpu=[0] + [bucket] * self.max_seqs,
-            seq_lens_cpu=[self.max_model_len] * self.max_seqs,
+            query_start_loc=starts[: seqs + 1],
+            seq_lens=lens[:seqs],
+            block_tables=tables[:seqs],
+            query_start_loc_cpu=[0] + [bucket] * seqs,
+            seq_lens_cpu=[self.max_model_len] * seqs,
         )
         hidden = self.model.forward(self.packed[TOKEN_IDS, :bucket], meta, self.layer_caches)
-        rows = hidden.index_select(0, self.packed[LOGITS_INDICES, : self.max_seqs])
-        self.logits.copy_(self.model.compute_logits(rows))
+        rows = hidden.index_select(0, self.packed[LOGITS_INDICES, :seqs])
+        self.logits[:seqs].copy_(self.model.compute_logits(rows))
 
     @torch.inference_mode()
     def capture_next(self, bucket: int | None = None) -> float:

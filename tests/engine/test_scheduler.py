@@ -178,6 +178,41 @@ def test_prompt_step_cap_limits_tokens_and_chunks_beside_decodes():
     assert_idle(core)
 
 
+def test_one_pass_holds_a_prompt_back_one_step_after_a_decode_only_step():
+    """one_pass_rows (a runner that runs a step of prompts beside decodes in one pass): after a decode-only step (the
+    runner runs its successor ahead), a waiting prompt that fits is held back one step, that plan says hold_ahead
+    (not run ahead), and the next takes the prompt beside the decodes; after a mixed step, or with too many rows
+    running, or without one_pass_rows, a prompt is taken at once. Every token is what the model gives."""
+
+    def admitted_after(one_pass_rows: int, num_decoding: int, prompt_len: int = 10) -> tuple[int, list[bool]]:
+        core, runner = make_core(max_concurrency=8, max_num_batched_tokens=256, prefill_chunk_size=128,
+                                 num_pages=512, prompt_step_tokens=64, prompt_step_seqs=8, one_pass_rows=one_pass_rows)
+        got = Collected()
+        first = [request(f"d{i}", prompt_len=4, seed=i, max_tokens=30) for i in range(num_decoding)]
+        for req in first:
+            core.add_request(req)
+        got.add(core.step())  # their prompts: a mixed-free prompt step
+        got.add(core.step())  # decode only
+        later = request("later", prompt_len=prompt_len, seed=9, max_tokens=3)
+        core.add_request(later)
+        steps = 0
+        while not any(s.req_id == "later" for s in runner.plans[-1].scheduled):
+            got.add(core.step())
+            steps += 1
+        holds = [plan.hold_ahead for plan in runner.plans]
+        run_until_idle(core, got)
+        for req in (*first, later):
+            assert got.tokens[req.req_id] == reference_tokens(req), req.req_id
+        assert_idle(core)
+        return steps, holds
+
+    steps, holds = admitted_after(8, 3)
+    assert steps == 2 and holds[-2:] == [True, False]  # held one step, then taken (beside the three decodes)
+    assert admitted_after(0, 3) == (1, [False] * 3)  # no one-pass steps: taken at once
+    assert admitted_after(3, 3)[0] == 1  # a fourth row would not fit the one-pass rows
+    assert admitted_after(8, 3, prompt_len=62)[0] == 1  # 3 decodes + 62 prompt tokens exceed the 64-token cap
+
+
 def test_the_stall_budget_holds_the_queue_head_back_a_bounded_number_of_steps():
     """With decode_stall_ratio the prompt budget can be zero step after step (here a debt it never pays back, as a
     budget that shrank with the running set did under load); the head of the waiting queue then waits at most

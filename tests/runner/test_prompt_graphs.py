@@ -167,3 +167,42 @@ def test_prompt_graph_replays_match_eager_on_cuda(core):
 
     assert run(graphed) == run(eager)
     assert graphed.launches["prompt_graph"] > 0 and graphed.prompt_graphs.graphs
+
+
+def test_one_pass_graphs_hold_decode_rows_beside_prompt_chunks(core):
+    """one_pass: finer buckets, up to 72 rows; a bucket holds fewer sequences than tokens (one token a sequence
+    reads as a decode batch), so 40 one-token rows take the 64-token bucket, not 32 or 48."""
+    from helios.switches import Switches
+
+    graphs = graphed_runner(core, switches=Switches(one_pass=True)).prompt_graphs
+    assert graphs.buckets == [32, 64, 96, 128, 160, 192, 256, 320, 384, 512] and graphs.max_seqs == 72
+    assert [graphs.seqs_for(b) for b in (32, 64, 96)] == [31, 63, 72]
+    requests = {f"d{i}": RequestState(f"d{i}", [1] * 8, SamplingParams()) for i in range(80)}
+
+    def bucket(scheduled):
+        return graphs.bucket_for(scheduled, layout_batch(scheduled, requests, PAGE_SIZE))
+
+    decodes = [chunk(f"d{i}", [3], 2, [i % 16]) for i in range(72)]
+    assert bucket(decodes[:31]) == 32 and bucket(decodes[:32]) == 64  # 32 rows in 32 tokens: one too many
+    assert bucket(decodes[:40] + [chunk("p", [1] * 30, 0, list(range(8)))]) == 96  # 70 tokens, 41 rows
+    assert bucket(decodes + [chunk("p", [1] * 4, 0, [0])]) is None  # 73 rows
+
+
+@needs_interpreter
+def test_one_pass_steps_give_the_eager_tokens(core, monkeypatch):
+    """Requests arriving one a step while others decode, with one_pass: each mixed step replays one prompt graph for
+    its decode rows and prompt chunks together (no decode graph beside it), and every request's greedy tokens are
+    the all-eager runner's. The scheduler side (holding prompts back a step) is tests/engine/test_scheduler.py's."""
+    from helios.switches import Switches
+
+    monkeypatch.setattr(model_runner, "SPLIT_MIN_DECODE_ROWS", 2)
+    config = SchedulerConfig(max_concurrency=8, max_num_batched_tokens=64, prefill_chunk_size=16,
+                             page_size=PAGE_SIZE, num_pages=64, max_model_len=MAX_MODEL_LEN)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompts = [prompt(5 + 4 * i, seed=i) for i in range(5)]
+    expected = arrivals_tokens(ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE),
+                               config, prompts, greedy)
+    one_pass = graphed_runner(core, captured=(32, 64), switches=Switches(one_pass=True))
+    assert arrivals_tokens(one_pass, config, prompts, greedy) == expected
+    assert one_pass.launches["one_pass"] >= 3 and one_pass.launches["eager"] == 0  # mixed steps: one replay each
+    assert one_pass.launches["graph"] > 0  # decode-only steps keep the decode graphs
