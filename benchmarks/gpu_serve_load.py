@@ -189,8 +189,10 @@ def engine_alone(core_dir: Path, server_toml: dict, levels: list[int], warm: flo
     from helios.compose import build_runtime
     from helios.server.config import ServerConfig
     from helios.server.protocols import openai_completions
+    from helios.switches import Switches
 
-    runtime = build_runtime(core_dir, ServerConfig(**server_toml), own_thread=False)
+    # the HELIOS_* switches of this process, as `helios serve` reads them for the served run
+    runtime = build_runtime(core_dir, ServerConfig(**server_toml), Switches.from_environ(os.environ), own_thread=False)
     core = runtime.engine.core
     while core.has_background_work:  # the decode graphs a lazy start left (helios serve captures them when idle)
         core.background_step()
