@@ -12,8 +12,9 @@ and inter-token gap p50/p99 (simulated), and the steps by kind (decode only, pro
 `python benchmarks/scheduler_sim.py` compares the stall budget (decode_stall_ratio 1) with the prompt graphs' cap
 (prompt_step_tokens 512, prompt_step_seqs 8, ratio 0), both (what helios serve takes where a runner has prompt
 graphs), and both with one-pass steps (HELIOS_ONE_PASS=1: a step of prompts beside up to 72 decodes is one prompt
-graph's replay, no fixed 4.4 ms second pass; the scheduler holds a prompt back one step after a decode-only step,
-which the runner would otherwise have run ahead). Steps not run ahead wait --gap-ms for the host's plan.
+graph's replay, no fixed 4.4 ms second pass, at most 256 prompt tokens a step; the scheduler holds a prompt back one
+step after a decode-only step, which the runner would otherwise have run ahead). Steps not run ahead wait --gap-ms
+for the host's plan.
 Found with it (session 21): the stall budget's allowance scales with the decode step, which shrinks with
 the running set, so under a closed loop fewer admissions meant fewer running and fewer admissions again: at 256
 streams it settled with requests queued (TTFT p99 0.7 s here, ~1 s measured on the H100) until the scheduler held
@@ -36,7 +37,8 @@ from helios.engine.config import SchedulerConfig  # noqa: E402
 from helios.engine.engine_core import EngineCore  # noqa: E402
 from helios.engine.messages import EngineRequest, ModelRunnerOutput, RequestResult, SamplingParams  # noqa: E402
 from helios.engine.scheduler import Scheduler  # noqa: E402
-from helios.runner.prompt_graphs import ONE_PASS_BUCKETS, ONE_PASS_MAX_SEQS, PROMPT_BUCKETS  # noqa: E402
+from helios.runner.prompt_graphs import (ONE_PASS_BUCKETS, ONE_PASS_MAX_SEQS, ONE_PASS_PROMPT_TOKENS,  # noqa: E402
+                                         PROMPT_BUCKETS)
 
 BUCKETS = PROMPT_BUCKETS
 
@@ -123,7 +125,7 @@ def main() -> None:
     args = parser.parse_args()
     policies = {"stall budget (ratio 1)": (1.0, 0, 0, False), "prompt graphs' cap (ratio 0)": (0.0, 512, 8, False),
                 "both (helios serve on a GPU)": (1.0, 512, 8, False),
-                "both + one-pass steps (HELIOS_ONE_PASS=1)": (1.0, 512, 8, True)}
+                "both + one-pass steps (HELIOS_ONE_PASS=1)": (1.0, ONE_PASS_PROMPT_TOKENS, 8, True)}
     print("| streams | policy | tok/s | running | queued | TTFT p50/p99 ms | ITL p50/p99 ms | steps d/g/e/1 |")
     print("| --- " * 8 + "|")
     for n in [int(x) for x in args.streams.split(",")]:
@@ -133,7 +135,8 @@ def main() -> None:
             k = r["steps"]
             print(f"| {n} | {name} | {r['tok_s']:.0f} | {r['running']:.1f} | {r['queued']:.1f} | "
                   f"{r['ttft_ms'][0]:.0f}/{r['ttft_ms'][1]:.0f} | {r['itl_ms'][0]:.1f}/{r['itl_ms'][1]:.1f} "
-                  f"({r['itl_ms'][1] / r['itl_ms'][0]:.2f}x) | {k['decode']}/{k['graph']}/{k['eager']}/{k['one_pass']} |",
+                  f"({r['itl_ms'][1] / r['itl_ms'][0]:.2f}x) | "
+                  f"{k['decode']}/{k['graph']}/{k['eager']}/{k['one_pass']} |",
                   flush=True)
 
 

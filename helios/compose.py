@@ -132,15 +132,18 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     # NOTE: a runner with prompt graphs caps a step's prompt part beside decodes at what one graph holds (its time
     # bounded, its launches one replay; benchmarks/scheduler_sim.py)
     prompt_graphs = getattr(runner, "prompt_graphs", None)
-    from helios.runner.prompt_graphs import PROMPT_MAX_SEQS  # torch is loaded by now
+    from helios.runner.prompt_graphs import ONE_PASS_PROMPT_TOKENS, PROMPT_MAX_SEQS  # torch is loaded by now
+
+    one_pass = prompt_graphs is not None and getattr(runner, "one_pass", False)
     scheduler = SchedulerConfig(
         max_concurrency=serving.max_concurrency,
         max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency + max(state_chunk - 1, 0)),
         prefill_chunk_size=prefill_chunk_size,
         decode_stall_ratio=config.decode_stall_ratio,
-        prompt_step_tokens=prompt_graphs.buckets[-1] if prompt_graphs is not None else 0,
+        prompt_step_tokens=(0 if prompt_graphs is None else ONE_PASS_PROMPT_TOKENS if one_pass
+                            else prompt_graphs.buckets[-1]),
         prompt_step_seqs=PROMPT_MAX_SEQS if prompt_graphs is not None else 0,
-        one_pass_rows=prompt_graphs.max_seqs if prompt_graphs is not None and getattr(runner, "one_pass", False) else 0,
+        one_pass_rows=prompt_graphs.max_seqs if one_pass else 0,
         max_waiting=serving.max_waiting,
         page_size=page_size,
         num_pages=num_pages,

@@ -40,6 +40,10 @@ PROMPT_MAX_SEQS = 8
 # since a step's padded tokens cost matmul time (~17 us a token on the 8B shape) while its decode rows wait
 ONE_PASS_BUCKETS = (32, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 ONE_PASS_MAX_SEQS = 72
+# and the prompt tokens a step takes beside decodes (SchedulerConfig.prompt_step_tokens): prompts held back a step
+# arrive together, and at 512 two or three of them made the ITL tail (benchmarks/scheduler_sim.py: 64 streams
+# p99 2.13x its p50 at 512, 1.77x at 256)
+ONE_PASS_PROMPT_TOKENS = 256
 # rows of the packed int64 input buffer
 TOKEN_IDS, POSITIONS, SLOT_MAPPING, LOGITS_INDICES = range(4)
 
