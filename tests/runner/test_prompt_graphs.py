@@ -146,19 +146,26 @@ def test_idle_capture_takes_decode_buckets_then_prompt_buckets(core):
 
 
 @pytest.mark.gpu
-def test_prompt_graph_replays_match_eager_on_cuda(core):
-    """Real captures: the same greedy tokens as the eager runner for arrivals among decoding requests, in float32."""
+@pytest.mark.parametrize("one_pass", [False, True], ids=["split", "one_pass"])
+def test_prompt_graph_replays_match_eager_on_cuda(core, one_pass):
+    """Real captures: the same greedy tokens as the eager runner for arrivals among decoding requests, in float32;
+    one_pass: the mixed steps replay one prompt graph (decode rows beside prompt chunks), the scheduler holding
+    prompts back a step after decode-only steps."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    from helios.switches import Switches
+
     kw = dict(num_pages=256, page_size=16, device="cuda", dtype=torch.float32, max_model_len=256)
     eager = ModelRunner(core.manifest.arch, core.tensors, cuda_graphs=False, **kw)
-    graphed = ModelRunner(core.manifest.arch, core.tensors, cuda_graphs=True, **kw)
+    graphed = ModelRunner(core.manifest.arch, core.tensors, cuda_graphs=True, switches=Switches(one_pass=one_pass),
+                          **kw)
     assert graphed.prompt_graphs is not None, graphed.startup.prompt_graphs
     while graphed.capture_pending():  # as the engine does when idle
         pass
-    assert sorted(graphed.prompt_graphs.graphs) == [32, 64, 128, 256, 512]
+    assert sorted(graphed.prompt_graphs.graphs) == graphed.prompt_graphs.buckets
     config = SchedulerConfig(max_concurrency=16, max_num_batched_tokens=256, prefill_chunk_size=64, page_size=16,
-                             num_pages=256, max_model_len=256)
+                             num_pages=256, max_model_len=256, prompt_step_tokens=256, prompt_step_seqs=8,
+                             one_pass_rows=72 if one_pass else 0)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = [prompt(7 + 13 * i, seed=i) for i in range(10)]
 
@@ -166,7 +173,7 @@ def test_prompt_graph_replays_match_eager_on_cuda(core):
         return arrivals_tokens(runner, config, prompts, greedy, max_steps=200)
 
     assert run(graphed) == run(eager)
-    assert graphed.launches["prompt_graph"] > 0 and graphed.prompt_graphs.graphs
+    assert graphed.launches["one_pass" if one_pass else "prompt_graph"] > 0 and graphed.prompt_graphs.graphs
 
 
 def test_one_pass_graphs_hold_decode_rows_beside_prompt_chunks(core):
