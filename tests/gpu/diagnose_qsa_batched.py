@@ -1,7 +1,8 @@
 """Where qwen4_exp's 16-requests-together run parts from the alone runs on the GPU (tests/gpu/test_qwen4_exp_cuda.py's
 failing check, float32): every QSA block choice of both runs is recorded with its margin (the last kept block's score
-less the best dropped one's), keyed by layer, query position and the sequence's first raw index keys, and the first
-choice that differs for a diverging request is printed with both margins. A margin near float32 rounding says the
+less the best dropped one's), keyed by layer, query position and the sequence's first raw index keys, and every MoE
+routing with its margin (k-th best router logit less the next), keyed by layer, request and position; the choices
+that differ between the runs are printed, earliest position first, with both margins. A margin near float32 rounding says the
 runs part at a tie of the discrete choice (summation order: the torch prefill path beside the decode kernel); a
 large one says a wrong row. Decode runs eagerly (cuda_graphs=False: the hooks see every call; the same kernels).
 
@@ -45,7 +46,50 @@ def margin(scores: torch.Tensor, kept: int) -> tuple[list[int], float, float]:
     return sorted(ids[:kept]), gap, values[0]
 
 
+ROWS: list = []  # the current forward's token rows: (request id, position)
+MOE_CALLS = [0]  # MoE routings so far in the current forward: the layer's ordinal
+
+
+def patch_routing() -> None:
+    """Every MoE routing's choice per token row and its margin (the k-th best logit less the (k+1)-th), keyed by
+    ("moe", layer ordinal, request, position), through the runner's eager forward (the row map) and moe_route."""
+    from helios.kernels import fused_moe
+    from helios.layers import moe
+    from helios.runner.model_runner import ModelRunner
+
+    forward, route, torch_route = ModelRunner._forward, fused_moe.moe_route, moe.route
+
+    def mapped_forward(self, scheduled, layout):
+        ROWS[:] = [(s.req_id, s.num_computed_tokens + j) for s in scheduled for j in range(len(s.token_ids))]
+        MOE_CALLS[0] = 0
+        return forward(self, scheduled, layout)
+
+    def record(logits: torch.Tensor, top_k: int) -> None:
+        layer = MOE_CALLS[0]
+        MOE_CALLS[0] += 1
+        if len(ROWS) != logits.shape[0]:
+            return
+        ranked = torch.sort(logits.float(), dim=-1, descending=True, stable=True)
+        gaps = (ranked.values[:, top_k - 1] - ranked.values[:, top_k]).tolist()
+        chosen = ranked.indices[:, :top_k].sort(dim=-1).values.tolist()
+        for row, (req_id, position) in enumerate(ROWS):
+            RECORDS[RUN[0]][("moe", layer, req_id, position)] = (chosen[row], gaps[row], 0.0, "route")
+
+    def recording_route(logits, top_k, *args, **kwargs):
+        record(logits, top_k)
+        return route(logits, top_k, *args, **kwargs)
+
+    def recording_torch_route(logits, top_k, *args, **kwargs):
+        record(logits, top_k)
+        return torch_route(logits, top_k, *args, **kwargs)
+
+    ModelRunner._forward = mapped_forward
+    fused_moe.moe_route = recording_route
+    moe.route = recording_torch_route
+
+
 def patch() -> None:
+    patch_routing()
     select, decode, scores_fn = qsa.Indexer.select, qsa.IndexedAttention._decode, qsa_decode.block_scores
 
     def recording_select(self, q, keys, first_pos):
@@ -94,6 +138,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--graphs", action="store_true", help="decode graphs on (the hooks then see captures only)")
     parser.add_argument("--device", default="cuda", help="cpu: the torch path alone (a dry run of this script)")
+    parser.add_argument("--seed", type=int, default=10, help="request i's prompt seed is this + i (the test's: 10)")
     args = parser.parse_args()
     from ignition.export import ExportOptions, export_core
     from helios.core.load import load_core
@@ -106,7 +151,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="qsa-diag-"))
     core = load_core(export_core(build_qwen4_exp("plain", root / "hf", **TIE_FREE), root / "core",
                                  ExportOptions(dtype="float32")))
-    reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=10 + i), 12) for i in range(16)]
+    reqs = [greedy_request(f"r{i}", prompt(7 + 23 * i, seed=args.seed + i), 12) for i in range(16)]
     RECORDS["together"] = {}
 
     def engine(max_concurrency: int, budget: int, chunk: int):
@@ -127,16 +172,17 @@ def main() -> None:
         k = next(i for i, (a, b) in enumerate(zip(together[r.req_id], got)) if a != b)
         print(f"{r.req_id}: parts at output {k} (prompt {len(r.prompt_token_ids)} tokens): together "
               f"{together[r.req_id]}, alone {got}")
-    both = sorted(set(RECORDS["together"]) & set(RECORDS["alone"]), key=lambda key: key[1])
-    differing = [key for key in both if RECORDS["together"][key][0] != RECORDS["alone"][key][0]]
-    print(f"choices recorded: together {len(RECORDS['together'])}, alone {len(RECORDS['alone'])}, in both "
-          f"{len(both)}, differing {len(differing)}; requests parted: {parted}")
-    gaps = sorted(min(RECORDS["together"][key][1], RECORDS["alone"][key][1]) for key in both)
-    print("smallest margins over every choice in both runs:", [f"{g:.3e}" for g in gaps[:8]])
-    for key in differing[:10]:
-        t, a = RECORDS["together"][key], RECORDS["alone"][key]
-        print(f"position {key[1]}: together kept {t[0]} margin {t[1]:.3e} top {t[2]:.4f} ({t[3]}); alone kept {a[0]} "
-              f"margin {a[1]:.3e} top {a[2]:.4f} ({a[3]})")
+    for kind, position_at in (("QSA block choices", 1), ("MoE routings", 3)):
+        keys = [k for k in set(RECORDS["together"]) & set(RECORDS["alone"]) if (k[0] == "moe") == (position_at == 3)]
+        keys.sort(key=lambda key: key[position_at])
+        differing = [key for key in keys if RECORDS["together"][key][0] != RECORDS["alone"][key][0]]
+        print(f"{kind} in both runs: {len(keys)}, differing {len(differing)}; requests parted: {parted}")
+        gaps = sorted((min(RECORDS["together"][key][1], RECORDS["alone"][key][1]), key) for key in keys)
+        print("  smallest margins over them:", ", ".join(f"{g:.3e} at {key}" for g, key in gaps[:6]))
+        for key in differing[:10]:
+            t, a = RECORDS["together"][key], RECORDS["alone"][key]
+            print(f"  {key}: together {t[0]} margin {t[1]:.3e} top {t[2]:.4f} ({t[3]}); alone {a[0]} margin "
+                  f"{a[1]:.3e} top {a[2]:.4f} ({a[3]})")
 
 
 if __name__ == "__main__":

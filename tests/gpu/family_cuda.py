@@ -97,7 +97,8 @@ def check_tokens_match_hf(hf_class, src: Path, dtype_name: str, ids: list[int], 
     return k
 
 
-def check_batched_on_cuda(core, budget: int = 128, chunk: int = 64, one_alone_engine: bool = True, **options) -> None:
+def check_batched_on_cuda(core, budget: int = 128, chunk: int = 64, one_alone_engine: bool = True, seed: int = 10,
+                          **options) -> None:
     """16 requests together (prompts split into `chunk`-token chunks beside decodes, a `budget`-token budget) = each
     alone (one slot, 512-token chunks; one engine for all of them unless one_alone_engine is False: every engine
     captures its graphs); options: window_engine's.
@@ -107,7 +108,7 @@ def check_batched_on_cuda(core, budget: int = 128, chunk: int = 64, one_alone_en
     round differently): measured on the H200 (session 13), qwen3_5, qwen3_5_moe, gemma4 and minimax_m3 changed
     tokens in bfloat16 while every family held in float32. Batch-invariant 16-bit GEMMs would be their own feature;
     the CPU tests hold batch invariance in every dtype they run."""
-    prompts = [prompt(7 + 23 * i, seed=10 + i) for i in range(16)]
+    prompts = [prompt(7 + 23 * i, seed=seed + i) for i in range(16)]  # request i's prompt: seed + i
     check_batched_equals_alone(core, prompts, engine=partial(cuda_engine, **options), budget=budget, chunk=chunk,
                                one_alone_engine=one_alone_engine)
 

@@ -38,8 +38,15 @@ def test_greedy_matches_transformers_on_the_gpu(exported, dtype):
 
 
 def test_sixteen_requests_together_give_what_each_gives_alone(exported):
-    """16 requests together (prompts split into 64-token chunks beside decodes) = each alone."""
-    check_batched_on_cuda(exported[1]["float32"])
+    """16 requests together (prompts split into 64-token chunks beside decodes) = each alone.
+
+    NOTE: prompts from seed 30, not the other families' 10: at 10, r8's token at position 197 routes within 3.4e-6 of
+    a tie between its k-th and next-best expert in layer 1 (float32 router logits on the CPU; every other routing and
+    QSA block choice of both runs keeps >= 5.9e-5), and on the GPU the decode rows' router GEMV (a decode step) and
+    cuBLAS (a mixed step's rows) round differently: the runs parted at r8's output 10 in every GPU run. At 30 every
+    choice keeps >= 3.2e-5 (`python tests/gpu/diagnose_qsa_batched.py --device cpu --seed 30` prints the margins;
+    without --device, the same on the GPU, where the choices that differ between the runs are listed)."""
+    check_batched_on_cuda(exported[1]["float32"], seed=30)
 
 
 def test_graphed_decode_equals_eager(exported):
