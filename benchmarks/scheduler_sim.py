@@ -38,7 +38,7 @@ from helios.engine.engine_core import EngineCore  # noqa: E402
 from helios.engine.messages import EngineRequest, ModelRunnerOutput, RequestResult, SamplingParams  # noqa: E402
 from helios.engine.scheduler import Scheduler  # noqa: E402
 from helios.runner.prompt_graphs import (ONE_PASS_BUCKETS, ONE_PASS_MAX_SEQS, ONE_PASS_PROMPT_TOKENS,  # noqa: E402
-                                         PROMPT_BUCKETS)
+                                         PROMPT_BUCKETS, bucket_seqs)
 
 BUCKETS = PROMPT_BUCKETS
 
@@ -77,7 +77,7 @@ def simulate(streams: int, *, ratio: float, cap_tokens: int, cap_seqs: int, seco
         chunks = [len(s.token_ids) for s in plan.scheduled if len(s.token_ids) > 1]
         ms = decode_ms[0] + decode_ms[1] * decodes if decodes else 0.0
         rows, num_tokens = decodes + len(chunks), decodes + sum(chunks)
-        fits = [b for b in buckets if b >= num_tokens and min(ONE_PASS_MAX_SEQS, b - 1) >= rows]
+        fits = [b for b in buckets if b >= num_tokens and bucket_seqs(b, ONE_PASS_MAX_SEQS) >= rows]
         if not chunks:
             kinds["decode"] += 1
         elif one_pass and not ran_ahead and fits:  # decode and prompt rows in one prompt graph: one pass

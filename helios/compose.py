@@ -134,7 +134,7 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     prompt_graphs = getattr(runner, "prompt_graphs", None)
     from helios.runner.prompt_graphs import ONE_PASS_PROMPT_TOKENS, PROMPT_MAX_SEQS  # torch is loaded by now
 
-    one_pass = prompt_graphs is not None and getattr(runner, "one_pass", False)
+    one_pass = prompt_graphs is not None and runner.one_pass  # a runner with prompt graphs is a ModelRunner
     scheduler = SchedulerConfig(
         max_concurrency=serving.max_concurrency,
         max_num_batched_tokens=max(config.max_num_batched_tokens, serving.max_concurrency + max(state_chunk - 1, 0)),

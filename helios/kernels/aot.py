@@ -334,9 +334,10 @@ def load_kernels(core_dir: Path, kernel_targets: list, device: torch.device | st
                  cache_root: Path | None = None, trace: Callable[[], object] | None = None) -> KernelLoad:
     """Install the core's kernels for this device and load each into Triton's in-memory cache without launching
     it (load_launched: each found in the installed cache); warn and fall back to JIT when they do not fit.
-    manifest: the core's (decoded by the caller); gemv, fused_decode, defer_norms, pdl: the process's switches (helios.switches), which pick the
-    kernels it launches (runtime_shape); cache_root: runtime_cache_root's answer for them; trace: the model's
-    decode graphs on meta tensors (helios.runner.aot_trace.decode_tracer), whose kernels load the same way."""
+    manifest: the core's (decoded by the caller); gemv, fused_decode, defer_norms, pdl: the process's switches
+    (helios.switches), which pick the kernels it launches (runtime_shape); cache_root: runtime_cache_root's answer
+    for them; trace: the model's decode graphs on meta tensors (helios.runner.aot_trace.decode_tracer), whose kernels
+    load the same way."""
     device = torch.device(device)
     if device.type != "cuda" or not kernel_targets:
         return KernelLoad("absent", messages=["no precompiled kernels (compiled on first use)"])

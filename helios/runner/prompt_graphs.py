@@ -8,10 +8,11 @@ ITL tail: a decode row waits for that step) far above the GPU work. A graph repl
 
 What qualifies (PromptGraphs.bucket_for): at most `max_seqs` sequences and `buckets[-1]` tokens, no prompt-logprob
 rows (at most one logits row a sequence), every block table inside the static width. The step's tokens are padded
-to the smallest token bucket: padded tokens belong to no sequence (query_start_loc stops at the real count; the
-padded sequences hold zero queries and zero keys), write no KV (slot -1) and their rows are never read; their
-logits rows gather row 0. Only for models whose forward decides nothing on host values but shapes (the dense
-attention families on the Triton backend: `prompt_graph_reason`), so one capture per bucket holds for every step.
+to the smallest token bucket that holds its sequences (bucket_seqs: fewer than its tokens): padded tokens belong
+to no sequence (query_start_loc stops at the real count; the padded sequences hold zero queries and zero keys),
+write no KV (slot -1) and their rows are never read; their logits rows gather row 0. Only for models whose forward
+decides nothing on host values but shapes (the dense attention families on the Triton backend:
+`prompt_graph_reason`), so one capture per bucket holds for every step.
 The buckets are captured between steps (ModelRunner.capture_pending: when the engine is idle, and under load one
 unit per its background interval); until then a bucket's steps run eagerly, as without these graphs. With
 capture=False nothing is recorded and `run` calls the captured function eagerly (CPU tests: the Triton interpreter
@@ -46,6 +47,12 @@ ONE_PASS_MAX_SEQS = 72
 ONE_PASS_PROMPT_TOKENS = 256
 # rows of the packed int64 input buffer
 TOKEN_IDS, POSITIONS, SLOT_MAPPING, LOGITS_INDICES = range(4)
+
+
+def bucket_seqs(bucket: int, max_seqs: int) -> int:
+    """The sequences a bucket's graph holds. NOTE: always fewer than its tokens: the attention backend reads "one token
+    a sequence" as a decode batch (TritonAttentionBackend._attend)."""
+    return min(max_seqs, bucket - 1)
 
 
 def prompt_graph_reason(model: torch.nn.Module, arch, runner) -> str | None:
@@ -100,9 +107,7 @@ class PromptGraphs:
     # --- inputs -----------------------------------------------------------------------------------
 
     def seqs_for(self, bucket: int) -> int:
-        """The sequences a bucket's graph holds. NOTE: always fewer than its tokens: the attention backend reads "one
-        token a sequence" as a decode batch (TritonAttentionBackend._attend)."""
-        return min(self.max_seqs, bucket - 1)
+        return bucket_seqs(bucket, self.max_seqs)
 
     def bucket_for(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> int | None:
         """The token bucket that replays this step, or None when it runs eagerly."""

@@ -2,9 +2,10 @@
 failing check, float32): every QSA block choice of both runs is recorded with its margin (the last kept block's score
 less the best dropped one's), keyed by layer, query position and the sequence's first raw index keys, and every MoE
 routing with its margin (k-th best router logit less the next), keyed by layer, request and position; the choices
-that differ between the runs are printed, earliest position first, with both margins. A margin near float32 rounding says the
-runs part at a tie of the discrete choice (summation order: the torch prefill path beside the decode kernel); a
-large one says a wrong row. Decode runs eagerly (cuda_graphs=False: the hooks see every call; the same kernels).
+that differ between the runs are printed, earliest position first, with both margins. A margin near float32
+rounding says the runs part at a tie of the discrete choice (summation order: the torch prefill path beside the
+decode kernel); a large one says a wrong row. Decode runs eagerly (cuda_graphs=False: the hooks see every call;
+the same kernels).
 
 Run on the lent GPU: `python tests/gpu/diagnose_qsa_batched.py [--graphs]` (not collected by pytest)."""
 
@@ -103,7 +104,8 @@ def patch() -> None:
                 p = first_pos + i
                 visible = (p + 1) // c.block_size
                 if visible > c.num_blocks:
-                    RECORDS[RUN[0]][(layer(self), p, seq_key(keys))] = (*margin(scores[i, :visible], c.num_blocks), "torch")
+                    kept = margin(scores[i, :visible], c.num_blocks)
+                    RECORDS[RUN[0]][(layer(self), p, seq_key(keys))] = (*kept, "torch")
         return select(self, q, keys, first_pos)
 
     def recording_scores(*args, **kwargs):
