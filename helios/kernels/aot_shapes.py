@@ -177,7 +177,7 @@ def _launch_all(shape: KernelShape, device) -> None:
     from helios.kernels.reshape_and_cache import reshape_and_cache
     from helios.kernels.rmsnorm import fused_add_rms_norm, rms_norm
     from helios.kernels.rotary_cache import rotary_and_cache
-    from helios.kernels.sampling import argmax_rows
+    from helios.kernels.sampling import argmax_rows, exponential_log_noise
 
     nq, nkv, d, dt = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype
     scale = d**-0.5
@@ -193,8 +193,10 @@ def _launch_all(shape: KernelShape, device) -> None:
         gemv(torch.zeros(1, 2 * ffn, **z), torch.empty(shape.hidden_size, ffn, **z), gated=shape.activation)
     if shape.norm_free and shape.projections and "fused" in shape.decode_paths and d >= 32:
         _norm_free_launchers(shape, device)
-    if shape.vocab_size:  # greedy rows of the sampler (helios.runner.sampler), float32 logits
+    if shape.vocab_size:  # the sampler's argmax (helios.runner.sampler) over float32 logits, and its noise
         argmax_rows(torch.zeros(1, shape.vocab_size, dtype=torch.float32, device=device))
+        ids = torch.zeros(1, dtype=torch.int64, device=device)
+        exponential_log_noise(ids, ids.clone(), shape.vocab_size)
     for num_tokens in (1, 2):  # decode rows, then a two-token prefill
         x = torch.zeros(num_tokens, shape.hidden_size, **z)
         weight = torch.ones(shape.hidden_size, **z)

@@ -11,6 +11,12 @@ sum over fixed BLOCK-wide tiles, so it reads the row once (torch.logsumexp makes
 exp-sum pass, through temporaries), and a row's result never depends on the rows batched with it (the
 reduction order is fixed by V and BLOCK alone), which the runner's batch-invariance contract requires.
 
+`exponential_log_noise` draws the sampler's noise for a whole batch in one launch: log E with E ~ Exponential(1),
+counter-based (Philox keyed by the request's seed, counted by the output position and the token id), so a row's
+noise depends on (seed, position) alone, never on the batch or on earlier draws, and skipping a position costs
+nothing. E = -log(u) with u = (r + 0.5) / 2**32 for a 32-bit draw r, in float64: u never rounds to 1, so E > 1e-10
+and log E stays finite (in float32, u near 1 rounds to 1 and E to 0, which a -inf score turns into nan).
+
 `top_logprobs` stays in torch: one torch.topk over a unique int64 key per entry (the reported logprob's
 order-preserving bits, then 2**32 - 1 - token id) is a radix select on CUDA, already memory-bound for N <= 20,
 and its result is exact: decreasing logprob, ties by increasing token id, never topk's unspecified tie
@@ -119,6 +125,61 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] float32 -
                                                  num_warps=4)
     block_c = max(16, 1 << (num_chunks - 1).bit_length())
     _argmax_merge_kernel[(num_rows,)](vals, ids, out, num_chunks, BLOCK_C=block_c, num_warps=1)
+    return out
+
+
+_NOISE_BLOCK = 1024  # Philox counters per program; each gives four draws, stored as four BLOCK-wide stripes
+
+
+@jit
+def _exponential_log_noise_kernel(
+    seed_ptr,  # [num_rows] int64: the request's 64-bit seed, two's complement
+    pos_ptr,  # [num_rows] int64: the output position the draw belongs to
+    out_ptr,  # [num_rows, vocab] float32
+    stride_out,
+    vocab,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    seed = tl.load(seed_ptr + row)
+    pos = tl.load(pos_ptr + row)
+    i = tl.arange(0, BLOCK)
+    counter = (blk * BLOCK + i).to(tl.uint32)
+    zero = counter * 0
+    pos_lo = zero + (pos & 0xFFFFFFFF).to(tl.uint32)
+    pos_hi = zero + (pos >> 32).to(tl.uint32)
+    # counter words: (token block lane, position low, position high, 0); the key is the seed
+    r0, r1, r2, r3 = tl.philox(seed, counter, pos_lo, pos_hi, zero)
+    idx = blk * (4 * BLOCK) + i
+    out = out_ptr + row * stride_out + idx
+    tl.store(out, _log_exponential(r0), mask=idx < vocab)
+    tl.store(out + BLOCK, _log_exponential(r1), mask=idx + BLOCK < vocab)
+    tl.store(out + 2 * BLOCK, _log_exponential(r2), mask=idx + 2 * BLOCK < vocab)
+    tl.store(out + 3 * BLOCK, _log_exponential(r3), mask=idx + 3 * BLOCK < vocab)
+
+
+@jit
+def _log_exponential(r):  # uint32 draws -> float32 log E
+    u = (r.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # (r + 0.5) / 2**32, exact in float64
+    e = (-tl.log(u)).to(tl.float32)  # >= 1.16e-10: never 0
+    return tl.log(e)
+
+
+def exponential_log_noise(
+    seeds: torch.Tensor,  # [num_rows] int64 (a 64-bit seed as its two's complement)
+    positions: torch.Tensor,  # [num_rows] int64 >= 0
+    vocab: int,
+) -> torch.Tensor:  # [num_rows, vocab] float32: log E, E ~ Exponential(1) i.i.d.
+    """The sampler's log-noise for one draw per row, a function of (seed, position, token id) alone."""
+    require_triton()
+    assert seeds.dtype == positions.dtype == torch.int64 and seeds.shape == positions.shape and seeds.dim() == 1
+    num_rows = seeds.shape[0]
+    out = torch.empty(num_rows, vocab, dtype=torch.float32, device=seeds.device)
+    if num_rows == 0:
+        return out
+    grid = (num_rows, -(-vocab // (4 * _NOISE_BLOCK)))
+    _exponential_log_noise_kernel[grid](seeds, positions, out, out.stride(0), vocab, BLOCK=_NOISE_BLOCK, num_warps=4)
     return out
 
 

@@ -3,7 +3,8 @@
 Batch invariance is the contract: a request gets bit-identical tokens alone or in any batch. Batched
 math is restricted to operations whose per-element result cannot depend on the batch: IEEE-exact
 elementwise ops (+ - * /, compare, select), selections (max, argmax, sort, gather) and integer sums.
-Everything else (exp, log, the noise draw) runs row by row, except exp/log on CUDA (see rowwise).
+Everything else (exp, log, the noise draw) runs row by row, except exp/log on CUDA (see rowwise) and the
+noise on a GPU: one counter-based kernel launch whose values depend on (seed, position, token id) alone.
 Imports torch, helios.engine.messages, helios.runner.penalties and helios.kernels (the GPU argmax).
 """
 
@@ -50,6 +51,7 @@ class SamplerState:
         )
         self._generator: torch.Generator | None = None
         self._num_draws = 0  # generator draws consumed so far (one vocab-sized draw per position)
+        self._counted = False  # drawn by the counter-based device noise (counter_draw): no generator state
         # penalty statistics on the logits' device, built at first use and then kept in sync
         self._prompt_mask: torch.Tensor | None = None  # [vocab] bool
         self._output_counts: torch.Tensor | None = None  # [vocab] int32
@@ -70,6 +72,8 @@ class SamplerState:
 
     def draw_exponential(self, out: torch.Tensor) -> None:  # out: [vocab] float32, filled in place
         """Fill `out` with Exponential(1) noise for the next output position, from this request's generator."""
+        if self._counted:
+            raise RuntimeError("a request's sampler state cannot leave the counter-based noise after sampling")
         if self._generator is None or self._generator.device != out.device:
             if self._generator is not None and self._num_draws:
                 raise RuntimeError("a request's sampler state cannot move between devices after sampling")
@@ -80,6 +84,18 @@ class SamplerState:
             self._num_draws += 1
         out.exponential_(generator=self._generator)
         self._num_draws += 1
+
+    def counter_draw(self) -> tuple[int, int]:
+        """(seed as a signed 64-bit int, output position) of the next draw by the counter-based device noise
+        (helios.kernels.sampling.exponential_log_noise), which keeps no generator: a position appended without a
+        draw is skipped for free. One request keeps one kind of noise."""
+        if self._num_draws and not self._counted:
+            raise RuntimeError("a request's sampler state cannot move to the counter-based noise after sampling")
+        self._counted = True
+        position = len(self.output_token_ids)
+        self._num_draws = position + 1
+        seed = self.params.seed & _SEED_MASK
+        return (seed - (1 << 64) if seed >= 1 << 63 else seed), position
 
     def penalty_tensors(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """([vocab] bool: token in the prompt, [vocab] int32: count in the output), synced with append()."""
@@ -331,14 +347,31 @@ def sample_device(
     scores = transform_logits(logits, states)  # [batch, vocab]
     sampled = [i for i, s in enumerate(states) if not s.is_greedy]
     if sampled:
-        noise = torch.empty((len(sampled), scores.shape[1]), dtype=torch.float32, device=scores.device)
-        for row, i in enumerate(sampled):
-            states[i].draw_exponential(noise[row])
-        log_noise = rowwise(noise.clamp_min_(_TINY), torch.log)  # finite: -inf scores stay -inf
+        if counter_noise(scores.device):
+            from helios.kernels.sampling import exponential_log_noise
+
+            seeds, positions = zip(*(states[i].counter_draw() for i in sampled))
+            # NOTE: one copy for both; the positions start 16-byte aligned, as in the kernel the core compiled ahead
+            # of time (Triton specializes a pointer on its alignment: an odd offset would compile another)
+            n, m = len(sampled), len(sampled) + len(sampled) % 2
+            ids = device_tensor(seeds + (0,) * (m - n) + positions, torch.int64, scores.device)
+            log_noise = exponential_log_noise(ids[:n], ids[m:], scores.shape[1])
+        else:
+            noise = torch.empty((len(sampled), scores.shape[1]), dtype=torch.float32, device=scores.device)
+            for row, i in enumerate(sampled):
+                states[i].draw_exponential(noise[row])
+            log_noise = rowwise(noise.clamp_min_(_TINY), torch.log)  # finite: -inf scores stay -inf
         # scores is not the caller's tensor here: transform_logits copied it for the sampled rows
         scores = _with_rows(scores, sampled, _rows(scores, sampled) - log_noise, owned=True)
     # NOTE: argmax returns the first maximal index: greedy ties go to the lowest token id.
     return argmax(scores)
+
+
+def counter_noise(device: torch.device) -> bool:
+    """Whether a batch's noise comes from one launch of the counter-based kernel (on a GPU: a generator per row
+    costs a launch and a Python call per sampled row each step, host time at a large batch) rather than from
+    each request's torch generator (elsewhere: the interpreter would run the kernel over every vocabulary)."""
+    return device.type == "cuda" and HAS_TRITON and not interpret_mode()
 
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:  # [batch, vocab] float32 -> [batch] int64

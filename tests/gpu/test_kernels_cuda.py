@@ -164,6 +164,10 @@ def test_argmax_rows():
     checks.check_argmax_rows(CUDA)
 
 
+def test_exponential_log_noise():
+    checks.check_exponential_log_noise(CUDA)
+
+
 def test_row_logsumexp():
     checks.check_row_logsumexp(CUDA)
 

@@ -78,14 +78,15 @@ def test_manifest_lists_the_kernels(exported):
     # splits decode (splits need > 256 keys): no merge kernel. Decode for each of the sliding and full layers;
     # the norm without and with the residual add; the batch-1 GEMV in two specializations (the projections do
     # or do not fill its tiles) and its gated form (the down projection reading [gate | up]); prefill (two
-    # tokens), the unfused cache write and the sampler's greedy argmax (two kernels) only without PDL.
+    # tokens), the unfused cache write, the sampler's argmax (two kernels) and noise only without PDL.
     pdl = sorted(name for name, on in entries if on)
     plain = sorted(name for name, on in entries if not on)
     assert pdl == ["_decode_kernel"] * 2 + ["_gated_kernel"] + ["_gemv_kernel"] * 3 + ["_rms_norm_kernel",
                                             "_rms_norm_kernel", "_rotary_cache_kernel"], pdl
-    assert plain == (["_argmax_chunk_kernel", "_argmax_merge_kernel"] + ["_decode_kernel"] * 2 + ["_gated_kernel"]
-                     + ["_gemv_kernel"] * 3 + ["_prefill_kernel"] * 2 + ["_reshape_and_cache_kernel"]
-                     + ["_rms_norm_kernel"] * 2 + ["_rotary_cache_kernel"]), plain
+    assert plain == (["_argmax_chunk_kernel", "_argmax_merge_kernel"] + ["_decode_kernel"] * 2
+                     + ["_exponential_log_noise_kernel", "_gated_kernel"] + ["_gemv_kernel"] * 3
+                     + ["_prefill_kernel"] * 2 + ["_reshape_and_cache_kernel"] + ["_rms_norm_kernel"] * 2
+                     + ["_rotary_cache_kernel"]), plain
     assert core.manifest.dtype == "bfloat16"
 
 

@@ -7,6 +7,8 @@ compiled when a kernel module is first imported, which must happen after tests/k
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tests.kernels.cases import paged_case, tolerance
@@ -271,6 +273,33 @@ def check_argmax_rows(device):
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert argmax_rows(x)[1:4].tolist() == [1234, 0, 0]  # one finite entry; all -inf gives 0, like torch
     assert torch.equal(argmax_rows(x[:, :5].contiguous()), x[:, :5].argmax(dim=-1))  # one chunk
+
+
+def check_exponential_log_noise(device):
+    from helios.kernels.sampling import exponential_log_noise
+
+    # one seed at three positions (one past 2**32), a negative seed, a seed with only high bits, seed 0
+    seeds = torch.tensor([7, 7, 7, -3, 2**62, 0], dtype=torch.int64, device=device)
+    positions = torch.tensor([0, 1, 2**33 + 1, 0, 5, 5], dtype=torch.int64, device=device)
+    vocab = 5000  # a partial block of 4 x 1024
+    x = exponential_log_noise(seeds, positions, vocab)
+    assert x.shape == (6, vocab) and x.dtype == torch.float32 and bool(torch.isfinite(x).all())
+    for r in range(6):  # a row's noise is (seed, position, token)'s alone: the same alone, bitwise
+        assert torch.equal(exponential_log_noise(seeds[r : r + 1], positions[r : r + 1], vocab)[0], x[r])
+    assert torch.equal(exponential_log_noise(seeds, positions, 1000), x[:, :1000])  # not the row's width
+    assert len({tuple(row[:64].tolist()) for row in x}) == 6  # seeds (their high bits too) and positions count
+    e = x.double().exp().flatten()  # 30000 draws of Exponential(1): mean 1, variance 1, P(E > t) = exp(-t)
+    n = e.numel()
+    assert abs(e.mean().item() - 1.0) < 5 / n**0.5 and abs(e.var().item() - 1.0) < 20 / n**0.5
+    for t in (0.01, 0.5, 1.0, 3.0):
+        p = math.exp(-t)
+        assert abs((e > t).double().mean().item() - p) < 5 * (p * (1 - p) / n) ** 0.5, t
+    # the sampler's draw, argmax(logits - log E), is a sample of softmax(logits): 4000 draws of 4 tokens in one row
+    logits = torch.tensor([1.0, 0.0, -1.0, 0.5], device=device)
+    y = (logits.repeat(4000) - exponential_log_noise(seeds[:1], positions[:1], 16000)[0]).view(4000, 4)
+    freq = torch.bincount(y.argmax(-1), minlength=4).double().cpu() / 4000
+    probs = torch.softmax(logits.double().cpu(), 0)
+    assert bool((freq - probs).abs().le(5 * (probs * (1 - probs) / 4000).sqrt()).all()), (freq, probs)
 
 
 def check_row_logsumexp(device):

@@ -18,6 +18,10 @@ def test_argmax_rows():
     checks.check_argmax_rows("cpu")
 
 
+def test_exponential_log_noise():
+    checks.check_exponential_log_noise("cpu")
+
+
 def test_row_logsumexp():
     checks.check_row_logsumexp("cpu")
 

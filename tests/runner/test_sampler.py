@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from helios.engine.messages import SamplingParams
 import helios.runner.sampler as sampler_module
+from helios.kernels._triton import HAS_TRITON
 from helios.runner.sampler import SamplerState, _top_k_top_p, sample, transform_logits
 
 DEVICES = [
@@ -73,6 +74,14 @@ def planted_logits(rng: np.random.Generator, vocab: int, scale: float = 2.0) -> 
     ties = rng.integers(0, vocab, size=(vocab // 8, 2))
     x[ties[:, 0]] = x[ties[:, 1]]  # planted exact ties
     return x
+
+
+@pytest.fixture(params=["generator", pytest.param("counter", marks=pytest.mark.skipif(
+    not HAS_TRITON, reason="the counter-based noise is a Triton kernel"))])
+def noise(request, monkeypatch):
+    """Each request's torch generator (the CPU's noise), or the counter-based kernel (a GPU's; interpreted here)."""
+    monkeypatch.setattr(sampler_module, "counter_noise", lambda device: request.param == "counter")
+    return request.param
 
 
 def make_states(params_list, prompts, device=None):
@@ -256,11 +265,11 @@ def test_filtered_distribution_matches_reference(params):
     assert np.all(np.abs(freq - probs) <= 5 * sigma + 1e-3), (freq, probs)
 
 
-def test_one_generator_across_steps_matches_the_distribution():
+def test_one_generator_across_steps_matches_the_distribution(noise):
     x = np.array([1.0, 0.0, -1.0, 0.5], dtype=np.float32)
     state = SamplerState(SamplingParams(temperature=1.0, seed=123), [])
     logits = torch.from_numpy(x[None])
-    num = 4000
+    num = 4000 if noise == "generator" else 500  # NOTE: the counter's kernel is interpreted here
     tokens = []
     for _ in range(num):
         tokens += sample(logits, [state])
@@ -314,12 +323,13 @@ BATCH_PARAMS = [
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("vocab", [1003, 2053])
-def test_batch_invariance(device, vocab):
+@pytest.mark.parametrize(("vocab", "noise"), [(1003, "generator"), (2053, "generator"), (1003, "counter")],
+                         indirect=["noise"])
+def test_batch_invariance(device, vocab, noise):
     params_list = [SamplingParams(**{"seed": i, **p}) for i, p in enumerate(BATCH_PARAMS)]
     rng = random.Random(vocab)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 40))] for _ in params_list]
-    n, num_steps = len(params_list), 20
+    n, num_steps = len(params_list), 20 if noise == "generator" else 8  # NOTE: the counter's kernel interpreted
     together = run_steps(params_list, prompts, lambda step: [list(range(n))], vocab, num_steps, device)
     alone = run_steps(params_list, prompts, lambda step: [[r] for r in range(n)], vocab, num_steps, device)
 
@@ -360,7 +370,7 @@ def test_transform_is_bitwise_batch_invariant():
         assert torch.equal(transform_logits(logits[r : r + 1].clone(), [s])[0], together[r])
 
 
-def test_seeded_reproducibility():
+def test_seeded_reproducibility(noise):
     vocab, steps = 1000, 30
     flat = [[0]] * 1  # one group of one request
 
@@ -373,7 +383,7 @@ def test_seeded_reproducibility():
     assert run(-1) == run((1 << 64) - 1)
 
 
-def test_resume_after_preemption_continues_the_same_stream():
+def test_resume_after_preemption_continues_the_same_stream(noise):
     vocab = 500
     params = SamplingParams(temperature=1.0, top_p=0.9, repetition_penalty=1.1, seed=42)
     full = run_steps([params], [[1, 2, 3]], lambda _: [[0]], vocab, 10)[0]
