@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from helios.engine.messages import SamplingParams
 import helios.runner.sampler as sampler_module
-from helios.kernels._triton import HAS_TRITON
+from helios.kernels._triton import HAS_TRITON, interpret_mode
 from helios.runner.sampler import SamplerState, _top_k_top_p, sample, transform_logits
 
 DEVICES = [
@@ -79,8 +79,11 @@ def planted_logits(rng: np.random.Generator, vocab: int, scale: float = 2.0) -> 
 @pytest.fixture(params=["generator", pytest.param("counter", marks=pytest.mark.skipif(
     not HAS_TRITON, reason="the counter-based noise is a Triton kernel"))])
 def noise(request, monkeypatch):
-    """Each request's torch generator (the CPU's noise), or the counter-based kernel (a GPU's; interpreted here)."""
-    monkeypatch.setattr(sampler_module, "counter_noise", lambda device: request.param == "counter")
+    """Each request's torch generator (the CPU's noise), or the counter-based kernel (a GPU's; on CPU tensors only
+    where Triton interprets)."""
+    counter = request.param == "counter"
+    monkeypatch.setattr(sampler_module, "counter_noise",
+                        lambda device: counter and (device.type == "cuda" or interpret_mode()))
     return request.param
 
 
