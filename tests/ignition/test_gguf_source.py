@@ -189,7 +189,8 @@ def test_smollm2_digits_split_like_llama_cpp(smollm2_ckpt, smollm2_hf_tokenizer)
 # ---------------------------------------------------------------- real models marked slow
 
 
-# Class-scoped, so each oracle model (GBs of float32) is freed once its class is done.
+# The oracles (GBs of float32) are conftest's GgufOracles, shared with tests/models/test_real_models.py: the last
+# test marked gguf_oracle frees them.
 @pytest.fixture(scope="class")
 def qwen_ckpt(qwen25_coder_gguf):
     assert_data_ends_at_file_end(GGUFReader(qwen25_coder_gguf), qwen25_coder_gguf)
@@ -197,11 +198,12 @@ def qwen_ckpt(qwen25_coder_gguf):
 
 
 @pytest.fixture(scope="class")
-def qwen_oracle(qwen25_coder_gguf):
-    return open_oracle_model(qwen25_coder_gguf)
+def qwen_oracle(qwen25_coder_oracle):
+    return qwen25_coder_oracle.model
 
 
 @pytest.mark.slow
+@pytest.mark.gguf_oracle("qwen25_coder_oracle")
 class TestQwen25Coder:
     """qwen2 family, Q5_0/Q8_0/Q4_K/Q6_K, q/k/v biases, separate output.weight, the qwen2 split regex."""
 
@@ -213,8 +215,8 @@ class TestQwen25Coder:
         assert_config_matches(qwen_ckpt, qwen_oracle)
         assert qwen_ckpt.config["model_type"] == "qwen2" and qwen_ckpt.config["tie_word_embeddings"] is False
 
-    def test_tokenizer(self, qwen_ckpt, qwen25_coder_gguf):
-        oracle = open_oracle_tokenizer(qwen25_coder_gguf)
+    def test_tokenizer(self, qwen_ckpt, qwen25_coder_oracle):
+        oracle = qwen25_coder_oracle.tokenizer
         assert assert_tokenizer_matches(qwen_ckpt, oracle) == 0
         assert json.loads(qwen_ckpt.tokenizer_json) == json.loads(oracle.backend_tokenizer.to_str())
         assert "<tool_call>" in qwen_ckpt.chat_template
@@ -233,11 +235,12 @@ def gemma_ckpt(gemma3_270m_gguf, gemma_reader):
 
 
 @pytest.fixture(scope="class")
-def gemma_oracle(gemma3_270m_gguf):
-    return open_oracle_model(gemma3_270m_gguf)
+def gemma_oracle(gemma3_270m_oracle):
+    return gemma3_270m_oracle.model
 
 
 @pytest.mark.slow
+@pytest.mark.gguf_oracle("gemma3_270m_oracle")
 class TestGemma3:
     """gemma3 family, Q4_K/Q5_0/Q6_K/Q8_0, norms stored as 1 + w, sentencepiece vocabulary, no template."""
 
@@ -259,8 +262,8 @@ class TestGemma3:
         assert ours["rope_local_base_freq"] == theirs.rope_parameters["sliding_attention"]["rope_theta"]
         assert ours["model_type"] == "gemma3_text" and ours["tie_word_embeddings"] is True
 
-    def test_tokenizer(self, gemma_ckpt, gemma3_270m_gguf):
-        oracle = open_oracle_tokenizer(gemma3_270m_gguf)
+    def test_tokenizer(self, gemma_ckpt, gemma3_270m_oracle):
+        oracle = gemma3_270m_oracle.tokenizer
         assert assert_tokenizer_matches(gemma_ckpt, oracle) == 0
         assert json.loads(gemma_ckpt.tokenizer_json) == json.loads(oracle.backend_tokenizer.to_str())
         assert gemma_ckpt.chat_template is None and gemma_ckpt.tokenizer_config["add_bos_token"] is True

@@ -16,24 +16,22 @@ from tests.models.engine_harness import greedy, make_engine, run, tokens
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
 CASES = {
-    "qwen2": ("qwen25_coder_gguf", ["def quicksort(arr):\n", "The three primary colors are",
+    "qwen2": ("qwen25_coder", ["def quicksort(arr):\n", "The three primary colors are",
                                     "<|im_start|>user\nWrite hello world in C.<|im_end|>\n<|im_start|>assistant\n"]),
-    "gemma3": ("gemma3_270m_gguf", ["The capital of France is", "Once upon a time", "import numpy as np\n"]),
+    "gemma3": ("gemma3_270m", ["The capital of France is", "Once upon a time", "import numpy as np\n"]),
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+# each model's transformers oracle is conftest's GgufOracle, loaded once for this and tests/ignition/test_gguf_source
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.gguf_oracle(CASES[f][0] + "_oracle"))
+                                        for f in sorted(CASES)])
 def real(request, tmp_path_factory):
-    fixture, prompts = CASES[request.param]
-    gguf = request.getfixturevalue(fixture)
+    model_name, prompts = CASES[request.param]
+    gguf = request.getfixturevalue(model_name + "_gguf")
     path = export_core(gguf, tmp_path_factory.mktemp("cores") / request.param, ExportOptions(dtype="float32"))
     core = load_core(path)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    yield request.param, core, model, tok, prompts
-    del model
+    oracle = request.getfixturevalue(model_name + "_oracle")
+    yield request.param, core, oracle.model, oracle.tokenizer, prompts
     shutil.rmtree(path, ignore_errors=True)  # 1-2 GB of float32 weights: CI's disk is shared
 
 
