@@ -50,7 +50,8 @@ def simulate(streams: int, *, ratio: float, cap_tokens: int, cap_seqs: int, seco
     config = SchedulerConfig(max_concurrency=max_concurrency, max_num_batched_tokens=8192, prefill_chunk_size=2048,
                              decode_stall_ratio=ratio, max_waiting=4096, page_size=16, num_pages=1 << 15,
                              max_model_len=4096, prompt_step_tokens=cap_tokens, prompt_step_seqs=cap_seqs,
-                             one_pass_rows=ONE_PASS_MAX_SEQS if one_pass else 0)
+                             one_pass_rows=ONE_PASS_MAX_SEQS if one_pass else 0,
+                             one_pass_prompt_tokens=ONE_PASS_PROMPT_TOKENS if one_pass else 0)
     sched = Scheduler(config)
     engine = types.SimpleNamespace(scheduler=sched)  # what EngineCore._observe reads
     rng = random.Random(seed)
@@ -125,7 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     policies = {"stall budget (ratio 1)": (1.0, 0, 0, False), "prompt graphs' cap (ratio 0)": (0.0, 512, 8, False),
                 "both (helios serve on a GPU)": (1.0, 512, 8, False),
-                "both + one-pass steps (HELIOS_ONE_PASS=1)": (1.0, ONE_PASS_PROMPT_TOKENS, 8, True)}
+                "both + one-pass steps (HELIOS_ONE_PASS=1)": (1.0, 512, 8, True)}
     print("| streams | policy | tok/s | running | queued | TTFT p50/p99 ms | ITL p50/p99 ms | steps d/g/e/1 |")
     print("| --- " * 8 + "|")
     for n in [int(x) for x in args.streams.split(",")]:

@@ -61,6 +61,11 @@ class SchedulerConfig(Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
                   "decode-only step, whose successor the runner runs ahead, waiting prompts that would fit are held "
                   "back one step, and that step is not run ahead, so the next takes them in one pass; 0: never.")
     ] = 0
+    one_pass_prompt_tokens: Annotated[
+        int, Meta(ge=0, le=1 << 20, description="prompt_step_tokens for a step that may run in one pass (fewer "
+                  "running requests than one_pass_rows): prompts held back a step arrive together, and their "
+                  "padded tokens delay the decode rows riding with them; 0: prompt_step_tokens.")
+    ] = 0
     max_waiting: Annotated[
         int, Meta(ge=1, le=1 << 20, description="Requests waiting for a model slot past the free ones (QueueFull).")
     ] = 256

@@ -189,16 +189,17 @@ class Scheduler:
         stall_budget = self._prompt_budget(decoding)
         if self.waiting and self.num_steps - self.waiting[0].queued_at_step > STALL_MAX_WAIT_STEPS:
             stall_budget = UNLIMITED  # the queue's head waited long enough: the caps alone
+        one_pass = len(self.running) < min(config.one_pass_rows, config.max_concurrency)  # may fit one pass
+        step_tokens = config.one_pass_prompt_tokens if one_pass and config.one_pass_prompt_tokens else \
+            config.prompt_step_tokens
         prompt_budget = initial_prompt_budget = min(
-            stall_budget, config.prompt_step_tokens if decoding and config.prompt_step_tokens else UNLIMITED)
+            stall_budget, step_tokens if decoding and step_tokens else UNLIMITED)
         seqs_left = config.prompt_step_seqs if decoding and config.prompt_step_seqs else UNLIMITED
         # one-pass steps: this step's decodes already run ahead (the last step decoded only), so a prompt taken now
         # is a second pass over the weights; held back one step, it rides with the next step's decodes in one
         hold_ahead = bool(
-            config.one_pass_rows and self._ran_ahead and self.waiting and decoding
-            and len(self.running) < min(config.one_pass_rows, config.max_concurrency)
-            and len(self.running) + min(self.waiting[0].num_tokens, config.prefill_chunk_size)
-            <= config.prompt_step_tokens)
+            one_pass and self._ran_ahead and self.waiting and decoding
+            and len(self.running) + min(self.waiting[0].num_tokens, config.prefill_chunk_size) <= step_tokens)
         if hold_ahead:
             seqs_left = 0
 

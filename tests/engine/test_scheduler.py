@@ -186,7 +186,8 @@ def test_one_pass_holds_a_prompt_back_one_step_after_a_decode_only_step():
 
     def admitted_after(one_pass_rows: int, num_decoding: int, prompt_len: int = 10) -> tuple[int, list[bool]]:
         core, runner = make_core(max_concurrency=8, max_num_batched_tokens=256, prefill_chunk_size=128,
-                                 num_pages=512, prompt_step_tokens=64, prompt_step_seqs=8, one_pass_rows=one_pass_rows)
+                                 num_pages=512, prompt_step_tokens=128, prompt_step_seqs=8, one_pass_rows=one_pass_rows,
+                                 one_pass_prompt_tokens=64)
         got = Collected()
         first = [request(f"d{i}", prompt_len=4, seed=i, max_tokens=30) for i in range(num_decoding)]
         for req in first:
@@ -211,6 +212,31 @@ def test_one_pass_holds_a_prompt_back_one_step_after_a_decode_only_step():
     assert admitted_after(0, 3) == (1, [False] * 3)  # no one-pass steps: taken at once
     assert admitted_after(3, 3)[0] == 1  # a fourth row would not fit the one-pass rows
     assert admitted_after(8, 3, prompt_len=62)[0] == 1  # 3 decodes + 62 prompt tokens exceed the 64-token cap
+
+
+def test_the_one_pass_prompt_cap_applies_only_where_a_step_may_run_in_one_pass():
+    """one_pass_prompt_tokens caps a step's prompt tokens beside decodes while fewer than one_pass_rows requests run;
+    with more, no step runs in one pass, and prompt_step_tokens (the prompt graphs' largest bucket) is the cap."""
+
+    def first_chunk(one_pass_rows: int) -> int:
+        core, runner = make_core(max_concurrency=8, max_num_batched_tokens=512, prefill_chunk_size=256,
+                                 num_pages=512, prompt_step_tokens=128, prompt_step_seqs=8, one_pass_rows=one_pass_rows,
+                                 one_pass_prompt_tokens=32)
+        got = Collected()
+        for i in range(3):
+            core.add_request(request(f"d{i}", prompt_len=4, seed=i, max_tokens=8))
+        got.add(core.step())
+        got.add(core.step())  # decode only: with one-pass steps, the next step holds the prompt back
+        core.add_request(request("later", prompt_len=200, seed=9, max_tokens=2))
+        while not any(s.req_id == "later" for s in runner.plans[-1].scheduled):
+            got.add(core.step())
+        (chunk,) = [len(s.token_ids) for s in runner.plans[-1].scheduled if s.req_id == "later"]
+        run_until_idle(core, got)
+        assert_idle(core)
+        return chunk
+
+    assert first_chunk(8) == 32  # the one-pass cap (prompt tokens: the decode rows are not counted)
+    assert first_chunk(3) == 128  # three running fill the one-pass rows: the prompt graphs' cap
 
 
 def test_the_stall_budget_holds_the_queue_head_back_a_bounded_number_of_steps():
