@@ -599,10 +599,18 @@ class ModelRunner:
         bucket = self.graphs.bucket_for(scheduled, layout) if self.graphs is not None else None
         if bucket is not None and bucket in self.graphs.pending:
             self.capture_pending(bucket)  # its first step: capture now (one stall) rather than run eagerly until later
-        split = self._split_mixed(scheduled) if bucket is None and self.graphs is not None else None
         overlap = self._decode_overlap()
+        # NOTE: with no speculation pending (the scheduler held this step's prompts back: plan.hold_ahead), a mixed
+        # step that one prompt graph holds runs in one pass without splitting off its decode rows first
+        one_pass = (self._one_pass_bucket(scheduled, layout) if bucket is None and self.graphs is not None
+                    and (overlap is None or overlap.pending is None) else None)
+        split = self._split_mixed(scheduled) if bucket is None and self.graphs is not None and one_pass is None \
+            else None
         speculate = None
-        if split is not None:
+        if one_pass is not None:
+            self.launches["one_pass"] += 1
+            logits = self.prompt_graphs.run(scheduled, layout, one_pass)
+        elif split is not None:
             # a mixed step whose decode rows are the pending speculation (the step before decoded the same rows,
             # and its prompts arrived since) takes their logits from it; else it ends the speculation, and runs as
             # one pass where a prompt graph holds it all (one_pass), else as the decode graph and a prompt pass
@@ -687,8 +695,10 @@ class ModelRunner:
     def _one_pass_bucket(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> int | None:
         """With one_pass, the captured prompt-graph bucket that holds a whole mixed step (decode rows beside prompt
         chunks: one pass over the weights instead of two), else None."""
-        if not self.one_pass or self.prompt_graphs is None:
+        if not self.one_pass or self.prompt_graphs is None or layout.is_decode_only:
             return None
+        if sum(len(s.token_ids) == 1 and s.sample for s in scheduled) < SPLIT_MIN_DECODE_ROWS:
+            return None  # a prompt step (its prompt graph, _prompt_forward), not a mixed one
         bucket = self.prompt_graphs.bucket_for(scheduled, layout)
         return None if bucket is None or bucket in self.prompt_graphs.pending else bucket
 
