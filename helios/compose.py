@@ -113,6 +113,12 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
                                        **state_args)
         num_pages = runner.num_pages
     elif device == "cuda":
+        if not switches.host_threads:
+            # NOTE: one intra-op thread: on the H100 at 64 streams (one-pass steps) served / engine went from 0.86 to
+            # 1.00 and the GPU's busy share from 34% to 54% (benchmarks/RESULTS.md, session 23)
+            import torch
+
+            torch.set_num_threads(1)
         # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
         # lazy capture: the smallest and largest buckets now, the rest by the engine loop between steps
         runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,

@@ -86,6 +86,10 @@ DECLARED: tuple[Switch, ...] = (
     Switch("HELIOS_PINNED_UPLOAD", "pinned_upload", "bool",
            "GPU load: the weights go to the device through a ring of pinned staging buffers (helios.runner.upload) "
            "instead of one driver-staged copy per tensor; off until timed on a GPU (benchmarks/gpu_upload.py)"),
+    Switch("HELIOS_HOST_THREADS", "host_threads", "bool",
+           "GPU serving: torch's intra-op thread pool for the engine's host-side tensors (a step's inputs); off "
+           "runs them on one thread: the pool's workers only spin beside such small ops, on cores the HTTP "
+           "processes need"),
     Switch("HELIOS_KERNEL_CACHE", "kernel_cache", "path",
            "the directory precompiled kernels are installed into at start (default: $XDG_CACHE_HOME or "
            "~/.cache, then helios/triton)"),
@@ -115,6 +119,7 @@ class Switches(msgspec.Struct, frozen=True, kw_only=True):
     moe_prefill: MoePrefill = "triton"
     moe_decode: MoeDecode = "dot"
     pinned_upload: bool = False
+    host_threads: bool = False
     kernel_cache: str | None = None  # None: the default directory (helios.kernels.aot.runtime_cache_root)
 
     @classmethod

@@ -39,7 +39,7 @@ def test_every_declared_switch_maps_to_a_field_and_back():
     ({"HELIOS_L2_PREFETCH": "bulk"}, "l2_prefetch", "bulk"), ({"HELIOS_L2_PREFETCH": "0"}, "l2_prefetch", "off"),
     ({"HELIOS_KERNEL_CACHE": "/tmp/k"}, "kernel_cache", "/tmp/k"),
     ({"HELIOS_MOE_PREFILL": "grouped"}, "moe_prefill", "grouped"), ({"HELIOS_MOE_DECODE": "gemv"}, "moe_decode", "gemv"),
-    ({"HELIOS_PINNED_UPLOAD": "1"}, "pinned_upload", True),
+    ({"HELIOS_PINNED_UPLOAD": "1"}, "pinned_upload", True), ({"HELIOS_HOST_THREADS": "on"}, "host_threads", True),
 ])
 def test_each_variable_sets_its_switch(environ, field, value):
     assert getattr(Switches.from_environ(environ), field) == value
