@@ -54,7 +54,7 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
     from helios.engine.kv_groups import window_pages_per_request
     from helios.runner.disk_cache import record_dir
     from helios.runner.kv_cache import KVCache
-    from helios.runner.model_runner import ModelRunner, resolve_device
+    from helios.runner.model_runner import ModelRunner, limit_host_threads, resolve_device
     from helios.runner.state_cache import StateCache
 
     page_size = core.manifest.graph_plan.page_size
@@ -113,12 +113,7 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
                                        **state_args)
         num_pages = runner.num_pages
     elif device == "cuda":
-        if not switches.host_threads:
-            # NOTE: one intra-op thread: on the H100 at 64 streams (one-pass steps) served / engine went from 0.86 to
-            # 1.00 and the GPU's busy share from 34% to 54% (benchmarks/RESULTS.md, session 23)
-            import torch
-
-            torch.set_num_threads(1)
+        limit_host_threads(switches)
         # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
         # lazy capture: the smallest and largest buckets now, the rest by the engine loop between steps
         runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,

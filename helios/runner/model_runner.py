@@ -170,6 +170,16 @@ def move_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: 
     return out
 
 
+def limit_host_threads(switches: Switches) -> None:
+    """A GPU server's torch intra-op pool at one thread, unless the host_threads switch keeps it.
+
+    NOTE: the engine's host-side tensors are small (a step's inputs); the pool's workers only spun beside them, on
+    cores the HTTP processes need: on the H100 at 64 streams (one-pass steps) served / engine went from 0.86 to 1.00
+    and the GPU's busy share from 34% to 54% with one thread (benchmarks/RESULTS.md, session 23)."""
+    if not switches.host_threads:
+        torch.set_num_threads(1)
+
+
 def resolve_device(name: str) -> str:
     """"auto" -> "cuda" when a GPU is visible, else "cpu"; explicit names pass through."""
     if name == "auto":
