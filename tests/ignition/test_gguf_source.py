@@ -20,7 +20,7 @@ from gguf.quants import quantize
 from tokenizers import Tokenizer, pre_tokenizers
 
 from ignition.errors import ExportError
-from ignition.sources.gguf import open_gguf
+from ignition.sources.gguf import GGUFFile, open_gguf
 from ignition.sources.gguf_tokenizer import bytes_to_unicode
 
 CORPUS = [
@@ -193,7 +193,7 @@ def test_smollm2_digits_split_like_llama_cpp(smollm2_ckpt, smollm2_hf_tokenizer)
 # test marked gguf_oracle frees them.
 @pytest.fixture(scope="class")
 def qwen_ckpt(qwen25_coder_gguf):
-    assert_data_ends_at_file_end(GGUFReader(qwen25_coder_gguf), qwen25_coder_gguf)
+    assert_data_ends_at_file_end(GGUFFile(qwen25_coder_gguf), qwen25_coder_gguf)
     return open_gguf(qwen25_coder_gguf)
 
 
@@ -224,7 +224,7 @@ class TestQwen25Coder:
 
 @pytest.fixture(scope="class")
 def gemma_reader(gemma3_270m_gguf):
-    reader = GGUFReader(gemma3_270m_gguf)
+    reader = GGUFFile(gemma3_270m_gguf)
     assert_data_ends_at_file_end(reader, gemma3_270m_gguf)
     return reader
 
@@ -427,6 +427,21 @@ def _one_line_error(path: Path) -> str:
     message = str(info.value)
     assert "\n" not in message and message.startswith(path.name)
     return message
+
+
+def test_gguf_file_reads_what_the_gguf_reader_reads(tmp_path):
+    """GGUFFile (the reader over a plain view of its map) gives gguf.GGUFReader's fields and tensors, byte for byte."""
+    path = tmp_path / "m.gguf"
+    tensors, _ = tiny_tensors("llama", np.random.default_rng(3))
+    write_gguf(path, "llama", tensors)
+    ours, theirs = GGUFFile(path), GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields) and len(ours.fields) > 10
+    for a, b in zip(ours.fields.values(), theirs.fields.values()):
+        assert a.types == b.types and a.data == b.data and [p.tobytes() for p in a.parts] == [
+            p.tobytes() for p in b.parts], a.name
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data.tobytes()) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist(), t.data.tobytes()) for t in theirs.tensors]
+    assert type(ours.tensors[0].data) is np.ndarray  # no memmap subclass: plain slicing
 
 
 def test_unsupported_tensor_type_fails_at_open(tmp_path):
