@@ -61,7 +61,7 @@ DECLARED: tuple[Switch, ...] = (
     Switch("HELIOS_ONE_PASS", "one_pass", "bool",
            "GPU: a step that takes prompts beside up to 72 decodes runs as one prompt-graph replay (one pass over the "
            "weights) instead of the decode graph plus the prompt rows' pass; the scheduler holds new prompts back one "
-           "step after a decode step so that step is not run ahead (runner/prompt_graphs.py); off until timed"),
+           "step after a decode step so that step is not run ahead (runner/prompt_graphs.py); off: two passes"),
     Switch("HELIOS_FOLD_NORMS", "fold_norms", "bool",
            "GPU batch 1: the residual add and RMSNorm ride in the GEMV of the projection after them"),
     Switch("HELIOS_FUSED_DECODE", "fused_decode", "bool",
@@ -111,7 +111,7 @@ class Switches(msgspec.Struct, frozen=True, kw_only=True):
     rope_table: bool = True
     decode_overlap: bool = True
     prompt_graphs: bool = True
-    one_pass: bool = False
+    one_pass: bool = True
     fold_norms: bool = True
     fused_decode: bool = True
     defer_norms: bool = True

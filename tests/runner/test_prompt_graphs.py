@@ -16,6 +16,7 @@ from helios.runner import model_runner
 from helios.runner.input_batch import RequestState, layout_batch, prepare_batch
 from helios.runner.model_runner import ModelRunner
 from helios.runner.prompt_graphs import LOGITS_INDICES, POSITIONS, SLOT_MAPPING, TOKEN_IDS, prompt_graph_reason
+from helios.switches import Switches
 from tests.models.test_parity import export_tiny, prompt
 from tests.runner.test_cuda_graphs import MAX_MODEL_LEN, PAGE_SIZE, arrivals_tokens, needs_interpreter
 
@@ -39,7 +40,9 @@ def chunk(req_id, tokens, num_computed, blocks, *, sample=True, logprobs=False):
 
 def graphed_runner(core, *, captured: tuple[int, ...] = (), **kw) -> ModelRunner:
     """A runner with decode graphs and prompt graphs that record nothing (their functions run eagerly); the prompt
-    buckets `captured` taken as the engine's idle captures would."""
+    buckets `captured` taken as the engine's idle captures would. Without `switches`, the two-pass mixed steps
+    (one_pass off: the decode graph plus a prompt graph); the one-pass tests pass Switches(one_pass=True)."""
+    kw.setdefault("switches", Switches(one_pass=False))
     runner = ModelRunner(core.manifest.arch, core.tensors, num_pages=64, page_size=PAGE_SIZE,
                          attention_backend="triton", max_model_len=MAX_MODEL_LEN, **kw)
     runner.graphs = runner.make_graphs([1, 2, 4, 8], capture=False)
@@ -153,8 +156,6 @@ def test_prompt_graph_replays_match_eager_on_cuda(core, one_pass):
     prompts back a step after decode-only steps."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from helios.switches import Switches
-
     kw = dict(num_pages=256, page_size=16, device="cuda", dtype=torch.float32, max_model_len=256)
     eager = ModelRunner(core.manifest.arch, core.tensors, cuda_graphs=False, **kw)
     graphed = ModelRunner(core.manifest.arch, core.tensors, cuda_graphs=True, switches=Switches(one_pass=one_pass),
@@ -179,8 +180,6 @@ def test_prompt_graph_replays_match_eager_on_cuda(core, one_pass):
 def test_one_pass_graphs_hold_decode_rows_beside_prompt_chunks(core):
     """one_pass: finer buckets, up to 72 rows; a bucket holds fewer sequences than tokens (one token a sequence
     reads as a decode batch), so 40 one-token rows take the 64-token bucket, not 32 or 48."""
-    from helios.switches import Switches
-
     graphs = graphed_runner(core, switches=Switches(one_pass=True)).prompt_graphs
     assert graphs.buckets == [32, 64, 96, 128, 160, 192, 256, 320, 384, 512] and graphs.max_seqs == 72
     assert [graphs.seqs_for(b) for b in (32, 64, 96)] == [31, 63, 72]
@@ -200,8 +199,6 @@ def test_one_pass_steps_give_the_eager_tokens(core, monkeypatch):
     """Requests arriving one a step while others decode, with one_pass: each mixed step replays one prompt graph for
     its decode rows and prompt chunks together (no decode graph beside it), and every request's greedy tokens are
     the all-eager runner's. The scheduler side (holding prompts back a step) is tests/engine/test_scheduler.py's."""
-    from helios.switches import Switches
-
     monkeypatch.setattr(model_runner, "SPLIT_MIN_DECODE_ROWS", 2)
     config = SchedulerConfig(max_concurrency=8, max_num_batched_tokens=64, prefill_chunk_size=16,
                              page_size=PAGE_SIZE, num_pages=64, max_model_len=MAX_MODEL_LEN)
