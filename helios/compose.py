@@ -378,6 +378,10 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
         count = http_workers(config, device)
         frontends = [_Frontend(i, count, core_path, config, serving, socket_path, log_level) for i in range(count)]
         timeline.mark("spawn")
+        if device == "cuda":  # Triton's per-process hashes beside torch's import (helios/kernels/triton_warmup.py)
+            from helios.kernels import triton_warmup
+
+            triton_warmup.start()
         from helios.runner.model_runner import resolve_device  # torch, triton and the runner, from here on
 
         timeline.mark("imports")

@@ -493,6 +493,10 @@ def load_launched(launches: Callable[[], object], phases: dict[str, float] | Non
         with torch.cuda.device(device):
             kernel._init_handles()
 
+    if todo:  # once, here: every thread's first compile would compute it at the same time (~0.45 s of hashing each)
+        from triton.runtime.cache import triton_key
+
+        triton_key()
     workers = max(1, min(len(todo), os.cpu_count() or 1, 16))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="helios-kernel-load") as pool:
         kernels = list(pool.map(build, todo))
