@@ -113,13 +113,15 @@ def build_engine(core, config: ServerConfig, serving: Serving, constraints=None,
                                        **state_args)
         num_pages = runner.num_pages
     elif device == "cuda":
-        limit_host_threads(switches)
         # KV pool from free GPU memory after the weights; CUDA graphs per decode bucket of the plan
         # lazy capture: the smallest and largest buckets now, the rest by the engine loop between steps
         runner = ModelRunner.from_core(core, device="cuda", num_pages=None, max_model_len=serving.max_model_len,
                                        dtype=dtype, host_cache_pages=host_cache_pages, host_disk_dir=host_disk_dir,
                                        switches=switches, lazy_capture=True, host_embeddings=config.host_embeddings,
                                        **state_args)
+        # NOTE: after the load: the weights' ring fills its pinned buffers with torch's CPU copies, on the intra-op
+        # pool (at one thread the 8B core's weights took 3.2-3.4 s in session 24's restarts)
+        limit_host_threads(switches)
         num_pages = runner.num_pages
     else:
         num_pages = -(-max(config.kv_cache_tokens, serving.max_model_len) // page_size)

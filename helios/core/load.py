@@ -107,11 +107,13 @@ def start_digest_check(path: Path, manifest: Manifest) -> Callable[[], None]:
     return wait
 
 
-def _map_safetensors(file: Path) -> dict[str, torch.Tensor]:
+def _map_safetensors(file: Path, flags: int = 0) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file, views of one mapping of it; flags: more mmap flags (MAP_POPULATE: the
+    kernel fills the mapping's page tables in the mmap call, benchmarks/gpu_core_upload.py)."""
     with open(file, "rb") as f:
         # NOTE: MAP_PRIVATE gives a writable buffer (torch.frombuffer needs one) without copying;
         # pages are shared with the page cache until written, and we never write them.
-        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE | flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     header_len = int.from_bytes(mm[:8], "little")
     header = json.loads(mm[8 : 8 + header_len])
     base = 8 + header_len
