@@ -380,10 +380,13 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
         count = http_workers(config, device)
         frontends = [_Frontend(i, count, core_path, config, serving, socket_path, log_level) for i in range(count)]
         timeline.mark("spawn")
-        if device == "cuda":  # Triton's per-process hashes beside torch's import (helios/kernels/triton_warmup.py)
+        if device == "cuda":  # Triton's first-use costs beside torch's import (helios/kernels/triton_warmup.py)
             from helios.kernels import triton_warmup
+            from helios.kernels.aot_install import runtime_cache_root
 
-            triton_warmup.start()
+            # NOTE: one target is the one the kernel load takes; among several, it picks by the device (torch)
+            kernels_dir = Path(core_path) / manifest.kernels[0].dir if len(manifest.kernels) == 1 else None
+            triton_warmup.start(kernels_dir, runtime_cache_root(switches.kernel_cache))
         from helios.runner.model_runner import resolve_device  # torch, triton and the runner, from here on
 
         timeline.mark("imports")

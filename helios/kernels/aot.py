@@ -23,7 +23,6 @@ arrives as an argument (read by helios.runner.aot_compile, which also holds the 
 """
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import os
@@ -45,6 +44,7 @@ from helios.kernels._triton import HAS_TRITON, forced_pdl, interpret_mode, trito
 
 if HAS_TRITON:
     import triton.runtime.jit  # noqa: F401  (JITFunction, for _relative_sources)
+from helios.kernels.aot_install import INDEX_FILE, install_cache, runtime_cache_root  # noqa: F401  (re-exported)
 from helios.kernels.aot_shapes import (  # noqa: F401  (re-exported: the runtime and tests import them here)
     TARGET_SMS,
     KernelShape,
@@ -56,7 +56,6 @@ from helios.kernels.aot_shapes import (  # noqa: F401  (re-exported: the runtime
     shape_from_manifest,
 )
 
-INDEX_FILE = "index.json"
 def kernel_modules() -> list[str]:
     """Every module of helios.kernels (those a model imports on first use too): _relative_sources imports them all
     first, so a family's kernels get relative paths whether or not its model was built yet in this process."""
@@ -273,15 +272,6 @@ class KernelLoad:
         return self.messages[0] if self.messages else self.status
 
 
-def runtime_cache_root(kernel_cache: str | None = None) -> Path:
-    """Where kernels are installed at start: the kernel_cache switch (HELIOS_KERNEL_CACHE, helios.switches) when
-    set, else helios/triton under $XDG_CACHE_HOME or ~/.cache."""
-    if kernel_cache:
-        return Path(kernel_cache)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "helios" / "triton"
-
-
 def check_kernels(kernels_dir: Path, target: str, triton_version: str, want_target: str) -> str | None:
     """Why the kernels at kernels_dir cannot be used here (None when they can)."""
     if not HAS_TRITON:
@@ -293,34 +283,6 @@ def check_kernels(kernels_dir: Path, target: str, triton_version: str, want_targ
     if not (Path(kernels_dir) / INDEX_FILE).is_file():
         return f"{kernels_dir} has no {INDEX_FILE}"
     return None
-
-
-def install_cache(kernels_dir: Path, cache_root: Path | None = None) -> tuple[Path, dict]:
-    """Copy the kernels into a runtime cache dir in Triton's layout (with its group files) and point
-    TRITON_CACHE_DIR at it; the core itself is never written (kernels compiled later land in the copy)."""
-    kernels_dir = Path(kernels_dir)
-    raw = (kernels_dir / INDEX_FILE).read_bytes()
-    index = json.loads(raw)
-    cache_dir = (cache_root or runtime_cache_root()) / hashlib.sha256(raw).hexdigest()[:16]
-    for entry in index["kernels"]:
-        dest = cache_dir / entry["dir"]
-        dest.mkdir(parents=True, exist_ok=True)
-        for name in entry["files"]:
-            if not (dest / name).is_file():
-                tmp = dest / f".{name}.tmp"
-                shutil.copyfile(kernels_dir / entry["dir"] / name, tmp)
-                os.replace(tmp, dest / name)
-        meta = next(n for n in entry["files"] if n.endswith(".json"))
-        group = json.dumps({"child_paths": {n: str(dest / n) for n in entry["files"]}})
-        (dest / f"__grp__{meta}").write_text(group)
-    os.environ["TRITON_CACHE_DIR"] = str(cache_dir)
-    try:
-        from triton import knobs
-
-        knobs.cache.dir = str(cache_dir)
-    except (ImportError, AttributeError):
-        pass
-    return cache_dir, index
 
 
 def _kernel_dirs(cache_dir: Path) -> set[str]:
