@@ -618,8 +618,7 @@ class ModelRunner:
             else None
         speculate = None
         if one_pass is not None:
-            self.launches["one_pass"] += 1
-            logits = self.prompt_graphs.run(scheduled, layout, one_pass)
+            logits = self._run_one_pass(scheduled, layout, one_pass)
         elif split is not None:
             # a mixed step whose decode rows are the pending speculation (the step before decoded the same rows,
             # and its prompts arrived since) takes their logits from it; else it ends the speculation, and runs as
@@ -628,8 +627,7 @@ class ModelRunner:
             is_speculated = overlap is not None and overlap.take(plan, decode_bucket, rows=decode)
             one_pass = None if is_speculated else self._one_pass_bucket(scheduled, layout)
             if one_pass is not None:
-                self.launches["one_pass"] += 1
-                logits = self.prompt_graphs.run(scheduled, layout, one_pass)
+                logits = self._run_one_pass(scheduled, layout, one_pass)
             else:
                 scheduled, layout, logits = self._run_split(*split, is_speculated=is_speculated)
         elif overlap is not None and overlap.take(plan, bucket):
@@ -701,6 +699,11 @@ class ModelRunner:
             return None
         chosen = {id(s) for s in decode}
         return decode, decode_layout, bucket, [s for s in scheduled if id(s) not in chosen]
+
+    def _run_one_pass(self, scheduled: list[ScheduledRequest], layout: BatchLayout, bucket: int) -> torch.Tensor:
+        """A whole mixed step as one replay of the prompt graph of `bucket` (_one_pass_bucket's answer)."""
+        self.launches["one_pass"] += 1
+        return self.prompt_graphs.run(scheduled, layout, bucket)
 
     def _one_pass_bucket(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> int | None:
         """With one_pass, the captured prompt-graph bucket that holds a whole mixed step (decode rows beside prompt
