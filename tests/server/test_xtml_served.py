@@ -81,7 +81,15 @@ def _kimi_linear_config(vocab_size: int, max_positions: int):
 
 
 def build_checkpoint() -> Path:
-    """The trained HF directory (cached by a hash of the scripted texts and the fixture that trains)."""
+    """The trained HF directory (cached by a hash of the scripted texts and the fixture that trains), under a lock:
+    another process that wants it waits and finds it."""
+    from tests.fixtures.locks import locked
+
+    with locked(CACHE / ".lock"):
+        return _build_checkpoint()
+
+
+def _build_checkpoint() -> Path:
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -117,7 +125,7 @@ def build_checkpoint() -> Path:
         "add_bos_token": False, "add_eos_token": False, "bos_token": None, "eos_token": END_OF_MSG,
         "tokenizer_class": "PreTrainedTokenizerFast"}))  # no chat_template: K3 ships its encoder as Python
     for stale in CACHE.iterdir():  # checkpoints of earlier scripts or fixture versions
-        if stale != tmp:
+        if stale != tmp and stale.is_dir():  # (not the lock)
             shutil.rmtree(stale, ignore_errors=True)
     tmp.rename(out)
     return out
