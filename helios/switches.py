@@ -85,8 +85,8 @@ DECLARED: tuple[Switch, ...] = (
            ("dot", "gemv")),
     Switch("HELIOS_PINNED_UPLOAD", "pinned_upload", "bool",
            "GPU load: the weights go to the device through a ring of pinned staging buffers (helios.runner.upload) "
-           "instead of one driver-staged copy per tensor (off: those copies; an 8B core's weights took 2.25-2.29 s "
-           "through the ring, 3.2-3.9 s without it, on the H100)"),
+           "instead of one driver-staged copy per tensor (off: those copies; an 8B core's 16 GB took 0.57-0.65 s "
+           "through the ring alone, 2.33-2.66 s without it, on the H100)"),
     Switch("HELIOS_HOST_THREADS", "host_threads", "bool",
            "GPU serving: torch's intra-op thread pool for the engine's host-side tensors (a step's inputs); off "
            "runs them on one thread: the pool's workers only spin beside such small ops, on cores the HTTP "

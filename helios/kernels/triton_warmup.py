@@ -30,17 +30,20 @@ def _warm(kernels_dir: Path | None, cache_root: Path | None) -> None:
         if (kernels_dir / INDEX_FILE).is_file():
             install_cache(kernels_dir, cache_root, activate=False)  # the kernel load points Triton at it
     triton_key()
-    for module in ("triton.backends.nvidia.compiler", "triton.experimental.gluon"):
-        try:  # NOTE: Triton 3.x's layout; another skips what it lacks
-            loaded = importlib.import_module(module)
-        except ImportError:
-            continue
-        ptxas_version = getattr(loaded, "get_ptxas_version", None)
-        if ptxas_version is not None:
-            try:
-                ptxas_version()
-            except Exception:  # noqa: BLE001 - no ptxas here: the kernel load reports what it finds
-                pass
+    # NOTE: Triton 3.x's layout; another skips what it lacks
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+    except ImportError:
+        pass
+    else:
+        try:
+            get_ptxas_version()
+        except Exception:  # noqa: BLE001 - no ptxas here: the kernel load reports what it finds
+            pass
+    try:
+        importlib.import_module("triton.experimental.gluon")
+    except ImportError:
+        pass
 
 
 def start(kernels_dir: Path | None = None, cache_root: Path | None = None) -> threading.Thread:
