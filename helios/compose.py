@@ -343,6 +343,18 @@ def device_without_torch(name: str) -> str:
     return "cuda" if glob.glob("/dev/nvidia[0-9]*") else "cpu"
 
 
+def _start_early_upload(core_path: Path, device: str, switches: Switches) -> bool:
+    """The weights' upload through the CUDA driver on threads beside torch's import (helios.runner.early_upload,
+    torch-free), unless the early_upload switch is off; the runner adopts what it uploaded. Whether it started."""
+    from helios.runner import early_upload
+
+    ordinal = early_upload.device_ordinal(device)
+    if switches.early_upload == "off" or ordinal is None:
+        return False
+    early_upload.start(core_path, ordinal, mode=switches.early_upload)
+    return True
+
+
 def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SWITCHES,
           log_level: str = "warning", timeline: Timeline | None = None, engine_samples: Path | None = None) -> int:
     """Serve until SIGINT or SIGTERM; the exit status (1 when the start-up failed).
@@ -380,6 +392,7 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
         count = http_workers(config, device)
         frontends = [_Frontend(i, count, core_path, config, serving, socket_path, log_level) for i in range(count)]
         timeline.mark("spawn")
+        early = False
         if device == "cuda":  # Triton's first-use costs beside torch's import (helios/kernels/triton_warmup.py)
             from helios.kernels import triton_warmup
             from helios.kernels.aot_install import runtime_cache_root
@@ -387,7 +400,16 @@ def serve(core_path: Path, config: ServerConfig, switches: Switches = DEFAULT_SW
             # NOTE: one target is the one the kernel load takes; among several, it picks by the device (torch)
             kernels_dir = Path(core_path) / manifest.kernels[0].dir if len(manifest.kernels) == 1 else None
             triton_warmup.start(kernels_dir, runtime_cache_root(switches.kernel_cache))
-        from helios.runner.model_runner import resolve_device  # torch, triton and the runner, from here on
+            early = _start_early_upload(Path(core_path), config.device, switches)
+        # NOTE: the early upload's threads need the interpreter between their driver calls, beside an import that
+        # holds it: a short switch interval hands it over sooner (build_runtime keeps it short through the load)
+        interval = sys.getswitchinterval()
+        if early:
+            sys.setswitchinterval(min(interval, 0.0005))
+        try:
+            from helios.runner.model_runner import resolve_device  # torch, triton and the runner, from here on
+        finally:
+            sys.setswitchinterval(interval)
 
         timeline.mark("imports")
         if not config.http_workers and resolve_device(config.device) != device:

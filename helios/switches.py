@@ -19,6 +19,7 @@ GemvMode = Literal["narrow", "all", "square", "nowide", "off"]
 L2Prefetch = Literal["off", "bulk", "load"]
 MoePrefill = Literal["triton", "grouped"]
 MoeDecode = Literal["dot", "gemv"]
+EarlyUpload = Literal["pinned", "pageable", "off"]
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
@@ -87,6 +88,12 @@ DECLARED: tuple[Switch, ...] = (
            "GPU load: the weights go to the device through a ring of pinned staging buffers (helios.runner.upload) "
            "instead of one driver-staged copy per tensor (off: those copies; an 8B core's 16 GB took 0.57-0.65 s "
            "through the ring alone, 2.33-2.66 s without it, on the H100)"),
+    Switch("HELIOS_EARLY_UPLOAD", "early_upload", "choice",
+           "GPU serve: the weights' upload starts before torch is imported, through the CUDA driver API on threads "
+           "beside the import (helios.runner.early_upload): pinned (a ring of pinned buffers), pageable (driver-staged "
+           "copies) or off (the load's own upload, after the import; the default until a cold start measures a gain: "
+           "beside the import its first version ran at 3-4 GB/s and slowed the import by as much as it saved)",
+           ("pinned", "pageable", "off")),
     Switch("HELIOS_HOST_THREADS", "host_threads", "bool",
            "GPU serving: torch's intra-op thread pool for the engine's host-side tensors (a step's inputs); off "
            "runs them on one thread: the pool's workers only spin beside such small ops, on cores the HTTP "
@@ -100,6 +107,7 @@ DECLARED: tuple[Switch, ...] = (
 ALIASES = {
     "gemv": {**{v: "all" for v in _TRUE}, **{v: "off" for v in _FALSE}},
     "l2_prefetch": {v: "off" for v in _FALSE},
+    "early_upload": {**{v: "pinned" for v in _TRUE}, **{v: "off" for v in _FALSE}},
 }
 
 
@@ -120,6 +128,7 @@ class Switches(msgspec.Struct, frozen=True, kw_only=True):
     moe_prefill: MoePrefill = "triton"
     moe_decode: MoeDecode = "dot"
     pinned_upload: bool = True
+    early_upload: EarlyUpload = "off"
     host_threads: bool = False
     kernel_cache: str | None = None  # None: the default directory (helios.kernels.aot.runtime_cache_root)
 

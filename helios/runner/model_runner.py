@@ -42,6 +42,7 @@ from helios.layers.linear import pack_cpu_linears
 from helios.layers.rotary import tabulate_rope
 from helios.models import model_class
 from helios.models import build_model, split_draft_tensors
+from helios.runner import early_upload
 from helios.runner.cpu_threads import DecodeThreads, same_bits_across_threads
 from helios.runner.decode_overlap import DecodeOverlap, speculable
 from helios.runner.input_batch import (
@@ -91,6 +92,7 @@ class StartupTimes:
     num_draft_tensors: int = 0  # the core's MTP draft modules' tensors (Architecture.mtp): mapped, not bound
     path: str = ""  # the forward path the model picked (helios.models.llama: eager, fused, norm_free)
     fla_seeded: int = 0  # fla autotuner choices put back from this device's table (helios.kernels.fla_tuning)
+    early_upload: str = ""  # the upload helios.compose started before torch's import, when it ran
 
     def summary(self) -> str:
         total = self.kernels_wait_s + self.load_s + self.kv_alloc_s + self.capture_s
@@ -105,6 +107,8 @@ class StartupTimes:
             f"capture {self.capture_s:.2f} s ({graphs})",
             f"weights {self.weights}, {self.path or 'one'} forward path",
         ]
+        if self.early_upload:
+            parts.append(f"weights uploaded beside torch's import ({self.early_upload})")
         if self.prompt_graphs:
             parts.append(f"prompt steps eager ({self.prompt_graphs})")
         if self.num_draft_tensors:
@@ -149,7 +153,7 @@ def pages_from_free_memory(
 
 
 def move_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 float32_norms: bool = False, pinned: bool = False) -> dict[str, torch.Tensor]:
+                 float32_norms: bool = False, pinned: bool = False, early=None) -> dict[str, torch.Tensor]:
     """Copy each (mmap-backed) host tensor to the device, then cast there: no converted host copy. float32_norms
     (Architecture.float32_norms): a 16-bit core's float32 tensors stay float32 (its norm multipliers, kept so on
     purpose by ignition; bind_tensors casts any its module does not keep).
@@ -158,13 +162,19 @@ def move_tensors(tensors: dict[str, torch.Tensor], device: torch.device, dtype: 
     (runner/upload.py), at the host link's speed rather than the driver's pageable copy; else one copy per tensor
     (upload.move_each). Casting first would materialize a converted host copy; a tensor to be cast is allocated on
     the device only when its bytes arrive, so the peak stays near the tensors in flight.
+    early: the process's finished early upload (helios.runner.early_upload.take), whose device bytes become the
+    tensors it holds (upload.adopt_early); the others go as above.
     """
-    from helios.runner.upload import move_each, upload_tensors
+    from helios.runner.upload import adopt_early, move_each, upload_tensors
 
     keep = float32_norms and any(t.dtype in (torch.bfloat16, torch.float16) for t in tensors.values())
     casts = {name: dtype for name, t in tensors.items()
              if not (t.dtype == dtype or (keep and t.dtype == torch.float32))}
-    out = upload_tensors(tensors, device, casts) if pinned else move_each(tensors, torch.device(device), casts)
+    adopted = adopt_early(early, tensors, torch.device(device), casts) if early is not None else {}
+    rest = {name: t for name, t in tensors.items() if name not in adopted}
+    out = upload_tensors(rest, device, casts) if pinned else move_each(rest, torch.device(device), casts)
+    out.update(adopted)
+    out = {name: out[name] for name in tensors}
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return out
@@ -330,8 +340,16 @@ class ModelRunner:
         self.tp = tp
         tensors = self._keep_host_tables(tensors, host_embeddings, host_embedding_rows, graph_plan,
                                          max_num_batched_tokens)
+        # the weights a GPU server started uploading before torch's import (helios.compose), when it did (freed
+        # unused off CUDA and under tensor parallelism)
+        t_early = time.perf_counter()
+        early = early_upload.take(core_path if is_cuda and tp is None else None, self.device.index or 0)
         if is_cuda:
-            tensors = move_tensors(tensors, self.device, self.dtype, arch.float32_norms, switches.pinned_upload)
+            if early is not None:
+                self.startup.early_upload = (f"{early.mode}, {early.num_bytes / 1e9:.2f} GB in {early.seconds:.2f} s, "
+                                             f"{time.perf_counter() - t_early:.2f} s waited")
+            tensors = move_tensors(tensors, self.device, self.dtype, arch.float32_norms, switches.pinned_upload,
+                                   early)
         t1 = time.perf_counter()
         if kernel_load is not None:
             self.startup.kernels, self.startup.kernels_s = kernel_load.join()

@@ -1,9 +1,9 @@
 """The weights upload: host tensors (the core's mmap-backed weights) to a CUDA device through a small ring of pinned
 staging buffers, so the copy engine reads pinned memory at the link's speed instead of the driver's pageable path.
 
-Owns the chunk plan (`plan_chunks`, pure), the copy loop (`copy_through`) and its two rings: `CudaRing` (pinned buffers,
-a side stream, an event per buffer) and `HostRing`, the CPU stand-in that tests run the same loop through. Imports
-torch only; knows nothing of models or cores.
+Follows the chunk plan of helios.runner.upload_plan (re-exported here); owns the copy loop (`copy_through`) and its
+two rings: `CudaRing` (pinned buffers, a side stream, an event per buffer) and `HostRing`, the CPU stand-in that tests
+run the same loop through. Imports torch only; knows nothing of models or cores.
 """
 
 from __future__ import annotations
@@ -13,79 +13,15 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
-ALIGN = 256  # bytes: where each tensor starts in a buffer (DMA and memcpy both like aligned starts)
+from helios.runner.upload_plan import ALIGN, Chunk, Piece, _align_up, plan_chunks  # noqa: F401 (re-exported)
+
 BUFFER_BYTES = 64 << 20
 NUM_BUFFERS = 4
 NUM_THREADS = 2  # host threads filling buffers (0: the calling thread fills each one itself)
 SWITCH_INTERVAL_S = 0.0005  # the interpreter's GIL switch interval while the loop runs (see copy_through)
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Bytes [start, start + num_bytes) of tensor `index` (in the plan's order) at `offset` of its chunk's buffer."""
-
-    index: int
-    start: int
-    num_bytes: int
-    offset: int
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """One fill of ring buffer `slot` and the copy to the device that follows it."""
-
-    slot: int
-    pieces: tuple[Piece, ...]
-
-    @property
-    def num_bytes(self) -> int:  # the end of the buffer's used bytes
-        last = self.pieces[-1]
-        return last.offset + last.num_bytes
-
-
-def _align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def plan_chunks(sizes: list[int], buffer_bytes: int, num_buffers: int) -> list[Chunk]:
-    """The chunks that carry tensors of `sizes` bytes (in that order) through a ring of num_buffers buffers of
-    buffer_bytes each: chunk k fills slot k % num_buffers. Small tensors pack into one buffer, each starting
-    ALIGN-aligned; a tensor that does not fit the rest of the current buffer starts the next one, and one larger than
-    a buffer fills whole buffers, its tail leaving room for the tensors after it. Empty tensors get no piece.
-
-    NOTE: a tensor never starts mid-buffer when it spans buffers, so every piece of it begins at a multiple of
-    buffer_bytes in the tensor and at offset 0 in its buffer: aligned on both sides of the copy."""
-    if buffer_bytes < ALIGN or num_buffers < 1:
-        raise ValueError(f"buffer_bytes {buffer_bytes} must be at least {ALIGN} and num_buffers {num_buffers} >= 1")
-    chunks: list[Chunk] = []
-    pieces: list[Piece] = []
-    cursor = 0
-
-    def close() -> None:
-        nonlocal pieces, cursor
-        if pieces:
-            chunks.append(Chunk(len(chunks) % num_buffers, tuple(pieces)))
-        pieces, cursor = [], 0
-
-    for index, size in enumerate(sizes):
-        if size == 0:
-            continue
-        if _align_up(cursor) + size > buffer_bytes:
-            close()
-        cursor = _align_up(cursor)
-        start = 0
-        while start < size:
-            num_bytes = min(size - start, buffer_bytes - cursor)
-            pieces.append(Piece(index, start, num_bytes, cursor))
-            start, cursor = start + num_bytes, cursor + num_bytes
-            if cursor == buffer_bytes:
-                close()
-    close()
-    return chunks
 
 
 def can_stage(t: torch.Tensor) -> bool:
@@ -312,6 +248,30 @@ def _run(chunks: list[Chunk], ring: Ring, fill: Callable[[Chunk], Chunk], send: 
         finally:
             for future in pending:  # an error: no fill may still be writing when the buffers are freed
                 future.cancel()
+
+
+# torch's dtypes by safetensors' names (helios.core.load's table, the other way round)
+_SAFETENSORS_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int32: "I32"}
+
+
+def adopt_early(upload, tensors: Mapping[str, torch.Tensor], device: torch.device,
+                dtypes: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    """The tensors of `tensors` that the early upload (helios.runner.early_upload.EarlyUpload, finished) holds on
+    `device`, as torch tensors over its device memory (each keeps its bytes alive; cuMemFree when it is gone), those
+    named in `dtypes` cast there (the uploaded bytes then freed). The upload's other tensors are freed."""
+    out = {}
+    try:
+        for name, t in tensors.items():
+            if not can_stage(t) or t.dtype not in _SAFETENSORS_NAMES:
+                continue
+            memory = upload.claim(name, _SAFETENSORS_NAMES[t.dtype], tuple(t.shape))
+            if memory is None:
+                continue
+            d = torch.as_tensor(memory, device=device).view(t.dtype).view(t.shape)
+            out[name] = d.to(dtypes[name]) if name in dtypes else d
+    finally:
+        upload.release()
+    return out
 
 
 def upload_tensors(tensors: Mapping[str, torch.Tensor], device: torch.device | str,

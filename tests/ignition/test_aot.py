@@ -173,9 +173,10 @@ def test_runner_loads_precompiled_kernels_and_compiles_nothing(exported, tmp_pat
         pytest.skip(f"this GPU is {device_target('cuda')}, the export targets {TARGET}")
     switches = Switches.from_environ({"HELIOS_KERNEL_CACHE": str(tmp_path / "cache")})
     core = load_core(exported[0])
-    runner = ModelRunner.from_core(core, device="cuda", num_pages=64, max_model_len=256, switches=switches)
+    with JitCounter() as built:  # names what a failure compiled
+        runner = ModelRunner.from_core(core, device="cuda", num_pages=64, max_model_len=256, switches=switches)
     assert "precompiled kernels" in runner.startup.kernels and "compiled here" not in runner.startup.kernels
-    assert runner.startup.num_graphs > 0 and runner.startup.kernels_jit == 0, runner.startup.summary()
+    assert runner.startup.num_graphs > 0 and runner.startup.kernels_jit == 0, (runner.startup.summary(), built.names)
     with JitCounter() as jit:
         logits = runner.forward_logits(list(range(3, 40)))  # eager prefill: reshape + prefill kernels
     assert torch.isfinite(logits).all() and jit.names == []
