@@ -27,7 +27,7 @@ up = None
 if variant["mode"] != "off":
     from helios.runner import early_upload
     up = early_upload.start(core, 0, mode=variant["mode"], num_threads=variant["threads"],
-                            buffer_bytes=variant["buffer_mb"] << 20)
+                            buffer_bytes=variant["buffer_mb"] << 20, fill=variant.get("fill", "read"))
     if variant.get("alone"):
         up.wait()
         marks["upload_alone"] = time.perf_counter() - t0
@@ -61,6 +61,7 @@ print("MARKS " + json.dumps(marks))
 VARIANTS = {
     "today: import, then the torch ring": dict(mode="off"),
     "pinned 8 threads 64 MB": dict(mode="pinned", threads=8, buffer_mb=64),
+    "pinned 8 threads 64 MB, memmove fills": dict(mode="pinned", threads=8, buffer_mb=64, fill="map"),
     "pinned 8 threads 64 MB, interval 0.1 ms": dict(mode="pinned", threads=8, buffer_mb=64, interval=0.0001),
     "pinned 8 threads 128 MB": dict(mode="pinned", threads=8, buffer_mb=128),
     "pinned 4 threads 128 MB": dict(mode="pinned", threads=4, buffer_mb=128),

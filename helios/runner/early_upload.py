@@ -5,7 +5,8 @@
 (one cuMemAlloc a tensor, so each can be freed alone: the norm fold replaces some at load), and copies the bytes
 from a mapping of each file, front to back, by one of two paths:
   pinned    a few threads, each with two pinned staging buffers (cuMemHostAlloc), a stream and an event per
-            buffer, fill a buffer (memmove) and send it (cuMemcpyHtoDAsync); the chunks are helios.runner.upload_plan's,
+            buffer, fill a buffer (os.preadv from the file, or memmove from a mapping of it) and send it
+            (cuMemcpyHtoDAsync); the chunks are helios.runner.upload_plan's,
             as for the torch ring (helios.runner.upload), handed to the threads in turn;
   pageable  one cuMemcpyHtoDAsync per piece straight from the mapping (the driver stages it), on a few threads.
 Every driver call and memmove releases the GIL (ctypes), so the threads need the interpreter only between calls.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +35,9 @@ from helios.core import layout
 from helios.runner.upload_plan import Chunk, plan_chunks
 
 MODES = ("pinned", "pageable")
+# how the pinned path fills a buffer: read (os.preadv from the file: the page cache's bytes, no page faults) or map
+# (memmove from a mapping of the file)
+FILLS = ("read", "map")
 BUFFER_BYTES = 64 << 20  # a pinned buffer; a pageable copy's largest piece
 NUM_THREADS = 8  # copy threads
 _NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING: no implicit order with the legacy default stream (torch's)
@@ -151,14 +156,36 @@ class DeviceBytes:
         self.free()
 
 
+@dataclass(frozen=True, slots=True)
+class _Source:
+    """Where a tensor's bytes are: a file descriptor and the offset in its file, or (fd None) a host address."""
+
+    fd: int | None
+    at: int
+
+    def copy_to(self, address: int, start: int, num_bytes: int) -> None:
+        """Bytes [start, start + num_bytes) of the tensor to host memory at `address` (one call: the GIL is free)."""
+        if self.fd is None:
+            ctypes.memmove(address, self.at + start, num_bytes)
+            return
+        view = memoryview((ctypes.c_char * num_bytes).from_address(address)).cast("B")
+        done = 0
+        while done < num_bytes:
+            got = os.preadv(self.fd, [view[done:]], self.at + start + done)
+            if got <= 0:
+                raise OSError(f"short read: {done + max(got, 0)} of {num_bytes} bytes")
+            done += got
+
+
 class EarlyUpload:
     """The upload of one core's weights to CUDA device `ordinal`, on a thread started by `start`."""
 
     def __init__(self, core_path: Path, ordinal: int = 0, mode: str = "pinned", num_threads: int = NUM_THREADS,
-                 buffer_bytes: int = BUFFER_BYTES,
+                 buffer_bytes: int = BUFFER_BYTES, fill: str = "read",
                  driver_factory: Callable[[], Driver] | None = None):
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r}: one of {MODES}")
+        if mode not in MODES or fill not in FILLS:
+            raise ValueError(f"mode {mode!r}, fill {fill!r}: one of {MODES}, one of {FILLS}")
+        self.fill = fill
         self.core_path, self.ordinal, self.mode = Path(core_path).resolve(), ordinal, mode
         self.num_threads, self.buffer_bytes = max(1, num_threads), buffer_bytes
         self.memory: dict[str, tuple[Entry, DeviceBytes]] = {}
@@ -198,6 +225,7 @@ class EarlyUpload:
 
     def _run(self) -> None:
         t0 = time.perf_counter()
+        fds: list[int] = []
         maps: list[mmap.mmap] = []
         try:
             driver = self._driver_factory()
@@ -208,19 +236,20 @@ class EarlyUpload:
                 ptr = ctypes.c_uint64()
                 driver("cuMemAlloc", ctypes.byref(ptr), e.num_bytes)
                 self.memory[e.name] = (e, DeviceBytes(driver, ptr.value, e.num_bytes))
-            for file in files:
-                with open(file, "rb") as f:
-                    # MAP_PRIVATE + PROT_WRITE: ctypes wants a writable buffer for an address; nothing writes it
-                    maps.append(mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE,
-                                          prot=mmap.PROT_READ | mmap.PROT_WRITE))
-            bases = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
-            sources = [bases[e.file] + e.offset for e in entries]
+            fds = [os.open(file, os.O_RDONLY) for file in files]
+            if self.mode == "pageable" or self.fill == "map":
+                # MAP_PRIVATE + PROT_WRITE: ctypes wants a writable buffer for an address; nothing writes it
+                maps = [mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE) for fd in fds]
+                bases = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
+                sources = [_Source(None, bases[e.file] + e.offset) for e in entries]
+            else:
+                sources = [_Source(fds[e.file], e.offset) for e in entries]
             targets = [self.memory[e.name][1].ptr for e in entries]
             sizes = [e.num_bytes for e in entries]
             if self.mode == "pinned":
                 self._pinned(driver, ctx, sources, targets, sizes)
             else:
-                self._pageable(driver, ctx, sources, targets, sizes)
+                self._pageable(driver, ctx, [src.at for src in sources], targets, sizes)
             self.num_bytes = sum(sizes)
         except BaseException as e:  # noqa: BLE001 - reported by wait(); the load goes on without us
             self.error = e
@@ -228,10 +257,12 @@ class EarlyUpload:
         finally:
             for m in maps:  # NOTE: the c_char views that gave the addresses are gone: nothing holds an export
                 m.close()
+            for fd in fds:
+                os.close(fd)
             self.seconds = time.perf_counter() - t0
 
-    def _pinned(self, driver: Driver, ctx, sources: list[int], targets: list[int], sizes: list[int]) -> None:
-        """Each thread its own pipeline: two pinned buffers, a stream and an event each; it fills a buffer (memmove)
+    def _pinned(self, driver: Driver, ctx, sources: list[_Source], targets: list[int], sizes: list[int]) -> None:
+        """Each thread its own pipeline: two pinned buffers, a stream and an event each; it fills a buffer
         once that buffer's last copy is done, then queues the buffer's copy. The plan's chunks (small tensors
         packed, large ones cut to buffer_bytes) go to the threads in turn.
         NOTE: a chunk costs the interpreter four calls or so (wait, fill, copy, record): beside `import torch`,
@@ -255,8 +286,8 @@ class EarlyUpload:
             driver("cuMemFreeHost", host)
 
     @staticmethod
-    def _pipeline(driver: Driver, ctx, chunks: list[Chunk], buffers: int, buffer_bytes: int, sources: list[int],
-                  targets: list[int]) -> None:
+    def _pipeline(driver: Driver, ctx, chunks: list[Chunk], buffers: int, buffer_bytes: int,
+                  sources: list[_Source], targets: list[int]) -> None:
         driver("cuCtxSetCurrent", ctx)
         stream = ctypes.c_void_p()
         events = [ctypes.c_void_p(), ctypes.c_void_p()]
@@ -269,7 +300,7 @@ class EarlyUpload:
                 if j >= 2:
                     driver("cuEventSynchronize", events[j % 2])  # this buffer's last copy is done
                 for p in chunk.pieces:
-                    ctypes.memmove(buffer + p.offset, sources[p.index] + p.start, p.num_bytes)
+                    sources[p.index].copy_to(buffer + p.offset, p.start, p.num_bytes)
                 for p in chunk.pieces:
                     driver("cuMemcpyHtoDAsync", targets[p.index] + p.start, buffer + p.offset, p.num_bytes, stream)
                 driver("cuEventRecord", events[j % 2], stream)

@@ -126,13 +126,13 @@ def test_read_entries_lists_every_nonempty_tensor_by_file_and_offset(tmp_path):
         assert Path(files[e.file]).read_bytes()[e.offset:e.offset + e.num_bytes] == tensor_bytes(tensors[e.name])
 
 
-@pytest.mark.parametrize("mode", ["pinned", "pageable"])
+@pytest.mark.parametrize("mode, fill", [("pinned", "read"), ("pinned", "map"), ("pageable", "map")])
 @pytest.mark.parametrize("buffer_bytes, threads", [(512, 1), (1024, 3), (1 << 20, 8)])
-def test_every_tensor_arrives_with_its_bytes(tmp_path, mode, buffer_bytes, threads):
+def test_every_tensor_arrives_with_its_bytes(tmp_path, mode, fill, buffer_bytes, threads):
     """Small buffers: tensors cut into many chunks, each thread's two buffers refilled many times."""
     tensors = write_core(tmp_path)
     driver = FakeDriver()
-    upload = EarlyUpload(tmp_path, 0, mode, threads, buffer_bytes, driver_factory=lambda: driver).start()
+    upload = EarlyUpload(tmp_path, 0, mode, threads, buffer_bytes, fill, driver_factory=lambda: driver).start()
     assert upload.wait(), upload.error
     assert upload.num_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
     for name, t in tensors.items():
