@@ -2,19 +2,19 @@
 `import torch` (2.7-4.9 s on the lent hosts, session 24), so a GPU server's restart does not wait for the copies.
 
 `EarlyUpload.start` reads the safetensors headers of the core's weight files, allocates each tensor's device memory
-(one cuMemAlloc a tensor, so each can be freed alone: the norm fold replaces some at load), and copies the bytes
-from a mapping of each file, front to back, by one of two paths:
+(one cuMemAlloc a tensor, so each can be freed alone: the norm fold replaces some at load), and copies the bytes,
+each file front to back, by one of two paths:
   pinned    a few threads, each with two pinned staging buffers (cuMemHostAlloc), a stream and an event per
             buffer, fill a buffer (os.preadv from the file, or memmove from a mapping of it) and send it
-            (cuMemcpyHtoDAsync); the chunks are helios.runner.upload_plan's,
-            as for the torch ring (helios.runner.upload), handed to the threads in turn;
-  pageable  one cuMemcpyHtoDAsync per piece straight from the mapping (the driver stages it), on a few threads.
-Every driver call and memmove releases the GIL (ctypes), so the threads need the interpreter only between calls.
-The device memory is the primary context's, which torch's runtime adopts when it starts; `DeviceBytes` hands a
-tensor's bytes over through __cuda_array_interface__ (helios.runner.model_runner.adopt_early_upload wraps them), and
-frees them with cuMemFree when the last tensor over them is gone. What nobody claims is freed by `release`.
-Any failure (no driver, no memory, a file that is not what the manifest says) leaves nothing behind: the load then
-takes the torch path as if no early upload had run.
+            (cuMemcpyHtoDAsync); the chunks are helios.runner.upload_plan's, as for the torch ring
+            (helios.runner.upload), handed to the threads in turn;
+  pageable  one cuMemcpyHtoDAsync per piece straight from a mapping (the driver stages it), on a few threads.
+Every driver call, read and memmove releases the GIL (ctypes, os), so the threads need the interpreter only between
+calls. The device memory is the primary context's, which torch's runtime adopts when it starts; `DeviceBytes` shows a
+tensor's bytes through __cuda_array_interface__ (helios.runner.upload.adopt_early wraps them) and frees them with
+cuMemFree when the last tensor over them is gone; `release` frees what nobody claimed.
+Any failure (no driver, no memory, an unreadable file) leaves nothing behind: the load then takes the torch path as
+if no early upload had run.
 Standard library only (never torch): helios.compose starts it before torch is imported.
 """
 
@@ -45,7 +45,7 @@ _NO_TIMING = 2  # CU_EVENT_DISABLE_TIMING
 
 
 class DriverError(RuntimeError):
-    pass
+    """A driver call failed; the message names the call and the driver's error."""
 
 
 class Driver:
