@@ -13,26 +13,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 
-from helios.kernels import decode_qkv
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_decode import copy_bandwidth  # noqa: E402 (read + write bytes a second of a device copy)
+from helios.kernels import decode_qkv  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)  # read + write bytes a second
 
 
 def inputs(batch: int, context: int, device: torch.device, gen: torch.Generator):
@@ -90,14 +81,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="64,256")
     p.add_argument("--contexts", default="192,1024")
-    p.add_argument("--block-n", default="16,32,64")
+    p.add_argument("--block-n", default="16,32,64,128")
     p.add_argument("--warps", default="2,4,8")
     p.add_argument("--splits", default="1,2,4")
     p.add_argument("--iters", type=int, default=20)
     a = p.parse_args()
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    bw = copy_bandwidth(device)
+    bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(device)}: copy {bw / 1e9:.0f} GB/s (read + write bytes, as gpu_decode.py)")
     default_warps = decode_qkv.NUM_WARPS
     for batch, context in itertools.product([int(x) for x in a.batches.split(",")],
