@@ -153,6 +153,30 @@ def _compile_launched(shape: KernelShape, target, device: torch.device | str = "
                                                                     _compile_all(wanted, target))]
 
 
+def launch_keys(launches: Callable[[], object], target: str = "cuda-sm90") -> set[tuple[str, str]]:
+    """(kernel's qualified name, specialization data) of every Triton launch `launches` makes, each stopped before
+    Triton compiles it (the compile hook), under the stand-in driver for `target`: on the CPU as at export. Tests
+    hold the hand-kept launch list (run_launchers) to a family's traced decode graphs with it."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    keys: set[tuple[str, str]] = set()
+
+    def hook(**kwargs):
+        keys.add((kwargs["fn"].jit_function.fn.__qualname__, kwargs["compile"]["specialization_data"]))
+        return True
+
+    previous_driver, previous_hook = getattr(driver, "_active", None), knobs.runtime.jit_cache_hook
+    driver.set_active(_TargetDriver(parse_target(target)))
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        launches()
+    finally:
+        knobs.runtime.jit_cache_hook = previous_hook
+        driver.set_active(previous_driver)
+    return keys
+
+
 def _compile_all(wanted: dict[str, tuple[object, object, dict]], target) -> list:
     """triton.compile of each wanted (fn, source, options), in sorted specialization order, several at a time.
 

@@ -200,8 +200,8 @@ def _launch_all(shape: KernelShape, device) -> None:
     for num_tokens in (1, 2):  # decode rows, then a two-token prefill
         x = torch.zeros(num_tokens, shape.hidden_size, **z)
         weight = torch.ones(shape.hidden_size, **z)
-        rms_norm(x, weight, 1e-6)
-        fused_add_rms_norm(x, x.clone(), weight, 1e-6)
+        rms_norm(x, weight, 1e-6, shape.norm_in_float32)  # gemma's norms multiply in float32
+        fused_add_rms_norm(x, x.clone(), weight, 1e-6, shape.norm_in_float32)
         act = gelu_tanh_and_mul if shape.activation == "gelu_tanh" else silu_and_mul
         act(torch.zeros(num_tokens, 2 * 64, **z))
         qkv = torch.zeros(num_tokens, (nq + 2 * nkv) * d, **z)

@@ -180,3 +180,43 @@ def test_runner_loads_precompiled_kernels_and_compiles_nothing(exported, tmp_pat
     with JitCounter() as jit:
         logits = runner.forward_logits(list(range(3, 40)))  # eager prefill: reshape + prefill kernels
     assert torch.isfinite(logits).all() and jit.names == []
+
+
+def _missing_launches(family: str, dtype: str, root: str) -> list[str]:
+    """The kernels (by name) that a tiny core's decode graphs launch, traced on meta tensors (aot_trace.trace_decode),
+    and aot_shapes.run_launchers' hand-kept list does not; run where Triton compiles (no TRITON_INTERPRET)."""
+    from helios.kernels._triton import forced_pdl
+    from helios.kernels.aot import launch_keys, run_launchers, shape_from_manifest
+    from helios.runner.aot_trace import trace_decode
+
+    options = {"sliding_window": 4} if family == "gemma3" else {}
+    src = build_tiny(family, Path(root) / "hf", **options)
+    manifest = load_core(export_core(src, Path(root) / "core", ExportOptions(dtype=dtype, context_length=256))).manifest
+    shape = shape_from_manifest(manifest)
+
+    def listed():
+        for pdl in (False, True):  # as compile_kernels: both forms of each one-row launch on sm90
+            with forced_pdl(pdl):
+                run_launchers(shape, "cpu")
+
+    def traced():
+        with forced_pdl(None):
+            assert trace_decode(manifest)
+
+    return sorted(name for name, _ in launch_keys(traced) - launch_keys(listed))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_hand_listed_launches_cover_the_traced_decode_graphs(family, dtype, tmp_path):
+    """The llama decoder's kernels are listed by hand (aot_shapes.run_launchers), not traced: every launch of the
+    family's decode graphs must be among them, or capture compiles it on the GPU (session 24: the tiny gemma3
+    core's post-norms, which multiply in float32, were missing). In a subprocess: the tests interpret Triton."""
+    code = ("import json, sys; from tests.ignition.test_aot import _missing_launches; "
+            "print('MISSING ' + json.dumps(_missing_launches(*sys.argv[1:])))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code, family, dtype, str(tmp_path)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("MISSING ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    assert json.loads(line[8:]) == []
