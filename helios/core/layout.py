@@ -170,6 +170,9 @@ Norm weights are stored as the multiplier itself: y = x / rms(x) * w (gemma's 1+
 from __future__ import annotations
 
 WEIGHTS_DIR = "weights"
+# the namespace of the multi-token-prediction draft modules' tensors (Architecture.mtp, docs/core-format.md): exported
+# by ignition for the speculative-decoding issue, bound by no model yet (helios.models.split_draft_tensors)
+MTP_PREFIX = "mtp."
 TOKENIZER_FILE = "tokenizer.json"
 TEMPLATE_FILE = "template.jinja"
 

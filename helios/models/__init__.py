@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from helios.core.layout import MTP_PREFIX
 from helios.core.manifest import Architecture
 from helios.layers.attention import AttentionMetadata, select_attention_backend
 from helios.layers.activation import GatedMLP
@@ -44,9 +45,6 @@ _FAMILIES = {
 }
 
 
-# the core's namespace of the multi-token-prediction draft modules (Architecture.mtp, docs/core-format.md): mapped for
-# the speculative-decoding issue, bound by no model yet
-MTP_PREFIX = "mtp."
 
 
 def split_draft_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -114,7 +114,10 @@ class Entry:
 
 
 def read_entries(files: list[Path]) -> list[Entry]:
-    """Every non-empty tensor of the safetensors `files`, in file order and, within a file, by offset."""
+    """Every non-empty tensor of the safetensors `files` but the MTP draft modules' (the runner leaves them mapped),
+    in file order and, within a file, by offset.
+    NOTE: a family's host row tables (helios.runner.host_embedding: gemma4's PLE) are uploaded too, then freed
+    unclaimed: the upload cannot tell them without the model's rules (torch's side)."""
     entries = []
     for index, file in enumerate(files):
         with open(file, "rb") as f:
@@ -126,7 +129,7 @@ def read_entries(files: list[Path]) -> list[Entry]:
             if name == "__metadata__":
                 continue
             start, end = info["data_offsets"]
-            if end > start:
+            if end > start and not name.startswith(layout.MTP_PREFIX):  # the draft modules stay on the host
                 found.append(Entry(name, info["dtype"], tuple(info["shape"]), index, base + start, end - start))
         entries.extend(sorted(found, key=lambda e: e.offset))
     return entries

@@ -13,12 +13,11 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from helios.core.layout import layer
+from helios.core.layout import MTP_PREFIX, layer
 from ignition.archs import Plan, Weights
 from ignition.errors import ExportError
 from ignition.sources.base import Checkpoint, LazyTensor
 
-MTP_PREFIX = "mtp."  # the core's namespace of the draft modules (helios.models.MTP_PREFIX says the same)
 
 
 def module_indices(ckpt: Checkpoint, roots: tuple[str, ...], pattern: str) -> list[int]:

@@ -150,6 +150,16 @@ def test_every_tensor_arrives_with_its_bytes(tmp_path, mode, fill, buffer_bytes,
     assert driver.memory == {}
 
 
+def test_the_draft_modules_stay_on_the_host(tmp_path):
+    """The MTP draft modules' tensors (layout.MTP_PREFIX) stay mapped on the host (the runner binds none yet)."""
+    weights = tmp_path / layout.WEIGHTS_DIR
+    weights.mkdir(parents=True)
+    save_file({"a": torch.ones(4), f"{layout.MTP_PREFIX}0.eh_proj.weight": torch.ones(8, 4)},
+              str(weights / "model.safetensors"))
+    entries = read_entries([weights / "model.safetensors"])
+    assert [e.name for e in entries] == ["a"]
+
+
 def test_release_frees_what_nobody_claimed(tmp_path):
     write_core(tmp_path)
     driver = FakeDriver()
