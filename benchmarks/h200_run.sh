@@ -1,6 +1,6 @@
 #!/bin/bash
 # One call on the lent H200 (device tool): carried wheels, GPU tests, serve cold start, decode benchmark.
-# PARTS picks among tests,ptests,restart,hybrid,moeprefill,moedecode,upload,bench,serve,load,gemv,host,promptstep; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
+# PARTS picks among tests,ptests,restart,early,attention,hybrid,moeprefill,moedecode,upload,bench,serve,load,gemv,host,promptstep; BENCH_ARGS go to benchmarks/gpu_decode.py. Logs land in $OUT.
 # HELIOS_* execution switches (helios/switches.py) set here reach gpu_decode.py's runners: it reads them once at start.
 # .whl/ holds what the device lacks, for cp312 manylinux (pip download --no-deps --only-binary=:all:
 # --python-version 3.12 ...): msgspec granian llguidance gguf tomli_w zstandard brotli prometheus-client fla-core
@@ -52,6 +52,22 @@ if [[ ,$PARTS, == *,load,* ]]; then  # reuses the 8B core gpu_serve_start.py exp
   timeout ${LOAD_S:-330} python3 benchmarks/gpu_serve_load.py --device cuda "${core_arg[@]}" ${LOAD_ARGS:-} \
     > "$OUT/load.log" 2>&1
   echo "== load rc $?"; grep -v "^W1\|Warning" "$OUT/load.log" | tail -25
+fi
+if [[ ,$PARTS, == *,early,* ]]; then  # the weights' upload beside torch's import (HELIOS_EARLY_UPLOAD) against off
+  timeout ${EARLY_S:-200} python3 benchmarks/gpu_early_upload.py --core /tmp/serve/core-8b --repeat 1 \
+    > "$OUT/early.log" 2>&1
+  echo "== early upload rc $?"; tail -12 "$OUT/early.log"
+  for eu in ${EARLY_MODES:-pinned off pinned off pinned off}; do  # alternating: the host's import time drifts
+    HELIOS_EARLY_UPLOAD=$eu timeout 60 python3 benchmarks/gpu_serve_start.py --core /tmp/serve/core-8b --repeat 1 \
+      --out "$OUT/early_$eu" > "$OUT/early_$eu.log" 2>&1
+    echo "-- restart early_upload=$eu rc $?"
+    grep -o '"torch imports": [0-9.]*, "load": [0-9.]*\|"ready": [0-9.]*\|"load_weights": [0-9.]*' "$OUT/early_$eu.log" \
+      | paste -sd' '
+  done
+fi
+if [[ ,$PARTS, == *,attention,* ]]; then  # decode_qkv's tiles alone at the 8B shape (ATTENTION_ARGS: its options)
+  timeout ${ATTENTION_S:-200} python3 benchmarks/gpu_decode_attention.py ${ATTENTION_ARGS:-} > "$OUT/attention.log" 2>&1
+  echo "== attention rc $?"; grep -v "^W1" "$OUT/attention.log" | grep -E "^(batch|best|NVIDIA|H)"
 fi
 if [[ ,$PARTS, == *,restart,* ]]; then  # restarts of the serve part's 8B core: the pinned upload off, then on
   for pinned in ${RESTART_PINNED:-0 1}; do
