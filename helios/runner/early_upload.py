@@ -308,11 +308,13 @@ class EarlyUpload:
                     driver("cuMemcpyHtoDAsync", targets[p.index] + p.start, buffer + p.offset, p.num_bytes, stream)
                 driver("cuEventRecord", events[j % 2], stream)
         finally:
-            driver("cuStreamSynchronize", stream)
+            if stream.value:
+                driver("cuStreamSynchronize", stream)  # no buffer is freed under a copy still reading it
             for event in events:
                 if event.value:
                     driver("cuEventDestroy", event)
-            driver("cuStreamDestroy", stream)
+            if stream.value:
+                driver("cuStreamDestroy", stream)
 
     def _pageable(self, driver: Driver, ctx, sources: list[int], targets: list[int], sizes: list[int]) -> None:
         pieces = [(targets[i] + start, sources[i] + start, min(self.buffer_bytes, size - start))
