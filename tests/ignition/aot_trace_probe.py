@@ -33,26 +33,9 @@ def cuda_manifest(core: Path, dtype: str | None = None):
 
 def traced(run) -> dict[str, str]:
     """{specialization data: kernel name} of every launch `run()` makes, none compiled or run."""
-    from triton import knobs
-    from triton.runtime import driver
+    from helios.kernels.aot import launch_keys
 
-    from helios.kernels.aot import _TargetDriver
-
-    launches: dict[str, str] = {}
-
-    def hook(**kwargs):
-        launches.setdefault(kwargs["compile"]["specialization_data"], kwargs["fn"].name)
-        return True
-
-    previous_driver, previous_hook = getattr(driver, "_active", None), knobs.runtime.jit_cache_hook
-    driver.set_active(_TargetDriver(90))
-    knobs.runtime.jit_cache_hook = hook
-    try:
-        run()
-    finally:
-        knobs.runtime.jit_cache_hook = previous_hook
-        driver.set_active(previous_driver)
-    return launches
+    return {data: name for name, data in launch_keys(run, TARGET)}
 
 
 def family_kernels(core: Path) -> list[str] | None:
