@@ -45,8 +45,6 @@ _FAMILIES = {
 }
 
 
-
-
 def split_draft_tensors(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the main model's tensors, the MTP draft modules' mtp.* ones), both as mapped (no copy)."""
     draft = {name: t for name, t in tensors.items() if name.startswith(MTP_PREFIX)}

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from helios.core import layout
-from helios.runner.upload_plan import Chunk, plan_chunks
+from helios.runner.upload_plan import Chunk, plan_chunks, staged_bytes
 
 MODES = ("pinned", "pageable")
 # how the pinned path fills a buffer: read (os.preadv from the file: the page cache's bytes, no page faults) or map
@@ -272,8 +272,7 @@ class EarlyUpload:
         which holds the interpreter all the time, every call waits for its turn (the switch interval), so the
         fewer calls a byte takes, the faster the upload (a shared ring, a pool's futures per fill, ran at 3-4 GB/s
         there against 12.7 alone, session 25)."""
-        bound = max(4096, sum(-(-s // 256) * 256 for s in sizes))
-        buffer_bytes = min(self.buffer_bytes, bound)
+        buffer_bytes = min(self.buffer_bytes, staged_bytes(sizes))
         chunks = plan_chunks(sizes, buffer_bytes, 1)
         threads = max(1, min(self.num_threads, len(chunks)))
         host = ctypes.c_void_p()

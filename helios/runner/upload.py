@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
-from helios.runner.upload_plan import ALIGN, Chunk, Piece, _align_up, plan_chunks  # noqa: F401 (re-exported)
+from helios.runner.upload_plan import ALIGN, Chunk, Piece, plan_chunks, staged_bytes  # noqa: F401 (re-exported)
 
 BUFFER_BYTES = 64 << 20
 NUM_BUFFERS = 4
@@ -178,7 +178,7 @@ class _Staged:
         self.index = {n: i for i, n in enumerate(names)}
         self.sources = [_as_bytes(tensors[n]) for n in names]
         self.sizes = [s.numel() for s in self.sources]
-        self.bound = max(ALIGN, sum(_align_up(s) for s in self.sizes))  # no buffer needs more
+        self.bound = staged_bytes(self.sizes)  # no buffer needs more
         self.targets: list[torch.Tensor | None] = []
         self.out: dict[str, torch.Tensor] = {}
 

@@ -37,6 +37,11 @@ def _align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def staged_bytes(sizes: list[int]) -> int:
+    """Buffer bytes that hold tensors of `sizes` bytes packed ALIGN-aligned: no ring buffer needs more."""
+    return max(ALIGN, sum(_align_up(s) for s in sizes))
+
+
 def plan_chunks(sizes: list[int], buffer_bytes: int, num_buffers: int) -> list[Chunk]:
     """The chunks that carry tensors of `sizes` bytes (in that order) through a ring of num_buffers buffers of
     buffer_bytes each: chunk k fills slot k % num_buffers. Small tensors pack into one buffer, each starting
