@@ -206,17 +206,28 @@ def _missing_launches(family: str, dtype: str, root: str) -> list[str]:
     return sorted(name for name, _ in launch_keys(traced) - launch_keys(listed))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
-def test_hand_listed_launches_cover_the_traced_decode_graphs(family, dtype, tmp_path):
-    """The llama decoder's kernels are listed by hand (aot_shapes.run_launchers), not traced: every launch of the
-    family's decode graphs must be among them, or capture compiles it on the GPU (session 24: the tiny gemma3
-    core's post-norms, which multiply in float32, were missing). In a subprocess: the tests interpret Triton."""
-    code = ("import json, sys; from tests.ignition.test_aot import _missing_launches; "
-            "print('MISSING ' + json.dumps(_missing_launches(*sys.argv[1:])))")
+HAND_LISTED = [(family, dtype) for family in ("llama", "qwen3", "gemma3") for dtype in ("float32", "bfloat16")]
+
+
+@pytest.fixture(scope="module")
+def missing_launches(tmp_path_factory) -> dict[str, list[str]]:
+    """{"family/dtype": _missing_launches(...)} for every HAND_LISTED case, from one subprocess (the tests interpret
+    Triton; one torch and Triton import for the six cases)."""
+    root = tmp_path_factory.mktemp("hand_listed")
+    code = ("import json, sys; from tests.ignition.test_aot import HAND_LISTED, _missing_launches; "
+            "print('MISSING ' + json.dumps({f'{f}/{d}': _missing_launches(f, d, f'{sys.argv[1]}/{f}-{d}') "
+            "for f, d in HAND_LISTED}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code, family, dtype, str(tmp_path)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=900)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("MISSING ")), None)
     assert line is not None, proc.stderr[-3000:]
-    assert json.loads(line[8:]) == []
+    return json.loads(line[8:])
+
+
+@pytest.mark.parametrize(("family", "dtype"), HAND_LISTED)
+def test_hand_listed_launches_cover_the_traced_decode_graphs(family, dtype, missing_launches):
+    """The llama decoder's kernels are listed by hand (aot_shapes.run_launchers), not traced: every launch of the
+    family's decode graphs must be among them, or capture compiles it on the GPU (session 24: the tiny gemma3
+    core's post-norms, which multiply in float32, were missing)."""
+    assert missing_launches[f"{family}/{dtype}"] == []
