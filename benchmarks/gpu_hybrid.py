@@ -254,11 +254,76 @@ def profile_prefill(runner, arch, n: int = 4096) -> list[str]:
     eng.add_request(EngineRequest(req_id="prof", prompt_token_ids=[(11 * j + 5) % vocab + 10 for j in range(n)],
                                   sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)))
     sync("cuda")
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], with_stack=False) as prof:
         while eng.has_unfinished_requests():
             eng.step()
         sync("cuda")
-    return kernel_table(prof, 1, f"prefill {n}", rows=30)
+    return kernel_table(prof, 1, f"prefill {n}", rows=30) + host_table(prof, f"prefill {n}")
+
+
+def layer_host_times(runner, arch, n: int = 4096) -> list[str]:
+    """Host time of one n-token prefill by model part: forward hooks on each layer's direct children (mixer, MoE,
+    MLP, norms) time their Python calls (launches queue; nothing waits unless the part synchronizes), against the
+    whole step's host and device time. A part whose host time exceeds its kernels' keeps the GPU waiting."""
+    model = runner.model
+    spent: dict[str, float] = {}
+    starts: dict[int, float] = {}
+    handles = []
+
+    def pre(module, _args):
+        starts[id(module)] = time.perf_counter()
+
+    def post_for(key: str):
+        def post(module, _args, _out):
+            spent[key] = spent.get(key, 0.0) + time.perf_counter() - starts.pop(id(module))
+        return post
+
+    for i, layer in enumerate(model.layers):
+        kind = arch.layer_types[i] if arch.layer_types else "attention"
+        for name, child in layer.named_children():
+            handles.append(child.register_forward_pre_hook(pre))
+            handles.append(child.register_forward_hook(post_for(f"{kind}.{name}")))
+        handles.append(layer.register_forward_pre_hook(pre))
+        handles.append(layer.register_forward_hook(post_for(f"{kind} (whole layer)")))
+    vocab = min(30000, arch.vocab_size - 10)
+    try:
+        eng = engine(runner, arch, 1)
+        eng.add_request(EngineRequest(req_id="host", prompt_token_ids=[(13 * j + 7) % vocab + 10 for j in range(n)],
+                                      sampling=SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)))
+        sync(runner.device.type)
+        t0 = time.perf_counter()
+        steps = 0
+        while eng.has_unfinished_requests():
+            eng.step()
+            steps += 1
+        host = time.perf_counter() - t0
+        sync(runner.device.type)
+        wall = time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+    lines = [f"host times prefill {n}: {steps} steps, host {host * 1e3:.1f} ms (the steps' calls), wall {wall * 1e3:.1f} "
+             f"ms (to the device's end)"]
+    for key, sec in sorted(spent.items(), key=lambda kv: -kv[1]):
+        lines.append(f"  {sec * 1e3:8.2f} ms  {key}")
+    return lines
+
+
+def host_table(prof, label: str, rows: int = 30) -> list[str]:
+    """The host side of a profiled run: CUDA runtime / driver calls (launches, synchronizations, copies) by total
+    time, then the torch ops and Python-launched Triton kernels by self CPU time: where a host-bound step spends it."""
+    events = prof.key_averages()
+    runtime = [e for e in events if e.key.startswith(("cuda", "cu"))]
+    ops = [e for e in events if not e.key.startswith(("cuda", "cu"))]
+    total = sum(e.self_cpu_time_total for e in events)
+    lines = [f"host {label}: {total / 1e3:.1f} ms of self CPU time in {sum(e.count for e in events)} recorded events"]
+    for e in sorted(runtime, key=lambda e: -e.cpu_time_total)[:12]:
+        lines.append(f"  {e.cpu_time_total / 1e3:8.2f} ms  x{e.count:6d}  {e.cpu_time_total / max(e.count, 1):7.1f} us  "
+                     f"{e.key[:80]}")
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:rows]:
+        lines.append(f"  {e.self_cpu_time_total / 1e3:8.2f} ms self  x{e.count:6d}  {e.cpu_time_total / 1e3:8.2f} ms "
+                     f"total  {e.key[:80]}")
+    return lines
 
 
 def timed_prefill(runner, arch, n: int = 4096, device: str = "cuda") -> float:
@@ -381,6 +446,7 @@ def run_family(family: str, batches: list[int], bandwidth: float, matmul: float,
               f"({achieved / matmul:.1%} of the matmul rate)", flush=True)
         if profile_batches and device == "cuda":
             print("\n".join(profile_prefill(on, arch, n)), flush=True)
+            print("\n".join(layer_host_times(on, arch, n)), flush=True)
     prefill(runner)
     for variant in prefill_variants:  # the prefill again under other switches, over the same weights
         other = build_runner(arch, t, [1], device, variant_switches(variant))

@@ -33,9 +33,11 @@ from helios.kernels._triton import (
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 # the expert GEMM's epilogue: gated activations over [gate | up] rows, relu2 (non-gated), or none (down)
 ACTS = {"none": 0, "silu": 1, "gelu_tanh": 2, "relu2": 3}
-# moe_align's one-program kernel serves up to this many entries (decode batches); beyond, the torch sort
-# (moe_align_ref, also graph-safe) is faster than one program's loop
+# moe_align's one-program kernel serves up to this many entries (decode batches); beyond, three launches over
+# spans of ALIGN_SPAN entries (count, scan, place: prompt steps) where the torch sort (moe_align_ref) took ~30
+# launches a layer, the larger part of a MoE prompt step's host time
 ALIGN_KERNEL_MAX_ENTRIES = 4096
+ALIGN_SPAN = 512
 
 
 # --- routing ------------------------------------------------------------------------------------------------
@@ -219,9 +221,11 @@ def moe_align(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The entries (token * k + slot) sorted by expert, each expert's run padded to a multiple of block_m: sorted
     [max_rows] int32 (entry ids, N = T*k on padding rows), block_experts [max_blocks] int32 (-1 past the rows in
-    use), num_rows [1] int32. Within a run entries keep their order. Sizes depend on T, k, E and block_m only."""
+    use), num_rows [1] int32. Within a run entries keep their order. Sizes depend on T, k, E and block_m only:
+    up to ALIGN_KERNEL_MAX_ENTRIES one program's launch, beyond three (count, scan, place over ALIGN_SPAN spans),
+    each layout moe_align_ref's."""
     num_entries = topk_ids.numel()
-    if num_entries == 0 or num_entries > ALIGN_KERNEL_MAX_ENTRIES:
+    if num_entries == 0:
         return moe_align_ref(topk_ids, num_experts, block_m)
     require_triton()
     ids = topk_ids.reshape(-1).to(torch.int32)
@@ -230,10 +234,103 @@ def moe_align(
     sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(max_blocks, dtype=torch.int32, device=ids.device)
     num_rows = torch.empty(1, dtype=torch.int32, device=ids.device)
-    _align_kernel[(1,)](ids, sorted_ids, block_experts, num_rows, num_entries, num_experts, max_rows, max_blocks,
-                        BLOCK_M=block_m, BLOCK_E=next_power_of_2(num_experts),
-                        CHUNK=max(16, min(64, next_power_of_2(num_entries))), FILL=1024, num_warps=8)
+    block_e = next_power_of_2(num_experts)
+    if num_entries <= ALIGN_KERNEL_MAX_ENTRIES:
+        _align_kernel[(1,)](ids, sorted_ids, block_experts, num_rows, num_entries, num_experts, max_rows, max_blocks,
+                            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=max(16, min(64, next_power_of_2(num_entries))),
+                            FILL=1024, num_warps=8)
+        return sorted_ids, block_experts, num_rows
+    num_spans = cdiv(num_entries, ALIGN_SPAN)
+    span_rows = cdiv(cdiv(max_rows, num_spans), 256) * 256
+    span_counts = torch.empty(num_spans, block_e, dtype=torch.int32, device=ids.device)  # then each span's first rows
+    _align_count_kernel[(num_spans,)](ids, span_counts, sorted_ids, num_entries, num_experts, max_rows, span_rows,
+                                      SPAN=ALIGN_SPAN, BLOCK_E=block_e, CHUNK=64, FILL=256, num_warps=8)
+    _align_scan_kernel[(1,)](span_counts, block_experts, num_rows, num_spans, max_blocks, BLOCK_M=block_m,
+                             BLOCK_E=block_e, num_warps=8)
+    _align_place_kernel[(num_spans,)](ids, span_counts, sorted_ids, num_entries, SPAN=ALIGN_SPAN, BLOCK_E=block_e,
+                                      CHUNK=64, num_warps=8)
     return sorted_ids, block_experts, num_rows
+
+
+@jit
+def _align_count_kernel(
+    ids_ptr,  # [N] int32
+    span_counts_ptr,  # [num_spans, BLOCK_E] int32 out: each expert's entries in this program's span
+    sorted_ptr,  # [max_rows] int32 out: this program's share of the rows set to N (padding until placed)
+    num_entries,
+    num_experts,
+    max_rows,
+    span_rows,
+    SPAN: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    span = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(span * SPAN, span * SPAN + SPAN, CHUNK):
+        ids = tl.load(ids_ptr + start + c, mask=start + c < num_entries, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    tl.store(span_counts_ptr + span * BLOCK_E + e, counts)
+    r = tl.arange(0, FILL)
+    for start in range(span * span_rows, span * span_rows + span_rows, FILL):
+        tl.store(sorted_ptr + start + r, tl.zeros([FILL], tl.int32) + num_entries, mask=start + r < max_rows)
+
+
+@jit
+def _align_scan_kernel(
+    span_counts_ptr,  # [num_spans, BLOCK_E] int32: counts in, each span's first row per expert out
+    block_experts_ptr,  # [max_blocks] int32 out
+    num_rows_ptr,  # [1] int32 out
+    num_spans,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for span in range(0, num_spans):
+        counts += tl.load(span_counts_ptr + span * BLOCK_E + e)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_rows_ptr, total)
+    b = tl.arange(0, 64)
+    for start in range(0, max_blocks, 64):  # a block's expert: how many experts' runs end at or before it
+        row = (start + b) * BLOCK_M
+        owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + start + b, tl.where(row < total, owner, -1), mask=start + b < max_blocks)
+    first = ends - padded  # span by span, in entry order: each expert's next free row
+    for span in range(0, num_spans):
+        here = tl.load(span_counts_ptr + span * BLOCK_E + e)
+        tl.store(span_counts_ptr + span * BLOCK_E + e, first)
+        first += here
+
+
+@jit
+def _align_place_kernel(
+    ids_ptr,  # [N] int32
+    span_first_ptr,  # [num_spans, BLOCK_E] int32: the scan's first row per (span, expert)
+    sorted_ptr,  # [max_rows] int32 out: entry per row
+    num_entries,
+    SPAN: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    span = tl.program_id(0)
+    e = tl.arange(0, BLOCK_E)
+    c = tl.arange(0, CHUNK)
+    fill = tl.load(span_first_ptr + span * BLOCK_E + e)
+    for start in range(span * SPAN, span * SPAN + SPAN, CHUNK):
+        in_range = start + c < num_entries
+        ids = tl.load(ids_ptr + start + c, mask=in_range, other=-1)
+        onehot = ids[:, None] == e[None, :]  # [CHUNK, BLOCK_E]
+        earlier = (ids[:, None] == ids[None, :]) & (c[None, :] < c[:, None])  # same expert, earlier in the chunk
+        row = tl.sum(tl.where(onehot, fill[None, :], 0), axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(sorted_ptr + row, start + c, mask=in_range)
+        fill += tl.sum(onehot.to(tl.int32), axis=0)
 
 
 _ONE_TOKEN_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

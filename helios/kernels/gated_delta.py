@@ -402,6 +402,7 @@ def causal_conv(
     starts: torch.Tensor,  # [B]
     bias: torch.Tensor | None = None,  # [C]
     activation: str | None = "silu",
+    seq_ids: torch.Tensor | None = None,  # [T] int32 each token's sequence (a step's layers share it); None: made here
 ) -> torch.Tensor:  # [T, C] in x's dtype
     """Varlen depthwise causal conv over a batch of sequences, continuing each from its conv state: two launches
     (the outputs, then each sequence's new last K-1 inputs). Float32 accumulation, one rounding."""
@@ -418,7 +419,9 @@ def causal_conv(
     y = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return y
-    if num_tokens == num_seqs:  # one row per sequence (decode): row i is sequence i
+    if seq_ids is not None:
+        assert seq_ids.shape == (num_tokens,) and seq_ids.dtype == torch.int32
+    elif num_tokens == num_seqs:  # one row per sequence (decode): row i is sequence i
         seq_ids = torch.arange(num_tokens, dtype=torch.int32, device=x.device)
     else:
         rows = torch.arange(num_tokens, dtype=query_start_loc.dtype, device=x.device)
@@ -437,6 +440,85 @@ def causal_conv(
     return y
 
 
+# --- a prompt step's gates: one launch where the torch chain took ~18 ----------------------------------------------
+
+GATE_SOFTPLUS, GATE_SOFTPLUS_KIMI, GATE_SAFE = range(3)
+
+
+@jit
+def _delta_gates_kernel(
+    x_ptr,  # [T, H*D] the decay projection (GDN: a, D = 1; KDA: f_b's output, D = dk), last dim contiguous
+    b_ptr,  # [T, H] the write-strength projection, last dim contiguous
+    A_log_ptr,  # [H]
+    dt_bias_ptr,  # [H*D]
+    g_ptr,  # [T, H*D] float32 out
+    beta_ptr,  # [T, H] out, b's dtype
+    num_rows,
+    num_heads,
+    stride_x,
+    stride_b,
+    lower_bound,
+    D: tl.constexpr,
+    FORM: tl.constexpr,  # GATE_SOFTPLUS, GATE_SOFTPLUS_KIMI or GATE_SAFE
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < num_rows
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < num_heads * D
+    mask = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(dt_bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    rate = tl.exp(tl.load(A_log_ptr + cols // D, mask=col_ok, other=0.0).to(tl.float32))[None, :]
+    if FORM == 0:
+        g = -rate * _softplus(x)
+    elif FORM == 1:
+        g = -rate * _softplus_kimi(x)
+    else:
+        g = lower_bound * tl.sigmoid(rate * x)
+    tl.store(g_ptr + rows[:, None] * (num_heads * D) + cols[None, :], g, mask=mask)
+    if tl.program_id(1) == 0:
+        h = tl.arange(0, BLOCK_H)
+        hm = row_ok[:, None] & (h < num_heads)[None, :]
+        b = tl.load(b_ptr + rows[:, None] * stride_b + h[None, :], mask=hm, other=0.0)
+        beta = tl.sigmoid(b.to(tl.float32))
+        tl.store(beta_ptr + rows[:, None] * num_heads + h[None, :], beta.to(b.dtype), mask=hm)
+
+
+def delta_gates(
+    x: torch.Tensor,  # [T, H*D] the decay projection (GDN's a: D = 1; KDA's f: D = dk)
+    b: torch.Tensor,  # [T, H]
+    A_log: torch.Tensor,  # [H] (any shape of H elements)
+    dt_bias: torch.Tensor,  # [H*D]
+    form: int = GATE_SOFTPLUS,
+    lower_bound: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # g [T, H*D] float32 contiguous, beta [T, H] in b's dtype
+    """A prompt step's decay and write strength in one launch, as helios.layers.recurrent computes them (to
+    rounding: Triton's exp and log): GATE_SOFTPLUS g = -exp(A_log) * softplus(a + dt_bias) (gated_delta_gates),
+    GATE_SOFTPLUS_KIMI the same with kimi's softplus, GATE_SAFE g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
+    (kimi_delta_gates); beta = sigmoid(b). Elementwise: a row's values do not depend on its batch."""
+    require_triton()
+    num_rows, num_heads = b.shape
+    width = x.shape[1]
+    assert x.shape[0] == num_rows and width % num_heads == 0 and A_log.numel() == num_heads
+    assert dt_bias.numel() == width and (form == GATE_SAFE) == (lower_bound is not None)
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("b", b)
+    g = torch.empty(num_rows, width, dtype=torch.float32, device=x.device)
+    beta = torch.empty(num_rows, num_heads, dtype=b.dtype, device=b.device)
+    if num_rows == 0:
+        return g, beta
+    block_t, block_c = 16, min(256, next_power_of_2(width))
+    _delta_gates_kernel[(-(-num_rows // block_t), -(-width // block_c))](
+        x, b, A_log.reshape(-1), dt_bias.reshape(-1), g, beta, num_rows, num_heads, x.stride(0), b.stride(0),
+        float(lower_bound or 0.0), D=width // num_heads, FORM=form, BLOCK_T=block_t, BLOCK_C=block_c,
+        BLOCK_H=next_power_of_2(num_heads), num_warps=4,
+    )
+    return g, beta
+
+
 # --- the rule over a batch: decode kernel or fla's chunked prefill ----------------------------------------------
 
 
@@ -452,10 +534,12 @@ def gated_delta_rule(
     starts: torch.Tensor,  # [B]
     chunk_size: int = 64,
     cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
+    all_fresh: bool = False,
 ) -> torch.Tensor:  # [T, Hv, dv] in q's dtype
     """The gated delta rule over a varlen batch; q/k l2-normalised inside (eps 1e-6), q scaled by dk**-0.5.
     cu_seqlens: query_start_loc as int64 on the device and on the host, made once per step for every layer
     (helios.layers.linear_attention.fla_cu_seqlens); None: a device copy made here, and fla's device sync.
+    all_fresh: the caller knows (from host values) that every sequence starts at position 0: no state is gathered.
 
     T == B (every sequence one token, as every sequence has at least one): the slot-indexed decode kernel, graph-safe.
     Otherwise fla's chunk_gated_delta_rule (fla-core 0.6.0, CUDA only; not graph-safe: it reads the chunk layout
@@ -480,17 +564,21 @@ def gated_delta_rule(
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunked_by_slot(chunk_gated_delta_rule, q, k, v, g, beta, state, slots, query_start_loc, starts,
-                           chunk_size, cu_seqlens)
+                           chunk_size, cu_seqlens, all_fresh)
 
 
 def chunked_by_slot(chunk_fn, q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size,
-                    cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None):
+                    cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None, all_fresh: bool = False):
     """fla's varlen chunk_fn on the states gathered by slot (zeros where fresh), the final states scattered back.
-    cu_seqlens: (device, host) int64 query_start_loc of this step, shared by its layers (gated_delta_rule's)."""
+    cu_seqlens: (device, host) int64 query_start_loc of this step, shared by its layers (gated_delta_rule's).
+    all_fresh: every sequence starts at 0 (the caller's host fact): fla starts from zeros itself (the same values),
+    and nothing is gathered (three launches fewer a layer in a prompt step of new prompts)."""
     num_seqs, dk = slots.shape[0], q.shape[2]
     index = slots.to(torch.int64)
-    fresh = (starts == 0).view(num_seqs, 1, 1, 1)
-    initial = torch.where(fresh, 0.0, state.index_select(0, index))  # never reads a fresh slot's garbage (NaN)
+    if all_fresh:
+        initial = None
+    else:  # never reads a fresh slot's garbage (NaN)
+        initial = torch.where((starts == 0).view(num_seqs, 1, 1, 1), 0.0, state.index_select(0, index))
     # NOTE: fla memoizes its chunk layout by the identity of cu_seqlens (and cu_seqlens_cpu): never hand it a buffer
     # rewritten in place. Without the step's pair, a fresh copy each call, whose layout fla builds again with a
     # device sync (its repeat_interleave over device counts reads their sum on the host): once a layer, which

@@ -287,9 +287,10 @@ def kda_rule(
     safe_gate: bool = False,
     lower_bound: float | None = None,
     cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
+    all_fresh: bool = False,
 ) -> torch.Tensor:  # [T, H, dv] in q's dtype
     """The Kimi delta rule over a varlen batch; q/k l2-normalised inside (eps 1e-6), q scaled by dk**-0.5.
-    cu_seqlens: the step's (device, host) int64 query_start_loc, as gated_delta_rule takes it.
+    cu_seqlens and all_fresh: as gated_delta_rule takes them.
 
     T == B: the slot-indexed one-token kernel (graph-safe). Otherwise fla's chunk_kda (CUDA only, not graph-safe)
     on the states gathered by slot, as gated_delta_rule does. fla chunks at 32 or 64 only; another chunk_size takes
@@ -316,7 +317,8 @@ def kda_rule(
         assert lower_bound is not None and -5 <= lower_bound < 0, "fla's safe gate needs lower_bound in [-5, 0)"
     chunk_fn = functools.partial(chunk_kda, safe_gate=safe_gate, lower_bound=lower_bound if safe_gate else None)
     chunk = chunk_size if chunk_size in FLA_CHUNK_SIZES else 64
-    return chunked_by_slot(chunk_fn, q, k, v, g, beta, state, slots, query_start_loc, starts, chunk, cu_seqlens)
+    return chunked_by_slot(chunk_fn, q, k, v, g, beta, state, slots, query_start_loc, starts, chunk, cu_seqlens,
+                           all_fresh)
 
 
 # --- torch references ----------------------------------------------------------------------------------------

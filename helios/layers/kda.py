@@ -17,7 +17,13 @@ from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent as ops
 from helios.layers.attention import AttentionMetadata
 from helios.layers.linear import Linear, Stacked, meta_parameter
-from helios.layers.linear_attention import RecurrentMixer, fla_cu_seqlens, sequence_starts, sequence_starts_device
+from helios.layers.linear_attention import (
+    RecurrentMixer,
+    fla_cu_seqlens,
+    sequence_starts,
+    sequence_starts_device,
+    token_sequences_device,
+)
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -93,8 +99,14 @@ class KimiDeltaAttention(RecurrentMixer):
 
         c = self.config
         qsl, starts = meta.query_start_loc, sequence_starts_device(meta)
-        mixed = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts)
+        mixed = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts,
+                                        seq_ids=token_sequences_device(meta))
         q, k, v = self._heads(mixed)
-        g, beta = ops.kimi_delta_gates(f, b, self.A_log, self.dt_bias, c.gate_lower_bound)
+        safe = c.gate_lower_bound is not None
+        g, beta = gated_delta.delta_gates(f, b, self.A_log, self.dt_bias,
+                                          gated_delta.GATE_SAFE if safe else gated_delta.GATE_SOFTPLUS_KIMI,
+                                          c.gate_lower_bound)
+        g = g.view(g.shape[0], c.num_heads, self.head_dim)
         return kda.kda_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
-                            chunk_size=c.chunk_size, cu_seqlens=fla_cu_seqlens(meta))
+                            chunk_size=c.chunk_size, cu_seqlens=fla_cu_seqlens(meta),
+                            all_fresh=not any(sequence_starts(meta)))

@@ -52,6 +52,17 @@ def sequence_starts_device(meta: AttentionMetadata) -> torch.Tensor:  # [B] int6
     return starts
 
 
+def token_sequences_device(meta: AttentionMetadata) -> torch.Tensor:  # [T] int32, on the metadata's device
+    """The sequence each token of a step belongs to (searchsorted over query_start_loc: no host sync), derived once
+    per step for every recurrent layer's conv (helios.kernels.gated_delta.causal_conv's seq_ids)."""
+    ids = meta.derived.get("token_sequences_device")
+    if ids is None:
+        qsl = meta.query_start_loc
+        rows = torch.arange(meta.positions.shape[0], dtype=qsl.dtype, device=qsl.device)
+        ids = meta.derived["token_sequences_device"] = torch.searchsorted(qsl[1:], rows, right=True).to(torch.int32)
+    return ids
+
+
 class RecurrentMixer(nn.Module):
     """A recurrent token mixer: `fused` picks its Triton kernels (the GPU path) over the torch references."""
 
@@ -140,8 +151,10 @@ class GatedDeltaNet(RecurrentMixer):
             return gated_delta.gated_delta_decode(mixed, self.conv.weight, conv_state, a, b, self.A_log,
                                                   self.dt_bias, recurrent_state, meta.state_slots, starts,
                                                   self.config.num_key_heads)
-        mixed = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts)
+        mixed = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts,
+                                        seq_ids=token_sequences_device(meta))
         q, k, v = self._heads(mixed)
-        g, beta = self._gates(a, b)
+        g, beta = gated_delta.delta_gates(a, b, self.A_log, self.dt_bias)
         return gated_delta.gated_delta_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
-                                            chunk_size=self.config.chunk_size, cu_seqlens=fla_cu_seqlens(meta))
+                                            chunk_size=self.config.chunk_size, cu_seqlens=fla_cu_seqlens(meta),
+                                            all_fresh=not any(sequence_starts(meta)))

@@ -18,7 +18,12 @@ from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent as ops
 from helios.layers.attention import AttentionMetadata
 from helios.layers.linear import Linear, Stacked, meta_parameter
-from helios.layers.linear_attention import RecurrentMixer, sequence_starts, sequence_starts_device
+from helios.layers.linear_attention import (
+    RecurrentMixer,
+    sequence_starts,
+    sequence_starts_device,
+    token_sequences_device,
+)
 from helios.switches import DEFAULT_SWITCHES, Switches
 
 
@@ -119,7 +124,7 @@ class Mamba2Mixer(RecurrentMixer):
                                  self.dt_bias, ssm_state, slots, starts, self.config.num_key_heads,
                                  dt_limit=self.dt_limit)
         xbc = causal_conv(xbc, self.conv.weight, conv_state, slots, qsl, starts, bias=self.conv.bias,
-                          activation="silu")
+                          activation="silu", seq_ids=token_sequences_device(meta))
         xs, b, cm = self._heads(xbc)
         return mamba2_scan(xs, dt, self.A_log, b, cm, self.D, self.dt_bias, ssm_state, slots, qsl, starts,
                            dt_limit=self.dt_limit, chunk_size=self.config.chunk_size)

@@ -349,7 +349,8 @@ def test_chunked_prefill_glue_gathers_and_scatters_by_slot():
     def fake_fla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
                  cu_seqlens_cpu, chunk_size):
         assert scale == q.shape[-1] ** -0.5 and output_final_state and use_qk_l2norm_in_kernel
-        assert cu_seqlens.dtype == torch.int64 and initial_state.shape[0] == len(cu_seqlens) - 1
+        assert cu_seqlens.dtype == torch.int64
+        assert initial_state is None if fresh_only else initial_state.shape[0] == len(cu_seqlens) - 1
         assert cu_seqlens_cpu is None or (cu_seqlens_cpu.device.type == "cpu" and torch.equal(cu_seqlens_cpu,
                                                                                               cu_seqlens.cpu()))
         calls.append((cu_seqlens, cu_seqlens_cpu))
@@ -358,11 +359,12 @@ def test_chunked_prefill_glue_gathers_and_scatters_by_slot():
         for i in range(len(bounds) - 1):
             r = slice(bounds[i], bounds[i + 1])
             o, final = hf.torch_chunk_gated_delta_rule(q[:, r], k[:, r], v[:, r], g[:, r], beta[:, r], chunk_size,
-                                                       initial_state[i:i + 1], True, True)
+                                                       None if fresh_only else initial_state[i:i + 1], True, True)
             outs.append(o)
             finals.append(final)
         return torch.cat(outs, 1), torch.cat(finals)
 
+    fresh_only = False
     batch = make_batch([70, 2, 5], [0, 3, 64], "cpu")
     hk, hv, dk, dv, T = 2, 4, 16, 8, 77
     q, k = _randn(T, hk, dk, device="cpu", seed=1), _randn(T, hk, dk, device="cpu", seed=2)
@@ -381,6 +383,45 @@ def test_chunked_prefill_glue_gathers_and_scatters_by_slot():
         torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
         _state_close(ours, ref, batch, torch.float32, "cpu", "state")
     assert calls[1][0] is pair[0] and calls[1][1] is pair[1]  # the same tensors: fla's layout cache hits
+    # a step of new prompts only (all_fresh, a host fact): fla gets no initial state, the results are the same
+    fresh_only, batch = True, make_batch([70, 2, 5], [0, 0, 0], "cpu")
+    for all_fresh in (False, True):
+        fresh_only = all_fresh
+        state = _garbage_fresh(_randn(batch.num_slots, hv, dk, dv, device="cpu", seed=6), batch)
+        ref, ours = state.clone(), state.clone()
+        o_ref = gated_delta_rule_ref(q, k, v, g, beta, ref, batch.slots, batch.query_start_loc, batch.starts)
+        o = chunked_by_slot(fake_fla, q, k, v, g, beta, ours, batch.slots, batch.query_start_loc, batch.starts, 64,
+                            None, all_fresh)
+        torch.testing.assert_close(o, o_ref, atol=1e-4, rtol=1e-4)
+        _state_close(ours, ref, batch, torch.float32, "cpu", "state")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompt_step_gates_in_one_launch_match_the_torch_gates(interpreter, dtype):
+    """delta_gates (a prompt step's gates, one launch) against helios.layers.recurrent's: GDN's per-head decay from
+    strided views of the projection, KDA's per-channel decay with kimi's softplus and with the safe gate; beta the
+    same sigmoid. To rounding (Triton's exp and log), and a row's values the same alone as in its batch."""
+    from helios.kernels.gated_delta import GATE_SAFE, GATE_SOFTPLUS_KIMI, delta_gates
+    from helios.layers import recurrent
+
+    num_rows, heads, dk = 37, 16, 8
+    projected = _randn(num_rows, 3 * heads + 5, device="cpu", dtype=dtype, seed=1, scale=4.0)  # a, b as split views
+    a, b = projected[:, 5:5 + heads], projected[:, 5 + heads:5 + 2 * heads]
+    A_log, dt_bias = _randn(heads, device="cpu", dtype=dtype, seed=2), _randn(heads, device="cpu", dtype=dtype, seed=3)
+    g, beta = delta_gates(a, b, A_log, dt_bias)
+    g_ref, beta_ref = recurrent.gated_delta_gates(a, b, A_log, dt_bias)
+    assert g.dtype == torch.float32 and g.is_contiguous() and beta.dtype == dtype
+    torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(beta, beta_ref, **tolerance(dtype))
+    alone = delta_gates(a[7:8], b[7:8], A_log, dt_bias)
+    assert torch.equal(alone[0], g[7:8]) and torch.equal(alone[1], beta[7:8])
+    f = _randn(num_rows, heads * dk, device="cpu", dtype=dtype, seed=4, scale=3.0)
+    dt_channels = _randn(heads * dk, device="cpu", dtype=dtype, seed=5)
+    for form, bound in ((GATE_SOFTPLUS_KIMI, None), (GATE_SAFE, -5.0)):
+        g, beta = delta_gates(f, b, A_log, dt_channels, form, bound)
+        g_ref, beta_ref = recurrent.kimi_delta_gates(f, b, A_log, dt_channels, bound)
+        torch.testing.assert_close(g.view(num_rows, heads, dk), g_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(beta, beta_ref, **tolerance(dtype))
 
 
 # --- packaging: fla stays optional at import time ---------------------------------------------------------------
