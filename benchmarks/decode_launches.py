@@ -7,13 +7,18 @@ At batch 1 the GPU idles between dependent kernels inside a graph (kimi_linear, 
 2.04 of 3.83 ms), so the count is the lever the b=1 bars move with; this shows it without a GPU, per layer kind.
 A torch op may launch more than one kernel (cuBLAS, sort), so the torch column is a lower bound.
 
+With --prefill N it counts an eager prompt step of a fresh N-token prompt instead (fla's chunked kernels for the
+recurrent layers, their autotuners on their first config): on the GPU such a step is host-bound when it launches
+more kernels than its work hides (before session 26: qwen3_5_moe's 4096-token step, 1456 launches, the GPU idle half the time).
+
 Usage: python benchmarks/decode_launches.py [--families qwen3_5,qwen3_5_moe,mimo_v2_flash,kimi_linear] [--batch 1]
-       [--rows 12]
+       [--rows 12] [--prefill 4096]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from collections import Counter
@@ -164,11 +169,93 @@ def count(family: str, batch: int) -> tuple[Counter, Counter]:
     return mode.counts, layers_by_kind
 
 
-def report(family: str, batch: int, rows: int) -> None:
-    counts, layers = count(family, batch)
+@contextlib.contextmanager
+def _first_configs():
+    """fla's Triton autotuners take their first config, unbenchmarked (nothing runs on meta tensors)."""
+    from triton.runtime.autotuner import Autotuner
+
+    def first(self, *args, **kwargs):
+        self.nargs = dict(zip(self.arg_names, args))
+        self.best_config = self.configs[0]
+        return self.fn.run(*args, **kwargs, **self.configs[0].all_kwargs())
+
+    previous = Autotuner.run
+    Autotuner.run = first
+    try:
+        yield
+    finally:
+        Autotuner.run = previous
+
+
+def count_prefill(family: str, num_tokens: int) -> tuple[Counter, Counter]:
+    """(launches by (where, kernel), layers by kind) of one eager prompt step: a fresh `num_tokens`-token prompt, as
+    the runner runs it (no graph), with fla's chunked kernels for the recurrent layers."""
+    from dataclasses import replace
+
+    from triton import knobs
+    from triton.runtime import driver
+
+    from helios.engine.messages import SamplingParams, ScheduledRequest
+    from helios.kernels._triton import meta_as_gpu
+    from helios.kernels.aot import _every_launch_missing, _TargetDriver
+    from helios.layers.rotary import tabulate_rope
+    from helios.runner.aot_trace import meta_model
+    from helios.runner.input_batch import _META_TENSORS, RequestState, layout_batch, max_table_blocks, prepare_batch
+    from helios.runner.kv_cache import KVCache
+    from helios.runner.model_runner import layer_caches
+    from helios.runner.state_cache import StateCache
+    from helios.switches import DEFAULT_SWITCHES
+
+    arch = meta_arch(family)
+    dtype, meta = torch.bfloat16, torch.device("meta")
+    mode = Launches()
+
+    def hook(**kwargs):
+        mode.counts[(mode.where(), kwargs["fn"].name)] += 1
+        return True
+
+    layers_by_kind: Counter = Counter()
+    previous_driver, previous_hook = getattr(driver, "_active", None), knobs.runtime.jit_cache_hook
+    driver.set_active(_TargetDriver(90))
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        with meta_as_gpu(9, 132), torch.inference_mode(), _every_launch_missing(), _first_configs():
+            model = meta_model(arch, dtype)
+            if DEFAULT_SWITCHES.rope_table:
+                tabulate_rope(model, max_table_blocks(8192, PAGE) * PAGE, dtype)
+            state = StateCache(arch, 2, dtype, meta) if arch.recurrent is not None else None
+            kv_cache = KVCache.from_arch(arch, num_tokens // PAGE + 8, PAGE, dtype, meta)
+            caches = layer_caches(arch, kv_cache, state)
+            for i, layer in enumerate(model.layers):
+                mode.kinds[id(layer)] = layer_kind(arch, layer, i)
+                layers_by_kind[mode.kinds[id(layer)]] += 1
+            ids = [(7 * j) % 1000 + 10 for j in range(num_tokens)]
+            chunk = ScheduledRequest(req_id="p", token_ids=ids, num_computed_tokens=0,
+                                     block_ids=list(range(-(-num_tokens // PAGE))), group_block_ids=[], sample=True,
+                                     state_slot=0 if state is not None else -1)
+            requests = {"p": RequestState("p", list(ids), SamplingParams())}
+            batch = prepare_batch([chunk], requests, PAGE, "cpu", layout_batch([chunk], requests, PAGE),
+                                  state.scratch_slot if state is not None else None)
+            on_meta = {name: getattr(batch.meta, name).to(meta) for name in _META_TENSORS
+                       if getattr(batch.meta, name) is not None}
+            for _ in range(2):  # the first makes the layers' cached constants, as a real first step does
+                mode.counts.clear()
+                with mode:
+                    hidden = model.forward(batch.token_ids.to(meta), replace(batch.meta, **on_meta, derived={}),
+                                           caches)
+                    model.compute_logits(hidden[batch.logits_indices.to(meta)])
+    finally:
+        knobs.runtime.jit_cache_hook = previous_hook
+        driver.set_active(previous_driver)
+    return mode.counts, layers_by_kind
+
+
+def report(family: str, batch: int, rows: int, prefill: int = 0) -> None:
+    counts, layers = count_prefill(family, prefill) if prefill else count(family, batch)
     total = sum(counts.values())
     triton = sum(n for (_, k), n in counts.items() if not k.startswith("torch "))
-    print(f"== {family} b={batch}: {total} kernels a step ({triton} Triton, {total - triton} torch ops), "
+    step = f"prefill {prefill}" if prefill else f"b={batch}"
+    print(f"== {family} {step}: {total} kernels a step ({triton} Triton, {total - triton} torch ops), "
           f"{sum(layers.values())} layers: {dict(layers)}")
     by_where: dict[str, Counter] = {}
     for (where, kernel), n in counts.items():
@@ -179,9 +266,10 @@ def report(family: str, batch: int, rows: int) -> None:
         print(f"  {where}: {sum(kernels.values()) / per:g} a {'layer' if where in layers else 'step'} ({top})")
 
 
-def summary(family: str, batch: int) -> dict:
-    """{"total": kernels a step, "layers": {kind: kernels a layer of that kind}, "step": the rest}."""
-    counts, layers = count(family, batch)
+def summary(family: str, batch: int, prefill: int = 0) -> dict:
+    """{"total": kernels a step, "layers": {kind: kernels a layer of that kind}, "step": the rest}: a graphed decode
+    step of `batch` rows, or with `prefill` an eager prompt step of that many tokens."""
+    counts, layers = count_prefill(family, prefill) if prefill else count(family, batch)
     by_where = Counter()
     for (where, _), n in counts.items():
         by_where[where] += n
@@ -194,14 +282,16 @@ def main() -> None:
     parser.add_argument("--families", default="qwen3_5,qwen3_5_moe,mimo_v2_flash,kimi_linear")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rows", type=int, default=12, help="kernels listed per layer kind")
+    parser.add_argument("--prefill", type=int, default=0, help="count an eager prompt step of this many tokens "
+                        "(a fresh prompt) instead of a decode step")
     parser.add_argument("--json", action="store_true", help="one JSON line: each family's summary()")
     args = parser.parse_args()
     families = args.families.split(",")
     if args.json:
-        print(json.dumps({family: summary(family, args.batch) for family in families}))
+        print(json.dumps({family: summary(family, args.batch, args.prefill) for family in families}))
         return
     for family in families:
-        report(family, args.batch, args.rows)
+        report(family, args.batch, args.rows, args.prefill)
 
 
 if __name__ == "__main__":

@@ -560,7 +560,8 @@ def gated_delta_rule(
     if num_tokens == num_seqs:
         require_triton()
         return recurrent_step(q, k, v, g, beta, state, slots, starts)
-    assert q.is_cuda, "the chunked prefill runs fla's kernels: CUDA only (the CPU path is the torch reference)"
+    # meta: benchmarks/decode_launches.py counts a prompt step's launches
+    assert q.is_cuda or q.is_meta, "the chunked prefill runs fla's kernels: CUDA only (the CPU path: the torch ref)"
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunked_by_slot(chunk_gated_delta_rule, q, k, v, g, beta, state, slots, query_start_loc, starts,

@@ -1,9 +1,12 @@
-"""The kernels a graphed batch-1 decode step launches (benchmarks/decode_launches.py: the model on meta tensors, every
-Triton launch through the compile hook, every torch op that launches a kernel), held at or below today's counts: on
-the GPU the step idles between dependent kernels inside its graph, so a layer that grows a launch (a norm back on
-torch's five ops, an unfused activation, a per-layer recomputation of a per-step value) costs every decode step
-without failing any value check. Lower counts pass; lower the bound with them. Run where Triton compiles rather than
-interprets (a subprocess without the tests' TRITON_INTERPRET), as tests/ignition/test_aot_traced.py does."""
+"""The kernels a graphed batch-1 decode step launches, and those of an eager 4096-token prompt step of the recurrent
+and MoE families (benchmarks/decode_launches.py: the model on meta tensors, every Triton launch through the compile
+hook, every torch op that launches a kernel), held at or below today's counts: on the GPU the step idles between
+dependent kernels inside its graph, so a layer that grows a launch (a norm back on torch's five ops, an unfused
+activation, a per-layer recomputation of a per-step value) costs every decode step without failing any value check;
+a prompt step is host-bound when its launches outnumber what its work hides (qwen3_5_moe's launched 1456 kernels
+before session 26, 595 after, and ran twice as fast). Lower counts pass; lower the bound with them. Run where Triton
+compiles rather than interprets (a subprocess without the tests' TRITON_INTERPRET), as
+tests/ignition/test_aot_traced.py does."""
 
 from __future__ import annotations
 
@@ -50,6 +53,34 @@ def launches() -> dict:
 def test_a_decode_step_launches_no_more_kernels_than_today(launches, family):
     layers, step = BOUNDS[family]
     got = launches[family]
+    assert set(got["layers"]) == set(layers), got
+    over = {kind: n for kind, n in got["layers"].items() if n > layers[kind]}
+    assert not over and got["step"] <= step, f"{family}: {got} (bounds {layers}, step {step})"
+
+
+# an eager prompt step of a fresh 4096-token prompt (decode_launches.py --prefill): kernels a layer of each kind
+# (a recurrent family's first layer also builds fla's chunk layout for the step), and the rest of the step
+PREFILL_BOUNDS = {
+    "qwen3_5": ({"linear+mlp": 23, "full+mlp": 11}, 7),
+    "qwen3_5_moe": ({"linear+moe": 33, "full+moe": 20}, 7),
+    "kimi_linear": ({"linear+mlp": 50, "linear+moe": 36, "full+moe": 26}, 6),
+    "mimo_v2_flash": ({"full+mlp": 11, "sliding+moe": 17}, 8),
+}
+
+
+@pytest.fixture(scope="module")
+def prefill_launches() -> dict:
+    proc = subprocess.run([sys.executable, "benchmarks/decode_launches.py", "--families", ",".join(PREFILL_BOUNDS),
+                           "--prefill", "4096", "--json"], capture_output=True, text=True, env=clean_env(), cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("family", sorted(PREFILL_BOUNDS))
+def test_a_prompt_step_launches_no_more_kernels_than_today(prefill_launches, family):
+    layers, step = PREFILL_BOUNDS[family]
+    got = prefill_launches[family]
     assert set(got["layers"]) == set(layers), got
     over = {kind: n for kind, n in got["layers"].items() if n > layers[kind]}
     assert not over and got["step"] <= step, f"{family}: {got} (bounds {layers}, step {step})"
