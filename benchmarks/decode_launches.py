@@ -77,6 +77,15 @@ def meta_arch(family: str, dtype: torch.dtype = torch.bfloat16):
     return arch
 
 
+def viewable(t: torch.Tensor, shape_of: torch.Tensor) -> bool:
+    """Whether a view of `t` has the other tensor's shape (else reshape copies)."""
+    try:
+        t.view(shape_of.shape)
+    except RuntimeError:
+        return False
+    return True
+
+
 class Launches(TorchDispatchMode):
     """Counts, by (layer kind, kernel), the torch ops that launch a kernel (Triton launches are added by the hook)."""
 
@@ -99,8 +108,9 @@ class Launches(TorchDispatchMode):
         name = func.overloadpacket.__name__
         out = func(*args, **(kwargs or {}))
         # NOTE: aten.to is annotated as an alias (it returns its input when nothing changes) but copies, and
-        # launches a kernel, whenever it returns a new tensor
-        copied = name == "to" and args and out is not args[0]
+        # launches a kernel, whenever it returns a new tensor; reshape (seen whole here) copies where no view
+        # of its input has the shape (a split's columns reshaped across their row stride)
+        copied = args and out is not args[0] and (name == "to" or (name == "reshape" and not viewable(args[0], out)))
         if copied or (not func.is_view and name not in NO_KERNEL):
             self.counts[(self.where(), f"torch {name}")] += 1
         return out

@@ -338,7 +338,9 @@ def _causal_conv_kernel(
     slots_ptr,  # [B]
     starts_ptr,  # [B]
     T, C, stride_x,
+    W0, W1,  # PLANAR: the widths of the first two column groups (the third: the rest)
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    PLANAR: tl.constexpr,  # each column group stored as its own row-major [T, width] block, one after the other
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -363,8 +365,14 @@ def _causal_conv_kernel(
         acc += tl.load(bias_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(y_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=rmask[:, None] & cmask)
+    if PLANAR:
+        first, second = cols < W0, cols < W0 + W1
+        start = tl.where(first, 0, tl.where(second, W0, W0 + W1)).to(tl.int64)
+        width = tl.where(first, W0, tl.where(second, W1, C - W0 - W1)).to(tl.int64)
+        at = T * start[None, :] + rows[:, None].to(tl.int64) * width[None, :] + (cols - start)[None, :]
+    else:
+        at = rows[:, None].to(tl.int64) * C + cols[None, :]
+    tl.store(y_ptr + at, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask)
 
 
 @jit
@@ -403,9 +411,12 @@ def causal_conv(
     bias: torch.Tensor | None = None,  # [C]
     activation: str | None = "silu",
     seq_ids: torch.Tensor | None = None,  # [T] int32 each token's sequence (a step's layers share it); None: made here
-) -> torch.Tensor:  # [T, C] in x's dtype
+    planar: tuple[int, int, int] | None = None,  # column group widths, summing to C: return each group contiguous
+) -> torch.Tensor | tuple[torch.Tensor, ...]:  # [T, C] in x's dtype, or with `planar` a contiguous [T, w] per group
     """Varlen depthwise causal conv over a batch of sequences, continuing each from its conv state: two launches
-    (the outputs, then each sequence's new last K-1 inputs). Float32 accumulation, one rounding."""
+    (the outputs, then each sequence's new last K-1 inputs). Float32 accumulation, one rounding. With `planar` the
+    output's column groups (q, k, v) are written as separate contiguous blocks: fla's chunked rule copies every
+    non-contiguous input (three copies a layer otherwise)."""
     require_triton()
     num_tokens, channels = x.shape
     width = weight.shape[1]
@@ -415,10 +426,16 @@ def causal_conv(
     assert query_start_loc.shape == (num_seqs + 1,) and starts.shape == (num_seqs,)
     assert activation in (None, "silu", "swish"), f"activation {activation!r}"
     assert bias is None or (bias.shape == (channels,) and bias.is_contiguous())
+    assert planar is None or (len(planar) == 3 and sum(planar) == channels), f"planar {planar} vs {channels}"
     check_last_dim_contiguous("x", x)
-    y = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_tokens * channels, dtype=x.dtype, device=x.device)
+    if planar is not None:
+        bounds = [0, planar[0], planar[0] + planar[1], channels]
+        out = tuple(y[num_tokens * lo : num_tokens * hi].view(num_tokens, hi - lo) for lo, hi in zip(bounds, bounds[1:]))
+    else:
+        out = y.view(num_tokens, channels)
     if num_tokens == 0:
-        return y
+        return out
     if seq_ids is not None:
         assert seq_ids.shape == (num_tokens,) and seq_ids.dtype == torch.int32
     elif num_tokens == num_seqs:  # one row per sequence (decode): row i is sequence i
@@ -430,14 +447,15 @@ def causal_conv(
     block_t = 16  # one compiled variant for every token count (ahead-of-time compiles)
     _causal_conv_kernel[(-(-num_tokens // block_t), -(-channels // block_c))](
         x, weight, bias if bias is not None else weight, conv_state, y, seq_ids, query_start_loc, slots, starts,
-        num_tokens, channels, x.stride(0),
-        K=width, BT=block_t, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None, num_warps=4,
+        num_tokens, channels, x.stride(0), *(planar[:2] if planar is not None else (0, 0)),
+        K=width, BT=block_t, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None,
+        PLANAR=planar is not None, num_warps=4,
     )
     _conv_state_kernel[(num_seqs, -(-channels // block_c))](
         x, conv_state, query_start_loc, slots, starts, channels, x.stride(0),
         K=width, KP=next_power_of_2(width - 1), BC=block_c, num_warps=4,
     )
-    return y
+    return out
 
 
 # --- a prompt step's gates: one launch where the torch chain took ~18 ----------------------------------------------

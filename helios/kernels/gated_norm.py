@@ -27,6 +27,7 @@ def _gated_rms_norm_kernel(
     SIGMOID: tl.constexpr,  # the gate's activation: sigmoid, else silu
     NORM_FIRST: tl.constexpr,  # norm (and weight), then the gate; else the gate, then the norm
     F32_MUL: tl.constexpr,  # the weight multiplies in float32; else in x's dtype (the normed value rounded first)
+    SHARED_W: tl.constexpr,  # one [GROUP] weight for every group (heads side by side in a row); else [d]
 ):
     row = tl.program_id(0)
     group = tl.program_id(1)
@@ -45,7 +46,7 @@ def _gated_rms_norm_kernel(
         h = h * gate
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / GROUP + eps)
     h = h * rstd
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    w = tl.load(w_ptr + (offs if SHARED_W else cols), mask=mask, other=0.0)
     if F32_MUL:
         h = w.to(tl.float32) * h
     else:  # weight * h.to(dtype), in dtype: the float32 product of two dtype values, rounded once
@@ -66,11 +67,13 @@ def gated_rms_norm(
     group_size: int | None = None,
     multiply_in_float32: bool = False,
 ) -> torch.Tensor:  # [N, d] in x's dtype
-    """helios.layers.recurrent.rms_norm_gated in one launch (same arguments, same orders)."""
+    """helios.layers.recurrent.rms_norm_gated in one launch (same arguments, same orders). A [group_size] weight
+    serves every group of a row: a row of heads side by side, z a strided view (no copy), each head the
+    reference's [N * heads, group_size] row."""
     require_triton()
     num_rows, d = x.shape
     group = group_size or d
-    assert z.shape == x.shape and weight.shape == (d,) and weight.is_contiguous() and d % group == 0
+    assert z.shape == x.shape and weight.shape in ((d,), (group,)) and weight.is_contiguous() and d % group == 0
     assert activation in ("silu", "sigmoid"), f"activation {activation!r}"
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("z", z)
@@ -81,6 +84,7 @@ def gated_rms_norm(
     _gated_rms_norm_kernel[(num_rows, d // group)](
         x, z, weight, out, x.stride(0), z.stride(0), eps, d, GROUP=group, BLOCK=block,
         SIGMOID=activation == "sigmoid", NORM_FIRST=norm_before_gate, F32_MUL=multiply_in_float32,
+        SHARED_W=weight.shape[0] != d,
         num_warps=4 if block >= 1024 else 1,
     )
     return out

@@ -99,9 +99,9 @@ class KimiDeltaAttention(RecurrentMixer):
 
         c = self.config
         qsl, starts = meta.query_start_loc, sequence_starts_device(meta)
-        mixed = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts,
-                                        seq_ids=token_sequences_device(meta))
-        q, k, v = self._heads(mixed)
+        parts = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts,
+                                        seq_ids=token_sequences_device(meta), planar=(self.inner,) * 3)
+        q, k, v = (t.view(t.shape[0], c.num_heads, self.head_dim) for t in parts)  # contiguous: fla copies none
         safe = c.gate_lower_bound is not None
         g, beta = gated_delta.delta_gates(f, b, self.A_log, self.dt_bias,
                                           gated_delta.GATE_SAFE if safe else gated_delta.GATE_SOFTPLUS_KIMI,

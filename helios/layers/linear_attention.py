@@ -124,8 +124,12 @@ class GatedDeltaNet(RecurrentMixer):
             g, beta = self._gates(a, b)
             o = recurrent.gated_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts,
                                            chunk_size=c.chunk_size)
-        o = self.gated_norm(o.reshape(-1, c.value_head_dim), z.reshape(-1, c.value_head_dim), self.norm.weight,
-                            self.eps, activation=c.output_gate)
+        if self.fused:  # heads side by side, z read in place (a strided view: no copy)
+            o = self.gated_norm(o.reshape(num_tokens, self.value_dim), z, self.norm.weight, self.eps,
+                                activation=c.output_gate, group_size=c.value_head_dim)
+        else:
+            o = self.gated_norm(o.reshape(-1, c.value_head_dim), z.reshape(-1, c.value_head_dim), self.norm.weight,
+                                self.eps, activation=c.output_gate)
         return self.out(o.reshape(num_tokens, self.value_dim))
 
     def _heads(self, mixed: torch.Tensor):  # [T, C] -> q, k [T, Hk, dk], v [T, Hv, dv]
@@ -151,9 +155,13 @@ class GatedDeltaNet(RecurrentMixer):
             return gated_delta.gated_delta_decode(mixed, self.conv.weight, conv_state, a, b, self.A_log,
                                                   self.dt_bias, recurrent_state, meta.state_slots, starts,
                                                   self.config.num_key_heads)
-        mixed = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts,
-                                        seq_ids=token_sequences_device(meta))
-        q, k, v = self._heads(mixed)
+        c, num_tokens = self.config, mixed.shape[0]
+        q, k, v = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts,
+                                          seq_ids=token_sequences_device(meta),
+                                          planar=(self.key_dim, self.key_dim, self.value_dim))
+        q = q.view(num_tokens, c.num_key_heads, c.key_head_dim)  # each contiguous, as fla takes them without a copy
+        k = k.view(num_tokens, c.num_key_heads, c.key_head_dim)
+        v = v.view(num_tokens, c.num_heads, c.value_head_dim)
         g, beta = gated_delta.delta_gates(a, b, self.A_log, self.dt_bias)
         return gated_delta.gated_delta_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
                                             chunk_size=self.config.chunk_size, cu_seqlens=fla_cu_seqlens(meta),

@@ -89,6 +89,12 @@ def check_causal_conv(device, dtype, query_lens=(5, 1, 9, 2), starts=(0, 7, 3, 1
     used = batch.slots.long()
     assert torch.equal(actual[used], expected[used]), "conv state: the last K-1 inputs, copied exactly"
     _state_close(actual, expected, batch, dtype, device, "conv state")
+    # planar (q, k, v groups each contiguous, as fla takes them): the same values, column group by column group
+    groups = (channels // 4 + 3, channels // 4 + 3, channels - 2 * (channels // 4 + 3))  # not tile-aligned
+    parts = causal_conv(x, weight, conv_state.clone(), batch.slots, batch.query_start_loc, batch.starts, b, activation,
+                        planar=groups)
+    assert all(t.is_contiguous() for t in parts) and [t.shape[1] for t in parts] == list(groups)
+    assert torch.equal(torch.cat(parts, dim=1), y)
 
 
 def _decode_inputs(device, dtype, num_k_heads, num_v_heads, dk, dv, width, batch, seed=0):

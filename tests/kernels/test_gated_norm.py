@@ -35,3 +35,19 @@ def test_gated_norm_matches_the_torch_reference(interpreter, order, dtype):
     want = rms_norm_gated(x, z, weight, 1e-6, **ORDERS[order])
     assert got.dtype == dtype and got.is_contiguous()
     torch.testing.assert_close(got, want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_heads_side_by_side_share_one_weight_and_match_the_per_head_rows(interpreter, dtype):
+    """GatedDeltaNet's fused path: a row of 4 heads of 16, z a strided view of the projection (read in place, no
+    copy), one [16] weight for every head: the bits of the reference over the [rows * heads, 16] rows."""
+    from helios.kernels.gated_norm import gated_rms_norm
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    projected = torch.randn(5, 100, generator=gen).to(dtype)
+    z = projected[:, 20:84]  # a split's columns: row stride 100
+    weight = (1 + 0.1 * torch.randn(16, generator=gen)).to(dtype)
+    got = gated_rms_norm(x, z, weight, 1e-6, group_size=16)
+    per_head = gated_rms_norm(x.reshape(-1, 16), z.reshape(-1, 16), weight, 1e-6)
+    assert torch.equal(got, per_head.view(5, 64))

@@ -29,7 +29,8 @@ BOUNDS = {
     "qwen3_5": ({"linear+mlp": 8, "full+mlp": 11}, 7),
     "qwen3_5_moe": ({"linear+moe": 15, "full+moe": 20}, 7),
     "nemotron_h": ({"linear+no-ffn": 5, "ffn+moe": 9, "full+no-ffn": 6, "ffn+mlp": 4}, 6),
-    "mimo_v2_flash": ({"full+mlp": 11, "sliding+moe": 14}, 7),
+    # mimo_v2_flash: the attention output's v columns (128 of each head's 192) copied for o (counted since session 26)
+    "mimo_v2_flash": ({"full+mlp": 12, "sliding+moe": 15}, 7),
     "kimi_linear": ({"linear+mlp": 7, "linear+moe": 13, "full+moe": 15}, 6),
     "glm5_next": ({"linear+mlp": 14, "full+moe": 27}, 8),
     "deepseek_v4": ({"full_attention+moe": 30.5}, 8),
@@ -64,7 +65,7 @@ PREFILL_BOUNDS = {
     "qwen3_5": ({"linear+mlp": 23, "full+mlp": 11}, 7),
     "qwen3_5_moe": ({"linear+moe": 33, "full+moe": 20}, 7),
     "kimi_linear": ({"linear+mlp": 50, "linear+moe": 36, "full+moe": 26}, 6),
-    "mimo_v2_flash": ({"full+mlp": 11, "sliding+moe": 17}, 8),
+    "mimo_v2_flash": ({"full+mlp": 12, "sliding+moe": 18}, 8),
 }
 
 
