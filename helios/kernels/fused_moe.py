@@ -246,7 +246,7 @@ def moe_align(
     _align_count_kernel[(num_spans,)](ids, span_counts, sorted_ids, num_entries, num_experts, max_rows, span_rows,
                                       SPAN=ALIGN_SPAN, BLOCK_E=block_e, CHUNK=64, FILL=256, num_warps=8)
     _align_scan_kernel[(1,)](span_counts, block_experts, num_rows, num_spans, max_blocks, BLOCK_M=block_m,
-                             BLOCK_E=block_e, num_warps=8)
+                             BLOCK_E=block_e, BLOCK_S=max(1, min(64, 8192 // block_e)), num_warps=8)
     _align_place_kernel[(num_spans,)](ids, span_counts, sorted_ids, num_entries, SPAN=ALIGN_SPAN, BLOCK_E=block_e,
                                       CHUNK=64, num_warps=8)
     return sorted_ids, block_experts, num_rows
@@ -288,11 +288,15 @@ def _align_scan_kernel(
     max_blocks,
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # spans a step ([BLOCK_S, BLOCK_E] tiles)
 ):
     e = tl.arange(0, BLOCK_E)
+    s = tl.arange(0, BLOCK_S)
     counts = tl.zeros([BLOCK_E], tl.int32)
-    for span in range(0, num_spans):
-        counts += tl.load(span_counts_ptr + span * BLOCK_E + e)
+    for start in range(0, num_spans, BLOCK_S):
+        tile = tl.load(span_counts_ptr + (start + s)[:, None] * BLOCK_E + e[None, :],
+                       mask=(start + s < num_spans)[:, None], other=0)
+        counts += tl.sum(tile, axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     total = tl.sum(padded, axis=0)
@@ -303,10 +307,12 @@ def _align_scan_kernel(
         owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
         tl.store(block_experts_ptr + start + b, tl.where(row < total, owner, -1), mask=start + b < max_blocks)
     first = ends - padded  # span by span, in entry order: each expert's next free row
-    for span in range(0, num_spans):
-        here = tl.load(span_counts_ptr + span * BLOCK_E + e)
-        tl.store(span_counts_ptr + span * BLOCK_E + e, first)
-        first += here
+    for start in range(0, num_spans, BLOCK_S):
+        at = span_counts_ptr + (start + s)[:, None] * BLOCK_E + e[None, :]
+        in_range = (start + s < num_spans)[:, None]
+        tile = tl.load(at, mask=in_range, other=0)
+        tl.store(at, first[None, :] + tl.cumsum(tile, axis=0) - tile, mask=in_range)
+        first += tl.sum(tile, axis=0)
 
 
 @jit

@@ -63,10 +63,12 @@ def test_given_ids_routing_weighs_the_given_experts():
     torch.testing.assert_close(weights, scores / (scores.sum(-1, keepdim=True) + 1e-20) * 1.5, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("num_tokens, num_experts", [(1, 8), (3, 32), (64, 8), (64, 64), (1100, 7), (1100, 256)])
+@pytest.mark.parametrize("num_tokens, num_experts", [(1, 8), (3, 32), (64, 8), (64, 64), (1100, 7), (1100, 256),
+                                                     (2100, 512)])
 def test_align_matches_its_reference_with_buffers_sized_by_shape(num_tokens, num_experts):
-    """Up to ALIGN_KERNEL_MAX_ENTRIES entries one program; beyond (the last two: 4400 entries) the spans' three
-    launches: both give moe_align_ref's tensors, bit for bit."""
+    """Up to ALIGN_KERNEL_MAX_ENTRIES entries one program; beyond (the last three: 4400 and 8400 entries) the spans'
+    three launches (the last: 17 spans, scanned in two tiles of 16): both give moe_align_ref's tensors, bit for
+    bit."""
     g = torch.Generator().manual_seed(num_tokens)
     ids = torch.randint(0, num_experts, (num_tokens, 4), generator=g)
     got = fused_moe.moe_align(ids, num_experts, 16)
