@@ -170,6 +170,22 @@ def max_sorted_rows(num_entries: int, num_experts: int, block_m: int) -> int:
 
 
 @jit
+def _runs(counts, block_experts_ptr, num_rows_ptr, max_blocks, BLOCK_M: tl.constexpr):
+    """From each expert's entry count: its run's rows (padded to BLOCK_M) and the runs' ends; stores the rows in use
+    and each block's expert (-1 past them). Returns (padded, ends)."""
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    tl.store(num_rows_ptr, total)
+    b = tl.arange(0, 64)
+    for start in range(0, max_blocks, 64):  # a block's expert: how many experts' runs end at or before it
+        row = (start + b) * BLOCK_M
+        owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + start + b, tl.where(row < total, owner, -1), mask=start + b < max_blocks)
+    return padded, ends
+
+
+@jit
 def _align_kernel(
     ids_ptr,  # [N] int32 expert of each entry (token * k + slot)
     sorted_ptr,  # [max_rows] int32 out: entry per row, N on padding rows
@@ -184,27 +200,34 @@ def _align_kernel(
     CHUNK: tl.constexpr,  # entries per step (one-hot tiles [CHUNK, BLOCK_E])
     FILL: tl.constexpr,  # rows per step of the padding fill
 ):
-    e = tl.arange(0, BLOCK_E)
-    c = tl.arange(0, CHUNK)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for start in range(0, num_entries, CHUNK):
-        ids = tl.load(ids_ptr + start + c, mask=start + c < num_entries, other=-1)
-        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    tl.store(num_rows_ptr, total)
-    b = tl.arange(0, 64)
-    for start in range(0, max_blocks, 64):  # a block's expert: how many experts' runs end at or before it
-        row = (start + b) * BLOCK_M
-        owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
-        tl.store(block_experts_ptr + start + b, tl.where(row < total, owner, -1), mask=start + b < max_blocks)
+    counts = _count_entries(ids_ptr, 0, num_entries, num_entries, BLOCK_E, CHUNK)
+    padded, ends = _runs(counts, block_experts_ptr, num_rows_ptr, max_blocks, BLOCK_M)
     r = tl.arange(0, FILL)
     for start in range(0, max_rows, FILL):
         tl.store(sorted_ptr + start + r, tl.zeros([FILL], tl.int32) + num_entries, mask=start + r < max_rows)
     tl.debug_barrier()  # the padding rows are written before the entries land on theirs
-    fill = ends - padded  # the next free row of each expert's run
-    for start in range(0, num_entries, CHUNK):
+    _place_entries(ids_ptr, sorted_ptr, ends - padded, 0, num_entries, num_entries, BLOCK_E, CHUNK)
+
+
+@jit
+def _count_entries(ids_ptr, lo, hi, num_entries, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Each expert's entries among entries [lo, hi) ([BLOCK_E] int32)."""
+    e = tl.arange(0, BLOCK_E)
+    c = tl.arange(0, CHUNK)
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for start in range(lo, hi, CHUNK):
+        ids = tl.load(ids_ptr + start + c, mask=start + c < num_entries, other=-1)
+        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    return counts
+
+
+@jit
+def _place_entries(ids_ptr, sorted_ptr, fill, lo, hi, num_entries, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+    """Entries [lo, hi) onto their rows, in order within each expert: `fill` [BLOCK_E] is each expert's next free
+    row."""
+    e = tl.arange(0, BLOCK_E)
+    c = tl.arange(0, CHUNK)
+    for start in range(lo, hi, CHUNK):
         in_range = start + c < num_entries
         ids = tl.load(ids_ptr + start + c, mask=in_range, other=-1)
         onehot = ids[:, None] == e[None, :]  # [CHUNK, BLOCK_E]
@@ -267,13 +290,8 @@ def _align_count_kernel(
     FILL: tl.constexpr,
 ):
     span = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    c = tl.arange(0, CHUNK)
-    counts = tl.zeros([BLOCK_E], tl.int32)
-    for start in range(span * SPAN, span * SPAN + SPAN, CHUNK):
-        ids = tl.load(ids_ptr + start + c, mask=start + c < num_entries, other=-1)
-        counts += tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
-    tl.store(span_counts_ptr + span * BLOCK_E + e, counts)
+    counts = _count_entries(ids_ptr, span * SPAN, span * SPAN + SPAN, num_entries, BLOCK_E, CHUNK)
+    tl.store(span_counts_ptr + span * BLOCK_E + tl.arange(0, BLOCK_E), counts)
     r = tl.arange(0, FILL)
     for start in range(span * span_rows, span * span_rows + span_rows, FILL):
         tl.store(sorted_ptr + start + r, tl.zeros([FILL], tl.int32) + num_entries, mask=start + r < max_rows)
@@ -297,15 +315,7 @@ def _align_scan_kernel(
         tile = tl.load(span_counts_ptr + (start + s)[:, None] * BLOCK_E + e[None, :],
                        mask=(start + s < num_spans)[:, None], other=0)
         counts += tl.sum(tile, axis=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    total = tl.sum(padded, axis=0)
-    tl.store(num_rows_ptr, total)
-    b = tl.arange(0, 64)
-    for start in range(0, max_blocks, 64):  # a block's expert: how many experts' runs end at or before it
-        row = (start + b) * BLOCK_M
-        owner = tl.sum((ends[None, :] <= row[:, None]).to(tl.int32), axis=1)
-        tl.store(block_experts_ptr + start + b, tl.where(row < total, owner, -1), mask=start + b < max_blocks)
+    padded, ends = _runs(counts, block_experts_ptr, num_rows_ptr, max_blocks, BLOCK_M)
     first = ends - padded  # span by span, in entry order: each expert's next free row
     for start in range(0, num_spans, BLOCK_S):
         at = span_counts_ptr + (start + s)[:, None] * BLOCK_E + e[None, :]
@@ -326,17 +336,8 @@ def _align_place_kernel(
     CHUNK: tl.constexpr,
 ):
     span = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    c = tl.arange(0, CHUNK)
-    fill = tl.load(span_first_ptr + span * BLOCK_E + e)
-    for start in range(span * SPAN, span * SPAN + SPAN, CHUNK):
-        in_range = start + c < num_entries
-        ids = tl.load(ids_ptr + start + c, mask=in_range, other=-1)
-        onehot = ids[:, None] == e[None, :]  # [CHUNK, BLOCK_E]
-        earlier = (ids[:, None] == ids[None, :]) & (c[None, :] < c[:, None])  # same expert, earlier in the chunk
-        row = tl.sum(tl.where(onehot, fill[None, :], 0), axis=1) + tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(sorted_ptr + row, start + c, mask=in_range)
-        fill += tl.sum(onehot.to(tl.int32), axis=0)
+    fill = tl.load(span_first_ptr + span * BLOCK_E + tl.arange(0, BLOCK_E))
+    _place_entries(ids_ptr, sorted_ptr, fill, span * SPAN, span * SPAN + SPAN, num_entries, BLOCK_E, CHUNK)
 
 
 _ONE_TOKEN_LAYOUTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -42,6 +42,12 @@ BOUNDS = {
 }
 
 
+def within_bounds(family: str, got: dict, layers: dict[str, float], step: int) -> None:
+    assert set(got["layers"]) == set(layers), got
+    over = {kind: n for kind, n in got["layers"].items() if n > layers[kind]}
+    assert not over and got["step"] <= step, f"{family}: {got} (bounds {layers}, step {step})"
+
+
 @pytest.fixture(scope="module")
 def launches() -> dict:
     proc = subprocess.run([sys.executable, "benchmarks/decode_launches.py", "--families", ",".join(BOUNDS), "--json"],
@@ -52,11 +58,7 @@ def launches() -> dict:
 
 @pytest.mark.parametrize("family", sorted(BOUNDS))
 def test_a_decode_step_launches_no_more_kernels_than_today(launches, family):
-    layers, step = BOUNDS[family]
-    got = launches[family]
-    assert set(got["layers"]) == set(layers), got
-    over = {kind: n for kind, n in got["layers"].items() if n > layers[kind]}
-    assert not over and got["step"] <= step, f"{family}: {got} (bounds {layers}, step {step})"
+    within_bounds(family, launches[family], *BOUNDS[family])
 
 
 # an eager prompt step of a fresh 4096-token prompt (decode_launches.py --prefill): kernels a layer of each kind
@@ -80,8 +82,4 @@ def prefill_launches() -> dict:
 
 @pytest.mark.parametrize("family", sorted(PREFILL_BOUNDS))
 def test_a_prompt_step_launches_no_more_kernels_than_today(prefill_launches, family):
-    layers, step = PREFILL_BOUNDS[family]
-    got = prefill_launches[family]
-    assert set(got["layers"]) == set(layers), got
-    over = {kind: n for kind, n in got["layers"].items() if n > layers[kind]}
-    assert not over and got["step"] <= step, f"{family}: {got} (bounds {layers}, step {step})"
+    within_bounds(family, prefill_launches[family], *PREFILL_BOUNDS[family])
