@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -481,6 +482,19 @@ def main() -> None:
     parser.add_argument("--layers", default="", help="family=N pairs (comma list): the first N layers of that family's "
                         "pattern instead of the default count (kimi_linear's 14 do not fit an 80 GB card beside HF's copy)")
     args = parser.parse_args()
+    families = args.families.split(",")
+    if args.device == "cuda" and len(families) > 1:
+        # a process per family: one family's leftovers (allocator caches, the runner's graphs) made the next one's
+        # build run out of an H100's memory (session 26: kimi_linear, then mimo_v2_flash)
+        at = sys.argv.index("--families") + 1 if "--families" in sys.argv else None
+        for family in families:
+            argv = list(sys.argv[1:])
+            if at is None:
+                argv += ["--families", family]
+            else:
+                argv[at - 1] = family
+            subprocess.run([sys.executable, __file__, *argv], check=False)
+        return
     for pair in filter(None, args.layers.split(",")):
         family, _, count = pair.partition("=")
         LAYERS[family] = int(count)
@@ -491,7 +505,7 @@ def main() -> None:
               f"TFLOP/s", flush=True)
     else:  # no limits to speak of here: the fractions printed are against a nominal 1 GB/s and 1 TFLOP/s
         bandwidth, matmul = 1e9, 1e12
-    for family in args.families.split(","):
+    for family in families:
         run_family(family, [int(b) for b in args.batches.split(",")], bandwidth, matmul, not args.skip_hf,
                    args.device, args.tiny, tuple(int(b) for b in args.profile.split(",") if b),
                    tuple(v for v in args.variants.split(";") if v.strip()),
