@@ -9,7 +9,8 @@ A torch op may launch more than one kernel (cuBLAS, sort), so the torch column i
 
 With --prefill N it counts an eager prompt step of a fresh N-token prompt instead (fla's chunked kernels for the
 recurrent layers, their autotuners on their first config): on the GPU such a step is host-bound when it launches
-more kernels than its work hides (before session 26: qwen3_5_moe's 4096-token step, 1456 launches, the GPU idle half the time).
+more kernels than its work hides (before session 26: qwen3_5_moe's 4096-token step, 1456 launches, the GPU idle half
+the time).
 
 Usage: python benchmarks/decode_launches.py [--families qwen3_5,qwen3_5_moe,mimo_v2_flash,kimi_linear] [--batch 1]
        [--rows 12] [--prefill 4096]
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.gpu_hybrid import PAGE, hf_config  # noqa: E402
 
 # torch ops that launch no kernel: allocation, metadata, and the ops a capture records nothing for
+MAX_LEN = 8192  # the context the rotary table and the decode graphs are made for
 NO_KERNEL = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh",
                        "detach", "alias", "resize_", "set_", "sym_size", "sym_stride", "sym_numel", "is_nonzero",
                        "_local_scalar_dense", "record_stream"})
@@ -124,24 +126,22 @@ def layer_kind(arch, layer: torch.nn.Module, index: int) -> str:
     return f"{mixer}+{ffn}"
 
 
-def count(family: str, batch: int) -> tuple[Counter, Counter]:
-    """(launches by (where, kernel), layers by kind) of one graphed decode step of `batch` rows."""
+@contextlib.contextmanager
+def _traced_model(family: str, dtype: torch.dtype = torch.bfloat16):
+    """(arch, model on meta tensors, the Launches mode, layers by kind) with every Triton launch counted by the
+    compile hook under a stand-in sm90 driver (nothing compiled, nothing run) and fla's autotuners on their first
+    config; the rotary table made as the runner and helios.runner.aot_trace make it."""
     from triton import knobs
     from triton.runtime import driver
 
     from helios.kernels._triton import meta_as_gpu
     from helios.kernels.aot import _every_launch_missing, _TargetDriver
     from helios.layers.rotary import tabulate_rope
-    from helios.runner.aot_trace import _NUM_PAGES, meta_model
+    from helios.runner.aot_trace import meta_model
     from helios.runner.input_batch import max_table_blocks
     from helios.switches import DEFAULT_SWITCHES
-    from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
-    from helios.runner.kv_cache import KVCache
-    from helios.runner.model_runner import layer_caches
-    from helios.runner.state_cache import StateCache
 
-    arch = meta_arch(family)
-    dtype, meta, max_len = torch.bfloat16, torch.device("meta"), 8192
+    arch = meta_arch(family, dtype)
     mode = Launches()
 
     def hook(**kwargs):
@@ -153,29 +153,42 @@ def count(family: str, batch: int) -> tuple[Counter, Counter]:
     driver.set_active(_TargetDriver(90))
     knobs.runtime.jit_cache_hook = hook
     try:
-        with meta_as_gpu(9, 132), torch.inference_mode(), _every_launch_missing():
+        with meta_as_gpu(9, 132), torch.inference_mode(), _every_launch_missing(), _first_configs():
             model = meta_model(arch, dtype)
-            if DEFAULT_SWITCHES.rope_table:  # as the runner and helios.runner.aot_trace do
-                tabulate_rope(model, max_table_blocks(max_len, PAGE) * PAGE, dtype)
-            reason = unsupported_reason(model, arch, torch.device("cuda"))
-            assert reason is None, f"{family}: no CUDA graphs ({reason})"
-            state = StateCache(arch, batch, dtype, meta) if arch.recurrent is not None else None
-            kv_cache = KVCache.from_arch(arch, _NUM_PAGES, PAGE, dtype, meta)
-            graphs = GraphRunner(model, kv_cache, buckets=[batch], max_model_len=max_len, page_size=PAGE,
-                                 vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads, device=meta,
-                                 capture=False, state_scratch=state.scratch_slot if state is not None else None,
-                                 layer_caches=layer_caches(arch, kv_cache, state))
+            if DEFAULT_SWITCHES.rope_table:
+                tabulate_rope(model, max_table_blocks(MAX_LEN, PAGE) * PAGE, dtype)
             for i, layer in enumerate(model.layers):
                 mode.kinds[id(layer)] = layer_kind(arch, layer, i)
                 layers_by_kind[mode.kinds[id(layer)]] += 1
-            graphs.buffers.pad_all()
-            graphs._forward(batch, graphs.graph_splits(batch)[0])  # the warm-up a capture runs first (it makes
-            mode.counts.clear()  # the layers' cached constants), then the computation it records
-            with mode:
-                graphs._forward(batch, graphs.graph_splits(batch)[0])
+            yield arch, model, mode, layers_by_kind
     finally:
         knobs.runtime.jit_cache_hook = previous_hook
         driver.set_active(previous_driver)
+
+
+def count(family: str, batch: int) -> tuple[Counter, Counter]:
+    """(launches by (where, kernel), layers by kind) of one graphed decode step of `batch` rows."""
+    from helios.runner.aot_trace import _NUM_PAGES
+    from helios.runner.cuda_graphs import GraphRunner, unsupported_reason
+    from helios.runner.kv_cache import KVCache
+    from helios.runner.model_runner import layer_caches
+    from helios.runner.state_cache import StateCache
+
+    dtype, meta = torch.bfloat16, torch.device("meta")
+    with _traced_model(family, dtype) as (arch, model, mode, layers_by_kind):
+        reason = unsupported_reason(model, arch, torch.device("cuda"))
+        assert reason is None, f"{family}: no CUDA graphs ({reason})"
+        state = StateCache(arch, batch, dtype, meta) if arch.recurrent is not None else None
+        kv_cache = KVCache.from_arch(arch, _NUM_PAGES, PAGE, dtype, meta)
+        graphs = GraphRunner(model, kv_cache, buckets=[batch], max_model_len=MAX_LEN, page_size=PAGE,
+                             vocab_size=arch.vocab_size, num_kv_heads=arch.num_kv_heads, device=meta,
+                             capture=False, state_scratch=state.scratch_slot if state is not None else None,
+                             layer_caches=layer_caches(arch, kv_cache, state))
+        graphs.buffers.pad_all()
+        graphs._forward(batch, graphs.graph_splits(batch)[0])  # the warm-up a capture runs first (it makes
+        mode.counts.clear()  # the layers' cached constants), then the computation it records
+        with mode:
+            graphs._forward(batch, graphs.graph_splits(batch)[0])
     return mode.counts, layers_by_kind
 
 
@@ -202,61 +215,31 @@ def count_prefill(family: str, num_tokens: int) -> tuple[Counter, Counter]:
     the runner runs it (no graph), with fla's chunked kernels for the recurrent layers."""
     from dataclasses import replace
 
-    from triton import knobs
-    from triton.runtime import driver
-
     from helios.engine.messages import SamplingParams, ScheduledRequest
-    from helios.kernels._triton import meta_as_gpu
-    from helios.kernels.aot import _every_launch_missing, _TargetDriver
-    from helios.layers.rotary import tabulate_rope
-    from helios.runner.aot_trace import meta_model
-    from helios.runner.input_batch import _META_TENSORS, RequestState, layout_batch, max_table_blocks, prepare_batch
+    from helios.runner.input_batch import _META_TENSORS, RequestState, layout_batch, prepare_batch
     from helios.runner.kv_cache import KVCache
     from helios.runner.model_runner import layer_caches
     from helios.runner.state_cache import StateCache
-    from helios.switches import DEFAULT_SWITCHES
 
-    arch = meta_arch(family)
     dtype, meta = torch.bfloat16, torch.device("meta")
-    mode = Launches()
-
-    def hook(**kwargs):
-        mode.counts[(mode.where(), kwargs["fn"].name)] += 1
-        return True
-
-    layers_by_kind: Counter = Counter()
-    previous_driver, previous_hook = getattr(driver, "_active", None), knobs.runtime.jit_cache_hook
-    driver.set_active(_TargetDriver(90))
-    knobs.runtime.jit_cache_hook = hook
-    try:
-        with meta_as_gpu(9, 132), torch.inference_mode(), _every_launch_missing(), _first_configs():
-            model = meta_model(arch, dtype)
-            if DEFAULT_SWITCHES.rope_table:
-                tabulate_rope(model, max_table_blocks(8192, PAGE) * PAGE, dtype)
-            state = StateCache(arch, 2, dtype, meta) if arch.recurrent is not None else None
-            kv_cache = KVCache.from_arch(arch, num_tokens // PAGE + 8, PAGE, dtype, meta)
-            caches = layer_caches(arch, kv_cache, state)
-            for i, layer in enumerate(model.layers):
-                mode.kinds[id(layer)] = layer_kind(arch, layer, i)
-                layers_by_kind[mode.kinds[id(layer)]] += 1
-            ids = [(7 * j) % 1000 + 10 for j in range(num_tokens)]
-            chunk = ScheduledRequest(req_id="p", token_ids=ids, num_computed_tokens=0,
-                                     block_ids=list(range(-(-num_tokens // PAGE))), group_block_ids=[], sample=True,
-                                     state_slot=0 if state is not None else -1)
-            requests = {"p": RequestState("p", list(ids), SamplingParams())}
-            batch = prepare_batch([chunk], requests, PAGE, "cpu", layout_batch([chunk], requests, PAGE),
-                                  state.scratch_slot if state is not None else None)
-            on_meta = {name: getattr(batch.meta, name).to(meta) for name in _META_TENSORS
-                       if getattr(batch.meta, name) is not None}
-            for _ in range(2):  # the first makes the layers' cached constants, as a real first step does
-                mode.counts.clear()
-                with mode:
-                    hidden = model.forward(batch.token_ids.to(meta), replace(batch.meta, **on_meta, derived={}),
-                                           caches)
-                    model.compute_logits(hidden[batch.logits_indices.to(meta)])
-    finally:
-        knobs.runtime.jit_cache_hook = previous_hook
-        driver.set_active(previous_driver)
+    with _traced_model(family, dtype) as (arch, model, mode, layers_by_kind):
+        state = StateCache(arch, 2, dtype, meta) if arch.recurrent is not None else None
+        kv_cache = KVCache.from_arch(arch, num_tokens // PAGE + 8, PAGE, dtype, meta)
+        caches = layer_caches(arch, kv_cache, state)
+        ids = [(7 * j) % 1000 + 10 for j in range(num_tokens)]
+        chunk = ScheduledRequest(req_id="p", token_ids=ids, num_computed_tokens=0,
+                                 block_ids=list(range(-(-num_tokens // PAGE))), group_block_ids=[], sample=True,
+                                 state_slot=0 if state is not None else -1)
+        requests = {"p": RequestState("p", list(ids), SamplingParams())}
+        batch = prepare_batch([chunk], requests, PAGE, "cpu", layout_batch([chunk], requests, PAGE),
+                              state.scratch_slot if state is not None else None)
+        on_meta = {name: getattr(batch.meta, name).to(meta) for name in _META_TENSORS
+                   if getattr(batch.meta, name) is not None}
+        for _ in range(2):  # the first makes the layers' cached constants, as a real first step does
+            mode.counts.clear()
+            with mode:
+                hidden = model.forward(batch.token_ids.to(meta), replace(batch.meta, **on_meta, derived={}), caches)
+                model.compute_logits(hidden[batch.logits_indices.to(meta)])
     return mode.counts, layers_by_kind
 
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from helios.core.load import _map_safetensors  # noqa: E402
 from helios.runner.upload import (  # noqa: E402
-    ALIGN, SWITCH_INTERVAL_S, HostRing, _align_up, copy_through, plan_chunks, upload_tensors)
+    ALIGN, SWITCH_INTERVAL_S, HostRing, copy_through, plan_chunks, staged_bytes, upload_tensors)
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_kv_heads=8, head_dim=128)
 TINY = dict(vocab_size=1000, hidden_size=256, intermediate_size=704, num_kv_heads=2, head_dim=32)
@@ -136,7 +136,7 @@ def ring_label(m: int, b: int, th: int, ms: float) -> str:
 def plan_stats(shapes: dict[str, list[int]], buffer_bytes: int, num_buffers: int) -> str:
     """The plan copy_through makes for a bf16 file of `shapes` (file order is address order)."""
     sizes = [2 * torch.Size(shape).numel() for shape in shapes.values()]
-    buffer_bytes = min(buffer_bytes, max(ALIGN, sum(_align_up(s) for s in sizes)))
+    buffer_bytes = min(buffer_bytes, staged_bytes(sizes))
     chunks = plan_chunks(sizes, buffer_bytes, num_buffers)
     used = sum(c.num_bytes for c in chunks)
     pieces = sum(len(c.pieces) for c in chunks)
