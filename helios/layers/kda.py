@@ -19,6 +19,7 @@ from helios.layers.attention import AttentionMetadata
 from helios.layers.linear import Linear, Stacked, meta_parameter
 from helios.layers.linear_attention import (
     RecurrentMixer,
+    all_fresh,
     fla_cu_seqlens,
     sequence_starts,
     sequence_starts_device,
@@ -69,16 +70,15 @@ class KimiDeltaAttention(RecurrentMixer):
         else:
             slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
             mixed = ops.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts, activation="silu")
-            q, k, v = self._heads(mixed)
+            q, k, v = self._heads(mixed.split([self.inner] * 3, dim=-1))
             g, beta = ops.kimi_delta_gates(self.f_b(f_a), b, self.A_log, self.dt_bias, c.gate_lower_bound)
             o = ops.kimi_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts, chunk_size=c.chunk_size)
         o = self.gated_norm(o.reshape(-1, d), self.g_b(g_a).reshape(-1, d), self.norm.weight, self.eps,
                             activation="sigmoid", multiply_in_float32=True)
         return self.out(o.reshape(num_tokens, self.inner))
 
-    def _heads(self, mixed: torch.Tensor):  # [T, C] -> q, k, v [T, H, d]
-        return (t.reshape(mixed.shape[0], self.config.num_heads, self.head_dim)
-                for t in mixed.split([self.inner] * 3, dim=-1))
+    def _heads(self, parts):  # the conv output's q, k, v columns, [T, inner] each -> [T, H, d] each
+        return (t.reshape(t.shape[0], self.config.num_heads, self.head_dim) for t in parts)
 
     def _decode_fused(self, mixed, f_a, g_a, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:
         """A decode step (one token per sequence) on the Triton path: between in_proj and out one launch
@@ -99,9 +99,10 @@ class KimiDeltaAttention(RecurrentMixer):
 
         c = self.config
         qsl, starts = meta.query_start_loc, sequence_starts_device(meta)
-        parts = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts,
-                                        seq_ids=token_sequences_device(meta), planar=(self.inner,) * 3)
-        q, k, v = (t.view(t.shape[0], c.num_heads, self.head_dim) for t in parts)  # contiguous: fla copies none
+        # planar: q, k and v each contiguous (their reshapes are views), as fla takes them without a copy
+        q, k, v = self._heads(gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl,
+                                                      starts, seq_ids=token_sequences_device(meta),
+                                                      planar=(self.inner,) * 3))
         safe = c.gate_lower_bound is not None
         g, beta = gated_delta.delta_gates(f, b, self.A_log, self.dt_bias,
                                           gated_delta.GATE_SAFE if safe else gated_delta.GATE_SOFTPLUS_KIMI,
@@ -109,4 +110,4 @@ class KimiDeltaAttention(RecurrentMixer):
         g = g.view(g.shape[0], c.num_heads, self.head_dim)
         return kda.kda_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
                             chunk_size=c.chunk_size, cu_seqlens=fla_cu_seqlens(meta),
-                            all_fresh=not any(sequence_starts(meta)))
+                            all_fresh=all_fresh(meta))

@@ -28,6 +28,12 @@ def sequence_starts(meta: AttentionMetadata) -> list[int]:
     return starts
 
 
+def all_fresh(meta: AttentionMetadata) -> bool:
+    """Whether every sequence of the step starts at position 0 (a host fact): the chunked rules then gather no
+    state (helios.kernels.gated_delta.chunked_by_slot's all_fresh)."""
+    return not any(sequence_starts(meta))
+
+
 def fla_cu_seqlens(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # [B + 1] int64 each
     """query_start_loc as flash-linear-attention's varlen kernels take it, on the device and on the host, derived
     once per step: fla memoizes its chunk layout by these tensors' identity, so every recurrent layer of the step
@@ -120,7 +126,7 @@ class GatedDeltaNet(RecurrentMixer):
         else:
             slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
             mixed = recurrent.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts)
-            q, k, v = self._heads(mixed)
+            q, k, v = self._heads(mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1))
             g, beta = self._gates(a, b)
             o = recurrent.gated_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts,
                                            chunk_size=c.chunk_size)
@@ -132,10 +138,10 @@ class GatedDeltaNet(RecurrentMixer):
                                 self.eps, activation=c.output_gate)
         return self.out(o.reshape(num_tokens, self.value_dim))
 
-    def _heads(self, mixed: torch.Tensor):  # [T, C] -> q, k [T, Hk, dk], v [T, Hv, dv]
+    def _heads(self, parts):  # the conv output's q, k, v columns [T, kd], [T, kd], [T, vd] -> [T, H, d] each
         c = self.config
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        num_tokens = mixed.shape[0]
+        q, k, v = parts
+        num_tokens = q.shape[0]
         return (q.reshape(num_tokens, c.num_key_heads, c.key_head_dim),
                 k.reshape(num_tokens, c.num_key_heads, c.key_head_dim),
                 v.reshape(num_tokens, c.num_heads, c.value_head_dim))
@@ -155,14 +161,11 @@ class GatedDeltaNet(RecurrentMixer):
             return gated_delta.gated_delta_decode(mixed, self.conv.weight, conv_state, a, b, self.A_log,
                                                   self.dt_bias, recurrent_state, meta.state_slots, starts,
                                                   self.config.num_key_heads)
-        c, num_tokens = self.config, mixed.shape[0]
-        q, k, v = gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl, starts,
-                                          seq_ids=token_sequences_device(meta),
-                                          planar=(self.key_dim, self.key_dim, self.value_dim))
-        q = q.view(num_tokens, c.num_key_heads, c.key_head_dim)  # each contiguous, as fla takes them without a copy
-        k = k.view(num_tokens, c.num_key_heads, c.key_head_dim)
-        v = v.view(num_tokens, c.num_heads, c.value_head_dim)
+        # planar: q, k and v each contiguous (their reshapes are views), as fla takes them without a copy
+        q, k, v = self._heads(gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl,
+                                                      starts, seq_ids=token_sequences_device(meta),
+                                                      planar=(self.key_dim, self.key_dim, self.value_dim)))
         g, beta = gated_delta.delta_gates(a, b, self.A_log, self.dt_bias)
         return gated_delta.gated_delta_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
                                             chunk_size=self.config.chunk_size, cu_seqlens=fla_cu_seqlens(meta),
-                                            all_fresh=not any(sequence_starts(meta)))
+                                            all_fresh=all_fresh(meta))
