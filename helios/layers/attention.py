@@ -84,6 +84,45 @@ def single_rows(meta: AttentionMetadata, seqs: list[int], device: torch.device) 
     return meta.derived[key]
 
 
+def rows_of(meta: AttentionMetadata, seqs: list[int]) -> list[int]:
+    """The token rows of sequences `seqs` of the step, in their order."""
+    qsl = meta.query_start_loc_cpu
+    return [row for i in seqs for row in range(qsl[i], qsl[i + 1])]
+
+
+def row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Rows as an index: a slice when they are one ascending run (a view, no copy), else an int64 device tensor."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return device_tensor(rows, torch.int64, device)
+
+
+def subset(meta: AttentionMetadata, seqs: list[int]) -> AttentionMetadata:
+    """The metadata of sequences `seqs` of a step alone, their tokens renumbered from 0 in that order: what a layer
+    hands a kernel that takes a part of the step (helios.layers.linear_attention.mixed_rows). Device rows are
+    gathered here, once per step and subset (derived)."""
+    key = ("subset", tuple(seqs))
+    if key in meta.derived:
+        return meta.derived[key]
+    device = meta.query_start_loc.device
+    qsl = meta.query_start_loc_cpu
+    sub_qsl = [0]
+    for i in seqs:
+        sub_qsl.append(sub_qsl[-1] + qsl[i + 1] - qsl[i])
+    rows, index = row_index(rows_of(meta, seqs), device), device_tensor(seqs, torch.int64, device)
+    sub = meta.derived[key] = replace(
+        meta, positions=meta.positions[rows], slot_mapping=meta.slot_mapping[rows],
+        query_start_loc=device_tensor(sub_qsl, torch.int32, device), seq_lens=meta.seq_lens[index],
+        block_tables=meta.block_tables[index], query_start_loc_cpu=sub_qsl,
+        seq_lens_cpu=[meta.seq_lens_cpu[i] for i in seqs],
+        state_slots=meta.state_slots[index] if meta.state_slots is not None else None,
+        state_slots_cpu=[meta.state_slots_cpu[i] for i in seqs] if meta.state_slots_cpu else [],
+        context_token_ids=meta.context_token_ids[index] if meta.context_token_ids is not None else None,
+        window_groups={w: (tables[index], slots[rows]) for w, (tables, slots) in meta.window_groups.items()},
+        derived={})
+    return sub
+
+
 class AttentionBackend(Protocol):
     """What a layer needs from an attention implementation; one instance serves every layer."""
 

@@ -21,6 +21,7 @@ from helios.layers.linear_attention import (
     RecurrentMixer,
     all_fresh,
     fla_cu_seqlens,
+    mixed_rows,
     sequence_starts,
     sequence_starts_device,
     token_sequences_device,
@@ -63,22 +64,37 @@ class KimiDeltaAttention(RecurrentMixer):
         num_tokens = x.shape[0]
         mixed, f_a, g_a, b = self.in_proj(x).split([c.conv_dim, d, d, c.num_heads], dim=-1)
         conv_state, recurrent_state = state
-        if self.fused and num_tokens == meta.num_seqs:
-            return self._decode_fused(mixed, f_a, g_a, b, conv_state, recurrent_state, meta)
+        split = mixed_rows(meta) if self.fused else None
+        if split is not None:  # decode rows by the one-token kernel, the prompts' rows chunked
+            out = x.new_empty(num_tokens, self.out.out_features)
+            for rows, part in split:
+                out[rows] = self._fused(mixed[rows], f_a[rows], g_a[rows], b[rows], conv_state, recurrent_state, part)
+            return out
         if self.fused:
-            o = self._mix_fused(mixed, self.f_b(f_a), b, conv_state, recurrent_state, meta)
-        else:
-            slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
-            mixed = ops.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts, activation="silu")
-            q, k, v = self._heads(mixed.split([self.inner] * 3, dim=-1))
-            g, beta = ops.kimi_delta_gates(self.f_b(f_a), b, self.A_log, self.dt_bias, c.gate_lower_bound)
-            o = ops.kimi_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts, chunk_size=c.chunk_size)
+            return self._fused(mixed, f_a, g_a, b, conv_state, recurrent_state, meta)
+        slots, qsl, starts = meta.state_slots_cpu, meta.query_start_loc_cpu, sequence_starts(meta)
+        mixed = ops.causal_conv(mixed, self.conv.weight, conv_state, slots, qsl, starts, activation="silu")
+        q, k, v = self._heads(mixed.split([self.inner] * 3, dim=-1))
+        g, beta = ops.kimi_delta_gates(self.f_b(f_a), b, self.A_log, self.dt_bias, c.gate_lower_bound)
+        o = ops.kimi_delta_rule(q, k, v, g, beta, recurrent_state, slots, qsl, starts, chunk_size=c.chunk_size)
+        return self._output(o, g_a, num_tokens)
+
+    def _output(self, o: torch.Tensor, g_a: torch.Tensor, num_tokens: int) -> torch.Tensor:  # [T, H]
+        """The gated output norm (g_b's gate) and out, from the rule's output [T, Hk, d]."""
+        d = self.head_dim
         o = self.gated_norm(o.reshape(-1, d), self.g_b(g_a).reshape(-1, d), self.norm.weight, self.eps,
                             activation="sigmoid", multiply_in_float32=True)
         return self.out(o.reshape(num_tokens, self.inner))
 
     def _heads(self, parts):  # the conv output's q, k, v columns, [T, inner] each -> [T, H, d] each
         return (t.reshape(t.shape[0], self.config.num_heads, self.head_dim) for t in parts)
+
+    def _fused(self, mixed, f_a, g_a, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:
+        """The Triton path of a decode step or a prompt step, from in_proj's parts to out's output."""
+        if mixed.shape[0] == meta.num_seqs:
+            return self._decode_fused(mixed, f_a, g_a, b, conv_state, recurrent_state, meta)
+        o = self._mix_fused(mixed, self.f_b(f_a), b, conv_state, recurrent_state, meta)
+        return self._output(o, g_a, mixed.shape[0])
 
     def _decode_fused(self, mixed, f_a, g_a, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:
         """A decode step (one token per sequence) on the Triton path: between in_proj and out one launch

@@ -12,7 +12,7 @@ from torch import nn
 
 from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent
-from helios.layers.attention import AttentionMetadata
+from helios.layers.attention import AttentionMetadata, row_index, rows_of, subset
 from helios.layers.linear import Linear, Stacked, meta_parameter
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -67,6 +67,26 @@ def token_sequences_device(meta: AttentionMetadata) -> torch.Tensor:  # [T] int3
         rows = torch.arange(meta.positions.shape[0], dtype=qsl.dtype, device=qsl.device)
         ids = meta.derived["token_sequences_device"] = torch.searchsorted(qsl[1:], rows, right=True).to(torch.int32)
     return ids
+
+
+def mixed_rows(meta: AttentionMetadata):
+    """A mixed step's split for the fused recurrent layers: ((rows, metadata) of its one-token sequences, (rows,
+    metadata) of the others), or None for a step of one kind (every sequence one token, or none).
+
+    NOTE: batch invariance. A one-token sequence (a decode) takes the one-token kernel in every step, as it does
+    in a decode step, instead of riding in fla's chunked prefill beside the prompts: fla runs float32 dots in TF32
+    on sm80+, so in a float32 core a decode row's output depended on whether the step held a prompt (tests/gpu/
+    test_recurrent_families_cuda.py, kimi_linear and qwen3_next: 16 requests together against alone)."""
+    if "mixed_rows" not in meta.derived:
+        qsl = meta.query_start_loc_cpu
+        singles = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+        split = None
+        if 0 < len(singles) < meta.num_seqs:
+            others = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] != 1]
+            device = meta.query_start_loc.device
+            split = tuple((row_index(rows_of(meta, seqs), device), subset(meta, seqs)) for seqs in (singles, others))
+        meta.derived["mixed_rows"] = split
+    return meta.derived["mixed_rows"]
 
 
 class RecurrentMixer(nn.Module):
@@ -153,9 +173,16 @@ class GatedDeltaNet(RecurrentMixer):
 
     def _mix_fused(self, mixed, a, b, conv_state, recurrent_state, meta: AttentionMetadata) -> torch.Tensor:
         """The Triton path (helios.kernels.gated_delta): a decode step (one token per sequence) in one launch
-        from device-side slots and starts (graph-safe); otherwise the varlen conv kernel and fla's chunked rule."""
+        from device-side slots and starts (graph-safe); a prompt step by the varlen conv kernel and fla's chunked
+        rule; a mixed step as the two apart (mixed_rows)."""
         from helios.kernels import gated_delta
 
+        split = mixed_rows(meta)
+        if split is not None:  # decode rows by the one-token kernel, the prompts' rows chunked
+            o = mixed.new_empty(mixed.shape[0], self.config.num_heads, self.config.value_head_dim)
+            for rows, part in split:
+                o[rows] = self._mix_fused(mixed[rows], a[rows], b[rows], conv_state, recurrent_state, part)
+            return o
         qsl, starts = meta.query_start_loc, sequence_starts_device(meta)
         if mixed.shape[0] == meta.num_seqs:
             return gated_delta.gated_delta_decode(mixed, self.conv.weight, conv_state, a, b, self.A_log,
