@@ -51,3 +51,17 @@ def test_heads_side_by_side_share_one_weight_and_match_the_per_head_rows(interpr
     got = gated_rms_norm(x, z, weight, 1e-6, group_size=16)
     per_head = gated_rms_norm(x.reshape(-1, 16), z.reshape(-1, 16), weight, 1e-6)
     assert torch.equal(got, per_head.view(5, 64))
+
+
+def test_a_row_gives_the_same_bits_alone_and_among_many(interpreter):
+    """A program normalizes a fixed tile of (row, group) pairs (gated_norm.TILE): 300 rows of 8 heads of 16 span
+    several tiles, a tile holds pieces of several rows, and each row alone gives its bits in the batch."""
+    from helios.kernels.gated_norm import TILE, gated_rms_norm
+
+    gen = torch.Generator().manual_seed(5)
+    x, z = torch.randn(300, 128, generator=gen), torch.randn(300, 128, generator=gen)
+    weight = 1 + 0.1 * torch.randn(16, generator=gen)
+    got = gated_rms_norm(x, z, weight, 1e-6, group_size=16)
+    assert 300 * 8 > TILE // 16, "more pairs than one tile holds"
+    for row in (0, 127, 128, 299):
+        assert torch.equal(gated_rms_norm(x[row:row + 1], z[row:row + 1], weight, 1e-6, group_size=16), got[row:row + 1])
