@@ -12,7 +12,7 @@ Variants: fused = gated_delta_decode (conv + silu + gate + l2norm + rule + outpu
 step = gated_delta_rule's one-token path (q/k/v/g/beta given: the same work as fla's kernel); fla = fla's kernel
 on states already gathered per request (its input and output state tensors: same bytes); fla+gather = index_select
 the slots, fla, index_copy back (what using fla for decode costs in a slot-indexed cache).
-Usage: python benchmarks/gpu_gated_delta.py [--batches 1,8,64,256] [--iters 20]
+Usage: python benchmarks/gpu_gated_delta.py [--batches 1,8,64,256] [--iters 20] [--value-heads 48]
 On the lent H200 (fla-core and einops wheels in .whl/, carried), after the GPU tests:
   PARTS=tests TEST_PATHS=tests/gpu/test_gated_delta_cuda.py bash benchmarks/h200_run.sh
   PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_gated_delta.py
@@ -123,21 +123,23 @@ def run(batch: int, iters: int, copy_gbs: float, dtype=torch.bfloat16) -> list[t
         try:
             seconds = graph_time(fused, iters) / num_layers
         finally:
-            gd.BLOCK_V, gd.STATE_FIRST = 32, False
-        mark = "*" if (block_v, state_first, splits) == (32, False, default) else ""
+            gd.BLOCK_V, gd.STATE_FIRST = saved
+        mark = "*" if (block_v, state_first, splits) == (saved[0], False, default) else ""
         record(f"fused bv{block_v}{' sf' if state_first else ''} s{splits}{mark}", seconds)
         return seconds
 
-    tiles = HV // HK * -(-DV // 32)
-    default = gd.decode_splits(batch, HK, tiles, torch.cuda.get_device_properties(0).multi_processor_count)
+    saved = gd.BLOCK_V, gd.STATE_FIRST  # the default tile width (gated_delta.block_v) and order
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = gd.decode_splits(batch, HK, HV // HK * -(-DV // saved[0]), num_sms)
     split_times = {}
-    for splits in [s for s in range(1, tiles + 1) if tiles % s == 0]:
-        if batch * HK * splits <= 64 * 132 or splits == default:  # not far past filling the chip
-            split_times[splits] = fused_variant(32, False, splits)
-    for splits in sorted({default, min(split_times, key=split_times.get)}):
-        fused_variant(32, True, splits)
-        if (tiles // 2) % splits == 0:  # bv64: half the tiles per key head (with sf it spills: not tried)
-            fused_variant(64, False, splits)
+    for width in (32, 64):
+        tiles = HV // HK * -(-DV // width)
+        for splits in [s for s in range(1, tiles + 1) if tiles % s == 0]:
+            if batch * HK * splits <= 64 * 132 or (width, splits) == (saved[0], default):  # not far past the chip
+                split_times[width, splits] = fused_variant(width, False, splits)
+    best32 = min((s for w, s in split_times if w == 32), key=lambda s: split_times[32, s])
+    for splits in sorted({best32, default if saved[0] == 32 else best32}):
+        fused_variant(32, True, splits)  # state first: tried at 32 columns only (at 64 it spills)
 
     def step():
         for layer in layers:
@@ -173,10 +175,14 @@ def run(batch: int, iters: int, copy_gbs: float, dtype=torch.bfloat16) -> list[t
 
 
 def main() -> None:
+    global HV, CHANNELS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,8,64,256")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--value-heads", type=int, default=HV,
+                        help="value heads (48: the 27B, assumed; 32: transformers' Qwen3_5TextConfig, gpu_hybrid's qwen3_5)")
     args = parser.parse_args()
+    HV, CHANNELS = args.value_heads, 2 * HK * DK + args.value_heads * DV
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gbs:.0f} GB/s; shape Hk={HK} Hv={HV} dk={DK} dv={DV} "

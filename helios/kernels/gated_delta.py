@@ -31,7 +31,20 @@ from helios.kernels._triton import (
 )
 
 L2_EPS = 1e-6  # q/k l2norm (transformers' l2norm and fla's: x * rsqrt(sum x^2 + eps))
-BLOCK_V = 32  # value columns per state tile ([dk, BLOCK_V] float32 in registers); benchmarks/gpu_gated_delta.py
+# value columns per state tile ([dk, BLOCK_V] float32 in registers), by the key width alone: a row's bits then never
+# depend on its batch (the split count only shares out whole tiles). H100, qwen3_5's 16 / 32 heads of 128
+# (benchmarks/gpu_gated_delta.py --value-heads 32, us a layer, 32 -> 64 columns): b=1 6.5 -> 6.8, b=32 59.4 -> 60.9,
+# b=64 129.4 -> 106.8 (68.6% -> 83.0% of the copy bandwidth), b=256 435.9 -> 401.4; wider keys keep 32 (registers)
+BLOCK_V = 64
+BLOCK_V_WIDE_KEYS = 32  # dk > 128
+
+
+def block_v(dk: int, dv: int, columns: int | None = None) -> int:
+    """The state tile's value columns for key width dk (a power of two, at most dv's next power of two); `columns`
+    instead of this kernel's choice (helios.kernels.kda's step keeps 32: its folds hold more registers)."""
+    return min(columns or (BLOCK_V if dk <= 128 else BLOCK_V_WIDE_KEYS), next_power_of_2(dv))
+
+
 NUM_WARPS = 4
 NUM_STAGES = 3  # the tile loop's software pipelining (Triton's default)
 # the fused step loads each state tile before its conv (overlapping the two, at twice the registers) or after
@@ -286,19 +299,19 @@ def gated_delta_decode(
     return out
 
 
-def _splits(num_rows, num_k_heads, state, num_splits) -> int:
-    """The split count (given, or decode_splits'), checked against the key head's state tiles."""
+def _splits(num_rows, num_k_heads, state, num_splits, columns: int | None = None) -> int:
+    """The split count (given, or decode_splits'), checked against the key head's state tiles (block_v's)."""
     _, num_v_heads, _, dv = state.shape
-    tiles = num_v_heads // num_k_heads * -(-dv // min(BLOCK_V, next_power_of_2(dv)))
+    tiles = num_v_heads // num_k_heads * -(-dv // block_v(state.shape[2], dv, columns))
     splits = num_splits or decode_splits(num_rows, num_k_heads, tiles, _num_sms(state))
     assert tiles % splits == 0, f"num_splits {splits} must divide the key head's {tiles} state tiles"
     return splits
 
 
-def _tile_args(num_k_heads, state, splits) -> dict:
+def _tile_args(num_k_heads, state, splits, columns: int | None = None) -> dict:
     _, num_v_heads, dk, dv = state.shape
     return dict(HK=num_k_heads, GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv, BK=next_power_of_2(dk),
-                BV=min(BLOCK_V, next_power_of_2(dv)), SPLIT=splits)
+                BV=block_v(dk, dv, columns), SPLIT=splits)
 
 
 def recurrent_step(q, k, v, g, beta, state, slots, starts, num_splits=None) -> torch.Tensor:

@@ -48,6 +48,9 @@ from helios.kernels.gated_delta import (
 
 FLA_CHUNK_SIZES = (32, 64)  # chunk_kda's
 FOLD_BLOCK = 32  # f_b's / g_b's input columns per step of a folded product ([d, 32] weight tiles in registers)
+# the step's state tiles [dk, 32]: the GDN step took 64 columns (gated_delta.BLOCK_V, timed on the H100); this one, with
+# the folds' weight tiles beside, is not timed at 64
+STATE_COLUMNS = 32
 
 
 class GatedOutputNorm(NamedTuple):
@@ -245,14 +248,14 @@ def kda_decode(
     out = torch.empty(num_rows, num_heads, dv, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     if num_rows == 0:
         return out
-    splits = _splits(num_rows, num_heads, state, num_splits)
+    splits = _splits(num_rows, num_heads, state, num_splits, STATE_COLUMNS)
     counters = None
     if splits > 1:
         groups = num_rows * num_heads * (2 if output_norm is not None else 1)
         assert groups <= COUNTER_SLOTS, "more (row, head) groups than arrival counters"
         counters = arrival_counters(mixed_qkv.device, "kda")
     width = conv_weight.shape[1]
-    tiles = _tile_args(num_heads, state, splits)
+    tiles = _tile_args(num_heads, state, splits, STATE_COLUMNS)
     fold_cols = f.shape[1] if f_b_weight is not None else 1
     z_cols = z_in.shape[1] if z_in is not None else 1
     pdl = use_pdl(mixed_qkv, num_rows)

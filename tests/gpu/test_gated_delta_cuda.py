@@ -40,13 +40,13 @@ def test_causal_conv(dtype):
 
 
 @DTYPES
-@pytest.mark.parametrize("num_splits", [None, 1, 2, 4])
-def test_decode(dtype, num_splits):
-    check_decode(CUDA, dtype, num_splits=num_splits)
+@pytest.mark.parametrize("num_splits, num_v_heads", [(None, 4), (1, 4), (2, 4), (4, 8)])
+def test_decode(dtype, num_splits, num_v_heads):  # a key head's tiles: its value heads x dv / 64 columns
+    check_decode(CUDA, dtype, num_v_heads=num_v_heads, num_splits=num_splits)
 
 
 @DTYPES
-@pytest.mark.parametrize("num_splits", [1, 3, 12])
+@pytest.mark.parametrize("num_splits", [1, 3, 6])
 def test_decode_real_shape(dtype, num_splits):
     check_decode(CUDA, dtype, num_splits=num_splits, starts=(0, 5, 1, 130, 0, 7, 2, 9), steps=3, **REAL)
 
@@ -56,7 +56,7 @@ def test_decode_odd_dims_and_bias():
     check_decode(CUDA, torch.float32, num_k_heads=1, num_v_heads=3, dk=24, dv=40, width=3, num_splits=3)
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_padded_rows_share_the_scratch_slot(num_splits):
     check_decode_padded_rows(CUDA, num_splits=num_splits)
 
@@ -89,7 +89,7 @@ def test_decode_in_a_cuda_graph_matches_eager():
     inputs["conv_state"] = inputs["conv_state"].nan_to_num(0.0)
     static = {k: v.clone() for k, v in inputs.items()}
     eager = {k: v.clone() for k, v in inputs.items()}
-    call = dict(slots=batch.slots, starts=batch.starts, num_k_heads=16, num_splits=12)
+    call = dict(slots=batch.slots, starts=batch.starts, num_k_heads=16, num_splits=6)
     gated_delta_decode(**{k: v.clone() for k, v in inputs.items()}, **call)  # warm-up: compile, counters
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
