@@ -1,7 +1,7 @@
 """The recurrent layers' gated RMSNorm in one launch: helios.layers.recurrent.rms_norm_gated's three orders (qwen3_5's
 norm, weight in x's dtype, * silu(z); nemotron_h's x * silu(z) then a grouped norm and the weight; kimi's norm, a
-float32 weight multiply, * sigmoid(z)), a program per tile of (row, group) pairs, statistics in float32. Replaces a dozen
-elementwise torch kernels per layer on the GPU path (a decode step's launch count). Imports torch and
+float32 weight multiply, * sigmoid(z)), a program per tile of (row, group) pairs, statistics in float32. Replaces a
+dozen elementwise torch kernels per layer on the GPU path (a decode step's launch count). Imports torch and
 helios.kernels._triton only.
 """
 

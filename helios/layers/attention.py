@@ -97,10 +97,10 @@ def row_index(rows: list[int], device: torch.device) -> slice | torch.Tensor:
     return device_tensor(rows, torch.int64, device)
 
 
-def subset(meta: AttentionMetadata, seqs: list[int]) -> AttentionMetadata:
-    """The metadata of sequences `seqs` of a step alone, their tokens renumbered from 0 in that order: what a layer
-    hands a kernel that takes a part of the step (helios.layers.linear_attention.mixed_rows). Device rows are
-    gathered here, once per step and subset (derived)."""
+def subset(meta: AttentionMetadata, seqs: list[int]) -> tuple[slice | torch.Tensor, AttentionMetadata]:
+    """Sequences `seqs` of a step as a step of their own: (their token rows in this step, as row_index gives them;
+    their metadata, tokens renumbered from 0 in that order), for a layer that runs a part of the step apart
+    (helios.layers.linear_attention.mixed_rows). Made once per step and subset (derived)."""
     key = ("subset", tuple(seqs))
     if key in meta.derived:
         return meta.derived[key]
@@ -110,7 +110,7 @@ def subset(meta: AttentionMetadata, seqs: list[int]) -> AttentionMetadata:
     for i in seqs:
         sub_qsl.append(sub_qsl[-1] + qsl[i + 1] - qsl[i])
     rows, index = row_index(rows_of(meta, seqs), device), device_tensor(seqs, torch.int64, device)
-    sub = meta.derived[key] = replace(
+    sub = replace(
         meta, positions=meta.positions[rows], slot_mapping=meta.slot_mapping[rows],
         query_start_loc=device_tensor(sub_qsl, torch.int32, device), seq_lens=meta.seq_lens[index],
         block_tables=meta.block_tables[index], query_start_loc_cpu=sub_qsl,
@@ -120,7 +120,8 @@ def subset(meta: AttentionMetadata, seqs: list[int]) -> AttentionMetadata:
         context_token_ids=meta.context_token_ids[index] if meta.context_token_ids is not None else None,
         window_groups={w: (tables[index], slots[rows]) for w, (tables, slots) in meta.window_groups.items()},
         derived={})
-    return sub
+    meta.derived[key] = rows, sub
+    return rows, sub
 
 
 class AttentionBackend(Protocol):

@@ -12,7 +12,7 @@ from torch import nn
 
 from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent
-from helios.layers.attention import AttentionMetadata, row_index, rows_of, subset
+from helios.layers.attention import AttentionMetadata, subset
 from helios.layers.linear import Linear, Stacked, meta_parameter
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -83,8 +83,7 @@ def mixed_rows(meta: AttentionMetadata):
         split = None
         if 0 < len(singles) < meta.num_seqs:
             others = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] != 1]
-            device = meta.query_start_loc.device
-            split = tuple((row_index(rows_of(meta, seqs), device), subset(meta, seqs)) for seqs in (singles, others))
+            split = subset(meta, singles), subset(meta, others)
         meta.derived["mixed_rows"] = split
     return meta.derived["mixed_rows"]
 

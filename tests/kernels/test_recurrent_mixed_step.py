@@ -34,7 +34,8 @@ def metadata(query_lens, starts, slots) -> AttentionMetadata:
     seq_lens = [s + n for s, n in zip(starts, query_lens)]
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, query_lens)])
     return AttentionMetadata(positions=positions, slot_mapping=positions, query_start_loc=torch.tensor(qsl).int(),
-                             seq_lens=torch.tensor(seq_lens).int(), block_tables=torch.arange(len(slots))[:, None].int(),
+                             seq_lens=torch.tensor(seq_lens).int(),
+                             block_tables=torch.arange(len(slots))[:, None].int(),
                              query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
                              state_slots=torch.tensor(slots, dtype=torch.int32), state_slots_cpu=list(slots))
 
