@@ -31,6 +31,7 @@ from helios.kernels._triton import (
 )
 
 L2_EPS = 1e-6  # q/k l2norm (transformers' l2norm and fla's: x * rsqrt(sum x^2 + eps))
+CONV_BLOCK_C = 128  # the prompt conv's column tile (at most)
 # value columns per state tile ([dk, BLOCK_V] float32 in registers), by the key width alone: a row's bits then never
 # depend on its batch (the split count only shares out whole tiles). H100, qwen3_5's 16 / 32 heads of 128
 # (benchmarks/gpu_gated_delta.py --value-heads 32, us a layer, 32 -> 64 columns): b=1 6.5 -> 6.8, b=32 59.4 -> 60.9,
@@ -354,6 +355,7 @@ def _causal_conv_kernel(
     W0, W1,  # PLANAR: the widths of the first two column groups (the third: the rest)
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     PLANAR: tl.constexpr,  # each column group stored as its own row-major [T, width] block, one after the other
+    NORM_HEAD: tl.constexpr = 0,  # > 0 (PLANAR): l2-normalize each NORM_HEAD-wide head of the first two groups
 ):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -378,6 +380,11 @@ def _causal_conv_kernel(
         acc += tl.load(bias_ptr + cols, mask=cols < C, other=0.0).to(tl.float32)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
+    if NORM_HEAD > 0:  # q and k heads (a head never straddles a tile: BC is a multiple of NORM_HEAD)
+        heads = tl.reshape(acc * acc, [BT, BC // NORM_HEAD, NORM_HEAD])
+        rstd = tl.rsqrt(tl.sum(heads, axis=2) + 1e-6)  # [BT, BC // NORM_HEAD], as _l2norm_scaled
+        scale = tl.reshape(tl.broadcast_to(rstd[:, :, None], [BT, BC // NORM_HEAD, NORM_HEAD]), [BT, BC])
+        acc = tl.where((cols < W0 + W1)[None, :], acc * scale, acc)
     if PLANAR:
         first, second = cols < W0, cols < W0 + W1
         start = tl.where(first, 0, tl.where(second, W0, W0 + W1)).to(tl.int64)
@@ -414,6 +421,11 @@ def _conv_state_kernel(
     tl.store(row_ptr + r * C + c, new, mask=keep)
 
 
+def can_norm_heads(head: int, q_width: int, k_width: int) -> bool:
+    """Whether causal_conv can l2-normalize heads of this width in its tiles (up to 128 columns, a power of two)."""
+    return 0 < head <= CONV_BLOCK_C and head & (head - 1) == 0 and q_width % head == 0 and k_width % head == 0
+
+
 def causal_conv(
     x: torch.Tensor,  # [T, C]
     weight: torch.Tensor,  # [C, K]
@@ -425,11 +437,15 @@ def causal_conv(
     activation: str | None = "silu",
     seq_ids: torch.Tensor | None = None,  # [T] int32 each token's sequence (a step's layers share it); None: made here
     planar: tuple[int, int, int] | None = None,  # column group widths, summing to C: return each group contiguous
+    norm_head: int | None = None,  # with planar: l2-normalize each norm_head-wide head of the first two groups
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:  # [T, C] in x's dtype, or with `planar` a contiguous [T, w] per group
     """Varlen depthwise causal conv over a batch of sequences, continuing each from its conv state: two launches
     (the outputs, then each sequence's new last K-1 inputs). Float32 accumulation, one rounding. With `planar` the
     output's column groups (q, k, v) are written as separate contiguous blocks: fla's chunked rule copies every
-    non-contiguous input (three copies a layer otherwise)."""
+    non-contiguous input (three copies a layer otherwise). With `norm_head` (a power of two up to 128 dividing both
+    q and k widths; else see can_norm_heads) the q and k heads come out l2-normalized (x * rsqrt(sum x^2 + 1e-6), on
+    the float32 values, one rounding): fla's rule then takes them as they are instead of normalizing each in two
+    launches of its own."""
     require_triton()
     num_tokens, channels = x.shape
     width = weight.shape[1]
@@ -440,6 +456,8 @@ def causal_conv(
     assert activation in (None, "silu", "swish"), f"activation {activation!r}"
     assert bias is None or (bias.shape == (channels,) and bias.is_contiguous())
     assert planar is None or (len(planar) == 3 and sum(planar) == channels), f"planar {planar} vs {channels}"
+    assert norm_head is None or (planar is not None and can_norm_heads(norm_head, planar[0], planar[1])), \
+        f"norm_head {norm_head} with planar {planar}"
     check_last_dim_contiguous("x", x)
     y = torch.empty(num_tokens * channels, dtype=x.dtype, device=x.device)
     if planar is not None:
@@ -456,13 +474,13 @@ def causal_conv(
     else:
         rows = torch.arange(num_tokens, dtype=query_start_loc.dtype, device=x.device)
         seq_ids = torch.searchsorted(query_start_loc[1:], rows, right=True).to(torch.int32)
-    block_c = min(128, next_power_of_2(channels))
+    block_c = min(CONV_BLOCK_C, next_power_of_2(channels))
     block_t = 16  # one compiled variant for every token count (ahead-of-time compiles)
     _causal_conv_kernel[(-(-num_tokens // block_t), -(-channels // block_c))](
         x, weight, bias if bias is not None else weight, conv_state, y, seq_ids, query_start_loc, slots, starts,
         num_tokens, channels, x.stride(0), *(planar[:2] if planar is not None else (0, 0)),
         K=width, BT=block_t, BC=block_c, HAS_BIAS=bias is not None, SILU=activation is not None,
-        PLANAR=planar is not None, num_warps=4,
+        PLANAR=planar is not None, NORM_HEAD=norm_head or 0, num_warps=4,
     )
     _conv_state_kernel[(num_seqs, -(-channels // block_c))](
         x, conv_state, query_start_loc, slots, starts, channels, x.stride(0),
@@ -566,11 +584,14 @@ def gated_delta_rule(
     chunk_size: int = 64,
     cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
     all_fresh: bool = False,
+    qk_normalized: bool = False,
 ) -> torch.Tensor:  # [T, Hv, dv] in q's dtype
     """The gated delta rule over a varlen batch; q/k l2-normalised inside (eps 1e-6), q scaled by dk**-0.5.
     cu_seqlens: query_start_loc as int64 on the device and on the host, made once per step for every layer
     (helios.layers.linear_attention.fla_cu_seqlens); None: a device copy made here, and fla's device sync.
     all_fresh: the caller knows (from host values) that every sequence starts at position 0: no state is gathered.
+    qk_normalized: q and k come l2-normalized (causal_conv's norm_head): the chunked rule does not normalize them
+    again (a multi-token step only).
 
     T == B (every sequence one token, as every sequence has at least one): the slot-indexed decode kernel, graph-safe.
     Otherwise fla's chunk_gated_delta_rule (fla-core 0.6.0, CUDA only; not graph-safe: it reads the chunk layout
@@ -590,21 +611,24 @@ def gated_delta_rule(
         check_last_dim_contiguous(name, t)
     if num_tokens == num_seqs:
         require_triton()
+        assert not qk_normalized, "the one-token kernel normalizes q and k itself"
         return recurrent_step(q, k, v, g, beta, state, slots, starts)
     # meta: benchmarks/decode_launches.py counts a prompt step's launches
     assert q.is_cuda or q.is_meta, "the chunked prefill runs fla's kernels: CUDA only (the CPU path: the torch ref)"
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     return chunked_by_slot(chunk_gated_delta_rule, q, k, v, g, beta, state, slots, query_start_loc, starts,
-                           chunk_size, cu_seqlens, all_fresh)
+                           chunk_size, cu_seqlens, all_fresh, qk_normalized)
 
 
 def chunked_by_slot(chunk_fn, q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size,
-                    cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None, all_fresh: bool = False):
+                    cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None, all_fresh: bool = False,
+                    qk_normalized: bool = False):
     """fla's varlen chunk_fn on the states gathered by slot (zeros where fresh), the final states scattered back.
     cu_seqlens: (device, host) int64 query_start_loc of this step, shared by its layers (gated_delta_rule's).
     all_fresh: every sequence starts at 0 (the caller's host fact): fla starts from zeros itself (the same values),
-    and nothing is gathered (three launches fewer a layer in a prompt step of new prompts)."""
+    and nothing is gathered (three launches fewer a layer in a prompt step of new prompts).
+    qk_normalized: q and k are l2-normalized already; else fla normalizes them (two launches)."""
     num_seqs, dk = slots.shape[0], q.shape[2]
     index = slots.to(torch.int64)
     if all_fresh:
@@ -618,7 +642,8 @@ def chunked_by_slot(chunk_fn, q, k, v, g, beta, state, slots, query_start_loc, s
     device_cu, host_cu = cu_seqlens if cu_seqlens is not None else (query_start_loc.to(torch.int64, copy=True), None)
     o, final = chunk_fn(
         q[None], k[None], v[None], g[None], beta[None], scale=dk**-0.5, initial_state=initial,
-        output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=device_cu, cu_seqlens_cpu=host_cu,
+        output_final_state=True, use_qk_l2norm_in_kernel=not qk_normalized, cu_seqlens=device_cu,
+        cu_seqlens_cpu=host_cu,
         chunk_size=chunk_size,
     )
     state.index_copy_(0, index, final.to(state.dtype))

@@ -291,9 +291,10 @@ def kda_rule(
     lower_bound: float | None = None,
     cu_seqlens: tuple[torch.Tensor, torch.Tensor] | None = None,
     all_fresh: bool = False,
+    qk_normalized: bool = False,
 ) -> torch.Tensor:  # [T, H, dv] in q's dtype
     """The Kimi delta rule over a varlen batch; q/k l2-normalised inside (eps 1e-6), q scaled by dk**-0.5.
-    cu_seqlens and all_fresh: as gated_delta_rule takes them.
+    cu_seqlens, all_fresh and qk_normalized: as gated_delta_rule takes them.
 
     T == B: the slot-indexed one-token kernel (graph-safe). Otherwise fla's chunk_kda (CUDA only, not graph-safe)
     on the states gathered by slot, as gated_delta_rule does. fla chunks at 32 or 64 only; another chunk_size takes
@@ -312,6 +313,7 @@ def kda_rule(
         check_last_dim_contiguous(name, t)
     if num_tokens == num_seqs:
         require_triton()
+        assert not qk_normalized, "the one-token kernel normalizes q and k itself"
         return recurrent_step(q, k, v, g, beta, state, slots, starts)
     # meta: benchmarks/decode_launches.py counts a prompt step's launches
     assert q.is_cuda or q.is_meta, "the chunked prefill runs fla's kernels: CUDA only (the CPU path: the torch ref)"
@@ -322,7 +324,7 @@ def kda_rule(
     chunk_fn = functools.partial(chunk_kda, safe_gate=safe_gate, lower_bound=lower_bound if safe_gate else None)
     chunk = chunk_size if chunk_size in FLA_CHUNK_SIZES else 64
     return chunked_by_slot(chunk_fn, q, k, v, g, beta, state, slots, query_start_loc, starts, chunk, cu_seqlens,
-                           all_fresh)
+                           all_fresh, qk_normalized)
 
 
 # --- torch references ----------------------------------------------------------------------------------------

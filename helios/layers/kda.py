@@ -116,9 +116,12 @@ class KimiDeltaAttention(RecurrentMixer):
         c = self.config
         qsl, starts = meta.query_start_loc, sequence_starts_device(meta)
         # planar: q, k and v each contiguous (their reshapes are views), as fla takes them without a copy
+        # q and k heads l2-normalized by the conv where its tiles hold whole heads (fla's two launches saved)
+        norm = gated_delta.can_norm_heads(self.head_dim, self.inner, self.inner)
         q, k, v = self._heads(gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl,
                                                       starts, seq_ids=token_sequences_device(meta),
-                                                      planar=(self.inner,) * 3))
+                                                      planar=(self.inner,) * 3,
+                                                      norm_head=self.head_dim if norm else None))
         safe = c.gate_lower_bound is not None
         g, beta = gated_delta.delta_gates(f, b, self.A_log, self.dt_bias,
                                           gated_delta.GATE_SAFE if safe else gated_delta.GATE_SOFTPLUS_KIMI,
@@ -126,4 +129,4 @@ class KimiDeltaAttention(RecurrentMixer):
         g = g.view(g.shape[0], c.num_heads, self.head_dim)
         return kda.kda_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
                             chunk_size=c.chunk_size, cu_seqlens=fla_cu_seqlens(meta),
-                            all_fresh=all_fresh(meta))
+                            all_fresh=all_fresh(meta), qk_normalized=norm)

@@ -188,10 +188,14 @@ class GatedDeltaNet(RecurrentMixer):
                                                   self.dt_bias, recurrent_state, meta.state_slots, starts,
                                                   self.config.num_key_heads)
         # planar: q, k and v each contiguous (their reshapes are views), as fla takes them without a copy
+        # q and k heads l2-normalized by the conv where its tiles hold whole heads (fla's two launches saved)
+        head = self.config.key_head_dim
+        norm = gated_delta.can_norm_heads(head, self.key_dim, self.key_dim)
         q, k, v = self._heads(gated_delta.causal_conv(mixed, self.conv.weight, conv_state, meta.state_slots, qsl,
                                                       starts, seq_ids=token_sequences_device(meta),
-                                                      planar=(self.key_dim, self.key_dim, self.value_dim)))
+                                                      planar=(self.key_dim, self.key_dim, self.value_dim),
+                                                      norm_head=head if norm else None))
         g, beta = gated_delta.delta_gates(a, b, self.A_log, self.dt_bias)
         return gated_delta.gated_delta_rule(q, k, v, g, beta, recurrent_state, meta.state_slots, qsl, starts,
                                             chunk_size=self.config.chunk_size, cu_seqlens=fla_cu_seqlens(meta),
-                                            all_fresh=all_fresh(meta))
+                                            all_fresh=all_fresh(meta), qk_normalized=norm)

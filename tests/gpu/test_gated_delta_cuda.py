@@ -12,6 +12,7 @@ from helios.kernels._triton import HAS_TRITON, interpret_mode
 from tests.kernels.test_gated_delta import (
     _decode_inputs,
     check_causal_conv,
+    check_causal_conv_norm_heads,
     check_decode,
     check_decode_padded_rows,
     check_prefill,
@@ -37,6 +38,13 @@ def test_causal_conv(dtype):
     check_causal_conv(CUDA, dtype, bias=True, activation=None)
     check_causal_conv(CUDA, dtype, query_lens=(300, 1, 64, 3), starts=(0, 9, 64, 2), channels=2 * 16 * 128 + 48 * 128)
     check_causal_conv(CUDA, dtype, query_lens=(1, 1, 1), starts=(0, 4, 1), width=3)
+
+
+@DTYPES
+def test_causal_conv_normalizes_q_and_k_heads(dtype):
+    check_causal_conv_norm_heads(CUDA, dtype)
+    check_causal_conv_norm_heads(CUDA, dtype, head=128, num_heads=16, dv=128, query_lens=(300, 1, 64),
+                                 starts=(0, 9, 64))
 
 
 @DTYPES

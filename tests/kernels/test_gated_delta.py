@@ -97,6 +97,36 @@ def check_causal_conv(device, dtype, query_lens=(5, 1, 9, 2), starts=(0, 7, 3, 1
     assert torch.equal(torch.cat(parts, dim=1), y)
 
 
+def check_causal_conv_norm_heads(device, dtype, head=16, num_heads=3, dv=40, query_lens=(5, 1, 9, 2),
+                                 starts=(0, 7, 3, 12)):
+    """causal_conv's norm_head: the q and k heads l2-normalized (eps 1e-6) from the conv's float32 values (against
+    the reference conv in float32, normalized after), v and the conv state as the plain planar conv leaves them."""
+    from helios.kernels.gated_delta import _l2norm_ref, causal_conv, causal_conv_ref
+
+    batch = make_batch(list(query_lens), list(starts), device)
+    width = num_heads * head
+    groups = (width, width, num_heads * dv)
+    channels = sum(groups)
+    x = _randn(sum(query_lens), channels, device=device, dtype=dtype, scale=2.0)
+    weight = _randn(channels, 4, device=device, dtype=dtype, seed=1)
+    conv_state = _garbage_fresh(_randn(batch.num_slots, 3, channels, device=device, dtype=dtype, seed=3), batch)
+    plain_state = conv_state.clone()
+    y_ref = causal_conv_ref(x.float(), weight.float(), conv_state.clone().float(), batch.slots, batch.query_start_loc,
+                            batch.starts)  # on a float32 copy of the state
+    q, k, v = causal_conv(x, weight, conv_state, batch.slots, batch.query_start_loc, batch.starts, planar=groups,
+                          norm_head=head)
+    plain = causal_conv(x, weight, plain_state, batch.slots, batch.query_start_loc, batch.starts, planar=groups)
+    for got, lo in ((q, 0), (k, width)):
+        want = _l2norm_ref(y_ref[:, lo : lo + width].reshape(-1, num_heads, head)).reshape(-1, width)
+        _close(got.float(), want, dtype, device, "normalized heads")
+        norms = got.float().reshape(-1, num_heads, head).norm(dim=-1)
+        torch.testing.assert_close(norms, torch.ones_like(norms), atol=2e-2 if dtype != torch.float32 else 1e-5,
+                                   rtol=0)
+    assert torch.equal(v, plain[2]), "v: as the plain planar conv"
+    used = batch.slots.long()
+    assert torch.equal(conv_state[used], plain_state[used]), "the conv state: as the plain conv leaves it"
+
+
 def _decode_inputs(device, dtype, num_k_heads, num_v_heads, dk, dv, width, batch, seed=0):
     channels = 2 * num_k_heads * dk + num_v_heads * dv
     rows = batch.slots.shape[0]
@@ -219,6 +249,12 @@ def check_prefill_result(o, o_ref, ours, ref, state_before, batch, dtype):
 @pytest.mark.parametrize("bias, activation", [(False, "silu"), (True, None)])
 def test_causal_conv(interpreter, bias, activation):
     check_causal_conv("cpu", torch.float32, bias=bias, activation=activation)
+
+
+@pytest.mark.parametrize("dtype, head", [(torch.float32, 16), (torch.bfloat16, 32), (torch.float32, 128)],
+                         ids=["fp32-16", "bf16-32", "fp32-128"])
+def test_causal_conv_normalizes_q_and_k_heads(interpreter, dtype, head):
+    check_causal_conv_norm_heads("cpu", dtype, head=head, num_heads=3 if head < 128 else 1)
 
 
 def test_causal_conv_bf16_decode_rows_and_width_3(interpreter):

@@ -65,8 +65,10 @@ def chunked_stand_in(monkeypatch, kind: str, seen: list):
     """The kernels' chunked rule (fla, CUDA only) replaced by the torch reference, recording each call's tokens."""
     from helios.kernels import gated_delta, kda
 
-    def rule(q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size=64, **_):
+    def rule(q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size=64, qk_normalized=False, **_):
         seen.append(query_start_loc.tolist())
+        assert qk_normalized, "the conv normalized q and k (16-wide heads)"  # the reference normalizes them again:
+        # a unit vector stays one up to eps
         return gated_delta.gated_delta_rule_ref(q, k, v, g, beta, state, slots, query_start_loc, starts, chunk_size)
 
     if kind == "gated_delta":
