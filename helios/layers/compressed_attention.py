@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from helios.core.manifest import CompressedAttentionConfig
-from helios.layers.attention import AttentionBackend, AttentionMetadata, single_rows
+from helios.layers.attention import AttentionBackend, AttentionMetadata, decode_rows, single_rows
 from helios.layers.linear import Linear, meta_parameter
 from helios.layers.norm import RMSNorm, rms_norm
 from helios.layers.rotary import RotaryEmbedding
@@ -364,7 +364,7 @@ class CompressedAttention(nn.Module):
                 if lengths[i]:
                     self._write_entries(rows, entries, window.block_tables[i], meta.block_tables[i], page_size,
                                         seq_len - lengths[i], seq_len, compress_rope)
-        singles = [i for i, n in enumerate(lengths) if n == 1]
+        singles = list(decode_rows(meta))
         groups = [(singles, single_rows(meta, singles, q.device))] if singles else []
         groups += [([i], torch.arange(qsl[i], qsl[i + 1], device=q.device)) for i, n in enumerate(lengths) if n > 1]
         out = torch.empty_like(q)

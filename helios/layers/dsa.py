@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helios.core.manifest import DsaConfig, MlaConfig
-from helios.layers.attention import AttentionBackend, AttentionMetadata, single_rows
+from helios.layers.attention import AttentionBackend, AttentionMetadata, decode_rows, single_rows
 from helios.layers.linear import Linear, meta_parameter
 from helios.layers.mla import MlaAttention, decode_latent_layout, mla_absorbed, mla_expanded, write_latent
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -111,7 +111,7 @@ def dsa_attention(
     qsl = meta.query_start_loc_cpu
     lengths = [end - start for start, end in zip(qsl, qsl[1:])]
     out = q.new_empty(q.shape[0], q.shape[1], config.v_head_dim)
-    singles = [i for i, n in enumerate(lengths) if n == 1]
+    singles = list(decode_rows(meta))
     if singles:
         rows = single_rows(meta, singles, q.device)
         blocks, bias = decode_latent_layout(meta, singles, page_size)

@@ -12,7 +12,7 @@ from torch import nn
 
 from helios.core.manifest import RecurrentConfig
 from helios.layers import recurrent
-from helios.layers.attention import AttentionMetadata, subset
+from helios.layers.attention import AttentionMetadata, decode_rows, subset
 from helios.layers.linear import Linear, Stacked, meta_parameter
 from helios.switches import DEFAULT_SWITCHES, Switches
 
@@ -78,11 +78,10 @@ def mixed_rows(meta: AttentionMetadata):
     on sm80+, so in a float32 core a decode row's output depended on whether the step held a prompt (tests/gpu/
     test_recurrent_families_cuda.py, kimi_linear and qwen3_next: 16 requests together against alone)."""
     if "mixed_rows" not in meta.derived:
-        qsl = meta.query_start_loc_cpu
-        singles = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+        singles = list(decode_rows(meta))
         split = None
         if 0 < len(singles) < meta.num_seqs:
-            others = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] != 1]
+            others = sorted(set(range(meta.num_seqs)) - set(singles))
             split = subset(meta, singles), subset(meta, others)
         meta.derived["mixed_rows"] = split
     return meta.derived["mixed_rows"]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helios.core.manifest import MlaConfig
-from helios.layers.attention import AttentionBackend, AttentionMetadata, single_rows
+from helios.layers.attention import AttentionBackend, AttentionMetadata, decode_rows, single_rows
 from helios.layers.linear import Linear, linear
 from helios.layers.norm import RMSNorm
 from helios.layers.rotary import apply_rotary
@@ -166,7 +166,7 @@ def mla_attention(
     qsl = meta.query_start_loc_cpu
     lengths = [end - start for start, end in zip(qsl, qsl[1:])]
     out = q.new_empty(q.shape[0], q.shape[1], config.v_head_dim)
-    singles = [i for i, n in enumerate(lengths) if n == 1]
+    singles = list(decode_rows(meta))
     if singles:
         rows = single_rows(meta, singles, q.device)
         if backend is not None:
