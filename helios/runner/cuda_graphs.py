@@ -14,6 +14,7 @@ Imports torch, helios.layers.attention (metadata) and helios.kernels.aot_shapes 
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 from collections import deque
@@ -96,6 +97,26 @@ class ReplayTimer:
             self.num_samples += 1
             self._free.append(pair)
         return self.total_ns
+
+
+@contextmanager
+def recording(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """torch.cuda.graph(graph, pool) with Python's cyclic garbage collector paused while it records.
+
+    NOTE: a collection inside a capture can free another runner's graphs (an engine dropped but not yet collected,
+    as the GPU tests leave one between two tests): their reset is a CUDA call that capture forbids, and it
+    invalidates the capture in flight ("operation failed due to a previous error during capture": qwen3_next's
+    16-together test on the H200, session 28). The garbage waits for the next collection after the capture; torch
+    itself collects before a capture only under torch.compiler.config.force_cudagraph_gc, which costs a full
+    collection a bucket."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -506,7 +527,7 @@ class GraphRunner:
             self._forward(bucket, splits)  # warm-up: loads/compiles this bucket's kernels, sets up cuBLAS
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with recording(graph, self.pool):
                 self._forward(bucket, splits)
             graphs[bucket] = graph
 

@@ -32,7 +32,7 @@ import torch
 
 from helios.engine.messages import ScheduledRequest
 from helios.layers.attention import AttentionMetadata
-from helios.runner.cuda_graphs import PinnedSlots
+from helios.runner.cuda_graphs import PinnedSlots, recording
 from helios.runner.input_batch import BatchLayout, max_table_blocks, prepare_batch, round_up
 
 PROMPT_BUCKETS = (32, 64, 128, 256, 512)  # token counts; past 512 a step's GPU work dwarfs its launches
@@ -190,7 +190,7 @@ class PromptGraphs:
             self._forward(bucket)  # warm-up: loads this bucket's kernels, sets up cuBLAS
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with recording(graph, self.pool):
                 self._forward(bucket)
             self.graphs[bucket] = graph
             torch.cuda.synchronize(self.device)

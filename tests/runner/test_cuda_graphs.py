@@ -704,3 +704,37 @@ def test_one_row_gemv_path_matches_cublas_in_the_model(core, monkeypatch, mode, 
     else:
         torch.testing.assert_close(logits[mode], logits["0"], rtol=3e-2, atol=3e-2)
     assert torch.equal(logits[mode].argmax(-1), logits["0"].argmax(-1))
+
+
+def test_a_recording_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    """A collection inside a capture may reset another runner's graphs, which invalidates the capture (qwen3_next's
+    GPU test, session 28): cuda_graphs.recording keeps the cyclic collector off while torch.cuda.graph records,
+    and gives it back as it found it, after an error too. torch.cuda.graph is faked: no GPU here."""
+    import contextlib
+    import gc
+
+    from helios.runner import cuda_graphs
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None):
+        seen.append(("enter", gc.isenabled(), graph, pool))
+        yield
+        seen.append(("exit", gc.isenabled()))
+
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    with cuda_graphs.recording("g", "p"):
+        seen.append(("body", gc.isenabled()))
+    assert seen == [("enter", False, "g", "p"), ("body", False), ("exit", False)] and gc.isenabled()
+    with pytest.raises(ValueError), cuda_graphs.recording("g", "p"):
+        raise ValueError("a launch the capture refused")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cuda_graphs.recording("g", "p"):
+            pass
+        assert not gc.isenabled()  # off before, off after
+    finally:
+        gc.enable()
