@@ -104,11 +104,41 @@ def check_tokens_match_hf(hf_class, src: Path, dtype_name: str, ids: list[int], 
     return k
 
 
+# a router's k-th and (k+1)-th experts this close in probability (float32) are a tie: a batch and a row alone round
+# the hidden state apart by ~1e-6, which can swap them (qwen3_next, session 27: 1.75e-5)
+ROUTER_TIE = 1e-4
+
+
+def router_tie(hf_class, src: Path):
+    """check_batched_equals_alone's `tie` for a softmax-routed MoE family: runs that part at output k are a tie when,
+    at the position choosing it (the alone run's prefix), some MoE layer's router has its k-th and (k+1)-th experts
+    within ROUTER_TIE in probability, by HF's float32 model on the device (loaded at the first parting).
+    NOTE: the last position only: the test's logit-tie rule looks at the outputs, this one at the routing that
+    produced them; an earlier position is not searched (150 positions x layers would find a small gap by chance)."""
+    from tests.models.router_ties import model_router_gaps
+
+    models = []
+
+    def explain(req, together: list[int], alone: list[int]) -> str | None:
+        if not models:
+            models.append(hf_class.from_pretrained(src, dtype=torch.float32).to("cuda").eval())
+        k = next(i for i, (a, b) in enumerate(zip(together, alone)) if a != b)
+        gaps, _ = model_router_gaps(models[0], list(req.prompt_token_ids) + alone[:k])
+        name, gap = min(((n, g[-1]) for n, g in gaps), key=lambda item: item[1])
+        if gap >= ROUTER_TIE:
+            return None
+        return (f"{req.req_id} parts at output {k} ({together[k]} together, {alone[k]} alone): {name} picks its "
+                f"top-k with the next expert {gap:.2e} behind in probability there (HF float32)")
+
+    return explain
+
+
 def check_batched_on_cuda(core, budget: int = 128, chunk: int = 64, one_alone_engine: bool = True, seed: int = 10,
-                          **options) -> None:
+                          tie=None, **options) -> None:
     """16 requests together (prompts split into `chunk`-token chunks beside decodes, a `budget`-token budget) = each
     alone (one slot, 512-token chunks; one engine for all of them unless one_alone_engine is False: every engine
-    captures its graphs); options: window_engine's.
+    captures its graphs); tie: check_batched_equals_alone's (router_tie for a softmax-routed MoE); options:
+    window_engine's.
 
     NOTE: the GPU tests hold this in float32 only. In bfloat16 a row's bits depend on how many rows a projection has
     (cuBLAS picks its GEMM kernel, tiles and split-K by the row count, so a 64-token chunk and a 512-token chunk
@@ -117,7 +147,7 @@ def check_batched_on_cuda(core, budget: int = 128, chunk: int = 64, one_alone_en
     the CPU tests hold batch invariance in every dtype they run."""
     prompts = [prompt(7 + 23 * i, seed=seed + i) for i in range(16)]  # request i's prompt: seed + i
     check_batched_equals_alone(core, prompts, engine=partial(cuda_engine, **options), budget=budget, chunk=chunk,
-                               one_alone_engine=one_alone_engine)
+                               one_alone_engine=one_alone_engine, tie=tie)
 
 
 def hf_torch_path(model):

@@ -27,22 +27,32 @@ def router_gaps(family: str, ids: list[int], workdir: Path) -> tuple[list[tuple[
 
     model = transformers.AutoModelForCausalLM.from_pretrained(build_hybrid(family, workdir / "hf"),
                                                               dtype=torch.float32).eval()
-    top_k = model.config.num_experts_per_tok
+    return model_router_gaps(model, ids)
+
+
+@torch.no_grad()
+def model_router_gaps(model, ids: list[int]) -> tuple[list[tuple[str, list[float]]], torch.Tensor]:
+    """router_gaps of a loaded HF model (softmax routers: every `*mlp.gate` module whose first output is
+    [tokens, num_experts] router logits), run on `ids` on the model's device."""
+    top_k, num_experts = model.config.num_experts_per_tok, model.config.num_experts
     gaps: list[tuple[str, list[float]]] = []
 
     def hook(name):
         def record(module, inputs, output):
             logits = output[0] if isinstance(output, tuple) else output
-            probs = torch.softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)
+            probs = torch.softmax(logits.reshape(-1, num_experts).float(), dim=-1)
             top = probs.topk(top_k + 1, dim=-1).values
             gaps.append((name, (top[:, top_k - 1] - top[:, top_k]).tolist()))
         return record
 
-    for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):
-            module.register_forward_hook(hook(name))
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1]
+    handles = [module.register_forward_hook(hook(name)) for name, module in model.named_modules()
+               if name.endswith("mlp.gate")]
+    try:
+        device = next(model.parameters()).device
+        logits = model(torch.tensor([ids], device=device)).logits[0, -1]
+    finally:
+        for handle in handles:
+            handle.remove()
     return gaps, logits
 
 
