@@ -5,7 +5,8 @@ against the default config's output (then each GEMM alone under that tile: the t
 as TFLOP/s of the two GEMMs (2 x entries x (gate_up + down) weights per entry) against the measured bf16 matmul rate.
 BLOCK_K stays 128 in every candidate: an entry's products then sum their K chunks in one order at every batch size
 (fused_moe.gemm_config's note). Last, the same GEMMs through torch's grouped GEMM (helios.kernels.moe_grouped, the
-moe_prefill switch's "grouped"): its time and whether its bits are the Triton default's.
+moe_prefill switch's "grouped"): its time and whether its bits are the Triton default's; before it, the engine's own
+fused_moe.expert_outputs (gate_up at gemm_config's tile, down at down_config's).
 Usage: python benchmarks/gpu_moe_prefill.py [--tokens 4096] [--out PATH] [--default-only]
 (writes each line to PATH as it goes)
 """
@@ -121,6 +122,15 @@ def main() -> None:
                 say(f"{label}: {seconds * 1e3:7.3f} ms  {flops / seconds / 1e12:6.1f} TFLOP/s "
                     f"({flops / seconds / rate:.1%})  output {'= default' if same else 'differs from default'}")
             say(f"{'':14} {'':28}  each GEMM alone: {each_gemm(config, x, topk_ids, w_in, w_down, ref_h, reference)}")
+
+        def engine_path():  # gemm_config's tile for gate_up, down_config's for down
+            return fused_moe.expert_outputs(x, topk_ids, w_in, w_down, "silu")
+        seconds = timed(engine_path)
+        verdict = "= default" if torch.equal(engine_path(), reference) else "differs from default"
+        columns = fused_moe.down_config(default, 2, fused_moe.shared_bytes_of("cuda"))["BLOCK_N"]
+        say(f"{name:14} expert_outputs (down {columns} columns): {seconds * 1e3:7.3f} ms  "
+            f"{flops / seconds / 1e12:6.1f} TFLOP/s "
+            f"({flops / seconds / rate:.1%})  output {verdict}")
         label = f"{name:14} torch grouped GEMM"
         if moe_grouped.grouped_serves(x, w_in, w_down, topk_ids.numel()):
             def grouped():

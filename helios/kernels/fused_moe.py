@@ -11,6 +11,7 @@ path's bf16 bits. Imports torch and helios.kernels._triton only.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -521,6 +522,32 @@ def gemm_config(num_entries: int) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "GROUP_M": 8}
 
 
+def down_config(cfg: dict, element_size: int, shared_bytes: int | None) -> dict:
+    """The down GEMM's tile beside gate_up's `cfg` (gemm_config's): the prompt-sized row (128-row blocks) takes
+    128 columns where its stages fit `shared_bytes` (the device's opt-in shared memory a block; None: no limit),
+    else cfg. Same blocks (moe_align's) and BLOCK_K, so the same bits.
+    NOTE: H200 sweep (benchmarks/gpu_moe_prefill.py, session 28), each GEMM of a 4096-token prompt alone: the down
+    GEMM at 128 x 128 on 8 warps, 3 stages, 0.509 -> 0.365 ms (qwen3_5_moe: K = 512, 4 K steps a tile), 0.841 ->
+    0.617 (kimi_linear), 2.619 -> 1.984 (mimo_v2_flash); gate_up at 128 x 128 needs 288 KB (a and two weight tiles)
+    and does not fit. Its 192 KB fit an H100 / H200 (227 KB), not an A100 (163 KB), nor a float32 GEMM."""
+    if cfg["BLOCK_M"] != 128:
+        return cfg
+    wide = {**cfg, "BLOCK_N": 128}
+    need = wide["num_stages"] * (wide["BLOCK_M"] + wide["BLOCK_N"]) * wide["BLOCK_K"] * element_size
+    return wide if shared_bytes is None or need <= shared_bytes else cfg
+
+
+def shared_bytes_of(device) -> int | None:
+    """The opt-in shared memory a block may use on `device`'s GPU; None off CUDA (the interpreter has no limit)."""
+    device = torch.device(device)
+    return _shared_bytes(device.index or 0) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_bytes(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
 def expert_gemm(
     a: torch.Tensor,  # [rows, K]: x [T, K] (row_div = k) or the intermediate [N, K] (row_div = 1)
     w: torch.Tensor,  # [E, out rows, K]
@@ -584,7 +611,8 @@ def expert_outputs(
         align = moe_align(topk_ids, w_in.shape[0], cfg["BLOCK_M"])
     pdl = use_pdl(x, topk_ids.shape[0])
     h = expert_gemm(x, w_in, align, num_entries, topk_ids.shape[1], act, limit, clamp_after_act, alpha, cfg, pdl)
-    return expert_gemm(h, w_down, align, num_entries, 1, config=cfg, pdl=pdl)
+    down = down_config(cfg, h.element_size(), shared_bytes_of(h.device))
+    return expert_gemm(h, w_down, align, num_entries, 1, config=down, pdl=pdl)
 
 
 def expert_outputs_ref(x, topk_ids, w_in, w_down, act, limit=None, clamp_after_act=False, alpha=None):

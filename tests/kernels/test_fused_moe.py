@@ -145,6 +145,26 @@ def test_every_tile_config_sums_k_in_the_same_chunks():
     assert [c["BLOCK_M"] for c in configs] == [16, 16, 64, 64, 128, 128]
 
 
+def test_the_down_gemm_of_a_long_prompt_takes_128_columns_where_they_fit_with_the_same_bits():
+    """fused_moe.down_config: the prompt-sized row's down GEMM at 128 columns (its 3 stages of 128-row blocks: 192 KB
+    in 16 bits), on an H100 / H200's 227 KB of shared memory a block, not an A100's 163 KB nor in float32; the other
+    rows keep gate_up's tile. The wider tile sums K in the same chunks: the same bits."""
+    big, small = fused_moe.gemm_config(16384), fused_moe.gemm_config(2048)
+    assert fused_moe.down_config(big, 2, 232448) == {**big, "BLOCK_N": 128}
+    assert fused_moe.down_config(big, 2, None)["BLOCK_N"] == 128  # the interpreter: no limit
+    assert fused_moe.down_config(big, 2, 166912) == big and fused_moe.down_config(big, 4, 232448) == big
+    assert fused_moe.down_config(small, 2, 232448) == small
+    assert fused_moe.shared_bytes_of("cpu") is None
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 8, (150, 2), generator=g)
+    h = inputs(300, torch.bfloat16, width=256)  # two K chunks of 128
+    w_down = (torch.randn(8, 3 * 64, 256, generator=g) / 16).to(torch.bfloat16)
+    align = fused_moe.moe_align(ids, 8, big["BLOCK_M"])
+    narrow = fused_moe.expert_gemm(h, w_down, align, ids.numel(), 1, config=big)
+    wide = fused_moe.expert_gemm(h, w_down, align, ids.numel(), 1, config=fused_moe.down_config(big, 2, None))
+    assert torch.equal(narrow, wide)
+
+
 def test_the_program_order_changes_no_bits():
     """GROUP_M (blocks sweeping the column tiles together, for L2 reuse of their rows) computes each tile as the
     blocks-fastest order does: the same bits, with a block count that does not divide by the group."""
