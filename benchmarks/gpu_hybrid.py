@@ -485,14 +485,11 @@ def main() -> None:
     if args.device == "cuda" and len(families) > 1:
         # a process per family: one family's leftovers (allocator caches, the runner's graphs) made the next one's
         # build run out of an H100's memory (session 26: kimi_linear, then mimo_v2_flash)
-        at = sys.argv.index("--families") + 1 if "--families" in sys.argv else None
+        # the other arguments as given: "--families X" and "--families=X" dropped
+        rest = [a for i, a in enumerate(sys.argv[1:])
+                if not a.startswith("--families") and not (i > 0 and sys.argv[i] == "--families")]
         for family in families:
-            argv = list(sys.argv[1:])
-            if at is None:
-                argv += ["--families", family]
-            else:
-                argv[at - 1] = family
-            subprocess.run([sys.executable, __file__, *argv], check=False)
+            subprocess.run([sys.executable, __file__, *rest, f"--families={family}"], check=False)
         return
     for pair in filter(None, args.layers.split(",")):
         family, _, count = pair.partition("=")
