@@ -8,8 +8,9 @@ teacher-forced on the sequence we generated. Session 28 left it unrun: qwen3_nex
 token 10, 0.67 under the float32 top where HF's bf16 averages 0.094 (qwen3_5_moe, which passes, beside it).
 
 Usage (GPU): python -m tests.gpu.bf16_errors [qwen3_next qwen3_5_moe] [--dtype bfloat16] [--tokens 32]
-NOTE: not in the CPU interpreter: Triton 3.9's interpreter computes a 16-bit tl.dot wrongly (values ~1e10: the
-prefill attention's), so the Triton path's 16-bit figures there say nothing.
+NOTE: not in the CPU interpreter as it is: Triton 3.9's interpreter multiplies a bfloat16 tl.dot's raw bit patterns
+(values ~1e10 out of the prefill attention; triton-lang/triton#11584, "not supported yet"), so the Triton path's
+bfloat16 figures there say nothing unless its create_dot converts bfloat16 operands to float32 first.
 """
 
 from __future__ import annotations
