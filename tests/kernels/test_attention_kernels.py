@@ -77,6 +77,14 @@ def test_chunked_prefill_softcap_fp16():
     checks.check_prefill("cpu", torch.float16, 3, 16, (13, 1, 9), (40, 33, 30), softcap=5.0, block_n=16)
 
 
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill_and_decode_in_bfloat16(group):
+    """bfloat16 pages through both kernels' tl.dot (the interpreter's, widened by tests/conftest.py: unpatched it
+    multiplies bit patterns, triton-lang/triton#11584), within bfloat16's tolerance of the torch references."""
+    checks.check_prefill("cpu", torch.bfloat16, group, 16, (20, 1, 9), (20, 33, 30), block_m=16, block_n=16)
+    checks.check_decode("cpu", torch.bfloat16, group, 4)
+
+
 def test_prefill_default_blocks():
     checks.check_prefill("cpu", torch.float32, 3, 16, (70, 1), (90, 140))
 
@@ -100,7 +108,7 @@ def test_decode_from_qkv_half_gemma_norm_order():
                                                                   (torch.float16, 2, 5, True)])
 def test_decode_from_qkv_scales_an_un_normed_row_by_its_rstd(dtype, num_splits, partials, qk_norm):
     """row_norm (the norm-free decode layer): q, k and v times the stream's rstd, rounded, then as before; the
-    cache gets the scaled key and value. (bfloat16 runs in tests/gpu: the interpreter's bfloat16 dot is garbage.)"""
+    cache gets the scaled key and value. (bfloat16 runs in tests/gpu.)"""
     from helios.kernels.gemv import RowNorm
 
     # rstd = rsqrt(250 / 1000) = 2 exactly: the scaled row is exact, so kernel and reference see the same values
