@@ -112,7 +112,8 @@ ROUTER_TIE = 1e-4
 def router_tie(hf_class, src: Path):
     """check_batched_equals_alone's `tie` for a softmax-routed MoE family: runs that part at output k are a tie when,
     at the position choosing it (the alone run's prefix), some MoE layer's router has its k-th and (k+1)-th experts
-    within ROUTER_TIE in probability, by HF's float32 model on the device (loaded at the first parting).
+    within ROUTER_TIE in probability, by HF's float32 model on the device on its torch path (hf_torch_path, as
+    check_tokens_match_hf: fla's kernels would take its float32 dots in TF32), loaded at the first parting.
     NOTE: the last position only: the test's logit-tie rule looks at the outputs, this one at the routing that
     produced them; an earlier position is not searched (150 positions x layers would find a small gap by chance)."""
     from tests.models.router_ties import model_router_gaps
@@ -121,7 +122,7 @@ def router_tie(hf_class, src: Path):
 
     def explain(req, together: list[int], alone: list[int]) -> str | None:
         if not models:
-            models.append(hf_class.from_pretrained(src, dtype=torch.float32).to("cuda").eval())
+            models.append(hf_torch_path(hf_class.from_pretrained(src, dtype=torch.float32).to("cuda").eval()))
         k = next(i for i, (a, b) in enumerate(zip(together, alone)) if a != b)
         gaps, _ = model_router_gaps(models[0], list(req.prompt_token_ids) + alone[:k])
         name, gap = min(((n, g[-1]) for n, g in gaps), key=lambda item: item[1])
