@@ -482,16 +482,26 @@ def gemv_serves(x: torch.Tensor, weight: torch.Tensor, mode: str) -> bool:
     return HAS_TRITON and not interpret_mode() and gemv_admits(mode, *weight.shape)
 
 
+# a one-row product with a weight of at most this many elements (8 MiB in 16 bits) is read in about a launch's own
+# latency, so narrow and nowide send it to the GEMV however wide it is: one launch that can take PDL, and for a down
+# projection the gated activation folded in, against cuBLAS's launch after a separate activation kernel (the MoE
+# shared experts' down [2048, 512] of qwen3_5_moe / qwen3_next: two launches a layer fewer at batch 1)
+GEMV_SMALL = 4 << 20
+
+
 def gemv_admits(mode: str, rows: int, cols: int) -> bool:
     """Whether the gemv switch's `mode` sends a one-row product with a [rows, cols] weight to the GEMV: "narrow"
     (the default) the weights with no more rows than columns (o and down of a llama layer, down with the gated
     activation folded in); "all" every one; "square" only square weights (o); "nowide" all but weights with 4x
-    more rows than columns (qkv with its norm folded, o, down); "off" none (cuBLAS).
+    more rows than columns (qkv with its norm folded, o, down); "off" none (cuBLAS). narrow and nowide also take
+    every weight of at most GEMV_SMALL elements.
 
     NOTE: narrow by default on measurement: a b=1 decode step of an 8B llama through the engine ran at
     83.0-83.3% of the bandwidth limit with narrow (and PDL off), 80.2-80.4% all on cuBLAS, 82.1-82.7% nowide
     (H200, 2026-12-03, benchmarks/RESULTS.md): alone the GEMV beats cuBLAS on o and down (10.0 vs 12.3 us
     with cuBLAS's split-K reduce, 29.0 vs 30.6), cuBLAS wins the wide gate_up (55.1 vs 57.0)."""
+    if mode in ("narrow", "nowide") and rows * cols <= GEMV_SMALL:
+        return True
     if mode == "nowide":
         return rows < 4 * cols
     return mode == "all" or (mode == "narrow" and rows <= cols) or (mode == "square" and rows == cols)

@@ -168,17 +168,20 @@ def test_row_sum_squares_splits_an_embedding_row_into_partials(num_parts):
 @pytest.mark.parametrize("value, mode", [(None, "narrow"), ("all", "all"), ("1", "all"), ("narrow", "narrow"),
                                          ("square", "square"), ("nowide", "nowide"), ("0", "off"), ("off", "off")])
 def test_the_gemv_switch_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
-    """HELIOS_GEMV: narrow (default: weights with no more rows than columns, o and down), all, square, nowide or
-    off; the device rule beside it in gemv_serves needs CUDA tensors (tests/gpu); the interpreter never takes
+    """HELIOS_GEMV: narrow (default: weights with no more rows than columns, o and down, and small ones), all,
+    square, nowide or off; the device rule beside it in gemv_serves needs CUDA tensors (tests/gpu); the interpreter never takes
     the one-row path."""
     import helios.kernels.gemv as gemv_module
     from helios.switches import Switches
 
     switches = Switches.from_environ({} if value is None else {"HELIOS_GEMV": value})
     assert switches.gemv == mode
-    qkv, o = (6144, 4096), (4096, 4096)
+    qkv, o, shared_down = (6144, 4096), (4096, 4096), (2048, 512)
     assert gemv_module.gemv_admits(mode, *o) == (mode != "off")
     assert gemv_module.gemv_admits(mode, *qkv) == (mode in ("all", "nowide"))
+    # a small weight (a MoE shared expert's down, 4x as many rows as columns) takes the GEMV but in square and off
+    assert gemv_module.gemv_admits(mode, *shared_down) == (mode in ("all", "narrow", "nowide"))
+    assert gemv_module.gemv_admits(mode, 8192, 1024) == (mode == "all")  # 8M elements: wide and not small
     monkeypatch.setattr(gemv_module, "HAS_TRITON", True)
     monkeypatch.setattr(gemv_module, "interpret_mode", lambda: False)
     assert gemv_module.gemv_available("cuda", torch.bfloat16) and not gemv_module.gemv_available("cpu", torch.bfloat16)
