@@ -18,10 +18,11 @@ if not os.environ.get("FLARE_RUN_CUDA_TESTS"):
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1" and __import__("importlib").util.find_spec("triton") is not None:
-    # the interpreter's bfloat16 tl.dot multiplies bit patterns (triton-lang/triton#11584): by value in these tests
-    from tests.kernels.interpreter import widen_bfloat16_dot
+    # the interpreter's tl.dot multiplies bfloat16 bit patterns (triton-lang/triton#11584) and sums a row by its place
+    # in the tile (BLAS): by value, row by row, in these tests
+    from tests.kernels.interpreter import exact_interpreter_dot
 
-    widen_bfloat16_dot()
+    exact_interpreter_dot()
 
 # torch's intra-op thread count before a pytest-xdist worker takes one thread (the default_threads fixture)
 HOST_THREADS = __import__("torch").get_num_threads()

@@ -20,44 +20,76 @@ def require_interpreter() -> None:
         pytest.skip("helios.kernels was imported before TRITON_INTERPRET was set", allow_module_level=True)
 
 
-def widen_bfloat16_dot() -> bool:
-    """Make the Triton interpreter's tl.dot multiply bfloat16 operands by value, where it multiplies their bit patterns
-    (it stores bfloat16 as uint16 and widens only 8-bit floats before np.matmul: values ~1e10 out of a 16 x 16 dot;
-    triton-lang/triton#11584, "not supported yet" in 3.9). The operands are widened to float32 exactly (bfloat16 is
-    float32's upper half), the products summed in float32 as on the GPU's tensor cores. Patches only where a probe
-    dot shows the bug; returns whether it patched. tests/conftest.py calls it when the interpreter is on."""
+def exact_interpreter_dot() -> None:
+    """Make the Triton interpreter's tl.dot on floating operands multiply by value and sum each output in an order
+    fixed by its own row and column. The plain one has two faults for these tests:
+    - bfloat16 operands: it multiplies their bit patterns (it stores bfloat16 as uint16 and widens only 8-bit floats
+      before np.matmul: values ~1e10 out of a 16 x 16 dot; triton-lang/triton#11584, "not supported yet" in 3.9);
+    - np.matmul is BLAS, and OpenBLAS's sgemm (numpy 2.4's, on this session's AMD EPYC hosts) sums a row in an order
+      that depends on the row's place in the tile: rows 6 and on of a 16-row dot round apart from the same row at
+      row 0. A batch-invariance test (a token alone lands at row 0, batched at row t) then parts by a rounding
+      (tests/kernels/test_qwen4_hc_kernels.py, float32, session 29; Intel hosts had passed it).
+    Here the operands are widened to float32 exactly (bfloat16 is float32's upper half; float16 converts exactly) and
+    summed in float32 by np.einsum, whose loop sums each output over k in order whatever the other rows hold, as the
+    GPU's tensor cores are free of the batch. tests/conftest.py calls it when the interpreter is on; checked by probes
+    here and by tests/kernels/test_interpreter_dot.py."""
     import numpy as np
-    import torch
-    import triton
     import triton.language as tl
     from triton.runtime import interpreter
 
+    builder = interpreter.InterpreterBuilder
+    plain = getattr(builder.create_dot, "plain_dot", builder.create_dot)
+    floats = (tl.bfloat16, tl.float16, tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.scalar not in floats or b.dtype.scalar not in floats:
+            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+        def value(h):
+            if h.dtype.scalar == tl.bfloat16:
+                return (h.data.astype(np.uint32) << 16).view(np.float32)
+            return h.data.astype(np.float32)
+        product = np.einsum("...ik,...kj->...ij", value(a), value(b), dtype=np.float32).astype(d.data.dtype)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    create_dot.plain_dot = plain
+    builder.create_dot = create_dot
+    ok, why = probe_dot()
+    assert ok, f"the interpreter's tl.dot after the patch: {why}"
+
+
+def probe_dot() -> tuple[bool, str]:
+    """(whether the interpreter's tl.dot is right, what is wrong): a bfloat16 identity times itself, and each row of
+    a float32 16 x 32 by 32 x 16 product equal to that row alone at row 0 of a tile of zeros."""
+    import torch
+    import triton
+    import triton.language as tl
+
     @triton.jit
-    def probe(a_ptr, out_ptr):
+    def square(a_ptr, out_ptr):
         r = tl.arange(0, 16)
         a = tl.load(a_ptr + r[:, None] * 16 + r[None, :])
         tl.store(out_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, a))
 
-    def dot_is_right() -> bool:
-        a = torch.eye(16, dtype=torch.bfloat16)
-        out = torch.zeros(16, 16)
-        probe[(1,)](a, out)
-        return torch.equal(out, torch.eye(16))
+    @triton.jit
+    def product(a_ptr, b_ptr, out_ptr):
+        r, k = tl.arange(0, 16), tl.arange(0, 32)
+        a = tl.load(a_ptr + r[:, None] * 32 + k[None, :])
+        b = tl.load(b_ptr + k[:, None] * 16 + r[None, :])
+        tl.store(out_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, b, input_precision="ieee"))
 
-    if dot_is_right():
-        return False
-    builder = interpreter.InterpreterBuilder
-    plain = builder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if tl.bfloat16 not in (a.dtype, b.dtype):
-            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-        def value(h):
-            return (h.data.astype(np.uint32) << 16).view(np.float32) if h.dtype == tl.bfloat16 else h.data
-        product = np.matmul(value(a), value(b), dtype=np.float32).astype(d.data.dtype)
-        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
-
-    builder.create_dot = create_dot
-    assert dot_is_right(), "the interpreter's bfloat16 tl.dot is still wrong after widening its operands"
-    return True
+    eye, out = torch.eye(16, dtype=torch.bfloat16), torch.zeros(16, 16)
+    square[(1,)](eye, out)
+    if not torch.equal(out, torch.eye(16)):
+        return False, "bfloat16 operands are not multiplied by value"
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(16, 32, generator=gen), torch.randn(32, 16, generator=gen)
+    whole = torch.zeros(16, 16)
+    product[(1,)](a, b, whole)
+    for row in range(16):
+        alone, out = torch.zeros(16, 32), torch.zeros(16, 16)
+        alone[0] = a[row]
+        product[(1,)](alone, b, out)
+        if not torch.equal(out[0], whole[row]):
+            return False, f"row {row} of a float32 dot differs from the same row alone"
+    return True, ""
