@@ -33,7 +33,7 @@ LAZY_ZEROS_BYTES = 1 << 20  # CPU tensors from this size on come from the kernel
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """torch.zeros; on the CPU, from LAZY_ZEROS_BYTES on, a private anonymous memory map instead: the kernel's zero
     pages, each faulted in when first written. The default CPU core's 32768-token pool is 1.5 GB, which torch.zeros
-    spent 0.72 s writing at start-up (`make serve`'s KV line) and held resident whether or not a request ever used it."""
+    spent 0.72 s writing at start-up (`make serve`'s KV line) and held resident whether or not a request used it."""
     numel = math.prod(shape)
     if torch.device(device).type != "cpu" or numel * dtype.itemsize < LAZY_ZEROS_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helios.kernels._triton import HAS_TRITON, interpret_mode
+from helios.kernels._triton import HAS_TRITON, interpret_mode, jit, tl
 
 
 def require_interpreter() -> None:
@@ -58,38 +58,38 @@ def exact_interpreter_dot() -> None:
     assert ok, f"the interpreter's tl.dot after the patch: {why}"
 
 
+@jit
+def _dot_kernel(a_ptr, b_ptr, out_ptr, K: tl.constexpr):
+    r, k = tl.arange(0, 16), tl.arange(0, K)
+    a = tl.load(a_ptr + r[:, None] * K + k[None, :])
+    b = tl.load(b_ptr + k[:, None] * 16 + r[None, :])
+    tl.store(out_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, b, input_precision="ieee"))
+
+
+def interpreted_dot(a, b):
+    """tl.dot of a [16, K] by b [K, 16] (K a power of two from 16, any float dtype) in one program: [16, 16] float32
+    (IEEE where the operands are float32)."""
+    import torch
+
+    out = torch.zeros(16, 16)
+    _dot_kernel[(1,)](a.contiguous(), b.contiguous(), out, K=a.shape[1])
+    return out
+
+
 def probe_dot() -> tuple[bool, str]:
     """(whether the interpreter's tl.dot is right, what is wrong): a bfloat16 identity times itself, and each row of
     a float32 16 x 32 by 32 x 16 product equal to that row alone at row 0 of a tile of zeros."""
     import torch
-    import triton
-    import triton.language as tl
 
-    @triton.jit
-    def square(a_ptr, out_ptr):
-        r = tl.arange(0, 16)
-        a = tl.load(a_ptr + r[:, None] * 16 + r[None, :])
-        tl.store(out_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, a))
-
-    @triton.jit
-    def product(a_ptr, b_ptr, out_ptr):
-        r, k = tl.arange(0, 16), tl.arange(0, 32)
-        a = tl.load(a_ptr + r[:, None] * 32 + k[None, :])
-        b = tl.load(b_ptr + k[:, None] * 16 + r[None, :])
-        tl.store(out_ptr + r[:, None] * 16 + r[None, :], tl.dot(a, b, input_precision="ieee"))
-
-    eye, out = torch.eye(16, dtype=torch.bfloat16), torch.zeros(16, 16)
-    square[(1,)](eye, out)
-    if not torch.equal(out, torch.eye(16)):
+    eye = torch.eye(16, dtype=torch.bfloat16)
+    if not torch.equal(interpreted_dot(eye, eye), torch.eye(16)):
         return False, "bfloat16 operands are not multiplied by value"
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(16, 32, generator=gen), torch.randn(32, 16, generator=gen)
-    whole = torch.zeros(16, 16)
-    product[(1,)](a, b, whole)
+    whole = interpreted_dot(a, b)
     for row in range(16):
-        alone, out = torch.zeros(16, 32), torch.zeros(16, 16)
+        alone = torch.zeros(16, 32)
         alone[0] = a[row]
-        product[(1,)](alone, b, out)
-        if not torch.equal(out[0], whole[row]):
+        if not torch.equal(interpreted_dot(alone, b)[0], whole[row]):
             return False, f"row {row} of a float32 dot differs from the same row alone"
     return True, ""

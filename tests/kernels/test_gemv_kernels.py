@@ -169,8 +169,8 @@ def test_row_sum_squares_splits_an_embedding_row_into_partials(num_parts):
                                          ("square", "square"), ("nowide", "nowide"), ("0", "off"), ("off", "off")])
 def test_the_gemv_switch_picks_which_one_row_products_take_the_gemv(monkeypatch, value, mode):
     """HELIOS_GEMV: narrow (default: weights with no more rows than columns, o and down, and small ones), all,
-    square, nowide or off; the device rule beside it in gemv_serves needs CUDA tensors (tests/gpu); the interpreter never takes
-    the one-row path."""
+    square, nowide or off; the device rule beside it in gemv_serves needs CUDA tensors (tests/gpu); the interpreter
+    never takes the one-row path."""
     import helios.kernels.gemv as gemv_module
     from helios.switches import Switches
 
