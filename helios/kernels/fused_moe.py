@@ -39,6 +39,8 @@ ACTS = {"none": 0, "silu": 1, "gelu_tanh": 2, "relu2": 3}
 # launches a layer, the larger part of a MoE prompt step's host time
 ALIGN_KERNEL_MAX_ENTRIES = 4096
 ALIGN_SPAN = 512
+# entries of a decode-sized batch: gemm_config's 16-row blocks up to here (and shared_slot_serves' limit)
+DECODE_ENTRIES = 1024
 
 
 # --- routing ------------------------------------------------------------------------------------------------
@@ -394,12 +396,15 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 def _expert_gemm_kernel(
     a_ptr,  # [rows, K]: x (a row per token: entry // ROW_DIV) or the intermediate (a row per entry)
     w_ptr,  # [E, out rows, K]: gate_up ([gate | up], GATED), up or down
-    out_ptr,  # [N, n_out] out, a row per entry
+    ws_ptr,  # [out rows, K]: the shared expert's weight, laid out as an expert's (its blocks only)
+    out_ptr,  # [N (+ T), n_out] out, a row per entry
     sorted_ptr,  # [max_rows] int32 (moe_align)
     block_experts_ptr,  # [max_blocks] int32
     num_rows_ptr,  # [1] int32
-    num_entries,
-    num_blocks,  # block_experts' length: the grid is num_blocks x the column tiles
+    num_entries,  # N: the routed entries
+    num_tokens,  # T: the shared expert's entries are N + t
+    routed_blocks,  # block_experts' length; blocks past it (num_blocks - routed_blocks) are the shared expert's
+    num_blocks,  # all blocks: the grid is num_blocks x the column tiles
     n_out,
     K,
     stride_a,
@@ -409,6 +414,7 @@ def _expert_gemm_kernel(
     limit,
     alpha,
     ROW_DIV: tl.constexpr,
+    A_BY_TOKEN: tl.constexpr,  # `a` has a row per token (x, gate_up's GEMM): shared entry N + t reads row t
     ACT: tl.constexpr,
     GATED: tl.constexpr,
     CLAMP: tl.constexpr,  # 0 none, 1 gate <= limit and |up| <= limit, 2 act(gate) <= limit and |up| <= limit
@@ -433,16 +439,27 @@ def _expert_gemm_kernel(
         pid_n = (pid % in_group) // size
     pdl_wait(USE_PDL)  # the rows, the experts and `a` are the kernels' before
     pdl_launch_dependents(USE_PDL)
-    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+    if (pid_m < routed_blocks) & (pid_m * BLOCK_M >= tl.load(num_rows_ptr)):
         return
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    entry = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    is_row = entry < num_entries
+    rows = tl.arange(0, BLOCK_M)
+    if pid_m >= routed_blocks:  # the shared expert's blocks: every token, in token order
+        entry = num_entries + (pid_m - routed_blocks) * BLOCK_M + rows
+        is_row = entry < num_entries + num_tokens
+        if A_BY_TOKEN:
+            a_row = entry - num_entries
+        else:
+            a_row = entry
+        w_base = ws_ptr
+    else:
+        entry = tl.load(sorted_ptr + pid_m * BLOCK_M + rows)
+        is_row = entry < num_entries
+        a_row = entry // ROW_DIV
+        w_base = w_ptr + tl.load(block_experts_ptr + pid_m).to(tl.int64) * stride_we
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < n_out
     k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (entry // ROW_DIV).to(tl.int64)[:, None] * stride_a + k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [BLOCK_K, BLOCK_N]
+    a_ptrs = a_ptr + a_row.to(tl.int64)[:, None] * stride_a + k[None, :]
+    w_ptrs = w_base + n[None, :].to(tl.int64) * stride_wn + k[:, None]  # [BLOCK_K, BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -506,7 +523,8 @@ def gemm_config(num_entries: int) -> dict:
     """Tile sizes by the number of entries: decode batches take 16-row blocks (each expert's few tokens share one
     block, so its weight tiles are read once per step), prefill 64-row ones.
     NOTE: one BLOCK_K for both, so an entry's products sum their K chunks in the same order at every batch size."""
-    if num_entries <= 1024:  # H200, 256 experts x [1024 | 512, 2048] bf16: 65% of the bound at b=1, 100% at b=64
+    # H200, 256 experts x [1024 | 512, 2048] bf16: 65% of the bound at b=1, 100% at b=64
+    if num_entries <= DECODE_ENTRIES:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "GROUP_M": 0}
     if num_entries < 16384:  # under ~64 rows an expert (256 experts): 128-row blocks would be mostly padding
         return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "GROUP_M": 8}
@@ -560,24 +578,36 @@ def expert_gemm(
     alpha: float | None = None,
     config: dict | None = None,
     pdl: bool = False,
-) -> torch.Tensor:  # [N, n_out] in a's dtype: n_out = out rows / 2 for gated acts, else out rows
+    shared: torch.Tensor | None = None,  # [out rows, K]: a shared expert every token takes, as entry N + t
+    num_tokens: int = 0,  # T, with shared
+    a_by_token: bool | None = None,  # `a` has a row per token (x); None: row_div > 1
+) -> torch.Tensor:  # [N (+ T with shared), n_out] in a's dtype: n_out = out rows / 2 for gated acts, else out rows
     """One grouped GEMM over the block-aligned entries: program (block, column tile) multiplies its block's rows
     of `a` by its expert's weight tile, the activation applied to the float32 accumulators. pdl: launched under
-    PDL (the caller's use_pdl over the step's tokens)."""
+    PDL (the caller's use_pdl over the step's tokens). shared: cdiv(T, BLOCK_M) more blocks after the routed ones
+    multiply every token (x's row t, or the intermediate's row N + t) by the shared expert's weight, into rows
+    N + t: its products take the routed experts' tile, K chunks and epilogue."""
     check_last_dim_contiguous("a", a)
     check_last_dim_contiguous("w", w)
     assert a.shape[1] == w.shape[2] and a.dtype == w.dtype, f"a {tuple(a.shape)} {a.dtype}, w {tuple(w.shape)}"
+    if shared is not None:
+        assert shared.shape == w.shape[1:] and shared.dtype == w.dtype and shared.stride() == w.stride()[1:], (
+            f"shared {tuple(shared.shape)} {shared.stride()}, an expert's {tuple(w.shape[1:])} {w.stride()[1:]}")
     gated = act in ("silu", "gelu_tanh")
     n_out = w.shape[1] // 2 if gated else w.shape[1]
     cfg = dict(config or gemm_config(num_entries))
     cfg.setdefault("GROUP_M", 0)
     sorted_ids, block_experts, num_rows = align
-    out = torch.empty(num_entries, n_out, dtype=a.dtype, device=a.device)
-    grid = (block_experts.numel() * cdiv(n_out, cfg["BLOCK_N"]),)
+    extra = num_tokens if shared is not None else 0
+    out = torch.empty(num_entries + extra, n_out, dtype=a.dtype, device=a.device)
+    routed_blocks = block_experts.numel()
+    num_blocks = routed_blocks + cdiv(extra, cfg["BLOCK_M"])
+    grid = (num_blocks * cdiv(n_out, cfg["BLOCK_N"]),)
     _expert_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_experts, num_rows, num_entries, block_experts.numel(), n_out, a.shape[1],
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0), float(limit or 0.0), float(alpha or 0.0),
-        ROW_DIV=row_div, ACT=ACTS[act],
+        a, w, shared if shared is not None else w, out, sorted_ids, block_experts, num_rows, num_entries, extra,
+        routed_blocks, num_blocks, n_out, a.shape[1], a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        float(limit or 0.0), float(alpha or 0.0), ROW_DIV=row_div,
+        A_BY_TOKEN=row_div > 1 if a_by_token is None else a_by_token, ACT=ACTS[act],
         GATED=gated, CLAMP=0 if limit is None else (2 if clamp_after_act else 1), HAS_ALPHA=alpha is not None,
         IEEE_DOT=a.dtype == torch.float32 or interpret_mode(), USE_PDL=pdl, launch_pdl=pdl, **cfg,
     )
@@ -594,25 +624,45 @@ def expert_outputs(
     clamp_after_act: bool = False,
     alpha: float | None = None,
     one_token: str = "dot",
-) -> torch.Tensor:  # [T*k, W] in x's dtype: entry token * k + slot is its expert's output for the token
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # a shared expert's (w_in [2*F, W], w_down [W, F])
+) -> torch.Tensor:  # [T*k (+ T), W] in x's dtype: entry token * k + slot is its expert's output for the token
     """Each (token, slot)'s expert product down(act(gate_up x)), unweighted: align, then the two grouped GEMMs.
-    one_token="gemv": a single token takes expert_outputs_one_token's GEMV kernels instead ("dot": the GEMMs)."""
+    one_token="gemv": a single token takes expert_outputs_one_token's GEMV kernels instead ("dot": the GEMMs).
+    shared: a shared expert of the routed experts' shapes and activation rides in the same two launches (the dot
+    path): its output for token t is row T*k + t (shared_slot_serves says when a layer may ask)."""
     require_triton()
     assert one_token in ("dot", "gemv"), f"one_token: dot or gemv, not {one_token!r}"
-    num_entries = topk_ids.numel()
+    num_tokens, num_entries = topk_ids.shape[0], topk_ids.numel()
     if num_entries == 0:
         return x.new_empty(0, w_down.shape[1])
-    if one_token == "gemv" and topk_ids.shape[0] == 1:
+    if one_token == "gemv" and num_tokens == 1:
+        assert shared is None, "the one-token GEMVs take no shared expert"
         return expert_outputs_one_token(x, topk_ids, w_in, w_down, act, limit, clamp_after_act, alpha)
     cfg = gemm_config(num_entries)
-    if topk_ids.shape[0] == 1:  # batch-1 decode: no sort to do, one launch fewer
+    if num_tokens == 1:  # batch-1 decode: no sort to do, one launch fewer
         align = one_token_align(topk_ids, cfg["BLOCK_M"])
     else:
         align = moe_align(topk_ids, w_in.shape[0], cfg["BLOCK_M"])
-    pdl = use_pdl(x, topk_ids.shape[0])
-    h = expert_gemm(x, w_in, align, num_entries, topk_ids.shape[1], act, limit, clamp_after_act, alpha, cfg, pdl)
+    pdl = use_pdl(x, num_tokens)
+    shared_in, shared_down = shared if shared is not None else (None, None)
+    h = expert_gemm(x, w_in, align, num_entries, topk_ids.shape[1], act, limit, clamp_after_act, alpha, cfg, pdl,
+                    shared_in, num_tokens, a_by_token=True)
     down = down_config(cfg, h.element_size(), shared_bytes_of(h.device))
-    return expert_gemm(h, w_down, align, num_entries, 1, config=down, pdl=pdl)
+    return expert_gemm(h, w_down, align, num_entries, 1, config=down, pdl=pdl, shared=shared_down,
+                       num_tokens=num_tokens, a_by_token=False)
+
+
+def shared_slot_serves(num_entries: int, one_token: str, num_tokens: int, w_in: torch.Tensor, w_down: torch.Tensor,
+                       shared_in: torch.Tensor, shared_down: torch.Tensor) -> bool:
+    """Whether a shared expert may ride in expert_outputs' launches: decode-sized batches (gemm_config's 16-row
+    blocks: a prompt's shared product stays with cuBLAS, faster than this kernel at full rows), the dot path, and
+    weights laid out as one expert's of the stacks (same shapes, strides and dtype).
+    NOTE: at batch 1 this takes qwen3_5_moe's shared gate_up and down GEMVs (two launches of about 2M weights each
+    a MoE layer) into the experts' two launches; every row's products are the same kernel's at every decode batch."""
+    return (num_entries <= DECODE_ENTRIES and not (one_token == "gemv" and num_tokens == 1)
+            and shared_in.shape == w_in.shape[1:] and shared_down.shape == w_down.shape[1:]
+            and shared_in.dtype == w_in.dtype and shared_down.dtype == w_down.dtype
+            and shared_in.stride() == w_in.stride()[1:] and shared_down.stride() == w_down.stride()[1:])
 
 
 def expert_outputs_ref(x, topk_ids, w_in, w_down, act, limit=None, clamp_after_act=False, alpha=None):

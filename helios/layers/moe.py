@@ -50,18 +50,59 @@ class RoutedMoe(nn.Module):
     one_token: str = "dot"  # the moe_decode switch: a single token's expert GEMMs (fused_moe.expert_outputs)
 
     def expert_outputs(self, x: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor, w_down: torch.Tensor,
-                       limit: float | None = None, clamp_after_act: bool = False,
-                       alpha: float | None = None) -> torch.Tensor:  # [T, W], [T, k] -> [T*k, W]
+                       limit: float | None = None, clamp_after_act: bool = False, alpha: float | None = None,
+                       shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       ) -> torch.Tensor:  # [T, W], [T, k] -> [T*k (+ T with shared), W]
         """The fused path's routed products (fused_moe.expert_outputs' layout): through torch's grouped GEMM where
-        the switch asks for it and moe_grouped serves the batch, else fused_moe's Triton GEMMs."""
+        the switch asks for it and moe_grouped serves the batch, else fused_moe's Triton GEMMs. shared: a shared
+        expert's weights that shared_slot found fit to ride in those launches (rows T*k + t)."""
         from helios.kernels import fused_moe, moe_grouped
 
         x = x.contiguous()
-        if self.grouped_prefill and moe_grouped.grouped_serves(x, w_in, w_down, experts.numel()):
+        if shared is None and self.grouped_prefill and moe_grouped.grouped_serves(x, w_in, w_down, experts.numel()):
             return moe_grouped.expert_outputs_grouped(x, experts, w_in, w_down, self.act, limit, clamp_after_act,
                                                       alpha)
         return fused_moe.expert_outputs(x, experts, w_in, w_down, self.act, limit, clamp_after_act, alpha,
-                                        one_token=self.one_token)
+                                        one_token=self.one_token, shared=shared)
+
+    def shared_slot(self, shared: nn.Module | None, x: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor,
+                    w_down: torch.Tensor, limit: float | None = None, clamp_after_act: bool = False,
+                    alpha: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared expert's (w_in, w_down) when it may ride in the routed experts' two launches (fused path,
+        decode-sized batches: fused_moe.shared_slot_serves): the routed experts' activation and clamps, their
+        shapes; else None (the shared MLP runs on its own)."""
+        from helios.kernels import fused_moe, moe_grouped
+
+        if isinstance(shared, GatedMLP) and self.act != "relu2":
+            if (shared.act, shared.limit, shared.clamp_after_act, shared.alpha) != (self.act, limit, clamp_after_act,
+                                                                                   alpha):
+                return None
+            pair = (shared.gate_up.weight, shared.down.weight)
+        elif isinstance(shared, Relu2MLP) and self.act == "relu2":
+            pair = (shared.up.weight, shared.down.weight)
+        else:
+            return None
+        if self.grouped_prefill and moe_grouped.grouped_serves(x, w_in, w_down, experts.numel()):
+            return None
+        if not fused_moe.shared_slot_serves(experts.numel(), self.one_token, experts.shape[0], w_in, w_down, *pair):
+            return None
+        return pair
+
+    def combine_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor,
+                      w_down: torch.Tensor, shared: nn.Module | None = None, shared_gate: torch.Tensor | None = None,
+                      limit: float | None = None, clamp_after_act: bool = False,
+                      alpha: float | None = None) -> torch.Tensor:  # [T, W]
+        """The routed experts' products and their weighted sum (fused_moe.moe_combine), plus `shared`'s output of
+        x (times sigmoid(shared_gate) when given) in the same combine launch; the shared expert's products ride in
+        the experts' launches where shared_slot admits them, else its MLP runs first."""
+        from helios.kernels import fused_moe
+
+        pair = self.shared_slot(shared, x, experts, w_in, w_down, limit, clamp_after_act, alpha)
+        y = self.expert_outputs(x, experts, w_in, w_down, limit, clamp_after_act, alpha, shared=pair)
+        if pair is not None:
+            n = experts.numel()
+            return fused_moe.moe_combine(y[:n], weights, experts, y[n:], shared_gate)
+        return fused_moe.moe_combine(y, weights, experts, None if shared is None else shared(x), shared_gate)
 
     @property
     def decode_graph_safe(self) -> bool:
@@ -130,17 +171,16 @@ class SparseMoe(RoutedMoe):
                 return router.router_logits(x, self.router.weight, gate, out_dtype=x.dtype)
         return self.router(x), (None if shared_gate is None else shared_gate(x))
 
-    def _forward_fused(self, x: torch.Tensor, logits: torch.Tensor, shared: torch.Tensor | None = None,
+    def _forward_fused(self, x: torch.Tensor, logits: torch.Tensor, shared: nn.Module | None = None,
                        shared_gate: torch.Tensor | None = None) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
         """route's choice and weights (rounded to the logits' dtype, as route returns them) in one launch, then
         the experts' products and their weighted sum (float32) on the device; a shared expert's output (scaled by
-        sigmoid(shared_gate)) added by the same combine launch."""
+        sigmoid(shared_gate)) added by the same combine launch (combine_fused)."""
         from helios.kernels import fused_moe
 
         weights, experts = fused_moe.moe_route(logits, self.top_k, renorm=self.norm_topk_prob,
                                                weights_dtype=logits.dtype)
-        y = self.expert_outputs(x, experts, self.gate_up.weight, self.down.weight)
-        return fused_moe.moe_combine(y, weights, experts, shared, shared_gate)
+        return self.combine_fused(x, weights, experts, self.gate_up.weight, self.down.weight, shared, shared_gate)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -274,7 +314,7 @@ class SigmoidMoe(RoutedMoe):
         if m.latent_norms:
             h = self.latent_norm(h)
         if self.fused and self.shared is not None and not m.latent_size:  # the shared add rides in the combine
-            return self._experts_fused(h, weights, experts, self.shared(x))
+            return self._experts_fused(h, weights, experts, self.shared, x)
         routed = self._experts(h, weights, experts)
         if m.latent_size:
             routed = self.latent_out(routed)
@@ -336,12 +376,17 @@ class SigmoidMoe(RoutedMoe):
         return self.expert_norm(h) if self.moe.latent_norms else h
 
     def _experts_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                       shared: torch.Tensor | None = None) -> torch.Tensor:  # shared: [T, W] added by the combine
+                       shared: nn.Module | None = None, shared_x: torch.Tensor | None = None,
+                       ) -> torch.Tensor:  # [T, W]: the combine adds shared(shared_x) (x when None)
         from helios.kernels import fused_moe
 
         w_in = self.up.weight if self.act == "relu2" else self.gate_up.weight
+        if not self.moe.latent_norms and (shared_x is None or shared_x is x):
+            return self.combine_fused(x, weights, experts, w_in, self.down.weight, shared, None, self.limit,
+                                      self.clamp_after_act, self.alpha)
         y = self.expert_outputs(x, experts, w_in, self.down.weight, self.limit, self.clamp_after_act,
                                 self.alpha)  # [T*k, W]
         if self.moe.latent_norms:  # each expert's output is normed before its weight applies
             y = self.expert_norm(y)
-        return fused_moe.moe_combine(y, weights, experts, shared)
+        return fused_moe.moe_combine(y, weights, experts,
+                                     None if shared is None else shared(x if shared_x is None else shared_x))

@@ -44,7 +44,7 @@ class DeepseekV4Moe(SigmoidMoe):
         if self.fused:  # the same weights in one launch, no host sync; the shared add rides in the combine
             weights, experts = self._route_given_fused(logits, self.tid2eid[token_ids], m.scoring,
                                                        m.routed_scaling_factor)
-            return self._experts_fused(x, weights, experts, None if self.shared is None else self.shared(x))
+            return self._experts_fused(x, weights, experts, self.shared)
         scores = router_scores(logits, m.scoring)
         experts = self.tid2eid[token_ids].long()  # NOTE: exact in 16-bit floats too (ids below 256)
         weights = scores.gather(1, experts)

@@ -43,7 +43,7 @@ class SharedExpertMoe(SparseMoe):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         if self.fused:  # the gated shared expert added by the experts' combine launch (same roundings)
             logits, gate = self.router_logits(x, self.shared_gate)  # the router's and the gate's: one launch
-            return self._forward_fused(x, logits, self.shared(x), gate)
+            return self._forward_fused(x, logits, self.shared, gate)
         return plus_shared_expert(self, x, super().forward(x))
 
 

@@ -94,6 +94,27 @@ def test_the_fused_block_matches_the_torch_path_at_a_real_shape(blocks, num_toke
     assert err[keep].max() < 2e-2, err
 
 
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_the_shared_blocks_give_the_bits_of_one_more_expert(num_tokens):
+    """expert_outputs' shared blocks compiled for the GPU (their branch picks the shared weight and `a`'s row): a
+    shared expert's rows = the same kernel given it as a 257th stacked expert every token routes to; routed rows
+    unchanged. At the real shape, bf16, under PDL where the step's size takes it."""
+    from helios.kernels import fused_moe
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(num_tokens, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    w_in = (torch.randn(EXPERTS + 1, 2 * INTER, HIDDEN, generator=g, device="cuda") / HIDDEN**0.5).to(torch.bfloat16)
+    w_down = (torch.randn(EXPERTS + 1, HIDDEN, INTER, generator=g, device="cuda") / INTER**0.5).to(torch.bfloat16)
+    ids = torch.randn(num_tokens, EXPERTS, generator=g, device="cuda").topk(TOP_K, dim=-1).indices.to(torch.int32)
+    shared = (w_in[EXPERTS].clone(), w_down[EXPERTS].clone())
+    got = fused_moe.expert_outputs(x, ids, w_in[:EXPERTS], w_down[:EXPERTS], "silu", shared=shared)
+    n = ids.numel()
+    assert torch.equal(got[:n], fused_moe.expert_outputs(x, ids, w_in[:EXPERTS], w_down[:EXPERTS], "silu"))
+    nine = torch.cat([ids, torch.full((num_tokens, 1), EXPERTS, dtype=torch.int32, device="cuda")], dim=1)
+    as_expert = fused_moe.expert_outputs(x, nine, w_in, w_down, "silu").view(num_tokens, TOP_K + 1, HIDDEN)
+    assert torch.equal(got[n:], as_expert[:, TOP_K])
+
+
 def test_softmax_routing_matches_route_in_float32():
     from helios.kernels.fused_moe import moe_route
 

@@ -257,3 +257,48 @@ def test_one_token_takes_no_sort_and_the_sorted_path_values(dtype):
     first = fused_moe.one_token_align(ids, cfg["BLOCK_M"])
     again = fused_moe.one_token_align(torch.tensor([[2, 0, 7]], dtype=torch.int32), cfg["BLOCK_M"])
     assert first[0] is again[0] and first[2] is again[2] and again[1].tolist() == [2, 0, 7]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_a_shared_expert_rides_in_the_expert_launches_as_one_more_expert(dtype, num_tokens):
+    """expert_outputs' shared weights: rows T*k + t are the shared expert's products of token t, the bits of the
+    same kernel given it as a ninth stacked expert every token routes to; the routed rows are unchanged."""
+    num_experts, top_k = 8, 3
+    gen = torch.Generator().manual_seed(11)
+    x = inputs(num_tokens, dtype)
+    w_in = (torch.randn(num_experts + 1, 2 * INTER, HIDDEN, generator=gen) / HIDDEN ** 0.5).to(dtype)
+    w_down = (torch.randn(num_experts + 1, HIDDEN, INTER, generator=gen) / INTER ** 0.5).to(dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]).to(torch.int32)
+    shared = (w_in[num_experts].clone(), w_down[num_experts].clone())
+    got = fused_moe.expert_outputs(x, ids, w_in[:num_experts], w_down[:num_experts], "silu", shared=shared)
+    n = ids.numel()
+    assert got.shape == (n + num_tokens, HIDDEN)
+    assert torch.equal(got[:n], fused_moe.expert_outputs(x, ids, w_in[:num_experts], w_down[:num_experts], "silu"))
+    nine = torch.cat([ids, torch.full((num_tokens, 1), num_experts, dtype=torch.int32)], dim=1)
+    as_expert = fused_moe.expert_outputs(x, nine, w_in, w_down, "silu").view(num_tokens, top_k + 1, HIDDEN)
+    assert torch.equal(got[n:], as_expert[:, top_k])
+
+
+def test_the_shared_slot_takes_decode_batches_of_matching_experts_only():
+    """SigmoidMoe's shared expert rides in the experts' launches when its shapes are an expert's and the batch is
+    decode-sized (the fused block still = the torch block); a prompt-sized batch, another width or the one-token
+    GEMVs keep it apart."""
+    moe = sigmoid_config(shared_expert_intermediate_size=16)  # = moe_intermediate_size
+    layers = torch_and_fused(lambda fused: SigmoidMoe(HIDDEN, moe, "silu", fused=fused))
+    block = layers[1]
+    w_in, w_down = block.gate_up.weight, block.down.weight
+    for num_tokens, want in ((1, True), (3, True), (fused_moe.DECODE_ENTRIES // 4 + 1, False)):
+        x = inputs(num_tokens, torch.float32)
+        experts = torch.zeros(num_tokens, 4, dtype=torch.int32)
+        assert (block.shared_slot(block.shared, x, experts, w_in, w_down) is not None) == want, num_tokens
+        if num_tokens < 8:
+            with torch.inference_mode():
+                torch.testing.assert_close(block(x), layers[0](x), **TOL[torch.float32])
+    one = inputs(1, torch.float32)
+    block.one_token = "gemv"
+    assert block.shared_slot(block.shared, one, torch.zeros(1, 4, dtype=torch.int32), w_in, w_down) is None
+    block.one_token = "dot"
+    wider = torch_and_fused(lambda fused: SigmoidMoe(HIDDEN, sigmoid_config(), "silu", fused=fused))[1]
+    assert wider.shared_slot(wider.shared, one, torch.zeros(1, 4, dtype=torch.int32), wider.gate_up.weight,
+                             wider.down.weight) is None
