@@ -50,6 +50,8 @@ class TritonAttentionBackend:
     # the layers of a model on this backend take the fused kernels too (residual + norm, rotary + cache
     # write, gated activation): helios.layers read this once at construction
     fuses_layers = True
+    # forward() takes values narrower than head_dim (mimo_v2_flash's v heads): the cache write zero-pads them
+    pads_values = True
 
     def __init__(self, decode_num_splits: int | None = None, fused_decode: bool = True):
         require_triton()
@@ -62,16 +64,16 @@ class TritonAttentionBackend:
         self,
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim or narrower: pads_values]
         kv_cache: torch.Tensor,  # [2, num_pages, page_size, num_kv_heads, head_dim]
         meta: PagedMetadata,
         scale: float,
         sliding_window: int | None,
         softcap: float | None,
         sinks: torch.Tensor | None = None,  # [num_heads] sink logits
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+    ) -> torch.Tensor:  # [T, num_heads, v's width]
         reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
-        return self._attend(q, kv_cache, meta, scale, sliding_window, softcap, sinks)
+        return self._attend(q, kv_cache, meta, scale, sliding_window, softcap, sinks, out_dim=v.shape[-1])
 
     def forward_qkv(
         self,
@@ -104,7 +106,10 @@ class TritonAttentionBackend:
         q = rotary_and_cache(qkv, cos, sin, kv_cache, meta.slot_mapping, num_heads, q_norm, k_norm, eps, in_f32)
         return self._attend(q, kv_cache, meta, scale, sliding_window, softcap)
 
-    def _attend(self, q, kv_cache, meta: PagedMetadata, scale, sliding_window, softcap, sinks=None) -> torch.Tensor:
+    def _attend(self, q, kv_cache, meta: PagedMetadata, scale, sliding_window, softcap, sinks=None,
+                out_dim: int | None = None) -> torch.Tensor:  # [T, num_heads, out_dim or head_dim]
+        """out_dim: the values' width when narrower than head_dim (their leading columns: a decode writes only
+        those, a prompt's output is sliced)."""
         if q.shape[0] == meta.num_seqs:  # every sequence schedules >= 1 token, so each has exactly one
             return paged_decode_attention(
                 q,
@@ -116,6 +121,7 @@ class TritonAttentionBackend:
                 softcap,
                 num_splits=self._decode_splits(meta, sliding_window, kv_cache.shape[3], q.device),
                 sinks=sinks,
+                out_dim=out_dim,
             )
         qsl = meta.query_start_loc_cpu
         max_query_len = max(b - a for a, b in zip(qsl, qsl[1:]))
@@ -130,7 +136,7 @@ class TritonAttentionBackend:
             sliding_window,
             softcap,
             sinks=sinks,
-        )
+        )[..., :out_dim]
 
     def _decode_splits(
         self, meta: PagedMetadata, sliding_window: int | None, num_kv_heads: int, device: torch.device

@@ -70,7 +70,10 @@ def default_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) 
     block_n = 8 if m <= 4 else 16
     num_tiles = cdiv(n, block_n)
     split_k = 1
-    while num_tiles * split_k < _TARGET_PROGRAMS and k // (block_k * split_k * 2) >= 2:
+    # NOTE: a row tile a SM or more goes unsplit: split-K costs a reduce launch, which a latency-bound batch-1 step
+    # pays in full (qwen3_5_moe's [2048, 4096] out projections, 256 tiles: split in two, a launch a layer, before)
+    while (num_tiles < _TARGET_PROGRAMS // 2 and num_tiles * split_k < _TARGET_PROGRAMS
+           and k // (block_k * split_k * 2) >= 2):
         split_k *= 2
     return GemvConfig(block_n, block_k, 4, 1, split_k)
 

@@ -67,7 +67,7 @@ def _decode_kernel(
     v_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim], same strides as k
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
-    out_ptr,  # [num_seqs, num_heads, head_dim], written when NUM_SPLITS == 1
+    out_ptr,  # [num_seqs, num_heads, out_dim], written when NUM_SPLITS == 1
     part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32, written when NUM_SPLITS > 1
     part_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2 domain
     sinks_ptr,  # [num_heads] sink logits, read when HAS_SINKS
@@ -81,6 +81,7 @@ def _decode_kernel(
     stride_oh,
     num_heads,
     head_dim,
+    out_dim,  # the values' columns (<= head_dim: the cache's past them are zeros, neither read nor written out)
     scale,
     softcap,
     window,
@@ -131,10 +132,11 @@ def _decode_kernel(
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    v_cols = d < out_dim
     kv_mask = (pos < end)[:, None] & d_mask[None, :]
     offset = block * stride_cp + (pos % PAGE_SIZE) * stride_cs + kv_head * stride_ch
     k = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_mask & v_cols[None, :], other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_H], dtype=tl.float32)
     if HAS_SINKS:  # the sink is one more logit of split 0, with value 0: the running max starts there
@@ -147,7 +149,7 @@ def _decode_kernel(
         next_mask = (pos_next < end)[:, None] & d_mask[None, :]
         offset = block_next * stride_cp + (pos_next % PAGE_SIZE) * stride_cs + kv_head * stride_ch
         k_next = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=next_mask, other=0.0)
-        v_next = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=next_mask, other=0.0)
+        v_next = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=next_mask & v_cols[None, :], other=0.0)
         pos_after = pos_next + BLOCK_N
         block_next = tl.load(table + pos_after // PAGE_SIZE, mask=pos_after < end, other=0).to(tl.int64)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_PRECISION)
@@ -167,7 +169,7 @@ def _decode_kernel(
         tl.store(
             out_ptr + seq * stride_os + heads[:, None] * stride_oh + d[None, :],
             o.to(out_ptr.dtype.element_ty),
-            mask=h_mask[:, None] & d_mask[None, :],
+            mask=h_mask[:, None] & v_cols[None, :],
         )
     else:
         row = (seq * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
@@ -180,11 +182,12 @@ def _decode_kernel(
 def _decode_reduce_kernel(
     part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32
     part_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, log2 domain
-    out_ptr,  # [num_seqs, num_heads, head_dim]
+    out_ptr,  # [num_seqs, num_heads, out_dim]
     stride_os,
     stride_oh,
     num_heads,
     head_dim,
+    out_dim,  # out's columns: the partials' first out_dim
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -207,7 +210,7 @@ def _decode_reduce_kernel(
     num = tl.sum(w[:, None] * o, axis=0)
     den = tl.sum(w, axis=0)
     res = num / tl.where(den > 0, den, 1.0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d < out_dim)
 
 
 def check_paged_inputs(q, kv_cache, block_tables, seq_lens, num_seqs: int) -> tuple[int, int, int]:
@@ -244,24 +247,29 @@ def paged_decode_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     num_splits: int = 1,
-    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, out_dim]
     block_n: int | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads] sink logits
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """num_splits is a launch constant (not read from seq_lens), so a captured CUDA graph stays valid."""
+    out_dim: int | None = None,  # the values' leading columns (mimo_v2_flash's v heads); None: head_dim
+) -> torch.Tensor:  # [num_seqs, num_heads, out_dim]
+    """num_splits is a launch constant (not read from seq_lens), so a captured CUDA graph stays valid. out_dim <
+    head_dim: the cache's values are zero past out_dim (reshape_and_cache pads a narrow v): those columns are
+    neither read nor written, and the output is [.., out_dim] (no slice copy before the o projection)."""
     require_triton()
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, page_size, group = check_paged_inputs(q, kv_cache, block_tables, seq_lens, num_seqs)
     assert num_splits >= 1
-    out = torch.empty_like(q) if out is None else out
-    assert out.shape == q.shape and out.stride(-1) == 1
+    out_dim = out_dim or head_dim
+    assert out_dim <= head_dim
+    out = q.new_empty(num_seqs, num_heads, out_dim) if out is None else out
+    assert out.shape == (num_seqs, num_heads, out_dim) and out.stride(-1) == 1
     if num_seqs == 0:
         return out
     block_d = max(16, next_power_of_2(head_dim))
     block_n = block_n or (64 if block_d <= 128 else 32)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     pdl = use_pdl(q, num_seqs)
-    part_out, part_lse = split_partials(out, num_splits)
+    part_out, part_lse = split_partials(out, num_splits, head_dim)
     check_sinks(sinks, num_heads)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
@@ -283,6 +291,7 @@ def paged_decode_attention(
         out.stride(1),
         num_heads,
         head_dim,
+        out_dim,
         scale,
         softcap or 1.0,
         sliding_window or 0,
@@ -305,13 +314,16 @@ def paged_decode_attention(
     return out
 
 
-def split_partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+def split_partials(out: torch.Tensor, num_splits: int,
+                   head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial outputs [num_seqs, num_heads, num_splits, head_dim] float32, their log2 log-sum-exps
     [num_seqs, num_heads, num_splits]) of a decode over `num_splits` key ranges into `out` [num_seqs, num_heads,
-    head_dim]; with one split the kernel writes `out` directly and both are `out` itself, never written."""
+    out_dim] (head_dim: the partials' width, None: out's); with one split the kernel writes `out` directly and both
+    are `out` itself, never written."""
     if num_splits == 1:
         return out, out
-    num_seqs, num_heads, head_dim = out.shape
+    num_seqs, num_heads, out_dim = out.shape
+    head_dim = head_dim or out_dim
     part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=out.device)
     return part_out, torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=out.device)
 
@@ -322,7 +334,8 @@ def merge_splits(
     """The merge kernel over split_partials' buffers into `out`; nothing with one split."""
     if num_splits == 1:
         return
-    num_seqs, num_heads, head_dim = out.shape
+    num_seqs, num_heads, out_dim = out.shape
+    head_dim = part_out.shape[-1]
     _decode_reduce_kernel[(num_seqs, num_heads)](
         part_out,
         part_lse,
@@ -331,6 +344,7 @@ def merge_splits(
         out.stride(1),
         num_heads,
         head_dim,
+        out_dim,
         NUM_SPLITS=num_splits,
         BLOCK_S=next_power_of_2(num_splits),
         BLOCK_D=max(16, next_power_of_2(head_dim)),

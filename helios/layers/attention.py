@@ -494,8 +494,8 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         v_size = self.num_kv_heads * self.v_head_dim
         v = qkv[:, q_size + kv_size : q_size + kv_size + v_size].view(num_tokens, self.num_kv_heads, self.v_head_dim)
-        if self.v_head_dim < self.head_dim:  # the pages keep head_dim values per head: V's are zero-padded
-            v = F.pad(v, (0, self.head_dim - self.v_head_dim))
+        if self.v_head_dim < self.head_dim and not getattr(self.backend, "pads_values", False):
+            v = F.pad(v, (0, self.head_dim - self.v_head_dim))  # the pages keep head_dim values per head, zero-padded
         if self.q_norm is None and self.rotary_dim is None:
             # q and k are adjacent columns of the fused output: one rotary over both heads' sets
             qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)

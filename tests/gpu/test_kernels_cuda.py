@@ -67,6 +67,16 @@ def test_reshape_and_cache(dtype, page_size):
     checks.check_reshape_and_cache(CUDA, dtype, page_size)
 
 
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_writes_only_the_narrow_values_columns(num_splits):
+    checks.check_decode(CUDA, torch.bfloat16, 4, 16, seq_lens=(700, 5, 300), num_splits=num_splits, head_dim=192,
+                        out_dim=128, sinks=True)
+
+
+def test_reshape_and_cache_zero_pads_narrow_values():
+    checks.check_reshape_and_cache(CUDA, torch.bfloat16, 16, v_dim=40)
+
+
 @DTYPES
 @pytest.mark.parametrize("page_size", [16, 4])
 @pytest.mark.parametrize("group", [1, 3])

@@ -105,13 +105,17 @@ def check_gated(device, dtype, act):
 # --- KV cache write ------------------------------------------------------------------------------------
 
 
-def check_reshape_and_cache(device, dtype, page_size, cache_dtype=None):
+def check_reshape_and_cache(device, dtype, page_size, cache_dtype=None, v_dim=None):
+    """v_dim: values narrower than the cache's head_dim (mimo_v2_flash), written zero-padded over a cache whose
+    every value is nonzero (the padding columns must be written, not left)."""
     from helios.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_ref
 
     c = paged_case([3, 1, 9], [3, 21, 30], 2, 1, 64, page_size, dtype=dtype, device=device)
     cache = c.kv_cache.to(cache_dtype or dtype)
+    if v_dim is not None:
+        cache = _randn(*cache.shape, device=device, dtype=cache.dtype, seed=7).abs() + 1.0
     k = _randn(*c.k.shape, device=device, dtype=dtype, seed=5)
-    v = _randn(*c.v.shape, device=device, dtype=dtype, seed=6)
+    v = _randn(*c.v.shape[:2], v_dim or c.v.shape[2], device=device, dtype=dtype, seed=6)
     slots = c.slot_mapping.clone()
     slots[1] = -1  # a padded row writes nothing
     actual, expected = cache.clone(), cache.clone()
@@ -119,6 +123,9 @@ def check_reshape_and_cache(device, dtype, page_size, cache_dtype=None):
     reshape_and_cache_ref(k, v, expected, slots)
     assert torch.equal(actual, expected)
     assert not torch.equal(actual, cache)
+    if v_dim is not None:  # the written slots' value columns past v_dim are zeros
+        written = actual[1].view(-1, *actual.shape[3:])[slots[slots >= 0]]
+        assert (written[..., v_dim:] == 0).all() and (written[..., :v_dim] != 0).any()
 
 
 def _rope_rows(positions, head_dim, device, dtype):
@@ -166,17 +173,26 @@ def check_decode(
     num_kv_heads=2,
     head_dim=64,
     sinks=False,
+    out_dim=None,
 ):
-    """sinks: per-head sink logits (mimo_v2_flash), drawn around the scores' size."""
+    """sinks: per-head sink logits (mimo_v2_flash), drawn around the scores' size. out_dim: narrow values (mimo's
+    v heads: the cache's value columns past it zero, as reshape_and_cache pads them): the output's first out_dim
+    columns, the bits of the full-width kernel's."""
     from helios.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
 
     seq_lens = list(seq_lens)
     c = paged_case([1] * len(seq_lens), seq_lens, num_kv_heads, group, head_dim, page_size, dtype, device)
+    if out_dim is not None:
+        c.kv_cache[1, ..., out_dim:] = 0
     scale = head_dim**-0.5
     args = (c.q, c.kv_cache, c.block_tables, c.seq_lens, scale, sliding_window, softcap)
     extra = {"sinks": _randn(num_kv_heads * group, device=device, dtype=dtype, seed=7, scale=2.0)} if sinks else {}
     out = paged_decode_attention(*args, num_splits=num_splits, block_n=block_n, **extra)
     _close(out, paged_decode_attention_ref(*args, **extra), dtype, device)
+    if out_dim is not None:
+        narrow = paged_decode_attention(*args, num_splits=num_splits, block_n=block_n, out_dim=out_dim, **extra)
+        assert narrow.shape == (*out.shape[:2], out_dim) and narrow.is_contiguous()
+        assert torch.equal(narrow, out[..., :out_dim])
     return out
 
 

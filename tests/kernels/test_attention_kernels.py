@@ -25,6 +25,16 @@ def test_reshape_and_cache(page_size, cache_dtype):
     checks.check_reshape_and_cache("cpu", torch.float32, page_size, cache_dtype)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_writes_only_the_narrow_values_columns(num_splits):
+    checks.check_decode("cpu", torch.float32, 3, 4, num_splits=num_splits, block_n=16, head_dim=48, out_dim=32,
+                        sinks=True)
+
+
+def test_reshape_and_cache_zero_pads_narrow_values():
+    checks.check_reshape_and_cache("cpu", torch.float32, 4, v_dim=40)
+
+
 @pytest.mark.parametrize("page_size", [16, 4])
 @pytest.mark.parametrize("group", [1, 3])
 def test_decode(group, page_size):

@@ -71,6 +71,8 @@ def test_gemv_strided_x_and_out():
 def test_default_config_fills_the_chip_on_small_n():
     assert default_config(1, 4096, 4096).split_k == 1  # 512 tiles already
     assert default_config(1, 512, 4096).split_k > 1
+    # a tile a SM or more: no split, so no reduce launch (qwen3_5_moe's out projections: 256 tiles)
+    assert default_config(1, 2048, 4096).split_k == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
