@@ -6,7 +6,7 @@ over the stacked [E, out, in] weights: gate_up with its activation fused, then d
 weight tile once for every token of its run) and `moe_combine` (each token's k outputs times their weights, summed
 in expert order). Values are rounded to the model dtype where helios.layers.moe's torch loop (and HF's) holds them
 (gate_up, act(gate), each weighted product and partial sum): in the interpreter the fused block gives the torch
-path's bf16 bits. Imports torch and helios.kernels._triton only.
+path's bf16 bits. Imports torch and helios.kernels (_triton, rmsnorm: the next norm a combine may take) only.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from helios.kernels._triton import (
     tl,
     use_pdl,
 )
+from helios.kernels.rmsnorm import _normalize, _row_warps
 
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 # the expert GEMM's epilogue: gated activations over [gate | up] rows, relu2 (non-gated), or none (down)
@@ -952,14 +953,21 @@ def _combine_kernel(
     ids_ptr,  # [T, k] expert ids
     shared_ptr,  # [T, W] the shared expert's output (read with HAS_SHARED)
     gate_ptr,  # [T, 1] its gate's logit (read with SHARED_GATED)
-    out_ptr,  # [T, W] out
+    out_ptr,  # [T, W] out: the sum, or with THEN_NORM the norm of residual + the sum
+    residual_ptr,  # [T, W] the residual stream (read with THEN_NORM)
+    stream_ptr,  # [T, W] out with THEN_NORM: residual + the sum
+    norm_w_ptr,  # [W] the next norm's weight (read with THEN_NORM)
     width,
     stride_shared,
     stride_gate,
+    stride_residual,
+    eps,
     TOP_K: tl.constexpr,
     K_POW2: tl.constexpr,
     HAS_SHARED: tl.constexpr,
     SHARED_GATED: tl.constexpr,
+    THEN_NORM: tl.constexpr,  # the next norm of the stream (one program a token over the whole row)
+    MULTIPLY_IN_FLOAT32: tl.constexpr,
     BLOCK_W: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -985,6 +993,12 @@ def _combine_kernel(
             scale = round_to(1.0 / (1.0 + tl.exp(-g)), out_ptr.dtype.element_ty)
             shared = round_to(scale * shared, out_ptr.dtype.element_ty)
         acc = round_to(acc + shared, out_ptr.dtype.element_ty)
+    if THEN_NORM:  # helios.kernels.rmsnorm's fused add and norm of the stream, as its kernel computes them
+        r = tl.load(residual_ptr + t * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (acc + r).to(out_ptr.dtype.element_ty)
+        tl.store(stream_ptr + t * width + cols, x, mask=mask)
+        w = tl.load(norm_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        acc = _normalize(x, w, width, eps, 1, MULTIPLY_IN_FLOAT32)
     tl.store(out_ptr + t * width + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -994,10 +1008,13 @@ def moe_combine(
     topk_ids: torch.Tensor,  # [T, k]
     shared: torch.Tensor | None = None,  # [T, W] in y's dtype: a shared expert's output every token adds
     shared_gate: torch.Tensor | None = None,  # [T, 1]: its gate's logit (shared scaled by sigmoid of it)
-) -> torch.Tensor:  # [T, W] in y's dtype
+    then_norm: ThenNorm | None = None,  # the residual stream and the next RMSNorm
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, W] in y's dtype; with then_norm (normed, stream)
     """out[t] = the sum over slots j of weights[t, j] * y[t*k + j], as helios.layers.moe's torch loop (and HF's) adds
     it: slots in expert-id order, each product and each partial sum rounded to y's dtype (exact in float32); then
-    `+ shared` or `+ sigmoid(shared_gate) * shared` in the same launch, each op rounded as torch rounds it."""
+    `+ shared` or `+ sigmoid(shared_gate) * shared` in the same launch, each op rounded as torch rounds it.
+    then_norm: the stream residual + out and its RMSNorm in the same launch, as helios.kernels.rmsnorm's fused add
+    and norm compute them (the next layer's norm taken here: one launch a MoE layer fewer); returns (norm, stream)."""
     require_triton()
     num_tokens, top_k = weights.shape
     width = y.shape[1]
@@ -1009,17 +1026,41 @@ def moe_combine(
     if shared_gate is not None:
         assert shared_gate.shape == (num_tokens, 1), f"shared_gate {tuple(shared_gate.shape)}"
     out = torch.empty(num_tokens, width, dtype=y.dtype, device=y.device)
+    stream = out
+    if then_norm is not None:
+        residual = then_norm.residual
+        assert residual.shape == (num_tokens, width) and residual.dtype == y.dtype, f"residual {tuple(residual.shape)}"
+        assert then_norm.weight.shape == (width,), f"norm weight {tuple(then_norm.weight.shape)}"
+        check_last_dim_contiguous("residual", residual)
+        stream = torch.empty_like(out)
     if num_tokens == 0:
-        return out
-    block_w = min(1024, next_power_of_2(width))
+        return out if then_norm is None else (out, stream)
+    block_w = next_power_of_2(width) if then_norm is not None else min(1024, next_power_of_2(width))
     pdl = use_pdl(y, num_tokens)
     _combine_kernel[(num_tokens, cdiv(width, block_w))](
         y, weights.contiguous(), topk_ids.contiguous(), shared if shared is not None else y,
-        shared_gate if shared_gate is not None else y, out, width,
+        shared_gate if shared_gate is not None else y, out,
+        then_norm.residual if then_norm is not None else y, stream,
+        then_norm.weight if then_norm is not None else y, width,
         shared.stride(0) if shared is not None else 0, shared_gate.stride(0) if shared_gate is not None else 0,
+        then_norm.residual.stride(0) if then_norm is not None else 0,
+        then_norm.eps if then_norm is not None else 0.0,
         TOP_K=top_k, K_POW2=next_power_of_2(top_k), HAS_SHARED=shared is not None,
-        SHARED_GATED=shared_gate is not None, BLOCK_W=block_w, USE_PDL=pdl, launch_pdl=pdl)
-    return out
+        SHARED_GATED=shared_gate is not None, THEN_NORM=then_norm is not None,
+        MULTIPLY_IN_FLOAT32=then_norm is not None and then_norm.multiply_in_float32, BLOCK_W=block_w,
+        USE_PDL=pdl, num_warps=_row_warps(block_w) if then_norm is not None else 4, launch_pdl=pdl)
+    return out if then_norm is None else (out, stream)
+
+
+class ThenNorm(NamedTuple):
+    """The next RMSNorm of the residual stream, taken in a MoE block's combine launch (moe_combine's then_norm):
+    stream = residual + the block's output, then stream's norm with `weight` (applied after the rounding, or in
+    float32 with multiply_in_float32), as RMSNorm.forward_add computes them."""
+
+    residual: torch.Tensor  # [T, W]
+    weight: torch.Tensor  # [W]
+    eps: float
+    multiply_in_float32: bool
 
 
 def moe_combine_ref(y: torch.Tensor, weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -90,19 +90,27 @@ class RoutedMoe(nn.Module):
 
     def combine_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_in: torch.Tensor,
                       w_down: torch.Tensor, shared: nn.Module | None = None, shared_gate: torch.Tensor | None = None,
-                      limit: float | None = None, clamp_after_act: bool = False,
-                      alpha: float | None = None) -> torch.Tensor:  # [T, W]
+                      limit: float | None = None, clamp_after_act: bool = False, alpha: float | None = None,
+                      then_norm: tuple[torch.Tensor, RMSNorm] | None = None,
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, W]; with then_norm (norm, stream)
         """The routed experts' products and their weighted sum (fused_moe.moe_combine), plus `shared`'s output of
         x (times sigmoid(shared_gate) when given) in the same combine launch; the shared expert's products ride in
-        the experts' launches where shared_slot admits them, else its MLP runs first."""
+        the experts' launches where shared_slot admits them, else its MLP runs first. then_norm (residual, the next
+        norm): the combine launch also adds the output to the stream and norms it (RMSNorm.forward_add's values)."""
         from helios.kernels import fused_moe
 
+        after = None
+        if then_norm is not None:
+            residual, norm = then_norm
+            assert norm.weight is not None and not norm.scale_first, "the combine takes weighted norms only"
+            after = fused_moe.ThenNorm(residual, norm.weight, norm.eps, norm.multiply_in_float32)
         pair = self.shared_slot(shared, x, experts, w_in, w_down, limit, clamp_after_act, alpha)
         y = self.expert_outputs(x, experts, w_in, w_down, limit, clamp_after_act, alpha, shared=pair)
         if pair is not None:
             n = experts.numel()
-            return fused_moe.moe_combine(y[:n], weights, experts, y[n:], shared_gate)
-        return fused_moe.moe_combine(y, weights, experts, None if shared is None else shared(x), shared_gate)
+            return fused_moe.moe_combine(y[:n], weights, experts, y[n:], shared_gate, then_norm=after)
+        return fused_moe.moe_combine(y, weights, experts, None if shared is None else shared(x), shared_gate,
+                                     then_norm=after)
 
     @property
     def decode_graph_safe(self) -> bool:
@@ -140,10 +148,14 @@ class SparseMoe(RoutedMoe):
         self.gate_up = Stacked(num_experts, 2 * moe_intermediate_size, hidden_size)
         self.down = Stacked(num_experts, hidden_size, moe_intermediate_size)
 
-    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
-        """router_input [T, H]: what the router reads when it is not x (gemma4 routes the un-normed stream)."""
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None,
+                then_norm: tuple[torch.Tensor, RMSNorm] | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
+        """router_input [T, H]: what the router reads when it is not x (gemma4 routes the un-normed stream).
+        then_norm (residual, the next norm; fused path only): returns (norm(residual + out), residual + out)."""
         if self.fused:
-            return self._forward_fused(x, self.router_logits(x if router_input is None else router_input)[0])
+            logits = self.router_logits(x if router_input is None else router_input)[0]
+            return self._forward_fused(x, logits, then_norm=then_norm)
+        assert then_norm is None, "the torch path takes no next norm"
         logits = self.router(x if router_input is None else router_input)
         weights, experts = route(logits, self.top_k, self.norm_topk_prob)
         out = torch.zeros_like(x)
@@ -172,15 +184,17 @@ class SparseMoe(RoutedMoe):
         return self.router(x), (None if shared_gate is None else shared_gate(x))
 
     def _forward_fused(self, x: torch.Tensor, logits: torch.Tensor, shared: nn.Module | None = None,
-                       shared_gate: torch.Tensor | None = None) -> torch.Tensor:  # [T, H], [T, E] -> [T, H]
+                       shared_gate: torch.Tensor | None = None,
+                       then_norm: tuple[torch.Tensor, RMSNorm] | None = None):  # [T, H], [T, E] -> [T, H]
         """route's choice and weights (rounded to the logits' dtype, as route returns them) in one launch, then
         the experts' products and their weighted sum (float32) on the device; a shared expert's output (scaled by
-        sigmoid(shared_gate)) added by the same combine launch (combine_fused)."""
+        sigmoid(shared_gate)) added by the same combine launch, and then_norm's add and norm (combine_fused)."""
         from helios.kernels import fused_moe
 
         weights, experts = fused_moe.moe_route(logits, self.top_k, renorm=self.norm_topk_prob,
                                                weights_dtype=logits.dtype)
-        return self.combine_fused(x, weights, experts, self.gate_up.weight, self.down.weight, shared, shared_gate)
+        return self.combine_fused(x, weights, experts, self.gate_up.weight, self.down.weight, shared, shared_gate,
+                                  then_norm=then_norm)
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:

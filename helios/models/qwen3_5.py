@@ -40,10 +40,12 @@ class SharedExpertMoe(SparseMoe):
                          moe.norm_topk_prob, arch.hidden_act, switches=switches, fused=fused)
         add_shared_expert(self, arch, switches)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(self, x: torch.Tensor, then_norm: tuple[torch.Tensor, RMSNorm] | None = None):  # [T, H] -> [T, H]
+        """then_norm (residual, the next norm; fused path): (norm(residual + out), residual + out), SparseMoe's."""
         if self.fused:  # the gated shared expert added by the experts' combine launch (same roundings)
             logits, gate = self.router_logits(x, self.shared_gate)  # the router's and the gate's: one launch
-            return self._forward_fused(x, logits, self.shared, gate)
+            return self._forward_fused(x, logits, self.shared, gate, then_norm=then_norm)
+        assert then_norm is None, "the torch path takes no next norm"
         return plus_shared_expert(self, x, super().forward(x))
 
 
@@ -101,6 +103,11 @@ class HybridLayer(nn.Module):
         # take their norm and its add inside the GEMV (whether a step's row takes it is the projection's own rule)
         self.fold_norms = switches.fold_norms
         self.fold_mlp_norm = switches.fold_norms and isinstance(ffn, GatedMLP)
+        # the fused path's MoE layers (chain_moe_norms): this layer's fused MoE combine also takes the next norm
+        # (the next layer's attn_norm, or the model's final norm) and its add; the next layer then gets its input
+        # normed and the stream added (input_normed)
+        self.norms_output: RMSNorm | None = None
+        self.input_normed = False
 
     def forward(self, x: torch.Tensor, cos_sin, cache, meta: AttentionMetadata) -> torch.Tensor:  # [T, H]
         h = self.attn_norm(x)
@@ -121,7 +128,9 @@ class HybridLayer(nn.Module):
         ffn = getattr(self, self.ffn_name)
         allow_pdl = self.switches.gemv_pdl
         projection = self.linear.in_proj if self.is_linear else self.attn.qkv
-        if self.fold_norms and projection.serves_gemv(x):
+        if self.input_normed:  # the previous layer's combine took our add and norm: x normed, residual the stream
+            a = self.mix(x, cos_sin, cache, meta)
+        elif self.fold_norms and projection.serves_gemv(x):
             projected, residual = self.attn_norm.forward_add_gemv(x, residual, projection.weight, allow_pdl)
             a = self.mix(x, cos_sin, cache, meta, projected=projected)
         else:
@@ -131,7 +140,24 @@ class HybridLayer(nn.Module):
             gate_up, residual = self.mlp_norm.forward_add_gemv(a, residual, ffn.gate_up.weight, allow_pdl)
             return ffn(a, gate_up=gate_up), residual
         h, residual = self.mlp_norm.forward_add(a, residual, fused=True)
+        if self.norms_output is not None:  # (the next norm of the stream, the stream), one launch fewer
+            return ffn(h, then_norm=(residual, self.norms_output))
         return ffn(h), residual
+
+
+def chain_moe_norms(layers, final_norm: RMSNorm) -> None:
+    """On the fused path, each layer whose feed-forward is a fused SparseMoe hands its combine launch the next norm
+    (the next layer's attn_norm, the last layer the final norm), and marks the next layer's input normed: the stream's
+    add and that norm leave their own launch (RMSNorm.forward_add's values, helios.kernels.fused_moe.moe_combine)."""
+    for i, layer in enumerate(layers):
+        ffn = getattr(layer, layer.ffn_name)
+        if not (isinstance(ffn, SparseMoe) and ffn.fused):
+            continue
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        # a plain reference, not a submodule: the norm's weight stays bound (and named) where it is
+        object.__setattr__(layer, "norms_output", nxt.attn_norm if nxt is not None else final_norm)
+        if nxt is not None:
+            nxt.input_normed = True
 
 
 class Qwen3_5ForCausalLM(nn.Module):
@@ -161,6 +187,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             for layer in self.layers:
                 self._sum_outputs(layer, tp)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
+        if self.path == "fused" and tp is None:
+            chain_moe_norms(self.layers, self.norm)
         head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
         self.rotary = RotaryEmbedding(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling,

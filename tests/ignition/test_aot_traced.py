@@ -46,7 +46,8 @@ MOE = {"_router_kernel", "_route_kernel", "_align_kernel", "_expert_gemm_kernel"
 # add and norm in one launch)
 EXPECTED = {
     "qwen3_5": DENSE | GDN | GATED_ATTENTION,
-    "qwen3_5_moe": DENSE | GDN | GATED_ATTENTION | MOE,  # its shared expert's act-and-mul: the gated MLPs' launch
+    # its shared expert rides in the experts' launches (fused_moe's shared blocks): no act-and-mul of its own
+    "qwen3_5_moe": (DENSE | GDN | GATED_ATTENTION | MOE) - {"_gated_kernel"},
     "nemotron_h": {"_mamba2_decode_kernel", "_gated_rms_norm_kernel", "_relu2_kernel", "_gemv_kernel",
                    "_decode_kernel", "_reshape_and_cache_kernel", "_rms_norm_kernel"} | MOE,
 }

@@ -302,3 +302,27 @@ def test_the_shared_slot_takes_decode_batches_of_matching_experts_only():
     wider = torch_and_fused(lambda fused: SigmoidMoe(HIDDEN, sigmoid_config(), "silu", fused=fused))[1]
     assert wider.shared_slot(wider.shared, one, torch.zeros(1, 4, dtype=torch.int32), wider.gate_up.weight,
                              wider.down.weight) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("multiply_in_float32", [False, True])
+def test_the_combine_takes_the_next_add_and_norm_with_their_bits(dtype, multiply_in_float32):
+    """moe_combine's then_norm: (norm(residual + out), residual + out) = moe_combine, then rmsnorm's fused add and
+    norm (RMSNorm.forward_add on the GPU path), bit for bit; with a gated shared expert, over a row wider than one
+    of the plain combine's programs."""
+    from helios.kernels.rmsnorm import fused_add_rms_norm
+
+    num_tokens, top_k, width = 3, 2, 1500
+    gen = torch.Generator().manual_seed(9)
+    y = torch.randn(num_tokens * top_k, width, generator=gen).to(dtype)
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:top_k] for _ in range(num_tokens)]).to(torch.int32)
+    shared = torch.randn(num_tokens, width, generator=gen).to(dtype)
+    gate = torch.randn(num_tokens, 1, generator=gen).to(dtype)
+    residual = torch.randn(num_tokens, width, generator=gen).to(dtype)
+    weight = (1.0 + 0.1 * torch.randn(width, generator=gen)).to(dtype)
+    then = fused_moe.ThenNorm(residual, weight, 1e-6, multiply_in_float32)
+    normed, stream = fused_moe.moe_combine(y, weights, ids, shared, gate, then_norm=then)
+    out = fused_moe.moe_combine(y, weights, ids, shared, gate)
+    want_normed, want_stream = fused_add_rms_norm(out, residual, weight, 1e-6, multiply_in_float32)
+    assert torch.equal(stream, want_stream) and torch.equal(normed, want_normed)

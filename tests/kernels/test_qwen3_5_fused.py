@@ -10,8 +10,10 @@ from tests.models.hybrid_harness import check_fused_decode_step_equals_eager
 PAGE = 4
 
 
-@pytest.fixture(scope="module")
-def core(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def core(request, tmp_path_factory):
+    """qwen3_5_moe: each MoE layer's combine launch also takes the next layer's add and norm (the last: the final
+    norm), helios.models.qwen3_5.chain_moe_norms."""
     from tests.kernels.interpreter import require_interpreter
 
     require_interpreter()
@@ -19,8 +21,8 @@ def core(tmp_path_factory):
     from ignition.export import ExportOptions, export_core
     from tests.models.hybrid_tiny import build_hybrid
 
-    root = tmp_path_factory.mktemp("qwen3_5-fused")
-    return load_core(export_core(build_hybrid("qwen3_5", root / "hf"), root / "core", ExportOptions()))
+    root = tmp_path_factory.mktemp(f"{request.param}-fused")
+    return load_core(export_core(build_hybrid(request.param, root / "hf"), root / "core", ExportOptions()))
 
 
 @pytest.mark.parametrize("positions", [[9], [5, 9, 17]])
@@ -31,4 +33,7 @@ def test_the_fused_decode_step_matches_eager(core, positions):
     eager = build_model(arch, core.tensors, attention_backend="torch")
     fused = build_model(arch, core.tensors, attention_backend="triton")
     assert (eager.path, fused.path) == ("eager", "fused")
+    if arch.moe is not None:  # every layer's MoE norms for the next, and the last for the model
+        assert all(layer.norms_output is not None for layer in fused.layers)
+        assert fused.layers[-1].norms_output is fused.norm and fused.layers[1].input_normed
     check_fused_decode_step_equals_eager(arch, eager, fused, positions, PAGE)
