@@ -113,6 +113,11 @@ class RoutedMoe(nn.Module):
                                      then_norm=after)
 
     @property
+    def takes_then_norm(self) -> bool:
+        """Whether forward(x, then_norm=...) takes the next norm into its combine launch (chain_moe_norms)."""
+        return self.fused
+
+    @property
     def decode_graph_safe(self) -> bool:
         """Whether a decode step can be captured in a CUDA graph (helios.runner.cuda_graphs): the fused path keeps
         routing and the sort by expert on the device in fixed-size buffers; the torch loop reads the experts hit
@@ -318,8 +323,16 @@ class SigmoidMoe(RoutedMoe):
                                            else GatedMLP(hidden_size, fs, act, switches=switches, limit=limit,
                                                          clamp_after_act=clamp_after_act, alpha=alpha))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+    @property
+    def takes_then_norm(self) -> bool:
+        """The combine launch ends the block (no latent projection or norm after the experts)."""
+        return self.fused and not self.moe.latent_size and not self.moe.latent_norms
+
+    def forward(self, x: torch.Tensor, then_norm: tuple[torch.Tensor, RMSNorm] | None = None):  # [T, H] -> [T, H]
+        """then_norm (residual, the next norm; takes_then_norm): (norm(residual + out), residual + out) from the
+        combine launch (RoutedMoe.combine_fused)."""
         m = self.moe
+        assert then_norm is None or self.takes_then_norm, "this block's output is not its combine's"
         logits = self.router_logits(x)
         route_fn = self._route_fused if self.fused else route_sigmoid
         weights, experts = route_fn(logits, m.num_experts_per_tok, self.router.bias, m.num_groups,
@@ -327,8 +340,8 @@ class SigmoidMoe(RoutedMoe):
         h = self.latent_in(x) if m.latent_size else x
         if m.latent_norms:
             h = self.latent_norm(h)
-        if self.fused and self.shared is not None and not m.latent_size:  # the shared add rides in the combine
-            return self._experts_fused(h, weights, experts, self.shared, x)
+        if self.fused and (then_norm is not None or (self.shared is not None and not m.latent_size)):
+            return self._experts_fused(h, weights, experts, self.shared, x, then_norm)  # the shared add rides too
         routed = self._experts(h, weights, experts)
         if m.latent_size:
             routed = self.latent_out(routed)
@@ -391,16 +404,39 @@ class SigmoidMoe(RoutedMoe):
 
     def _experts_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                        shared: nn.Module | None = None, shared_x: torch.Tensor | None = None,
-                       ) -> torch.Tensor:  # [T, W]: the combine adds shared(shared_x) (x when None)
+                       then_norm: tuple[torch.Tensor, RMSNorm] | None = None,
+                       ):  # [T, W]: the combine adds shared(shared_x) (x when None); then_norm: combine_fused's
         from helios.kernels import fused_moe
 
         w_in = self.up.weight if self.act == "relu2" else self.gate_up.weight
         if not self.moe.latent_norms and (shared_x is None or shared_x is x):
             return self.combine_fused(x, weights, experts, w_in, self.down.weight, shared, None, self.limit,
-                                      self.clamp_after_act, self.alpha)
+                                      self.clamp_after_act, self.alpha, then_norm=then_norm)
+        assert then_norm is None, "a next norm needs the combine to end the block"
         y = self.expert_outputs(x, experts, w_in, self.down.weight, self.limit, self.clamp_after_act,
                                 self.alpha)  # [T*k, W]
         if self.moe.latent_norms:  # each expert's output is normed before its weight applies
             y = self.expert_norm(y)
         return fused_moe.moe_combine(y, weights, experts,
                                      None if shared is None else shared(x if shared_x is None else shared_x))
+
+
+def chain_moe_norms(layers, final_norm: RMSNorm, ffn_of) -> None:
+    """On the fused path, each pre-norm layer whose feed-forward `ffn_of(layer)` takes a next norm (a fused MoE
+    block whose combine ends it: takes_then_norm) hands that launch the next norm (the next layer's attn_norm, the
+    last layer the model's final norm), and marks the next layer's input normed: the stream's add and that norm
+    leave their own launch (RMSNorm.forward_add's values, helios.kernels.fused_moe.moe_combine's then_norm).
+    Each layer reads `norms_output` (the norm its MoE takes, or None) and `input_normed` in its forward_fused;
+    helios.layers.norm.pre_norm_stack skips the final norm the last layer took."""
+    for i, layer in enumerate(layers):
+        ffn = ffn_of(layer)
+        if not getattr(ffn, "takes_then_norm", False):
+            continue
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        norm = nxt.attn_norm if nxt is not None else final_norm
+        if norm.weight is None or norm.scale_first:
+            continue
+        # a plain reference, not a submodule: the norm's weight stays bound (and named) where it is
+        object.__setattr__(layer, "norms_output", norm)
+        if nxt is not None:
+            nxt.input_normed = True

@@ -22,7 +22,7 @@ from helios.layers.attention import AttentionBackend, AttentionMetadata
 from helios.layers.kda import KimiDeltaAttention
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.mla import MlaAttention
-from helios.layers.moe import SigmoidMoe
+from helios.layers.moe import SigmoidMoe, chain_moe_norms
 from helios.layers.norm import RMSNorm, pre_norm_stack
 from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.switches import DEFAULT_SWITCHES, Switches
@@ -52,6 +52,8 @@ class KimiLinearLayer(nn.Module):
             self.ffn_name = "moe"
             ffn = SigmoidMoe(h, moe, arch.hidden_act, switches, fused=fused)
         self.add_module(self.ffn_name, ffn)
+        self.norms_output: RMSNorm | None = None  # the next norm the MoE's combine takes (chain_moe_norms)
+        self.input_normed = False  # the previous layer's combine took this layer's add and norm
         if tp is not None:  # KDA's out, MLA's o and a dense MLP's down read this rank's heads / width, summed
             mixer = self.kda if self.is_linear else self.mla
             output = "out" if self.is_linear else "o"
@@ -69,9 +71,14 @@ class KimiLinearLayer(nn.Module):
         """forward() on the GPU path: each residual add and the norm after it in one launch (RMSNorm.forward_add)
         instead of five or six torch kernels; x is the previous layer's output and residual the stream before its
         add (None for the first layer). Same adds and norms, so the same values as forward()."""
-        h, residual = self.attn_norm.forward_add(x, residual, fused=True)
+        if self.input_normed:  # x normed, residual the stream (helios.layers.moe.chain_moe_norms)
+            h = x
+        else:
+            h, residual = self.attn_norm.forward_add(x, residual, fused=True)
         a = self.kda(h, cache, meta) if self.is_linear else self.mla(h, cache, meta)
         h, residual = self.mlp_norm.forward_add(a, residual, fused=True)
+        if self.norms_output is not None:  # (the next norm of the stream, the stream) from the combine launch
+            return getattr(self, self.ffn_name)(h, then_norm=(residual, self.norms_output))
         return getattr(self, self.ffn_name)(h), residual
 
 
@@ -99,6 +106,8 @@ class KimiLinearForCausalLM(nn.Module):
         self.layers = nn.ModuleList(KimiLinearLayer(arch, i, switches, fused, backend, tp)
                                     for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if self.path == "fused" and tp is None:
+            chain_moe_norms(self.layers, self.norm, lambda layer: getattr(layer, layer.ffn_name))
         head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
 

@@ -22,7 +22,7 @@ from helios.core.manifest import Architecture
 from helios.layers.activation import GatedMLP
 from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, linear
-from helios.layers.moe import SigmoidMoe
+from helios.layers.moe import SigmoidMoe, chain_moe_norms
 from helios.layers.norm import RMSNorm, pre_norm_stack
 from helios.layers.parallel import ExpertParallelSigmoidMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding
@@ -53,6 +53,8 @@ class MiMoV2FlashLayer(nn.Module):
                                   fused=getattr(backend, "fuses_layers", False))
         else:
             self.mlp = GatedMLP(h, arch.intermediate_size, arch.hidden_act, switches=switches)
+        self.norms_output: RMSNorm | None = None  # the next norm the MoE's combine takes (chain_moe_norms)
+        self.input_normed = False  # the previous layer's combine took this layer's add and norm
         if tp is not None:  # o and a dense MLP's down read this rank's heads / width and sum over the ranks
             self.attn.o = row_parallel(self.attn.o, tp)
             if not self.is_moe:
@@ -73,9 +75,14 @@ class MiMoV2FlashLayer(nn.Module):
                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # (output, stream before it)
         """forward() on the GPU path: each residual add taken by the norm after it in one launch
         (RMSNorm.forward_add); x is the previous layer's output, residual the stream before its add (None first)."""
-        h, residual = self.attn_norm.forward_add(x, residual, fused=True)
+        if self.input_normed:  # x normed, residual the stream (helios.layers.moe.chain_moe_norms)
+            h = x
+        else:
+            h, residual = self.attn_norm.forward_add(x, residual, fused=True)
         a = self.attn(h, ropes[self.rope_index], kv_cache, meta)
         h, residual = self.mlp_norm.forward_add(a, residual, fused=True)
+        if self.norms_output is not None:  # (the next norm of the stream, the stream) from the combine launch
+            return self.moe(h, then_norm=(residual, self.norms_output))
         return (self.moe(h) if self.is_moe else self.mlp(h)), residual
 
 
@@ -96,6 +103,8 @@ class MiMoV2FlashForCausalLM(nn.Module):
                       else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp))
         self.layers = nn.ModuleList(MiMoV2FlashLayer(arch, i, backend, switches, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if self.path == "fused" and tp is None:
+            chain_moe_norms(self.layers, self.norm, lambda layer: layer.moe if layer.is_moe else None)
         head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
         rotary_dim = arch.rotary_dim or arch.head_dim

@@ -23,7 +23,7 @@ from helios.layers.activation import GatedMLP
 from helios.layers.attention import Attention, AttentionBackend, AttentionMetadata
 from helios.layers.linear import Embedding, Linear, linear
 from helios.layers.linear_attention import GatedDeltaNet
-from helios.layers.moe import SparseMoe
+from helios.layers.moe import SparseMoe, chain_moe_norms
 from helios.layers.norm import RMSNorm, pre_norm_stack
 from helios.layers.parallel import ExpertParallelMoe, TensorGroup, VocabParallelEmbedding, row_parallel
 from helios.layers.rotary import RotaryEmbedding
@@ -103,7 +103,7 @@ class HybridLayer(nn.Module):
         # take their norm and its add inside the GEMV (whether a step's row takes it is the projection's own rule)
         self.fold_norms = switches.fold_norms
         self.fold_mlp_norm = switches.fold_norms and isinstance(ffn, GatedMLP)
-        # the fused path's MoE layers (chain_moe_norms): this layer's fused MoE combine also takes the next norm
+        # the fused path's MoE layers (helios.layers.moe.chain_moe_norms): this layer's MoE combine takes the next norm
         # (the next layer's attn_norm, or the model's final norm) and its add; the next layer then gets its input
         # normed and the stream added (input_normed)
         self.norms_output: RMSNorm | None = None
@@ -145,21 +145,6 @@ class HybridLayer(nn.Module):
         return ffn(h), residual
 
 
-def chain_moe_norms(layers, final_norm: RMSNorm) -> None:
-    """On the fused path, each layer whose feed-forward is a fused SparseMoe hands its combine launch the next norm
-    (the next layer's attn_norm, the last layer the final norm), and marks the next layer's input normed: the stream's
-    add and that norm leave their own launch (RMSNorm.forward_add's values, helios.kernels.fused_moe.moe_combine)."""
-    for i, layer in enumerate(layers):
-        ffn = getattr(layer, layer.ffn_name)
-        if not (isinstance(ffn, SparseMoe) and ffn.fused):
-            continue
-        nxt = layers[i + 1] if i + 1 < len(layers) else None
-        # a plain reference, not a submodule: the norm's weight stays bound (and named) where it is
-        object.__setattr__(layer, "norms_output", nxt.attn_norm if nxt is not None else final_norm)
-        if nxt is not None:
-            nxt.input_normed = True
-
-
 class Qwen3_5ForCausalLM(nn.Module):
     """qwen3_5 (dense), qwen3_5_moe and qwen3_next (MoE in every layer but arch.moe.dense_layers).
 
@@ -188,7 +173,7 @@ class Qwen3_5ForCausalLM(nn.Module):
                 self._sum_outputs(layer, tp)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, multiply_in_float32=True)
         if self.path == "fused" and tp is None:
-            chain_moe_norms(self.layers, self.norm)
+            chain_moe_norms(self.layers, self.norm, lambda layer: getattr(layer, layer.ffn_name))
         head_rows = arch.vocab_size if tp is None else self.embed.end - self.embed.start
         self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, head_rows, switches=switches)
         self.rotary = RotaryEmbedding(arch.rotary_dim or arch.head_dim, arch.rope_theta, arch.rope_scaling,
