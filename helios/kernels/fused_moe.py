@@ -73,9 +73,40 @@ def _route_kernel(
     pdl_wait(USE_PDL)
     pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
+    route_row(logits_ptr + t * stride_logits, bias_ptr, given_ptr + t * TOP_K, weights_ptr + t * TOP_K,
+              ids_ptr + t * TOP_K, num_experts, renorm_eps, scaling, TOP_K, K_POW2, SCORING, HAS_BIAS, HAS_IDS,
+              NUM_GROUPS, G_POW2, TOPK_GROUPS, RENORM, BLOCK_E, False)
+
+
+@jit
+def route_row(
+    logits_row,  # [E] one token's logits
+    bias_ptr,  # [E] float32 (read with HAS_BIAS)
+    given_row,  # [TOP_K] (read with HAS_IDS)
+    weights_row,  # [TOP_K] out
+    ids_row,  # [TOP_K] int32 out
+    num_experts,
+    renorm_eps,
+    scaling,
+    TOP_K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    SCORING: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_IDS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    G_POW2: tl.constexpr,
+    TOPK_GROUPS: tl.constexpr,
+    RENORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    OTHER_SMS: tl.constexpr,  # the logits were written by other programs of this launch: loads bypass L1
+):
+    """One token's routing (moe_route's program; helios.kernels.router's last program of a row routes with it)."""
     e = tl.arange(0, BLOCK_E)
     valid = e < num_experts
-    x = tl.load(logits_ptr + t * stride_logits + e, mask=valid, other=0.0).to(tl.float32)
+    if OTHER_SMS:
+        x = tl.load(logits_row + e, mask=valid, other=0.0, cache_modifier=".cg").to(tl.float32)
+    else:
+        x = tl.load(logits_row + e, mask=valid, other=0.0).to(tl.float32)
     if SCORING == 0:  # softmax over all experts
         x = tl.where(valid, x, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=0))
@@ -112,7 +143,7 @@ def _route_kernel(
     top_ids = tl.zeros([K_POW2], tl.int32)
     for i in tl.static_range(TOP_K):
         if HAS_IDS:
-            best = tl.load(given_ptr + t * TOP_K + i).to(tl.int32)
+            best = tl.load(given_row + i).to(tl.int32)
         else:
             best = tl.argmax(choice, axis=0)
         top_weights = tl.where(k == i, tl.sum(tl.where(e == best, scores, 0.0), axis=0), top_weights)
@@ -120,9 +151,9 @@ def _route_kernel(
         choice = tl.where(e == best, float("-inf"), choice)
     if RENORM:
         top_weights = top_weights / (tl.sum(top_weights, axis=0) + renorm_eps)
-    top_weights = round_to(top_weights * scaling, weights_ptr.dtype.element_ty)  # to nearest, then an exact store
-    tl.store(weights_ptr + t * TOP_K + k, top_weights.to(weights_ptr.dtype.element_ty), mask=k < TOP_K)
-    tl.store(ids_ptr + t * TOP_K + k, top_ids, mask=k < TOP_K)
+    top_weights = round_to(top_weights * scaling, weights_row.dtype.element_ty)  # to nearest, then an exact store
+    tl.store(weights_row + k, top_weights.to(weights_row.dtype.element_ty), mask=k < TOP_K)
+    tl.store(ids_row + k, top_ids, mask=k < TOP_K)
 
 
 def moe_route(

@@ -158,8 +158,8 @@ class SparseMoe(RoutedMoe):
         """router_input [T, H]: what the router reads when it is not x (gemma4 routes the un-normed stream).
         then_norm (residual, the next norm; fused path only): returns (norm(residual + out), residual + out)."""
         if self.fused:
-            logits = self.router_logits(x if router_input is None else router_input)[0]
-            return self._forward_fused(x, logits, then_norm=then_norm)
+            weights, experts, _ = self.route_fused(x if router_input is None else router_input)
+            return self._forward_fused(x, weights, experts, then_norm=then_norm)
         assert then_norm is None, "the torch path takes no next norm"
         logits = self.router(x if router_input is None else router_input)
         weights, experts = route(logits, self.top_k, self.norm_topk_prob)
@@ -188,16 +188,33 @@ class SparseMoe(RoutedMoe):
                 return router.router_logits(x, self.router.weight, gate, out_dtype=x.dtype)
         return self.router(x), (None if shared_gate is None else shared_gate(x))
 
-    def _forward_fused(self, x: torch.Tensor, logits: torch.Tensor, shared: nn.Module | None = None,
-                       shared_gate: torch.Tensor | None = None,
-                       then_norm: tuple[torch.Tensor, RMSNorm] | None = None):  # [T, H], [T, E] -> [T, H]
-        """route's choice and weights (rounded to the logits' dtype, as route returns them) in one launch, then
-        the experts' products and their weighted sum (float32) on the device; a shared expert's output (scaled by
-        sigmoid(shared_gate)) added by the same combine launch, and then_norm's add and norm (combine_fused)."""
-        from helios.kernels import fused_moe
+    def route_fused(self, x: torch.Tensor, shared_gate: Linear | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # weights [T, k], ids [T, k], gate
+        """route's choice and weights (rounded to the logits' dtype, as route returns them) on the fused path, and a
+        shared expert gate's logit [T, 1] (None without shared_gate): decode rows in one launch for the router's and
+        the gate's products and the routing (helios.kernels.router with a Routing), else the router's launch(es)
+        then fused_moe.moe_route's."""
+        from helios.kernels import fused_moe, router
 
+        if self.hand_gemv:
+            gate = None if shared_gate is None else shared_gate.weight
+            if (router.router_serves(x, self.router.weight)
+                    and (gate is None or (gate.dtype == self.router.weight.dtype and gate.stride(-1) == 1))):
+                routing = router.Routing(self.top_k, renorm=self.norm_topk_prob, weights_dtype=x.dtype)
+                _, gate_logit, weights, experts = router.router_logits(x, self.router.weight, gate, out_dtype=x.dtype,
+                                                                       routing=routing)
+                return weights, experts, gate_logit
+        logits, gate_logit = self.router_logits(x, shared_gate)
         weights, experts = fused_moe.moe_route(logits, self.top_k, renorm=self.norm_topk_prob,
                                                weights_dtype=logits.dtype)
+        return weights, experts, gate_logit
+
+    def _forward_fused(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                       shared: nn.Module | None = None, shared_gate: torch.Tensor | None = None,
+                       then_norm: tuple[torch.Tensor, RMSNorm] | None = None):  # [T, H] -> [T, H]
+        """route_fused's choice: the experts' products and their weighted sum (float32) on the device; a shared
+        expert's output (scaled by sigmoid(shared_gate)) added by the same combine launch, and then_norm's add and
+        norm (combine_fused)."""
         return self.combine_fused(x, weights, experts, self.gate_up.weight, self.down.weight, shared, shared_gate,
                                   then_norm=then_norm)
 
@@ -333,10 +350,12 @@ class SigmoidMoe(RoutedMoe):
         combine launch (RoutedMoe.combine_fused)."""
         m = self.moe
         assert then_norm is None or self.takes_then_norm, "this block's output is not its combine's"
-        logits = self.router_logits(x)
-        route_fn = self._route_fused if self.fused else route_sigmoid
-        weights, experts = route_fn(logits, m.num_experts_per_tok, self.router.bias, m.num_groups,
-                                    m.num_topk_groups, m.norm_topk_prob, m.routed_scaling_factor, m.scoring)
+        if self.fused:
+            weights, experts = self.route_x_fused(x)
+        else:
+            weights, experts = route_sigmoid(self.router_logits(x), m.num_experts_per_tok, self.router.bias,
+                                             m.num_groups, m.num_topk_groups, m.norm_topk_prob,
+                                             m.routed_scaling_factor, m.scoring)
         h = self.latent_in(x) if m.latent_size else x
         if m.latent_norms:
             h = self.latent_norm(h)
@@ -357,6 +376,20 @@ class SigmoidMoe(RoutedMoe):
             if router.router_serves(x, self.router.weight):
                 return router.router_logits(x, self.router.weight)[0]
         return linear(x.float(), self.router.weight.float())
+
+    def route_x_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # weights [T, k] float32, ids
+        """route_sigmoid of x's router logits on the fused path: decode rows in the router's one launch
+        (helios.kernels.router with a Routing: the logits' product and the routing), else router_logits then
+        _route_fused."""
+        from helios.kernels import router
+
+        m = self.moe
+        if self.hand_gemv and router.router_serves(x, self.router.weight):
+            routing = router.Routing(m.num_experts_per_tok, m.scoring, self.router.bias, m.num_groups,
+                                     m.num_topk_groups, m.norm_topk_prob, m.routed_scaling_factor)
+            return router.router_logits(x, self.router.weight, routing=routing)[2:]
+        return self._route_fused(self.router_logits(x), m.num_experts_per_tok, self.router.bias, m.num_groups,
+                                 m.num_topk_groups, m.norm_topk_prob, m.routed_scaling_factor, m.scoring)
 
     @staticmethod
     def _route_fused(logits: torch.Tensor, top_k: int, score_bias: torch.Tensor | None, num_groups: int,

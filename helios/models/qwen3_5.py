@@ -43,8 +43,8 @@ class SharedExpertMoe(SparseMoe):
     def forward(self, x: torch.Tensor, then_norm: tuple[torch.Tensor, RMSNorm] | None = None):  # [T, H] -> [T, H]
         """then_norm (residual, the next norm; fused path): (norm(residual + out), residual + out), SparseMoe's."""
         if self.fused:  # the gated shared expert added by the experts' combine launch (same roundings)
-            logits, gate = self.router_logits(x, self.shared_gate)  # the router's and the gate's: one launch
-            return self._forward_fused(x, logits, self.shared, gate, then_norm=then_norm)
+            weights, experts, gate = self.route_fused(x, self.shared_gate)  # the router's, the gate's: one launch
+            return self._forward_fused(x, weights, experts, self.shared, gate, then_norm=then_norm)
         assert then_norm is None, "the torch path takes no next norm"
         return plus_shared_expert(self, x, super().forward(x))
 

@@ -96,3 +96,31 @@ def test_sparse_moe_gives_the_router_and_the_shared_gate_in_one_launch(num_token
     torch.testing.assert_close(logits, want[0], **tol)
     torch.testing.assert_close(gate, want[1], **tol)
     assert torch.equal(layers[1].router_logits(x)[0], logits)  # the gate's row changes no router logit
+
+
+@pytest.mark.parametrize("num_experts, x_dtype, w_dtype, out_dtype, with_gate, routing", [
+    (300, BF16, F32, F32, False, dict(top_k=4, scoring="sigmoid", num_groups=4, num_topk_groups=2, renorm=True,
+                                      scaling=2.5, bias=True)),  # SigmoidMoe: groups, bias, scaling
+    (8, BF16, BF16, BF16, True, dict(top_k=2, renorm=True, weights_dtype=BF16)),  # qwen3_5_moe's, with its gate
+    (64, F32, F32, F32, False, dict(top_k=6, scoring="sqrtsoftplus", renorm=True)),
+])
+def test_the_launch_routes_as_moe_route_routes_its_logits(num_experts, x_dtype, w_dtype, out_dtype, with_gate,
+                                                          routing):
+    """router_logits with a Routing: the row's last program routes it, giving moe_route's weights and ids over the
+    same stored logits, bit for bit, at every row of a batch; the logits and gate unchanged; the arrival counters
+    back at zero after each launch."""
+    from helios.kernels import fused_moe
+    from helios.kernels._triton import arrival_counters
+
+    x, weight, gate = router_cases.tables(num_experts, 96, x_dtype, w_dtype, 5, with_gate, seed=4)
+    bias = 0.1 * torch.randn(num_experts, generator=torch.Generator().manual_seed(5)) if routing.pop("bias", 0) else None
+    spec = router.Routing(score_bias=bias, **routing)
+    for rows in (x[:1], x):
+        logits, gate_logit, weights, ids = router.router_logits(rows, weight, gate, out_dtype, routing=spec)
+        plain = router.router_logits(rows, weight, gate, out_dtype)
+        assert torch.equal(logits, plain[0]) and (gate is None or torch.equal(gate_logit, plain[1]))
+        want_weights, want_ids = fused_moe.moe_route(logits, spec.top_k, spec.scoring, bias, spec.num_groups,
+                                                     spec.num_topk_groups, spec.renorm, spec.scaling,
+                                                     spec.weights_dtype)
+        assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+        assert not arrival_counters(x.device, "router")[:8].any()
