@@ -31,7 +31,7 @@ def test_the_chained_norms_give_the_torch_backends_tokens(core):
     moe_layers = [layer for layer in model.layers if layer.is_moe]
     assert moe_layers and all(layer.norms_output is not None for layer in moe_layers)
     assert model.layers[-1].norms_output is model.norm
-    reqs = [greedy_request("a", list(range(5, 40)), 12), greedy_request("b", list(range(9, 22)), 12)]
+    reqs = [greedy_request("a", list(range(5, 40)), 6), greedy_request("b", list(range(9, 22)), 6)]
     want = generate(window_engine(core, attention_backend="torch"), reqs)
     got = generate(window_engine(core, attention_backend="triton"), reqs)
     assert got == want
